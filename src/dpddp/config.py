@@ -1,0 +1,213 @@
+"""Validation of a composed config: every bad setting becomes one ``ConfigError`` line, before any process starts.
+
+Each message names the setting, the value and what to do instead. Unknown keys (``+devises=2``) are refused
+with the closest valid key, from the signatures of the classes the keys feed (one source of truth).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from omegaconf import DictConfig
+
+from dpddp.data import RandomTensorDataModule
+from dpddp.model import OPTIMIZERS, LinearClassifier
+
+__all__ = ["ConfigError", "check_config", "world_size"]
+
+STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "seed", "ckpt_path")
+GROUPS = ("data", "model", "trainer", "logger", "callbacks")
+# Trainer flags owned elsewhere: the top-level knobs, and what the global-batch contract and the run dir need.
+TRAINER_OWNED = {
+    "strategy": "set it at the top level: strategy=ddp",
+    "accelerator": "set it at the top level: accelerator=cpu",
+    "devices": "set it at the top level: devices=2",
+    "num_nodes": "set it at the top level: num_nodes=2",
+    "use_distributed_sampler": "dpddp shards each global batch itself; remove it",
+    "logger": "choose a logger group: logger=csv|tensorboard|none",
+    "callbacks": "use the callbacks group",
+    "default_root_dir": "the run directory is Hydra's: set hydra.run.dir",
+}
+DDP_OPTIONS = ("process_group_backend", "timeout_s", "start_method")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message is one line: the setting, the value, the fix."""
+
+
+def _params(fn: Any) -> list[str]:
+    return [n for n, p in inspect.signature(fn).parameters.items() if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def allowed_keys() -> dict[str, list[str]]:
+    """Valid keys per section, from the signatures of the classes each section configures."""
+    ddp = list(DDP_OPTIONS) + _params(torch.nn.parallel.DistributedDataParallel.__init__)[1:]
+    trainer = [k for k in _params(pl.Trainer.__init__) if k not in TRAINER_OWNED]
+    return {
+        "": list(TOP_LEVEL) + list(GROUPS),
+        "data": _params(RandomTensorDataModule.__init__),
+        "model": _params(LinearClassifier.__init__),
+        "trainer": trainer,
+        "strategy": ["name"] + ddp,
+    }
+
+
+def _check_keys(section: str, keys: Iterable[str], allowed: list[str]) -> None:
+    prefix = f"{section}." if section else ""
+    for key in keys:
+        if section == "trainer" and key in TRAINER_OWNED:
+            raise ConfigError(f"trainer.{key} is not set in the trainer group: {TRAINER_OWNED[key]}")
+        if key not in allowed:
+            near = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
+            hint = f"did you mean {prefix}{near[0]}?" if near else f"valid keys: {', '.join(sorted(allowed))}"
+            raise ConfigError(f"unknown setting {prefix}{key}: {hint}")
+
+
+def _int(name: str, value: Any, low: int, fix: str, high: int | None = None) -> int:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid: {fix}")
+    return value
+
+
+def _float(name: str, value: Any, low: float, high: float, fix: str) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not low <= value <= high:
+        raise ConfigError(f"{name}={value!r} is invalid: {fix}")
+    return float(value)
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    """``auto`` -> ``gpu`` when CUDA is available, else ``cpu``; ``cuda`` is ``gpu``."""
+    if accelerator == "auto":
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    return "gpu" if accelerator == "cuda" else accelerator
+
+
+def world_size(cfg: Mapping) -> int:
+    """Processes the run will have: ``devices * num_nodes`` for DDP, 1 for ``auto`` and ``dp`` (one process).
+
+    ``devices=-1`` counts the visible GPUs.
+    """
+    if cfg["strategy"]["name"] not in ("ddp", "ddp_spawn"):
+        return 1
+    devices = cfg["devices"] if cfg["devices"] != -1 else torch.cuda.device_count()
+    return devices * cfg["num_nodes"]
+
+
+def cluster_world_size() -> tuple[int, str] | None:
+    """The world size a cluster launcher started (torchrun's ``WORLD_SIZE``, SLURM's ``SLURM_NTASKS``), if any."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"]), "torchrun WORLD_SIZE"
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if SLURMEnvironment.detect():
+        return int(os.environ["SLURM_NTASKS"]), "SLURM_NTASKS"
+    return None
+
+
+def _check_devices(cfg: Mapping) -> None:
+    strategy, devices, num_nodes = cfg["strategy"]["name"], cfg["devices"], cfg["num_nodes"]
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy={strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}")
+    if cfg["accelerator"] not in ACCELERATORS:
+        raise ConfigError(f"accelerator={cfg['accelerator']!r} is unknown: choose one of {', '.join(ACCELERATORS)}")
+    if devices != -1:
+        _int("devices", devices, 1, "use a positive number of devices per node, or -1 for all GPUs")
+    _int("num_nodes", num_nodes, 1, "use a positive number of nodes")
+    accelerator = resolve_accelerator(cfg["accelerator"])
+    if accelerator == "gpu" and not torch.cuda.is_available():
+        raise ConfigError(f"accelerator={cfg['accelerator']} but CUDA is not available: use accelerator=cpu")
+    if accelerator == "cpu" and devices == -1:
+        raise ConfigError("devices=-1 (all GPUs) on CPU: give a number of CPU processes, e.g. devices=2")
+    if accelerator == "gpu" and devices > torch.cuda.device_count():
+        raise ConfigError(f"devices={devices} but {torch.cuda.device_count()} GPUs are visible: lower devices")
+    if strategy == "dp" and accelerator == "cpu" and devices > 1:
+        raise ConfigError(
+            f"strategy=dp with devices={devices} on CPU: DataParallel replicates over CUDA GPUs in one process; "
+            f"for several CPU processes use strategy=ddp devices={devices}"
+        )
+    if strategy in ("auto", "dp") and num_nodes > 1:
+        raise ConfigError(f"num_nodes={num_nodes} needs one process per device: use strategy=ddp")
+    if strategy == "auto" and devices != 1:
+        raise ConfigError(f"strategy=auto runs on one device, not devices={devices}: use strategy=ddp (or dp on GPUs)")
+    cluster = cluster_world_size()
+    if cluster and strategy in ("ddp", "ddp_spawn") and cluster[0] != world_size(cfg):
+        raise ConfigError(
+            f"devices={devices} x num_nodes={num_nodes} = {world_size(cfg)} processes, but the cluster started "
+            f"{cluster[0]} ({cluster[1]}={cluster[0]}): make devices x num_nodes match the cluster's tasks"
+        )
+
+
+def _check_data(data: Mapping, n_procs: int) -> None:
+    _int("data.num_samples", data["num_samples"], 1, "use a positive number of samples")
+    _int("data.num_features", data["num_features"], 1, "use a positive number of features")
+    _int("data.num_classes", data["num_classes"], 2, "use at least 2 classes")
+    batch = _int("data.batch_size", data["batch_size"], 1, "use a positive global batch size (samples per step)")
+    _int("data.seed", data["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
+    for key in ("val_fraction", "test_fraction"):
+        _float(f"data.{key}", data[key], 0.0, 0.9, "use a fraction in [0, 0.9]")
+    _float("data.label_noise", data["label_noise"], 0.0, 1.0, "use a fraction in [0, 1]")
+    dm = RandomTensorDataModule(**data)
+    for split, size in (("val", dm.num_val), ("test", dm.num_test)):
+        if size < 1:
+            raise ConfigError(
+                f"data.{split}_fraction={data[f'{split}_fraction']} leaves the {split} split empty with "
+                f"data.num_samples={data['num_samples']}: raise data.num_samples or data.{split}_fraction"
+            )
+    if dm.num_train < batch:
+        raise ConfigError(
+            f"data.batch_size={batch} is larger than the train split ({dm.num_train} samples): lower "
+            "data.batch_size or raise data.num_samples"
+        )
+    if batch % n_procs:
+        raise ConfigError(
+            f"data.batch_size={batch} (global) does not divide by the world size {n_procs}: use a multiple of {n_procs}"
+        )
+
+
+def _check_model(model: Mapping) -> None:
+    if model["optimizer"] not in OPTIMIZERS:
+        raise ConfigError(f"model.optimizer={model['optimizer']!r} is unknown: choose one of {', '.join(OPTIMIZERS)}")
+    _float("model.lr", model["lr"], 1e-12, 1e3, "use a positive learning rate, e.g. model.lr=0.1")
+    _float("model.momentum", model["momentum"], 0.0, 0.999999, "use a momentum in [0, 1)")
+    _float("model.weight_decay", model["weight_decay"], 0.0, 1e3, "use a non-negative weight decay")
+    for key in ("num_features", "num_classes"):
+        _int(f"model.{key}", model[key], 1, f"keep model.{key}: ${{data.{key}}}")
+
+
+def check_config(cfg: DictConfig | Mapping) -> None:
+    """Check a composed config (see ``conf/``); return nothing, or raise one ``ConfigError`` line.
+
+    Raises:
+        ConfigError: an unknown key, a value out of range, a batch size that does not divide by the world size,
+            a device request this machine cannot meet, a cluster whose world size differs from
+            ``devices * num_nodes``, or a ``ckpt_path`` that does not exist.
+    """
+    keys = allowed_keys()
+    _check_keys("", cfg.keys(), keys[""])
+    for section in ("data", "model", "trainer", "strategy"):
+        _check_keys(section, (cfg[section] or {}).keys(), keys[section])
+    _check_devices(cfg)
+    _int("seed", cfg["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
+    _check_data(cfg["data"], world_size(cfg))
+    _check_model(cfg["model"])
+    if cfg["model"]["num_features"] != cfg["data"]["num_features"]:
+        raise ConfigError("model.num_features differs from data.num_features: set data.num_features only")
+    for key in ("max_epochs", "max_steps"):
+        value = (cfg["trainer"] or {}).get(key)
+        if value is not None and value != -1:
+            _int(f"trainer.{key}", value, 1, "use a positive number, or -1 for no limit")
+    ckpt = cfg["ckpt_path"]
+    if ckpt is not None and not Path(str(ckpt)).is_file():
+        raise ConfigError(f"ckpt_path={ckpt} does not exist: give a checkpoint file, e.g. <run dir>/checkpoints/last.ckpt")

@@ -1,0 +1,74 @@
+"""The Hydra task: one run, or one job of a sweep, isolated from the jobs around it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import to_absolute_path
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from dpddp.config import ConfigError
+from dpddp.training import METRIC_KEYS, isolated_job, train
+
+__all__ = ["run"]
+
+log = logging.getLogger(__name__)
+
+
+def completed_metrics(output_dir: Path) -> dict | None:
+    """The job's ``metrics.json`` if it holds every metric key, else ``None``."""
+    path = output_dir / "metrics.json"
+    try:
+        metrics = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return metrics if all(k in metrics for k in METRIC_KEYS) else None
+
+
+def run(cfg: DictConfig) -> float:
+    """Run the composed ``cfg`` in Hydra's output directory; return ``val/loss`` for sweepers.
+
+    A relative ``ckpt_path`` is taken relative to where the command was run (even with
+    ``hydra.job.chdir=true``). In a multirun, a job whose ``metrics.json`` is complete is skipped, an
+    interrupted one resumes from its ``checkpoints/last.ckpt``, and a failing job is recorded in its
+    ``error.txt`` and returns ``nan`` so the sweep goes on (the summary callback exits non-zero at the end).
+    Outside a multirun a bad setting prints one ``error:`` line and exits with status 2.
+    """
+    hydra_cfg = HydraConfig.get()
+    output_dir = Path(hydra_cfg.runtime.output_dir)
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    with open_dict(cfg):
+        if cfg.get("ckpt_path"):
+            cfg.ckpt_path = to_absolute_path(str(cfg.ckpt_path))
+        if multirun:
+            done = completed_metrics(output_dir)
+            if done is not None:
+                log.info(f"job already complete, skipping: {output_dir / 'metrics.json'}")
+                return done["val/loss"]
+            last = output_dir / "checkpoints" / "last.ckpt"
+            if cfg.get("ckpt_path") is None and last.is_file():
+                log.info(f"resuming interrupted job from {last}")
+                cfg.ckpt_path = str(last)
+    job = {"config": OmegaConf.to_container(cfg, resolve=True), "output_dir": str(output_dir)}
+    try:
+        with isolated_job():
+            return train(cfg, output_dir, job)["val/loss"]
+    except ConfigError as err:
+        if not multirun:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+        line = f"error: {err}"
+    except Exception as err:
+        if not multirun:
+            raise
+        log.exception("job failed")
+        line = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    print(f"job {hydra_cfg.job.num} failed: {line}", file=sys.stderr)
+    (output_dir / "error.txt").write_text(line + "\n")
+    return math.nan

@@ -1,0 +1,45 @@
+"""Entry point of a DDP rank started by ``dpddp.strategies.DDPStrategy``: ``python -m dpddp.launch``.
+
+It rebuilds the job from the resolved config in ``$DPDDP_JOB`` (no Hydra, no ``sys.argv``), logs to stderr
+with a ``[rank N]`` prefix and to ``<run dir>/rank<N>.log``, and exits 0, 2 (bad setting) or 1 (crash).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from dpddp.config import ConfigError
+from dpddp.strategies import JOB_ENV
+from dpddp.training import train
+
+
+def main() -> int:
+    """Run this rank's share of the job; return the process exit status."""
+    job = json.loads(os.environ.pop(JOB_ENV))
+    cfg = OmegaConf.create(job["config"])
+    rank = int(os.environ.get("NODE_RANK", 0)) * cfg.devices + int(os.environ["LOCAL_RANK"])
+    fmt = logging.Formatter(f"[rank {rank}] %(asctime)s %(name)s %(levelname)s: %(message)s")
+    handlers = [logging.StreamHandler(sys.stderr), logging.FileHandler(Path(job["output_dir"]) / f"rank{rank}.log")]
+    for handler in handlers:
+        handler.setFormatter(fmt)
+    logging.basicConfig(level=logging.INFO, handlers=handlers)
+    log = logging.getLogger("dpddp.launch")
+    try:
+        train(cfg, job["output_dir"])
+    except ConfigError as err:
+        log.error(f"error: {err}")
+        return 2
+    except Exception:
+        log.exception("rank failed")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The linear classifier: one ``nn.Linear``, cross-entropy, exact per-stage metrics."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+__all__ = ["LinearClassifier"]
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+
+
+class LinearClassifier(pl.LightningModule):
+    """Logistic regression: ``logits = x @ W.T + b``, ``x: [batch, num_features] -> [batch, num_classes]``.
+
+    Args:
+        num_features: input features per sample.
+        num_classes: output classes.
+        optimizer: ``"sgd"`` (with ``momentum``) or ``"adam"``.
+        lr: learning rate.
+        momentum: SGD momentum (ignored by Adam).
+        weight_decay: L2 penalty.
+
+    Logs at epoch end, synced over all processes by torchmetrics (sums and counts, so every sample counts
+    once whatever the world size): ``train/loss``, ``val/loss``, ``val/acc``, ``test/loss``, ``test/acc``.
+    Losses are means over samples. Nothing here knows ranks or devices: the Trainer's strategy owns them.
+    """
+
+    def __init__(
+        self,
+        num_features: int = 16,
+        num_classes: int = 4,
+        optimizer: str = "sgd",
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.linear = nn.Linear(num_features, num_classes)
+        # One metric object per stage (sums and counts; synced across processes at compute()).
+        self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: [batch, num_features]`` float -> logits ``[batch, num_classes]``."""
+        return self.linear(x)
+
+    def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        losses = F.cross_entropy(logits, y, reduction="none")
+        # Per-sample losses: MeanMetric weighs each rank by its sample count; an empty chunk adds nothing.
+        getattr(self, f"{stage}_loss").update(losses)
+        if stage != "train":
+            getattr(self, f"{stage}_acc").update(logits.detach(), y)
+        return losses.mean()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._step(batch, "test")
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Class probabilities ``[batch, num_classes]``."""
+        return self(batch[0]).softmax(dim=1)
+
+    def _log_epoch(self, stage: str) -> None:
+        # One sync per metric per epoch (torchmetrics all-gathers sums and counts); no per-step logging cost.
+        metrics = {"loss": getattr(self, f"{stage}_loss")}
+        if stage != "train":
+            metrics["acc"] = getattr(self, f"{stage}_acc")
+        values = {f"{stage}/{name}": metric.compute() for name, metric in metrics.items()}
+        for metric in metrics.values():
+            metric.reset()
+        self.log_dict(values, prog_bar=stage != "test")
+
+    def on_train_epoch_end(self) -> None:
+        self._log_epoch("train")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_epoch("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_epoch("test")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        kwargs = {"momentum": hp.momentum} if hp.optimizer == "sgd" else {}
+        return OPTIMIZERS[hp.optimizer](self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, **kwargs)

@@ -1,0 +1,210 @@
+"""The parallel plumbing: the ``dp`` strategy Lightning 2.x removed, and a DDP launcher safe inside Hydra.
+
+``DataParallelStrategy`` (registered as ``"dp"``): one process, world size 1. The LightningModule's
+``forward`` is replaced, for the duration of a run, by ``torch.nn.DataParallel`` over the GPUs: the batch is
+scattered along dim 0, the forward runs in replicas, outputs are gathered on the root device (the first GPU).
+Everything else (loss, backward, optimizer step, metrics, ``self.log``) runs once on the root device, so no
+``*_step_end`` reduction is needed (those hooks were removed in Lightning 2.0).
+
+``DDPStrategy``: Lightning's DDP, whose launcher starts local ranks 1..n-1 with ``python -m dpddp.launch`` and
+the job's resolved config instead of re-running ``sys.argv`` (Lightning's ``_hydra_subprocess_cmd`` replays the
+whole command line, so inside ``-m`` every child starts a sweep of its own). The children also die with their
+parent (``PR_SET_PDEATHSIG``) so a killed launcher leaves no orphan.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
+from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher,
+)
+from torch import nn
+
+__all__ = ["DDPStrategy", "DataParallelStrategy", "JOB_ENV"]
+
+log = logging.getLogger(__name__)
+
+JOB_ENV = "DPDDP_JOB"
+"""Environment variable carrying a launched rank's job (resolved config and run directory) as JSON."""
+
+
+class _Forward(nn.Module):
+    """Runs ``type(module).forward`` on ``module``; replicated by DataParallel, each replica calls the class's
+    forward on its own copy of the LightningModule (the instance-level patch is bypassed, so no recursion)."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+class DataParallelStrategy(SingleDeviceStrategy):
+    """Single-process data parallelism over several GPUs with ``torch.nn.DataParallel``.
+
+    World size 1: the loader yields the whole global batch (``[B, ...]``); ``DataParallel`` splits it into
+    ``len(devices)`` chunks along dim 0 (``torch.chunk`` sizes, so uneven or tiny batches work), runs the
+    forward on each GPU and concatenates the outputs ``[B, ...]`` on the root device ``cuda:<first id>``.
+    Checkpoints hold the plain module's weights (the wrapper is never registered on the module), so they load
+    under any other strategy and the reverse. On CPU with one device the module runs unwrapped.
+
+    Raises:
+        ValueError: at Trainer construction, for more than one CPU device (DataParallel replicates over CUDA
+            GPUs only; use ``strategy=ddp`` for several CPU processes).
+    """
+
+    strategy_name = "dp"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(device="cpu", **kwargs)
+        self._parallel_devices: list[torch.device] = [torch.device("cpu")]
+        self._replicated: nn.DataParallel | None = None
+
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        devices = devices or [torch.device("cpu")]
+        if len(devices) > 1 and devices[0].type != "cuda":
+            raise ValueError(
+                f"strategy=dp with devices={len(devices)} on {devices[0].type}: DataParallel replicates over "
+                f"CUDA GPUs in one process; for several CPU processes use strategy=ddp devices={len(devices)}"
+            )
+        self._parallel_devices = devices
+        self._root_device = devices[0]
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        module = self.lightning_module
+        if len(self._parallel_devices) > 1 and module is not None:
+            ids = [d.index for d in self._parallel_devices]
+            self._replicated = nn.DataParallel(_Forward(module), device_ids=ids, output_device=ids[0])
+            # An instance attribute (not a registered submodule): nn.Module.__call__ looks up self.forward,
+            # and the checkpoint's state dict stays the plain module's.
+            module.__dict__["forward"] = self._replicated.__call__
+
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if self._replicated is not None and module is not None:
+            module.__dict__.pop("forward", None)
+            self._replicated = None
+        super().teardown()
+
+
+StrategyRegistry.register(
+    "dp", DataParallelStrategy, description="DataParallel: one process, forward replicated over GPUs", override=True
+)
+
+
+def _die_with_parent() -> None:
+    """In a launched rank (before exec): get SIGKILL when the launching process dies (Linux ``prctl``)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+class _RankWatcher(threading.Thread):
+    """Watches launched ranks; when one exits non-zero, kills the others and, if rank 0 has not failed by
+    itself within ``grace_s`` seconds (it normally does at its next collective), kills rank 0 too."""
+
+    def __init__(self, procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+        super().__init__(daemon=True, name="dpddp-rank-watcher")
+        self.procs, self.grace_s, self.done = procs, grace_s, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            failed = [(r, p) for r, p in enumerate(self.procs, 1) if p.poll() not in (None, 0)]
+            if failed:
+                rank, proc = failed[0]
+                log.error(f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode}; ending the run")
+                for p in self.procs:
+                    if p.poll() is None:
+                        p.kill()
+                if not self.done.wait(self.grace_s):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return
+
+
+class _JobLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess launcher, starting ranks from the job's resolved config (see module doc)."""
+
+    def __init__(self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int, job: dict):
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self.job = job
+        self.watcher: _RankWatcher | None = None
+
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            self.watcher = _RankWatcher(self.procs)
+            self.watcher.start()
+        return function(*args, **kwargs)
+
+    def _call_children_scripts(self) -> None:
+        self._check_can_spawn_children()
+        env = self.cluster_environment
+        os.environ.update(
+            MASTER_ADDR=env.main_address,
+            MASTER_PORT=str(env.main_port),
+            NODE_RANK=str(env.node_rank()),
+            LOCAL_RANK=str(env.local_rank()),
+            WORLD_SIZE=str(self.num_processes * self.num_nodes),
+        )
+        for local_rank in range(1, self.num_processes):
+            child_env = {**os.environ, "LOCAL_RANK": str(local_rank), JOB_ENV: json.dumps(self.job)}
+            cmd = [sys.executable, "-m", "dpddp.launch"]
+            self.procs.append(subprocess.Popen(cmd, env=child_env, preexec_fn=_die_with_parent))
+
+    def join(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` seconds for launched ranks to exit, then kill any left."""
+        if self.watcher is not None:
+            self.watcher.done.set()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class DDPStrategy(_LightningDDPStrategy):
+    """Lightning's ``DDPStrategy`` with a Hydra-safe launcher and a timeout in seconds.
+
+    Args:
+        job: the job to hand to launched ranks: ``{"config": <resolved config dict>, "output_dir": str}``.
+            ``None`` keeps Lightning's launcher (re-running ``sys.argv``), which is right outside Hydra.
+        timeout_s: seconds a collective waits for a lost peer before the run fails (torch's default is 1800).
+        **kwargs: passed to Lightning's ``DDPStrategy`` (``process_group_backend``, ``start_method``, and
+            ``torch.nn.parallel.DistributedDataParallel`` options such as ``find_unused_parameters``).
+    """
+
+    def __init__(self, job: dict | None = None, timeout_s: float = 180.0, **kwargs: Any) -> None:
+        super().__init__(timeout=timedelta(seconds=timeout_s), **kwargs)
+        self.job = job
+
+    def _configure_launcher(self) -> None:
+        if self._start_method == "popen" and self.job is not None:
+            assert self.cluster_environment is not None
+            self._launcher = _JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes, self.job)
+        else:
+            super()._configure_launcher()

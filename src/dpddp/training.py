@@ -1,0 +1,144 @@
+"""One run: validate, seed, build, fit, test, write ``metrics.json``; and the Hydra job around it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from dpddp.callbacks import Throughput
+from dpddp.config import ConfigError, check_config, resolve_accelerator
+from dpddp.data import RandomTensorDataModule
+from dpddp.model import LinearClassifier
+from dpddp.strategies import DataParallelStrategy, DDPStrategy
+
+__all__ = ["METRIC_KEYS", "build_strategy", "isolated_job", "train"]
+
+log = logging.getLogger(__name__)
+
+METRIC_KEYS = ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc")
+
+
+def build_strategy(cfg: DictConfig, job: dict | None) -> str | pl.strategies.Strategy:
+    """The Trainer's strategy from the ``strategy`` group: ``"auto"``, our ``dp``, or our ``DDPStrategy``
+    (``ddp`` with the Hydra-safe launcher when ``job`` is given; ``ddp_spawn`` with ``start_method="spawn"``)."""
+    options = {k: v for k, v in OmegaConf.to_container(cfg.strategy).items() if k != "name"}
+    name = cfg.strategy.name
+    if name == "dp":
+        return DataParallelStrategy()
+    if name == "ddp":
+        return DDPStrategy(job=job, **options)
+    if name == "ddp_spawn":
+        return DDPStrategy(start_method="spawn", **options)
+    return "auto"
+
+
+def _build_callbacks(cfg: DictConfig, output_dir: Path) -> list[pl.Callback]:
+    callbacks: list[pl.Callback] = [Throughput()]
+    for name, spec in (cfg.callbacks or {}).items():
+        if spec is None:
+            continue
+        extra = {"dirpath": str(output_dir / "checkpoints")} if name == "model_checkpoint" else {}
+        callbacks.append(instantiate(spec, **extra))
+    return callbacks
+
+
+def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
+    if not cfg.logger:
+        return False
+    return instantiate(cfg.logger, save_dir=str(output_dir))
+
+
+def train(cfg: DictConfig, output_dir: str | Path, job: dict | None = None) -> dict[str, float]:
+    """Train ``LinearClassifier`` on ``RandomTensorDataModule`` as ``cfg`` says (see ``conf/config.yaml``).
+
+    Args:
+        cfg: the composed config.
+        output_dir: the run directory shared by all ranks; checkpoints, logger files and ``metrics.json`` go
+            there (written by global rank 0 only).
+        job: what launched DDP ranks need to rebuild this run (resolved config and ``output_dir``); ``None``
+            outside Hydra jobs.
+
+    Returns:
+        The metrics of ``metrics.json`` (the same on every rank: they are synced sums and counts): losses are
+        means over samples, accuracies fractions, ``samples_per_sec`` steady-state training samples per second
+        over all processes, ``wall_time_s`` seconds from the call to the end of testing.
+
+    Raises:
+        ConfigError: a bad setting (see ``dpddp.config.check_config``), before any process is started.
+    """
+    start = time.perf_counter()
+    check_config(cfg)
+    output_dir = Path(output_dir)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = RandomTensorDataModule(**cfg.data)
+    model = LinearClassifier(**cfg.model)
+    try:
+        trainer = pl.Trainer(
+            **(cfg.trainer or {}),
+            strategy=build_strategy(cfg, job),
+            accelerator=resolve_accelerator(cfg.accelerator),
+            devices=cfg.devices,
+            num_nodes=cfg.num_nodes,
+            logger=_build_logger(cfg, output_dir),
+            callbacks=_build_callbacks(cfg, output_dir),
+            default_root_dir=str(output_dir),
+            use_distributed_sampler=False,
+        )
+    except (ValueError, TypeError, pl.utilities.exceptions.MisconfigurationException) as err:
+        raise ConfigError(f"trainer: {str(err).splitlines()[0]}") from err
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    trainer.test(model, datamodule=datamodule, verbose=False)
+    metrics = {**fit_metrics, **{k: float(v) for k, v in trainer.callback_metrics.items()}}
+    throughput = next(c for c in trainer.callbacks if isinstance(c, Throughput))
+    result = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
+    result.update(
+        samples_per_sec=throughput.samples_per_sec,
+        world_size=trainer.world_size,
+        strategy=cfg.strategy.name,
+        accelerator=resolve_accelerator(cfg.accelerator),
+        devices=cfg.devices,
+        num_nodes=cfg.num_nodes,
+        wall_time_s=time.perf_counter() - start,
+    )
+    if trainer.is_global_zero:
+        (output_dir / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
+        log.info("metrics: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+    _join_launched_ranks(trainer)
+    return result
+
+
+def _join_launched_ranks(trainer: pl.Trainer, timeout_s: float = 60.0) -> None:
+    launcher = trainer.strategy.launcher
+    if hasattr(launcher, "join"):
+        launcher.join(timeout_s)
+
+
+@contextmanager
+def isolated_job() -> Iterator[None]:
+    """Leave nothing of a job behind for the next one in the same process (a Hydra multirun): restore
+    ``os.environ`` (Lightning's launcher sets ``MASTER_PORT``, ``LOCAL_RANK``, ``WORLD_SIZE`` and
+    ``seed_everything`` sets ``PL_GLOBAL_SEED`` in the parent) and destroy the process group."""
+    saved = dict(os.environ)
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
+        torch.set_num_threads(threads)
