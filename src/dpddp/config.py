@@ -46,7 +46,11 @@ class ConfigError(ValueError):
 
 
 def _params(fn: Any) -> list[str]:
-    return [n for n, p in inspect.signature(fn).parameters.items() if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return [
+        n
+        for n, p in inspect.signature(fn).parameters.items()
+        if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
 
 
 def allowed_keys() -> dict[str, list[str]]:
@@ -210,4 +214,6 @@ def check_config(cfg: DictConfig | Mapping) -> None:
             _int(f"trainer.{key}", value, 1, "use a positive number, or -1 for no limit")
     ckpt = cfg["ckpt_path"]
     if ckpt is not None and not Path(str(ckpt)).is_file():
-        raise ConfigError(f"ckpt_path={ckpt} does not exist: give a checkpoint file, e.g. <run dir>/checkpoints/last.ckpt")
+        raise ConfigError(
+            f"ckpt_path={ckpt} does not exist: give a checkpoint file, e.g. <run dir>/checkpoints/last.ckpt"
+        )

@@ -15,13 +15,17 @@ order and DDP's gradient average equals the single-process mean over ``B`` sampl
 
 from __future__ import annotations
 
+import logging
+import zlib
 from collections.abc import Iterator
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-__all__ = ["GlobalBatchSampler", "RandomTensorDataModule", "TensorBatches", "make_tensors"]
+__all__ = ["GlobalBatchSampler", "RandomTensorDataModule", "TensorBatches", "checksum", "make_tensors"]
+
+log = logging.getLogger(__name__)
 
 
 def make_tensors(
@@ -41,6 +45,14 @@ def make_tensors(
         flip = torch.rand(num_samples, generator=gen) < label_noise
         y = torch.where(flip, torch.randint(0, num_classes, (num_samples,), generator=gen), y)
     return x, y
+
+
+def checksum(*tensors: torch.Tensor) -> str:
+    """CRC32 of the tensors' bytes, as 8 hex digits: equal on two ranks iff they built the same data."""
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.contiguous().numpy().tobytes(), crc)
+    return f"{crc:08x}"
 
 
 class TensorBatches(Dataset):
@@ -148,6 +160,7 @@ class RandomTensorDataModule(pl.LightningDataModule):
         if self.splits:
             return
         x, y = make_tensors(self.seed, self.num_samples, self.num_features, self.num_classes, self.label_noise)
+        log.info(f"data checksum {checksum(x, y)} ({self.num_samples} samples x {self.num_features} features)")
         bounds = {"train": (0, self.num_train), "val": (self.num_train, self.num_train + self.num_val)}
         bounds["test"] = (self.num_train + self.num_val, self.num_samples)
         self.splits = {name: TensorBatches(x[a:b], y[a:b]) for name, (a, b) in bounds.items()}

@@ -57,7 +57,7 @@ class LinearClassifier(pl.LightningModule):
         losses = F.cross_entropy(logits, y, reduction="none")
         # Per-sample losses: MeanMetric weighs each rank by its sample count; an empty chunk adds nothing.
         getattr(self, f"{stage}_loss").update(losses)
-        if stage != "train":
+        if stage != "train" and len(y):  # torchmetrics' accuracy cannot take an empty chunk
             getattr(self, f"{stage}_acc").update(logits.detach(), y)
         return losses.mean()
 
@@ -75,14 +75,12 @@ class LinearClassifier(pl.LightningModule):
         return self(batch[0]).softmax(dim=1)
 
     def _log_epoch(self, stage: str) -> None:
-        # One sync per metric per epoch (torchmetrics all-gathers sums and counts); no per-step logging cost.
-        metrics = {"loss": getattr(self, f"{stage}_loss")}
+        # Logged as Metric objects at epoch end: Lightning calls compute() (one torchmetrics sync of sums and
+        # counts across processes) and reset(); no per-step logging cost.
+        metrics = {f"{stage}/loss": getattr(self, f"{stage}_loss")}
         if stage != "train":
-            metrics["acc"] = getattr(self, f"{stage}_acc")
-        values = {f"{stage}/{name}": metric.compute() for name, metric in metrics.items()}
-        for metric in metrics.values():
-            metric.reset()
-        self.log_dict(values, prog_bar=stage != "test")
+            metrics[f"{stage}/acc"] = getattr(self, f"{stage}_acc")
+        self.log_dict(metrics, prog_bar=stage != "test")
 
     def on_train_epoch_end(self) -> None:
         self._log_epoch("train")

@@ -6,7 +6,6 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -116,7 +115,9 @@ def train(cfg: DictConfig, output_dir: str | Path, job: dict | None = None) -> d
     )
     if trainer.is_global_zero:
         (output_dir / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
-        log.info("metrics: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+        log.info(
+            "metrics: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items())
+        )
     _join_launched_ranks(trainer)
     return result
 

@@ -1,0 +1,114 @@
+import inspect
+
+import lightning.pytorch as pl
+import pytest
+import yaml
+from conftest import CONF, compose_cfg
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from dpddp.config import ConfigError, check_config
+from dpddp.data import RandomTensorDataModule
+from dpddp.model import LinearClassifier
+from dpddp.training import build_strategy
+
+
+def _defaults(cls):
+    return {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if n != "self"}
+
+
+@pytest.mark.parametrize("strategy", ["auto", "dp", "ddp", "ddp_spawn"])
+@pytest.mark.parametrize("logger", ["csv", "tensorboard", "none"])
+def test_every_option_composes_validates_and_builds(strategy, logger, tmp_path):
+    devices = 2 if strategy.startswith("ddp") else 1
+    cfg = compose_cfg(f"strategy={strategy}", f"logger={logger}", "accelerator=cpu", f"devices={devices}")
+    check_config(cfg)
+    built = build_strategy(cfg, None)
+    assert built == "auto" if strategy == "auto" else isinstance(built, pl.strategies.Strategy)
+    if cfg.logger:
+        assert instantiate(cfg.logger, save_dir=str(tmp_path)).save_dir == str(tmp_path)
+    for spec in cfg.callbacks.values():
+        assert isinstance(instantiate(spec), pl.Callback)
+
+
+@pytest.mark.parametrize("group,cls", [("data", RandomTensorDataModule), ("model", LinearClassifier)])
+def test_config_defaults_match_class_signatures(group, cls):
+    """One source of truth: the classes' signatures; the YAML repeats them (and the CLI reads them)."""
+    raw = yaml.safe_load((CONF / group / "default.yaml").read_text())
+    defaults = _defaults(cls)
+    assert raw.keys() == defaults.keys()
+    for key, value in raw.items():
+        if not (isinstance(value, str) and value.startswith("${")):
+            assert value == defaults[key], key
+
+
+def test_trainer_group_holds_only_trainer_flags_at_lightning_defaults():
+    raw = yaml.safe_load((CONF / "trainer" / "default.yaml").read_text())
+    defaults = _defaults(pl.Trainer)
+    own = {"max_epochs": 10, "enable_model_summary": False}  # the project's choices, documented in the file
+    for key, value in raw.items():
+        assert key in defaults, key
+        assert value == own.get(key, defaults[key]), key
+
+
+def test_defaults_are_valid():
+    cfg = compose_cfg()
+    check_config(cfg)
+    assert OmegaConf.select(cfg, "model.num_features") == cfg.data.num_features
+
+
+BAD = [
+    (["+devises=2"], "unknown setting devises: did you mean devices?"),
+    (["+data.batchsize=64"], "unknown setting data.batchsize: did you mean data.batch_size?"),
+    (["+trainer.max_epoch=3"], "did you mean trainer.max_epochs?"),
+    (["+trainer.devices=2"], "trainer.devices is not set in the trainer group: set it at the top level"),
+    (["strategy.name=fsdp"], "strategy='fsdp' is unknown"),
+    (["devices=0"], "devices=0 is invalid"),
+    (["devices=-2"], "devices=-2 is invalid"),
+    (["devices=1.5"], "devices=1.5 is invalid"),
+    (["devices=two"], "devices='two' is invalid"),
+    (["devices=-1", "accelerator=cpu"], "devices=-1 (all GPUs) on CPU"),
+    (["num_nodes=0"], "num_nodes=0 is invalid"),
+    (
+        ["strategy=ddp", "devices=3", "accelerator=cpu"],
+        "data.batch_size=64 (global) does not divide by the world size 3",
+    ),
+    (["strategy=dp", "devices=2", "accelerator=cpu"], "use strategy=ddp devices=2"),
+    (["accelerator=gpu"], "CUDA is not available: use accelerator=cpu"),
+    (["accelerator=tpu"], "accelerator='tpu' is unknown"),
+    (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path=/nonexistent/last.ckpt does not exist"),
+    (["data.num_samples=0"], "data.num_samples=0 is invalid"),
+    (["data.num_features=0"], "data.num_features=0 is invalid"),
+    (["data.num_classes=1"], "data.num_classes=1 is invalid"),
+    (["data.batch_size=0"], "data.batch_size=0 is invalid"),
+    (["data.batch_size=100000"], "larger than the train split"),
+    (["data.num_samples=5"], "leaves the val split empty"),
+    (["data.label_noise=2"], "data.label_noise=2 is invalid"),
+    (["model.lr=-1"], "model.lr=-1 is invalid"),
+    (["model.lr=nan"], "model.lr=nan is invalid"),
+    (["model.optimizer=rmsprop"], "model.optimizer='rmsprop' is unknown"),
+    (["seed=-1"], "seed=-1 is invalid"),
+    (["trainer.max_epochs=0"], "trainer.max_epochs=0 is invalid"),
+    (["strategy=auto", "devices=2", "accelerator=cpu"], "strategy=auto runs on one device"),
+    (["num_nodes=2"], "num_nodes=2 needs one process per device: use strategy=ddp"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_settings_give_one_line_naming_them(overrides, message):
+    if overrides == ["accelerator=gpu"]:
+        pytest.importorskip("torch").cuda.is_available() and pytest.skip("CUDA present")
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_cfg(*overrides))
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_cluster_world_size_mismatch_is_refused(monkeypatch):
+    """Case 06: SLURM started 1 task but devices x num_nodes = 2."""
+    env = dict(SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_JOB_NAME="train")
+    env.update(SLURM_JOB_ID="1", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"devices=2 x num_nodes=1 = 2 processes, but the cluster started 1"):
+        check_config(compose_cfg("strategy=ddp", "devices=2", "accelerator=cpu"))

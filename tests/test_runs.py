@@ -1,0 +1,107 @@
+"""Real runs of train.py in subprocesses: one process, DDP with 2 gloo processes, resume, bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import leftover, max_diff, metrics, run_train, weights
+
+pytestmark = pytest.mark.slow
+EVAL = ("val/loss", "val/acc", "test/loss", "test/acc")
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert leftover(proc.tag) == []
+
+
+def test_quickstart_default_run(tmp_path):
+    proc = run_train(cwd=tmp_path)
+    _ok(proc)
+    (run_dir,) = [p.parent for p in tmp_path.glob("outputs/*/*/metrics.json")]
+    m = metrics(run_dir)
+    assert m["val/acc"] >= 0.9 and m["world_size"] == 1
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "train.log").is_file()
+
+
+def test_ddp_two_processes_equal_one_process(tmp_path):
+    """Cases 03, 04, 08, 11: odd split sizes, same data on every rank, one writer, global batch."""
+    common = ["accelerator=cpu", "data.num_samples=1005", "seed=2", "trainer.max_epochs=3", "data.batch_size=32"]
+    single = run_train(*common, "hydra.run.dir=single", cwd=tmp_path)
+    ddp = run_train(*common, "strategy=ddp", "devices=2", "hydra.run.dir=ddp", cwd=tmp_path)
+    _ok(single)
+    _ok(ddp)
+    one, two = metrics(tmp_path / "single"), metrics(tmp_path / "ddp")
+    assert two["world_size"] == 2 and two["strategy"] == "ddp" and two["val/acc"] >= 0.9
+    for key in EVAL:  # every sample counted once: val split 100 and test split 100 over 2 ranks, batch 32
+        assert two[key] == pytest.approx(one[key], abs=1e-6), key
+    ckpts = [tmp_path / d / "checkpoints" / "last.ckpt" for d in ("single", "ddp")]
+    assert max_diff(weights(ckpts[0]), weights(ckpts[1])) <= 1e-5
+    steps = [torch.load(c, weights_only=True)["global_step"] for c in ckpts]
+    assert steps == [3 * (805 // 32)] * 2  # the same optimizer steps per epoch on 1 and 2 processes
+    # the same data on both ranks (case 04)
+    sums = [
+        line.split("data checksum ")[1].split()[0]
+        for f in ("train.log", "rank1.log")
+        for line in (tmp_path / "ddp" / f).read_text().splitlines()
+        if "data checksum" in line
+    ]
+    assert len(sums) >= 2 and len(set(sums)) == 1
+    # rank 0 alone writes results (case 08)
+    assert [p.name for p in tmp_path.glob("ddp/**/metrics.json")] == ["metrics.json"]
+    assert len(list(tmp_path.glob("**/.hydra"))) == 2
+    assert (ddp.stdout + ddp.stderr).count("metrics: train/loss=") == 1
+
+
+def test_resume_from_relative_path_on_one_and_two_devices(tmp_path):
+    """Case 07: ckpt_path relative to where the command ran, also with hydra.job.chdir=true and on 2 devices."""
+    common = ["accelerator=cpu", "data.num_samples=1005", "model.optimizer=adam", "model.lr=0.01"]
+    _ok(run_train(*common, "trainer.max_epochs=4", "hydra.run.dir=runs/straight", cwd=tmp_path))
+    _ok(run_train(*common, "trainer.max_epochs=2", "hydra.run.dir=runs/a", cwd=tmp_path))
+    resume = [*common, "trainer.max_epochs=4", "ckpt_path=runs/a/checkpoints/last.ckpt", "hydra.job.chdir=true"]
+    _ok(run_train(*resume, "hydra.run.dir=runs/b", cwd=tmp_path))
+    _ok(run_train(*resume, "strategy=ddp", "devices=2", "hydra.run.dir=runs/c", cwd=tmp_path))
+    straight = tmp_path / "runs/straight/checkpoints/last.ckpt"
+    for run, tol in (("b", 1e-6), ("c", 1e-5)):
+        ckpt = tmp_path / "runs" / run / "checkpoints" / "last.ckpt"
+        assert torch.load(ckpt, weights_only=True)["global_step"] == 4 * (805 // 64)
+        assert max_diff(weights(straight), weights(ckpt)) <= tol, run
+
+
+BAD = [
+    (["+devises=2"], "unknown setting devises: did you mean devices?"),
+    (["strategy=dp", "accelerator=cpu", "devices=2"], "use strategy=ddp devices=2"),
+    (["strategy=ddp", "accelerator=cpu", "devices=2", "data.batch_size=63"], "does not divide by the world size 2"),
+    (["ckpt_path=missing.ckpt"], "missing.ckpt does not exist"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[a[-1] for a, _ in BAD])
+def test_bad_input_exits_with_one_line(tmp_path, args, message):
+    proc = run_train(*args, "hydra.run.dir=bad", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert leftover(proc.tag) == []
+    assert not (tmp_path / "bad" / "checkpoints").exists() and not (tmp_path / "bad" / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("order", ["1,2", "2,1"])
+def test_multirun_over_devices_launches_each_jobs_own_ranks(tmp_path, order):
+    """Case 01: one sweep dir, each job its own world size and its own directory, metrics of a single run."""
+    args = ["-m", "strategy=ddp", "accelerator=cpu", f"devices={order}", "data.num_samples=606"]
+    proc = run_train(*args, "trainer.max_epochs=2", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    _ok(proc)
+    jobs = [metrics(tmp_path / "sweep" / str(i)) for i in range(2)]
+    assert [j["world_size"] for j in jobs] == [int(d) for d in order.split(",")]
+    for key in EVAL:
+        assert jobs[0][key] == pytest.approx(jobs[1][key], abs=1e-6)
+    two = str(order.split(",").index("2"))
+    assert (tmp_path / "sweep" / two / "rank1.log").is_file()
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("**/multirun.yaml")) == [
+        "sweep/multirun.yaml"
+    ]
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
+    assert json.loads(Path(tmp_path / "sweep" / two / "metrics.json").read_text())["devices"] == 2
