@@ -35,20 +35,21 @@ def run(cfg: DictConfig) -> float:
     """Run the composed ``cfg`` in Hydra's output directory; return ``val/loss`` for sweepers.
 
     A relative ``ckpt_path`` is taken relative to where the command was run (even with
-    ``hydra.job.chdir=true``). In a multirun, a job whose ``metrics.json`` is complete is skipped, an
-    interrupted one resumes from its ``checkpoints/last.ckpt``, and a failing job is recorded in its
-    ``error.txt`` and returns ``nan`` so the sweep goes on (the summary callback exits non-zero at the end).
+    ``hydra.job.chdir=true``). In a multirun, a job whose ``metrics.json`` is complete for the same overrides
+    is skipped, an interrupted one resumes from its ``checkpoints/last.ckpt``, and a failing job is recorded in
+    its ``error.txt`` and returns ``nan`` so the sweep goes on (the summary callback exits non-zero at the end).
     Outside a multirun a bad setting prints one ``error:`` line and exits with status 2.
     """
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    overrides = list(hydra_cfg.overrides.task)
     with open_dict(cfg):
         if cfg.get("ckpt_path"):
             cfg.ckpt_path = to_absolute_path(str(cfg.ckpt_path))
         if multirun:
             done = completed_metrics(output_dir)
-            if done is not None:
+            if done is not None and done.get("overrides") == overrides:
                 log.info(f"job already complete, skipping: {output_dir / 'metrics.json'}")
                 return done["val/loss"]
             last = output_dir / "checkpoints" / "last.ckpt"
@@ -58,12 +59,12 @@ def run(cfg: DictConfig) -> float:
     job = {"config": OmegaConf.to_container(cfg, resolve=True), "output_dir": str(output_dir)}
     try:
         with isolated_job():
-            return train(cfg, output_dir, job)["val/loss"]
+            return train(cfg, output_dir, job, extra={"overrides": overrides})["val/loss"]
     except ConfigError as err:
         if not multirun:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
-        line = f"error: {err}"
+        line = str(err)
     except Exception as err:
         if not multirun:
             raise

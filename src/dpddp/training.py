@@ -60,7 +60,9 @@ def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
     return instantiate(cfg.logger, save_dir=str(output_dir))
 
 
-def train(cfg: DictConfig, output_dir: str | Path, job: dict | None = None) -> dict[str, float]:
+def train(
+    cfg: DictConfig, output_dir: str | Path, job: dict | None = None, extra: dict | None = None
+) -> dict[str, Any]:
     """Train ``LinearClassifier`` on ``RandomTensorDataModule`` as ``cfg`` says (see ``conf/config.yaml``).
 
     Args:
@@ -69,6 +71,7 @@ def train(cfg: DictConfig, output_dir: str | Path, job: dict | None = None) -> d
             there (written by global rank 0 only).
         job: what launched DDP ranks need to rebuild this run (resolved config and ``output_dir``); ``None``
             outside Hydra jobs.
+        extra: more entries for ``metrics.json`` (a sweep job records its overrides there).
 
     Returns:
         The metrics of ``metrics.json`` (the same on every rank: they are synced sums and counts): losses are
@@ -112,6 +115,7 @@ def train(cfg: DictConfig, output_dir: str | Path, job: dict | None = None) -> d
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
         wall_time_s=time.perf_counter() - start,
+        **(extra or {}),
     )
     if trainer.is_global_zero:
         (output_dir / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
