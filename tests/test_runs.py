@@ -29,7 +29,7 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
     """Cases 03, 04, 08, 11: odd split sizes, same data on every rank, one writer, global batch."""
     common = ["accelerator=cpu", "data.num_samples=1005", "seed=2", "trainer.max_epochs=3", "data.batch_size=32"]
     single = run_train(*common, "hydra.run.dir=single", cwd=tmp_path)
-    ddp = run_train(*common, "strategy=ddp", "devices=2", "hydra.run.dir=ddp", cwd=tmp_path)
+    ddp = run_train(*common, "strategy=ddp", "devices=2", "predict=true", "hydra.run.dir=ddp", cwd=tmp_path)
     _ok(single)
     _ok(ddp)
     one, two = metrics(tmp_path / "single"), metrics(tmp_path / "ddp")
@@ -52,6 +52,9 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
     assert [p.name for p in tmp_path.glob("ddp/**/metrics.json")] == ["metrics.json"]
     assert len(list(tmp_path.glob("**/.hydra"))) == 2
     assert (ddp.stdout + ddp.stderr).count("metrics: train/loss=") == 1
+    # predictions gathered from both ranks: every test sample once, in dataset order
+    rows = (tmp_path / "ddp" / "predictions.csv").read_text().splitlines()
+    assert [int(r.split(",")[0]) for r in rows[1:]] == list(range(100))
 
 
 def test_resume_from_relative_path_on_one_and_two_devices(tmp_path):

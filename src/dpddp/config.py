@@ -25,7 +25,7 @@ __all__ = ["ConfigError", "check_config", "world_size"]
 
 STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
-TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "seed", "ckpt_path")
+TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "seed", "ckpt_path", "predict")
 GROUPS = ("data", "model", "trainer", "logger", "callbacks")
 # Trainer flags owned elsewhere: the top-level knobs, and what the global-batch contract and the run dir need.
 TRAINER_OWNED = {

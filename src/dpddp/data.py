@@ -57,16 +57,17 @@ def checksum(*tensors: torch.Tensor) -> str:
 
 class TensorBatches(Dataset):
     """A dataset indexed by whole batches: ``ds[idx]`` with ``idx`` an int64 ``[b]`` tensor returns
-    ``(x[idx], y[idx])`` in one gather, shapes ``[b, num_features]`` and ``[b]`` (no per-sample collate)."""
+    ``(x[idx], y[idx])`` in one gather, shapes ``[b, num_features]`` and ``[b]`` (no per-sample collate);
+    with ``with_index=True`` also ``idx`` itself (for predictions in dataset order)."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.x, self.y = x, y
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, with_index: bool = False) -> None:
+        self.x, self.y, self.with_index = x, y, with_index
 
     def __len__(self) -> int:
         return len(self.y)
 
-    def __getitem__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[idx], self.y[idx]
+    def __getitem__(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (self.x[idx], self.y[idx], idx) if self.with_index else (self.x[idx], self.y[idx])
 
 
 class GlobalBatchSampler(Sampler[torch.Tensor]):
@@ -165,9 +166,10 @@ class RandomTensorDataModule(pl.LightningDataModule):
         bounds["test"] = (self.num_train + self.num_val, self.num_samples)
         self.splits = {name: TensorBatches(x[a:b], y[a:b]) for name, (a, b) in bounds.items()}
 
-    def _loader(self, split: str) -> DataLoader:
+    def _loader(self, split: str, with_index: bool = False) -> DataLoader:
         rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         ds = self.splits[split]
+        ds = TensorBatches(ds.x, ds.y, with_index=True) if with_index else ds
         sampler = GlobalBatchSampler(len(ds), self.batch_size, rank, world_size, split == "train", self.seed)
         # batch_size=None: the sampler yields whole index batches and the dataset gathers them in one index.
         return DataLoader(ds, sampler=sampler, batch_size=None)
@@ -182,4 +184,5 @@ class RandomTensorDataModule(pl.LightningDataModule):
         return self._loader("test")
 
     def predict_dataloader(self) -> DataLoader:
-        return self._loader("test")
+        """The test split, batches ``(x, y, index)``."""
+        return self._loader("test", with_index=True)

@@ -35,7 +35,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
 )
 from torch import nn
 
-__all__ = ["DDPStrategy", "DataParallelStrategy", "JOB_ENV"]
+__all__ = ["DDPStrategy", "DataParallelStrategy", "JOB_ENV", "replicate_forward", "restore_forward"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,21 @@ class _Forward(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def replicate_forward(module: pl.LightningModule, device_ids: list[int]) -> nn.DataParallel:
+    """Route ``module(x)`` through ``nn.DataParallel`` over ``device_ids`` (root: ``device_ids[0]``) until
+    ``restore_forward(module)``. Only the forward is replicated; the module itself, its hooks, metrics and
+    state dict are untouched (the wrapper is an instance attribute, not a registered submodule)."""
+    out = device_ids[0] if device_ids else None
+    replicated = nn.DataParallel(_Forward(module), device_ids=device_ids, output_device=out)
+    module.__dict__["forward"] = replicated.__call__  # nn.Module.__call__ looks up self.forward
+    return replicated
+
+
+def restore_forward(module: pl.LightningModule) -> None:
+    """Undo ``replicate_forward``."""
+    module.__dict__.pop("forward", None)
 
 
 class DataParallelStrategy(SingleDeviceStrategy):
@@ -73,7 +88,7 @@ class DataParallelStrategy(SingleDeviceStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(device="cpu", **kwargs)
-        self._parallel_devices: list[torch.device] = [torch.device("cpu")]
+        self._parallel_devices: list[torch.device] = []  # empty: Lightning's connector fills it from `devices`
         self._replicated: nn.DataParallel | None = None
 
     @property
@@ -95,16 +110,12 @@ class DataParallelStrategy(SingleDeviceStrategy):
         super().setup(trainer)
         module = self.lightning_module
         if len(self._parallel_devices) > 1 and module is not None:
-            ids = [d.index for d in self._parallel_devices]
-            self._replicated = nn.DataParallel(_Forward(module), device_ids=ids, output_device=ids[0])
-            # An instance attribute (not a registered submodule): nn.Module.__call__ looks up self.forward,
-            # and the checkpoint's state dict stays the plain module's.
-            module.__dict__["forward"] = self._replicated.__call__
+            self._replicated = replicate_forward(module, [d.index for d in self._parallel_devices])
 
     def teardown(self) -> None:
         module = self.lightning_module
         if self._replicated is not None and module is not None:
-            module.__dict__.pop("forward", None)
+            restore_forward(module)
             self._replicated = None
         super().teardown()
 

@@ -17,7 +17,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from dpddp.callbacks import Throughput
+from dpddp.callbacks import PredictionWriter, Throughput
 from dpddp.config import ConfigError, check_config, resolve_accelerator
 from dpddp.data import RandomTensorDataModule
 from dpddp.model import LinearClassifier
@@ -45,7 +45,7 @@ def build_strategy(cfg: DictConfig, job: dict | None) -> str | pl.strategies.Str
 
 
 def _build_callbacks(cfg: DictConfig, output_dir: Path) -> list[pl.Callback]:
-    callbacks: list[pl.Callback] = [Throughput()]
+    callbacks: list[pl.Callback] = [Throughput(), PredictionWriter(output_dir)]
     for name, spec in (cfg.callbacks or {}).items():
         if spec is None:
             continue
@@ -105,6 +105,8 @@ def train(
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     trainer.test(model, datamodule=datamodule, verbose=False)
     metrics = {**fit_metrics, **{k: float(v) for k, v in trainer.callback_metrics.items()}}
+    if cfg.predict:
+        trainer.predict(model, datamodule=datamodule, return_predictions=False)
     throughput = next(c for c in trainer.callbacks if isinstance(c, Throughput))
     result = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(

@@ -1,0 +1,71 @@
+"""LightningCLI entry point: print_config round trip, ddp and dp fits, re-runs, predictions."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import RANK_VARS, leftover, max_diff, weights
+
+from dpddp.data import make_tensors
+
+pytestmark = pytest.mark.slow
+FAST = ["--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false"]
+
+
+def cli(*args, cwd):
+    import uuid
+
+    tag = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    env.update(OMP_NUM_THREADS="1", DPDDP_TEST_TAG=tag)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpddp.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert leftover(tag) == []
+    return proc
+
+
+def _ckpt(root):
+    (path,) = root.glob("lightning_logs/version_*/checkpoints/*.ckpt")
+    return path
+
+
+def test_print_config_round_trip(tmp_path):
+    printed = cli("fit", *FAST, "--model.lr=0.05", "--data.batch_size=32", "--print_config", cwd=tmp_path).stdout
+    assert "strategy: auto" in printed and "batch_size: 32" in printed and "lr: 0.05" in printed
+    (tmp_path / "config.yaml").write_text(printed)
+    cli("fit", *FAST, "--model.lr=0.05", "--data.batch_size=32", "--trainer.default_root_dir=a", cwd=tmp_path)
+    cli("fit", "--config", "config.yaml", "--trainer.default_root_dir=b", cwd=tmp_path)
+    assert max_diff(weights(_ckpt(tmp_path / "a")), weights(_ckpt(tmp_path / "b"))) == 0
+
+
+def test_fit_ddp_and_dp_and_rerun_into_the_same_directory(tmp_path):
+    """Case 09: the same command twice into the same default_root_dir keeps the first run's files."""
+    root = ["--trainer.default_root_dir=runs"]
+    cli("fit", *FAST, "--trainer.strategy=ddp", "--trainer.devices=2", *root, cwd=tmp_path)
+    cli("fit", *FAST, "--trainer.strategy=dp", "--trainer.devices=1", *root, cwd=tmp_path)
+    cli("fit", *FAST, "--trainer.strategy=dp", "--trainer.devices=1", *root, cwd=tmp_path)
+    configs = sorted(p.relative_to(tmp_path / "runs").as_posix() for p in tmp_path.glob("runs/**/config*.yaml"))
+    assert len(configs) == 3 and len({c.split("/")[1] for c in configs}) == 3
+    ckpts = sorted(tmp_path.glob("runs/lightning_logs/version_*/checkpoints/*.ckpt"))
+    # the global batch makes 1 ddp process pair and 1 dp process take the same steps to the same weights
+    assert max_diff(weights(ckpts[0]), weights(ckpts[1])) <= 1e-5
+
+
+def test_predict_under_ddp_writes_every_test_sample_once_in_order(tmp_path):
+    cli("fit", *FAST, "--data.num_samples=1005", "--trainer.default_root_dir=fit", cwd=tmp_path)
+    ckpt = _ckpt(tmp_path / "fit")
+    args = ["--trainer.strategy=ddp", "--trainer.devices=2", "--data.num_samples=1005", "--data.batch_size=32"]
+    cli("predict", *FAST, *args, f"--ckpt_path={ckpt}", "--trainer.default_root_dir=pred", cwd=tmp_path)
+    (path,) = tmp_path.glob("pred/**/predictions.csv")
+    rows = list(csv.DictReader(open(path)))
+    assert [int(r["index"]) for r in rows] == list(range(100))  # test split: 1005 * 0.1 samples
+    y = make_tensors(0, 1005, 16, 4)[1][905:]
+    assert [int(r["target"]) for r in rows] == y.tolist()
+    probs = torch.tensor([[float(r[f"prob_{c}"]) for c in range(4)] for r in rows])
+    assert torch.allclose(probs.sum(1), torch.ones(100), atol=1e-5)
+    assert [int(r["pred"]) for r in rows] == probs.argmax(1).tolist()
