@@ -112,3 +112,13 @@ def test_cluster_world_size_mismatch_is_refused(monkeypatch):
         monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError, match=r"devices=2 x num_nodes=1 = 2 processes, but the cluster started 1"):
         check_config(compose_cfg("strategy=ddp", "devices=2", "accelerator=cpu"))
+
+
+def test_slurm_launcher_maps_devices_and_num_nodes():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", ["hydra/launcher=slurm", "devices=4", "num_nodes=2"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.tasks_per_node, launcher.nodes, launcher.max_num_timeout) == (4, 2, 3)

@@ -64,3 +64,21 @@ def test_sweep_started_as_a_module(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [metrics(tmp_path / "sweep" / j)["world_size"] for j in "01"] == [2, 2]
     assert metrics(tmp_path / "sweep/0")["val/loss"] != metrics(tmp_path / "sweep/1")["val/loss"]
+
+
+def test_optuna_search_minimises_val_loss(tmp_path):
+    args = ["hparams_search=optuna", "hydra.sweeper.n_trials=3", *SMALL, "hydra.sweep.dir=opt"]
+    proc = run_train(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [metrics(tmp_path / "opt" / str(i))["val/loss"] for i in range(3)]
+    best = (tmp_path / "opt" / "optimization_results.yaml").read_text()
+    assert f"best_value: {min(losses)}" in best
+    assert len(list(csv.DictReader(open(tmp_path / "opt" / "summary.csv")))) == 3
+
+
+def test_submitit_local_launcher_runs_ddp_jobs(tmp_path):
+    args = ["-m", "hydra/launcher=submitit_local", "strategy=ddp", "devices=2", *SMALL, "hydra.sweep.dir=sub"]
+    proc = run_train(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert metrics(tmp_path / "sub" / "0")["world_size"] == 2
+    assert leftover(proc.tag) == []
