@@ -9,7 +9,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig
 
+from dpddp.cluster import cluster_world_size
 from dpddp.data import RandomTensorDataModule
 from dpddp.model import OPTIMIZERS, LinearClassifier
 
@@ -25,7 +25,8 @@ __all__ = ["ConfigError", "check_config", "world_size"]
 
 STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
-TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "seed", "ckpt_path", "predict")
+TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "predict")
+CLUSTERS = ("auto", "kubeflow")
 GROUPS = ("data", "model", "trainer", "logger", "callbacks")
 # Trainer flags owned elsewhere: the top-level knobs, and what the global-batch contract and the run dir need.
 TRAINER_OWNED = {
@@ -109,17 +110,6 @@ def world_size(cfg: Mapping) -> int:
     return devices * cfg["num_nodes"]
 
 
-def cluster_world_size() -> tuple[int, str] | None:
-    """The world size a cluster launcher started (torchrun's ``WORLD_SIZE``, SLURM's ``SLURM_NTASKS``), if any."""
-    if "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"]), "torchrun WORLD_SIZE"
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
-    if SLURMEnvironment.detect():
-        return int(os.environ["SLURM_NTASKS"]), "SLURM_NTASKS"
-    return None
-
-
 def _check_devices(cfg: Mapping) -> None:
     strategy, devices, num_nodes = cfg["strategy"]["name"], cfg["devices"], cfg["num_nodes"]
     if strategy not in STRATEGIES:
@@ -145,7 +135,9 @@ def _check_devices(cfg: Mapping) -> None:
         raise ConfigError(f"num_nodes={num_nodes} needs one process per device: use strategy=ddp")
     if strategy == "auto" and devices != 1:
         raise ConfigError(f"strategy=auto runs on one device, not devices={devices}: use strategy=ddp (or dp on GPUs)")
-    cluster = cluster_world_size()
+    if cfg["cluster"] not in CLUSTERS:
+        raise ConfigError(f"cluster={cfg['cluster']!r} is unknown: choose one of {', '.join(CLUSTERS)}")
+    cluster = cluster_world_size(cfg["cluster"])
     if cluster and strategy in ("ddp", "ddp_spawn") and cluster[0] != world_size(cfg):
         raise ConfigError(
             f"devices={devices} x num_nodes={num_nodes} = {world_size(cfg)} processes, but the cluster started "

@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
+from lightning.fabric.plugins.environments import KubeflowEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from dpddp.callbacks import PredictionWriter, Throughput
@@ -98,6 +99,8 @@ def train(
             callbacks=_build_callbacks(cfg, output_dir),
             default_root_dir=str(output_dir),
             use_distributed_sampler=False,
+            # Lightning no longer auto-detects Kubeflow's PyTorchJob; the others (torchrun, SLURM) it does.
+            plugins=[KubeflowEnvironment()] if cfg.cluster == "kubeflow" else None,
         )
     except (ValueError, TypeError, pl.utilities.exceptions.MisconfigurationException) as err:
         raise ConfigError(f"trainer: {str(err).splitlines()[0]}") from err

@@ -1,0 +1,76 @@
+"""What the cluster says: the world size it started, the run directory its processes share, this process's rank.
+
+Processes started by torchrun, SLURM or a Kubernetes PyTorchJob each run Hydra themselves; the resolvers here
+make them agree on one run directory without ``hydra.run.dir`` (Hydra's default is a timestamp, which would
+differ per process) and keep ``.hydra/`` and ``train.log`` to global rank 0 (others log to ``rank<N>.log``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+from omegaconf import OmegaConf
+
+__all__ = ["cluster_world_size", "env_rank", "loopback_interface", "register_resolvers", "run_name"]
+
+
+def env_rank() -> int:
+    """Global rank given by a launcher (``RANK`` from torchrun or a PyTorchJob, ``SLURM_PROCID`` under SLURM,
+    else 0). Our own DDP launcher's ranks never run Hydra, so they need no entry here."""
+    for key in ("RANK", "SLURM_PROCID"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
+
+
+def run_name() -> str:
+    """A run directory name every process of one run computes alike.
+
+    ``slurm-<SLURM_JOB_ID>`` (the same after a requeue, so the run resumes in place), ``torchrun-<run id>``
+    (torchrun's ``--rdzv-id``), ``torchrun-<date>-port<MASTER_PORT>`` for a static torchrun without a run id,
+    ``job-<date>-port<MASTER_PORT>`` for other launchers that set ``RANK``; otherwise the local date and time
+    ``<YYYY-MM-DD>/<HH-MM-SS>`` (one process, or our own launcher, whose ranks reuse rank 0's directory).
+    """
+    if "SLURM_JOB_ID" in os.environ and "SLURM_NTASKS" in os.environ:
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    day = time.strftime("%Y-%m-%d")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is not None:
+        return f"torchrun-{run_id}" if run_id != "none" else f"torchrun-{day}-port{os.environ.get('MASTER_PORT')}"
+    if "RANK" in os.environ and "MASTER_PORT" in os.environ:
+        return f"job-{day}-port{os.environ['MASTER_PORT']}"
+    return time.strftime("%Y-%m-%d/%H-%M-%S")
+
+
+def register_resolvers() -> None:
+    """Resolvers for ``conf/hydra``: ``${dpddp.run_name:}``, ``${dpddp.rank_zero:a,b}`` (``a`` on global rank 0,
+    else ``b``), ``${dpddp.job_name:}`` (``train`` on rank 0, else ``rank<N>``: the log file's name)."""
+    if not OmegaConf.has_resolver("dpddp.run_name"):
+        OmegaConf.register_new_resolver("dpddp.run_name", run_name, use_cache=True)
+        OmegaConf.register_new_resolver("dpddp.rank_zero", lambda a, b: a if env_rank() == 0 else b)
+        OmegaConf.register_new_resolver("dpddp.job_name", lambda: "train" if env_rank() == 0 else f"rank{env_rank()}")
+
+
+def cluster_world_size(cluster: str = "auto") -> tuple[int, str] | None:
+    """The world size a cluster launcher started and where it was read, or ``None`` outside one: torchrun's
+    ``WORLD_SIZE``, SLURM's ``SLURM_NTASKS`` (Lightning's ``SLURMEnvironment.detect``), a PyTorchJob's
+    ``WORLD_SIZE`` with ``cluster=kubeflow``."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if cluster == "kubeflow" or ("TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ):
+        name = "WORLD_SIZE" if cluster == "kubeflow" else "torchrun WORLD_SIZE"
+        return int(os.environ.get("WORLD_SIZE", 1)), name
+    if SLURMEnvironment.detect():
+        return int(os.environ["SLURM_NTASKS"]), "SLURM_NTASKS"
+    return None
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux), for ``GLOO_SOCKET_IFNAME``."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in names if n.startswith("lo")), None)
