@@ -14,10 +14,12 @@ parent (``PR_SET_PDEATHSIG``) so a killed launcher leaves no orphan.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,12 +30,17 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher,
 )
 from torch import nn
+
+from dpddp.cluster import loopback_interface
+from dpddp.config import ConfigError
 
 __all__ = ["DDPStrategy", "DataParallelStrategy", "JOB_ENV", "replicate_forward", "restore_forward"]
 
@@ -133,9 +140,14 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
+def _exit_reason(code: int) -> str:
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
 class _RankWatcher(threading.Thread):
     """Watches launched ranks; when one exits non-zero, kills the others and, if rank 0 has not failed by
-    itself within ``grace_s`` seconds (it normally does at its next collective), kills rank 0 too."""
+    itself within ``grace_s`` seconds (it normally does at once: gloo and nccl collectives fail when a peer's
+    connection drops; a wait on the rendezvous store does not), ends rank 0 with exit status 1."""
 
     def __init__(self, procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
         super().__init__(daemon=True, name="dpddp-rank-watcher")
@@ -146,13 +158,38 @@ class _RankWatcher(threading.Thread):
             failed = [(r, p) for r, p in enumerate(self.procs, 1) if p.poll() not in (None, 0)]
             if failed:
                 rank, proc = failed[0]
-                log.error(f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode}; ending the run")
+                log.error(f"rank {rank} (pid {proc.pid}) {_exit_reason(proc.returncode)}; ending the run")
                 for p in self.procs:
                     if p.poll() is None:
                         p.kill()
                 if not self.done.wait(self.grace_s):
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    log.error(f"rank 0 is still waiting for rank {rank} after {self.grace_s:.0f} s; exiting")
+                    logging.shutdown()
+                    os._exit(1)  # the main thread may sit in a C++ wait that no Python signal handler reaches
                 return
+
+
+def _bind_store_socket(address: str) -> socket.socket:
+    """A listening socket for rank 0's TCPStore on ``address`` only (torch's own store listens on every
+    interface), on ``$MASTER_PORT`` if set, else on a free port. Held from before the other ranks start until
+    the store takes it, so two runs on one machine cannot pick the same port.
+
+    Raises:
+        ConfigError: ``MASTER_PORT`` is already in use (case 05), before any rank is started.
+    """
+    port = int(os.environ.get("MASTER_PORT", 0))
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((address, port))
+    except OSError as err:
+        sock.close()
+        raise ConfigError(
+            f"MASTER_PORT={port} on {address} is not free ({err.strerror}): unset MASTER_PORT to pick a free port, "
+            "or choose another"
+        ) from err
+    sock.listen(128)
+    return sock
 
 
 class _JobLauncher(_SubprocessScriptLauncher):
@@ -162,6 +199,7 @@ class _JobLauncher(_SubprocessScriptLauncher):
         super().__init__(cluster_environment, num_processes, num_nodes)
         self.job = job
         self.watcher: _RankWatcher | None = None
+        self.listen_socket: socket.socket | None = None
 
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
@@ -174,6 +212,12 @@ class _JobLauncher(_SubprocessScriptLauncher):
     def _call_children_scripts(self) -> None:
         self._check_can_spawn_children()
         env = self.cluster_environment
+        if self.num_nodes == 1:
+            self.listen_socket = _bind_store_socket(env.main_address)
+            os.environ["MASTER_PORT"] = str(self.listen_socket.getsockname()[1])
+            interface = loopback_interface() if ipaddress.ip_address(env.main_address).is_loopback else None
+            if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+                os.environ["GLOO_SOCKET_IFNAME"] = interface  # gloo's pair sockets: loopback only
         os.environ.update(
             MASTER_ADDR=env.main_address,
             MASTER_PORT=str(env.main_port),
@@ -212,6 +256,30 @@ class DDPStrategy(_LightningDDPStrategy):
     def __init__(self, job: dict | None = None, timeout_s: float = 180.0, **kwargs: Any) -> None:
         super().__init__(timeout=timedelta(seconds=timeout_s), **kwargs)
         self.job = job
+
+    def setup_distributed(self) -> None:
+        """Lightning's, except on rank 0 of a single-node launch: the TCPStore takes the launcher's
+        loopback-bound socket (``master_listen_fd``, which needs torch's non-libuv store)."""
+        sock = getattr(self._launcher, "listen_socket", None)
+        if sock is None or torch.distributed.is_initialized():  # fit, then test: one process group
+            return super().setup_distributed()
+        self._launcher.listen_socket = None
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        address, port = sock.getsockname()[:2]
+        store = torch.distributed.TCPStore(
+            address, port, self.world_size, is_master=True, timeout=self._timeout, wait_for_workers=False,
+            master_listen_fd=sock.detach(), use_libuv=False,
+        )  # fmt: skip
+        # The other ranks rendezvous through env://, which torch wraps in PrefixStore("default_pg", ...);
+        # a store passed in is used as it is, so wrap it alike for the keys to meet.
+        store = torch.distributed.PrefixStore("default_pg", store)
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, store=store,
+            device_id=device_id,
+        )  # fmt: skip
 
     def _configure_launcher(self) -> None:
         if self._start_method == "popen" and self.job is not None:

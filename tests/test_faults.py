@@ -1,0 +1,121 @@
+"""Sockets, ports and concurrent runs on one machine (case 05), and failures that must end every rank."""
+
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+from conftest import QUIET, RANK_VARS, ROOT, leftover, metrics
+
+pytestmark = pytest.mark.slow
+DDP = ["strategy=ddp", "devices=2", "accelerator=cpu", *QUIET]
+
+
+def _start(tmp_path, *args, **env):
+    tag = uuid.uuid4().hex
+    full = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    full.update(OMP_NUM_THREADS="1", DPDDP_TEST_TAG=tag, **env)
+    cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.tag = tag
+    return proc
+
+
+def _tagged(tag):
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("DPDDP_TEST_TAG") == tag:
+                out.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return out
+
+
+def _listening(tag):
+    addrs = set()
+    for p in _tagged(tag):
+        try:
+            addrs |= {(c.laddr.ip, c.laddr.port) for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        except (psutil.Error, OSError):
+            continue
+    return addrs
+
+
+def _wait_ranks(proc, n=2, timeout=60):
+    """Wait until the run has n processes and at least n listening sockets (store + gloo)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(_tagged(proc.tag)) >= n and len(_listening(proc.tag)) >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError("ranks did not come up")
+
+
+def test_single_node_ddp_listens_on_loopback_only(tmp_path):
+    proc = _start(tmp_path, *DDP, "trainer.max_epochs=60", "hydra.run.dir=run")
+    _wait_ranks(proc)
+    seen = set()
+    while proc.poll() is None:
+        seen |= _listening(proc.tag)
+        time.sleep(0.3)
+    assert proc.returncode == 0, proc.stderr.read()[-3000:]
+    assert len(seen) >= 3  # rank 0's store, and a gloo listener per rank
+    assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in seen), seen
+
+
+def test_a_busy_master_port_fails_fast_and_leaves_the_other_run_alone(tmp_path):
+    """Case 05: the second run exits within seconds naming the port; the first finishes; no orphans."""
+    first = _start(tmp_path, *DDP, "trainer.max_epochs=40", "hydra.run.dir=first")
+    _wait_ranks(first)
+    # the port rank 0's store listens on: the launched rank's MASTER_PORT
+    store_port = next(p.environ()["MASTER_PORT"] for p in _tagged(first.tag) if "MASTER_PORT" in p.environ())
+    start = time.monotonic()
+    second = _start(tmp_path, *DDP, "trainer.max_epochs=1", "hydra.run.dir=second", MASTER_PORT=store_port)
+    _, err = second.communicate(timeout=60)
+    assert second.returncode == 2 and time.monotonic() - start < 30
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and f"MASTER_PORT={store_port}" in lines[0] and "unset MASTER_PORT" in lines[0]
+    assert leftover(second.tag) == []
+    first.communicate(timeout=240)
+    assert first.returncode == 0
+    assert metrics(tmp_path / "first")["world_size"] == 2
+    assert leftover(first.tag) == []
+
+
+def test_two_ddp_runs_at_once_both_succeed(tmp_path):
+    runs = [_start(tmp_path, *DDP, "trainer.max_epochs=3", f"hydra.run.dir=run{i}") for i in range(2)]
+    for run in runs:
+        run.communicate(timeout=240)
+        assert run.returncode == 0
+        assert leftover(run.tag) == []
+    assert metrics(tmp_path / "run0")["val/loss"] == pytest.approx(metrics(tmp_path / "run1")["val/loss"])
+
+
+def test_killing_rank_1_ends_the_run(tmp_path):
+    proc = _start(tmp_path, *DDP, "trainer.max_epochs=200", "hydra.run.dir=run")
+    _wait_ranks(proc)
+    (rank1,) = [p for p in _tagged(proc.tag) if "dpddp.launch" in " ".join(p.cmdline())]
+    rank1.send_signal(signal.SIGKILL)
+    start = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and time.monotonic() - start < 15
+    assert "rank 1 (pid " in out + err and "was killed by SIGKILL; ending the run" in out + err
+    time.sleep(0.5)
+    assert leftover(proc.tag) == []
+
+
+def test_killing_the_launching_process_leaves_no_orphan(tmp_path):
+    proc = _start(tmp_path, *DDP, "trainer.max_epochs=200", "hydra.run.dir=run")
+    _wait_ranks(proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 30
+    while leftover(proc.tag) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert leftover(proc.tag) == []
