@@ -31,6 +31,7 @@ class Throughput(pl.Callback):
         self.samples = 0
         self.seconds = 0.0
         self.fallback = [0, 0.0]
+        self.first_step_unix_s: float | None = None  # wall-clock time (time.time()) of the first step's end
         self._last: float | None = None
         self._batch_start = 0.0
 
@@ -42,6 +43,8 @@ class Throughput(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         now = time.perf_counter()
+        if self.first_step_unix_s is None:
+            self.first_step_unix_s = time.time()
         batch = trainer.datamodule.batch_size
         if self._last is not None:
             self.samples += batch

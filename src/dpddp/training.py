@@ -114,6 +114,7 @@ def train(
     result = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(
         samples_per_sec=throughput.samples_per_sec,
+        first_step_unix_s=throughput.first_step_unix_s,
         world_size=trainer.world_size,
         strategy=cfg.strategy.name,
         accelerator=resolve_accelerator(cfg.accelerator),
