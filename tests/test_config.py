@@ -122,3 +122,12 @@ def test_slurm_launcher_maps_devices_and_num_nodes():
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.tasks_per_node, launcher.nodes, launcher.max_num_timeout) == (4, 2, 3)
+
+
+@pytest.mark.parametrize("content", [b"", b"not a checkpoint", b"PK\x03\x04truncated zip"])
+def test_corrupt_checkpoint_is_one_clean_line(tmp_path, content):
+    bad = tmp_path / "last.ckpt"
+    bad.write_bytes(content)
+    with pytest.raises(ConfigError, match=r"^ckpt_path=.*last.ckpt cannot be read as a checkpoint") as err:
+        check_config(compose_cfg(f"ckpt_path={bad}"))
+    assert "\n" not in str(err.value)

@@ -62,3 +62,13 @@ def test_trainer_flag_errors_become_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^trainer: .*precision") as err:
         train(compose_cfg(*SMALL, "trainer.precision=bogus"), tmp_path)
     assert "\n" not in str(err.value)
+
+
+def test_last_ckpt_is_the_last_epoch_even_when_it_is_not_the_best(tmp_path):
+    """With a learning rate of ~0 val/loss never improves after epoch 0: best.ckpt stays there, last.ckpt moves on
+    (Lightning 2.6's save_last=True would leave last.ckpt at the best epoch, and resuming would lose epochs)."""
+    train(compose_cfg(*SMALL, "model.lr=1e-12"), tmp_path)
+    best = torch.load(tmp_path / "checkpoints/best.ckpt", weights_only=True)
+    last = torch.load(tmp_path / "checkpoints/last.ckpt", weights_only=True)
+    assert best["epoch"] == 0 and last["epoch"] == 2
+    assert last["global_step"] == 3 * ((1005 - 200) // 64)

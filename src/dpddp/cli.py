@@ -17,6 +17,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 import dpddp  # noqa: F401  (registers strategy "dp")
 from dpddp.callbacks import PredictionWriter, Throughput
+from dpddp.checkpoint import AtomicCheckpointIO
 from dpddp.data import RandomTensorDataModule
 from dpddp.model import LinearClassifier
 
@@ -52,7 +53,11 @@ def main(args: list[str] | None = None) -> DPDDPCLI:
     return DPDDPCLI(
         LinearClassifier,
         RandomTensorDataModule,
-        trainer_defaults={"use_distributed_sampler": False, "callbacks": [Throughput(), PredictionWriter()]},
+        trainer_defaults={
+            "use_distributed_sampler": False,
+            "callbacks": [Throughput(), PredictionWriter()],
+            "plugins": [AtomicCheckpointIO()],
+        },
         seed_everything_default=0,
         save_config_callback=VersionedSaveConfig,
         args=args,

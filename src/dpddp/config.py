@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig
 
+from dpddp.checkpoint import checkpoint_problem
 from dpddp.cluster import cluster_world_size
 from dpddp.data import RandomTensorDataModule
 from dpddp.model import OPTIMIZERS, LinearClassifier
@@ -25,7 +26,7 @@ __all__ = ["ConfigError", "check_config", "world_size"]
 
 STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
-TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "predict")
+TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
 CLUSTERS = ("auto", "kubeflow")
 GROUPS = ("data", "model", "trainer", "logger", "callbacks")
 # Trainer flags owned elsewhere: the top-level knobs, and what the global-batch contract and the run dir need.
@@ -209,3 +210,5 @@ def check_config(cfg: DictConfig | Mapping) -> None:
         raise ConfigError(
             f"ckpt_path={ckpt} does not exist: give a checkpoint file, e.g. <run dir>/checkpoints/last.ckpt"
         )
+    if ckpt is not None and (problem := checkpoint_problem(ckpt)):
+        raise ConfigError(f"ckpt_path={ckpt} {problem}: give a last.ckpt or best.ckpt written by dpddp")

@@ -38,7 +38,8 @@ def run(cfg: DictConfig) -> float:
     ``hydra.job.chdir=true``). In a multirun, a job whose ``metrics.json`` is complete for the same overrides
     is skipped, an interrupted one resumes from its ``checkpoints/last.ckpt``, and a failing job is recorded in
     its ``error.txt`` and returns ``nan`` so the sweep goes on (the summary callback exits non-zero at the end).
-    Outside a multirun a bad setting prints one ``error:`` line and exits with status 2.
+    ``resume=true`` does the same for a single run in an existing ``hydra.run.dir``. Outside a multirun a bad
+    setting prints one ``error:`` line and exits with status 2.
     """
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
@@ -52,10 +53,13 @@ def run(cfg: DictConfig) -> float:
             if done is not None and done.get("overrides") == overrides:
                 log.info(f"job already complete, skipping: {output_dir / 'metrics.json'}")
                 return done["val/loss"]
-            last = output_dir / "checkpoints" / "last.ckpt"
-            if cfg.get("ckpt_path") is None and last.is_file():
+        last = output_dir / "checkpoints" / "last.ckpt"
+        if (multirun or cfg.get("resume")) and cfg.get("ckpt_path") is None:
+            if last.is_file():
                 log.info(f"resuming interrupted job from {last}")
                 cfg.ckpt_path = str(last)
+            elif cfg.get("resume"):
+                log.info(f"resume=true but there is no {last}: starting fresh")
     job = {"config": OmegaConf.to_container(cfg, resolve=True), "output_dir": str(output_dir)}
     try:
         with isolated_job():

@@ -19,6 +19,7 @@ from lightning.fabric.plugins.environments import KubeflowEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from dpddp.callbacks import PredictionWriter, Throughput
+from dpddp.checkpoint import AtomicCheckpointIO
 from dpddp.config import ConfigError, check_config, resolve_accelerator
 from dpddp.data import RandomTensorDataModule
 from dpddp.model import LinearClassifier
@@ -50,7 +51,7 @@ def _build_callbacks(cfg: DictConfig, output_dir: Path) -> list[pl.Callback]:
     for name, spec in (cfg.callbacks or {}).items():
         if spec is None:
             continue
-        extra = {"dirpath": str(output_dir / "checkpoints")} if name == "model_checkpoint" else {}
+        extra = {"dirpath": str(output_dir / "checkpoints")} if spec.get("dirpath", False) is None else {}
         callbacks.append(instantiate(spec, **extra))
     return callbacks
 
@@ -100,11 +101,11 @@ def train(
             default_root_dir=str(output_dir),
             use_distributed_sampler=False,
             # Lightning no longer auto-detects Kubeflow's PyTorchJob; the others (torchrun, SLURM) it does.
-            plugins=[KubeflowEnvironment()] if cfg.cluster == "kubeflow" else None,
+            plugins=[AtomicCheckpointIO(), *([KubeflowEnvironment()] if cfg.cluster == "kubeflow" else [])],
         )
     except (ValueError, TypeError, pl.utilities.exceptions.MisconfigurationException) as err:
         raise ConfigError(f"trainer: {str(err).splitlines()[0]}") from err
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     trainer.test(model, datamodule=datamodule, verbose=False)
     metrics = {**fit_metrics, **{k: float(v) for k, v in trainer.callback_metrics.items()}}
