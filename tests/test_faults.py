@@ -58,7 +58,7 @@ def _wait_ranks(proc, n=2, timeout=60):
 
 
 def test_single_node_ddp_listens_on_loopback_only(tmp_path):
-    proc = _start(tmp_path, *DDP, "trainer.max_epochs=60", "hydra.run.dir=run")
+    proc = _start(tmp_path, *DDP, "trainer.max_epochs=30", "hydra.run.dir=run")
     _wait_ranks(proc)
     seen = set()
     while proc.poll() is None:
@@ -71,7 +71,7 @@ def test_single_node_ddp_listens_on_loopback_only(tmp_path):
 
 def test_a_busy_master_port_fails_fast_and_leaves_the_other_run_alone(tmp_path):
     """Case 05: the second run exits within seconds naming the port; the first finishes; no orphans."""
-    first = _start(tmp_path, *DDP, "trainer.max_epochs=40", "hydra.run.dir=first")
+    first = _start(tmp_path, *DDP, "trainer.max_epochs=25", "hydra.run.dir=first")
     _wait_ranks(first)
     # the port rank 0's store listens on: the launched rank's MASTER_PORT
     store_port = next(p.environ()["MASTER_PORT"] for p in _tagged(first.tag) if "MASTER_PORT" in p.environ())
@@ -145,12 +145,11 @@ def test_twenty_random_kills_each_resume_to_completion(tmp_path):
     args = ["accelerator=cpu", "data.num_samples=20000", "trainer.max_epochs=40", *QUIET, "resume=true"]
     for _ in range(20):
         proc = _start(tmp_path, *args, "hydra.run.dir=run")
-        time.sleep(rng.uniform(3.0, 6.0))  # start-up takes about 3 s here: kills land in training
+        time.sleep(rng.uniform(2.0, 6.0))  # start-up (imports) takes about 3 s: kills land before and in training
         proc.send_signal(signal.SIGKILL)
         _, err = proc.communicate(timeout=30)
-        assert "Error" not in err.split("Killed")[0] or proc.returncode == -9, err[-2000:]
-        if proc.returncode == 0:
-            break
+        # killed, or already finished; never refused (exit 2: unreadable last.ckpt) nor crashed (exit 1)
+        assert proc.returncode in (-signal.SIGKILL, 0), err[-2000:]
     final = _start(tmp_path, *args, "hydra.run.dir=run")
     _, err = final.communicate(timeout=240)
     assert final.returncode == 0, err[-3000:]

@@ -48,7 +48,7 @@ def build_strategy(cfg: DictConfig, job: dict | None) -> str | pl.strategies.Str
 
 def _build_callbacks(cfg: DictConfig, output_dir: Path) -> list[pl.Callback]:
     callbacks: list[pl.Callback] = [Throughput(), PredictionWriter(output_dir)]
-    for name, spec in (cfg.callbacks or {}).items():
+    for spec in (cfg.callbacks or {}).values():
         if spec is None:
             continue
         extra = {"dirpath": str(output_dir / "checkpoints")} if spec.get("dirpath", False) is None else {}
