@@ -59,7 +59,7 @@ def test_bad_setting_raises_before_any_output(tmp_path):
 
 
 def test_trainer_flag_errors_become_one_line(tmp_path):
-    with pytest.raises(ConfigError, match=r"^trainer: .*precision") as err:
+    with pytest.raises(ConfigError, match=r"^trainer.precision='bogus' is invalid: .*precision") as err:
         train(compose_cfg(*SMALL, "trainer.precision=bogus"), tmp_path)
     assert "\n" not in str(err.value)
 

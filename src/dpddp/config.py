@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,14 @@ def _float(name: str, value: Any, low: float, high: float, fix: str) -> float:
     return float(value)
 
 
+def memory_bytes() -> int:
+    """Physical memory of this machine (bytes)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * 2**30
+
+
 def resolve_accelerator(accelerator: str) -> str:
     """``auto`` -> ``gpu`` when CUDA is available, else ``cpu``; ``cuda`` is ``gpu``."""
     if accelerator == "auto":
@@ -127,6 +136,9 @@ def _check_devices(cfg: Mapping) -> None:
         raise ConfigError("devices=-1 (all GPUs) on CPU: give a number of CPU processes, e.g. devices=2")
     if accelerator == "gpu" and devices > torch.cuda.device_count():
         raise ConfigError(f"devices={devices} but {torch.cuda.device_count()} GPUs are visible: lower devices")
+    cores = os.cpu_count() or 1
+    if accelerator == "cpu" and devices > 4 * cores:
+        raise ConfigError(f"devices={devices} CPU processes on {cores} cores: use at most {4 * cores}")
     if strategy == "dp" and accelerator == "cpu" and devices > 1:
         raise ConfigError(
             f"strategy=dp with devices={devices} on CPU: DataParallel replicates over CUDA GPUs in one process; "
@@ -155,6 +167,13 @@ def _check_data(data: Mapping, n_procs: int) -> None:
     for key in ("val_fraction", "test_fraction"):
         _float(f"data.{key}", data[key], 0.0, 0.9, "use a fraction in [0, 0.9]")
     _float("data.label_noise", data["label_noise"], 0.0, 1.0, "use a fraction in [0, 1]")
+    need = 4 * (data["num_samples"] + data["num_classes"]) * (data["num_features"] + 1)  # bytes: x, teacher
+    if need > memory_bytes() // 2:
+        sizes = ", ".join(f"data.{k}={data[k]}" for k in ("num_samples", "num_features", "num_classes"))
+        raise ConfigError(
+            f"{sizes} need {need / 2**30:.1f} GiB, more than half of this machine's "
+            f"{memory_bytes() / 2**30:.0f} GiB: make them smaller"
+        )
     dm = RandomTensorDataModule(**data)
     for split, size in (("val", dm.num_val), ("test", dm.num_test)):
         if size < 1:
@@ -169,7 +188,8 @@ def _check_data(data: Mapping, n_procs: int) -> None:
         )
     if batch % n_procs:
         raise ConfigError(
-            f"data.batch_size={batch} (global) does not divide by the world size {n_procs}: use a multiple of {n_procs}"
+            f"data.batch_size={batch} (global) does not divide by the world size {n_procs} (devices x num_nodes): "
+            f"use a multiple of {n_procs}"
         )
 
 
@@ -197,7 +217,7 @@ def check_config(cfg: DictConfig | Mapping) -> None:
         _check_keys(section, (cfg[section] or {}).keys(), keys[section])
     _check_devices(cfg)
     _int("seed", cfg["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
-    _check_data(cfg["data"], world_size(cfg))
+    _check_data(cfg["data"], world_size(cfg))  # after the devices: the world size needs them valid
     _check_model(cfg["model"])
     if cfg["model"]["num_features"] != cfg["data"]["num_features"]:
         raise ConfigError("model.num_features differs from data.num_features: set data.num_features only")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -25,7 +26,7 @@ from dpddp.data import RandomTensorDataModule
 from dpddp.model import LinearClassifier
 from dpddp.strategies import DataParallelStrategy, DDPStrategy
 
-__all__ = ["METRIC_KEYS", "build_strategy", "isolated_job", "train"]
+__all__ = ["METRIC_KEYS", "build_strategy", "build_trainer", "isolated_job", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,48 @@ def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
     return instantiate(cfg.logger, save_dir=str(output_dir))
 
 
+TRAINER_ERRORS = (ValueError, TypeError, pl.utilities.exceptions.MisconfigurationException)
+
+
+def _trainer_flag_error(cfg: DictConfig, err: Exception) -> ConfigError:
+    """Name the ``trainer.*`` flag Lightning refused: try each flag that differs from Lightning's default alone."""
+    line = (str(err).splitlines() or [type(err).__name__])[0]
+    defaults = inspect.signature(pl.Trainer.__init__).parameters
+    for key, value in (cfg.trainer or {}).items():
+        if key in defaults and value == defaults[key].default:
+            continue
+        try:
+            pl.Trainer(**{key: value}, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        except TRAINER_ERRORS as alone:
+            return ConfigError(f"trainer.{key}={value!r} is invalid: {(str(alone).splitlines() or [''])[0]}")
+    return ConfigError(f"trainer: {line}")
+
+
+def build_trainer(cfg: DictConfig, output_dir: Path, job: dict | None = None) -> pl.Trainer:
+    """The ``pl.Trainer`` of ``cfg`` (trainer flags passed through; strategy, devices and the rest from the
+    top-level knobs; the distributed sampler off: ``RandomTensorDataModule`` shards global batches itself).
+
+    Raises:
+        ConfigError: Lightning refused a flag; the message names it.
+    """
+    try:
+        return pl.Trainer(
+            **(cfg.trainer or {}),
+            strategy=build_strategy(cfg, job),
+            accelerator=resolve_accelerator(cfg.accelerator),
+            devices=cfg.devices,
+            num_nodes=cfg.num_nodes,
+            logger=_build_logger(cfg, output_dir),
+            callbacks=_build_callbacks(cfg, output_dir),
+            default_root_dir=str(output_dir),
+            use_distributed_sampler=False,
+            # Lightning no longer auto-detects Kubeflow's PyTorchJob; the others (torchrun, SLURM) it does.
+            plugins=[AtomicCheckpointIO(), *([KubeflowEnvironment()] if cfg.cluster == "kubeflow" else [])],
+        )
+    except TRAINER_ERRORS as err:
+        raise _trainer_flag_error(cfg, err) from err
+
+
 def train(
     cfg: DictConfig, output_dir: str | Path, job: dict | None = None, extra: dict | None = None
 ) -> dict[str, Any]:
@@ -89,22 +132,7 @@ def train(
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = RandomTensorDataModule(**cfg.data)
     model = LinearClassifier(**cfg.model)
-    try:
-        trainer = pl.Trainer(
-            **(cfg.trainer or {}),
-            strategy=build_strategy(cfg, job),
-            accelerator=resolve_accelerator(cfg.accelerator),
-            devices=cfg.devices,
-            num_nodes=cfg.num_nodes,
-            logger=_build_logger(cfg, output_dir),
-            callbacks=_build_callbacks(cfg, output_dir),
-            default_root_dir=str(output_dir),
-            use_distributed_sampler=False,
-            # Lightning no longer auto-detects Kubeflow's PyTorchJob; the others (torchrun, SLURM) it does.
-            plugins=[AtomicCheckpointIO(), *([KubeflowEnvironment()] if cfg.cluster == "kubeflow" else [])],
-        )
-    except (ValueError, TypeError, pl.utilities.exceptions.MisconfigurationException) as err:
-        raise ConfigError(f"trainer: {str(err).splitlines()[0]}") from err
+    trainer = build_trainer(cfg, output_dir, job)
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     trainer.test(model, datamodule=datamodule, verbose=False)
