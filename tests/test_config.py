@@ -76,7 +76,7 @@ BAD = [
     (["strategy=dp", "devices=2", "accelerator=cpu"], "use strategy=ddp devices=2"),
     (["accelerator=gpu"], "CUDA is not available: use accelerator=cpu"),
     (["accelerator=tpu"], "accelerator='tpu' is unknown"),
-    (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path=/nonexistent/last.ckpt does not exist"),
+    (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path='/nonexistent/last.ckpt' does not exist"),
     (["data.num_samples=0"], "data.num_samples=0 is invalid"),
     (["data.num_features=0"], "data.num_features=0 is invalid"),
     (["data.num_classes=1"], "data.num_classes=1 is invalid"),
@@ -128,6 +128,6 @@ def test_slurm_launcher_maps_devices_and_num_nodes():
 def test_corrupt_checkpoint_is_one_clean_line(tmp_path, content):
     bad = tmp_path / "last.ckpt"
     bad.write_bytes(content)
-    with pytest.raises(ConfigError, match=r"^ckpt_path=.*last.ckpt cannot be read as a checkpoint") as err:
+    with pytest.raises(ConfigError, match=r"^ckpt_path=.*last.ckpt. cannot be read as a checkpoint") as err:
         check_config(compose_cfg(f"ckpt_path={bad}"))
     assert "\n" not in str(err.value)

@@ -76,7 +76,7 @@ BAD = [
     (["+devises=2"], "unknown setting devises: did you mean devices?"),
     (["strategy=dp", "accelerator=cpu", "devices=2"], "use strategy=ddp devices=2"),
     (["strategy=ddp", "accelerator=cpu", "devices=2", "data.batch_size=63"], "does not divide by the world size 2"),
-    (["ckpt_path=missing.ckpt"], "missing.ckpt does not exist"),
+    (["ckpt_path=missing.ckpt"], "missing.ckpt' does not exist"),
 ]
 
 

@@ -228,7 +228,7 @@ def check_config(cfg: DictConfig | Mapping) -> None:
     ckpt = cfg["ckpt_path"]
     if ckpt is not None and not Path(str(ckpt)).is_file():
         raise ConfigError(
-            f"ckpt_path={ckpt} does not exist: give a checkpoint file, e.g. <run dir>/checkpoints/last.ckpt"
+            f"ckpt_path={str(ckpt)!r} does not exist: give a checkpoint file, e.g. <run dir>/checkpoints/last.ckpt"
         )
     if ckpt is not None and (problem := checkpoint_problem(ckpt)):
-        raise ConfigError(f"ckpt_path={ckpt} {problem}: give a last.ckpt or best.ckpt written by dpddp")
+        raise ConfigError(f"ckpt_path={str(ckpt)!r} {problem}: give a last.ckpt or best.ckpt written by dpddp")
