@@ -131,3 +131,19 @@ def test_corrupt_checkpoint_is_one_clean_line(tmp_path, content):
     with pytest.raises(ConfigError, match=r"^ckpt_path=.*last.ckpt. cannot be read as a checkpoint") as err:
         check_config(compose_cfg(f"ckpt_path={bad}"))
     assert "\n" not in str(err.value)
+
+
+def test_cluster_kubeflow_selects_lightnings_kubeflow_environment(tmp_path, monkeypatch):
+    from lightning.fabric.plugins.environments import KubeflowEnvironment
+
+    from dpddp.training import build_trainer
+
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29999", WORLD_SIZE="1", RANK="0").items():
+        monkeypatch.setenv(key, value)
+    cfg = compose_cfg("cluster=kubeflow", "strategy=ddp", "accelerator=cpu", "logger=none")
+    check_config(cfg)
+    trainer = build_trainer(cfg, tmp_path)
+    assert isinstance(trainer.strategy.cluster_environment, KubeflowEnvironment)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"but the cluster started 3 \(WORLD_SIZE=3\)"):
+        check_config(cfg)

@@ -46,11 +46,13 @@ def run_name() -> str:
 
 def register_resolvers() -> None:
     """Resolvers for ``conf/hydra``: ``${dpddp.run_name:}``, ``${dpddp.rank_zero:a,b}`` (``a`` on global rank 0,
-    else ``b``), ``${dpddp.job_name:}`` (``train`` on rank 0, else ``rank<N>``: the log file's name)."""
+    else ``b``), ``${dpddp.job_name:}`` (``train`` on rank 0, else ``rank<N>``: the log file's name),
+    ``${dpddp.rank_tag:}`` (``[rank N]`` in log lines of ranks other than 0)."""
     if not OmegaConf.has_resolver("dpddp.run_name"):
         OmegaConf.register_new_resolver("dpddp.run_name", run_name, use_cache=True)
         OmegaConf.register_new_resolver("dpddp.rank_zero", lambda a, b: a if env_rank() == 0 else b)
         OmegaConf.register_new_resolver("dpddp.job_name", lambda: "train" if env_rank() == 0 else f"rank{env_rank()}")
+        OmegaConf.register_new_resolver("dpddp.rank_tag", lambda: "" if env_rank() == 0 else f"[rank {env_rank()}]")
 
 
 def cluster_world_size(cluster: str = "auto") -> tuple[int, str] | None:
