@@ -155,3 +155,41 @@ def test_twenty_random_kills_each_resume_to_completion(tmp_path):
     assert final.returncode == 0, err[-3000:]
     assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 40 * (16000 // 64)
     assert metrics(tmp_path / "run")["val/acc"] >= 0.9
+
+
+@pytest.mark.parametrize("strategy,target", [("auto", "rank 0"), ("ddp", "rank 1")])
+def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(tmp_path, strategy, target):
+    import torch
+    from conftest import compose_cfg, max_diff, weights
+
+    from dpddp.training import train
+
+    args = ["accelerator=cpu", "data.num_samples=20000", "trainer.max_epochs=3", "model.optimizer=adam"]
+    args += [f"strategy={strategy}", f"devices={2 if strategy == 'ddp' else 1}"]
+    proc = _start(tmp_path, *args, *QUIET, "hydra.run.dir=run")
+    last = tmp_path / "run/checkpoints/last.ckpt"
+    deadline = time.monotonic() + 120
+    while not last.exists() and time.monotonic() < deadline:  # the first epoch is done: mid-training now
+        time.sleep(0.1)
+    time.sleep(0.3)
+    ranks = _tagged(proc.tag)
+    victim = [p for p in ranks if ("dpddp.launch" in " ".join(p.cmdline())) == (target == "rank 1")][0]
+    victim.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    line = [x for x in err.splitlines() if x.startswith("error: stopped by SIGTERM after step")]
+    assert len(line) == 1 and "resume=true hydra.run.dir=" in line[0]
+    step = torch.load(last, weights_only=True)["global_step"]
+    assert 0 < step % (16000 // 64) and step < 3 * (16000 // 64)  # stopped mid-epoch
+    assert leftover(proc.tag) == []
+    resumed = _start(tmp_path, *args, *QUIET, "hydra.run.dir=run", "resume=true")
+    _, err = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, err[-2000:]
+    # the same run uninterrupted: in-process for one process; DDP ranks must be real processes
+    if strategy == "auto":
+        train(compose_cfg(*args, *QUIET, "logger=none"), tmp_path / "straight")
+    else:
+        straight = _start(tmp_path, *args, *QUIET, "hydra.run.dir=straight")
+        straight.communicate(timeout=240)
+        assert straight.returncode == 0
+    assert max_diff(weights(last), weights(tmp_path / "straight/checkpoints/last.ckpt")) <= 1e-6

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from hydra.experimental.callback import Callback as HydraCallback
 from lightning.pytorch.callbacks import BasePredictionWriter
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["PredictionWriter", "SweepSummary", "Throughput"]
+__all__ = ["Preempted", "Preemption", "PredictionWriter", "SweepSummary", "Throughput"]
 
 
 class Throughput(pl.Callback):
@@ -151,3 +153,50 @@ class PredictionWriter(BasePredictionWriter):
             writer.writerow(["index", "target", "pred", *(f"prob_{c}" for c in range(num_classes))])
             for row in table.tolist():
                 writer.writerow([int(row[0]), int(row[1]), int(row[2]), *(f"{p:.6g}" for p in row[3:])])
+
+
+class Preempted(RuntimeError):
+    """Training stopped on SIGTERM after a checkpoint was written; ``path`` is that checkpoint."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        super().__init__(f"stopped by SIGTERM after step {step}; checkpoint: {path}")
+        self.path, self.step = path, step
+
+
+class Preemption(pl.Callback):
+    """Stop on SIGTERM at the next step, on every rank, with a checkpoint to resume from.
+
+    A SIGTERM to any process (or all, as schedulers do) only sets a flag; after each training step the ranks
+    agree on it with one ``all_reduce(MAX)`` (Lightning's own handler instead broadcasts from rank 0 inside the
+    signal handler, so a signal to another rank is lost or leaves the collectives out of step). When it is set,
+    all ranks write ``<dirpath>/last.ckpt`` through ``trainer.save_checkpoint`` (rank 0 writes) and raise
+    ``Preempted``. The checkpoint is taken at a step end, the point Lightning restores mid-epoch from;
+    ``RandomTensorDataModule`` then skips the batches of that epoch already trained, so the resumed run ends
+    with the weights of an uninterrupted one.
+    """
+
+    def __init__(self, dirpath: str | Path) -> None:
+        self.dirpath = Path(dirpath)
+        self.requested = False
+        self._previous: Any = None
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if threading.current_thread() is threading.main_thread():  # after Lightning installed its handler
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        flag = torch.tensor([int(self.requested)], device=trainer.strategy.root_device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item():
+            path = self.dirpath / "last.ckpt"
+            trainer.save_checkpoint(path)
+            raise Preempted(path, trainer.global_step)

@@ -99,6 +99,7 @@ class GlobalBatchSampler(Sampler[torch.Tensor]):
         self.num_samples, self.batch_size = num_samples, batch_size
         self.rank, self.world_size = rank, world_size
         self.train, self.seed, self.epoch = train, seed, 0
+        self.skip = 0  # batches of the next epoch already trained before a mid-epoch checkpoint (resume)
 
     def set_epoch(self, epoch: int) -> None:
         """Called by Lightning at each epoch start; selects that epoch's permutation."""
@@ -115,7 +116,8 @@ class GlobalBatchSampler(Sampler[torch.Tensor]):
             order = torch.randperm(self.num_samples, generator=gen)
         else:
             order = torch.arange(self.num_samples)
-        for k in range(len(self)):
+        skip, self.skip = self.skip, 0
+        for k in range(skip, len(self)):
             batch = order[k * self.batch_size : (k + 1) * self.batch_size]
             yield torch.tensor_split(batch, self.world_size)[self.rank]
 
@@ -175,7 +177,13 @@ class RandomTensorDataModule(pl.LightningDataModule):
         return DataLoader(ds, sampler=sampler, batch_size=None)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
+        """Training batches; resuming from a mid-epoch checkpoint, the first epoch skips the batches already
+        trained (Lightning restores the step count but restarts a plain loader from the epoch's start)."""
+        loader = self._loader("train")
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current if self.trainer else None
+        if progress is not None and self.trainer.fit_loop.restarting and 0 < progress.processed < len(loader):
+            loader.sampler.skip = progress.processed
+        return loader
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from hydra.types import RunMode
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from dpddp.callbacks import Preempted
 from dpddp.config import ConfigError
 from dpddp.training import METRIC_KEYS, isolated_job, train
 
@@ -69,6 +71,10 @@ def run(cfg: DictConfig) -> float:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
         line = str(err)
+    except Preempted as err:
+        resume = f"python train.py <same overrides> resume=true hydra.run.dir={output_dir}"
+        print(f"error: {err}: resume with {resume}", file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
     except Exception as err:
         if not multirun:
             raise

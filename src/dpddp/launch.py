@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from dpddp.callbacks import Preempted
 from dpddp.config import ConfigError
 from dpddp.strategies import JOB_ENV
 from dpddp.training import train
@@ -35,6 +37,9 @@ def main() -> int:
     except ConfigError as err:
         log.error(f"error: {err}")
         return 2
+    except Preempted as err:
+        log.error(str(err))
+        return 128 + signal.SIGTERM
     except Exception:
         log.exception("rank failed")
         return 1

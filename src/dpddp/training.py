@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +20,7 @@ from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import KubeflowEnvironment
 from omegaconf import DictConfig, OmegaConf
 
-from dpddp.callbacks import PredictionWriter, Throughput
+from dpddp.callbacks import PredictionWriter, Preemption, Throughput
 from dpddp.checkpoint import AtomicCheckpointIO
 from dpddp.config import ConfigError, check_config, resolve_accelerator
 from dpddp.data import RandomTensorDataModule
@@ -29,6 +30,9 @@ from dpddp.strategies import DataParallelStrategy, DDPStrategy
 __all__ = ["METRIC_KEYS", "build_strategy", "build_trainer", "isolated_job", "train"]
 
 log = logging.getLogger(__name__)
+# RandomTensorDataModule resumes mid-epoch exactly (it skips the batches already trained: see train_dataloader),
+# which Lightning cannot see from a plain DataLoader; its warning would say the opposite.
+warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 METRIC_KEYS = ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc")
 
@@ -48,7 +52,7 @@ def build_strategy(cfg: DictConfig, job: dict | None) -> str | pl.strategies.Str
 
 
 def _build_callbacks(cfg: DictConfig, output_dir: Path) -> list[pl.Callback]:
-    callbacks: list[pl.Callback] = [Throughput(), PredictionWriter(output_dir)]
+    callbacks: list[pl.Callback] = [Throughput(), PredictionWriter(output_dir), Preemption(output_dir / "checkpoints")]
     for spec in (cfg.callbacks or {}).values():
         if spec is None:
             continue
