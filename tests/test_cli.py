@@ -4,6 +4,7 @@ import csv
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,15 +16,15 @@ pytestmark = pytest.mark.slow
 FAST = ["--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false"]
 
 
-def cli(*args, cwd):
+def cli(*args, cwd, script=False):
+    """``python -m dpddp.cli ARGS``, or the ``dpddp`` console script; asserts exit 0 and no leftover process."""
     import uuid
 
     tag = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
     env.update(OMP_NUM_THREADS="1", DPDDP_TEST_TAG=tag)
-    proc = subprocess.run(
-        [sys.executable, "-m", "dpddp.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
-    )
+    cmd = [str(Path(sys.executable).parent / "dpddp")] if script else [sys.executable, "-m", "dpddp.cli"]
+    proc = subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert leftover(tag) == []
     return proc
@@ -39,7 +40,7 @@ def test_print_config_round_trip(tmp_path):
     assert "strategy: auto" in printed and "batch_size: 32" in printed and "lr: 0.05" in printed
     (tmp_path / "config.yaml").write_text(printed)
     cli("fit", *FAST, "--model.lr=0.05", "--data.batch_size=32", "--trainer.default_root_dir=a", cwd=tmp_path)
-    cli("fit", "--config", "config.yaml", "--trainer.default_root_dir=b", cwd=tmp_path)
+    cli("fit", "--config", "config.yaml", "--trainer.default_root_dir=b", cwd=tmp_path, script=True)
     assert max_diff(weights(_ckpt(tmp_path / "a")), weights(_ckpt(tmp_path / "b"))) == 0
 
 

@@ -65,8 +65,8 @@ BAD = [
     (["strategy.name=fsdp"], "strategy='fsdp' is unknown"),
     (["devices=0"], "devices=0 is invalid"),
     (["devices=-2"], "devices=-2 is invalid"),
-    (["devices=1.5"], "devices=1.5 is invalid"),
-    (["devices=two"], "devices='two' is invalid"),
+    (["devices=1.5"], "devices=1.5 is not an integer"),
+    (["devices=two"], "devices='two' is not an integer"),
     (["devices=-1", "accelerator=cpu"], "devices=-1 (all GPUs) on CPU"),
     (["num_nodes=0"], "num_nodes=0 is invalid"),
     (
@@ -147,3 +147,23 @@ def test_cluster_kubeflow_selects_lightnings_kubeflow_environment(tmp_path, monk
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"but the cluster started 3 \(WORLD_SIZE=3\)"):
         check_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["strategy=ddp", "strategy.timeout_s=0"], "strategy.timeout_s=0 is invalid"),
+        (["strategy=ddp", "strategy.timeout_s=abc"], "strategy.timeout_s='abc' is invalid"),
+        (["strategy=ddp", "strategy.process_group_backend=foo"], "strategy.process_group_backend='foo' is unknown"),
+        (["strategy=ddp", "+strategy.start_method=thread"], "strategy.start_method='thread' is unknown"),
+    ],
+)
+def test_bad_strategy_options(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        check_config(compose_cfg("accelerator=cpu", "devices=2", *overrides))
+
+
+def test_bad_master_port_in_the_environment(monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", "abc")
+    with pytest.raises(ConfigError, match=r"MASTER_PORT='abc' \(environment\) is not a port"):
+        check_config(compose_cfg("strategy=ddp", "accelerator=cpu", "devices=2"))

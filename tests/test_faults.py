@@ -193,3 +193,19 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(tmp_pat
         straight.communicate(timeout=240)
         assert straight.returncode == 0
     assert max_diff(weights(last), weights(tmp_path / "straight/checkpoints/last.ckpt")) <= 1e-6
+
+
+def test_a_rank_killed_in_one_sweep_job_does_not_end_the_sweep(tmp_path):
+    args = ["-m", "strategy=ddp", "devices=2", "accelerator=cpu", "seed=0,1", "data.num_samples=20000"]
+    proc = _start(tmp_path, *args, "trainer.max_epochs=8", *QUIET, "hydra.sweep.dir=sweep")
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "sweep/0/checkpoints/last.ckpt").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # training (a rank lost while connecting leaves rank 0 in a wait only an exit ends)
+    (rank1,) = [p for p in _tagged(proc.tag) if "dpddp.launch" in " ".join(p.cmdline())]
+    rank1.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]  # job 0 failed, recorded; job 1 ran to the end
+    assert (tmp_path / "sweep/0/error.txt").is_file()
+    assert metrics(tmp_path / "sweep/1")["world_size"] == 2
+    assert "failed" in (tmp_path / "sweep/summary.md").read_text()
+    assert leftover(proc.tag) == []

@@ -20,7 +20,7 @@ def test_defaults_learn_and_write_metrics(tmp_path):
     assert written["val/acc"] >= 0.9 and written["test/acc"] >= 0.9
     assert written["world_size"] == 1 and written["strategy"] == "auto" and written["samples_per_sec"] > 0
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file() and (tmp_path / "checkpoints" / "best.ckpt").is_file()
-    assert (tmp_path / "csv" / "metrics.csv").read_text().startswith("epoch,step")
+    assert (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().startswith("epoch,step")
 
 
 def test_dp_on_one_cpu_equals_auto_exactly(tmp_path):

@@ -23,11 +23,15 @@ __all__ = ["Preempted", "Preemption", "PredictionWriter", "SweepSummary", "Throu
 class Throughput(pl.Callback):
     """Steady-state training throughput in samples/s over all processes.
 
-    Counts the intervals between consecutive ``on_train_batch_end`` calls within an epoch (so data loading and
+    Reported at the end of training in ``trainer.callback_metrics[Throughput.KEY]``. Counts the intervals between
+    consecutive ``on_train_batch_end`` calls within an epoch (so data loading and
     the step are in, while start-up, the first step of each epoch and validation are out), each worth one
     global batch (``datamodule.batch_size`` samples). With a single step per epoch it falls back to the step
     times alone. Cheap: one ``time.perf_counter()`` per step, no sync.
     """
+
+    KEY = "perf/samples_per_sec"
+    FIRST_STEP_KEY = "perf/first_step_unix_s"
 
     def __init__(self) -> None:
         self.samples = 0
@@ -54,6 +58,12 @@ class Throughput(pl.Callback):
         self.fallback[0] += batch
         self.fallback[1] += now - self._batch_start
         self._last = now
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Into callback_metrics: that is what ddp_spawn carries back from its rank-0 process to the caller.
+        trainer.callback_metrics[self.KEY] = torch.tensor(self.samples_per_sec, dtype=torch.float64)
+        if self.first_step_unix_s is not None:
+            trainer.callback_metrics[self.FIRST_STEP_KEY] = torch.tensor(self.first_step_unix_s, dtype=torch.float64)
 
     @property
     def samples_per_sec(self) -> float:

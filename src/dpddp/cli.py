@@ -10,10 +10,13 @@ command line, which holds no Hydra sweep.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 import dpddp  # noqa: F401  (registers strategy "dp")
 from dpddp.callbacks import PredictionWriter, Throughput
@@ -47,21 +50,32 @@ class DPDDPCLI(LightningCLI):
         parser.link_arguments("data.num_features", "model.num_features")
         parser.link_arguments("data.num_classes", "model.num_classes")
 
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        # Set here, not in trainer_defaults: a plugin instance there would make --print_config unloadable.
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
 
-def main(args: list[str] | None = None) -> DPDDPCLI:
-    """Run the CLI on ``args`` (default ``sys.argv[1:]``)."""
-    return DPDDPCLI(
-        LinearClassifier,
-        RandomTensorDataModule,
-        trainer_defaults={
-            "use_distributed_sampler": False,
-            "callbacks": [Throughput(), PredictionWriter()],
-            "plugins": [AtomicCheckpointIO()],
-        },
-        seed_everything_default=0,
-        save_config_callback=VersionedSaveConfig,
-        args=args,
-    )
+
+def main(args: list[str] | None = None) -> None:
+    """Run the CLI on ``args`` (default ``sys.argv[1:]``); a bad setting ends with one ``error:`` line, exit 2."""
+    try:
+        DPDDPCLI(
+            LinearClassifier,
+            RandomTensorDataModule,
+            trainer_defaults={
+                "use_distributed_sampler": False,
+                "max_epochs": 10,  # as train.py (Lightning's None means 1000)
+                "callbacks": [Throughput(), PredictionWriter()],
+            },
+            seed_everything_default=0,
+            save_config_callback=VersionedSaveConfig,
+            args=args,
+        )
+    except ValueError as err:  # ours (dp on CPU, batch not divisible) and Lightning's refusals of a setting
+        print(f"error: {(str(err).splitlines() or [type(err).__name__])[0]}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

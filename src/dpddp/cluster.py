@@ -13,7 +13,7 @@ import time
 
 from omegaconf import OmegaConf
 
-__all__ = ["cluster_world_size", "env_rank", "loopback_interface", "register_resolvers", "run_name"]
+__all__ = ["cluster_world_size", "env_rank", "loopback_interface", "process_name", "register_resolvers", "run_name"]
 
 
 def env_rank() -> int:
@@ -23,6 +23,15 @@ def env_rank() -> int:
         if key in os.environ:
             return int(os.environ[key])
     return 0
+
+
+def process_name() -> str:
+    """``""`` on global rank 0; else ``rank<N>`` (torchrun, SLURM, a PyTorchJob), or ``node<N>`` for the first
+    process of node N started by hand (``NODE_RANK=N python train.py``: Lightning starts that node's ranks)."""
+    if env_rank():
+        return f"rank{env_rank()}"
+    node = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
+    return f"node{node}" if node not in ("", "0") else ""
 
 
 def run_name() -> str:
@@ -46,13 +55,13 @@ def run_name() -> str:
 
 def register_resolvers() -> None:
     """Resolvers for ``conf/hydra``: ``${dpddp.run_name:}``, ``${dpddp.rank_zero:a,b}`` (``a`` on global rank 0,
-    else ``b``), ``${dpddp.job_name:}`` (``train`` on rank 0, else ``rank<N>``: the log file's name),
-    ``${dpddp.rank_tag:}`` (``[rank N]`` in log lines of ranks other than 0)."""
+    else ``b``), ``${dpddp.job_name:}`` (``train`` on rank 0, else ``rank<N>``/``node<N>``: the log file's
+    name), ``${dpddp.rank_tag:}`` (``[rank<N>]`` in log lines of processes other than global rank 0)."""
     if not OmegaConf.has_resolver("dpddp.run_name"):
         OmegaConf.register_new_resolver("dpddp.run_name", run_name, use_cache=True)
-        OmegaConf.register_new_resolver("dpddp.rank_zero", lambda a, b: a if env_rank() == 0 else b)
-        OmegaConf.register_new_resolver("dpddp.job_name", lambda: "train" if env_rank() == 0 else f"rank{env_rank()}")
-        OmegaConf.register_new_resolver("dpddp.rank_tag", lambda: "" if env_rank() == 0 else f"[rank {env_rank()}]")
+        OmegaConf.register_new_resolver("dpddp.rank_zero", lambda a, b: b if process_name() else a)
+        OmegaConf.register_new_resolver("dpddp.job_name", lambda: process_name() or "train")
+        OmegaConf.register_new_resolver("dpddp.rank_tag", lambda: f"[{process_name()}]" if process_name() else "")
 
 
 def cluster_world_size(cluster: str = "auto") -> tuple[int, str] | None:

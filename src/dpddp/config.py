@@ -81,8 +81,9 @@ def _check_keys(section: str, keys: Iterable[str], allowed: list[str]) -> None:
 
 
 def _int(name: str, value: Any, low: int, fix: str, high: int | None = None) -> int:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
-    if not ok:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} is not an integer: {fix}")
+    if value < low or (high is not None and value > high):
         raise ConfigError(f"{name}={value!r} is invalid: {fix}")
     return value
 
@@ -150,12 +151,30 @@ def _check_devices(cfg: Mapping) -> None:
         raise ConfigError(f"strategy=auto runs on one device, not devices={devices}: use strategy=ddp (or dp on GPUs)")
     if cfg["cluster"] not in CLUSTERS:
         raise ConfigError(f"cluster={cfg['cluster']!r} is unknown: choose one of {', '.join(CLUSTERS)}")
+    _check_strategy_options(cfg["strategy"])
     cluster = cluster_world_size(cfg["cluster"])
     if cluster and strategy in ("ddp", "ddp_spawn") and cluster[0] != world_size(cfg):
         raise ConfigError(
             f"devices={devices} x num_nodes={num_nodes} = {world_size(cfg)} processes, but the cluster started "
             f"{cluster[0]} ({cluster[1]}={cluster[0]}): make devices x num_nodes match the cluster's tasks"
         )
+
+
+def _check_strategy_options(options: Mapping) -> None:
+    if "timeout_s" in options:
+        _float("strategy.timeout_s", options["timeout_s"], 1.0, 7 * 86400.0, "use seconds, e.g. strategy.timeout_s=180")
+    backend = options.get("process_group_backend")
+    if backend not in (None, "gloo", "nccl", "mpi", "ucc"):
+        raise ConfigError(f"strategy.process_group_backend={backend!r} is unknown: use null (automatic), gloo or nccl")
+    start = options.get("start_method")
+    if start not in (None, "popen", "spawn", "fork", "forkserver"):
+        raise ConfigError(f"strategy.start_method={start!r} is unknown: use popen (ddp) or spawn, fork, forkserver")
+    for key in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
+        if key in options and not isinstance(options[key], bool):
+            raise ConfigError(f"strategy.{key}={options[key]!r} is invalid: use true or false")
+    port = os.environ.get("MASTER_PORT")
+    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"MASTER_PORT={port!r} (environment) is not a port: unset it or use 1-65535")
 
 
 def _check_data(data: Mapping, n_procs: int) -> None:

@@ -40,7 +40,8 @@ def run(cfg: DictConfig) -> float:
     ``hydra.job.chdir=true``). In a multirun, a job whose ``metrics.json`` is complete for the same overrides
     is skipped, an interrupted one resumes from its ``checkpoints/last.ckpt``, and a failing job is recorded in
     its ``error.txt`` and returns ``nan`` so the sweep goes on (the summary callback exits non-zero at the end).
-    ``resume=true`` does the same for a single run in an existing ``hydra.run.dir``. Outside a multirun a bad
+    ``resume=true`` does the same for a single run in an existing ``hydra.run.dir``. (A complete job run again
+    with other overrides, e.g. more epochs, resumes from its ``last.ckpt``.) Outside a multirun a bad
     setting prints one ``error:`` line and exits with status 2.
     """
     hydra_cfg = HydraConfig.get()
@@ -50,13 +51,13 @@ def run(cfg: DictConfig) -> float:
     with open_dict(cfg):
         if cfg.get("ckpt_path"):
             cfg.ckpt_path = to_absolute_path(str(cfg.ckpt_path))
-        if multirun:
-            done = completed_metrics(output_dir)
-            if done is not None and done.get("overrides") == overrides:
-                log.info(f"job already complete, skipping: {output_dir / 'metrics.json'}")
-                return done["val/loss"]
+        resume = multirun or cfg.get("resume")
+        done = completed_metrics(output_dir) if resume else None
+        if done is not None and done.get("overrides") == overrides:
+            log.info(f"already complete with the same overrides, skipping: {output_dir / 'metrics.json'}")
+            return done["val/loss"]
         last = output_dir / "checkpoints" / "last.ckpt"
-        if (multirun or cfg.get("resume")) and cfg.get("ckpt_path") is None:
+        if resume and cfg.get("ckpt_path") is None:
             if last.is_file():
                 log.info(f"resuming interrupted job from {last}")
                 cfg.ckpt_path = str(last)

@@ -137,17 +137,22 @@ def train(
     datamodule = RandomTensorDataModule(**cfg.data)
     model = LinearClassifier(**cfg.model)
     trainer = build_trainer(cfg, output_dir, job)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
-    fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    trainer.test(model, datamodule=datamodule, verbose=False)
-    metrics = {**fit_metrics, **{k: float(v) for k, v in trainer.callback_metrics.items()}}
-    if cfg.predict:
-        trainer.predict(model, datamodule=datamodule, return_predictions=False)
-    throughput = next(c for c in trainer.callbacks if isinstance(c, Throughput))
+    finished = False
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
+        fit_metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
+        trainer.test(model, datamodule=datamodule, verbose=False)
+        metrics = {**fit_metrics, **{k: v.item() for k, v in trainer.callback_metrics.items()}}
+        if cfg.predict:
+            trainer.predict(model, datamodule=datamodule, return_predictions=False)
+        finished = True
+    finally:
+        # Stop watching this job's ranks before the next job of a sweep starts; a failed job's are killed.
+        _join_launched_ranks(trainer, timeout_s=60.0 if finished else 5.0)
     result = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(
-        samples_per_sec=throughput.samples_per_sec,
-        first_step_unix_s=throughput.first_step_unix_s,
+        samples_per_sec=metrics.get(Throughput.KEY, math.nan),
+        first_step_unix_s=metrics.get(Throughput.FIRST_STEP_KEY),
         world_size=trainer.world_size,
         strategy=cfg.strategy.name,
         accelerator=resolve_accelerator(cfg.accelerator),
@@ -161,11 +166,10 @@ def train(
         log.info(
             "metrics: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items())
         )
-    _join_launched_ranks(trainer)
     return result
 
 
-def _join_launched_ranks(trainer: pl.Trainer, timeout_s: float = 60.0) -> None:
+def _join_launched_ranks(trainer: pl.Trainer, timeout_s: float) -> None:
     launcher = trainer.strategy.launcher
     if hasattr(launcher, "join"):
         launcher.join(timeout_s)

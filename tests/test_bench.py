@@ -1,0 +1,33 @@
+"""Smoke test of the benchmark (``bench/run.py --quick``): it runs and records both sides. No speed is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RANK_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
+
+
+@pytest.mark.slow
+def test_bench_quick(tmp_path: Path) -> None:
+    """One project run and one plain run of the seed's size (tiny, one process each; about 15 s on 2 cores)."""
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "bench/run.py", "--quick", "--workloads", "W1", "--strategies", "single"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "samples/s" in (tmp_path / "RESULTS.md").read_text()
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    for impl in ("project", "plain"):
+        rows = [r for r in runs if r["impl"] == impl]
+        assert rows, f"no {impl} row"
+        assert all(r["samples_per_sec"] > 0 for r in rows)
+        assert all(r["wall_s"] > 0 and r["peak_rss_bytes"] > 0 for r in rows)
