@@ -1,0 +1,195 @@
+"""Plain-PyTorch baselines of dpddp's job, for the benchmark (``bench/run.py``).
+
+The same job as ``python train.py``: the project's tensors (the project's ``dpddp.data.make_tensors``, seed 0,
+compiled from its source without importing the package) split ``[train | val | test]`` like
+``RandomTensorDataModule``, one ``nn.Linear`` seeded like the project, SGD
+(lr 0.1, momentum 0.9), the global batch ``batch_size`` taken from a per-epoch ``torch.randperm`` by one tensor
+index (no per-sample collate), the last partial batch dropped, validation after each epoch and a test at the end.
+
+Modes:
+    single: one process.
+    ddp: ``world_size`` processes started by ``torch.multiprocessing.spawn``, gloo, ``DistributedDataParallel``;
+        rank ``r`` takes the contiguous chunk ``[r * b, (r + 1) * b)`` of each global batch, ``b =
+        batch_size / world_size``, and ``torch.set_num_threads(max(1, cpu_count // world_size))``.
+    dp: one process, ``nn.DataParallel`` over ``world_size`` CUDA GPUs (refused without CUDA).
+
+Writes (and prints) a JSON object to ``out``: ``samples_per_sec`` (steady state: global batches of the steps
+after the first of each epoch over the time from the end of that first step to the end of the epoch's last step,
+samples/s), ``first_step_unix_s`` (``time.time()`` at the end of the first optimizer step, s),
+``wall_time_s`` (from ``main()`` to the end of testing, s), ``steps`` (optimizer steps), ``val/loss``,
+``val/acc``, ``test/loss``, ``test/acc`` (mean loss per sample, fraction; equal to the project's for the same job).
+
+Usage: ``python bench/plain.py MODE WORLD_SIZE NUM_SAMPLES NUM_FEATURES NUM_CLASSES BATCH_SIZE EPOCHS OUT``
+"""
+
+from __future__ import annotations
+import __future__
+
+import argparse
+import ast
+import importlib.util
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+SEED = 0
+VAL_FRACTION = TEST_FRACTION = 0.1
+LR, MOMENTUM = 0.1, 0.9
+
+Split = tuple[torch.Tensor, torch.Tensor]
+
+
+def project_make_tensors() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``dpddp.data.make_tensors``, compiled from the project's own source file: ``import dpddp.data`` would
+    import the whole package, hence Lightning and Hydra (several seconds and ~100 MB per process), into the
+    baseline. The function needs nothing but ``torch``."""
+    spec = importlib.util.find_spec("dpddp")  # finds the package without importing it
+    if spec is None or spec.origin is None:
+        raise SystemExit("error: dpddp is not installed (pip install -e .)")
+    path = Path(spec.origin).parent / "data.py"
+    tree = ast.parse(path.read_text(), str(path))
+    func = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "make_tensors")
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(compile(ast.Module([func], []), str(path), "exec", flags=__future__.annotations.compiler_flag), namespace)
+    return namespace["make_tensors"]
+
+
+def load_splits(num_samples: int, num_features: int, num_classes: int) -> dict[str, Split]:
+    """The project's data split ``[train | val | test]`` like ``RandomTensorDataModule``."""
+    x, y = project_make_tensors()(SEED, num_samples, num_features, num_classes)
+    num_val, num_test = int(num_samples * VAL_FRACTION), int(num_samples * TEST_FRACTION)
+    a, b = num_samples - num_val - num_test, num_samples - num_test
+    return {"train": (x[:a], y[:a]), "val": (x[a:b], y[a:b]), "test": (x[b:], y[b:])}
+
+
+def evaluate(
+    model: nn.Module, split: Split, batch_size: int, rank: int, world_size: int, device: torch.device
+) -> tuple[float, float]:
+    """Mean loss and accuracy over the split, each sample counted once over all ranks (rank ``r`` takes the
+    contiguous ``r``-th part of the split, in batches of ``batch_size / world_size`` samples)."""
+    x, y = (t.tensor_split(world_size)[rank] for t in split)
+    sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+    with torch.no_grad():
+        for xb, yb in zip(x.split(batch_size // world_size), y.split(batch_size // world_size), strict=True):
+            logits = model(xb.to(device)).cpu()
+            sums += torch.tensor(
+                [F.cross_entropy(logits, yb, reduction="sum"), (logits.argmax(1) == yb).sum(), len(yb)]
+            )
+    if world_size > 1 and dist.is_initialized():
+        dist.all_reduce(sums)
+    loss, correct, count = sums.tolist()
+    return loss / max(count, 1), correct / max(count, 1)
+
+
+def fit(
+    model: nn.Module, splits: dict[str, Split], batch_size: int, epochs: int, rank: int, world_size: int
+) -> dict[str, Any]:
+    """Train, validate each epoch, test; return the timings (s, samples/s) and metrics of this rank."""
+    device = next(model.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    x, y = splits["train"]
+    steps, chunk = len(y) // batch_size, batch_size // world_size
+    samples, seconds, first_step_unix_s, fallback = 0, 0.0, None, 0.0
+    result: dict[str, Any] = {}
+    for epoch in range(epochs):
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(SEED * 1_000_003 + epoch))
+        last = None
+        for k in range(steps):
+            begin = time.perf_counter()
+            idx = order[k * batch_size + rank * chunk : k * batch_size + (rank + 1) * chunk]
+            xb, yb = x[idx].to(device, non_blocking=True), y[idx].to(device, non_blocking=True)
+            loss = F.cross_entropy(model(xb), yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if k in (0, steps - 1):  # CUDA: the last sync waits for every step queued since the first
+                sync()
+            now = time.perf_counter()
+            if first_step_unix_s is None:
+                first_step_unix_s, fallback = time.time(), now - begin
+            if last is not None:
+                samples, seconds = samples + batch_size, seconds + now - last
+            last = now
+        result["val/loss"], result["val/acc"] = evaluate(model, splits["val"], batch_size, rank, world_size, device)
+    result["test/loss"], result["test/acc"] = evaluate(model, splits["test"], batch_size, rank, world_size, device)
+    speed = samples / seconds if samples else (batch_size / fallback if fallback else float("nan"))
+    return {"samples_per_sec": speed, "first_step_unix_s": first_step_unix_s, "steps": steps * epochs, **result}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ddp_rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
+    """One DDP rank (``mp.spawn`` target); rank 0 puts its result on ``queue``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
+    try:
+        splits = load_splits(args.num_samples, args.num_features, args.num_classes)
+        torch.manual_seed(SEED)
+        model = nn.parallel.DistributedDataParallel(nn.Linear(args.num_features, args.num_classes))
+        result = fit(model, splits, args.batch_size, args.epochs, rank, args.world_size)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``args.mode``; return rank 0's result."""
+    if args.batch_size % args.world_size:
+        raise SystemExit(f"error: batch_size {args.batch_size} does not divide by world_size {args.world_size}")
+    if args.mode == "ddp":
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(_ddp_rank, args=(args, free_port(), queue), nprocs=args.world_size, join=True)
+        return queue.get()
+    if args.mode == "dp" and not torch.cuda.is_available():
+        raise SystemExit("error: mode dp needs CUDA")
+    splits = load_splits(args.num_samples, args.num_features, args.num_classes)
+    torch.manual_seed(SEED)
+    model: nn.Module = nn.Linear(args.num_features, args.num_classes)
+    if args.mode == "dp":
+        model = nn.DataParallel(model.cuda(), device_ids=list(range(args.world_size)))
+    world_size = 1  # single and dp: one process takes the whole global batch
+    return fit(model, splits, args.batch_size, args.epochs, 0, world_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, run, write the JSON; return the exit status."""
+    start = time.perf_counter()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["single", "ddp", "dp"])
+    parser.add_argument("world_size", type=int, help="processes (ddp) or GPUs (dp); 1 for single")
+    parser.add_argument("num_samples", type=int, help="samples in train + val + test")
+    parser.add_argument("num_features", type=int)
+    parser.add_argument("num_classes", type=int)
+    parser.add_argument("batch_size", type=int, help="global batch (samples per optimizer step)")
+    parser.add_argument("epochs", type=int)
+    parser.add_argument("out", type=Path, help="JSON file to write")
+    args = parser.parse_args(argv)
+    result = {**run(args), "mode": args.mode, "world_size": args.world_size}
+    result["wall_time_s"] = time.perf_counter() - start
+    text = json.dumps(result, indent=2)
+    args.out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

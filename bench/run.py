@@ -1,0 +1,397 @@
+"""Benchmark dpddp (``python train.py``) against the plain-PyTorch baseline (``bench/plain.py``), side by side.
+
+For each workload and strategy, the project and the baseline run alternately, each as a fresh subprocess
+(one warm-up pair, not counted, then ``--reps`` pairs), so slow drifts of the machine hit both alike. Writes
+``RESULTS.md`` (medians, min-max, ratios project/plain), ``results.json`` (every run) and ``throughput.png``
+into ``--out``. See ``bench/README.md``.
+
+Usage: ``python bench/run.py [--reps 5] [--workloads W1,W2,W3] [--strategies single,ddp,dp] [--quick] [--out DIR]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+# (num_samples, num_features, num_classes, global batch size); one epoch each.
+WORKLOADS = {
+    "W1": (100, 10, 2, 32),  # the seed's size: start-up dominates, whole wall time matters
+    "W2": (262144, 1024, 10, 1024),  # compute-heavy steps
+    "W3": (65536, 10, 2, 32),  # many small steps: steps/s
+}
+QUICK_WORKLOADS = {"W1": (100, 10, 2, 32), "W2": (4096, 64, 10, 256), "W3": (2048, 10, 2, 32)}
+WORKLOAD_TEXT = {
+    "W1": "the seed's size, whole wall time matters",
+    "W2": "compute-heavy",
+    "W3": "small steps, steps/s",
+}
+# Variables that would make a child think a cluster launched it.
+RANK_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
+QUIET = ["logger=none", "callbacks.model_checkpoint=null", "trainer.enable_progress_bar=false"]
+# (key in a run record, label, unit scale): the rows of each table.
+METRICS = [
+    ("samples_per_sec", "samples/s (steady state)", 1.0),
+    ("steps_per_sec", "steps/s (steady state)", 1.0),
+    ("wall_s", "whole wall time (s)", 1.0),
+    ("start_to_first_step_s", "start to first step (s)", 1.0),
+    ("peak_rss_bytes", "peak RSS of one process (MiB)", 1 / 2**20),
+]
+
+
+def strategies(names: list[str]) -> dict[str, tuple[str, int]]:
+    """``label -> (mode, world size)`` of the chosen strategies: ``single``, ``ddp(2)``, and ``dp(N)``
+    (DataParallel over all N GPUs) only where CUDA is present."""
+    chosen = {"single": ("single", 1), "ddp(2)": ("ddp", 2)}
+    chosen = {label: spec for label, spec in chosen.items() if spec[0] in names}
+    if "dp" in names:
+        code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+        gpus = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() or 0)
+        if gpus:
+            chosen[f"dp({gpus})"] = ("dp", gpus)
+        else:
+            print("no CUDA: skipping dp")
+    return chosen
+
+
+def project_cmd(sizes: tuple[int, ...], mode: str, world_size: int, run_dir: Path, defaults: bool) -> list[str]:
+    """``python train.py`` for one epoch of the workload; ``defaults``: progress bar, CSV logger and checkpoints
+    left on."""
+    num_samples, num_features, num_classes, batch_size = sizes
+    accelerator = "gpu" if mode == "dp" else "cpu"
+    cmd = [sys.executable, "train.py", f"accelerator={accelerator}", f"data.num_samples={num_samples}"]
+    cmd += [f"data.num_features={num_features}", f"data.num_classes={num_classes}", f"data.batch_size={batch_size}"]
+    cmd += ["trainer.max_epochs=1", f"hydra.run.dir={run_dir}", "trainer.num_sanity_val_steps=0"]
+    cmd += [] if defaults else QUIET
+    cmd += ["strategy=auto"] if mode == "single" else [f"strategy={mode}", f"devices={world_size}"]
+    return cmd
+
+
+def plain_cmd(sizes: tuple[int, ...], mode: str, world_size: int, out: Path) -> list[str]:
+    """``python bench/plain.py`` for one epoch of the workload."""
+    return [sys.executable, str(ROOT / "bench" / "plain.py"), mode, str(world_size), *map(str, sizes), "1", str(out)]
+
+
+def _poll_rss(proc: subprocess.Popen, stop: threading.Event, peak: list[int], interval_s: float = 0.05) -> None:
+    """Every ``interval_s`` seconds, the largest RSS (bytes) of any one process of ``proc``'s tree into
+    ``peak[0]``."""
+    try:
+        root = psutil.Process(proc.pid)
+    except psutil.Error:
+        return
+    while not stop.is_set():
+        try:
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            tree = []
+        for p in tree:
+            try:
+                peak[0] = max(peak[0], p.memory_info().rss)
+            except psutil.Error:
+                pass
+        stop.wait(interval_s)
+
+
+def measure(cmd: list[str], result_file: Path, log_file: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Run ``cmd`` to its end; return its ``result_file`` JSON plus ``wall_s`` (Popen to exit, s),
+    ``start_to_first_step_s`` (``first_step_unix_s`` minus ``time.time()`` before Popen, s) and
+    ``peak_rss_bytes`` (the largest RSS of any one process of the tree: 50 ms polls, raised to the kernel's exact
+    ``ru_maxrss`` of reaped children when that grew during the run, bytes).
+
+    Raises:
+        RuntimeError: the command failed (the end of its log in the message).
+    """
+    rusage_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    peak, stop = [0], threading.Event()
+    with open(log_file, "wb") as log:
+        start_unix, start = time.time(), time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        poller = threading.Thread(target=_poll_rss, args=(proc, stop, peak), daemon=True)
+        poller.start()
+        code = proc.wait()
+        wall = time.perf_counter() - start
+    stop.set()
+    poller.join()
+    if code != 0 or not result_file.is_file():
+        tail = log_file.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"exit status {code}: {' '.join(cmd)}\n{tail}")
+    rusage_after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB on Linux
+    if rusage_after > rusage_before:
+        peak[0] = max(peak[0], rusage_after * 1024)
+    result = json.loads(result_file.read_text())
+    first = result.get("first_step_unix_s")
+    return {
+        "samples_per_sec": result["samples_per_sec"],
+        "wall_s": wall,
+        "start_to_first_step_s": first - start_unix if first else float("nan"),
+        "peak_rss_bytes": peak[0],
+        "inner_wall_time_s": result["wall_time_s"],
+        "test_loss": result.get("test/loss"),
+    }
+
+
+def run_one(impl: str, sizes: tuple[int, ...], mode: str, world_size: int, env: dict[str, str]) -> dict[str, Any]:
+    """One fresh subprocess of ``impl`` (``project``, ``project-defaults`` or ``plain``), in a temporary
+    directory that is removed afterwards."""
+    tmp = Path(tempfile.mkdtemp(prefix="dpddp-bench-"))
+    try:
+        if impl == "plain":
+            cmd, result_file = plain_cmd(sizes, mode, world_size, tmp / "plain.json"), tmp / "plain.json"
+        else:
+            cmd = project_cmd(sizes, mode, world_size, tmp / "run", defaults=impl == "project-defaults")
+            result_file = tmp / "run" / "metrics.json"
+        return measure(cmd, result_file, tmp / "log.txt", env)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every run of the session, in order: per workload and strategy, a warm-up round and ``args.reps`` rounds
+    of project, plain (and project-defaults for W2 single)."""
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    sizes_of = QUICK_WORKLOADS if args.quick else WORKLOADS
+    chosen = strategies(args.strategies)
+    runs = []
+    for workload in args.workloads:
+        for label, (mode, world_size) in chosen.items():
+            impls = ["project", "plain"] + (["project-defaults"] if (workload, mode) == ("W2", "single") else [])
+            for rep in range(0 if args.quick else -1, args.reps):  # rep -1: the warm-up round
+                for impl in impls:
+                    try:
+                        record = run_one(impl, sizes_of[workload], mode, world_size, env)
+                    except RuntimeError as err:  # e.g. the working tree caught mid-edit: one retry after a pause
+                        print(f"run failed, retrying once in 30 s: {str(err)[-1500:]}", flush=True)
+                        time.sleep(30)
+                        record = run_one(impl, sizes_of[workload], mode, world_size, env)
+                    record.update(workload=workload, strategy=label, impl=impl, rep=rep)
+                    record["steps_per_sec"] = record["samples_per_sec"] / sizes_of[workload][3]
+                    print(
+                        f"{workload} {label:8} {impl:16} rep {rep:2}: {record['samples_per_sec']:10.1f} samples/s,"
+                        f" wall {record['wall_s']:6.2f} s, first step at {record['start_to_first_step_s']:6.2f} s,"
+                        f" peak RSS {record['peak_rss_bytes'] / 2**20:6.0f} MiB",
+                        flush=True,
+                    )
+                    runs.append(record)
+    return runs
+
+
+def _stat(values: list[float], scale: float = 1.0) -> str:
+    """``median [min-max]`` of the values times ``scale``."""
+    if not values:
+        return "-"
+    values = [v * scale for v in values]
+    return f"{_num(statistics.median(values))} [{_num(min(values))}-{_num(max(values))}]"
+
+
+def _num(value: float) -> str:
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def _values(runs: list[dict], workload: str, strategy: str, impl: str, key: str) -> list[float]:
+    """The values of ``key`` for one workload, strategy and implementation, in run order."""
+    return [r[key] for r in runs if (r["workload"], r["strategy"], r["impl"]) == (workload, strategy, impl)]
+
+
+def paired_ratios(runs: list[dict], workload: str, strategy: str, key: str, num: str, den: str) -> list[float]:
+    """``num / den`` for each repetition, the two runs of a pair being back to back."""
+    a, b = (_values(runs, workload, strategy, impl, key) for impl in (num, den))
+    return [x / y for x, y in zip(a, b, strict=True) if y]
+
+
+def headline(runs: list[dict]) -> list[str]:
+    """The ratios that answer "what does the project cost": one line each, median [min-max] of the pairs."""
+    wanted = [
+        ("W1", "single", "wall_s", "project", "plain", "W1 single whole wall time, project/plain"),
+        ("W1", "ddp(2)", "wall_s", "project", "plain", "W1 ddp(2) whole wall time, project/plain"),
+        ("W2", "single", "samples_per_sec", "project", "plain", "W2 single samples/s, project/plain"),
+        ("W2", "ddp(2)", "samples_per_sec", "project", "plain", "W2 ddp(2) samples/s, project/plain"),
+        ("W3", "single", "samples_per_sec", "project", "plain", "W3 single samples/s, project/plain"),
+        ("W3", "ddp(2)", "samples_per_sec", "project", "plain", "W3 ddp(2) samples/s, project/plain"),
+    ]
+    wanted += [
+        (w, "ddp(2)", "start_to_first_step_s", "project", "plain", f"{w} ddp(2) start to first step, project/plain")
+        for w in WORKLOADS
+    ]
+    wanted += [
+        ("W2", "single", key, "project-defaults", "project", f"W2 single {label}, defaults on/off")
+        for key, label in (("samples_per_sec", "samples/s"), ("wall_s", "whole wall time"))
+    ]
+    lines = []
+    for workload, strategy, key, num, den, label in wanted:
+        ratios = paired_ratios(runs, workload, strategy, key, num, den)
+        if ratios:
+            lines.append(f"- {label}: **{_stat(ratios)}**")
+    return lines
+
+
+def workload_table(runs: list[dict], workload: str) -> list[str]:
+    """The markdown table of one workload: a row per strategy and metric."""
+    lines = ["| strategy | metric | project | plain | project/plain |", "| --- | --- | --- | --- | --- |"]
+    for strategy in dict.fromkeys(r["strategy"] for r in runs if r["workload"] == workload):
+        for key, label, scale in METRICS:
+            project, plain = (_values(runs, workload, strategy, impl, key) for impl in ("project", "plain"))
+            ratio = _stat(paired_ratios(runs, workload, strategy, key, "project", "plain"))
+            lines.append(f"| {strategy} | {label} | {_stat(project, scale)} | {_stat(plain, scale)} | {ratio} |")
+    return lines
+
+
+def defaults_table(runs: list[dict]) -> list[str]:
+    """W2 single with the progress bar, CSV logger and checkpoints on (defaults) against off."""
+    if not _values(runs, "W2", "single", "project-defaults", "wall_s"):
+        return []
+    lines = ["| metric | project, defaults on | project, off | on/off |", "| --- | --- | --- | --- |"]
+    for key, label, scale in METRICS:
+        on, off = (_values(runs, "W2", "single", impl, key) for impl in ("project-defaults", "project"))
+        ratio = _stat(paired_ratios(runs, "W2", "single", key, "project-defaults", "project"))
+        lines.append(f"| {label} | {_stat(on, scale)} | {_stat(off, scale)} | {ratio} |")
+    return lines
+
+
+def write_results(runs: list[dict], args: argparse.Namespace, command: str) -> None:
+    """``RESULTS.md`` and ``results.json`` in ``args.out``."""
+    counted = [r for r in runs if r["rep"] >= 0]
+    sizes_of = QUICK_WORKLOADS if args.quick else WORKLOADS
+    versions = {name: importlib.metadata.version(name) for name in ("torch", "lightning")}
+    threads = args.threads or os.environ.get("OMP_NUM_THREADS", "unset")
+    nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    lines = [
+        "# dpddp vs plain PyTorch",
+        "",
+        f"Command: `{command}`  ",
+        f"Date: {datetime.date.today().isoformat()}; machine: `nproc` = {nproc}, {platform.machine()}, "
+        f"Python {platform.python_version()}, torch {versions['torch']}, lightning {versions['lightning']}; "
+        f"OMP_NUM_THREADS {threads}; 1-minute load average {args.load[0]:.2f} at the start, {args.load[1]:.2f} at "
+        f"the end; matplotlib {'' if importlib.util.find_spec('matplotlib') else 'not '}installed (torchmetrics, "
+        "imported by the project, imports it in every project process when it is)  ",
+        f"Repetitions: {args.reps} per implementation{'' if args.quick else ' after one warm-up round'}, "
+        "project and plain alternating, each a fresh process. Cells: median [min-max]; ratios: median [min-max] of "
+        "the per-repetition ratios project/plain (the two runs of a repetition back to back). samples/s ratio < 1: "
+        "the project is slower; time and memory ratio > 1: the project takes more.",
+        "",
+        "## Headline",
+        "",
+        *headline(counted),
+    ]
+    for workload in args.workloads:
+        num_samples, num_features, num_classes, batch_size = sizes_of[workload]
+        lines += [
+            "",
+            f"## {workload}: {num_samples} samples x {num_features} features -> {num_classes} classes, global batch "
+            f"{batch_size}, 1 epoch ({WORKLOAD_TEXT[workload]})",
+            "",
+            *workload_table(counted, workload),
+        ]
+        if workload == "W2" and defaults_table(counted):
+            lines += [
+                "",
+                "What the defaults cost (W2 single): progress bar, CSV logger and checkpoint callback on.",
+                "",
+            ]
+            lines += defaults_table(counted)
+    losses = []
+    for workload, strategy in dict.fromkeys((r["workload"], r["strategy"]) for r in counted):
+        pairs = zip(
+            *(_values(counted, workload, strategy, impl, "test_loss") for impl in ("project", "plain")), strict=True
+        )
+        losses += [abs(a - b) for a, b in pairs if a is not None and b is not None]
+    if losses:
+        lines += ["", f"Same job check: max |test/loss project - plain| over the pairs = {max(losses):.2g}."]
+    lines += [
+        "",
+        "Project command: `python train.py accelerator=cpu data.num_samples=N data.num_features=F "
+        "data.num_classes=C data.batch_size=B trainer.max_epochs=1 hydra.run.dir=<tmp dir> "
+        f"{' '.join(QUIET)} trainer.num_sanity_val_steps=0` plus `strategy=auto` or `strategy=ddp devices=2` "
+        "(defaults variant: without the logger, checkpoint and progress bar overrides). Plain command: "
+        "`python bench/plain.py MODE WORLD_SIZE N F C B 1 OUT`.",
+    ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "RESULTS.md").write_text("\n".join(lines) + "\n")
+    (args.out / "results.json").write_text(json.dumps({"command": command, "runs": runs}, indent=1) + "\n")
+
+
+def write_chart(runs: list[dict], path: Path) -> None:
+    """Grouped bars: median samples/s (log scale, min-max whiskers) per workload and strategy, project vs
+    plain."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counted = [r for r in runs if r["rep"] >= 0]
+    groups = list(dict.fromkeys((r["workload"], r["strategy"]) for r in counted))
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(groups)), 4))
+    width = 0.38
+    for i, impl in enumerate(("project", "plain")):
+        values = [_values(counted, w, s, impl, "samples_per_sec") for w, s in groups]
+        medians = [statistics.median(v) if v else 0 for v in values]
+        low = [m - min(v) if v else 0 for m, v in zip(medians, values, strict=True)]
+        high = [max(v) - m if v else 0 for m, v in zip(medians, values, strict=True)]
+        xs = [g + (i - 0.5) * width for g in range(len(groups))]
+        ax.bar(xs, medians, width, yerr=[low, high], capsize=3, label="dpddp" if impl == "project" else "plain")
+    ax.set_xticks(range(len(groups)), [f"{w}\n{s}" for w, s in groups])
+    ax.set_yscale("log")
+    ax.set_ylabel("training samples/s (median, min-max)")
+    ax.set_title("Steady-state training throughput: dpddp vs plain PyTorch", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the options, run the session, write the results; return the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5, help="counted repetitions per implementation (default 5)")
+    parser.add_argument("--workloads", default="W1,W2,W3", help="comma-separated subset of W1,W2,W3")
+    parser.add_argument(
+        "--strategies", default="single,ddp,dp", help="comma-separated subset of single,ddp,dp (dp: CUDA only)"
+    )
+    parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every run (default: inherited/unset)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition, no warm-up (smoke test)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench", help="output directory (default bench/)")
+    args = parser.parse_args(argv)
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if unknown := set(args.workloads) - set(WORKLOADS):
+        parser.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+    if unknown := set(args.strategies) - {"single", "ddp", "dp"}:
+        parser.error(f"unknown strategies {sorted(unknown)}; choose from single, ddp, dp")
+    if args.quick:
+        args.reps = 1
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    if not has_matplotlib and not args.quick:
+        parser.error("the chart needs matplotlib: pip install -r bench/requirements.txt")
+    command = " ".join(["python bench/run.py", *(sys.argv[1:] if argv is None else argv)])
+    load_start = os.getloadavg()[0]
+    runs = run_all(args)
+    args.load = (load_start, os.getloadavg()[0])
+    write_results(runs, args, command)
+    if has_matplotlib:
+        write_chart(runs, args.out / "throughput.png")
+    else:
+        print("matplotlib missing: no chart (pip install -r bench/requirements.txt)")
+    print(f"wrote {args.out / 'RESULTS.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
