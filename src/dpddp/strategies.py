@@ -30,7 +30,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.distributed import _init_dist_connection, _set_num_threads_if_needed
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
@@ -207,6 +207,8 @@ class _JobLauncher(_SubprocessScriptLauncher):
             self._call_children_scripts()
             self.watcher = _RankWatcher(self.procs)
             self.watcher.start()
+        # Lightning's launch does this too: cores / processes intra-op threads unless OMP_NUM_THREADS is set.
+        _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
     def _call_children_scripts(self) -> None:
