@@ -15,6 +15,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+# One intra-op thread per test process: pytest-xdist runs one worker per core, and two busy multi-threaded
+# torch processes on shared cores slow each other down many times over.
+torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 # Rank and rendezvous variables a test must never inherit (they make Lightning think a cluster launched it).

@@ -54,7 +54,7 @@ def test_dp_checkpoint_holds_plain_weights_and_resumes_under_auto(tmp_path):
 @pytest.mark.slow
 def test_dp_checkpoint_resumes_under_ddp_and_back(tmp_path):
     args = ["accelerator=cpu", "data.num_samples=1005", "model.optimizer=adam", "model.lr=0.01"]
-    assert run_train(*args, "strategy=dp", "trainer.max_epochs=2", "hydra.run.dir=dp", cwd=tmp_path).returncode == 0
+    train(compose_cfg(*args, *QUIET, "strategy=dp", "trainer.max_epochs=2"), tmp_path / "dp")
     ddp = run_train(
         *args,
         "strategy=ddp",
@@ -66,16 +66,9 @@ def test_dp_checkpoint_resumes_under_ddp_and_back(tmp_path):
     )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert leftover(ddp.tag) == []
-    back = run_train(
-        *args,
-        "strategy=dp",
-        "trainer.max_epochs=6",
-        "ckpt_path=ddp/checkpoints/last.ckpt",
-        "hydra.run.dir=back",
-        cwd=tmp_path,
-    )
-    straight = run_train(*args, "strategy=auto", "trainer.max_epochs=6", "hydra.run.dir=straight", cwd=tmp_path)
-    assert back.returncode == 0 and straight.returncode == 0
+    ckpt = tmp_path / "ddp/checkpoints/last.ckpt"
+    train(compose_cfg(*args, *QUIET, "strategy=dp", "trainer.max_epochs=6", f"ckpt_path={ckpt}"), tmp_path / "back")
+    train(compose_cfg(*args, *QUIET, "strategy=auto", "trainer.max_epochs=6"), tmp_path / "straight")
     last = "checkpoints/last.ckpt"
     assert max_diff(weights(tmp_path / "back" / last), weights(tmp_path / "straight" / last)) <= 1e-5
 
