@@ -45,7 +45,12 @@ WORKLOAD_TEXT = {
 }
 # Variables that would make a child think a cluster launched it.
 RANK_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
-QUIET = ["logger=none", "callbacks.model_checkpoint=null", "trainer.enable_progress_bar=false"]
+QUIET = [
+    "logger=none",
+    "callbacks.model_checkpoint=null",
+    "callbacks.last_checkpoint=null",
+    "trainer.enable_progress_bar=false",
+]
 # (key in a run record, label, unit scale): the rows of each table.
 METRICS = [
     ("samples_per_sec", "samples/s (steady state)", 1.0),
