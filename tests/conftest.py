@@ -42,28 +42,40 @@ def _restore_env():
     torch.set_num_threads(threads)
 
 
-def run_train(*args: str, cwd: Path, timeout: float = 240, env: dict | None = None, module: bool = False):
+def child_env(**extra: str) -> tuple[dict[str, str], str]:
+    """The environment for a subprocess under test and its tag: no inherited rank variables, one intra-op thread,
+    and ``DPDDP_TEST_TAG`` (inherited by every process it starts, so ``tagged`` finds them all)."""
+    tag = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    env.update({"OMP_NUM_THREADS": "1", "DPDDP_TEST_TAG": tag, **extra})  # extra may set the tag itself
+    return env, env["DPDDP_TEST_TAG"]
+
+
+def run_train(*args: str, cwd: Path, timeout: float = 240, env: dict | None = None):
     """Run ``train.py`` with one intra-op thread per process; return the CompletedProcess (``.tag`` marks its
     process tree for ``leftover``)."""
-    tag = uuid.uuid4().hex
-    full_env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
-    full_env.update(OMP_NUM_THREADS="1", DPDDP_TEST_TAG=tag, **(env or {}))
+    full_env, tag = child_env(**(env or {}))
     cmd = [sys.executable, str(ROOT / "train.py"), *args, *QUIET]
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     proc.tag = tag
     return proc
 
 
-def leftover(tag: str) -> list[int]:
-    """PIDs of live processes started under ``tag`` (children inherit the environment)."""
-    pids = []
-    for p in psutil.process_iter(["pid"]):
+def tagged(tag: str) -> list[psutil.Process]:
+    """Live (non-zombie) processes started under ``tag``."""
+    found = []
+    for p in psutil.process_iter():
         try:
             if p.environ().get("DPDDP_TEST_TAG") == tag and p.status() != psutil.STATUS_ZOMBIE:
-                pids.append(p.pid)
+                found.append(p)
         except (psutil.Error, OSError):
             continue
-    return pids
+    return found
+
+
+def leftover(tag: str) -> list[int]:
+    """PIDs of live processes started under ``tag``."""
+    return [p.pid for p in tagged(tag)]
 
 
 def metrics(run_dir: Path) -> dict:

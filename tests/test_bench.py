@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
-RANK_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
 
 
 @pytest.mark.slow
 def test_bench_quick(tmp_path: Path) -> None:
     """One project run and one plain run of the seed's size (tiny, one process each; about 15 s on 2 cores)."""
-    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
-    env["OMP_NUM_THREADS"] = "1"
+    env, _ = child_env()
     cmd = [sys.executable, "bench/run.py", "--quick", "--workloads", "W1", "--strategies", "single"]
     proc = subprocess.run(
         [*cmd, "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120

@@ -1,14 +1,13 @@
 """LightningCLI entry point: print_config round trip, ddp and dp fits, re-runs, predictions."""
 
 import csv
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import RANK_VARS, leftover, max_diff, weights
+from conftest import child_env, leftover, max_diff, weights
 
 from dpddp.data import make_tensors
 
@@ -18,11 +17,7 @@ FAST = ["--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.enable
 
 def cli(*args, cwd, script=False):
     """``python -m dpddp.cli ARGS``, or the ``dpddp`` console script; asserts exit 0 and no leftover process."""
-    import uuid
-
-    tag = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
-    env.update(OMP_NUM_THREADS="1", DPDDP_TEST_TAG=tag)
+    env, tag = child_env()
     cmd = [str(Path(sys.executable).parent / "dpddp")] if script else [sys.executable, "-m", "dpddp.cli"]
     proc = subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,6 +1,5 @@
 """Processes started by a cluster: torchrun (2 nodes on loopback, standalone), simulated SLURM, mismatches."""
 
-import os
 import shutil
 import socket
 import subprocess
@@ -9,7 +8,7 @@ import time
 import uuid
 
 import pytest
-from conftest import QUIET, RANK_VARS, ROOT, compose_cfg, leftover, metrics
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, metrics
 
 from dpddp.training import train
 
@@ -25,8 +24,7 @@ def _free_port() -> int:
 
 
 def _start(cmd, cwd, tag, **env):
-    full = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
-    full.update(OMP_NUM_THREADS="1", DPDDP_TEST_TAG=tag, **env)
+    full, _ = child_env(**env, DPDDP_TEST_TAG=tag)
     return subprocess.Popen(cmd, cwd=cwd, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -1,45 +1,30 @@
 """Sockets, ports and concurrent runs on one machine (case 05), and failures that must end every rank."""
 
 import ipaddress
-import os
 import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import psutil
 import pytest
-from conftest import QUIET, RANK_VARS, ROOT, leftover, metrics
+from conftest import QUIET, ROOT, child_env, leftover, metrics, tagged
 
 pytestmark = pytest.mark.slow
 DDP = ["strategy=ddp", "devices=2", "accelerator=cpu", *QUIET]
 
 
 def _start(tmp_path, *args, **env):
-    tag = uuid.uuid4().hex
-    full = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
-    full.update(OMP_NUM_THREADS="1", DPDDP_TEST_TAG=tag, **env)
+    full, tag = child_env(**env)
     cmd = [sys.executable, str(ROOT / "train.py"), *args]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.tag = tag
     return proc
 
 
-def _tagged(tag):
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("DPDDP_TEST_TAG") == tag:
-                out.append(p)
-        except (psutil.Error, OSError):
-            continue
-    return out
-
-
 def _listening(tag):
     addrs = set()
-    for p in _tagged(tag):
+    for p in tagged(tag):
         try:
             addrs |= {(c.laddr.ip, c.laddr.port) for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
         except (psutil.Error, OSError):
@@ -51,7 +36,7 @@ def _wait_ranks(proc, n=2, timeout=60):
     """Wait until the run has n processes and at least n listening sockets (store + gloo)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if len(_tagged(proc.tag)) >= n and len(_listening(proc.tag)) >= n:
+        if len(tagged(proc.tag)) >= n and len(_listening(proc.tag)) >= n:
             return
         time.sleep(0.2)
     raise AssertionError("ranks did not come up")
@@ -74,7 +59,7 @@ def test_a_busy_master_port_fails_fast_and_leaves_the_other_run_alone(tmp_path):
     first = _start(tmp_path, *DDP, "trainer.max_epochs=25", "hydra.run.dir=first")
     _wait_ranks(first)
     # the port rank 0's store listens on: the launched rank's MASTER_PORT
-    store_port = next(p.environ()["MASTER_PORT"] for p in _tagged(first.tag) if "MASTER_PORT" in p.environ())
+    store_port = next(p.environ()["MASTER_PORT"] for p in tagged(first.tag) if "MASTER_PORT" in p.environ())
     start = time.monotonic()
     second = _start(tmp_path, *DDP, "trainer.max_epochs=1", "hydra.run.dir=second", MASTER_PORT=store_port)
     _, err = second.communicate(timeout=60)
@@ -100,7 +85,7 @@ def test_two_ddp_runs_at_once_both_succeed(tmp_path):
 def test_killing_rank_1_ends_the_run(tmp_path):
     proc = _start(tmp_path, *DDP, "trainer.max_epochs=200", "hydra.run.dir=run")
     _wait_ranks(proc)
-    (rank1,) = [p for p in _tagged(proc.tag) if "dpddp.launch" in " ".join(p.cmdline())]
+    (rank1,) = [p for p in tagged(proc.tag) if "dpddp.launch" in " ".join(p.cmdline())]
     rank1.send_signal(signal.SIGKILL)
     start = time.monotonic()
     out, err = proc.communicate(timeout=60)
@@ -172,7 +157,7 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(tmp_pat
     while not last.exists() and time.monotonic() < deadline:  # the first epoch is done: mid-training now
         time.sleep(0.1)
     time.sleep(0.3)
-    ranks = _tagged(proc.tag)
+    ranks = tagged(proc.tag)
     victim = [p for p in ranks if ("dpddp.launch" in " ".join(p.cmdline())) == (target == "rank 1")][0]
     victim.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -201,7 +186,7 @@ def test_a_rank_killed_in_one_sweep_job_does_not_end_the_sweep(tmp_path):
     deadline = time.monotonic() + 120
     while not (tmp_path / "sweep/0/checkpoints/last.ckpt").exists() and time.monotonic() < deadline:
         time.sleep(0.1)  # training (a rank lost while connecting leaves rank 0 in a wait only an exit ends)
-    (rank1,) = [p for p in _tagged(proc.tag) if "dpddp.launch" in " ".join(p.cmdline())]
+    (rank1,) = [p for p in tagged(proc.tag) if "dpddp.launch" in " ".join(p.cmdline())]
     rank1.send_signal(signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]  # job 0 failed, recorded; job 1 ran to the end

@@ -1,12 +1,11 @@
 """Hydra multirun sweeps whose jobs launch DDP ranks: summary, failures, resume, joblib, how it was started."""
 
 import csv
-import os
 import subprocess
 import sys
 
 import pytest
-from conftest import QUIET, RANK_VARS, ROOT, leftover, metrics, run_train
+from conftest import QUIET, ROOT, child_env, leftover, metrics, run_train
 
 pytestmark = pytest.mark.slow
 SMALL = ["accelerator=cpu", "data.num_samples=606", "trainer.max_epochs=1"]
@@ -55,8 +54,7 @@ def test_joblib_launcher_runs_ddp_jobs_in_parallel(tmp_path):
 
 def test_sweep_started_as_a_module(tmp_path):
     """``python -m train`` from the project root: ranks do not depend on how the script was started."""
-    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
-    env["OMP_NUM_THREADS"] = "1"
+    env, _ = child_env()
     args = ["-m", "strategy=ddp", "devices=2", "seed=0,1", *SMALL, f"hydra.sweep.dir={tmp_path / 'sweep'}", *QUIET]
     proc = subprocess.run(
         [sys.executable, "-m", "train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240

@@ -203,10 +203,12 @@ class Preemption(pl.Callback):
             self._previous = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        flag = torch.tensor([int(self.requested)], device=trainer.strategy.root_device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        requested = self.requested
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # one process: no tensor
+            flag = torch.tensor([int(requested)], device=trainer.strategy.root_device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if flag.item():
+            requested = bool(flag.item())
+        if requested:
             path = self.dirpath / "last.ckpt"
             trainer.save_checkpoint(path)
             raise Preempted(path, trainer.global_step)
