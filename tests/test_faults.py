@@ -194,3 +194,11 @@ def test_a_rank_killed_in_one_sweep_job_does_not_end_the_sweep(tmp_path):
     assert metrics(tmp_path / "sweep/1")["world_size"] == 2
     assert "failed" in (tmp_path / "sweep/summary.md").read_text()
     assert leftover(proc.tag) == []
+
+
+def test_lightning_still_has_the_per_step_sigterm_broadcast_that_preemption_turns_off():
+    """``Preemption`` replaces this private per-step collective of Lightning's training loop; if Lightning renames
+    it, the replacement silently stops working and this test says so."""
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    assert callable(getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None))

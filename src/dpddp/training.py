@@ -52,7 +52,9 @@ def build_strategy(cfg: DictConfig, job: dict | None) -> str | pl.strategies.Str
 
 
 def _build_callbacks(cfg: DictConfig, output_dir: Path) -> list[pl.Callback]:
-    callbacks: list[pl.Callback] = [Throughput(), PredictionWriter(output_dir), Preemption(output_dir / "checkpoints")]
+    callbacks: list[pl.Callback] = [Throughput(), Preemption(output_dir / "checkpoints")]
+    if cfg.predict:  # every callback costs each hook of each step, even one it does not override
+        callbacks.append(PredictionWriter(output_dir))
     for spec in (cfg.callbacks or {}).values():
         if spec is None:
             continue
