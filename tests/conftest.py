@@ -73,6 +73,20 @@ def tagged(tag: str) -> list[psutil.Process]:
     return found
 
 
+def launched(tag: str) -> list[psutil.Process]:
+    """The ranks a run's launcher started (forked or exec'd): tagged processes whose parent is tagged too."""
+    procs = tagged(tag)
+    pids = {p.pid for p in procs}
+    found = []
+    for p in procs:
+        try:
+            if p.ppid() in pids:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
 def leftover(tag: str) -> list[int]:
     """PIDs of live processes started under ``tag``."""
     return [p.pid for p in tagged(tag)]

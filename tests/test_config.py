@@ -1,4 +1,5 @@
 import inspect
+import re
 
 import lightning.pytorch as pl
 import pytest
@@ -156,10 +157,11 @@ def test_cluster_kubeflow_selects_lightnings_kubeflow_environment(tmp_path, monk
         (["strategy=ddp", "strategy.timeout_s=abc"], "strategy.timeout_s='abc' is invalid"),
         (["strategy=ddp", "strategy.process_group_backend=foo"], "strategy.process_group_backend='foo' is unknown"),
         (["strategy=ddp", "+strategy.start_method=thread"], "strategy.start_method='thread' is unknown"),
+        (["strategy=ddp", "strategy.launch=spawn"], "strategy.launch='spawn' is unknown: use auto, fork (CPU) or exec"),
     ],
 )
 def test_bad_strategy_options(overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         check_config(compose_cfg("accelerator=cpu", "devices=2", *overrides))
 
 

@@ -2,13 +2,14 @@
 
 import ipaddress
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import psutil
 import pytest
-from conftest import QUIET, ROOT, child_env, leftover, metrics, tagged
+from conftest import QUIET, ROOT, child_env, launched, leftover, metrics, tagged
 
 pytestmark = pytest.mark.slow
 DDP = ["strategy=ddp", "devices=2", "accelerator=cpu", *QUIET]
@@ -56,10 +57,12 @@ def test_single_node_ddp_listens_on_loopback_only(tmp_path):
 
 def test_a_busy_master_port_fails_fast_and_leaves_the_other_run_alone(tmp_path):
     """Case 05: the second run exits within seconds naming the port; the first finishes; no orphans."""
-    first = _start(tmp_path, *DDP, "trainer.max_epochs=25", "hydra.run.dir=first")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        store_port = str(sock.getsockname()[1])
+    first = _start(tmp_path, *DDP, "trainer.max_epochs=25", "hydra.run.dir=first", MASTER_PORT=store_port)
     _wait_ranks(first)
-    # the port rank 0's store listens on: the launched rank's MASTER_PORT
-    store_port = next(p.environ()["MASTER_PORT"] for p in tagged(first.tag) if "MASTER_PORT" in p.environ())
+    assert ("127.0.0.1", int(store_port)) in _listening(first.tag)  # rank 0's store took the port
     start = time.monotonic()
     second = _start(tmp_path, *DDP, "trainer.max_epochs=1", "hydra.run.dir=second", MASTER_PORT=store_port)
     _, err = second.communicate(timeout=60)
@@ -85,7 +88,7 @@ def test_two_ddp_runs_at_once_both_succeed(tmp_path):
 def test_killing_rank_1_ends_the_run(tmp_path):
     proc = _start(tmp_path, *DDP, "trainer.max_epochs=200", "hydra.run.dir=run")
     _wait_ranks(proc)
-    (rank1,) = [p for p in tagged(proc.tag) if "dpddp.launch" in " ".join(p.cmdline())]
+    (rank1,) = launched(proc.tag)
     rank1.send_signal(signal.SIGKILL)
     start = time.monotonic()
     out, err = proc.communicate(timeout=60)
@@ -158,7 +161,7 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(tmp_pat
         time.sleep(0.1)
     time.sleep(0.3)
     ranks = tagged(proc.tag)
-    victim = [p for p in ranks if ("dpddp.launch" in " ".join(p.cmdline())) == (target == "rank 1")][0]
+    victim = launched(proc.tag)[0] if target == "rank 1" else [p for p in ranks if p not in launched(proc.tag)][0]
     victim.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
@@ -186,7 +189,7 @@ def test_a_rank_killed_in_one_sweep_job_does_not_end_the_sweep(tmp_path):
     deadline = time.monotonic() + 120
     while not (tmp_path / "sweep/0/checkpoints/last.ckpt").exists() and time.monotonic() < deadline:
         time.sleep(0.1)  # training (a rank lost while connecting leaves rank 0 in a wait only an exit ends)
-    (rank1,) = [p for p in tagged(proc.tag) if "dpddp.launch" in " ".join(p.cmdline())]
+    (rank1,) = launched(proc.tag)
     rank1.send_signal(signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]  # job 0 failed, recorded; job 1 ran to the end

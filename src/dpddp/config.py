@@ -41,7 +41,7 @@ TRAINER_OWNED = {
     "callbacks": "use the callbacks group",
     "default_root_dir": "the run directory is Hydra's: set hydra.run.dir",
 }
-DDP_OPTIONS = ("process_group_backend", "timeout_s", "start_method")
+DDP_OPTIONS = ("process_group_backend", "timeout_s", "launch", "start_method")
 
 
 class ConfigError(ValueError):
@@ -166,6 +166,8 @@ def _check_strategy_options(options: Mapping) -> None:
     backend = options.get("process_group_backend")
     if backend not in (None, "gloo", "nccl", "mpi", "ucc"):
         raise ConfigError(f"strategy.process_group_backend={backend!r} is unknown: use null (automatic), gloo or nccl")
+    if options.get("launch", "auto") not in ("auto", "fork", "exec"):
+        raise ConfigError(f"strategy.launch={options['launch']!r} is unknown: use auto, fork (CPU) or exec")
     start = options.get("start_method")
     if start not in (None, "popen", "spawn", "fork", "forkserver"):
         raise ConfigError(f"strategy.start_method={start!r} is unknown: use popen (ddp) or spawn, fork, forkserver")

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dpddp.callbacks import Preempted
 from dpddp.config import ConfigError
+from dpddp.strategies import RankFailed
 from dpddp.training import METRIC_KEYS, isolated_job, train
 
 __all__ = ["run"]
@@ -71,6 +72,11 @@ def run(cfg: DictConfig) -> float:
         if not multirun:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
+        line = str(err)
+    except RankFailed as err:
+        if not multirun:
+            log.error(f"error: {err}")
+            sys.exit(1)
         line = str(err)
     except Preempted as err:
         resume = f"python train.py <same overrides> resume=true hydra.run.dir={output_dir}"

@@ -20,12 +20,12 @@ from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import KubeflowEnvironment
 from omegaconf import DictConfig, OmegaConf
 
-from dpddp.callbacks import PredictionWriter, Preemption, Throughput
+from dpddp.callbacks import PredictionWriter, Preempted, Preemption, Throughput
 from dpddp.checkpoint import AtomicCheckpointIO
 from dpddp.config import ConfigError, check_config, resolve_accelerator
 from dpddp.data import RandomTensorDataModule
 from dpddp.model import LinearClassifier
-from dpddp.strategies import DataParallelStrategy, DDPStrategy
+from dpddp.strategies import DataParallelStrategy, DDPStrategy, RankFailed
 
 __all__ = ["METRIC_KEYS", "build_strategy", "build_trainer", "isolated_job", "train"]
 
@@ -131,6 +131,7 @@ def train(
 
     Raises:
         ConfigError: a bad setting (see ``dpddp.config.check_config``), before any process is started.
+        RankFailed: a launched rank ended with a non-zero status and the run failed with it.
     """
     start = time.perf_counter()
     check_config(cfg)
@@ -148,6 +149,12 @@ def train(
         if cfg.predict:
             trainer.predict(model, datamodule=datamodule, return_predictions=False)
         finished = True
+    except Exception as err:
+        lost = _failed_ranks(trainer)
+        if lost and not isinstance(err, (ConfigError, Preempted)):  # name the cause, not the broken connection
+            first = (str(err).splitlines() or [""])[0][:200]
+            raise RankFailed(f"{'; '.join(lost)}; ending the run (rank 0: {type(err).__name__}: {first})") from err
+        raise
     finally:
         # Stop watching this job's ranks before the next job of a sweep starts; a failed job's are killed.
         _join_launched_ranks(trainer, timeout_s=60.0 if finished else 5.0)
@@ -169,6 +176,11 @@ def train(
             "metrics: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items())
         )
     return result
+
+
+def _failed_ranks(trainer: pl.Trainer) -> list[str]:
+    launcher = trainer.strategy.launcher
+    return launcher.failed_ranks(wait_s=2.0) if hasattr(launcher, "failed_ranks") else []
 
 
 def _join_launched_ranks(trainer: pl.Trainer, timeout_s: float) -> None:
