@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dpddp.data import GlobalBatchSampler, RandomTensorDataModule, checksum, make_tensors
+from dpddp.data import BLOCK, GlobalBatchSampler, RandomTensorDataModule, StreamingTensors, checksum, make_tensors
 
 
 def test_tensors_are_a_pure_function_of_seed_and_sizes():
@@ -23,19 +23,20 @@ def test_label_noise_flips_about_that_fraction():
     assert abs((clean != noisy).float().mean().item() - 0.4 * 0.75) < 0.02
 
 
-def _rank_batches(n, batch, world, train, epoch=0):
+def _rank_batches(n, batch, world, train, epoch=0, block_size=None):
     out = []
     for rank in range(world):
-        s = GlobalBatchSampler(n, batch, rank, world, train=train, seed=3)
+        s = GlobalBatchSampler(n, batch, rank, world, train=train, seed=3, block_size=block_size)
         s.set_epoch(epoch)
         out.append(list(s))
     return out
 
 
+@pytest.mark.parametrize("block_size", [None, 16], ids=["full shuffle", "block shuffle"])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_training_global_batches_are_the_same_for_every_world_size(world):
-    single = _rank_batches(1003, 8, 1, train=True, epoch=2)[0]
-    ranks = _rank_batches(1003, 8, world, train=True, epoch=2)
+def test_training_global_batches_are_the_same_for_every_world_size(world, block_size):
+    single = _rank_batches(1003, 8, 1, train=True, epoch=2, block_size=block_size)[0]
+    ranks = _rank_batches(1003, 8, world, train=True, epoch=2, block_size=block_size)
     assert len(single) == 1003 // 8 and all(len(r) == len(single) for r in ranks)
     for step, batch in enumerate(single):
         assert torch.equal(torch.cat([r[step] for r in ranks]), batch)
@@ -73,3 +74,50 @@ def test_datamodule_splits_and_batches():
     assert x.shape == (32, 6) and y.shape == (32,)
     val = list(dm.val_dataloader())
     assert sum(len(b[1]) for b in val) == 150
+
+
+def test_block_shuffle_visits_every_sample_once_and_changes_with_the_epoch():
+    s = GlobalBatchSampler(1003, 8, train=True, seed=1, block_size=16)
+    first = torch.cat(list(s))
+    assert len(first) == 1003 // 8 * 8 and len(set(first.tolist())) == len(first)  # a permutation, drop-last
+    assert first[:16].tolist() != list(range(16)) and set(first[-3:].tolist()) <= set(range(992, 1003))
+    s.set_epoch(1)
+    second = torch.cat(list(s))
+    assert not torch.equal(first, second) and sorted(first.tolist()) == sorted(second.tolist())
+
+
+def test_streaming_samples_depend_only_on_seed_and_id():
+    """Same sample whatever the batch, the cache state, the split offset or num_samples; the teacher is the
+    in-memory mode's (same task)."""
+    ds = StreamingTensors(5, 6, 3, 0.0, offset=0, length=3 * BLOCK)
+    ids = torch.tensor([3 * BLOCK - 1, 7, BLOCK + 2, 7])
+    x, y = ds[ids]
+    assert x.shape == (4, 6) and y.shape == (4,) and torch.equal(x[1], x[3])
+    fresh = StreamingTensors(5, 6, 3, 0.0, offset=BLOCK, length=2 * BLOCK, cache_blocks=1)
+    x2, y2 = fresh[torch.tensor([2, 2 * BLOCK - 1])]  # global ids BLOCK + 2 and 3 * BLOCK - 1
+    assert torch.equal(x2, x[[2, 0]]) and torch.equal(y2, y[[2, 0]])
+    assert not torch.equal(StreamingTensors(6, 6, 3, 0.0, 0, BLOCK)[ids[:1]][0], x[:1])
+    mx, my = make_tensors(5, 10, 6, 3)
+    teacher, bias = ds.teacher, ds.bias
+    assert torch.equal((mx @ teacher + bias).argmax(1), my)  # the in-memory mode's teacher
+
+
+def test_streaming_memory_does_not_grow_with_num_samples():
+    """A trillion samples: nothing is drawn up front, and a batch far into the stream is there."""
+    dm = RandomTensorDataModule(num_samples=10**12, num_features=4, num_classes=2, batch_size=64, streaming=True)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert len(loader) == dm.num_train // 64
+    x, y = next(iter(loader))
+    assert x.shape == (64, 4) and y.shape == (64,)
+    far = dm.splits["test"][torch.tensor([dm.num_test - 1])]
+    assert far[0].shape == (1, 4)
+    assert sum(len(b[0]) for b in dm.splits["train"]._cache.values()) <= 4 * BLOCK  # a few blocks cached, no more
+
+
+def test_streaming_evaluation_is_the_split_in_order():
+    dm = RandomTensorDataModule(num_samples=3 * BLOCK + 5, num_features=6, num_classes=3, batch_size=64, streaming=True)
+    dm.setup("fit")
+    seen = torch.cat([b[1] for b in dm.val_dataloader()])
+    direct = dm.splits["val"][torch.arange(dm.num_val)][1]
+    assert torch.equal(seen, direct)

@@ -115,3 +115,17 @@ def test_multirun_over_devices_launches_each_jobs_own_ranks(tmp_path, order):
     ]
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
     assert json.loads(Path(tmp_path / "sweep" / two / "metrics.json").read_text())["devices"] == 2
+
+
+def test_streaming_ddp_equals_one_process_and_learns(tmp_path):
+    """Streaming data: the same samples and order on 1 and 2 processes (block shuffle), and the task is learnt."""
+    common = ["accelerator=cpu", "data.streaming=true", "data.num_samples=20000", "trainer.max_epochs=2"]
+    train(compose_cfg(*common, *QUIET, "logger=none"), tmp_path / "single")
+    ddp = run_train(*common, "strategy=ddp", "devices=2", "hydra.run.dir=ddp", cwd=tmp_path)
+    _ok(ddp)
+    one, two = metrics(tmp_path / "single"), metrics(tmp_path / "ddp")
+    assert two["world_size"] == 2 and two["val/acc"] >= 0.9
+    for key in EVAL:
+        assert two[key] == pytest.approx(one[key], abs=1e-5), key
+    ckpts = [tmp_path / d / "checkpoints" / "last.ckpt" for d in ("single", "ddp")]
+    assert max_diff(weights(ckpts[0]), weights(ckpts[1])) <= 1e-5

@@ -188,12 +188,15 @@ def _check_data(data: Mapping, n_procs: int) -> None:
     for key in ("val_fraction", "test_fraction"):
         _float(f"data.{key}", data[key], 0.0, 0.9, "use a fraction in [0, 0.9]")
     _float("data.label_noise", data["label_noise"], 0.0, 1.0, "use a fraction in [0, 1]")
+    if not isinstance(data.get("streaming", False), bool):
+        raise ConfigError(f"data.streaming={data['streaming']!r} is invalid: use true or false")
     need = 4 * (data["num_samples"] + data["num_classes"]) * (data["num_features"] + 1)  # bytes: x, teacher
-    if need > memory_bytes() // 2:
+    if not data.get("streaming") and need > memory_bytes() // 2:
         sizes = ", ".join(f"data.{k}={data[k]}" for k in ("num_samples", "num_features", "num_classes"))
         raise ConfigError(
             f"{sizes} need {need / 2**30:.1f} GiB, more than half of this machine's "
-            f"{memory_bytes() / 2**30:.0f} GiB: make them smaller"
+            f"{memory_bytes() / 2**30:.0f} GiB: set data.streaming=true (samples generated as needed) or make "
+            "them smaller"
         )
     dm = RandomTensorDataModule(**data)
     for split, size in (("val", dm.num_val), ("test", dm.num_test)):

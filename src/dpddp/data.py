@@ -11,10 +11,19 @@ optimizer step over all processes. Training step ``k`` of an epoch takes the glo
 ``perm[k * B:(k + 1) * B]`` of that epoch's permutation, and rank ``r`` of ``W`` takes the contiguous
 chunk ``[r * B / W, (r + 1) * B / W)`` of it, so every world size sees the same global batches in the same
 order and DDP's gradient average equals the single-process mean over ``B`` samples.
+
+Streaming mode (``streaming=True``) holds no data set in memory: sample ``i`` is generated when a batch asks for
+it, from the block ``i // BLOCK`` of ``BLOCK`` samples drawn by a generator seeded with ``(seed, block)`` (same
+teacher as the in-memory mode, so the same task), and a few recent blocks are cached. Memory no longer grows
+with ``num_samples``. The training order is a block shuffle (the technique of sharded streaming loaders such as
+WebDataset): each epoch permutes the whole blocks and visits the rows of a block in an affine order ``(a * r +
+c) mod BLOCK`` (``a`` odd), both from ``(seed, epoch)``; ids are computed per global batch from positions, so the
+order is the same on every world size and no per-sample permutation is ever materialised.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import zlib
 from collections.abc import Iterator
@@ -23,9 +32,20 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-__all__ = ["GlobalBatchSampler", "RandomTensorDataModule", "TensorBatches", "checksum", "make_tensors"]
+__all__ = [
+    "BLOCK",
+    "GlobalBatchSampler",
+    "RandomTensorDataModule",
+    "StreamingTensors",
+    "TensorBatches",
+    "checksum",
+    "make_tensors",
+]
 
 log = logging.getLogger(__name__)
+
+BLOCK = 4096
+"""Samples per generated block in streaming mode (a power of two: the in-block order is affine mod ``BLOCK``)."""
 
 
 def make_tensors(
@@ -70,6 +90,73 @@ class TensorBatches(Dataset):
         return (self.x[idx], self.y[idx], idx) if self.with_index else (self.x[idx], self.y[idx])
 
 
+def _teacher(seed: int, num_features: int, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher ``W: [num_features, num_classes]`` and bias ``[num_classes]``: the first draws of
+    ``make_tensors`` (which stays self-contained: ``bench/plain.py`` compiles it alone)."""
+    gen = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(num_features, num_classes, generator=gen)
+    return teacher, 0.1 * torch.randn(num_classes, generator=gen)
+
+
+class StreamingTensors(Dataset):
+    """Samples ``[offset, offset + length)`` of an unbounded stream, generated on demand, never stored whole.
+
+    Block ``k`` (samples ``[k * BLOCK, (k + 1) * BLOCK)``) is ``x ~ N(0, 1)`` of shape ``[BLOCK, num_features]``
+    from a generator seeded with ``(seed, k)``, labelled like ``make_tensors`` (same teacher, same label noise
+    rule). A sample depends only on ``(seed, id)``, not on ``num_samples``, the batch or the world size.
+    ``ds[ids]`` with ``ids`` an int64 ``[b]`` tensor of split-local ids returns ``(x [b, num_features], y [b])``
+    (and ``ids`` with ``with_index=True``); the last ``cache_blocks`` blocks are kept (``BLOCK *
+    (num_features + 2) * 4`` bytes each, 192 KiB at 10 features).
+    """
+
+    def __init__(
+        self,
+        seed: int,
+        num_features: int,
+        num_classes: int,
+        label_noise: float,
+        offset: int,
+        length: int,
+        with_index: bool = False,
+        cache_blocks: int = 4,
+    ) -> None:
+        self.seed, self.num_features, self.num_classes, self.label_noise = seed, num_features, num_classes, label_noise
+        self.offset, self.length, self.with_index, self.cache_blocks = offset, length, with_index, cache_blocks
+        self.teacher, self.bias = _teacher(seed, num_features, num_classes)
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return self.length
+
+    def block(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ``k``: ``x [BLOCK, num_features]`` float32, ``y [BLOCK]`` int64."""
+        if k in self._cache:
+            return self._cache[k]
+        gen = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + k + 1) % 2**63)
+        x = torch.randn(BLOCK, self.num_features, generator=gen)
+        y = (x @ self.teacher + self.bias).argmax(dim=1)
+        if self.label_noise > 0:
+            flip = torch.rand(BLOCK, generator=gen) < self.label_noise
+            y = torch.where(flip, torch.randint(0, self.num_classes, (BLOCK,), generator=gen), y)
+        if len(self._cache) >= self.cache_blocks:
+            del self._cache[next(iter(self._cache))]  # the oldest
+        self._cache[k] = (x, y)
+        return x, y
+
+    def __getitem__(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ids = idx + self.offset
+        blocks = ids // BLOCK
+        uniq = torch.unique(blocks).tolist()
+        parts = [self.block(k) for k in uniq]
+        if len(parts) == 1:
+            rows = ids - uniq[0] * BLOCK
+            x, y = parts[0][0][rows], parts[0][1][rows]
+        else:
+            rows = torch.searchsorted(torch.tensor(uniq), blocks) * BLOCK + ids % BLOCK
+            x, y = torch.cat([p[0] for p in parts])[rows], torch.cat([p[1] for p in parts])[rows]
+        return (x, y, idx) if self.with_index else (x, y)
+
+
 class GlobalBatchSampler(Sampler[torch.Tensor]):
     """Yields this rank's share of each global batch, as an int64 index tensor.
 
@@ -83,13 +170,24 @@ class GlobalBatchSampler(Sampler[torch.Tensor]):
             evaluation counts no padded duplicate (unlike ``DistributedSampler``) and every rank runs the same
             number of batches.
         seed: shuffle seed.
+        block_size: ``None``: the training order is a full permutation (``torch.randperm``, 8 bytes per
+            sample); a power of two ``K``: the block shuffle of the streaming mode (whole blocks of ``K`` ids
+            permuted, rows of a block in an affine order; the trailing partial block last, in order), computed
+            per batch with memory ``O(num_samples / K)`` (a split smaller than one block keeps its order).
 
     Raises:
         ValueError: if ``batch_size`` does not divide by ``world_size``.
     """
 
     def __init__(
-        self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1, train: bool = False, seed: int = 0
+        self,
+        num_samples: int,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        train: bool = False,
+        seed: int = 0,
+        block_size: int | None = None,
     ) -> None:
         if batch_size % world_size:
             raise ValueError(
@@ -98,7 +196,7 @@ class GlobalBatchSampler(Sampler[torch.Tensor]):
             )
         self.num_samples, self.batch_size = num_samples, batch_size
         self.rank, self.world_size = rank, world_size
-        self.train, self.seed, self.epoch = train, seed, 0
+        self.train, self.seed, self.epoch, self.block_size = train, seed, 0, block_size
         self.skip = 0  # batches of the next epoch already trained before a mid-epoch checkpoint (resume)
 
     def set_epoch(self, epoch: int) -> None:
@@ -110,15 +208,38 @@ class GlobalBatchSampler(Sampler[torch.Tensor]):
             return self.num_samples // self.batch_size
         return -(-self.num_samples // self.batch_size)
 
+    def _epoch_order(self) -> tuple[torch.Tensor, int, int] | None:
+        """``None`` (evaluation: identity), or this epoch's ``(perm, a, c)`` from ``(seed, epoch)``: ``perm``
+        over samples (full shuffle) or over whole blocks with the in-block affine order ``(a * r + c) mod K``."""
+        if not self.train:
+            return None
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        if self.block_size is None:
+            return torch.randperm(self.num_samples, generator=gen), 1, 0
+        k = self.block_size
+        perm = torch.randperm(self.num_samples // k, generator=gen)
+        a = 2 * int(torch.randint(0, k // 2, (1,), generator=gen)) + 1
+        return perm, a, int(torch.randint(0, k, (1,), generator=gen))
+
+    def _ids(self, order: tuple[torch.Tensor, int, int] | None, start: int, stop: int) -> torch.Tensor:
+        """The ids at positions ``[start, stop)`` of the epoch's order, int64 ``[stop - start]``."""
+        if order is None:
+            return torch.arange(start, stop)
+        perm, a, c = order
+        if self.block_size is None:
+            return perm[start:stop]
+        k, pos = self.block_size, torch.arange(start, stop)
+        full = len(perm) * k  # ids past the last full block keep their place at the end
+        if full == 0:
+            return pos
+        shuffled = perm[pos.clamp(max=full - 1) // k] * k + (a * (pos % k) + c) % k
+        return torch.where(pos < full, shuffled, pos)
+
     def __iter__(self) -> Iterator[torch.Tensor]:
-        if self.train:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            order = torch.randperm(self.num_samples, generator=gen)
-        else:
-            order = torch.arange(self.num_samples)
+        order = self._epoch_order()
         skip, self.skip = self.skip, 0
         for k in range(skip, len(self)):
-            batch = order[k * self.batch_size : (k + 1) * self.batch_size]
+            batch = self._ids(order, k * self.batch_size, min((k + 1) * self.batch_size, self.num_samples))
             yield torch.tensor_split(batch, self.world_size)[self.rank]
 
 
@@ -134,6 +255,8 @@ class RandomTensorDataModule(pl.LightningDataModule):
         val_fraction, test_fraction: fractions of ``num_samples`` held out for validation and test.
         label_noise: fraction of labels replaced by a uniformly random class (0 = separable task).
         seed: seed of the data and of the training order.
+        streaming: generate samples when batches need them (``StreamingTensors``, block-shuffled training
+            order) instead of drawing the whole data set at ``setup``: memory independent of ``num_samples``.
 
     Splits are contiguous slices ``[train | val | test]`` of the i.i.d. samples, fixed by the seed. Training
     drops the last partial global batch: ``len(train_dataloader()) == num_train // batch_size``.
@@ -149,30 +272,41 @@ class RandomTensorDataModule(pl.LightningDataModule):
         test_fraction: float = 0.1,
         label_noise: float = 0.0,
         seed: int = 0,
+        streaming: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.num_samples, self.num_features, self.num_classes = num_samples, num_features, num_classes
-        self.batch_size, self.label_noise, self.seed = batch_size, label_noise, seed
+        self.batch_size, self.label_noise, self.seed, self.streaming = batch_size, label_noise, seed, streaming
         self.num_val = int(num_samples * val_fraction)
         self.num_test = int(num_samples * test_fraction)
         self.num_train = num_samples - self.num_val - self.num_test
-        self.splits: dict[str, TensorBatches] = {}
+        self.splits: dict[str, TensorBatches | StreamingTensors] = {}
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        x, y = make_tensors(self.seed, self.num_samples, self.num_features, self.num_classes, self.label_noise)
-        log.info(f"data checksum {checksum(x, y)} ({self.num_samples} samples x {self.num_features} features)")
         bounds = {"train": (0, self.num_train), "val": (self.num_train, self.num_train + self.num_val)}
         bounds["test"] = (self.num_train + self.num_val, self.num_samples)
+        sizes = f"{self.num_samples} samples x {self.num_features} features"
+        if self.streaming:
+            args = (self.seed, self.num_features, self.num_classes, self.label_noise)
+            self.splits = {name: StreamingTensors(*args, offset=a, length=b - a) for name, (a, b) in bounds.items()}
+            first = self.splits["train"]
+            log.info(f"data checksum {checksum(first.teacher, *first.block(0))} ({sizes}, streaming: teacher, block 0)")
+            return
+        x, y = make_tensors(self.seed, self.num_samples, self.num_features, self.num_classes, self.label_noise)
+        log.info(f"data checksum {checksum(x, y)} ({sizes})")
         self.splits = {name: TensorBatches(x[a:b], y[a:b]) for name, (a, b) in bounds.items()}
 
     def _loader(self, split: str, with_index: bool = False) -> DataLoader:
         rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         ds = self.splits[split]
-        ds = TensorBatches(ds.x, ds.y, with_index=True) if with_index else ds
-        sampler = GlobalBatchSampler(len(ds), self.batch_size, rank, world_size, split == "train", self.seed)
+        if with_index:
+            ds = copy.copy(ds)
+            ds.with_index = True
+        block = BLOCK if self.streaming else None
+        sampler = GlobalBatchSampler(len(ds), self.batch_size, rank, world_size, split == "train", self.seed, block)
         # batch_size=None: the sampler yields whole index batches and the dataset gathers them in one index.
         return DataLoader(ds, sampler=sampler, batch_size=None)
 
