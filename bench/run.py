@@ -36,13 +36,20 @@ WORKLOADS = {
     "W1": (100, 10, 2, 32),  # the seed's size: start-up dominates, whole wall time matters
     "W2": (262144, 1024, 10, 1024),  # compute-heavy steps
     "W3": (65536, 10, 2, 32),  # many small steps: steps/s
+    "W4": (50_000_000, 10, 2, 256),  # scale: the project in memory vs streaming (no plain side)
 }
-QUICK_WORKLOADS = {"W1": (100, 10, 2, 32), "W2": (4096, 64, 10, 256), "W3": (2048, 10, 2, 32)}
+QUICK_WORKLOADS = {"W1": (100, 10, 2, 32), "W2": (4096, 64, 10, 256), "W3": (2048, 10, 2, 32), "W4": (20000, 10, 2, 64)}
 WORKLOAD_TEXT = {
     "W1": "the seed's size, whole wall time matters",
     "W2": "compute-heavy",
     "W3": "small steps, steps/s",
+    "W4": "scale: in-memory data vs data.streaming=true, 3000 training steps, 20 validation and test batches",
 }
+# Extra project overrides per workload: W4 trains on a slice of its epoch (the whole one is 156,250 steps).
+EXTRA = {"W4": ["trainer.limit_train_batches=3000", "trainer.limit_val_batches=20", "trainer.limit_test_batches=20"]}
+QUICK_EXTRA = {"W4": ["trainer.limit_train_batches=20", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]}
+# The implementations compared per workload (the first is the denominator of the variant tables).
+IMPLS = {"W4": ["project", "project-streaming"]}
 # Variables that would make a child think a cluster launched it.
 RANK_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
 QUIET = [
@@ -76,9 +83,11 @@ def strategies(names: list[str]) -> dict[str, tuple[str, int]]:
     return chosen
 
 
-def project_cmd(sizes: tuple[int, ...], mode: str, world_size: int, run_dir: Path, defaults: bool) -> list[str]:
-    """``python train.py`` for one epoch of the workload; ``defaults``: progress bar, CSV logger and checkpoints
-    left on."""
+def project_cmd(
+    sizes: tuple[int, ...], mode: str, world_size: int, run_dir: Path, defaults: bool, extra: list[str]
+) -> list[str]:
+    """``python train.py`` for one epoch of the workload plus ``extra`` overrides; ``defaults``: progress bar,
+    CSV logger and checkpoints left on."""
     num_samples, num_features, num_classes, batch_size = sizes
     accelerator = "gpu" if mode == "dp" else "cpu"
     cmd = [sys.executable, "train.py", f"accelerator={accelerator}", f"data.num_samples={num_samples}"]
@@ -86,7 +95,7 @@ def project_cmd(sizes: tuple[int, ...], mode: str, world_size: int, run_dir: Pat
     cmd += ["trainer.max_epochs=1", f"hydra.run.dir={run_dir}", "trainer.num_sanity_val_steps=0"]
     cmd += [] if defaults else QUIET
     cmd += ["strategy=auto"] if mode == "single" else [f"strategy={mode}", f"devices={world_size}"]
-    return cmd
+    return cmd + extra
 
 
 def plain_cmd(sizes: tuple[int, ...], mode: str, world_size: int, out: Path) -> list[str]:
@@ -152,15 +161,18 @@ def measure(cmd: list[str], result_file: Path, log_file: Path, env: dict[str, st
     }
 
 
-def run_one(impl: str, sizes: tuple[int, ...], mode: str, world_size: int, env: dict[str, str]) -> dict[str, Any]:
-    """One fresh subprocess of ``impl`` (``project``, ``project-defaults`` or ``plain``), in a temporary
-    directory that is removed afterwards."""
+def run_one(
+    impl: str, sizes: tuple[int, ...], mode: str, world_size: int, env: dict[str, str], extra: list[str]
+) -> dict[str, Any]:
+    """One fresh subprocess of ``impl`` (``project``, ``project-defaults``, ``project-streaming`` or ``plain``),
+    in a temporary directory that is removed afterwards."""
     tmp = Path(tempfile.mkdtemp(prefix="dpddp-bench-"))
     try:
         if impl == "plain":
             cmd, result_file = plain_cmd(sizes, mode, world_size, tmp / "plain.json"), tmp / "plain.json"
         else:
-            cmd = project_cmd(sizes, mode, world_size, tmp / "run", defaults=impl == "project-defaults")
+            extra = extra + (["data.streaming=true"] if impl == "project-streaming" else [])
+            cmd = project_cmd(sizes, mode, world_size, tmp / "run", impl == "project-defaults", extra)
             result_file = tmp / "run" / "metrics.json"
         return measure(cmd, result_file, tmp / "log.txt", env)
     finally:
@@ -178,15 +190,17 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     runs = []
     for workload in args.workloads:
         for label, (mode, world_size) in chosen.items():
-            impls = ["project", "plain"] + (["project-defaults"] if (workload, mode) == ("W2", "single") else [])
+            impls = IMPLS.get(workload, ["project", "plain"])
+            impls = impls + (["project-defaults"] if (workload, mode) == ("W2", "single") else [])
+            extra = (QUICK_EXTRA if args.quick else EXTRA).get(workload, [])
             for rep in range(0 if args.quick else -1, args.reps):  # rep -1: the warm-up round
                 for impl in impls:
                     try:
-                        record = run_one(impl, sizes_of[workload], mode, world_size, env)
+                        record = run_one(impl, sizes_of[workload], mode, world_size, env, extra)
                     except RuntimeError as err:  # e.g. the working tree caught mid-edit: one retry after a pause
                         print(f"run failed, retrying once in 30 s: {str(err)[-1500:]}", flush=True)
                         time.sleep(30)
-                        record = run_one(impl, sizes_of[workload], mode, world_size, env)
+                        record = run_one(impl, sizes_of[workload], mode, world_size, env, extra)
                     record.update(workload=workload, strategy=label, impl=impl, rep=rep)
                     record["steps_per_sec"] = record["samples_per_sec"] / sizes_of[workload][3]
                     print(
@@ -240,11 +254,19 @@ def headline(runs: list[dict]) -> list[str]:
         ("W2", "single", key, "project-defaults", "project", f"W2 single {label}, defaults on/off")
         for key, label in (("samples_per_sec", "samples/s"), ("wall_s", "whole wall time"))
     ]
+    wanted += [
+        ("W4", s, key, "project-streaming", "project", f"W4 {s} {label}, streaming/in-memory")
+        for s in ("single", "ddp(2)")
+        for key, label in (("samples_per_sec", "samples/s"), ("peak_rss_bytes", "peak RSS per process"))
+    ]
     lines = []
     for workload, strategy, key, num, den, label in wanted:
         ratios = paired_ratios(runs, workload, strategy, key, num, den)
         if ratios:
             lines.append(f"- {label}: **{_stat(ratios)}**")
+    for strategy in ("single", "ddp(2)"):
+        if rss := _values(runs, "W4", strategy, "project-streaming", "peak_rss_bytes"):
+            lines.append(f"- W4 {strategy} streaming, peak RSS per process (MiB): **{_stat(rss, 1 / 2**20)}**")
     return lines
 
 
@@ -259,16 +281,17 @@ def workload_table(runs: list[dict], workload: str) -> list[str]:
     return lines
 
 
-def defaults_table(runs: list[dict]) -> list[str]:
-    """W2 single with the progress bar, CSV logger and checkpoints on (defaults) against off."""
-    if not _values(runs, "W2", "single", "project-defaults", "wall_s"):
-        return []
-    lines = ["| metric | project, defaults on | project, off | on/off |", "| --- | --- | --- | --- |"]
-    for key, label, scale in METRICS:
-        on, off = (_values(runs, "W2", "single", impl, key) for impl in ("project-defaults", "project"))
-        ratio = _stat(paired_ratios(runs, "W2", "single", key, "project-defaults", "project"))
-        lines.append(f"| {label} | {_stat(on, scale)} | {_stat(off, scale)} | {ratio} |")
-    return lines
+def variant_table(runs: list[dict], workload: str, strategies: list[str], num: str, den: str) -> list[str]:
+    """Two project variants side by side (``num`` against ``den``), a row per strategy and metric."""
+    lines = [f"| strategy | metric | {num} | {den} | {num} / {den} |", "| --- | --- | --- | --- | --- |"]
+    for strategy in strategies:
+        if not _values(runs, workload, strategy, num, "wall_s"):
+            continue
+        for key, label, scale in METRICS:
+            a, b = (_values(runs, workload, strategy, impl, key) for impl in (num, den))
+            ratio = _stat(paired_ratios(runs, workload, strategy, key, num, den))
+            lines.append(f"| {strategy} | {label} | {_stat(a, scale)} | {_stat(b, scale)} | {ratio} |")
+    return lines if len(lines) > 2 else []
 
 
 def write_results(runs: list[dict], args: argparse.Namespace, command: str) -> None:
@@ -303,21 +326,21 @@ def write_results(runs: list[dict], args: argparse.Namespace, command: str) -> N
             f"## {workload}: {num_samples} samples x {num_features} features -> {num_classes} classes, global batch "
             f"{batch_size}, 1 epoch ({WORKLOAD_TEXT[workload]})",
             "",
-            *workload_table(counted, workload),
         ]
-        if workload == "W2" and defaults_table(counted):
-            lines += [
-                "",
-                "What the defaults cost (W2 single): progress bar, CSV logger and checkpoint callback on.",
-                "",
-            ]
-            lines += defaults_table(counted)
+        if workload in IMPLS:
+            strategies_run = list(dict.fromkeys(r["strategy"] for r in counted if r["workload"] == workload))
+            lines += variant_table(counted, workload, strategies_run, "project-streaming", "project")
+            continue
+        lines += workload_table(counted, workload)
+        defaults = variant_table(counted, "W2", ["single"], "project-defaults", "project") if workload == "W2" else []
+        if defaults:
+            lines += ["", "What the defaults cost (W2 single): progress bar, CSV logger and checkpoints on.", ""]
+            lines += defaults
     losses = []
     for workload, strategy in dict.fromkeys((r["workload"], r["strategy"]) for r in counted):
-        pairs = zip(
-            *(_values(counted, workload, strategy, impl, "test_loss") for impl in ("project", "plain")), strict=True
-        )
-        losses += [abs(a - b) for a, b in pairs if a is not None and b is not None]
+        project, plain = (_values(counted, workload, strategy, impl, "test_loss") for impl in ("project", "plain"))
+        if len(project) == len(plain):  # W4 has no plain side
+            losses += [abs(a - b) for a, b in zip(project, plain, strict=True) if a is not None and b is not None]
     if losses:
         lines += ["", f"Same job check: max |test/loss project - plain| over the pairs = {max(losses):.2g}."]
     lines += [
@@ -342,7 +365,7 @@ def write_chart(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     counted = [r for r in runs if r["rep"] >= 0]
-    groups = list(dict.fromkeys((r["workload"], r["strategy"]) for r in counted))
+    groups = list(dict.fromkeys((r["workload"], r["strategy"]) for r in counted if r["workload"] not in IMPLS))
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(groups)), 4))
     width = 0.38
     for i, impl in enumerate(("project", "plain")):
@@ -366,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the options, run the session, write the results; return the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="counted repetitions per implementation (default 5)")
-    parser.add_argument("--workloads", default="W1,W2,W3", help="comma-separated subset of W1,W2,W3")
+    parser.add_argument("--workloads", default="W1,W2,W3,W4", help="comma-separated subset of W1,W2,W3,W4")
     parser.add_argument(
         "--strategies", default="single,ddp,dp", help="comma-separated subset of single,ddp,dp (dp: CUDA only)"
     )

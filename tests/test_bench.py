@@ -15,16 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_bench_quick(tmp_path: Path) -> None:
-    """One project run and one plain run of the seed's size (tiny, one process each; about 15 s on 2 cores)."""
+    """One project run and one plain run of the seed's size, and the in-memory and streaming runs of the scale
+    workload (tiny, one process each; about 30 s on 2 cores)."""
     env, _ = child_env()
-    cmd = [sys.executable, "bench/run.py", "--quick", "--workloads", "W1", "--strategies", "single"]
+    cmd = [sys.executable, "bench/run.py", "--quick", "--workloads", "W1,W4", "--strategies", "single"]
     proc = subprocess.run(
         [*cmd, "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "samples/s" in (tmp_path / "RESULTS.md").read_text()
+    results = (tmp_path / "RESULTS.md").read_text()
+    assert "samples/s" in results and "W4 single samples/s, streaming/in-memory" in results
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
-    for impl in ("project", "plain"):
+    for impl in ("project", "plain", "project-streaming"):
         rows = [r for r in runs if r["impl"] == impl]
         assert rows, f"no {impl} row"
         assert all(r["samples_per_sec"] > 0 for r in rows)

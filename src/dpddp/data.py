@@ -145,13 +145,15 @@ class StreamingTensors(Dataset):
 
     def __getitem__(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ids = idx + self.offset
-        blocks = ids // BLOCK
-        uniq = torch.unique(blocks).tolist()
-        parts = [self.block(k) for k in uniq]
-        if len(parts) == 1:
-            rows = ids - uniq[0] * BLOCK
-            x, y = parts[0][0][rows], parts[0][1][rows]
+        first, last = int(ids.min()) // BLOCK, int(ids.max()) // BLOCK
+        if first == last:  # the usual case: one block, one gather
+            x, y = self.block(first)
+            rows = ids - first * BLOCK
+            x, y = x[rows], y[rows]
         else:
+            blocks = ids // BLOCK
+            uniq = torch.unique(blocks).tolist()
+            parts = [self.block(k) for k in uniq]
             rows = torch.searchsorted(torch.tensor(uniq), blocks) * BLOCK + ids % BLOCK
             x, y = torch.cat([p[0] for p in parts])[rows], torch.cat([p[1] for p in parts])[rows]
         return (x, y, idx) if self.with_index else (x, y)
@@ -208,32 +210,36 @@ class GlobalBatchSampler(Sampler[torch.Tensor]):
             return self.num_samples // self.batch_size
         return -(-self.num_samples // self.batch_size)
 
-    def _epoch_order(self) -> tuple[torch.Tensor, int, int] | None:
-        """``None`` (evaluation: identity), or this epoch's ``(perm, a, c)`` from ``(seed, epoch)``: ``perm``
-        over samples (full shuffle) or over whole blocks with the in-block affine order ``(a * r + c) mod K``."""
+    def _epoch_order(self) -> tuple[list[int] | torch.Tensor, torch.Tensor] | None:
+        """``None`` (evaluation: identity), or this epoch's order from ``(seed, epoch)``: ``(perm, None)``, a
+        permutation of the samples (full shuffle), or ``(block perm, in-block rows)`` with rows
+        ``(a * r + c) mod K`` for ``r`` in ``[0, K)`` (``a`` odd: a bijection)."""
         if not self.train:
             return None
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         if self.block_size is None:
-            return torch.randperm(self.num_samples, generator=gen), 1, 0
+            return torch.randperm(self.num_samples, generator=gen), None
         k = self.block_size
-        perm = torch.randperm(self.num_samples // k, generator=gen)
+        perm = torch.randperm(self.num_samples // k, generator=gen).tolist()
         a = 2 * int(torch.randint(0, k // 2, (1,), generator=gen)) + 1
-        return perm, a, int(torch.randint(0, k, (1,), generator=gen))
+        return perm, (a * torch.arange(k) + int(torch.randint(0, k, (1,), generator=gen))) % k
 
-    def _ids(self, order: tuple[torch.Tensor, int, int] | None, start: int, stop: int) -> torch.Tensor:
-        """The ids at positions ``[start, stop)`` of the epoch's order, int64 ``[stop - start]``."""
+    def _ids(self, order: tuple | None, start: int, stop: int) -> torch.Tensor:
+        """The ids at positions ``[start, stop)`` of the epoch's order, int64 ``[stop - start]``; for the block
+        shuffle, one slice and add per block the batch touches (ids past the last full block stay in place)."""
         if order is None:
             return torch.arange(start, stop)
-        perm, a, c = order
-        if self.block_size is None:
+        perm, rows = order
+        if rows is None:
             return perm[start:stop]
-        k, pos = self.block_size, torch.arange(start, stop)
-        full = len(perm) * k  # ids past the last full block keep their place at the end
-        if full == 0:
-            return pos
-        shuffled = perm[pos.clamp(max=full - 1) // k] * k + (a * (pos % k) + c) % k
-        return torch.where(pos < full, shuffled, pos)
+        k, pieces = self.block_size, []
+        while start < stop:
+            block, r = divmod(start, k)
+            end = min(stop, (block + 1) * k)
+            full = block < len(perm)
+            pieces.append(rows[r : r + end - start] + perm[block] * k if full else torch.arange(start, end))
+            start = end
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         order = self._epoch_order()
