@@ -233,6 +233,8 @@ def _values(runs: list[dict], workload: str, strategy: str, impl: str, key: str)
 def paired_ratios(runs: list[dict], workload: str, strategy: str, key: str, num: str, den: str) -> list[float]:
     """``num / den`` for each repetition, the two runs of a pair being back to back."""
     a, b = (_values(runs, workload, strategy, impl, key) for impl in (num, den))
+    if len(a) != len(b):  # a side that did not run (W4 has no plain side)
+        return []
     return [x / y for x, y in zip(a, b, strict=True) if y]
 
 
@@ -249,6 +251,7 @@ def headline(runs: list[dict]) -> list[str]:
     wanted += [
         (w, "ddp(2)", "start_to_first_step_s", "project", "plain", f"{w} ddp(2) start to first step, project/plain")
         for w in WORKLOADS
+        if w not in IMPLS
     ]
     wanted += [
         ("W2", "single", key, "project-defaults", "project", f"W2 single {label}, defaults on/off")
@@ -412,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()[0]
     runs = run_all(args)
     args.load = (load_start, os.getloadavg()[0])
+    args.out.mkdir(parents=True, exist_ok=True)  # the runs first: a report that fails to render loses nothing
+    (args.out / "results.json").write_text(json.dumps({"command": command, "runs": runs}, indent=1) + "\n")
     write_results(runs, args, command)
     if has_matplotlib:
         write_chart(runs, args.out / "throughput.png")

@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_bench_quick(tmp_path: Path) -> None:
     """One project run and one plain run of the seed's size, and the in-memory and streaming runs of the scale
-    workload (tiny, one process each; about 30 s on 2 cores)."""
+    workload, in one process and under ddp (tiny; about a minute on 2 cores)."""
     env, _ = child_env()
-    cmd = [sys.executable, "bench/run.py", "--quick", "--workloads", "W1,W4", "--strategies", "single"]
+    cmd = [sys.executable, "bench/run.py", "--quick", "--workloads", "W1,W4", "--strategies", "single,ddp"]
     proc = subprocess.run(
         [*cmd, "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
