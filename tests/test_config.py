@@ -4,7 +4,7 @@ import re
 import lightning.pytorch as pl
 import pytest
 import yaml
-from conftest import CONF, compose_cfg
+from conftest import CONF, QUIET, compose_cfg
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -169,3 +169,21 @@ def test_bad_master_port_in_the_environment(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "abc")
     with pytest.raises(ConfigError, match=r"MASTER_PORT='abc' \(environment\) is not a port"):
         check_config(compose_cfg("strategy=ddp", "accelerator=cpu", "devices=2"))
+
+
+def test_resume_refusals_name_the_setting_before_anything_starts(tmp_path):
+    """A checkpoint with more finished epochs than trainer.max_epochs, and resume=true with other data settings,
+    are refused in one line by the check (Lightning refuses the first only inside every started process)."""
+    from dpddp.training import train
+
+    args = ["accelerator=cpu", "data.num_samples=600", "logger=none", *QUIET]
+    train(compose_cfg(*args, "trainer.max_epochs=3"), tmp_path)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(ConfigError, match=re.escape("has finished 3 epochs, more than trainer.max_epochs=2")):
+        check_config(compose_cfg(*args, "trainer.max_epochs=2", f"ckpt_path={last}"))
+    check_config(compose_cfg(*args, "trainer.max_epochs=3", f"ckpt_path={last}", "resume=true"))  # same run: fine
+    with pytest.raises(ConfigError, match=re.escape("other data: data.streaming=True (was False)")):
+        check_config(
+            compose_cfg(*args, "trainer.max_epochs=5", f"ckpt_path={last}", "resume=true", "data.streaming=true")
+        )
+    check_config(compose_cfg(*args, "trainer.max_epochs=5", f"ckpt_path={last}", "data.num_samples=900"))  # a new run

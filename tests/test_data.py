@@ -121,3 +121,14 @@ def test_streaming_evaluation_is_the_split_in_order():
     seen = torch.cat([b[1] for b in dm.val_dataloader()])
     direct = dm.splits["val"][torch.arange(dm.num_val)][1]
     assert torch.equal(seen, direct)
+
+
+def test_streaming_empty_chunk_of_a_short_last_batch():
+    """Under ddp a rank's chunk of a last evaluation batch of 1 sample is empty (in-memory mode handles it too)."""
+    ds = StreamingTensors(0, 6, 3, 0.0, offset=100, length=50, with_index=True)
+    x, y, idx = ds[torch.zeros(0, dtype=torch.long)]
+    assert x.shape == (0, 6) and y.shape == (0,) and idx.shape == (0,)
+    dm = RandomTensorDataModule(num_samples=650, num_features=6, num_classes=3, batch_size=64, streaming=True)
+    dm.setup("fit")
+    ranks = [list(GlobalBatchSampler(dm.num_val, 64, r, 2)) for r in range(2)]
+    assert sum(len(dm.splits["val"][b][1]) for r in ranks for b in r) == dm.num_val == 65

@@ -1,6 +1,7 @@
 """Sockets, ports and concurrent runs on one machine (case 05), and failures that must end every rank."""
 
 import ipaddress
+import shlex
 import signal
 import socket
 import subprocess
@@ -167,10 +168,12 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(tmp_pat
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     line = [x for x in err.splitlines() if x.startswith("error: stopped by SIGTERM after step")]
     assert len(line) == 1 and "resume=true hydra.run.dir=" in line[0]
+    command = shlex.split(line[0].split("resume with ", 1)[1])  # the printed command, run as it is
+    assert command[:2] == ["python", "train.py"] and "model.optimizer=adam" in command
     step = torch.load(last, weights_only=True)["global_step"]
     assert 0 < step % (16000 // 64) and step < 3 * (16000 // 64)  # stopped mid-epoch
     assert leftover(proc.tag) == []
-    resumed = _start(tmp_path, *args, *QUIET, "hydra.run.dir=run", "resume=true")
+    resumed = _start(tmp_path, *command[2:])
     _, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err[-2000:]
     # the same run uninterrupted: in-process for one process; DDP ranks must be real processes

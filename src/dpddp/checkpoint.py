@@ -23,14 +23,29 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         os.replace(tmp, path)
 
 
-def checkpoint_problem(path: str | Path) -> str | None:
-    """Why ``path`` cannot be resumed from (one line), or ``None``. Loads it with ``weights_only=True`` (no code
-    runs from the file), as ``Trainer.fit(weights_only=True)`` will."""
+def checkpoint_problem(path: str | Path, max_epochs: int | None = None, data: dict | None = None) -> str | None:
+    """Why ``path`` cannot be resumed from (one line, ending with what to do), or ``None``. Loads it with
+    ``weights_only=True`` (no code runs from the file), as ``Trainer.fit(weights_only=True)`` will.
+
+    Args:
+        max_epochs: the run's ``trainer.max_epochs``: refused if the checkpoint has finished more epochs
+            (Lightning would refuse it in every process after starting them).
+        data: the run's data settings, for a resume of the same run (``resume=true``): refused if they differ
+            from the checkpoint's (another data set or batch order would continue silently).
+    """
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated zip, a pickle, not a checkpoint at all: all one answer to the user
         detail = (str(err).splitlines() or [""])[0][:120]
-        return f"cannot be read as a checkpoint ({type(err).__name__}{': ' + detail if detail else ''})"
+        what = f"{type(err).__name__}{': ' + detail if detail else ''}"
+        return f"cannot be read as a checkpoint ({what}): give a last.ckpt or best.ckpt written by dpddp"
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        return "is not a Lightning checkpoint (no state_dict)"
+        return "is not a Lightning checkpoint (no state_dict): give a last.ckpt or best.ckpt written by dpddp"
+    done = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {}).get("processed")
+    if max_epochs not in (None, -1) and isinstance(done, int) and done > max_epochs:
+        return f"has finished {done} epochs, more than trainer.max_epochs={max_epochs}: raise trainer.max_epochs"
+    saved = ckpt.get("datamodule_hyper_parameters") or {}
+    changed = [f"data.{k}={data[k]!r} (was {saved[k]!r})" for k in data or {} if k in saved and saved[k] != data[k]]
+    if changed:
+        return f"was trained with other data: {', '.join(changed)}: resume with the run's own data settings"
     return None

@@ -233,7 +233,8 @@ def check_config(cfg: DictConfig | Mapping) -> None:
     Raises:
         ConfigError: an unknown key, a value out of range, a batch size that does not divide by the world size,
             a device request this machine cannot meet, a cluster whose world size differs from
-            ``devices * num_nodes``, or a ``ckpt_path`` that does not exist.
+            ``devices * num_nodes``, or a ``ckpt_path`` that does not exist, cannot be read, has finished more
+            epochs than ``trainer.max_epochs``, or (``resume=true``) was trained with other data settings.
     """
     keys = allowed_keys()
     _check_keys("", cfg.keys(), keys[""])
@@ -254,5 +255,7 @@ def check_config(cfg: DictConfig | Mapping) -> None:
         raise ConfigError(
             f"ckpt_path={str(ckpt)!r} does not exist: give a checkpoint file, e.g. <run dir>/checkpoints/last.ckpt"
         )
-    if ckpt is not None and (problem := checkpoint_problem(ckpt)):
-        raise ConfigError(f"ckpt_path={str(ckpt)!r} {problem}: give a last.ckpt or best.ckpt written by dpddp")
+    max_epochs = (cfg["trainer"] or {}).get("max_epochs")
+    data = dict(cfg["data"]) if cfg.get("resume") else None  # resume=true continues the same run: same data
+    if ckpt is not None and (problem := checkpoint_problem(ckpt, max_epochs, data)):
+        raise ConfigError(f"ckpt_path={str(ckpt)!r} {problem}")

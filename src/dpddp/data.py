@@ -145,6 +145,9 @@ class StreamingTensors(Dataset):
 
     def __getitem__(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ids = idx + self.offset
+        if not len(ids):  # a rank's empty chunk of a short last evaluation batch
+            x, y = torch.empty(0, self.num_features), torch.empty(0, dtype=torch.long)
+            return (x, y, idx) if self.with_index else (x, y)
         first, last = int(ids.min()) // BLOCK, int(ids.max()) // BLOCK
         if first == last:  # the usual case: one block, one gather
             x, y = self.block(first)
@@ -210,7 +213,7 @@ class GlobalBatchSampler(Sampler[torch.Tensor]):
             return self.num_samples // self.batch_size
         return -(-self.num_samples // self.batch_size)
 
-    def _epoch_order(self) -> tuple[list[int] | torch.Tensor, torch.Tensor] | None:
+    def _epoch_order(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``None`` (evaluation: identity), or this epoch's order from ``(seed, epoch)``: ``(perm, None)``, a
         permutation of the samples (full shuffle), or ``(block perm, in-block rows)`` with rows
         ``(a * r + c) mod K`` for ``r`` in ``[0, K)`` (``a`` odd: a bijection)."""
@@ -220,7 +223,7 @@ class GlobalBatchSampler(Sampler[torch.Tensor]):
         if self.block_size is None:
             return torch.randperm(self.num_samples, generator=gen), None
         k = self.block_size
-        perm = torch.randperm(self.num_samples // k, generator=gen).tolist()
+        perm = torch.randperm(self.num_samples // k, generator=gen)
         a = 2 * int(torch.randint(0, k // 2, (1,), generator=gen)) + 1
         return perm, (a * torch.arange(k) + int(torch.randint(0, k, (1,), generator=gen))) % k
 
@@ -237,7 +240,7 @@ class GlobalBatchSampler(Sampler[torch.Tensor]):
             block, r = divmod(start, k)
             end = min(stop, (block + 1) * k)
             full = block < len(perm)
-            pieces.append(rows[r : r + end - start] + perm[block] * k if full else torch.arange(start, end))
+            pieces.append(rows[r : r + end - start] + int(perm[block]) * k if full else torch.arange(start, end))
             start = end
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 

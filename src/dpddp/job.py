@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -32,6 +33,16 @@ def completed_metrics(output_dir: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return metrics if all(k in metrics for k in METRIC_KEYS) else None
+
+
+def _resume_command(overrides: list[str], output_dir: Path, multirun: bool) -> str:
+    """The command that continues a preempted run: the same overrides in the same run directory; for a sweep,
+    the sweep's own command line with its ``hydra.sweep.dir`` (complete jobs are skipped, this one resumes)."""
+    if multirun:
+        argv = [a for a in sys.argv[1:] if not a.startswith("hydra.sweep.dir=")]
+        return shlex.join(["python", "train.py", *argv, f"hydra.sweep.dir={output_dir.parent}"])
+    kept = [o for o in overrides if not o.startswith(("resume=", "hydra.run.dir="))]
+    return shlex.join(["python", "train.py", *kept, "resume=true", f"hydra.run.dir={output_dir}"])
 
 
 def run(cfg: DictConfig) -> float:
@@ -79,8 +90,7 @@ def run(cfg: DictConfig) -> float:
             sys.exit(1)
         line = str(err)
     except Preempted as err:
-        resume = f"python train.py <same overrides> resume=true hydra.run.dir={output_dir}"
-        print(f"error: {err}: resume with {resume}", file=sys.stderr)
+        print(f"error: {err}: resume with {_resume_command(overrides, output_dir, multirun)}", file=sys.stderr)
         sys.exit(128 + signal.SIGTERM)
     except Exception as err:
         if not multirun:

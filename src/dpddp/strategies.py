@@ -278,7 +278,8 @@ class _JobLauncher(_SubprocessScriptLauncher):
             cmd = [sys.executable, "-m", "dpddp.launch"]
             self.procs.append(subprocess.Popen(cmd, env=child_env, preexec_fn=_die_with_parent))
         how = "forked" if self.fork else "started with python -m dpddp.launch"
-        log.info(f"local ranks 1-{self.num_processes - 1} {how}: pids {[p.pid for p in self.procs]}")
+        if self.procs:
+            log.info(f"local ranks 1-{self.num_processes - 1} {how}: pids {[p.pid for p in self.procs]}")
 
     def _fork_rank(self, local_rank: int) -> _ForkedRank:
         """Fork local rank ``local_rank``: it runs ``dpddp.launch.run_rank(job)`` and ``os._exit``s with its
