@@ -83,6 +83,10 @@ BAD = [
     (["data.num_classes=1"], "data.num_classes=1 is invalid"),
     (["data.batch_size=0"], "data.batch_size=0 is invalid"),
     (["data.batch_size=100000"], "larger than the train split"),
+    (
+        ["data.val_fraction=0.9", "data.test_fraction=0.2"],
+        "data.val_fraction=0.9 + data.test_fraction=0.2 leave no training samples",
+    ),
     (["data.num_samples=5"], "leaves the val split empty"),
     (["data.label_noise=2"], "data.label_noise=2 is invalid"),
     (["model.lr=-1"], "model.lr=-1 is invalid"),

@@ -187,6 +187,11 @@ def _check_data(data: Mapping, n_procs: int) -> None:
     _int("data.seed", data["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
     for key in ("val_fraction", "test_fraction"):
         _float(f"data.{key}", data[key], 0.0, 0.9, "use a fraction in [0, 0.9]")
+    if data["val_fraction"] + data["test_fraction"] >= 1:
+        raise ConfigError(
+            f"data.val_fraction={data['val_fraction']} + data.test_fraction={data['test_fraction']} leave no "
+            "training samples: keep their sum below 1"
+        )
     _float("data.label_noise", data["label_noise"], 0.0, 1.0, "use a fraction in [0, 1]")
     if not isinstance(data.get("streaming", False), bool):
         raise ConfigError(f"data.streaming={data['streaming']!r} is invalid: use true or false")
