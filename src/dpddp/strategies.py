@@ -149,8 +149,11 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
-def _exit_reason(code: int) -> str:
-    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+def _rank_ended(rank: int, proc: Any) -> str:
+    """``"rank 1 (pid 4242) was killed by SIGKILL"`` or ``"... exited with code 1"`` for an ended rank."""
+    code = proc.returncode
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return f"rank {rank} (pid {proc.pid}) {how}"
 
 
 class _RankWatcher(threading.Thread):
@@ -167,7 +170,7 @@ class _RankWatcher(threading.Thread):
             failed = [(r, p) for r, p in enumerate(self.procs, 1) if p.poll() not in (None, 0)]
             if failed:
                 rank, proc = failed[0]
-                log.error(f"rank {rank} (pid {proc.pid}) {_exit_reason(proc.returncode)}; ending the run")
+                log.error(f"{_rank_ended(rank, proc)}; ending the run")
                 for p in self.procs:
                     if p.poll() is None:
                         p.kill()
@@ -320,7 +323,7 @@ class _JobLauncher(_SubprocessScriptLauncher):
             except subprocess.TimeoutExpired:
                 continue
             if code:
-                failed.append(f"rank {rank} (pid {proc.pid}) {_exit_reason(code)}")
+                failed.append(_rank_ended(rank, proc))
         return failed
 
     def join(self, timeout_s: float) -> None:

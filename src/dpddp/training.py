@@ -150,8 +150,9 @@ def train(
             trainer.predict(model, datamodule=datamodule, return_predictions=False)
         finished = True
     except Exception as err:
-        lost = _failed_ranks(trainer)
-        if lost and not isinstance(err, (ConfigError, Preempted)):  # name the cause, not the broken connection
+        # Name the cause, not the broken connection; a refusal or a preemption is its own answer (no wait).
+        lost = [] if isinstance(err, (ConfigError, Preempted)) else _failed_ranks(trainer)
+        if lost:
             first = (str(err).splitlines() or [""])[0][:200]
             raise RankFailed(f"{'; '.join(lost)}; ending the run (rank 0: {type(err).__name__}: {first})") from err
         raise
