@@ -1,16 +1,6 @@
-"""Train the linear classifier: ``python train.py [key=value ...]``, ``python train.py -m ...`` for sweeps."""
+"""Train: ``python train.py [key=value ...]``, ``python train.py -m ...`` for sweeps (see README)."""
 
-import hydra
-from omegaconf import DictConfig
-
-from dpddp.job import run
-
-
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> float:
-    """Hydra composes ``conf/config.yaml`` with the overrides; returns ``val/loss`` for sweepers."""
-    return run(cfg)
-
+from dpddp.entry.hydra import main
 
 if __name__ == "__main__":
     main()

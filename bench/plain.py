@@ -1,7 +1,7 @@
 """Plain-PyTorch baselines of dpddp's job, for the benchmark (``bench/run.py``).
 
-The same job as ``python train.py``: the project's tensors (the project's ``dpddp.data.make_tensors``, seed 0,
-compiled from its source without importing the package) split ``[train | val | test]`` like
+The same job as ``python train.py``: the project's tensors (``dpddp.data.synthetic.make_tensors``, seed 0,
+loaded without the package's ``__init__``) split ``[train | val | test]`` like
 ``RandomTensorDataModule``, one ``nn.Linear`` seeded like the project, SGD
 (lr 0.1, momentum 0.9), the global batch ``batch_size`` taken from a per-epoch ``torch.randperm`` by one tensor
 index (no per-sample collate), the last partial batch dropped, validation after each epoch and a test at the end.
@@ -23,10 +23,8 @@ Usage: ``python bench/plain.py MODE WORLD_SIZE NUM_SAMPLES NUM_FEATURES NUM_CLAS
 """
 
 from __future__ import annotations
-import __future__
 
 import argparse
-import ast
 import importlib.util
 import json
 import os
@@ -51,18 +49,19 @@ Split = tuple[torch.Tensor, torch.Tensor]
 
 
 def project_make_tensors() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``dpddp.data.make_tensors``, compiled from the project's own source file: ``import dpddp.data`` would
-    import the whole package, hence Lightning and Hydra (several seconds and ~100 MB per process), into the
-    baseline. The function needs nothing but ``torch``."""
+    """``dpddp.data.synthetic.make_tensors``, from the project's module ``dpddp/data/synthetic.py`` loaded on its
+    own (it imports only torch). ``import dpddp.data.synthetic`` would first run the package's ``__init__``,
+    which imports Lightning to register the ``dp`` strategy: seconds and ~100 MB per process the baseline must
+    not pay."""
     spec = importlib.util.find_spec("dpddp")  # finds the package without importing it
     if spec is None or spec.origin is None:
         raise SystemExit("error: dpddp is not installed (pip install -e .)")
-    path = Path(spec.origin).parent / "data.py"
-    tree = ast.parse(path.read_text(), str(path))
-    func = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "make_tensors")
-    namespace: dict[str, Any] = {"torch": torch}
-    exec(compile(ast.Module([func], []), str(path), "exec", flags=__future__.annotations.compiler_flag), namespace)
-    return namespace["make_tensors"]
+    path = Path(spec.origin).parent / "data" / "synthetic.py"
+    module_spec = importlib.util.spec_from_file_location("dpddp_synthetic", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.make_tensors
 
 
 def load_splits(num_samples: int, num_features: int, num_classes: int) -> dict[str, Split]:

@@ -15,12 +15,15 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from dpddp.cluster import register_resolvers
+
 # One intra-op thread per test process: pytest-xdist runs one worker per core, and two busy multi-threaded
 # torch processes on shared cores slow each other down many times over.
 torch.set_num_threads(1)
+register_resolvers()  # the packaged hydra/ config uses them (train.py registers them through dpddp.entry.hydra)
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
+CONF = ROOT / "src" / "dpddp" / "conf"
 # Rank and rendezvous variables a test must never inherit (they make Lightning think a cluster launched it).
 RANK_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
 QUIET = ["trainer.enable_progress_bar=false"]

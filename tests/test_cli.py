@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import child_env, leftover, max_diff, weights
 
-from dpddp.data import make_tensors
+from dpddp.data.synthetic import make_tensors
 
 pytestmark = pytest.mark.slow
 FAST = ["--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false"]
@@ -26,7 +26,7 @@ def cli(*args, cwd, script=False):
 
 
 def _ckpt(root):
-    (path,) = root.glob("lightning_logs/version_*/checkpoints/*.ckpt")
+    (path,) = root.glob("lightning_logs/version_*/checkpoints/last.ckpt")
     return path
 
 
@@ -47,7 +47,7 @@ def test_fit_ddp_and_dp_and_rerun_into_the_same_directory(tmp_path):
     cli("fit", *FAST, "--trainer.strategy=dp", "--trainer.devices=1", *root, cwd=tmp_path)
     configs = sorted(p.relative_to(tmp_path / "runs").as_posix() for p in tmp_path.glob("runs/**/config*.yaml"))
     assert len(configs) == 3 and len({c.split("/")[1] for c in configs}) == 3
-    ckpts = sorted(tmp_path.glob("runs/lightning_logs/version_*/checkpoints/*.ckpt"))
+    ckpts = sorted(tmp_path.glob("runs/lightning_logs/version_*/checkpoints/last.ckpt"))
     # the global batch makes 1 ddp process pair and 1 dp process take the same steps to the same weights
     assert max_diff(weights(ckpts[0]), weights(ckpts[1])) <= 1e-5
 

@@ -10,7 +10,7 @@ import uuid
 import pytest
 from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, metrics
 
-from dpddp.training import train
+from dpddp.run.training import train
 
 pytestmark = pytest.mark.slow
 SMALL = ["accelerator=cpu", "data.num_samples=606", "trainer.max_epochs=2", *QUIET]

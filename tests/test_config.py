@@ -8,10 +8,11 @@ from conftest import CONF, QUIET, compose_cfg
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from dpddp.config import ConfigError, check_config
-from dpddp.data import RandomTensorDataModule
-from dpddp.model import LinearClassifier
-from dpddp.training import build_strategy
+from dpddp.data.random_tensors import RandomTensorDataModule
+from dpddp.errors import ConfigError
+from dpddp.models.linear import LinearClassifier
+from dpddp.run.config import check_config
+from dpddp.run.trainer import build_strategy
 
 
 def _defaults(cls):
@@ -36,6 +37,7 @@ def test_every_option_composes_validates_and_builds(strategy, logger, tmp_path):
 def test_config_defaults_match_class_signatures(group, cls):
     """One source of truth: the classes' signatures; the YAML repeats them (and the CLI reads them)."""
     raw = yaml.safe_load((CONF / group / "default.yaml").read_text())
+    assert raw.pop("_target_") == f"{cls.__module__}.{cls.__name__}"
     defaults = _defaults(cls)
     assert raw.keys() == defaults.keys()
     for key, value in raw.items():
@@ -141,7 +143,7 @@ def test_corrupt_checkpoint_is_one_clean_line(tmp_path, content):
 def test_cluster_kubeflow_selects_lightnings_kubeflow_environment(tmp_path, monkeypatch):
     from lightning.fabric.plugins.environments import KubeflowEnvironment
 
-    from dpddp.training import build_trainer
+    from dpddp.run.trainer import build_trainer
 
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29999", WORLD_SIZE="1", RANK="0").items():
         monkeypatch.setenv(key, value)
@@ -178,7 +180,7 @@ def test_bad_master_port_in_the_environment(monkeypatch):
 def test_resume_refusals_name_the_setting_before_anything_starts(tmp_path):
     """A checkpoint with more finished epochs than trainer.max_epochs, and resume=true with other data settings,
     are refused in one line by the check (Lightning refuses the first only inside every started process)."""
-    from dpddp.training import train
+    from dpddp.run.training import train
 
     args = ["accelerator=cpu", "data.num_samples=600", "logger=none", *QUIET]
     train(compose_cfg(*args, "trainer.max_epochs=3"), tmp_path)

@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from dpddp.data import BLOCK, GlobalBatchSampler, RandomTensorDataModule, StreamingTensors, checksum, make_tensors
+from dpddp.data.global_batch import GlobalBatchSampler
+from dpddp.data.random_tensors import RandomTensorDataModule
+from dpddp.data.synthetic import BLOCK, StreamingTensors, checksum, make_tensors
 
 
 def test_tensors_are_a_pure_function_of_seed_and_sizes():

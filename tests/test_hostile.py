@@ -7,8 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import open_dict
 
-from dpddp.config import ConfigError, allowed_keys, check_config
-from dpddp.training import build_trainer
+from dpddp.errors import ConfigError
+from dpddp.run.config import allowed_keys, check_config
+from dpddp.run.trainer import build_trainer
 
 BASE = compose_cfg("accelerator=cpu")
 junk = st.one_of(st.text(max_size=12), st.lists(st.integers(), max_size=2), st.just(None), st.booleans())

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import QUIET, compose_cfg, leftover, max_diff, metrics, run_train, weights
 
-from dpddp.training import train
+from dpddp.run.training import train
 
 pytestmark = pytest.mark.slow
 EVAL = ("val/loss", "val/acc", "test/loss", "test/acc")
@@ -30,14 +30,16 @@ def test_quickstart_default_run(tmp_path):
 @pytest.mark.parametrize("launch", ["fork", "exec"])
 def test_ddp_two_processes_equal_one_process(tmp_path, launch):
     """Cases 03, 04, 08, 11: odd split sizes, same data on every rank, one writer, global batch; rank 1 forked
-    (the CPU default) or started as ``python -m dpddp.launch`` (what GPUs use)."""
+    (the CPU default) or started as ``python -m dpddp.parallel.rank`` (what GPUs use)."""
     common = ["accelerator=cpu", "data.num_samples=1005", "seed=2", "trainer.max_epochs=3", "data.batch_size=32"]
     single = run_train(*common, "hydra.run.dir=single", cwd=tmp_path)
     ddp_args = ["strategy=ddp", "devices=2", f"strategy.launch={launch}", "predict=true", "hydra.run.dir=ddp"]
     ddp = run_train(*common, *ddp_args, cwd=tmp_path)
     _ok(single)
     _ok(ddp)
-    how = {"fork": "local ranks 1-1 forked", "exec": "local ranks 1-1 started with python -m dpddp.launch"}[launch]
+    how = {"fork": "local ranks 1-1 forked", "exec": "local ranks 1-1 started with python -m dpddp.parallel.rank"}[
+        launch
+    ]
     assert how in (tmp_path / "ddp" / "train.log").read_text()
     one, two = metrics(tmp_path / "single"), metrics(tmp_path / "ddp")
     assert two["world_size"] == 2 and two["strategy"] == "ddp" and two["val/acc"] >= 0.9

@@ -5,9 +5,10 @@ import pytest
 import torch
 from conftest import QUIET, compose_cfg, leftover, max_diff, run_train, weights
 
-from dpddp import DataParallelStrategy, LinearClassifier
-from dpddp.strategies import replicate_forward, restore_forward
-from dpddp.training import train
+from dpddp import DataParallelStrategy
+from dpddp.models.linear import LinearClassifier
+from dpddp.parallel.dp import replicate_forward, restore_forward
+from dpddp.run.training import train
 
 SMALL = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "model.optimizer=adam", "model.lr=0.01"]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

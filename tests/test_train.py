@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import QUIET, compose_cfg, max_diff, weights
 
-from dpddp.config import ConfigError
-from dpddp.training import METRIC_KEYS, train
+from dpddp.errors import ConfigError
+from dpddp.run.training import METRIC_KEYS, train
 
 SMALL = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "trainer.max_epochs=3", "logger=none"]
 

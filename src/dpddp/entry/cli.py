@@ -1,81 +1,185 @@
-"""LightningCLI over the same model and data: ``python -m dpddp.cli fit --trainer.strategy=ddp ...`` or ``dpddp``.
+"""The Lightning CLI entry point: ``dpddp fit --trainer.strategy=ddp --trainer.devices=2 --model.lr=0.1``
+(also ``python -m dpddp.cli``).
 
-Subcommands ``fit``, ``validate``, ``test``, ``predict``; ``--config FILE`` (repeatable), ``--print_config``,
-``--seed_everything``, ``--ckpt_path``. Defaults come from the classes' signatures, the same ones the Hydra
-configs repeat. ``data.batch_size`` is the global batch as in ``train.py`` (the Trainer's distributed sampler is
-off), ``--trainer.strategy=dp`` works (importing ``dpddp`` registers it), and ``predict`` writes
-``predictions.csv`` into the run's log directory. Here Lightning's own DDP launcher is right: it re-runs this
-command line, which holds no Hydra sweep.
+LightningCLI (jsonargparse) parses: subcommands ``fit``, ``validate``, ``test``, ``predict``; ``--config FILE``
+(repeatable), ``--print_config``, ``--seed_everything``, ``--ckpt_path``, and every ``--trainer.*``, ``--model.*``,
+``--data.*`` argument with its type and default from the classes' signatures. The run itself is the one every
+entry point shares: the parsed values become the same config ``train.py`` composes (the packaged ``conf/``
+defaults, the model and data as ``_target_`` specs, ``--trainer.strategy/accelerator/devices/num_nodes`` as the
+top-level knobs, trainer flags that differ from their defaults as ``trainer.*``), and
+``dpddp.run.training.train`` checks and runs it: the same strategies and launcher, checks, callbacks,
+checkpoint layout, preemption and errors as ``train.py``.
+
+Outputs go to ``<default_root_dir>/lightning_logs/version_<N>/`` (a new ``N`` per run; under torchrun or SLURM
+the cluster's run name instead, so that all processes agree): ``config.yaml`` (the CLI's config, loadable with
+``--config``), ``checkpoints/last.ckpt`` and ``best.ckpt``, ``metrics.json``, ``csv/`` and ``predictions.csv``.
+``fit`` trains, then tests the final weights, like ``train.py``. ``--ckpt_path=last`` means the newest run's
+``checkpoints/last.ckpt``: ``fit`` then continues that run in its own directory.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
+import logging
+import os
+import shlex
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.plugins.io import TorchCheckpointIO
+from hydra import compose, initialize_config_module
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
 
-import dpddp  # noqa: F401  (registers strategy "dp")
-from dpddp.callbacks import PredictionWriter, Throughput
-from dpddp.checkpoint import AtomicCheckpointIO
-from dpddp.data import RandomTensorDataModule
-from dpddp.model import LinearClassifier
+from dpddp.cluster import run_name
+from dpddp.data.random_tensors import RandomTensorDataModule
+from dpddp.errors import ConfigError, Preempted, RankFailed, exit_status
+from dpddp.models.linear import LinearClassifier
+from dpddp.run.training import STAGES, isolated_job, train
 
-__all__ = ["DPDDPCLI", "main"]
+__all__ = ["DPDDPCLI", "main", "run_config"]
 
-
-class VersionedSaveConfig(SaveConfigCallback):
-    """Saves the config like Lightning, but never refuses a re-run into the same log directory (case 09): when
-    ``config.yaml`` is there from an earlier run it writes ``config_v1.yaml``, ``config_v2.yaml``, ..."""
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        log_dir = trainer.log_dir  # a broadcast: every rank must call it, once
-        if not self.already_saved and log_dir is not None:
-            base = Path(self.config_filename)
-            name, version = base.name, 0
-            while trainer.is_global_zero and (Path(log_dir) / name).exists():
-                version += 1
-                name = f"{base.stem}_v{version}{base.suffix}"
-            self.config_filename = trainer.strategy.broadcast(name)
-        super().setup(trainer, pl_module, stage)
+TOP_LEVEL = {"strategy": "strategy", "accelerator": "accelerator", "devices": "devices", "num_nodes": "num_nodes"}
 
 
 class DPDDPCLI(LightningCLI):
-    """``LightningCLI`` with the model's sizes linked to the data's."""
+    """``LightningCLI`` that parses only: the model's sizes linked to the data's, ``--ckpt_path`` added, and no
+    class instantiated (``dpddp.run.training.train`` builds everything, as for ``train.py``)."""
 
+    @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.num_features", "model.num_features")
         parser.link_arguments("data.num_classes", "model.num_classes")
+        parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint, or 'last'")
 
-    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
-        trainer = super().instantiate_trainer(**kwargs)
-        # Set here, not in trainer_defaults: a plugin instance there would make --print_config unloadable.
-        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
-            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
-        return trainer
+    @override
+    def instantiate_classes(self) -> None:
+        """Nothing to build here: ``train`` builds the model, data and Trainer from the run config."""
+
+
+def _spec(value: Any) -> dict[str, Any]:
+    """A jsonargparse ``{class_path, init_args}`` as a Hydra ``{_target_, ...}`` spec."""
+    value = value if isinstance(value, dict) else vars(value)
+    return {"_target_": value["class_path"], **dict(value.get("init_args") or {})}
+
+
+def _plain(namespace: Any) -> dict[str, Any]:
+    return namespace.as_dict() if hasattr(namespace, "as_dict") else dict(namespace)
+
+
+def run_config(parsed: Any, defaults: Any) -> DictConfig:
+    """The run config (``train.py``'s schema) of the CLI's parsed values ``parsed`` (parser defaults:
+    ``defaults``).
+
+    Raises:
+        ConfigError: a trainer value the run cannot take (a strategy or accelerator object).
+    """
+    given, default = _plain(parsed), _plain(defaults)
+    trainer = {k: v for k, v in given["trainer"].items() if v != default["trainer"].get(k)}
+    top = {TOP_LEVEL[k]: trainer.pop(k) for k in list(trainer) if k in TOP_LEVEL}
+    if isinstance(top.get("devices"), str) and top["devices"].lstrip("-").isdigit():  # the CLI's type admits str
+        top["devices"] = int(top["devices"])
+    for key in ("strategy", "accelerator"):
+        if key in top and not isinstance(top[key], str):
+            raise ConfigError(f"trainer.{key}: give a name (e.g. --trainer.{key}=ddp), not a class")
+    overrides = [f"strategy={top.pop('strategy', 'auto')}"]
+    with initialize_config_module("dpddp.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    trainer.pop("default_root_dir", None)
+    logger = trainer.pop("logger", None)
+    callbacks = trainer.pop("callbacks", None) or []
+    model_cls, data_cls = LinearClassifier, RandomTensorDataModule
+    update: dict[str, Any] = {
+        **top,
+        "seed": given.get("seed_everything", 0),
+        "ckpt_path": given.get("ckpt_path"),
+        "model": {"_target_": f"{model_cls.__module__}.{model_cls.__qualname__}", **given["model"]},
+        "data": {"_target_": f"{data_cls.__module__}.{data_cls.__qualname__}", **given["data"]},
+        "trainer": trainer,
+    }
+    merged = OmegaConf.merge(cfg, update)
+    assert isinstance(merged, DictConfig)
+    if logger is False:
+        merged.logger = None
+    elif logger not in (None, True):
+        merged.logger = _spec(logger)
+    for i, callback in enumerate(callbacks):
+        merged.callbacks[f"cli_{i}"] = _spec(callback)
+    return merged
+
+
+def _output_dir(root: Path, stage: str, ckpt_path: str | None) -> tuple[Path, str | None]:
+    """The run directory under ``root/lightning_logs`` and the checkpoint (``"last"`` resolved; see the module)."""
+    logs = root / "lightning_logs"
+    versions = sorted(
+        (p for p in logs.glob("version_*") if p.name[8:].isdigit()), key=lambda p: int(p.name[8:])
+    )  # fmt: skip
+    if ckpt_path == "last":
+        with_last = [p for p in versions if (p / "checkpoints" / "last.ckpt").is_file()]
+        if not with_last:
+            raise ConfigError(f"--ckpt_path=last: no run under {str(logs)!r} has checkpoints/last.ckpt: fit first")
+        ckpt_path = str(with_last[-1] / "checkpoints" / "last.ckpt")
+        if stage == "fit":
+            return with_last[-1], ckpt_path
+    if "RANK" in os.environ or "SLURM_JOB_ID" in os.environ:  # every process of a cluster job: one name
+        return logs / run_name(), ckpt_path
+    return logs / f"version_{int(versions[-1].name[8:]) + 1 if versions else 0}", ckpt_path
 
 
 def main(args: list[str] | None = None) -> None:
-    """Run the CLI on ``args`` (default ``sys.argv[1:]``); a bad setting ends with one ``error:`` line, exit 2."""
-    try:
-        DPDDPCLI(
-            LinearClassifier,
-            RandomTensorDataModule,
-            trainer_defaults={
-                "use_distributed_sampler": False,
-                "max_epochs": 10,  # as train.py (Lightning's None means 1000)
-                "callbacks": [Throughput(), PredictionWriter()],
-            },
-            seed_everything_default=0,
-            save_config_callback=VersionedSaveConfig,
-            args=args,
-        )
-    except ValueError as err:  # ours (dp on CPU, batch not divisible) and Lightning's refusals of a setting
-        print(f"error: {(str(err).splitlines() or [type(err).__name__])[0]}", file=sys.stderr)
+    """Run the CLI on ``args`` (default ``sys.argv[1:]``); exit with ``dpddp.errors.exit_status``."""
+    atexit.register(gc.freeze)  # the final collections cost ~1 s of every run (bench/)
+    args = list(sys.argv[1:] if args is None else args)
+    if not args or args[0] not in STAGES:
+        print(f"usage: dpddp {{{','.join(STAGES)}}} [--help] [--config FILE] [--print_config] [ARGS]", file=sys.stderr)
         sys.exit(2)
+    stage, rest = args[0], args[1:]
+    # Harmless: the subcommand is taken off sys.argv here, so LightningCLI gets the rest of the same command line.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
+    cli = DPDDPCLI(
+        LinearClassifier,
+        RandomTensorDataModule,
+        trainer_defaults={"use_distributed_sampler": False, "max_epochs": 10},  # as train.py
+        seed_everything_default=0,
+        save_config_callback=None,
+        run=False,
+        args=rest,
+        parser_kwargs={"prog": f"dpddp {stage}"},
+    )
+    output_dir = Path()
+    try:
+        cfg = run_config(cli.config, cli.parser.get_defaults())
+        root = Path(cli.config.trainer.default_root_dir or os.getcwd())
+        output_dir, cfg.ckpt_path = _output_dir(root, stage, cfg.ckpt_path)
+        cfg.predict = stage == "predict"  # predictions.csv in the run directory
+        if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
+            output_dir.mkdir(parents=True, exist_ok=True)
+            name = "config.yaml" if not (output_dir / "config.yaml").exists() else f"config_{stage}.yaml"
+            cli.parser.save(cli.config, str(output_dir / name), skip_none=False, overwrite=True)
+            _log_to(output_dir / "train.log")
+        with isolated_job():
+            train(cfg, output_dir, stage=stage)
+    except (ConfigError, RankFailed, Preempted) as err:
+        resume = f": resume with {_resume_command(stage, rest, output_dir)}" if isinstance(err, Preempted) else ""
+        print(f"error: {err}{resume}", file=sys.stderr)
+        sys.exit(exit_status(err))
+
+
+def _log_to(path: Path) -> None:
+    """Log records of level INFO and above to stderr and ``path``, in Hydra's job-logging format (as train.py)."""
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr), logging.FileHandler(path)]
+    fmt = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt, handlers=handlers, force=True)
+
+
+def _resume_command(stage: str, rest: list[str], output_dir: Path) -> str:
+    kept = [a for a in rest if not a.startswith(("--ckpt_path", "--trainer.default_root_dir"))]
+    root = output_dir.parent.parent
+    return shlex.join(["dpddp", stage, *kept, f"--trainer.default_root_dir={root}", "--ckpt_path=last"])
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
+
+from dpddp._compat import HOOK_NAME_ATTRIBUTE
 
 __all__ = ["LinearClassifier"]
 
@@ -34,9 +37,10 @@ class LinearClassifier(pl.LightningModule):
     ~1 ms step on small batches: ``bench/``).
     """
 
-    # Lightning sets ``_current_fx_name`` on the module around every hook it calls (~20 times per training
-    # step); ``nn.Module.__setattr__`` spends microseconds each checking parameters, buffers and submodules.
-    _PLAIN_ATTRIBUTES = frozenset({"_current_fx_name"})
+    # Lightning sets ``_current_fx_name`` (``dpddp._compat``) on the module around every hook it calls (~20 times
+    # per training step); ``nn.Module.__setattr__`` spends microseconds each checking parameters, buffers and
+    # submodules.
+    _PLAIN_ATTRIBUTES = frozenset({HOOK_NAME_ATTRIBUTE})
 
     def __init__(
         self,
@@ -57,12 +61,14 @@ class LinearClassifier(pl.LightningModule):
         self._train_loss_sum: torch.Tensor | None = None  # this epoch: sum of per-sample losses on this rank
         self._train_samples = 0
 
+    @override
     def __setattr__(self, name: str, value: object) -> None:
         if name in self._PLAIN_ATTRIBUTES:  # a string, never a parameter, buffer or module
             object.__setattr__(self, name, value)
         else:
-            super().__setattr__(name, value)
+            super().__setattr__(name, value)  # type: ignore[arg-type]
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x: [batch, num_features]`` float -> logits ``[batch, num_classes]``."""
         return self.linear(x)
@@ -75,6 +81,7 @@ class LinearClassifier(pl.LightningModule):
         if len(y):  # torchmetrics' accuracy cannot take an empty chunk
             getattr(self, f"{stage}_acc").update(logits, y)
 
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Mean cross-entropy of this rank's chunk ``x: [b, num_features]``, ``y: [b]`` (``b`` = per-device batch
         size, never 0 in training)."""
@@ -86,12 +93,15 @@ class LinearClassifier(pl.LightningModule):
         self._train_samples += len(y)
         return loss
 
+    @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "val")
 
+    @override
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "test")
 
+    @override
     def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Class probabilities ``[batch, num_classes]``."""
         return self(batch[0]).softmax(dim=1)
@@ -104,20 +114,26 @@ class LinearClassifier(pl.LightningModule):
             metrics[f"{stage}/acc"] = getattr(self, f"{stage}_acc")
         self.log_dict(metrics, prog_bar=stage != "test")
 
+    @override
     def on_train_epoch_end(self) -> None:
         if self._train_samples:  # the epoch's mean with weight = samples: sums and counts sync as before
             total = self._train_loss_sum
+            assert total is not None
             self.train_loss.update(total / self._train_samples, weight=self._train_samples)
         self._train_loss_sum, self._train_samples = None, 0
         self._log_epoch("train")
 
+    @override
     def on_validation_epoch_end(self) -> None:
         self._log_epoch("val")
 
+    @override
     def on_test_epoch_end(self) -> None:
         self._log_epoch("test")
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
-        kwargs = {"momentum": hp.momentum} if hp.optimizer == "sgd" else {}
-        return OPTIMIZERS[hp.optimizer](self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, **kwargs)
+        kwargs = {"momentum": hp["momentum"]} if hp["optimizer"] == "sgd" else {}
+        optimizer = OPTIMIZERS[hp["optimizer"]]
+        return optimizer(self.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"], **kwargs)

@@ -1,55 +1,51 @@
-"""Entry point of a DDP rank started by ``dpddp.strategies.DDPStrategy``: ``python -m dpddp.launch``.
+"""Entry of a launched DDP rank: ``python -m dpddp.parallel.rank`` (exec'd), or ``run_rank`` in a forked one.
 
-It rebuilds the job from the resolved config in ``$DPDDP_JOB`` (no Hydra, no ``sys.argv``), logs to stderr
-with a ``[rank N]`` prefix and to ``<run dir>/rank<N>.log``, and exits 0, 2 (bad setting), 1 (crash) or 143
-(stopped by SIGTERM). A rank forked by the launcher (CPU) runs ``run_rank`` directly.
+The rank rebuilds its run from the ``RankJob`` in ``$DPDDP_JOB`` (no Hydra, no ``sys.argv``), with rank 0's
+working directory and import path, logs to stderr with a ``[rank N]`` prefix and to ``<run dir>/rank<N>.log``,
+and exits with the status ``dpddp.errors.exit_status`` gives: 0, 2 (bad setting), 1 (crash) or 143 (SIGTERM).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from dpddp.errors import ConfigError, Preempted, exit_status
+from dpddp.parallel.launcher import RankJob
 
-from dpddp.callbacks import Preempted
-from dpddp.config import ConfigError
-from dpddp.strategies import JOB_ENV
-from dpddp.training import train
+__all__ = ["main", "run_rank"]
 
 
-def run_rank(job: dict) -> int:
-    """Run this rank's share of ``job`` (``{"config": <resolved config dict>, "output_dir": str}``); return the
-    process exit status. ``LOCAL_RANK`` (and ``NODE_RANK``) come from the environment."""
-    cfg = OmegaConf.create(job["config"])
-    rank = int(os.environ.get("NODE_RANK", 0)) * cfg.devices + int(os.environ["LOCAL_RANK"])
+def run_rank(job: RankJob) -> int:
+    """Run this rank's share of ``job``; return the process exit status. ``LOCAL_RANK`` and ``NODE_RANK`` come
+    from the environment."""
+    rank = int(os.environ.get("NODE_RANK", 0)) * int(job.config["devices"]) + int(os.environ["LOCAL_RANK"])
     fmt = logging.Formatter(f"[rank {rank}] %(asctime)s %(name)s %(levelname)s: %(message)s")
-    handlers = [logging.StreamHandler(sys.stderr), logging.FileHandler(Path(job["output_dir"]) / f"rank{rank}.log")]
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    handlers.append(logging.FileHandler(Path(job.output_dir) / f"rank{rank}.log"))
     for handler in handlers:
         handler.setFormatter(fmt)
     logging.basicConfig(level=logging.INFO, handlers=handlers, force=True)  # force: a forked rank had rank 0's
-    log = logging.getLogger("dpddp.launch")
+    log = logging.getLogger(__name__)
     try:
-        train(cfg, job["output_dir"])
-    except ConfigError as err:
-        log.error(f"error: {err}")
-        return 2
-    except Preempted as err:
-        log.error(str(err))
-        return 128 + signal.SIGTERM
-    except Exception:
+        job.entry_function()(job)
+    except (ConfigError, Preempted) as err:
+        log.error(f"error: {err}" if isinstance(err, ConfigError) else str(err))
+        return exit_status(err)
+    except Exception as err:
         log.exception("rank failed")
-        return 1
+        return exit_status(err)
     return 0
 
 
 def main() -> int:
-    """``python -m dpddp.launch``: run the rank whose job is in ``$DPDDP_JOB``; return the exit status."""
-    return run_rank(json.loads(os.environ.pop(JOB_ENV)))
+    """``python -m dpddp.parallel.rank``: run the rank whose job is in ``$DPDDP_JOB``; return the exit status."""
+    job = RankJob.from_env()
+    del os.environ[RankJob.ENV]
+    os.chdir(job.cwd)
+    return run_rank(job)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,9 @@
-"""Callbacks: training throughput (Lightning) and the sweep summary (Hydra)."""
+"""Lightning callbacks of every run: training throughput, predictions to CSV, and stopping on SIGTERM."""
 
 from __future__ import annotations
 
 import csv
-import json
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -13,11 +11,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from hydra.experimental.callback import Callback as HydraCallback
 from lightning.pytorch.callbacks import BasePredictionWriter
-from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
 
-__all__ = ["Preempted", "Preemption", "PredictionWriter", "SweepSummary", "Throughput"]
+from dpddp._compat import disable_sigterm_broadcast, restore_sigterm_broadcast
+from dpddp.errors import Preempted
+
+__all__ = ["Preemption", "PredictionWriter", "Throughput"]
 
 
 class Throughput(pl.Callback):
@@ -41,17 +41,20 @@ class Throughput(pl.Callback):
         self._last: float | None = None
         self._batch_start = 0.0
 
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = None
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._batch_start = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         now = time.perf_counter()
         if self.first_step_unix_s is None:
             self.first_step_unix_s = time.time()
-        batch = trainer.datamodule.batch_size
+        batch = trainer.datamodule.batch_size  # type: ignore[attr-defined]
         if self._last is not None:
             self.samples += batch
             self.seconds += now - self._last
@@ -59,6 +62,7 @@ class Throughput(pl.Callback):
         self.fallback[1] += now - self._batch_start
         self._last = now
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Into callback_metrics: that is what ddp_spawn carries back from its rank-0 process to the caller.
         trainer.callback_metrics[self.KEY] = torch.tensor(self.samples_per_sec, dtype=torch.float64)
@@ -70,58 +74,6 @@ class Throughput(pl.Callback):
         """Samples per second (``nan`` before any step)."""
         samples, seconds = (self.samples, self.seconds) if self.samples else self.fallback
         return samples / seconds if seconds > 0 else float("nan")
-
-
-SUMMARY_COLUMNS = ("job", "overrides", "status", "val/loss", "val/acc", "test/acc", "samples_per_sec", "world_size")
-SUMMARY_COLUMNS += ("wall_time_s",)
-
-
-def _job_row(job_dir: Path) -> dict[str, Any]:
-    """One summary row from a job directory: its ``metrics.json``, or its ``error.txt`` line."""
-    overrides_file = job_dir / ".hydra" / "overrides.yaml"
-    overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.is_file() else []
-    row: dict[str, Any] = {"job": job_dir.name, "overrides": " ".join(overrides)}
-    metrics_file, error_file = job_dir / "metrics.json", job_dir / "error.txt"
-    if error_file.is_file():
-        row["status"] = "failed: " + error_file.read_text().strip()
-    elif metrics_file.is_file():
-        metrics = json.loads(metrics_file.read_text())
-        row.update({k: metrics.get(k) for k in SUMMARY_COLUMNS[3:]}, status="ok")
-    else:
-        row["status"] = "incomplete"
-    return row
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return "" if value is None else str(value).replace("|", "\\|")
-
-
-class SweepSummary(HydraCallback):
-    """Hydra callback: at the end of a multirun, writes ``summary.csv`` and ``summary.md`` at the sweep root,
-    one row per job directory (jobs of an earlier, resumed run of the same sweep included), prints the table,
-    and exits with status 1 if any job failed or did not finish."""
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        job_dirs = sorted(
-            (p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
-        )
-        rows = [_job_row(p) for p in job_dirs]
-        with open(sweep_dir / "summary.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
-        lines = ["| " + " | ".join(SUMMARY_COLUMNS) + " |", "|" + " --- |" * len(SUMMARY_COLUMNS)]
-        lines += ["| " + " | ".join(_cell(row.get(c)) for c in SUMMARY_COLUMNS) + " |" for row in rows]
-        table = "\n".join(lines) + "\n"
-        (sweep_dir / "summary.md").write_text(table)
-        print(f"\nsweep summary ({sweep_dir / 'summary.md'}):\n{table}")
-        failed = [row["job"] for row in rows if row["status"] != "ok"]
-        if failed:
-            print(f"error: {len(failed)} of {len(rows)} jobs failed: {', '.join(failed)}", file=sys.stderr)
-            sys.exit(1)
 
 
 class PredictionWriter(BasePredictionWriter):
@@ -138,19 +90,22 @@ class PredictionWriter(BasePredictionWriter):
         self.output_dir = output_dir
         self.rows: list[torch.Tensor] = []
 
+    @override
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
         _, target, index = batch
         probs = prediction.detach().float().cpu()
         pred = probs.argmax(dim=1, keepdim=True).to(probs.dtype)
         self.rows.append(torch.cat([index[:, None].to(probs.dtype), target[:, None].to(probs.dtype), pred, probs], 1))
 
+    @override
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         mine = torch.cat(self.rows) if self.rows else torch.zeros(0, 3)
         self.rows = []
         parts = [mine]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            parts = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(parts, mine)
+            gathered: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, mine)
+            parts = gathered
         out = Path(self.output_dir or trainer.log_dir or trainer.default_root_dir)  # log_dir: a broadcast, all ranks
         if not trainer.is_global_zero:
             return
@@ -163,14 +118,6 @@ class PredictionWriter(BasePredictionWriter):
             writer.writerow(["index", "target", "pred", *(f"prob_{c}" for c in range(num_classes))])
             for row in table.tolist():
                 writer.writerow([int(row[0]), int(row[1]), int(row[2]), *(f"{p:.6g}" for p in row[3:])])
-
-
-class Preempted(RuntimeError):
-    """Training stopped on SIGTERM after a checkpoint was written; ``path`` is that checkpoint."""
-
-    def __init__(self, path: Path, step: int) -> None:
-        super().__init__(f"stopped by SIGTERM after step {step}; checkpoint: {path}")
-        self.path, self.step = path, step
 
 
 class Preemption(pl.Callback):
@@ -205,19 +152,22 @@ class Preemption(pl.Callback):
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.requested = True
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if threading.current_thread() is threading.main_thread():  # after Lightning installed its handler
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
             # Lightning's per-step broadcast of its own SIGTERM flag: never set now (its handler is replaced).
-            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+            disable_sigterm_broadcast(trainer)
         self._every, self._steps, self._since = 1, 0, time.perf_counter()
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
-        trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+        restore_sigterm_broadcast(trainer)
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._steps += 1
         if self._steps < self._every:

@@ -45,7 +45,8 @@ def checkpoint_problem(path: str | Path, max_epochs: int | None = None, data: di
     if max_epochs not in (None, -1) and isinstance(done, int) and done > max_epochs:
         return f"has finished {done} epochs, more than trainer.max_epochs={max_epochs}: raise trainer.max_epochs"
     saved = ckpt.get("datamodule_hyper_parameters") or {}
-    changed = [f"data.{k}={data[k]!r} (was {saved[k]!r})" for k in data or {} if k in saved and saved[k] != data[k]]
+    data = data or {}
+    changed = [f"data.{k}={data[k]!r} (was {saved[k]!r})" for k in data if k in saved and saved[k] != data[k]]
     if changed:
         return f"was trained with other data: {', '.join(changed)}: resume with the run's own data settings"
     return None

@@ -16,14 +16,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from hydra.utils import get_class
 from omegaconf import DictConfig
 
-from dpddp.checkpoint import checkpoint_problem
 from dpddp.cluster import cluster_world_size
-from dpddp.data import RandomTensorDataModule
-from dpddp.model import OPTIMIZERS, LinearClassifier
+from dpddp.data.random_tensors import RandomTensorDataModule
+from dpddp.errors import ConfigError
+from dpddp.models.linear import OPTIMIZERS, LinearClassifier
+from dpddp.run.checkpoint import checkpoint_problem
 
-__all__ = ["ConfigError", "check_config", "world_size"]
+__all__ = ["allowed_keys", "check_config", "resolve_accelerator", "target_class", "world_size"]
 
 STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
@@ -44,10 +46,6 @@ TRAINER_OWNED = {
 DDP_OPTIONS = ("process_group_backend", "timeout_s", "launch", "start_method")
 
 
-class ConfigError(ValueError):
-    """A setting that cannot work; the message is one line: the setting, the value, the fix."""
-
-
 def _params(fn: Any) -> list[str]:
     return [
         n
@@ -56,14 +54,33 @@ def _params(fn: Any) -> list[str]:
     ]
 
 
-def allowed_keys() -> dict[str, list[str]]:
-    """Valid keys per section, from the signatures of the classes each section configures."""
+def target_class(section: str, spec: Mapping) -> type:
+    """The class a ``model`` or ``data`` section builds (its ``_target_``).
+
+    Raises:
+        ConfigError: no ``_target_``, or one that cannot be imported.
+    """
+    target = spec.get("_target_")
+    if not target:
+        raise ConfigError(f"{section}._target_ is missing: name the class to build, e.g. {section}._target_=pkg.Class")
+    try:
+        return get_class(str(target))
+    except Exception as err:
+        line = (str(err).splitlines() or [""])[0]
+        raise ConfigError(f"{section}._target_={target!r} cannot be imported ({line}): check the name") from err
+
+
+def allowed_keys(cfg: Mapping | None = None) -> dict[str, list[str]]:
+    """Valid keys per section, from the signatures of the classes each section configures (``model`` and
+    ``data``: their ``_target_``, the built-in classes when ``cfg`` is not given)."""
     ddp = list(DDP_OPTIONS) + _params(torch.nn.parallel.DistributedDataParallel.__init__)[1:]
     trainer = [k for k in _params(pl.Trainer.__init__) if k not in TRAINER_OWNED]
+    model = target_class("model", cfg["model"]) if cfg else LinearClassifier
+    data = target_class("data", cfg["data"]) if cfg else RandomTensorDataModule
     return {
         "": list(TOP_LEVEL) + list(GROUPS),
-        "data": _params(RandomTensorDataModule.__init__),
-        "model": _params(LinearClassifier.__init__),
+        "data": ["_target_", *_params(data)],
+        "model": ["_target_", *_params(model)],
         "trainer": trainer,
         "strategy": ["name"] + ddp,
     }
@@ -203,7 +220,7 @@ def _check_data(data: Mapping, n_procs: int) -> None:
             f"{memory_bytes() / 2**30:.0f} GiB: set data.streaming=true (samples generated as needed) or make "
             "them smaller"
         )
-    dm = RandomTensorDataModule(**data)
+    dm = RandomTensorDataModule(**{k: v for k, v in data.items() if k != "_target_"})
     for split, size in (("val", dm.num_val), ("test", dm.num_test)):
         if size < 1:
             raise ConfigError(
@@ -215,7 +232,12 @@ def _check_data(data: Mapping, n_procs: int) -> None:
             f"data.batch_size={batch} is larger than the train split ({dm.num_train} samples): lower "
             "data.batch_size or raise data.num_samples"
         )
-    if batch % n_procs:
+    _check_batch(data, n_procs)
+
+
+def _check_batch(data: Mapping, n_procs: int) -> None:
+    batch = data.get("batch_size")
+    if isinstance(batch, int) and batch % n_procs:
         raise ConfigError(
             f"data.batch_size={batch} (global) does not divide by the world size {n_procs} (devices x num_nodes): "
             f"use a multiple of {n_procs}"
@@ -241,16 +263,24 @@ def check_config(cfg: DictConfig | Mapping) -> None:
             ``devices * num_nodes``, or a ``ckpt_path`` that does not exist, cannot be read, has finished more
             epochs than ``trainer.max_epochs``, or (``resume=true``) was trained with other data settings.
     """
-    keys = allowed_keys()
-    _check_keys("", cfg.keys(), keys[""])
+    _check_keys("", [str(k) for k in cfg.keys()], list(TOP_LEVEL) + list(GROUPS))
+    keys = allowed_keys(cfg)
     for section in ("data", "model", "trainer", "strategy"):
         _check_keys(section, (cfg[section] or {}).keys(), keys[section])
     _check_devices(cfg)
     _int("seed", cfg["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
-    _check_data(cfg["data"], world_size(cfg))  # after the devices: the world size needs them valid
-    _check_model(cfg["model"])
-    if cfg["model"]["num_features"] != cfg["data"]["num_features"]:
-        raise ConfigError("model.num_features differs from data.num_features: set data.num_features only")
+    if target_class("data", cfg["data"]) is RandomTensorDataModule:
+        _check_data(cfg["data"], world_size(cfg))  # after the devices: the world size needs them valid
+    else:
+        _check_batch(cfg["data"], world_size(cfg))
+    if target_class("model", cfg["model"]) is LinearClassifier:
+        _check_model(cfg["model"])
+    for key in ("num_features", "num_classes"):  # linked settings (case 18)
+        if key in cfg["model"] and key in cfg["data"] and cfg["model"][key] != cfg["data"][key]:
+            raise ConfigError(
+                f"model.{key}={cfg['model'][key]!r} differs from data.{key}={cfg['data'][key]!r}: set data.{key} "
+                f"only (model.{key} follows it)"
+            )
     for key in ("max_epochs", "max_steps"):
         value = (cfg["trainer"] or {}).get(key)
         if value is not None and value != -1:

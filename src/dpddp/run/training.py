@@ -1,8 +1,8 @@
-"""One run: validate, seed, build, fit, test, write ``metrics.json``; and the Hydra job around it."""
+"""The one function that runs training, for every entry point: ``train.py``, a sweep job, a launched rank and
+the Lightning CLI all call ``train``."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import math
@@ -17,149 +17,58 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
-from lightning.fabric.plugins.environments import KubeflowEnvironment
 from omegaconf import DictConfig, OmegaConf
 
-from dpddp.callbacks import PredictionWriter, Preempted, Preemption, Throughput
-from dpddp.checkpoint import AtomicCheckpointIO
-from dpddp.config import ConfigError, check_config, resolve_accelerator
-from dpddp.data import RandomTensorDataModule
-from dpddp.model import LinearClassifier
-from dpddp.strategies import DataParallelStrategy, DDPStrategy, RankFailed
+from dpddp.errors import ConfigError, Preempted, RankFailed, first_line
+from dpddp.parallel.ddp import DDPStrategy
+from dpddp.parallel.launcher import RankJob
+from dpddp.run.callbacks import Throughput
+from dpddp.run.config import check_config, resolve_accelerator
+from dpddp.run.trainer import build_trainer
 
-__all__ = ["METRIC_KEYS", "build_strategy", "build_trainer", "isolated_job", "train"]
+__all__ = ["METRIC_KEYS", "STAGES", "isolated_job", "train", "train_rank"]
 
 log = logging.getLogger(__name__)
-# RandomTensorDataModule resumes mid-epoch exactly (it skips the batches already trained: see train_dataloader),
-# which Lightning cannot see from a plain DataLoader; its warning would say the opposite.
+# The global-batch data resumes mid-epoch exactly (its sampler skips the batches already trained), which
+# Lightning cannot see from a plain DataLoader; its warning would say the opposite.
 warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 METRIC_KEYS = ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc")
+STAGES = ("fit", "validate", "test", "predict")
 
 
-def build_strategy(cfg: DictConfig, job: dict | None) -> str | pl.strategies.Strategy:
-    """The Trainer's strategy from the ``strategy`` group: ``"auto"``, our ``dp``, or our ``DDPStrategy``
-    (``ddp`` with the Hydra-safe launcher when ``job`` is given; ``ddp_spawn`` with ``start_method="spawn"``)."""
-    options = {k: v for k, v in OmegaConf.to_container(cfg.strategy).items() if k != "name"}
-    name = cfg.strategy.name
-    if name == "dp":
-        return DataParallelStrategy()
-    if name == "ddp":
-        return DDPStrategy(job=job, **options)
-    if name == "ddp_spawn":
-        return DDPStrategy(start_method="spawn", **options)
-    return "auto"
-
-
-def _build_callbacks(cfg: DictConfig, output_dir: Path) -> list[pl.Callback]:
-    callbacks: list[pl.Callback] = [Throughput(), Preemption(output_dir / "checkpoints")]
-    if cfg.predict:  # every callback costs each hook of each step, even one it does not override
-        callbacks.append(PredictionWriter(output_dir))
-    for spec in (cfg.callbacks or {}).values():
-        if spec is None:
-            continue
-        extra = {"dirpath": str(output_dir / "checkpoints")} if spec.get("dirpath", False) is None else {}
-        callbacks.append(instantiate(spec, **extra))
-    return callbacks
-
-
-def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
-    if not cfg.logger:
-        return False
-    return instantiate(cfg.logger, save_dir=str(output_dir))
-
-
-TRAINER_ERRORS = (ValueError, TypeError, pl.utilities.exceptions.MisconfigurationException)
-
-
-def _trainer_flag_error(cfg: DictConfig, err: Exception) -> ConfigError:
-    """Name the ``trainer.*`` flag Lightning refused: try each flag that differs from Lightning's default alone."""
-    line = (str(err).splitlines() or [type(err).__name__])[0]
-    defaults = inspect.signature(pl.Trainer.__init__).parameters
-    for key, value in (cfg.trainer or {}).items():
-        if key in defaults and value == defaults[key].default:
-            continue
-        try:
-            pl.Trainer(**{key: value}, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-        except TRAINER_ERRORS as alone:
-            return ConfigError(f"trainer.{key}={value!r} is invalid: {(str(alone).splitlines() or [''])[0]}")
-    return ConfigError(f"trainer: {line}")
-
-
-def build_trainer(cfg: DictConfig, output_dir: Path, job: dict | None = None) -> pl.Trainer:
-    """The ``pl.Trainer`` of ``cfg`` (trainer flags passed through; strategy, devices and the rest from the
-    top-level knobs; the distributed sampler off: ``RandomTensorDataModule`` shards global batches itself).
-
-    Raises:
-        ConfigError: Lightning refused a flag; the message names it.
-    """
-    try:
-        return pl.Trainer(
-            **(cfg.trainer or {}),
-            strategy=build_strategy(cfg, job),
-            accelerator=resolve_accelerator(cfg.accelerator),
-            devices=cfg.devices,
-            num_nodes=cfg.num_nodes,
-            logger=_build_logger(cfg, output_dir),
-            callbacks=_build_callbacks(cfg, output_dir),
-            default_root_dir=str(output_dir),
-            use_distributed_sampler=False,
-            # Lightning no longer auto-detects Kubeflow's PyTorchJob; the others (torchrun, SLURM) it does.
-            plugins=[AtomicCheckpointIO(), *([KubeflowEnvironment()] if cfg.cluster == "kubeflow" else [])],
-        )
-    except TRAINER_ERRORS as err:
-        raise _trainer_flag_error(cfg, err) from err
-
-
-def train(
-    cfg: DictConfig, output_dir: str | Path, job: dict | None = None, extra: dict | None = None
-) -> dict[str, Any]:
-    """Train ``LinearClassifier`` on ``RandomTensorDataModule`` as ``cfg`` says (see ``conf/config.yaml``).
+def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: dict | None = None) -> dict[str, Any]:
+    """Run ``cfg`` (see ``conf/config.yaml``): check it, build the model and data from their ``_target_``, and
+    run ``stage`` under the configured strategy.
 
     Args:
         cfg: the composed config.
         output_dir: the run directory shared by all ranks; checkpoints, logger files and ``metrics.json`` go
             there (written by global rank 0 only).
-        job: what launched DDP ranks need to rebuild this run (resolved config and ``output_dir``); ``None``
-            outside Hydra jobs.
+        stage: ``"fit"``: fit, then test the final weights (and predict with ``predict=true``); ``"validate"``,
+            ``"test"`` or ``"predict"``: that stage alone, on the weights of ``ckpt_path``.
         extra: more entries for ``metrics.json`` (a sweep job records its overrides there).
 
     Returns:
         The metrics of ``metrics.json`` (the same on every rank: they are synced sums and counts): losses are
         means over samples, accuracies fractions, ``samples_per_sec`` steady-state training samples per second
-        over all processes, ``wall_time_s`` seconds from the call to the end of testing.
+        over all processes, ``wall_time_s`` seconds from the call to the end.
 
     Raises:
-        ConfigError: a bad setting (see ``dpddp.config.check_config``), before any process is started.
+        ConfigError: a bad setting (see ``dpddp.run.config.check_config``), before any process is started.
         RankFailed: a launched rank ended with a non-zero status and the run failed with it.
+        Preempted: stopped by SIGTERM, with a checkpoint to resume from.
     """
     start = time.perf_counter()
     check_config(cfg)
     output_dir = Path(output_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = RandomTensorDataModule(**cfg.data)
-    model = LinearClassifier(**cfg.model)
+    datamodule = instantiate(cfg.data, _convert_="all")
+    model = instantiate(cfg.model, _convert_="all")
+    job = RankJob(entry=f"{__name__}:train_rank", config=_resolved(cfg, stage), output_dir=str(output_dir))
     trainer = build_trainer(cfg, output_dir, job)
-    finished = False
-    try:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
-        fit_metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
-        trainer.test(model, datamodule=datamodule, verbose=False)
-        metrics = {**fit_metrics, **{k: v.item() for k, v in trainer.callback_metrics.items()}}
-        if cfg.predict:
-            trainer.predict(model, datamodule=datamodule, return_predictions=False)
-        finished = True
-    except Exception as err:
-        # Name the cause, not the broken connection; a refusal or a preemption is its own answer (no wait).
-        lost = [] if isinstance(err, (ConfigError, Preempted)) else _failed_ranks(trainer)
-        if lost:
-            first = (str(err).splitlines() or [""])[0][:200]
-            raise RankFailed(f"{'; '.join(lost)}; ending the run (rank 0: {type(err).__name__}: {first})") from err
-        raise
-    finally:
-        # Stop watching this job's ranks before the next job of a sweep starts; a failed job's are killed.
-        _join_launched_ranks(trainer, timeout_s=60.0 if finished else 5.0)
-    result = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
+    metrics = _run_stages(trainer, model, datamodule, cfg, stage)
+    result: dict[str, Any] = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(
         samples_per_sec=metrics.get(Throughput.KEY, math.nan),
         first_step_unix_s=metrics.get(Throughput.FIRST_STEP_KEY),
@@ -179,15 +88,55 @@ def train(
     return result
 
 
-def _failed_ranks(trainer: pl.Trainer) -> list[str]:
-    launcher = trainer.strategy.launcher
-    return launcher.failed_ranks(wait_s=2.0) if hasattr(launcher, "failed_ranks") else []
+def train_rank(job: RankJob) -> None:
+    """A launched rank's share of a run: ``train`` on the job's resolved config (the ``RankJob.entry``)."""
+    config = dict(job.config)
+    stage = config.pop("_stage", "fit")
+    train(OmegaConf.create(config), job.output_dir, stage=stage)
 
 
-def _join_launched_ranks(trainer: pl.Trainer, timeout_s: float) -> None:
-    launcher = trainer.strategy.launcher
-    if hasattr(launcher, "join"):
-        launcher.join(timeout_s)
+def _resolved(cfg: DictConfig, stage: str) -> dict[str, Any]:
+    config = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(config, dict)
+    return {**config, "_stage": stage}
+
+
+def _run_stages(
+    trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule, cfg: DictConfig, stage: str
+) -> dict[str, float]:
+    """Run ``stage`` (see ``train``); return the callback metrics as floats. A launched rank's death is named."""
+    finished = False
+    try:
+        if stage == "fit":
+            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
+            metrics = _floats(trainer.callback_metrics)
+            trainer.test(model, datamodule=datamodule, verbose=False)
+        elif stage in ("validate", "test"):
+            getattr(trainer, stage)(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, verbose=False)
+            metrics = {}
+        else:
+            metrics = {}
+        metrics.update(_floats(trainer.callback_metrics))
+        if cfg.predict or stage == "predict":
+            ckpt = cfg.ckpt_path if stage == "predict" else None
+            trainer.predict(model, datamodule=datamodule, return_predictions=False, ckpt_path=ckpt)
+        finished = True
+        return metrics
+    except Exception as err:
+        # Name the cause, not the broken connection; a refusal or a preemption is its own answer (no wait).
+        supervisor = trainer.strategy.supervisor if isinstance(trainer.strategy, DDPStrategy) else None
+        lost = [] if isinstance(err, (ConfigError, Preempted)) or supervisor is None else supervisor.failed_ranks(2.0)
+        if lost:
+            raise RankFailed(f"{'; '.join(lost)}; ending the run (rank 0: {first_line(err)})") from err
+        raise
+    finally:
+        # Stop watching this job's ranks before the next job of a sweep starts; a failed job's are killed.
+        if isinstance(trainer.strategy, DDPStrategy) and trainer.strategy.supervisor is not None:
+            trainer.strategy.supervisor.join(timeout_s=60.0 if finished else 5.0)
+
+
+def _floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {k: v.item() for k, v in metrics.items()}
 
 
 @contextmanager

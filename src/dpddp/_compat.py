@@ -1,0 +1,128 @@
+"""Every private Lightning and torch name and behaviour dpddp relies on, and only here.
+
+Each entry says the version it was checked against (``CHECKED``), and what breaks if it moves. ``tests/test_compat.py``
+fails when one moves, so an upgrade of Lightning or torch is a failing test, not a silent change of behaviour
+(the worst one: Lightning's own DDP launcher coming back, which replays Hydra sweeps in every rank).
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+
+# Lightning >= 2.2: used by Lightning's DDPStrategy.setup_distributed, which DDPStrategy.setup_distributed copies
+# for rank 0's own store. If renamed: `import dpddp.parallel.ddp` fails (test_compat names it).
+from lightning.fabric.utilities.distributed import _init_dist_connection, _set_num_threads_if_needed
+
+# Lightning's guard of the `device_id` argument of init_process_group (torch >= 2.3); the copied code keeps it.
+from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_3
+
+# The base of the project's DDP launcher. Lightning's `_call_and_handle_interrupt` kills the children of a
+# launcher of this type on Ctrl-C (isinstance check), so JobLauncher subclasses it.
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+__all__ = [
+    "CHECKED",
+    "HOOK_NAME_ATTRIBUTE",
+    "Launcher",
+    "SubprocessScriptLauncher",
+    "disable_sigterm_broadcast",
+    "init_process_group",
+    "rank0_store",
+    "resolve_process_group_backend",
+    "restore_sigterm_broadcast",
+    "set_num_threads_if_needed",
+    "trained_batches_in_epoch",
+]
+
+CHECKED = {"lightning": "2.6.6", "torch": "2.13.0"}
+"""The versions every entry below was read in and tested against."""
+
+SubprocessScriptLauncher = _SubprocessScriptLauncher
+Launcher = _Launcher
+"""The base class of Lightning's launchers (the type of ``Strategy.launcher``); for annotations only."""
+
+HOOK_NAME_ATTRIBUTE = "_current_fx_name"
+"""``LightningModule._current_fx_name``: Lightning sets it around every hook call (~20 per training step). The
+built-in models set it with a plain ``object.__setattr__`` (``nn.Module.__setattr__`` costs microseconds each).
+If renamed: only that speed-up is lost."""
+
+
+def set_num_threads_if_needed(num_processes: int) -> None:
+    """Lightning's intra-op thread count for ``num_processes`` processes per node (cores / processes unless
+    ``OMP_NUM_THREADS`` is set), as its own launchers set it. If renamed: import fails."""
+    _set_num_threads_if_needed(num_processes=num_processes)
+
+
+def resolve_process_group_backend(strategy: pl.strategies.DDPStrategy) -> str:
+    """Lightning's ``DDPStrategy._get_process_group_backend()`` (the configured backend, else gloo on CPU and
+    nccl on CUDA), stored in ``strategy._process_group_backend`` as Lightning's ``setup_distributed`` does (its
+    public ``process_group_backend`` property reads it)."""
+    strategy._process_group_backend = strategy._get_process_group_backend()
+    return strategy._process_group_backend
+
+
+def init_process_group(
+    env: ClusterEnvironment, backend: str, timeout: timedelta, device: torch.device, store: Any = None
+) -> None:
+    """Lightning's ``_init_dist_connection`` with Lightning's own guard around ``device_id`` (torch >= 2.3:
+    binds the process group to the rank's GPU; ``None`` on CPU) and an optional ``store``.
+
+    Source: ``lightning.pytorch.strategies.DDPStrategy.setup_distributed`` (2.6.6)."""
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if store is not None:
+        kwargs["store"] = store
+    if _TORCH_GREATER_EQUAL_2_3:
+        kwargs["device_id"] = device if device.type != "cpu" else None
+    _init_dist_connection(env, backend, **kwargs)
+
+
+def rank0_store(sock: socket.socket, world_size: int, timeout: timedelta) -> torch.distributed.Store:
+    """Rank 0's rendezvous store on an already bound, listening ``sock`` (so it listens only where the launcher
+    bound it, and the port was held from before the other ranks started).
+
+    Two torch behaviours, both checked on torch 2.13: ``TCPStore(master_listen_fd=...)`` takes over a listening
+    socket, and only the non-libuv store accepts one (``use_libuv=False``); and the other ranks, which rendezvous
+    through ``env://``, see the store under ``PrefixStore("default_pg", ...)`` while a store passed to
+    ``init_process_group`` is used as it is, so it is wrapped alike for the keys to meet. If either changes, the
+    ranks of a single-node ddp run cannot meet: ``test_runs`` fails.
+    """
+    address, port = sock.getsockname()[:2]
+    store = torch.distributed.TCPStore(
+        address, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+        master_listen_fd=sock.detach(), use_libuv=False,
+    )  # fmt: skip
+    return torch.distributed.PrefixStore("default_pg", store)
+
+
+def disable_sigterm_broadcast(trainer: pl.Trainer) -> None:
+    """Turn off ``_TrainingEpochLoop._broadcast_sigterm_tensor`` (Lightning >= 2.5) for this fit: a blocking
+    collective before every training step that broadcasts rank 0's SIGTERM flag. ``Preemption`` replaces
+    Lightning's SIGTERM handler, so that flag can no longer be set. If renamed: the per-step collective comes
+    back (~0.9 ms a step under ddp on 2 cores), nothing else; test_compat fails."""
+    loop = trainer.fit_loop.epoch_loop
+    if not callable(getattr(type(loop), "_broadcast_sigterm_tensor", None)):
+        raise RuntimeError("lightning moved _TrainingEpochLoop._broadcast_sigterm_tensor: update dpddp._compat")
+    loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
+
+
+def restore_sigterm_broadcast(trainer: pl.Trainer) -> None:
+    """Undo ``disable_sigterm_broadcast``."""
+    trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+
+def trained_batches_in_epoch(trainer: pl.Trainer) -> int:
+    """Training batches of the current epoch already processed when a fit restarts from a mid-epoch checkpoint
+    (``fit_loop.restarting`` and ``fit_loop.epoch_loop.batch_progress.current.processed``), else 0. Lightning
+    restores its step counters but restarts a plain loader at the epoch's first batch; the global-batch
+    sampler skips these. If moved: exact mid-epoch resume breaks; test_compat and the resume tests fail."""
+    loop = trainer.fit_loop
+    if not loop.restarting:
+        return 0
+    return int(loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]

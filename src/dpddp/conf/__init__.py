@@ -1,0 +1,1 @@
+"""The packaged Hydra configs (``pkg://dpddp.conf``)."""

@@ -1,0 +1,135 @@
+"""Random-tensor classification data, identical on every rank: the whole set, or generated block by block.
+
+Only torch is imported here (the plain-PyTorch baselines in ``bench/`` import ``make_tensors``).
+
+The task: features ``x ~ N(0, 1)`` of shape ``[num_samples, num_features]`` and labels from a fixed random
+teacher ``y = argmax(x @ W + b)`` with ``W: [num_features, num_classes]``, optionally with a fraction of labels
+replaced by uniformly random classes. Everything is drawn from one ``torch.Generator`` seeded with ``seed``
+(never the global RNG), so the tensors are a pure function of ``(seed, sizes)``: every rank of every world size
+builds the same ones (the recipe of Lightning's ``BoringDataModule``, made learnable).
+
+Streaming mode (``streaming=True``) holds no data set in memory: sample ``i`` is generated when a batch asks for
+it, from the block ``i // BLOCK`` of ``BLOCK`` samples drawn by a generator seeded with ``(seed, block)`` (same
+teacher as the in-memory mode, so the same task), and a few recent blocks are cached. Memory no longer grows
+with ``num_samples``. The training order is a block shuffle (the technique of sharded streaming loaders such as
+WebDataset): each epoch permutes the whole blocks and visits the rows of a block in an affine order ``(a * r +
+c) mod BLOCK`` (``a`` odd), both from ``(seed, epoch)``; ids are computed per global batch from positions, so the
+order is the same on every world size and no per-sample permutation is ever materialised.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch.utils.data import Dataset
+
+__all__ = ["BLOCK", "StreamingTensors", "checksum", "label", "make_tensors", "teacher"]
+
+BLOCK = 4096
+"""Samples per generated block in streaming mode (a power of two: the in-block order is affine mod ``BLOCK``)."""
+
+
+def _draw_teacher(gen: torch.Generator, num_features: int, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(num_features, num_classes, generator=gen), 0.1 * torch.randn(num_classes, generator=gen)
+
+
+def teacher(seed: int, num_features: int, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher ``W: [num_features, num_classes]`` and bias ``[num_classes]`` of seed ``seed``: the first draws
+    of ``make_tensors``'s generator."""
+    return _draw_teacher(torch.Generator().manual_seed(seed), num_features, num_classes)
+
+
+def label(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, label_noise: float, num_classes: int, gen: torch.Generator
+) -> torch.Tensor:
+    """Labels of ``x: [n, num_features]``: ``argmax(x @ w + b)``, int64 ``[n]``, with a fraction ``label_noise`` of
+    them (drawn from ``gen``) replaced by a uniformly random class."""
+    y = (x @ w + b).argmax(dim=1)
+    if label_noise > 0:
+        flip = torch.rand(len(x), generator=gen) < label_noise
+        y = torch.where(flip, torch.randint(0, num_classes, (len(x),), generator=gen), y)
+    return y
+
+
+def make_tensors(
+    seed: int, num_samples: int, num_features: int, num_classes: int, label_noise: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw the whole data set from a generator seeded with ``seed``.
+
+    Returns:
+        ``x``: float32 ``[num_samples, num_features]``; ``y``: int64 ``[num_samples]`` in ``[0, num_classes)``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    w, b = _draw_teacher(gen, num_features, num_classes)
+    x = torch.randn(num_samples, num_features, generator=gen)
+    return x, label(x, w, b, label_noise, num_classes, gen)
+
+
+def checksum(*tensors: torch.Tensor) -> str:
+    """CRC32 of the tensors' bytes, as 8 hex digits: equal on two ranks iff they built the same data."""
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.contiguous().numpy().data, crc)  # the buffer itself: no copy of the data set
+    return f"{crc:08x}"
+
+
+class StreamingTensors(Dataset):
+    """Samples ``[offset, offset + length)`` of an unbounded stream, generated on demand, never stored whole.
+
+    Block ``k`` (samples ``[k * BLOCK, (k + 1) * BLOCK)``) is ``x ~ N(0, 1)`` of shape ``[BLOCK, num_features]``
+    from a generator seeded with ``(seed, k)``, labelled like ``make_tensors`` (same teacher, same label noise
+    rule). A sample depends only on ``(seed, id)``, not on ``num_samples``, the batch or the world size.
+    ``ds[ids]`` with ``ids`` an int64 ``[b]`` tensor of split-local ids returns ``(x [b, num_features], y [b])``
+    (and ``ids`` with ``with_index=True``); the last ``cache_blocks`` blocks are kept (``BLOCK *
+    (num_features + 2) * 4`` bytes each, 192 KiB at 10 features).
+    """
+
+    def __init__(
+        self,
+        seed: int,
+        num_features: int,
+        num_classes: int,
+        label_noise: float,
+        offset: int,
+        length: int,
+        with_index: bool = False,
+        cache_blocks: int = 4,
+    ) -> None:
+        self.seed, self.num_features, self.num_classes, self.label_noise = seed, num_features, num_classes, label_noise
+        self.offset, self.length, self.with_index, self.cache_blocks = offset, length, with_index, cache_blocks
+        self.teacher, self.bias = teacher(seed, num_features, num_classes)
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return self.length
+
+    def block(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ``k``: ``x [BLOCK, num_features]`` float32, ``y [BLOCK]`` int64."""
+        if k in self._cache:
+            return self._cache[k]
+        gen = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + k + 1) % 2**63)
+        x = torch.randn(BLOCK, self.num_features, generator=gen)
+        y = label(x, self.teacher, self.bias, self.label_noise, self.num_classes, gen)
+        if len(self._cache) >= self.cache_blocks:
+            del self._cache[next(iter(self._cache))]  # the oldest
+        self._cache[k] = (x, y)
+        return x, y
+
+    def __getitem__(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ids = idx + self.offset
+        if not len(ids):  # a rank's empty chunk of a short last evaluation batch
+            x, y = torch.empty(0, self.num_features), torch.empty(0, dtype=torch.long)
+            return (x, y, idx) if self.with_index else (x, y)
+        first, last = int(ids.min()) // BLOCK, int(ids.max()) // BLOCK
+        if first == last:  # the usual case: one block, one gather
+            x, y = self.block(first)
+            rows = ids - first * BLOCK
+            x, y = x[rows], y[rows]
+        else:
+            blocks = ids // BLOCK
+            uniq = torch.unique(blocks).tolist()
+            parts = [self.block(k) for k in uniq]
+            rows = torch.searchsorted(torch.tensor(uniq), blocks) * BLOCK + ids % BLOCK
+            x, y = torch.cat([p[0] for p in parts])[rows], torch.cat([p[1] for p in parts])[rows]
+        return (x, y, idx) if self.with_index else (x, y)

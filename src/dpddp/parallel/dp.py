@@ -1,0 +1,112 @@
+"""The ``dp`` strategy that Lightning 2.x removed: one process, the forward replicated over GPUs.
+
+``DataParallelStrategy`` (registered as ``"dp"``): one process, world size 1. The LightningModule's
+``forward`` is replaced, for the duration of a run, by ``torch.nn.DataParallel`` over the GPUs: the batch is
+scattered along dim 0, the forward runs in replicas, outputs are gathered on the root device (the first GPU).
+Everything else (loss, backward, optimizer step, metrics, ``self.log``) runs once on the root device, so no
+``*_step_end`` reduction is needed (those hooks were removed in Lightning 2.0).
+
+Lightning's accelerator connector fills ``parallel_devices`` of any strategy that has the attribute
+(``hasattr``) from the Trainer's ``devices``: the setter here receives them (checked on Lightning 2.6.6;
+``test_strategies`` fails if that stops).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from torch import nn
+from typing_extensions import override
+
+__all__ = ["DataParallelStrategy", "replicate_forward", "restore_forward"]
+
+
+class _Forward(nn.Module):
+    """Runs ``type(module).forward`` on ``module``; replicated by DataParallel, each replica calls the class's
+    forward on its own copy of the LightningModule (the instance-level patch is bypassed, so no recursion)."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def replicate_forward(module: pl.LightningModule, device_ids: list[int]) -> nn.DataParallel:
+    """Route ``module(x)`` through ``nn.DataParallel`` over ``device_ids`` (root: ``device_ids[0]``) until
+    ``restore_forward(module)``. Only the forward is replicated; the module itself, its hooks, metrics and
+    state dict are untouched (the wrapper is an instance attribute, not a registered submodule)."""
+    out = device_ids[0] if device_ids else None
+    replicated = nn.DataParallel(_Forward(module), device_ids=device_ids, output_device=out)
+    module.__dict__["forward"] = replicated.__call__  # nn.Module.__call__ looks up self.forward
+    return replicated
+
+
+def restore_forward(module: pl.LightningModule) -> None:
+    """Undo ``replicate_forward``."""
+    module.__dict__.pop("forward", None)
+
+
+class DataParallelStrategy(SingleDeviceStrategy):
+    """Single-process data parallelism over several GPUs with ``torch.nn.DataParallel``.
+
+    World size 1: the loader yields the whole global batch (``[B, ...]``); ``DataParallel`` splits it into
+    ``len(devices)`` chunks along dim 0 (``torch.chunk`` sizes, so uneven or tiny batches work), runs the
+    forward on each GPU and concatenates the outputs ``[B, ...]`` on the root device ``cuda:<first id>``.
+    Checkpoints hold the plain module's weights (the wrapper is never registered on the module), so they load
+    under any other strategy and the reverse. On CPU with one device the module runs unwrapped.
+
+    Raises:
+        ValueError: at Trainer construction, for more than one CPU device (DataParallel replicates over CUDA
+            GPUs only; use ``strategy=ddp`` for several CPU processes).
+    """
+
+    strategy_name = "dp"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(device="cpu", **kwargs)
+        self._parallel_devices: list[torch.device] = []  # empty: Lightning's connector fills it from `devices`
+        self._replicated: nn.DataParallel | None = None
+
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        devices = devices or [torch.device("cpu")]
+        if len(devices) > 1 and devices[0].type != "cuda":
+            raise ValueError(
+                f"strategy=dp with devices={len(devices)} on {devices[0].type}: DataParallel replicates over "
+                f"CUDA GPUs in one process; for several CPU processes use strategy=ddp devices={len(devices)}"
+            )
+        self._parallel_devices = devices
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self._parallel_devices[0] if self._parallel_devices else torch.device("cpu")
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        module = self.lightning_module
+        if len(self._parallel_devices) > 1 and module is not None:
+            self._replicated = replicate_forward(module, [d.index for d in self._parallel_devices])
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if self._replicated is not None and module is not None:
+            restore_forward(module)
+            self._replicated = None
+        super().teardown()
+
+
+StrategyRegistry.register(
+    "dp", DataParallelStrategy, description="DataParallel: one process, forward replicated over GPUs", override=True
+)

@@ -1,0 +1,304 @@
+"""Starting and supervising the local ranks of a DDP run: the job they run, the launcher, the rank watcher.
+
+``JobLauncher`` starts local ranks 1..n-1 from a ``RankJob`` (the run's resolved config) instead of re-running
+``sys.argv`` (Lightning's ``_hydra_subprocess_cmd`` replays the whole command line, so inside ``-m`` every child
+would start a sweep of its own): on CPU by forking the launching process (torch and Lightning are imported
+already, like Lightning's ``ddp_fork``), on GPUs with ``python -m dpddp.parallel.rank`` (a fresh interpreter:
+CUDA does not survive a fork). The children die with their parent (``PR_SET_PDEATHSIG``), and a watcher thread
+ends the run when one of them dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import ClusterEnvironment
+from typing_extensions import override
+
+from dpddp._compat import SubprocessScriptLauncher, set_num_threads_if_needed
+from dpddp.cluster import loopback_interface
+from dpddp.errors import ConfigError
+
+__all__ = ["JobLauncher", "RankJob", "Supervisor", "bind_store_socket", "die_with_parent", "rank_ended"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """What a launched rank needs to run its share of a run, without Hydra and without ``sys.argv``.
+
+    Attributes:
+        entry: ``"module:function"``: the function the rank calls with this job (it returns when the rank's
+            work is done and raises the errors of ``dpddp.errors``).
+        config: the run's resolved config (plain JSON types).
+        output_dir: the run directory shared by all ranks.
+        cwd: the launching process's working directory (the rank runs there).
+        sys_path: the launching process's ``sys.path`` (a launched rank imports what rank 0 could: case 30).
+    """
+
+    ENV: ClassVar[str] = "DPDDP_JOB"
+
+    entry: str
+    config: dict[str, Any]
+    output_dir: str
+    cwd: str = dataclasses.field(default_factory=os.getcwd)
+    sys_path: tuple[str, ...] = dataclasses.field(default_factory=lambda: tuple(sys.path))
+
+    def to_env(self) -> dict[str, str]:
+        """The job as environment variables (``{RankJob.ENV: <json>}``) for an exec'd rank."""
+        return {self.ENV: json.dumps(dataclasses.asdict(self))}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> RankJob:
+        """The job that ``to_env`` wrote.
+
+        Raises:
+            KeyError: ``$DPDDP_JOB`` is not set (not a launched rank).
+        """
+        fields = json.loads(environ[cls.ENV])
+        return cls(**{**fields, "sys_path": tuple(fields["sys_path"])})
+
+    def entry_function(self) -> Callable[[RankJob], Any]:
+        """Import ``entry`` (with ``sys_path`` first on the import path) and return the function."""
+        sys.path[:] = list(dict.fromkeys([*self.sys_path, *sys.path]))
+        module, _, name = self.entry.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+class Supervisor(Protocol):
+    """What the run asks of a launcher that started ranks: who failed, and waiting for them to end."""
+
+    def failed_ranks(self, wait_s: float) -> list[str]:
+        """Launched ranks that ended with a non-zero status, waiting up to ``wait_s`` seconds in all."""
+        ...
+
+    def join(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` seconds for launched ranks to exit, then kill any left."""
+        ...
+
+
+def die_with_parent() -> None:
+    """In a launched rank: get SIGKILL when the launching process dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+def rank_ended(rank: int, proc: Any) -> str:
+    """``"rank 1 (pid 4242) was killed by SIGKILL"`` or ``"... exited with code 1"`` for an ended rank."""
+    code = proc.returncode
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return f"rank {rank} (pid {proc.pid}) {how}"
+
+
+class _RankWatcher(threading.Thread):
+    """Watches launched ranks; when one exits non-zero, kills the others and, if rank 0 has not failed by
+    itself within ``grace_s`` seconds (it normally does at once: gloo and nccl collectives fail when a peer's
+    connection drops; a wait on the rendezvous store does not), ends rank 0 with exit status 1."""
+
+    def __init__(self, procs: list[Any], grace_s: float = 10.0) -> None:
+        super().__init__(daemon=True, name="dpddp-rank-watcher")
+        self.procs, self.grace_s, self.done = procs, grace_s, threading.Event()
+
+    @override
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            failed = [(r, p) for r, p in enumerate(self.procs, 1) if p.poll() not in (None, 0)]
+            if failed:
+                rank, proc = failed[0]
+                log.error(f"{rank_ended(rank, proc)}; ending the run")
+                for p in self.procs:
+                    if p.poll() is None:
+                        p.kill()
+                if not self.done.wait(self.grace_s):
+                    log.error(f"rank 0 is still waiting for rank {rank} after {self.grace_s:.0f} s; exiting")
+                    logging.shutdown()
+                    os._exit(1)  # the main thread may sit in a C++ wait that no Python signal handler reaches
+                return
+
+
+def bind_store_socket(address: str) -> socket.socket:
+    """A listening socket for rank 0's TCPStore on ``address`` only (torch's own store listens on every
+    interface), on ``$MASTER_PORT`` if set, else on a free port. Held from before the other ranks start until
+    the store takes it, so two runs on one machine cannot pick the same port.
+
+    Raises:
+        ConfigError: ``MASTER_PORT`` is already in use (case 05), before any rank is started.
+    """
+    port = int(os.environ.get("MASTER_PORT", 0))
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((address, port))
+    except OSError as err:
+        sock.close()
+        raise ConfigError(
+            f"MASTER_PORT={port} on {address} is not free ({err.strerror}): unset MASTER_PORT to pick a free port, "
+            "or choose another"
+        ) from err
+    sock.listen(128)
+    return sock
+
+
+class _ForkedRank:
+    """A local rank forked from the launching process, with the part of ``subprocess.Popen``'s interface the
+    launcher and the watcher use (``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``kill``)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid: int = pid
+        self.returncode: int | None = None
+        self._lock = threading.Lock()  # the watcher polls while the main thread may wait
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank (pid {self.pid})", timeout or 0.0)
+            time.sleep(0.05)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class JobLauncher(SubprocessScriptLauncher):
+    """Lightning's subprocess launcher, starting local ranks from ``job`` (see the module doc).
+
+    Args:
+        cluster_environment, num_processes, num_nodes: as Lightning's ``_SubprocessScriptLauncher``.
+        job: what every launched rank runs.
+        fork: fork local ranks (CPU) instead of starting ``python -m dpddp.parallel.rank``.
+        run_forked: the function a forked rank calls with ``job``, returning its exit status (the rank entry).
+    """
+
+    def __init__(
+        self,
+        cluster_environment: ClusterEnvironment,
+        num_processes: int,
+        num_nodes: int,
+        job: RankJob,
+        fork: bool,
+        run_forked: Callable[[RankJob], int],
+    ) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self.job, self.fork, self.run_forked = job, fork, run_forked
+        self.watcher: _RankWatcher | None = None
+        self.listen_socket: socket.socket | None = None
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._start_ranks()
+            self.watcher = _RankWatcher(self.procs)
+            self.watcher.start()
+        set_num_threads_if_needed(num_processes=self.num_processes)  # as Lightning's launch does
+        return function(*args, **kwargs)
+
+    def _start_ranks(self) -> None:
+        if self.procs:
+            raise RuntimeError("the launcher starts its ranks once")
+        env = self.cluster_environment
+        if self.num_nodes == 1:
+            self.listen_socket = bind_store_socket(env.main_address)
+            os.environ["MASTER_PORT"] = str(self.listen_socket.getsockname()[1])
+            interface = loopback_interface() if ipaddress.ip_address(env.main_address).is_loopback else None
+            if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+                os.environ["GLOO_SOCKET_IFNAME"] = interface  # gloo's pair sockets: loopback only
+        os.environ.update(
+            MASTER_ADDR=env.main_address,
+            MASTER_PORT=str(env.main_port),
+            NODE_RANK=str(env.node_rank()),
+            LOCAL_RANK=str(env.local_rank()),
+            WORLD_SIZE=str(self.num_processes * self.num_nodes),
+        )
+        for local_rank in range(1, self.num_processes):
+            if self.fork:
+                self.procs.append(self._fork_rank(local_rank))  # type: ignore[arg-type]
+                continue
+            child_env = {**os.environ, "LOCAL_RANK": str(local_rank), **self.job.to_env()}
+            cmd = [sys.executable, "-m", "dpddp.parallel.rank"]
+            self.procs.append(subprocess.Popen(cmd, env=child_env, cwd=self.job.cwd, preexec_fn=die_with_parent))
+        how = "forked" if self.fork else "started with python -m dpddp.parallel.rank"
+        if self.procs:
+            log.info(f"local ranks 1-{self.num_processes - 1} {how}: pids {[p.pid for p in self.procs]}")
+
+    def _fork_rank(self, local_rank: int) -> _ForkedRank:
+        """Fork local rank ``local_rank``: it runs ``run_forked(job)`` and ``os._exit``s with its status (never
+        returning into the launcher's caller, so no Hydra or sweep code runs twice)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        parent = os.getpid()
+        with warnings.catch_warnings():  # Python >= 3.12 warns on fork with threads (torch's idle OpenMP pool)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid:
+            return _ForkedRank(pid)
+        code = 1
+        try:
+            die_with_parent()
+            if os.getppid() == parent:  # else the launcher died before prctl took effect
+                if self.listen_socket is not None:
+                    self.listen_socket.close()  # rank 0's store socket: only rank 0 keeps it
+                os.environ["LOCAL_RANK"] = str(local_rank)
+                code = self.run_forked(self.job)
+        finally:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def failed_ranks(self, wait_s: float) -> list[str]:
+        """Launched ranks that ended with a non-zero status, waiting up to ``wait_s`` seconds in all for them to
+        end (a rank killed by a signal drops its connections just before its parent can see it exit), e.g.
+        ``["rank 1 (pid 4242) was killed by SIGKILL"]``."""
+        deadline = time.monotonic() + wait_s
+        failed = []
+        for rank, proc in enumerate(self.procs, 1):
+            try:
+                code = proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                continue
+            if code:
+                failed.append(rank_ended(rank, proc))
+        return failed
+
+    def join(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` seconds for launched ranks to exit, then kill any left."""
+        if self.watcher is not None:
+            self.watcher.done.set()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

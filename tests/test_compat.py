@@ -1,0 +1,110 @@
+"""Every private Lightning/torch name and behaviour in ``dpddp._compat`` is still there and still does what the
+project relies on. An upgrade that moves one fails here, by name, instead of changing behaviour silently."""
+
+from __future__ import annotations
+
+import inspect
+import socket
+from datetime import timedelta
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric.utilities import distributed
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer import call
+
+from dpddp import DataParallelStrategy, _compat
+from dpddp.parallel.ddp import DDPStrategy
+from dpddp.parallel.launcher import JobLauncher, RankJob
+from dpddp.run.training import train_rank
+
+
+def test_the_launcher_base_is_the_type_lightning_kills_on_ctrl_c():
+    assert _compat.SubprocessScriptLauncher is _SubprocessScriptLauncher
+    assert "isinstance(launcher, _SubprocessScriptLauncher)" in inspect.getsource(call._call_and_handle_interrupt)
+
+
+def test_lightning_reads_the_public_launcher_property_at_every_stage():
+    """DDPStrategy swaps in its JobLauncher through ``Strategy.launcher``; Lightning must read it there."""
+    assert "trainer.strategy.launcher" in inspect.getsource(call._call_and_handle_interrupt)
+    assert isinstance(inspect.getattr_static(pl.strategies.Strategy, "launcher"), property)
+
+
+def test_a_ddp_trainer_with_a_job_gets_the_projects_launcher_not_lightnings():
+    """The bug the project exists to fix: Lightning's launcher replays sys.argv (and Hydra sweeps) in every rank."""
+    job = RankJob(entry=f"{train_rank.__module__}:train_rank", config={"devices": 2}, output_dir=".")
+    trainer = pl.Trainer(
+        strategy=DDPStrategy(job=job), accelerator="cpu", devices=2, logger=False, enable_checkpointing=False
+    )
+    assert isinstance(trainer.strategy.launcher, JobLauncher)
+    assert trainer.strategy.launcher.fork  # CPU without CUDA initialised: forked ranks
+    plain = pl.Trainer(strategy=DDPStrategy(), accelerator="cpu", devices=2, logger=False, enable_checkpointing=False)
+    assert type(plain.strategy.launcher) is _SubprocessScriptLauncher
+
+
+def test_dist_connection_helpers_keep_their_signatures():
+    params = inspect.signature(distributed._init_dist_connection).parameters
+    assert list(params)[:2] == ["cluster_environment", "torch_distributed_backend"] and "kwargs" in params
+    assert "num_processes" in inspect.signature(distributed._set_num_threads_if_needed).parameters
+    assert isinstance(_compat._TORCH_GREATER_EQUAL_2_3, bool)
+    source = inspect.getsource(LightningDDPStrategy.setup_distributed)
+    assert "_TORCH_GREATER_EQUAL_2_3" in source and "device_id" in source  # the guard the copy keeps
+    assert callable(LightningDDPStrategy._get_process_group_backend)
+
+
+def test_resolve_process_group_backend_sets_what_the_public_property_reads():
+    strategy = LightningDDPStrategy(accelerator="cpu", parallel_devices=[torch.device("cpu")])
+    assert _compat.resolve_process_group_backend(strategy) == "gloo"
+    assert strategy.process_group_backend == "gloo"
+
+
+def test_rank0_store_takes_a_bound_socket_and_meets_env_rendezvous_keys():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    port = sock.getsockname()[1]
+    store = _compat.rank0_store(sock, world_size=1, timeout=timedelta(seconds=10))
+    store.set("k", "v")
+    client = torch.distributed.TCPStore("127.0.0.1", port, 1, is_master=False, timeout=timedelta(seconds=10))
+    assert client.get("default_pg/k") == b"v"  # what an env:// rank's PrefixStore("default_pg") reads
+
+
+def test_sigterm_broadcast_is_a_method_of_the_epoch_loop_called_before_each_step():
+    assert callable(_TrainingEpochLoop._broadcast_sigterm_tensor)
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False)
+    _compat.disable_sigterm_broadcast(trainer)
+    assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor() is None
+    _compat.restore_sigterm_broadcast(trainer)
+    assert "_broadcast_sigterm_tensor" not in vars(trainer.fit_loop.epoch_loop)
+
+
+def test_trained_batches_come_from_the_restored_progress_counters():
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False)
+    assert _compat.trained_batches_in_epoch(trainer) == 0  # not restarting
+    loop = trainer.fit_loop
+    loop.epoch_loop.batch_progress.current.processed = 7
+    loop.epoch_progress.current.ready = loop.epoch_progress.current.started = 1  # an epoch begun, unfinished
+    loop.restarting = True
+    assert loop.restarting and _compat.trained_batches_in_epoch(trainer) == 7
+
+
+def test_lightning_sets_the_hook_name_attribute_on_the_module():
+    module = pl.LightningModule()
+    assert _compat.HOOK_NAME_ATTRIBUTE in vars(module)
+    assert f"self.{_compat.HOOK_NAME_ATTRIBUTE}" in inspect.getsource(pl.LightningModule.log)
+
+
+def test_dp_gets_its_devices_through_parallel_devices():
+    """Lightning's connector fills ``parallel_devices`` of a strategy that has the attribute (hasattr)."""
+    trainer = pl.Trainer(strategy=DataParallelStrategy(), accelerator="cpu", devices=1, logger=False)
+    assert trainer.strategy.parallel_devices == [torch.device("cpu")]
+    with pytest.raises(ValueError, match="strategy=dp with devices=2 on cpu"):
+        pl.Trainer(strategy=DataParallelStrategy(), accelerator="cpu", devices=2, logger=False)
+
+
+def test_checked_versions_are_recorded():
+    assert set(_compat.CHECKED) == {"lightning", "torch"}

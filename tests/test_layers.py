@@ -1,0 +1,130 @@
+"""The house: imports run one way (entry -> run -> models/data -> parallel -> cluster -> _compat -> errors), no
+cycle, no import of dpddp inside a function, and ``import dpddp`` costs little more than Lightning's own import."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, child_env
+
+SRC = ROOT / "src" / "dpddp"
+# A module may import modules of its own layer or of layers below it (a lower number).
+LAYERS = {
+    "dpddp.errors": 0,
+    "dpddp._compat": 1,
+    "dpddp.cluster": 1,
+    "dpddp.network": 1,
+    "dpddp": 2,  # the package's __init__: registers dp
+    "dpddp.parallel": 2,
+    "dpddp.data": 3,
+    "dpddp.models": 3,
+    "dpddp.run": 4,
+    "dpddp.entry": 5,
+    "dpddp.cli": 6,
+    "dpddp.plot": 6,
+    "dpddp.conf": 0,
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> int:
+    best = max((k for k in LAYERS if module == k or module.startswith(k + ".")), key=len)
+    return LAYERS[best]
+
+
+def _imports() -> dict[str, list[tuple[str, bool]]]:
+    """Each dpddp module's imports of dpddp modules, with whether the import sits inside a function."""
+    found: dict[str, list[tuple[str, bool]]] = {}
+    for path in SRC.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        in_function = {
+            id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(fn)
+        }  # fmt: skip
+        names = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dpddp"):
+                names.append((node.module, id(node) in in_function))
+            elif isinstance(node, ast.Import):
+                names += [(a.name, id(node) in in_function) for a in node.names if a.name.startswith("dpddp")]
+        found[_module_name(path)] = names
+    return found
+
+
+def test_every_module_has_a_layer_and_imports_point_down():
+    imports = _imports()
+    assert {"dpddp.parallel.ddp", "dpddp.run.training", "dpddp.entry.cli", "dpddp._compat"} <= imports.keys()
+    upward = [
+        f"{module} -> {target}"
+        for module, targets in imports.items()
+        for target, _ in targets
+        if _layer(target) > _layer(module) and not module.startswith(target + ".")
+    ]
+    assert upward == []
+
+
+def test_parallel_imports_nothing_from_the_run_or_entry_layers():
+    imports = _imports()
+    bad = [
+        f"{m} -> {t}"
+        for m, targets in imports.items()
+        if m.startswith("dpddp.parallel")
+        for t, _ in targets
+        if t.startswith(("dpddp.run", "dpddp.entry", "dpddp.models", "dpddp.data"))
+    ]
+    assert bad == []
+
+
+def test_no_import_cycle_and_no_dpddp_import_inside_a_function():
+    imports = _imports()
+    inside = [f"{m} -> {t}" for m, targets in imports.items() for t, in_fn in targets if in_fn]
+    assert inside == []
+    graph = {m: {t for t, _ in targets if t in imports and t != m} for m, targets in imports.items()}
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in graph[node]:
+            assert state.get(nxt) != 1, f"import cycle: {' -> '.join([*path, node, nxt])}"
+            if nxt not in state:
+                visit(nxt, [*path, node])
+        state[node] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [])
+
+
+def _cumulative_us(report: str, module: str) -> int:
+    """``python -X importtime``'s cumulative microseconds for ``module``: the largest of its lines (the outermost
+    import statement naming it, which includes importing its parent packages)."""
+    found = [
+        int(m.group(1))
+        for line in report.splitlines()
+        if (m := re.match(r"import time:\s+\d+ \|\s+(\d+) \|\s*(\S+)$", line)) and m.group(2) == module
+    ]
+    assert found, f"{module} not in the import report"
+    return max(found)
+
+
+def test_import_dpddp_costs_at_most_lightning_plus_0_3_s():
+    """Measured in one process: ``import dpddp`` imports ``lightning.pytorch`` (to register ``dp``); what it
+    adds on top is dpddp's own cost, at most 0.3 s. No other module of the project is imported."""
+    env, _ = child_env()
+    code = "import sys, dpddp; print(sorted(m for m in sys.modules if m.startswith('dpddp')))"
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    own = _cumulative_us(proc.stderr, "dpddp") - _cumulative_us(proc.stderr, "lightning.pytorch")
+    assert own <= 300_000, f"import dpddp adds {own / 1e6:.2f} s to import lightning.pytorch"
+    loaded = set(ast.literal_eval(proc.stdout.strip()))
+    assert loaded <= {"dpddp", "dpddp.parallel", "dpddp.parallel.dp"}, loaded
