@@ -13,7 +13,16 @@ import time
 
 from omegaconf import OmegaConf
 
-__all__ = ["cluster_world_size", "env_rank", "loopback_interface", "process_name", "register_resolvers", "run_name"]
+__all__ = [
+    "LAUNCHED_ENV",
+    "cluster_world_size",
+    "env_rank",
+    "loopback_interface",
+    "process_name",
+    "register_resolvers",
+    "run_name",
+    "stray_rank_variables",
+]
 
 
 def env_rank() -> int:
@@ -76,6 +85,47 @@ def cluster_world_size(cluster: str = "auto") -> tuple[int, str] | None:
     if SLURMEnvironment.detect():
         return int(os.environ["SLURM_NTASKS"]), "SLURM_NTASKS"
     return None
+
+
+LAUNCHED_ENV = "DPDDP_LAUNCHED"
+"""Set (to ``1``) in the environment of every rank dpddp's own launcher starts: its rank variables are trusted."""
+
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
+"""Variables that tell a process it is one rank of many (torch.distributed's env:// contract, Lightning's)."""
+
+KUBEFLOW_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What a Kubernetes PyTorchJob sets in every replica."""
+
+
+def stray_rank_variables(cluster: str, num_nodes: int) -> str | None:
+    """Why this process's rank variables cannot be trusted (one line, ending with what to do), or ``None``.
+
+    They are trusted only as the complete set a real launcher sets: torchrun (``TORCHELASTIC_RUN_ID``), SLURM
+    (Lightning's ``SLURMEnvironment.detect``), a PyTorchJob (``cluster=kubeflow``: all of ``KUBEFLOW_VARIABLES``),
+    dpddp's own launcher (``DPDDP_LAUNCHED``), or ``NODE_RANK`` alone for a multi-node launch by hand
+    (``num_nodes > 1``, Lightning's own convention). Anything else was left behind by a shell, a container or an
+    earlier job (case 21): Lightning would wait for ranks nobody starts, or write as a rank other than 0.
+    """
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    env = os.environ
+    if env.get(LAUNCHED_ENV) or "TORCHELASTIC_RUN_ID" in env or SLURMEnvironment.detect():
+        return None
+    if cluster == "kubeflow":
+        missing = [k for k in KUBEFLOW_VARIABLES if k not in env]
+        if missing:
+            return (
+                f"cluster=kubeflow but {', '.join(missing)} not set: run inside a PyTorchJob, or drop cluster=kubeflow"
+            )
+        return None
+    stray = [k for k in RANK_VARIABLES if k in env]
+    if not stray or (stray == ["NODE_RANK"] and num_nodes > 1):
+        return None
+    names = ", ".join(f"{k}={env[k]}" for k in stray)
+    return (
+        f"{names} set in the environment, but no launcher (torchrun, SLURM, a PyTorchJob with cluster=kubeflow) "
+        f"started this process: unset {' '.join(stray)} (e.g. env -u {' -u '.join(stray)} python train.py ...)"
+    )
 
 
 def loopback_interface() -> str | None:

@@ -9,6 +9,8 @@ import gc
 import json
 import logging
 import math
+import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -19,7 +21,7 @@ from hydra.types import RunMode
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, open_dict
 
-from dpddp.cluster import register_resolvers
+from dpddp.cluster import register_resolvers, run_name
 from dpddp.errors import ConfigError, Preempted, RankFailed, exit_status, first_line
 from dpddp.run.training import METRIC_KEYS, isolated_job, train
 
@@ -39,14 +41,28 @@ def completed_metrics(output_dir: Path) -> dict | None:
     return metrics if all(k in metrics for k in METRIC_KEYS) else None
 
 
+def hydra_value(value: str) -> str:
+    """``value`` written so that Hydra's override parser reads it back unchanged, as a string: as it is when it
+    is a plain path (letters, digits, ``_ . / : + -`` and at least one ``/``), else single-quoted with its quotes
+    and the backslashes before them escaped (Hydra 1.3's grammar for quoted values). Shell quoting comes on top
+    (``shlex.join``)."""
+    if "/" in value and re.fullmatch(r"[A-Za-z0-9_./:+-]+", value):  # a path: never read as a number or a bool
+        return value
+    # backslashes before a quote, or before the closing quote, are doubled; each quote gets one
+    return (
+        "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), value) + "'"
+    )
+
+
 def _resume_command(overrides: list[str], output_dir: Path, multirun: bool) -> str:
-    """The command that continues a preempted run: the same overrides in the same run directory; for a sweep,
-    the sweep's own command line with its ``hydra.sweep.dir`` (complete jobs are skipped, this one resumes)."""
+    """The command that continues a preempted run, to paste into a shell: the same overrides in the same run
+    directory; for a sweep, the sweep's own command line with its ``hydra.sweep.dir`` (complete jobs are skipped,
+    this one resumes). Works for any directory name (case 23)."""
     if multirun:
         argv = [a for a in sys.argv[1:] if not a.startswith("hydra.sweep.dir=")]
-        return shlex.join(["python", "train.py", *argv, f"hydra.sweep.dir={output_dir.parent}"])
+        return shlex.join(["python", "train.py", *argv, f"hydra.sweep.dir={hydra_value(str(output_dir.parent))}"])
     kept = [o for o in overrides if not o.startswith(("resume=", "hydra.run.dir="))]
-    return shlex.join(["python", "train.py", *kept, "resume=true", f"hydra.run.dir={output_dir}"])
+    return shlex.join(["python", "train.py", *kept, "resume=true", f"hydra.run.dir={hydra_value(str(output_dir))}"])
 
 
 def run(cfg: DictConfig) -> float:
@@ -64,10 +80,20 @@ def run(cfg: DictConfig) -> float:
     output_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     overrides = list(hydra_cfg.overrides.task)
+    named = any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra) or "/" not in run_name()
+    if cfg.get("resume") and not multirun and not named:  # case 28; a cluster job's own name has no "/"
+        print(
+            "error: resume=true needs the run to resume: add hydra.run.dir=<its directory> (e.g. "
+            "hydra.run.dir=outputs/2026-01-31/12-00-00)",
+            file=sys.stderr,
+        )
+        sys.exit(exit_status(ConfigError()))
     with open_dict(cfg):
         if cfg.get("ckpt_path"):
             cfg.ckpt_path = to_absolute_path(str(cfg.ckpt_path))
-        resume = multirun or cfg.get("resume")
+        # torchrun --max-restarts: a restarted worker continues its run (same directory: cluster.run_name)
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        resume = multirun or cfg.get("resume") or restarted
         done = completed_metrics(output_dir) if resume else None
         if done is not None and done.get("overrides") == overrides:
             log.info(f"already complete with the same overrides, skipping: {output_dir / 'metrics.json'}")

@@ -33,7 +33,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from typing_extensions import override
 
 from dpddp._compat import SubprocessScriptLauncher, set_num_threads_if_needed
-from dpddp.cluster import loopback_interface
+from dpddp.cluster import LAUNCHED_ENV, loopback_interface
 from dpddp.errors import ConfigError
 
 __all__ = ["JobLauncher", "RankJob", "Supervisor", "bind_store_socket", "die_with_parent", "rank_ended"]
@@ -245,7 +245,7 @@ class JobLauncher(SubprocessScriptLauncher):
             if self.fork:
                 self.procs.append(self._fork_rank(local_rank))  # type: ignore[arg-type]
                 continue
-            child_env = {**os.environ, "LOCAL_RANK": str(local_rank), **self.job.to_env()}
+            child_env = {**os.environ, "LOCAL_RANK": str(local_rank), LAUNCHED_ENV: "1", **self.job.to_env()}
             cmd = [sys.executable, "-m", "dpddp.parallel.rank"]
             self.procs.append(subprocess.Popen(cmd, env=child_env, cwd=self.job.cwd, preexec_fn=die_with_parent))
         how = "forked" if self.fork else "started with python -m dpddp.parallel.rank"
@@ -269,7 +269,7 @@ class JobLauncher(SubprocessScriptLauncher):
             if os.getppid() == parent:  # else the launcher died before prctl took effect
                 if self.listen_socket is not None:
                     self.listen_socket.close()  # rank 0's store socket: only rank 0 keeps it
-                os.environ["LOCAL_RANK"] = str(local_rank)
+                os.environ.update(LOCAL_RANK=str(local_rank), **{LAUNCHED_ENV: "1"})
                 code = self.run_forked(self.job)
         finally:
             logging.shutdown()

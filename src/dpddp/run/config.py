@@ -19,7 +19,7 @@ import torch
 from hydra.utils import get_class
 from omegaconf import DictConfig
 
-from dpddp.cluster import cluster_world_size
+from dpddp.cluster import cluster_world_size, stray_rank_variables
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import ConfigError
 from dpddp.models.linear import OPTIMIZERS, LinearClassifier
@@ -169,7 +169,15 @@ def _check_devices(cfg: Mapping) -> None:
     if cfg["cluster"] not in CLUSTERS:
         raise ConfigError(f"cluster={cfg['cluster']!r} is unknown: choose one of {', '.join(CLUSTERS)}")
     _check_strategy_options(cfg["strategy"])
+    if problem := stray_rank_variables(cfg["cluster"], num_nodes):
+        raise ConfigError(problem)
     cluster = cluster_world_size(cfg["cluster"])
+    if cluster and strategy not in ("ddp", "ddp_spawn") and cluster[0] > 1:  # case 27
+        raise ConfigError(
+            f"the cluster started {cluster[0]} processes ({cluster[1]}={cluster[0]}) but strategy={strategy} runs "
+            f"one, so each would train alone into the same directory: use strategy=ddp with devices x num_nodes = "
+            f"{cluster[0]}"
+        )
     if cluster and strategy in ("ddp", "ddp_spawn") and cluster[0] != world_size(cfg):
         raise ConfigError(
             f"devices={devices} x num_nodes={num_nodes} = {world_size(cfg)} processes, but the cluster started "

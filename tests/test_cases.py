@@ -1,0 +1,125 @@
+"""Cases 17, 18, 21, 23, 27, 28 of ../shared/cases: each kind of fault, with its right value."""
+
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+from conftest import CONF, ROOT, child_env, compose_cfg
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpddp.cluster import RANK_VARIABLES
+from dpddp.entry.hydra import _resume_command, hydra_value
+from dpddp.errors import ConfigError
+from dpddp.run.config import check_config
+
+PRESET = """# @package _global_
+seed: 7
+devices: 2
+strategy:
+  name: ddp
+data:
+  batch_size: 128
+"""
+
+
+def test_a_preset_sets_top_level_keys_and_the_command_line_still_wins(tmp_path):
+    """Case 17: ``_self_`` first in config.yaml's defaults."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text(PRESET)
+    search = f"hydra.searchpath=[file://{tmp_path}]"
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[search, "experiment=mine"])
+        assert (cfg.seed, cfg.devices, cfg.strategy.name, cfg.data.batch_size, cfg.data.seed) == (7, 2, "ddp", 128, 7)
+        cfg = compose(config_name="config", overrides=[search, "experiment=mine", "seed=3", "devices=1"])
+        assert (cfg.seed, cfg.devices, cfg.data.seed) == (3, 1, 3)
+
+
+@pytest.mark.parametrize("key,value", [("num_classes", 3), ("num_features", 5)])
+def test_linked_model_and_data_settings_that_disagree_are_one_line(key, value):
+    """Case 18, for every linked pair."""
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_cfg(f"model.{key}={value}"))
+    default = compose_cfg()["data"][key]
+    assert str(err.value) == (
+        f"model.{key}={value} differs from data.{key}={default}: set data.{key} only (model.{key} follows it)"
+    )
+
+
+@pytest.mark.parametrize(
+    "env,named",
+    [
+        ({"LOCAL_RANK": "0"}, "LOCAL_RANK=0"),
+        ({"RANK": "1"}, "RANK=1"),
+        ({"WORLD_SIZE": "2", "RANK": "0"}, "RANK=0, WORLD_SIZE=2"),
+        ({"NODE_RANK": "1"}, "NODE_RANK=1"),  # a node rank, but num_nodes=1
+    ],
+)
+def test_stray_rank_variables_are_refused_naming_them(monkeypatch, env, named):
+    """Case 21: variables left by a shell or a container, with no launcher that set them."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=f"^{named} set in the environment, but no launcher") as err:
+        check_config(compose_cfg("strategy=ddp", "devices=2", "accelerator=cpu"))
+    assert f"unset {' '.join(k for k in RANK_VARIABLES if k in env)} (e.g. env -u" in str(err.value)
+
+
+def test_rank_variables_of_a_real_launcher_are_trusted(monkeypatch):
+    monkeypatch.setenv("NODE_RANK", "1")  # Lightning's multi-node launch by hand
+    check_config(compose_cfg("strategy=ddp", "devices=2", "num_nodes=2", "accelerator=cpu"))
+    for key, value in {"TORCHELASTIC_RUN_ID": "r", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    check_config(compose_cfg("strategy=ddp", "devices=1", "num_nodes=2", "accelerator=cpu"))
+
+
+def test_kubeflow_needs_the_whole_set(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="^cluster=kubeflow but MASTER_ADDR, MASTER_PORT not set"):
+        check_config(compose_cfg("strategy=ddp", "devices=1", "num_nodes=2", "accelerator=cpu", "cluster=kubeflow"))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "dp"])
+def test_a_launcher_world_above_one_under_a_one_process_strategy_is_refused(monkeypatch, strategy):
+    """Case 27: ``torchrun --nproc_per_node=2 train.py`` without strategy=ddp."""
+    for key, value in {"TORCHELASTIC_RUN_ID": "r", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_cfg(f"strategy={strategy}", "accelerator=cpu"))
+    assert str(err.value).startswith(f"the cluster started 2 processes (torchrun WORLD_SIZE=2) but strategy={strategy}")
+    assert str(err.value).endswith("use strategy=ddp with devices x num_nodes = 2")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), min_size=1, max_size=30))
+def test_any_directory_name_survives_hydras_override_parser(name):
+    """Case 23: the printed resume command is quoted for Hydra, then for the shell."""
+    parsed = OverridesParser.create().parse_override(f"hydra.run.dir={hydra_value(name)}")
+    assert parsed.value() == name
+
+
+def test_the_printed_resume_command_parses_back_to_the_run_directory(tmp_path):
+    run_dir = tmp_path / "runs" / "my run é, it's"
+    command = _resume_command(["strategy=ddp", "devices=2", "hydra.run.dir=old"], run_dir, multirun=False)
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "train.py"] and argv[2:5] == ["strategy=ddp", "devices=2", "resume=true"]
+    parsed = OverridesParser.create().parse_overrides(argv[2:])
+    assert parsed[-1].key_or_group == "hydra.run.dir" and parsed[-1].value() == str(run_dir)
+
+
+def test_resume_without_naming_the_run_is_refused(tmp_path):
+    """Case 28: resume=true alone would start a fresh, time-stamped run."""
+    env, _ = child_env()
+    cmd = [sys.executable, str(ROOT / "train.py"), "resume=true"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert [x for x in proc.stderr.splitlines() if x.startswith("error:")] == [
+        "error: resume=true needs the run to resume: add hydra.run.dir=<its directory> "
+        "(e.g. hydra.run.dir=outputs/2026-01-31/12-00-00)"
+    ]
+    assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*.ckpt"))
+    assert os.environ.get("RANK") is None
