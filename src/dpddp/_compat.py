@@ -34,6 +34,8 @@ __all__ = [
     "SubprocessScriptLauncher",
     "disable_sigterm_broadcast",
     "init_process_group",
+    "keep_unfinished_epoch",
+    "logged_metric_kinds",
     "rank0_store",
     "resolve_process_group_backend",
     "restore_sigterm_broadcast",
@@ -126,3 +128,35 @@ def trained_batches_in_epoch(trainer: pl.Trainer) -> int:
     if not loop.restarting:
         return 0
     return int(loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
+
+
+def keep_unfinished_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Record an epoch that fit left before its last batch (a stop by ``max_steps``, ``max_time``, EarlyStopping
+    mid-epoch...) as unfinished in ``checkpoint``, as a checkpoint taken inside the epoch records it.
+
+    Lightning counts the epoch as processed when the fit loop ends, whatever ended it
+    (``checkpoint["loops"]["fit_loop"]["epoch_progress"]``: ``processed`` ahead of ``completed``), so a run
+    continued from it would start the next epoch and never train the rest of this one (case 13). With
+    ``processed`` set back to ``completed``, Lightning restores mid-epoch (``FitLoop.restarting``) and the
+    global-batch sampler skips the batches already trained: the continued run follows a straight run's order.
+    Checked on Lightning 2.6.6; if the layout moves, ``tests/test_compat.py`` and the limit-resume tests fail.
+    """
+    if trainer.fit_loop.epoch_loop.batch_progress.current.processed >= trainer.num_training_batches:  # type: ignore[attr-defined]
+        return
+    progress = checkpoint["loops"]["fit_loop"]["epoch_progress"]
+    for part in ("total", "current"):
+        progress[part]["processed"] = progress[part]["completed"]
+
+
+def logged_metric_kinds(trainer: pl.Trainer) -> dict[str, tuple[bool, bool]]:
+    """What the module logged in the running loop: ``{name: (a torchmetrics Metric object, sync_dist)}``, read
+    from ``trainer._results`` (a ``_ResultCollection`` of ``_ResultMetric`` with ``is_tensor`` and
+    ``meta.name``, ``meta.sync.should``); ``{}`` outside a loop. Checked on Lightning 2.6.6; if moved, only the
+    metric-contract warning goes quiet (test_compat fails)."""
+    results = trainer._results
+    found: dict[str, tuple[bool, bool]] = {}
+    for value in (results or {}).values():
+        meta = getattr(value, "meta", None)
+        if meta is not None:
+            found[meta.name] = (not value.is_tensor, bool(meta.sync.should))
+    return found

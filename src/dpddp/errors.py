@@ -3,6 +3,7 @@
 | error | exit status | what the user sees |
 | --- | --- | --- |
 | ``ConfigError`` | 2 | ``error: <setting>=<value> ...: <fix>``, before anything starts |
+| ``WriteFailed`` | 1 | ``error: cannot write last.ckpt in '<dir>': No space left on device`` |
 | ``RankFailed`` | 1 | ``error: rank 1 (pid N) was killed by SIGKILL; ending the run (...)`` |
 | ``Preempted`` | 143 (128 + SIGTERM, as a shell reports it) | ``error: stopped by SIGTERM ...`` |
 | any other exception | 1 | its traceback |
@@ -22,6 +23,7 @@ __all__ = [
     "ConfigError",
     "Preempted",
     "RankFailed",
+    "WriteFailed",
     "exit_status",
     "first_line",
 ]
@@ -51,6 +53,11 @@ class Preempted(RuntimeError):
     def __init__(self, path: Path, step: int) -> None:
         super().__init__(f"stopped by SIGTERM after step {step}; checkpoint: {path}")
         self.path, self.step = path, step
+
+
+class WriteFailed(RuntimeError):
+    """An output (a checkpoint, ``metrics.json``) could not be written: a full disk, an I/O error. The message
+    names the file, its directory and the system's error; the earlier file is left whole."""
 
 
 def exit_status(err: BaseException) -> int:

@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
+
+from dpddp.errors import WriteFailed
 
 __all__ = ["AtomicCheckpointIO", "checkpoint_problem"]
 
@@ -16,11 +19,27 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's ``TorchCheckpointIO``, writing ``<name>.tmp`` beside the target, then ``os.replace``: a
     process killed mid-write leaves the previous ``last.ckpt`` whole (Lightning writes the file in place)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved_steps: dict[str, int] = {}  # file name -> global step of its last write by this process
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
+        """Write ``checkpoint`` to ``path`` atomically.
+
+        Raises:
+            WriteFailed: the write failed (a full disk, an I/O error): the temporary file is removed and the
+                previous file at ``path`` is left whole (case 24).
+        """
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        super().save_checkpoint(checkpoint, tmp, storage_options)
-        os.replace(tmp, path)
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+            os.replace(tmp, path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            raise WriteFailed(f"cannot write {path.name} in {str(path.parent)!r}: {err.strerror or err}") from err
+        self.saved_steps[path.name] = int(checkpoint.get("global_step", -1))
 
 
 def checkpoint_problem(path: str | Path, max_epochs: int | None = None, data: dict | None = None) -> str | None:
