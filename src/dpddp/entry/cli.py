@@ -12,7 +12,10 @@ checkpoint layout, preemption and errors as ``train.py``.
 
 Outputs go to ``<default_root_dir>/lightning_logs/version_<N>/`` (a new ``N`` per run; under torchrun or SLURM
 the cluster's run name instead, so that all processes agree): ``config.yaml`` (the CLI's config, loadable with
-``--config``), ``checkpoints/last.ckpt`` and ``best.ckpt``, ``metrics.json``, ``csv/`` and ``predictions.csv``.
+``--config``; a later invocation into the same directory, e.g. ``--ckpt_path=last``, adds ``config-1.yaml``, ...),
+``checkpoints/last.ckpt`` and ``best.ckpt``, ``metrics.json``, ``metrics.csv`` (one row per epoch), ``curves.png``
+(with matplotlib), ``csv/`` (the logger's), ``predictions.csv`` (``predict``) and ``train.log``. ``fit`` logs a
+line per epoch when stdout is not a terminal, and the final metrics line.
 ``fit`` trains, then tests the final weights, like ``train.py``. ``--ckpt_path=last`` means the newest run's
 ``checkpoints/last.ckpt``: ``fit`` then continues that run in its own directory.
 """
@@ -158,15 +161,22 @@ def main(args: list[str] | None = None) -> None:
         cfg.predict = stage == "predict"  # predictions.csv in the run directory
         if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
             output_dir.mkdir(parents=True, exist_ok=True)
-            name = "config.yaml" if not (output_dir / "config.yaml").exists() else f"config_{stage}.yaml"
-            cli.parser.save(cli.config, str(output_dir / name), skip_none=False, overwrite=True)
+            n = next(i for i in range(1, 10_000) if not (output_dir / _config_name(i)).exists())
+            cli.parser.save(cli.config, str(output_dir / _config_name(n)), skip_none=False)
             _log_to(output_dir / "train.log")
+            logging.getLogger(__name__).info(f"invocation {n} into this run directory ({stage}): {_config_name(n)}")
         with isolated_job():
             train(cfg, output_dir, stage=stage)
     except (ConfigError, RankFailed, Preempted) as err:
         resume = f": resume with {_resume_command(stage, rest, output_dir)}" if isinstance(err, Preempted) else ""
         print(f"error: {err}{resume}", file=sys.stderr)
         sys.exit(exit_status(err))
+
+
+def _config_name(n: int) -> str:
+    """The CLI config of the ``n``-th invocation into a run directory: ``config.yaml``, then ``config-1.yaml``, ...
+    (as ``.hydra/``, ``.hydra-1/``, ... for ``train.py``)."""
+    return "config.yaml" if n == 1 else f"config-{n - 1}.yaml"
 
 
 def _log_to(path: Path) -> None:

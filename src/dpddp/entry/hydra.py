@@ -19,16 +19,39 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import to_absolute_path
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dpddp.cluster import register_resolvers, run_name
 from dpddp.errors import ConfigError, Preempted, RankFailed, exit_status, first_line
 from dpddp.run.training import METRIC_KEYS, isolated_job, train
 
-__all__ = ["main", "run"]
+__all__ = ["config_dirs", "config_subdir", "main", "run"]
 
 log = logging.getLogger(__name__)
 register_resolvers()
+CONFIG_DIR = ".hydra"
+
+
+def config_dirs(output_dir: str | Path) -> list[Path]:
+    """The config directories of the invocations into ``output_dir`` so far, in order: ``.hydra``, ``.hydra-1``,
+    ``.hydra-2``, ..."""
+    found, n = [], 0
+    while (path := Path(output_dir) / (CONFIG_DIR if n == 0 else f"{CONFIG_DIR}-{n}")).is_dir():
+        found.append(path)
+        n += 1
+    return found
+
+
+def config_subdir(output_dir: str) -> str:
+    """Hydra's ``output_subdir`` for the invocation starting now (``${dpddp.config_subdir:<run dir>}``): the
+    first free name of ``config_dirs``, so that an invocation into an existing run directory (a resume, a
+    continuation) keeps the configs and overrides of the earlier ones instead of overwriting them."""
+    n = len(config_dirs(output_dir))
+    return CONFIG_DIR if n == 0 else f"{CONFIG_DIR}-{n}"
+
+
+if not OmegaConf.has_resolver("dpddp.config_subdir"):
+    OmegaConf.register_new_resolver("dpddp.config_subdir", config_subdir)
 
 
 def completed_metrics(output_dir: Path) -> dict | None:
@@ -98,9 +121,18 @@ def run(cfg: DictConfig) -> float:
         if done is not None and done.get("overrides") == overrides:
             log.info(f"already complete with the same overrides, skipping: {output_dir / 'metrics.json'}")
             return done["val/loss"]
+        _log_invocation(output_dir)
         last = output_dir / "checkpoints" / "last.ckpt"
         if resume and cfg.get("ckpt_path") is None:
-            if last.is_file():
+            if last.is_file() and done is not None:
+                limits = ", ".join(
+                    f"trainer.{k}={cfg.trainer.get(k)}"
+                    for k in ("max_epochs", "max_steps", "max_time")
+                    if cfg.trainer.get(k) not in (None, -1)
+                )
+                log.info(f"continuing finished job from {last} to {limits}")
+                cfg.ckpt_path = str(last)
+            elif last.is_file():
                 log.info(f"resuming interrupted job from {last}")
                 cfg.ckpt_path = str(last)
             elif cfg.get("resume"):
@@ -128,6 +160,13 @@ def run(cfg: DictConfig) -> float:
     print(f"job {hydra_cfg.job.num} failed: {line}", file=sys.stderr)
     (output_dir / "error.txt").write_text(line + "\n")
     return math.nan
+
+
+def _log_invocation(output_dir: Path) -> None:
+    """Say in ``train.log`` which invocation into ``output_dir`` this is and where its config is (rank 0)."""
+    dirs = config_dirs(output_dir)
+    if dirs and HydraConfig.get().output_subdir is not None:  # None: a rank other than 0 (it writes no config)
+        log.info(f"invocation {len(dirs)} into this run directory: config and overrides in {dirs[-1].name}/")
 
 
 _hydra_main = hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(run)

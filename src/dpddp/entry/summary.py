@@ -12,10 +12,12 @@ from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
+from dpddp.run.plot import can_plot, write_plot
+
 __all__ = ["SUMMARY_COLUMNS", "SweepSummary"]
 
 SUMMARY_COLUMNS: tuple[str, ...] = ("job", "overrides", "status", "val/loss", "val/acc", "test/acc")
-SUMMARY_COLUMNS += ("samples_per_sec", "world_size", "wall_time_s")
+SUMMARY_COLUMNS += ("samples_per_sec", "world_size", "wall_time_s", "train_time_s", "segments")
 
 
 def _job_row(job_dir: Path) -> dict[str, Any]:
@@ -42,8 +44,10 @@ def _cell(value: Any) -> str:
 
 class SweepSummary(HydraCallback):
     """Hydra callback: at the end of a multirun, writes ``summary.csv`` and ``summary.md`` at the sweep root,
-    one row per job directory (jobs of an earlier, resumed run of the same sweep included), prints the table,
-    and exits with status 1 if any job failed or did not finish."""
+    one row per job directory (jobs of an earlier, resumed run of the same sweep included; ``wall_time_s``: the
+    job's last invocation, ``train_time_s`` and ``segments``: its training over all of them), prints the table,
+    writes ``curves.png`` (one colour per job) when matplotlib is installed, and exits with status 1 if any
+    job failed or did not finish."""
 
     @override
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -61,6 +65,8 @@ class SweepSummary(HydraCallback):
         table = "\n".join(lines) + "\n"
         (sweep_dir / "summary.md").write_text(table)
         print(f"\nsweep summary ({sweep_dir / 'summary.md'}):\n{table}")
+        if can_plot() and any((p / "metrics.csv").is_file() for p in job_dirs):
+            print(f"curves: {write_plot(sweep_dir)}")
         failed = [row["job"] for row in rows if row["status"] != "ok"]
         if failed:
             print(f"error: {len(failed)} of {len(rows)} jobs failed: {', '.join(failed)}", file=sys.stderr)

@@ -30,6 +30,7 @@ __all__ = ["allowed_keys", "check_config", "resolve_accelerator", "target_class"
 STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
+TOP_LEVEL_OUTPUT = ("epoch_lines",)  # how a run reports progress (dpddp.run.trainer.epoch_lines)
 CLUSTERS = ("auto", "kubeflow")
 GROUPS = ("data", "model", "trainer", "logger", "callbacks")
 # Trainer flags owned elsewhere: the top-level knobs, and what the global-batch contract and the run dir need.
@@ -78,7 +79,7 @@ def allowed_keys(cfg: Mapping | None = None) -> dict[str, list[str]]:
     model = target_class("model", cfg["model"]) if cfg else LinearClassifier
     data = target_class("data", cfg["data"]) if cfg else RandomTensorDataModule
     return {
-        "": list(TOP_LEVEL) + list(GROUPS),
+        "": list(TOP_LEVEL) + list(TOP_LEVEL_OUTPUT) + list(GROUPS),
         "data": ["_target_", *_params(data)],
         "model": ["_target_", *_params(model)],
         "trainer": trainer,
@@ -271,7 +272,7 @@ def check_config(cfg: DictConfig | Mapping) -> None:
             ``devices * num_nodes``, or a ``ckpt_path`` that does not exist, cannot be read, has finished more
             epochs than ``trainer.max_epochs``, or (``resume=true``) was trained with other data settings.
     """
-    _check_keys("", [str(k) for k in cfg.keys()], list(TOP_LEVEL) + list(GROUPS))
+    _check_keys("", [str(k) for k in cfg.keys()], list(TOP_LEVEL) + list(TOP_LEVEL_OUTPUT) + list(GROUPS))
     keys = allowed_keys(cfg)
     for section in ("data", "model", "trainer", "strategy"):
         _check_keys(section, (cfg[section] or {}).keys(), keys[section])

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import logging
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -10,16 +14,68 @@ import lightning.pytorch as pl
 from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import KubeflowEnvironment
 from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
 
 from dpddp.errors import ConfigError
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.run.callbacks import PredictionWriter, Preemption, Throughput
+from dpddp.run.callbacks import EpochRecord, PredictionWriter, Preemption, RichBar, Throughput, TQDMBar
 from dpddp.run.checkpoint import AtomicCheckpointIO
 from dpddp.run.config import resolve_accelerator
 
-__all__ = ["build_strategy", "build_trainer"]
+__all__ = ["build_strategy", "build_trainer", "epoch_lines"]
+
+
+# Known-harmless messages of Lightning and torch, each silenced by its own text only (checked on Lightning 2.6.6,
+# torch 2.13; tests/test_progress.py counts the warning lines of a default run).
+class _NoLitLoggerTip(logging.Filter):
+    """Lightning's "💡 Tip: ... try installing litlogger" line at every Trainer: an advertisement, not a state."""
+
+    @override
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip: For seamless cloud logging")
+
+
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoLitLoggerTip())
+# torch 2.13 deprecates `isinstance(x, LeafSpec)`; Lightning's own pytree copy still builds LeafSpec() (twice
+# under ddp). Nothing of ours uses it, and Lightning's code works as it did.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+# "fewer training batches than log_every_n_steps": every metric here is logged per epoch, not per step.
+warnings.filterwarnings("ignore", message=r"The number of training batches \(\d+\) is smaller than the logging")
+# predict: Lightning cannot see the indices of a sampler it did not wrap; PredictionWriter reads each sample's
+# index from the batch itself.
+warnings.filterwarnings("ignore", message="Couldn't infer the batch indices fetched from your dataloader")
+# A resume from a checkpoint written in another directory: the ModelCheckpoints start their best/last tracking
+# afresh in this run's checkpoints/ (best.ckpt is then the best of this segment), which is what a new directory
+# wants.
+warnings.filterwarnings("ignore", message="The dirpath has changed from")
+# ModelCheckpoint writes fixed names (best.ckpt, last.ckpt), and a run finds its checkpoints/ not empty only when
+# it resumes that run (a new run gets a new directory): replacing its own files is the point.
+warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+
+
+def epoch_lines(cfg: DictConfig) -> bool:
+    """Whether the run logs a line per epoch: ``epoch_lines=auto`` when stdout is not a terminal (a batch job,
+    ``nohup``, a redirect), ``true`` always, ``false`` never.
+
+    Raises:
+        ConfigError: another value.
+    """
+    value = cfg.get("epoch_lines", "auto")
+    if value not in ("auto", True, False):
+        raise ConfigError(f"epoch_lines={value!r} is invalid: use auto (if stdout is not a tty), true or false")
+    return value is True or (value == "auto" and not sys.stdout.isatty())
+
+
+def _progress_bar(cfg: DictConfig) -> tuple[bool, list[pl.Callback]]:
+    """``enable_progress_bar`` for the Trainer and the bar callback: ``trainer.enable_progress_bar=null`` shows
+    Lightning's bar (rich if installed, else tqdm) on a terminal only; its last frame is all a file would get."""
+    flag = (cfg.trainer or {}).get("enable_progress_bar")
+    show = sys.stdout.isatty() if flag is None else bool(flag)
+    if not show:
+        return False, []
+    return True, [RichBar() if importlib.util.find_spec("rich") else TQDMBar()]
 
 
 def build_strategy(cfg: DictConfig, job: RankJob | None) -> str | pl.strategies.Strategy:
@@ -39,7 +95,8 @@ def build_strategy(cfg: DictConfig, job: RankJob | None) -> str | pl.strategies.
 
 
 def _build_callbacks(cfg: DictConfig, output_dir: Path) -> list[pl.Callback]:
-    callbacks: list[pl.Callback] = [Throughput(), Preemption(output_dir / "checkpoints")]
+    callbacks: list[pl.Callback] = [Throughput(), EpochRecord(output_dir, lines=epoch_lines(cfg))]
+    callbacks.append(Preemption(output_dir / "checkpoints"))
     if cfg.predict:  # every callback costs each hook of each step, even one it does not override
         callbacks.append(PredictionWriter(output_dir))
     for spec in (cfg.callbacks or {}).values():
@@ -80,15 +137,18 @@ def build_trainer(cfg: DictConfig, output_dir: Path, job: RankJob | None = None)
     Raises:
         ConfigError: Lightning refused a flag; the message names it.
     """
+    bar, bar_callbacks = _progress_bar(cfg)
+    flags = {k: v for k, v in (cfg.trainer or {}).items() if k != "enable_progress_bar"}
     try:
         return pl.Trainer(
-            **(cfg.trainer or {}),
+            **flags,
+            enable_progress_bar=bar,
             strategy=build_strategy(cfg, job),
             accelerator=resolve_accelerator(cfg.accelerator),
             devices=cfg.devices,
             num_nodes=cfg.num_nodes,
             logger=_build_logger(cfg, output_dir),
-            callbacks=_build_callbacks(cfg, output_dir),
+            callbacks=[*_build_callbacks(cfg, output_dir), *bar_callbacks],
             default_root_dir=str(output_dir),
             use_distributed_sampler=False,
             # Lightning no longer auto-detects Kubeflow's PyTorchJob; the others (torchrun, SLURM) it does.

@@ -11,6 +11,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 from dpddp.errors import ConfigError, Preempted, RankFailed, first_line
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.run.callbacks import Throughput
+from dpddp.run.callbacks import EpochRecord, Throughput
 from dpddp.run.config import check_config, resolve_accelerator
+from dpddp.run.plot import can_plot, write_plot
 from dpddp.run.trainer import build_trainer
 
 __all__ = ["METRIC_KEYS", "STAGES", "isolated_job", "train", "train_rank"]
@@ -52,7 +54,12 @@ def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: di
     Returns:
         The metrics of ``metrics.json`` (the same on every rank: they are synced sums and counts): losses are
         means over samples, accuracies fractions, ``samples_per_sec`` steady-state training samples per second
-        over all processes, ``wall_time_s`` seconds from the call to the end.
+        over all processes and all segments of the run, ``wall_time_s`` seconds from the call to the end,
+        ``train_time_s`` training seconds over all segments (the first fit and each resume; see
+        ``EpochRecord``) and ``segments`` their number.
+
+    Also on rank 0: ``<output_dir>/metrics.csv`` (one row per epoch, see ``EpochRecord``) and, when matplotlib
+    is installed, ``<output_dir>/curves.png`` (``dpddp.run.plot``).
 
     Raises:
         ConfigError: a bad setting (see ``dpddp.run.config.check_config``), before any process is started.
@@ -72,6 +79,8 @@ def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: di
     result.update(
         samples_per_sec=metrics.get(Throughput.KEY, math.nan),
         first_step_unix_s=metrics.get(Throughput.FIRST_STEP_KEY),
+        train_time_s=metrics.get(EpochRecord.TIME_KEY, math.nan),
+        segments=int(metrics[EpochRecord.SEGMENTS_KEY]) if EpochRecord.SEGMENTS_KEY in metrics else 0,
         world_size=trainer.world_size,
         strategy=cfg.strategy.name,
         accelerator=resolve_accelerator(cfg.accelerator),
@@ -82,10 +91,20 @@ def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: di
     )
     if trainer.is_global_zero:
         (output_dir / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
-        log.info(
-            "metrics: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items())
-        )
+        log.info("metrics: " + ", ".join(_shown(k, v) for k, v in result.items()))
+        if can_plot() and (output_dir / "metrics.csv").is_file():
+            log.info(f"curves: {write_plot(output_dir)}")
     return result
+
+
+def _shown(key: str, value: Any) -> str:
+    """``key=value`` for the log: counts and rates grouped (``samples_per_sec=33,560``), other floats to 4
+    significant digits, the first step's time as a local ISO time."""
+    if key == "first_step_unix_s":
+        return f"first_step={datetime.fromtimestamp(value).isoformat(timespec='seconds')}" if value else "first_step=-"
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{key}={value:,.0f}" if abs(value) >= 1000 else f"{key}={value:.4g}"
+    return f"{key}={value}"
 
 
 def train_rank(job: RankJob) -> None:

@@ -1,0 +1,29 @@
+"""``python -m dpddp.plot RUN_OR_SWEEP_DIR [-o OUT.png]``: loss and accuracy against epoch as a PNG (needs the
+``plot`` extra: ``pip install "dpddp[plot]"``). A run directory gives one line per curve; a sweep directory one
+colour per job. Exits 2 with one line when there is nothing to plot or matplotlib is missing."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dpddp.run.plot import PLOT_NAME, write_plot
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv`` (default ``sys.argv[1:]``), write the PNG and print its path."""
+    parser = argparse.ArgumentParser(prog="python -m dpddp.plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", help="a run directory or a sweep directory (with metrics.csv files)")
+    parser.add_argument("-o", "--out", default=None, help=f"the PNG to write (default: <path>/{PLOT_NAME})")
+    args = parser.parse_args(argv)
+    try:
+        print(write_plot(args.path, args.out))
+    except (FileNotFoundError, ModuleNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
