@@ -1,0 +1,135 @@
+"""Day-to-day use (issue 17): a line per epoch in batch jobs, one metrics.csv per run across resumes, curves as a
+PNG, every invocation's config kept, training time over all segments, and a console without warnings."""
+
+import csv
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover
+from PIL import Image
+
+from dpddp.run.callbacks import EPOCH_COLUMNS
+from dpddp.run.plot import write_plot
+from dpddp.run.training import train
+
+SMALL = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none"]
+# A line a warning prints: Python's "file.py:123: SomeWarning: ..." or any line that names a warning.
+WARNING_LINE = re.compile(r"\.py:\d+: |warn", re.IGNORECASE)
+EPOCH_LINE = r"epoch (\d+)/10: train/loss=\S+ val/loss=\S+ val/acc=\S+ \(\S+ s, [\d,]+ samples/s\)"
+
+
+def _table(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        return tuple(reader.fieldnames or ()), list(reader)
+
+
+def _png_ok(path):
+    image = Image.open(path).convert("RGB")
+    assert image.size[0] >= 400 and image.size[1] >= 200
+    assert len(image.getcolors(1 << 24) or []) > 2  # lines and text, not a blank canvas
+
+
+def _train_py(*args, cwd, log):
+    """``python train.py ARGS`` with stdout and stderr redirected to the file ``log`` (not a terminal)."""
+    env, tag = child_env()
+    with open(log, "w") as out:
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, stdout=out, stderr=out, timeout=240
+        )
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    assert leftover(tag) == []
+    return log.read_text()
+
+
+def test_resume_from_another_directory_keeps_one_table_and_adds_up_the_time(tmp_path):
+    """In process: 2 epochs, then on to 4 from that last.ckpt in a new directory: metrics.csv there holds
+    epochs 0..3 once each (the earlier rows travel in the checkpoint), then the test row; 2 segments."""
+    first = train(compose_cfg(*SMALL, "trainer.max_epochs=2"), tmp_path / "first")
+    ckpt = tmp_path / "first/checkpoints/last.ckpt"
+    second = train(compose_cfg(*SMALL, "trainer.max_epochs=4", f"ckpt_path={ckpt}"), tmp_path / "second")
+    columns, rows = _table(tmp_path / "second")
+    assert columns == EPOCH_COLUMNS
+    assert [(r["stage"], int(r["epoch"])) for r in rows] == [*(("fit", e) for e in range(4)), ("test", 3)]
+    assert all(r["train/loss"] and r["val/loss"] and r["val/acc"] for r in rows[:4])
+    assert float(rows[4]["test/acc"]) == pytest.approx(second["test/acc"])
+    assert _table(tmp_path / "first")[1][:2] == rows[:2]
+    assert first["segments"] == 1 and second["segments"] == 2
+    assert second["train_time_s"] > first["train_time_s"] > 0
+    assert json.loads((tmp_path / "second/metrics.json").read_text())["segments"] == 2
+
+
+def test_plot_of_a_run_and_of_a_sweep(tmp_path):
+    for seed in (0, 1):
+        train(compose_cfg(*SMALL, "trainer.max_epochs=2", f"seed={seed}"), tmp_path / "sweep" / str(seed))
+    _png_ok(tmp_path / "sweep/0/curves.png")  # written at the end of the run (matplotlib is in the dev extra)
+    out = write_plot(tmp_path / "sweep")
+    assert out == tmp_path / "sweep/curves.png"
+    _png_ok(out)
+
+
+@pytest.mark.slow
+def test_redirected_default_run_prints_epoch_lines_and_no_warning(tmp_path):
+    """The default run (10 epochs) with its output in a file: one line per epoch there and in train.log, the
+    final metrics line readable, and no warning line at all."""
+    output = _train_py("hydra.run.dir=run", cwd=tmp_path, log=tmp_path / "out.txt")
+    train_log = (tmp_path / "run/train.log").read_text()
+    for text in (output, train_log):
+        assert re.findall(EPOCH_LINE, text) == [str(e) for e in range(1, 11)]
+    assert [line for line in output.splitlines() if WARNING_LINE.search(line)] == []
+    assert "Tip:" not in output and "v_num" not in output
+    (metrics_line,) = [line for line in output.splitlines() if "metrics: " in line]
+    assert "e+0" not in metrics_line and "first_step_unix_s" not in metrics_line
+
+
+@pytest.mark.slow
+def test_continued_run_keeps_both_configs_one_table_and_the_time(tmp_path):
+    """2 epochs, then the same run directory continued to 4 (resume=true): both invocations' configs kept, the
+    log says "continuing", metrics.csv is one table (epochs 0..3 once each), time and segments add up, and
+    python -m dpddp.plot draws the continued run."""
+    args = ["accelerator=cpu", "data.num_samples=1005", "hydra.run.dir=run"]
+    _train_py(*args, "trainer.max_epochs=2", cwd=tmp_path, log=tmp_path / "first.txt")
+    first = json.loads((tmp_path / "run/metrics.json").read_text())
+    output = _train_py(*args, "trainer.max_epochs=4", "resume=true", cwd=tmp_path, log=tmp_path / "second.txt")
+    run = tmp_path / "run"
+    assert "trainer.max_epochs=2" in (run / ".hydra/overrides.yaml").read_text()
+    assert "trainer.max_epochs=4" in (run / ".hydra-1/overrides.yaml").read_text()
+    assert "max_epochs: 2" in (run / ".hydra/config.yaml").read_text()
+    assert "max_epochs: 4" in (run / ".hydra-1/config.yaml").read_text()
+    log = (run / "train.log").read_text()
+    assert "invocation 2 into this run directory: config and overrides in .hydra-1/" in log
+    assert "continuing finished job from" in log and "resuming" not in log
+    assert [line for line in output.splitlines() if WARNING_LINE.search(line)] == []
+    columns, rows = _table(run)
+    assert columns == EPOCH_COLUMNS
+    assert [int(r["epoch"]) for r in rows if r["stage"] == "fit"] == [0, 1, 2, 3]
+    assert [r["stage"] for r in rows] == ["fit"] * 4 + ["test"]
+    second = json.loads((run / "metrics.json").read_text())
+    assert first["segments"] == 1 and second["segments"] == 2
+    assert second["train_time_s"] > first["train_time_s"]
+    (run / "curves.png").unlink()
+    env, _ = child_env()
+    proc = subprocess.run([sys.executable, "-m", "dpddp.plot", str(run)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    _png_ok(run / "curves.png")
+
+
+@pytest.mark.slow
+def test_cli_fit_then_continue_keeps_both_configs(tmp_path):
+    env, _ = child_env()
+    common = ["--trainer.accelerator=cpu", "--data.num_samples=1005", "--trainer.default_root_dir=runs"]
+    outputs = []
+    for extra in (["--trainer.max_epochs=1"], ["--trainer.max_epochs=2", "--ckpt_path=last"]):
+        cmd = [sys.executable, "-m", "dpddp.cli", "fit", *common, *extra]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs.append(proc.stdout + proc.stderr)
+    run = tmp_path / "runs/lightning_logs/version_0"
+    assert "max_epochs: 1" in (run / "config.yaml").read_text()
+    assert "max_epochs: 2" in (run / "config-1.yaml").read_text()
+    assert all("metrics: train/loss=" in out for out in outputs)
+    assert [int(r["epoch"]) for r in _table(run)[1] if r["stage"] == "fit"] == [0, 1]
+    assert json.loads((run / "metrics.json").read_text())["segments"] == 2
