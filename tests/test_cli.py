@@ -65,3 +65,48 @@ def test_predict_under_ddp_writes_every_test_sample_once_in_order(tmp_path):
     probs = torch.tensor([[float(r[f"prob_{c}"]) for c in range(4)] for r in rows])
     assert torch.allclose(probs.sum(1), torch.ones(100), atol=1e-5)
     assert [int(r["pred"]) for r in rows] == probs.argmax(1).tolist()
+
+
+def _cli_status(*args, cwd):
+    env, tag = child_env()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpddp.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert leftover(tag) == []
+    return proc
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (
+            ["--data.val_fraction=0.95", "--data.num_samples=1024"],
+            "error: data.val_fraction=0.95 is invalid: use a fraction in [0, 0.9]",
+        ),
+        (["--data.seed=-1"], "error: data.seed=-1 is invalid: use an integer in [0, 2**32 - 1]"),
+        (
+            ["--trainer.strategy=ddp", "--trainer.devices=2", "--data.batch_size=63"],
+            "error: data.batch_size=63 (global) does not divide by the world size 2 (devices x num_nodes): use a "
+            "multiple of 2",
+        ),
+    ],
+)
+def test_the_cli_applies_the_checks_of_train_py(tmp_path, args, line):
+    """Case 25: the same check, one line (once, not per rank), exit 2, nothing written."""
+    proc = _cli_status("fit", *FAST, *args, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert [x for x in proc.stderr.splitlines() if x.startswith("error:")] == [line]
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_ckpt_path_last_continues_the_newest_run_in_its_directory(tmp_path):
+    """Case 25: ``--ckpt_path=last`` resumes the latest run where a user expects it; without a run, one line."""
+    root = "--trainer.default_root_dir=runs"
+    proc = _cli_status("fit", *FAST, root, "--ckpt_path=last", cwd=tmp_path)
+    assert proc.returncode == 2 and "--ckpt_path=last: no run under" in proc.stderr
+    cli("fit", *FAST, root, "--trainer.max_epochs=2", cwd=tmp_path)
+    cli("fit", *FAST, root, "--trainer.max_epochs=4", "--ckpt_path=last", cwd=tmp_path)
+    assert sorted(p.name for p in (tmp_path / "runs/lightning_logs").iterdir()) == ["version_0"]
+    last = tmp_path / "runs/lightning_logs/version_0/checkpoints/last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 4 * (3278 // 64)
+    assert (tmp_path / "runs/lightning_logs/version_0/config_fit.yaml").is_file()  # the first config is kept

@@ -33,6 +33,7 @@ __all__ = [
     "Launcher",
     "SubprocessScriptLauncher",
     "disable_sigterm_broadcast",
+    "data_position",
     "init_process_group",
     "keep_unfinished_epoch",
     "logged_metric_kinds",
@@ -128,6 +129,24 @@ def trained_batches_in_epoch(trainer: pl.Trainer) -> int:
     if not loop.restarting:
         return 0
     return int(loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
+
+
+def data_position(trainer: pl.Trainer) -> tuple[int, int]:
+    """Where the training data stream stands: ``(epoch, batches of it already trained)``, from the batches the
+    fit has completed in all (``fit_loop.epoch_loop.batch_progress.total.completed``, restored from checkpoints)
+    and the batches per epoch (``trainer.num_training_batches``, limits applied).
+
+    The one source of the global-batch sampler's order, read when an epoch's iteration starts: it cannot
+    disagree with the trained weights, whatever Lightning's epoch counters say after a stop by a limit, a
+    restart on an epoch's last batch, or a SIGTERM (Lightning counts the batch a checkpoint was saved in as
+    completed when it restores). Checked on Lightning 2.6.6; test_compat and the resume tests fail if it moves.
+    """
+    per_epoch = trainer.num_training_batches
+    if not per_epoch or per_epoch == float("inf"):
+        return trainer.current_epoch, 0
+    done = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+    epoch, skip = divmod(int(done), int(per_epoch))
+    return epoch, skip
 
 
 def keep_unfinished_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:

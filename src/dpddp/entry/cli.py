@@ -40,7 +40,7 @@ from typing_extensions import override
 
 from dpddp.cluster import run_name
 from dpddp.data.random_tensors import RandomTensorDataModule
-from dpddp.errors import ConfigError, Preempted, RankFailed, exit_status
+from dpddp.errors import ConfigError, Preempted, RankFailed, WriteFailed, exit_status
 from dpddp.models.linear import LinearClassifier
 from dpddp.run.training import STAGES, isolated_job, train
 
@@ -167,7 +167,7 @@ def main(args: list[str] | None = None) -> None:
             logging.getLogger(__name__).info(f"invocation {n} into this run directory ({stage}): {_config_name(n)}")
         with isolated_job():
             train(cfg, output_dir, stage=stage)
-    except (ConfigError, RankFailed, Preempted) as err:
+    except (ConfigError, RankFailed, Preempted, WriteFailed) as err:
         resume = f": resume with {_resume_command(stage, rest, output_dir)}" if isinstance(err, Preempted) else ""
         print(f"error: {err}{resume}", file=sys.stderr)
         sys.exit(exit_status(err))

@@ -22,7 +22,7 @@ from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dpddp.cluster import register_resolvers, run_name
-from dpddp.errors import ConfigError, Preempted, RankFailed, exit_status, first_line
+from dpddp.errors import ConfigError, Preempted, RankFailed, WriteFailed, exit_status, first_line
 from dpddp.run.training import METRIC_KEYS, isolated_job, train
 
 __all__ = ["config_dirs", "config_subdir", "main", "run"]
@@ -140,7 +140,7 @@ def run(cfg: DictConfig) -> float:
     try:
         with isolated_job():
             return train(cfg, output_dir, extra={"overrides": overrides})["val/loss"]
-    except (ConfigError, RankFailed, Preempted) as err:
+    except (ConfigError, RankFailed, Preempted, WriteFailed) as err:
         if isinstance(err, Preempted):
             line = f"{err}: resume with {_resume_command(overrides, output_dir, multirun)}"
             print(f"error: {line}", file=sys.stderr)

@@ -16,12 +16,13 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter, RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
-from dpddp._compat import disable_sigterm_broadcast, restore_sigterm_broadcast
+from dpddp._compat import disable_sigterm_broadcast, keep_unfinished_epoch, restore_sigterm_broadcast
 from dpddp.errors import Preempted
 
 __all__ = [
     "EPOCH_COLUMNS",
     "EpochRecord",
+    "LastValidation",
     "PredictionWriter",
     "Preemption",
     "RichBar",
@@ -360,6 +361,12 @@ class Preemption(pl.Callback):
         restore_sigterm_broadcast(trainer)
 
     @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        # A stop by a limit mid-epoch resumes like a stop by SIGTERM: inside the epoch (case 13).
+        if trainer.state.fn == "fit":
+            keep_unfinished_epoch(trainer, checkpoint)
+
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._steps += 1
         if self._steps < self._every:
@@ -380,3 +387,15 @@ class Preemption(pl.Callback):
             trainer.save_checkpoint(path)
             raise Preempted(path, trainer.global_step)
 
+
+class LastValidation(pl.Callback):
+    """Remembers the global step (optimizer steps) of the last validation of a fit, so that the run can tell
+    whether its final weights were validated (``step`` is ``None`` before any)."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.step = trainer.global_step

@@ -20,7 +20,7 @@ from dpddp.errors import ConfigError
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.run.callbacks import EpochRecord, PredictionWriter, Preemption, RichBar, Throughput, TQDMBar
+from dpddp.run.callbacks import EpochRecord, LastValidation, PredictionWriter, Preemption, RichBar, Throughput, TQDMBar
 from dpddp.run.checkpoint import AtomicCheckpointIO
 from dpddp.run.config import resolve_accelerator
 
@@ -96,7 +96,7 @@ def build_strategy(cfg: DictConfig, job: RankJob | None) -> str | pl.strategies.
 
 def _build_callbacks(cfg: DictConfig, output_dir: Path) -> list[pl.Callback]:
     callbacks: list[pl.Callback] = [Throughput(), EpochRecord(output_dir, lines=epoch_lines(cfg))]
-    callbacks.append(Preemption(output_dir / "checkpoints"))
+    callbacks += [Preemption(output_dir / "checkpoints"), LastValidation()]
     if cfg.predict:  # every callback costs each hook of each step, even one it does not override
         callbacks.append(PredictionWriter(output_dir))
     for spec in (cfg.callbacks or {}).values():

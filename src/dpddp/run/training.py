@@ -18,12 +18,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from dpddp.errors import ConfigError, Preempted, RankFailed, first_line
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.run.callbacks import EpochRecord, Throughput
+from dpddp.run.callbacks import EpochRecord, LastValidation, Throughput
+from dpddp.run.checkpoint import AtomicCheckpointIO
 from dpddp.run.config import check_config, resolve_accelerator
 from dpddp.run.plot import can_plot, write_plot
 from dpddp.run.trainer import build_trainer
@@ -90,11 +92,32 @@ def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: di
         **(extra or {}),
     )
     if trainer.is_global_zero:
-        (output_dir / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "metrics.json").write_text(json.dumps(strict(result), indent=2, allow_nan=False) + "\n")
         log.info("metrics: " + ", ".join(_shown(k, v) for k, v in result.items()))
         if can_plot() and (output_dir / "metrics.csv").is_file():
             log.info(f"curves: {write_plot(output_dir)}")
     return result
+
+
+MISSING = {
+    "train/": "no training step ran",
+    "val/": "no validation ran on the final weights (trainer.limit_val_batches=0, or an empty split)",
+    "test/": "no test ran",
+    "samples_per_sec": "fewer than two training steps: no steady state to measure",
+}
+
+
+def strict(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` as strict JSON (RFC 8259 has no NaN): a value that does not exist is ``null``, and
+    ``"missing"`` says why, e.g. ``{"val/loss": null, ..., "missing": {"val/loss": "no validation ran ..."}}``."""
+    missing = {
+        key: next((why for prefix, why in MISSING.items() if key.startswith(prefix)), "not measured")
+        for key, value in result.items()
+        if isinstance(value, float) and not math.isfinite(value)
+    }
+    out = {key: None if key in missing else value for key, value in result.items()}
+    return {**out, "missing": missing} if missing else out
 
 
 def _shown(key: str, value: Any) -> str:
@@ -129,6 +152,7 @@ def _run_stages(
         if stage == "fit":
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
             metrics = _floats(trainer.callback_metrics)
+            metrics.update(_final_weights(trainer, model, datamodule))
             trainer.test(model, datamodule=datamodule, verbose=False)
         elif stage in ("validate", "test"):
             getattr(trainer, stage)(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, verbose=False)
@@ -152,6 +176,27 @@ def _run_stages(
         # Stop watching this job's ranks before the next job of a sweep starts; a failed job's are killed.
         if isinstance(trainer.strategy, DDPStrategy) and trainer.strategy.supervisor is not None:
             trainer.strategy.supervisor.join(timeout_s=60.0 if finished else 5.0)
+
+
+def _final_weights(
+    trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule
+) -> dict[str, float]:
+    """Make the fit's outputs the final weights', whatever stopped it: write ``last.ckpt`` if its last write was
+    at another step, and validate if the last validation ran on other weights (a stop by ``max_steps`` or
+    ``max_time`` mid-epoch, ``val_check_interval``, ``check_val_every_n_epoch``: case 13). Returns the new
+    validation metrics, if it ran one."""
+    step = trainer.global_step
+    io = trainer.strategy.checkpoint_io
+    last = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.filename == "last"]
+    if last and last[0].dirpath and isinstance(io, AtomicCheckpointIO):
+        if trainer.strategy.broadcast(io.saved_steps.get("last.ckpt") != step):  # rank 0 wrote it, if anyone
+            trainer.save_checkpoint(Path(last[0].dirpath) / "last.ckpt")
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]
+    validated = next((cb.step for cb in callbacks if isinstance(cb, LastValidation)), step)
+    if validated == step or trainer.limit_val_batches == 0:
+        return {}
+    trainer.validate(model, datamodule=datamodule, verbose=False)
+    return _floats(trainer.callback_metrics)
 
 
 def _floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:

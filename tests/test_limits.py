@@ -1,0 +1,84 @@
+"""Runs stopped by a limit and continued (case 13), final outputs of the final weights, strict metrics.json
+(case 19), and checkpoint writes that fail (case 24). In-process, one process."""
+
+import errno
+import json
+
+import pytest
+import torch
+from conftest import QUIET, compose_cfg, max_diff, weights
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from dpddp.errors import WriteFailed
+from dpddp.run.checkpoint import AtomicCheckpointIO
+from dpddp.run.training import train
+
+# 805 training samples / 64 = 12 global batches per epoch
+BASE = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "model.optimizer=adam", "model.lr=0.01"]
+
+
+def _step(run):
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+
+
+@pytest.mark.parametrize(
+    "first,then",
+    [
+        (["trainer.max_steps=5"], ["trainer.max_steps=30"]),  # both mid-epoch
+        (["trainer.max_steps=17"], ["trainer.max_epochs=4", "trainer.max_steps=-1"]),  # a step limit, then epochs
+        (["trainer.max_epochs=2"], ["trainer.max_steps=29"]),  # an epoch limit, then steps
+    ],
+)
+def test_a_run_stopped_by_a_limit_and_continued_equals_a_straight_run(tmp_path, first, then):
+    """Case 13: continuing to a later limit ends with the weights and step of a run that went straight there."""
+    train(compose_cfg(*BASE, "trainer.max_epochs=4", *first), tmp_path / "first")
+    ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    train(compose_cfg(*BASE, "trainer.max_epochs=4", *then, f"ckpt_path={ckpt}"), tmp_path / "continued")
+    train(compose_cfg(*BASE, "trainer.max_epochs=4", *then), tmp_path / "straight")
+    assert _step(tmp_path / "continued") == _step(tmp_path / "straight")
+    diff = max_diff(
+        weights(tmp_path / "continued/checkpoints/last.ckpt"), weights(tmp_path / "straight/checkpoints/last.ckpt")
+    )
+    assert diff <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "limit", ["trainer.max_steps=5", "+trainer.val_check_interval=5", "trainer.check_val_every_n_epoch=3"]
+)
+def test_last_ckpt_and_metrics_are_the_final_weights_whatever_the_validation_schedule(tmp_path, limit):
+    """``last.ckpt`` holds the final step; ``val/*`` in metrics.json are the final weights' (a validation of
+    ``last.ckpt`` gives the same numbers)."""
+    result = train(compose_cfg(*BASE, "trainer.max_epochs=2", limit), tmp_path / "run")
+    step = _step(tmp_path / "run")
+    assert step == (5 if "max_steps" in limit else 24)
+    again = train(compose_cfg(*BASE, f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}"), tmp_path / "v", "validate")
+    assert again["val/loss"] == pytest.approx(result["val/loss"], abs=1e-7)
+    assert again["val/acc"] == pytest.approx(result["val/acc"], abs=1e-7)
+
+
+def test_metrics_json_is_strict_json_with_reasons(tmp_path):
+    """Case 19: no bare NaN; a value that does not exist is null, and says why."""
+    train(compose_cfg(*BASE, "trainer.max_epochs=1", "+trainer.limit_val_batches=0"), tmp_path)
+    text = (tmp_path / "metrics.json").read_text()
+    written = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    assert written["val/loss"] is None and written["val/acc"] is None and 0 < written["test/acc"] <= 1
+    assert written["missing"]["val/loss"].startswith("no validation ran on the final weights")
+
+
+def test_a_failed_checkpoint_write_leaves_the_earlier_file_whole(tmp_path, monkeypatch):
+    """Case 24: a full disk mid-write: one line naming the file and directory, no temporary file left."""
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 1, "state_dict": {}}, path)
+    before = path.read_bytes()
+
+    def full(self, checkpoint, target, storage_options=None):
+        open(target, "wb").write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(TorchCheckpointIO, "save_checkpoint", full)
+    with pytest.raises(WriteFailed) as err:
+        io.save_checkpoint({"global_step": 2, "state_dict": {}}, path)
+    assert str(err.value) == f"cannot write last.ckpt in {str(tmp_path)!r}: No space left on device"
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert io.saved_steps == {"last.ckpt": 1}
