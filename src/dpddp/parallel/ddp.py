@@ -1,8 +1,12 @@
-"""Lightning's DDP strategy with a launcher that is safe inside Hydra sweeps, a timeout in seconds, and a
-rendezvous store that listens on loopback only for single-node runs."""
+"""Lightning's DDP strategy with a launcher that is safe inside Hydra sweeps, a timeout in seconds, a
+rendezvous store that listens only where the other ranks reach it, the network interface chosen for the user,
+and (multi-node) ranks that watch each other so that a lost node ends the run everywhere."""
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -12,10 +16,45 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from typing_extensions import override
 
 from dpddp._compat import Launcher, init_process_group, rank0_store, resolve_process_group_backend
+from dpddp.errors import ConfigError, Preempted, first_line
+from dpddp.network import choose_interface, interface_address
 from dpddp.parallel.launcher import JobLauncher, RankJob, Supervisor
+from dpddp.parallel.peers import PeerWatch
 from dpddp.parallel.rank import run_rank
 
-__all__ = ["DDPStrategy"]
+__all__ = ["DDPStrategy", "apply_interface"]
+
+log = logging.getLogger(__name__)
+
+
+def _is_loopback(address: str | None) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return address is not None and ipaddress.ip_address(address.partition("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def apply_interface(master_addr: str, num_nodes: int) -> str:
+    """Set ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` in ``os.environ`` to the interface that routes to
+    ``master_addr`` unless the user set either (``dpddp.network.choose_interface``); return the reason, for the
+    log. Gloo's pair sockets then bind that interface's address (without it, the address of the host name, often
+    a loopback address that other nodes cannot reach).
+
+    Raises:
+        ConfigError: ``num_nodes > 1`` and ``master_addr``, not a loopback address itself, is reached through
+            loopback here (e.g. a host name that ``/etc/hosts`` maps to 127.0.1.1): the other nodes cannot.
+    """
+    updates, why = choose_interface(master_addr)
+    name = updates.get("GLOO_SOCKET_IFNAME")
+    if num_nodes > 1 and name is not None and _is_loopback(interface_address(name)) and not _is_loopback(master_addr):
+        raise ConfigError(
+            f"MASTER_ADDR={master_addr} is reached through this machine's loopback ({why}), so other nodes cannot "
+            "reach it: set MASTER_ADDR (torchrun --master_addr) to node 0's address on the cluster network"
+        )
+    os.environ.update(updates)
+    return why
 
 
 class DDPStrategy(LightningDDPStrategy):
@@ -38,6 +77,7 @@ class DDPStrategy(LightningDDPStrategy):
         self.job, self.launch_mode = job, launch
         self.start_method = kwargs.get("start_method", "popen")
         self._job_launcher: JobLauncher | None = None
+        self._peer_watch: PeerWatch | None = None
 
     @property
     @override
@@ -55,6 +95,7 @@ class DDPStrategy(LightningDDPStrategy):
             self._job_launcher = JobLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes, self.job, fork, run_forked=run_rank
             )
+            self._job_launcher.explain_failure = self.explain_failure
         return self._job_launcher
 
     @property
@@ -64,8 +105,25 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        """Lightning's, except on rank 0 of a single-node launch: the TCPStore takes the launcher's
-        loopback-bound socket (see ``dpddp._compat.rank0_store``)."""
+        """Lightning's, after choosing the network interface (``apply_interface``, logged) and, with more than
+        one node, starting this rank's ``PeerWatch``; on rank 0 of a launch by our launcher the TCPStore takes
+        the launcher's socket, bound to the address that routes to ``MASTER_ADDR`` (``dpddp._compat.rank0_store``).
+
+        Raises:
+            ConfigError: see ``apply_interface``.
+        """
+        assert self.cluster_environment is not None
+        env = self.cluster_environment
+        if not torch.distributed.is_initialized():
+            log.info(f"network: {apply_interface(env.main_address, self.num_nodes)}")
+        if self.num_nodes > 1 and self._peer_watch is None:
+            self.set_world_ranks()
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            self._peer_watch = PeerWatch(
+                env.main_address, env.main_port, self.global_rank, self.num_processes * self.num_nodes,
+                self.num_processes, self.pg_timeout.total_seconds(), attempt,
+            )  # fmt: skip
+            self._peer_watch.start()
         launcher = self._job_launcher
         sock = launcher.listen_socket if launcher is not None else None
         if launcher is None or sock is None or torch.distributed.is_initialized():  # fit, then test: one group
@@ -77,3 +135,22 @@ class DDPStrategy(LightningDDPStrategy):
         store = rank0_store(sock, self.world_size, self.pg_timeout)
         assert self.cluster_environment is not None
         init_process_group(self.cluster_environment, backend, self.pg_timeout, self.root_device, store)
+
+    def explain_failure(self, err: BaseException) -> str | None:
+        """With more than one node: the line naming the peer to blame for ``err`` (``PeerWatch.explain``), or
+        ``None`` when this rank's failure is its own, which is then reported to the peers. Stops the watch."""
+        watch, self._peer_watch = self._peer_watch, None
+        if watch is None or isinstance(err, (ConfigError, Preempted)):
+            return None
+        line = watch.explain()
+        watch.report(line or f"rank {self.global_rank} (node {self.node_rank}) failed: {first_line(err)}")
+        watch.stop()
+        return line
+
+    @override
+    def teardown(self) -> None:
+        """Stop this rank's ``PeerWatch`` (the next stage starts another), then Lightning's teardown."""
+        if self._peer_watch is not None:
+            self._peer_watch.stop()
+            self._peer_watch = None
+        super().teardown()

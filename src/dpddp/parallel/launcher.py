@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import importlib
-import ipaddress
 import json
 import logging
 import os
@@ -33,8 +32,9 @@ from lightning.fabric.plugins import ClusterEnvironment
 from typing_extensions import override
 
 from dpddp._compat import SubprocessScriptLauncher, set_num_threads_if_needed
-from dpddp.cluster import LAUNCHED_ENV, loopback_interface
-from dpddp.errors import ConfigError
+from dpddp.cluster import LAUNCHED_ENV
+from dpddp.errors import ConfigError, RankFailed, first_line
+from dpddp.network import route_interface
 
 __all__ = ["JobLauncher", "RankJob", "Supervisor", "bind_store_socket", "die_with_parent", "rank_ended"]
 
@@ -213,6 +213,8 @@ class JobLauncher(SubprocessScriptLauncher):
         self.job, self.fork, self.run_forked = job, fork, run_forked
         self.watcher: _RankWatcher | None = None
         self.listen_socket: socket.socket | None = None
+        self.explain_failure: Callable[[BaseException], str | None] | None = None
+        """Set by the strategy: the line naming the peer to blame for a failed run (multi-node), or ``None``."""
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -222,18 +224,23 @@ class JobLauncher(SubprocessScriptLauncher):
             self.watcher = _RankWatcher(self.procs)
             self.watcher.start()
         set_num_threads_if_needed(num_processes=self.num_processes)  # as Lightning's launch does
-        return function(*args, **kwargs)
+        try:
+            return function(*args, **kwargs)
+        except Exception as err:
+            line = self.explain_failure(err) if self.explain_failure is not None else None
+            if line is None:
+                raise
+            raise RankFailed(f"{line}; ending the run (this rank: {first_line(err)})") from err
 
     def _start_ranks(self) -> None:
         if self.procs:
             raise RuntimeError("the launcher starts its ranks once")
         env = self.cluster_environment
-        if self.num_nodes == 1:
-            self.listen_socket = bind_store_socket(env.main_address)
+        # Rank 0's store listens only on the address that routes to MASTER_ADDR (loopback on one node).
+        route = route_interface(env.main_address) if self.num_nodes > 1 and env.node_rank() == 0 else None
+        if self.num_nodes == 1 or route is not None:
+            self.listen_socket = bind_store_socket(env.main_address if route is None else route[1])
             os.environ["MASTER_PORT"] = str(self.listen_socket.getsockname()[1])
-            interface = loopback_interface() if ipaddress.ip_address(env.main_address).is_loopback else None
-            if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
-                os.environ["GLOO_SOCKET_IFNAME"] = interface  # gloo's pair sockets: loopback only
         os.environ.update(
             MASTER_ADDR=env.main_address,
             MASTER_PORT=str(env.main_port),

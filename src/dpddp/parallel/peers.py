@@ -1,0 +1,154 @@
+"""A multi-node run's ranks watch each other through the rendezvous store, so that a lost node ends the run
+everywhere within ``strategy.timeout_s`` (plus a few seconds) with one line that names it.
+
+Gloo alone does not: a peer that dies before the process group has connected leaves the others retrying the
+connection for 5 x the timeout, and a peer that dies later fails the others' collectives with a broken
+connection that names an address, not a node. So every rank runs a ``PeerWatch`` thread that, every
+``BEAT_S`` seconds, adds 1 to its own counter ``dpddp/<attempt>/beat/<rank>`` in the store (``MASTER_ADDR``:
+``MASTER_PORT``: torchrun's agent store, or rank 0's) and reads every other rank's. A counter that stops moving
+means that rank's process is gone, stopped or cut off. A rank that fails writes its reason once, first one wins,
+to ``dpddp/<attempt>/cause``. The watch ends its own process (``os._exit(1)``, the main thread may sit in a C++
+wait no Python signal reaches) when a peer has not beaten for ``timeout_s``, when the store has not answered
+for ``timeout_s``, or ``CAUSE_GRACE_S`` after a peer reported a failure that the main thread has not ended on.
+A rank whose training raised asks ``explain`` which peer was lost (waiting up to ``STALE_S`` + 1 s to see it).
+
+Costs: one thread per rank and ``world_size`` store operations per rank every ``BEAT_S`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch
+
+__all__ = ["BEAT_S", "CAUSE_GRACE_S", "STALE_S", "PeerWatch", "describe_ranks"]
+
+log = logging.getLogger(__name__)
+
+BEAT_S = 0.5
+"""Seconds between two heartbeats (and reads of the peers' heartbeats)."""
+
+STALE_S = 3.0
+"""Seconds without a heartbeat after which ``explain`` calls a peer lost (the run has failed already then)."""
+
+CAUSE_GRACE_S = 5.0
+"""Seconds the main thread gets to fail by itself after a peer reported its failure, before the watch ends it."""
+
+_STORE_OP_S = 5.0  # seconds one store operation may take before it counts as unanswered
+
+
+def describe_ranks(ranks: list[int], ranks_per_node: int) -> str:
+    """``"node 1 (rank 1)"``, ``"node 1 (ranks 2, 3)"``, ``"node 1 (rank 2), node 2 (rank 4)"``."""
+    by_node: dict[int, list[int]] = {}
+    for rank in sorted(ranks):
+        by_node.setdefault(rank // ranks_per_node, []).append(rank)
+    parts = []
+    for node, members in by_node.items():
+        what = "rank" if len(members) == 1 else "ranks"
+        parts.append(f"node {node} ({what} {', '.join(map(str, members))})")
+    return ", ".join(parts)
+
+
+class PeerWatch(threading.Thread):
+    """The heartbeat thread of one rank (see the module doc).
+
+    Args:
+        address, port: the rendezvous store (``MASTER_ADDR``, ``MASTER_PORT``).
+        rank, world_size, ranks_per_node: this rank and the run's shape (node of rank r: r // ranks_per_node).
+        timeout_s: seconds without a peer's heartbeat, or without an answer from the store (also at start-up,
+            before the store exists), after which this process exits with status 1.
+        attempt: a key prefix that differs between torchrun restarts (their store is the same).
+    """
+
+    def __init__(
+        self, address: str, port: int, rank: int, world_size: int, ranks_per_node: int, timeout_s: float, attempt: str
+    ) -> None:
+        super().__init__(daemon=True, name="dpddp-peer-watch")
+        self.address, self.port, self.rank, self.world_size = address, port, rank, world_size
+        self.ranks_per_node, self.timeout_s = ranks_per_node, timeout_s
+        self.prefix = f"dpddp/{attempt}/"
+        self.stopped = threading.Event()
+        self._lock = threading.Lock()  # the store client: this thread and `report` from the main thread
+        self._store: torch.distributed.Store | None = None
+        now = time.monotonic()
+        self._seen = {r: (0, now) for r in range(world_size) if r != rank}  # rank -> (counter, when it changed)
+        self._answered = now  # when the store last answered
+        self._cause: str | None = None
+        self._cause_seen: float | None = None
+
+    def stop(self) -> None:
+        """End the watch (at the end of a stage, or when the run has failed and is ending by itself)."""
+        self.stopped.set()
+
+    def run(self) -> None:
+        while not self.stopped.wait(BEAT_S):
+            now = time.monotonic()
+            try:
+                self._beat(now)
+            except Exception as err:  # refused, reset or timed out: the store (node 0) may be gone
+                if now - self._answered > self.timeout_s:
+                    self._end(f"{self._store_gone()} for {self.timeout_s:.0f} s ({type(err).__name__})")
+                continue
+            stale = [r for r, (_, t) in self._seen.items() if now - t > self.timeout_s]
+            if stale:
+                self._end(f"{describe_ranks(stale, self.ranks_per_node)} lost: no heartbeat for {self.timeout_s:.0f} s")
+            if self._cause is not None:
+                self._cause_seen = self._cause_seen or now
+                if now - self._cause_seen > CAUSE_GRACE_S:
+                    self._end(self._cause)
+
+    def _beat(self, now: float) -> None:
+        with self._lock:
+            if self._store is None:
+                self._store = torch.distributed.TCPStore(
+                    self.address, self.port, is_master=False, timeout=timedelta(seconds=_STORE_OP_S)
+                )
+            store = self._store
+            store.add(f"{self.prefix}beat/{self.rank}", 1)
+            counts = {r: store.add(f"{self.prefix}beat/{r}", 0) for r in self._seen}
+            cause_key = f"{self.prefix}cause"
+            cause = store.get(cause_key).decode() if store.check([cause_key]) else None
+        self._answered = now
+        for r, count in counts.items():
+            if count != self._seen[r][0]:
+                self._seen[r] = (count, now)
+        self._cause = cause
+
+    def _store_gone(self) -> str:
+        return f"node 0 lost: the rendezvous store at {self.address}:{self.port} has not answered"
+
+    def _end(self, line: str) -> None:
+        log.error(f"error: {line}; ending the run")
+        logging.shutdown()
+        os._exit(1)
+
+    def explain(self) -> str | None:
+        """Why the run failed, when a peer is to blame: a peer's reported failure, ``"node 1 (rank 1) lost: no
+        heartbeat for 3 s"``, or node 0's store not answering; ``None`` when every peer still beats after up to
+        ``STALE_S`` + 1 s (the failure is this rank's own). Called from the main thread; blocks for that long."""
+        deadline = time.monotonic() + STALE_S + 1.0
+        while True:
+            now = time.monotonic()
+            if self._cause is not None:
+                return self._cause
+            stale = [r for r, (_, t) in self._seen.items() if now - t >= STALE_S]
+            if stale:
+                return f"{describe_ranks(stale, self.ranks_per_node)} lost: no heartbeat for {STALE_S:.0f} s"
+            if now - self._answered >= STALE_S:
+                return self._store_gone()
+            if now > deadline or not self.is_alive():
+                return None
+            time.sleep(0.1)
+
+    def report(self, line: str) -> None:
+        """Tell the peers why this rank is failing (kept only if no rank reported before). Never raises."""
+        try:
+            with self._lock:
+                if self._store is not None:
+                    self._store.compare_set(f"{self.prefix}cause", "", line)
+        except Exception as err:
+            log.debug(f"could not report the failure to the store: {err}")
