@@ -1,0 +1,136 @@
+"""Multi-node for real: one node per network namespace (``scripts/netns_bed.py``, addresses 198.18.0.<i+1>), no
+``GLOO_SOCKET_IFNAME`` given; a lost node; listening sockets; a torchrun restart that resumes."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, max_diff, metrics, weights
+from netns import bed_fixture, listening, pids_in, run_in
+
+from dpddp.run.training import train
+
+pytestmark = pytest.mark.slow
+bed2 = bed_fixture(2)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+PORT = 29555  # every namespace has its own ports
+SMALL = ["accelerator=cpu", "data.num_samples=608", "trainer.max_epochs=2", *QUIET]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env, _ = child_env(**extra)
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env.pop(var, None)
+    return env
+
+
+def _node_cmd(how: str, bed, node: int, devices: int, run_dir: Path, *args: str) -> tuple[list[str], dict]:
+    """The command (and extra environment) that starts node ``node`` of a 2-node run, by torchrun or by hand."""
+    train_args = [str(ROOT / "train.py"), "strategy=ddp", f"devices={devices}", "num_nodes=2", *args]
+    if how == "torchrun":
+        rdzv = [f"--master_addr={bed.master_addr}", f"--master_port={PORT}", "--nnodes=2", f"--node_rank={node}"]
+        return [*TORCHRUN, *rdzv, f"--nproc_per_node={devices}", *train_args], {}
+    extra = {"MASTER_ADDR": bed.master_addr, "MASTER_PORT": str(PORT), "NODE_RANK": str(node)}
+    return [sys.executable, *train_args, f"hydra.run.dir={run_dir}"], extra
+
+
+class _Listeners(threading.Thread):
+    """Collects the listening sockets of every node namespace while a run goes on."""
+
+    def __init__(self, bed) -> None:
+        super().__init__(daemon=True)
+        self.bed, self.seen, self.done = bed, {}, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.3):
+            for ns in self.bed.nodes:
+                for sock in listening(ns):
+                    self.seen[(ns, sock.address, sock.port)] = sock
+
+
+def _start(bed, how, devices, cwd, *args):
+    procs = []
+    for node, ns in enumerate(bed.nodes):
+        cmd, extra = _node_cmd(how, bed, node, devices, cwd / "outputs" / "by-hand", *args)
+        out = open(cwd / f"node{node}.out", "w")
+        procs.append(run_in(ns, cmd, env=_env(**extra), cwd=cwd, stdout=out, stderr=subprocess.STDOUT))
+    return procs
+
+
+@pytest.mark.parametrize(("how", "devices"), [("torchrun", 1), ("torchrun", 2), ("by-hand", 2)])
+def test_two_nodes_on_separate_interfaces_train_one_model(bed2, tmp_path, how, devices):
+    watch = _Listeners(bed2)
+    watch.start()
+    procs = _start(bed2, how, devices, tmp_path, *SMALL)
+    codes = [p.wait(timeout=120) for p in procs]
+    watch.done.set()
+    watch.join()
+    out = [(tmp_path / f"node{i}.out").read_text() for i in (0, 1)]
+    assert codes == [0, 0], out[0][-3000:] + out[1][-3000:]
+    (run_dir,) = [p.parent for p in tmp_path.glob("outputs/*/metrics.json")]  # one run directory
+    assert metrics(run_dir)["world_size"] == 2 * devices
+    assert len(list(tmp_path.glob("outputs/**/.hydra"))) == 1  # global rank 0's
+    assert "network: GLOO_SOCKET_IFNAME=dpddp0 (routes to MASTER_ADDR=198.18.0.1 from 198.18.0.2)" in out[1]
+    single = tmp_path / "single"
+    train(compose_cfg(*SMALL, "logger=none"), single)
+    last = "checkpoints/last.ckpt"
+    assert max_diff(weights(run_dir / last), weights(single / last)) <= 1e-5
+    # No wildcard listener but torchrun's own agent store (owned by the torchrun process we started).
+    torchrun_pids = {p.pid for p in procs} if how == "torchrun" else set()
+    wildcard = [s for s in watch.seen.values() if s.wildcard and not {pid for _, pid in s.owners} <= torchrun_pids]
+    assert wildcard == [], watch.seen
+    assert any(not s.wildcard for s in watch.seen.values())  # the project's own sockets were seen
+    if how == "by-hand":  # rank 0's own store, on node 0's address
+        assert (bed2.nodes[0], bed2.master_addr, PORT) in watch.seen
+
+
+def test_killed_node_ends_the_run_on_the_other_node(bed2, tmp_path):
+    args = [*SMALL[:2], *QUIET, "trainer.max_epochs=100000", "strategy.timeout_s=30"]
+    procs = _start(bed2, "torchrun", 1, tmp_path, *args)
+    deadline = time.monotonic() + 90
+    while not list(tmp_path.glob("outputs/*/checkpoints/last.ckpt")) and time.monotonic() < deadline:
+        assert procs[0].poll() is None, (tmp_path / "node0.out").read_text()[-3000:]
+        time.sleep(0.2)
+    time.sleep(1.0)  # training
+    for pid in pids_in(bed2.nodes[1]):
+        os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    code = procs[0].wait(timeout=60)
+    seconds = time.monotonic() - start
+    out = (tmp_path / "node0.out").read_text()
+    assert code != 0 and seconds <= 30 + 10, (code, seconds)
+    assert "error: node 1 (rank 1) lost" in out, out[-3000:]
+    time.sleep(0.5)
+    assert pids_in(bed2.nodes[0]) == [] and pids_in(bed2.nodes[1]) == []
+
+
+def test_torchrun_restart_resumes_from_last_ckpt(tmp_path):
+    """``--max-restarts=1``, rank 1 killed after the first epoch: the restarted workers continue the run."""
+    args = ["accelerator=cpu", "data.num_samples=1024", "data.batch_size=16", "trainer.max_epochs=4", *QUIET]
+    tag = uuid.uuid4().hex
+    env, _ = child_env(DPDDP_TEST_TAG=tag)
+    cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    cmd += [str(ROOT / "train.py"), "strategy=ddp", "devices=2", *args]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("outputs/*/checkpoints/last.ckpt")) and time.monotonic() < deadline:
+        assert proc.poll() is None
+        time.sleep(0.1)
+    (run_dir,) = [p.parent.parent for p in tmp_path.glob("outputs/*/checkpoints/last.ckpt")]
+    rank1 = [p for p in leftover(tag) if b"LOCAL_RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes()]
+    assert len(rank1) == 1
+    os.kill(rank1[0], signal.SIGKILL)
+    out = proc.communicate(timeout=180)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert "resuming interrupted job from" in out, out[-3000:]
+    assert [p.parent for p in tmp_path.glob("outputs/*/metrics.json")] == [run_dir]  # one run directory
+    single = tmp_path / "single"
+    train(compose_cfg(*args, "logger=none"), single)
+    assert max_diff(weights(run_dir / "checkpoints/last.ckpt"), weights(single / "checkpoints/last.ckpt")) <= 1e-5
+    assert leftover(tag) == []
