@@ -1,0 +1,59 @@
+"""A small multi-layer perceptron, the second built-in model (``Classifier``'s training and metrics)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+from dpddp.models.classifier import Classifier
+
+__all__ = ["MLPClassifier"]
+
+
+class MLPClassifier(Classifier):
+    """``x: [batch, num_features] -> logits [batch, num_classes]`` through hidden layers of ``Linear -> ReLU``
+    (``-> Dropout`` when ``dropout > 0``).
+
+    Args:
+        num_features: input features per sample.
+        num_classes: output classes.
+        hidden: widths of the hidden layers (at least one, each >= 1).
+        dropout: dropout probability after each hidden layer (0 = none).
+        optimizer: ``"sgd"`` (with ``momentum``) or ``"adam"``.
+        lr: learning rate.
+        momentum: SGD momentum (ignored by Adam).
+        weight_decay: L2 penalty.
+
+    Raises:
+        ValueError: ``hidden`` empty or with a width below 1, or ``dropout`` outside ``[0, 1)``.
+    """
+
+    def __init__(
+        self,
+        num_features: int = 64,
+        num_classes: int = 10,
+        hidden: tuple[int, ...] | list[int] = (128,),
+        dropout: float = 0.0,
+        optimizer: str = "adam",
+        lr: float = 0.003,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(num_classes)
+        if not hidden or min(hidden) < 1:
+            raise ValueError(f"model.hidden={list(hidden)!r} is invalid: give widths >= 1, e.g. [128]")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"model.dropout={dropout!r} is invalid: use a probability in [0, 1)")
+        self.save_hyperparameters()
+        layers: list[nn.Module] = []
+        width = num_features
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()] + ([nn.Dropout(dropout)] if dropout else [])
+            width = h
+        self.net = nn.Sequential(*layers, nn.Linear(width, num_classes))
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: [batch, num_features]`` float -> logits ``[batch, num_classes]``."""
+        return self.net(x)
