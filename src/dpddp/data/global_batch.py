@@ -1,5 +1,10 @@
 """Global-batch sampling for any map-style data set: the same batches in the same order on every world size.
 
+``GlobalBatchDataModule`` serves any map-style ``torch.utils.data.Dataset`` (``__len__`` and ``__getitem__``) this
+way: seeded splits, the global batch, the same order on every world size, exact evaluation (no padded
+duplicates) and exact mid-epoch resume. Give it a dataset (``data.dataset._target_=my_pkg.MyDataset``) or
+subclass it and override ``make_dataset`` (one data set, split by the seed) or ``make_splits`` (your own splits).
+
 Batching follows the project's contract: ``batch_size`` is the GLOBAL batch, the number of samples per
 optimizer step over all processes. Training step ``k`` of an epoch takes the global batch
 ``perm[k * B:(k + 1) * B]`` of that epoch's permutation, and rank ``r`` of ``W`` takes the contiguous
@@ -9,18 +14,33 @@ order and DDP's gradient average equals the single-process mean over ``B`` sampl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
+from typing_extensions import override
 
-__all__ = ["GlobalBatchSampler", "TensorBatches"]
+from dpddp._compat import data_position
+from dpddp.errors import ConfigError
+
+__all__ = ["Batches", "GlobalBatchDataModule", "GlobalBatchSampler", "TensorBatches", "batch_indexable", "empty_batch"]
+
+
+def batch_indexable(dataset: Any) -> bool:
+    """Whether ``dataset[idx]`` with ``idx`` an int64 ``[b]`` tensor returns the whole batch in one index (a
+    ``TensorDataset``, or a class with ``batch_indexable = True``), with no per-sample collate."""
+    return isinstance(dataset, TensorDataset) or bool(getattr(dataset, "batch_indexable", False))
 
 
 class TensorBatches(Dataset):
     """A dataset indexed by whole batches: ``ds[idx]`` with ``idx`` an int64 ``[b]`` tensor returns
     ``(x[idx], y[idx])`` in one gather, shapes ``[b, num_features]`` and ``[b]`` (no per-sample collate);
     with ``with_index=True`` also ``idx`` itself (for predictions in dataset order)."""
+
+    batch_indexable = True
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, with_index: bool = False) -> None:
         self.x, self.y, self.with_index = x, y, with_index
@@ -32,8 +52,61 @@ class TensorBatches(Dataset):
         return (self.x[idx], self.y[idx], idx) if self.with_index else (self.x[idx], self.y[idx])
 
 
-class GlobalBatchSampler(Sampler[torch.Tensor]):
+def empty_batch(batch: Any) -> Any:
+    """``batch`` with every tensor cut to 0 rows (tuples, lists and dicts followed)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(empty_batch(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: empty_batch(v) for k, v in batch.items()}
+    return batch
+
+
+class Batches(Dataset):
+    """Any map-style data set, indexed by whole batches: ``view[idx]`` with ``idx`` an int64 ``[b]`` tensor of
+    positions in this view returns the batch of samples ``ids[idx]`` of ``dataset`` (all of it when ``ids`` is
+    ``None``).
+
+    Fast paths: a batch-indexable ``dataset`` (``batch_indexable``) takes the id tensor in one index; one with
+    ``__getitems__`` (torch's batched fetch, e.g. ``Subset``, Hugging Face datasets) gets the id list in one call;
+    else one ``dataset[i]`` per sample. Samples are collated by ``collate`` (default ``default_collate``). An
+    empty ``idx`` (a rank's empty chunk of a short last evaluation batch) gives a batch of 0 rows with the
+    structure of a real one. With ``with_index=True`` the batch ends with ``idx`` (``(*batch, idx)``, or an
+    ``"index"`` key for a dict batch), for predictions in split order.
+    """
+
+    batch_indexable = True
+
+    def __init__(self, dataset: Any, ids: torch.Tensor | None = None, collate: Any = None, with_index: bool = False):
+        self.dataset, self.ids, self.with_index = dataset, ids, with_index
+        self.collate = collate or default_collate
+
+    def __len__(self) -> int:
+        return len(self.ids) if self.ids is not None else len(self.dataset)
+
+    def _fetch(self, ids: torch.Tensor) -> Any:
+        if batch_indexable(self.dataset):
+            return self.dataset[ids]
+        if not len(ids):
+            return empty_batch(self._fetch(torch.zeros(1, dtype=torch.long)))
+        items = ids.tolist()
+        getitems = getattr(self.dataset, "__getitems__", None)
+        samples = getitems(items) if getitems is not None else [self.dataset[i] for i in items]
+        return self.collate(samples)
+
+    def __getitem__(self, idx: torch.Tensor) -> Any:
+        batch = self._fetch(idx if self.ids is None else self.ids[idx])
+        if not self.with_index:
+            return batch
+        return {**batch, "index": idx} if isinstance(batch, dict) else (*batch, idx)
+
+
+class GlobalBatchSampler(DistributedSampler):
     """Yields this rank's share of each global batch, as an int64 index tensor.
+
+    A ``DistributedSampler`` by type only (its ``__init__`` is not called): Lightning leaves a loader with a
+    ``DistributedSampler`` as it is, so with ``use_distributed_sampler=True`` nothing is split twice.
 
     Args:
         num_samples: size of the split (samples).
@@ -70,9 +143,12 @@ class GlobalBatchSampler(Sampler[torch.Tensor]):
                 f"use a multiple of {world_size}"
             )
         self.num_samples, self.batch_size = num_samples, batch_size
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.num_replicas = rank, world_size, world_size
+        self.shuffle = self.drop_last = train
         self.train, self.seed, self.epoch, self.block_size = train, seed, 0, block_size
         self.skip = 0  # batches of the next epoch already trained before a mid-epoch checkpoint (resume)
+        # training: where the data stream stands, (epoch, batches done), read as each epoch's iteration starts
+        self.position: Callable[[], tuple[int, int]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Called by Lightning at each epoch start; selects that epoch's permutation."""
@@ -116,8 +192,139 @@ class GlobalBatchSampler(Sampler[torch.Tensor]):
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
+        if self.position is not None:  # a generator: this runs at the first batch, after Lightning's restore
+            self.epoch, self.skip = self.position()
         order = self._epoch_order()
         skip, self.skip = self.skip, 0
         for k in range(skip, len(self)):
             batch = self._ids(order, k * self.batch_size, min((k + 1) * self.batch_size, self.num_samples))
             yield torch.tensor_split(batch, self.world_size)[self.rank]
+
+
+class GlobalBatchDataModule(pl.LightningDataModule):
+    """Serves a map-style data set in global batches (see the module docstring); a base to build on.
+
+    Args:
+        dataset: the whole data set, split here by ``seed``; ``None`` for a subclass that overrides
+            ``make_dataset`` or ``make_splits``.
+        batch_size: GLOBAL batch size: samples per optimizer step over all processes; each of the
+            ``world_size`` processes takes ``batch_size / world_size``.
+        val_fraction, test_fraction: fractions of the samples held out for validation and test
+            (``int(n * fraction)`` samples each).
+        seed: seed of the split and of the training order (epoch ``e``'s order is a function of
+            ``(seed, e)`` alone).
+        num_workers: DataLoader worker processes; each fetches whole batches.
+
+    Splits (``make_splits``): one permutation of the ``n`` sample ids drawn from ``seed``, cut into
+    ``[train | val | test]``. Training drops the last partial global batch (``len(train_dataloader()) ==
+    n_train // batch_size``); evaluation visits every sample once.
+
+    Raises (at ``setup``):
+        ConfigError: a batch size, fraction or split size that leaves a split unusable, or no data set.
+    """
+
+    block_size: int | None = None
+    """``None``: full shuffle of the training split; a power of two: block shuffle (see ``GlobalBatchSampler``)."""
+
+    def __init__(
+        self,
+        dataset: Dataset | None = None,
+        batch_size: int = 64,
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.1,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        self.dataset, self.batch_size, self.seed, self.num_workers = dataset, batch_size, seed, num_workers
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.splits: dict[str, Dataset] = {}
+
+    def make_dataset(self) -> Dataset:
+        """The whole map-style data set that ``make_splits`` cuts (default: the ``dataset`` argument)."""
+        if self.dataset is None or isinstance(self.dataset, dict):
+            raise ConfigError(
+                f"{type(self).__name__} has no data set: give data.dataset._target_=my_pkg.MyDataset or override "
+                "make_dataset"
+            )
+        return self.dataset
+
+    def split_sizes(self, n: int) -> tuple[int, int, int]:
+        """``(train, val, test)`` sample counts of ``n`` samples."""
+        num_val, num_test = int(n * self.val_fraction), int(n * self.test_fraction)
+        return n - num_val - num_test, num_val, num_test
+
+    def make_splits(self) -> dict[str, Dataset]:
+        """``{"train", "val", "test"}`` -> map-style data sets: the seeded permutation of ``make_dataset``'s ids."""
+        dataset = self.make_dataset()
+        num_train, num_val, _ = self.split_sizes(len(dataset))  # type: ignore[arg-type]
+        perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(self.seed))  # type: ignore[arg-type]
+        cuts = {"train": perm[:num_train], "val": perm[num_train : num_train + num_val]}
+        cuts["test"] = perm[num_train + num_val :]
+        return {name: Batches(dataset, ids) for name, ids in cuts.items()}
+
+    def _check(self) -> None:
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ConfigError(f"data.batch_size={self.batch_size!r} is invalid: use a positive global batch size")
+        for name in ("val_fraction", "test_fraction"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value <= 0.9:
+                raise ConfigError(f"data.{name}={value!r} is invalid: use a fraction in [0, 0.9]")
+        if self.val_fraction + self.test_fraction >= 1:
+            raise ConfigError(
+                f"data.val_fraction={self.val_fraction} + data.test_fraction={self.test_fraction} leave no training "
+                "samples: keep their sum below 1"
+            )
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        """Build the splits once (every rank builds the same ones).
+
+        Raises:
+            ConfigError: see the class.
+        """
+        if self.splits:
+            return
+        self._check()
+        splits = self.make_splits()
+        self.splits = {k: ds if batch_indexable(ds) else Batches(ds) for k, ds in splits.items()}
+        num_train = len(self.splits["train"])  # type: ignore[arg-type]
+        if num_train < self.batch_size:
+            raise ConfigError(
+                f"data.batch_size={self.batch_size} is larger than the train split ({num_train} samples): lower "
+                "data.batch_size or give more data"
+            )
+
+    def _loader(self, split: str, with_index: bool = False) -> DataLoader:
+        rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        ds = self.splits[split]
+        if with_index:
+            ds = Batches(ds, with_index=True)
+        train, size = split == "train", len(ds)  # type: ignore[arg-type]
+        sampler = GlobalBatchSampler(size, self.batch_size, rank, world_size, train, self.seed, self.block_size)
+        # batch_size=None: the sampler yields whole index batches and the dataset gathers them in one index.
+        return DataLoader(ds, sampler=sampler, batch_size=None, num_workers=self.num_workers)
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        """Training batches; each epoch starts where the data stream stands (``dpddp._compat.data_position``):
+        resuming mid-epoch, the batches already trained are skipped (Lightning restores its counters but
+        restarts a plain loader from the epoch's start)."""
+        loader = self._loader("train")
+        if self.trainer is not None:
+            assert isinstance(loader.sampler, GlobalBatchSampler)
+            loader.sampler.position = partial(data_position, self.trainer)
+        return loader
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        """The test split, each batch followed by its sample positions in the split (``(x, y, index)``)."""
+        return self._loader("test", with_index=True)

@@ -3,14 +3,12 @@ served in global batches (``dpddp.data.global_batch``)."""
 
 from __future__ import annotations
 
-import copy
 import logging
 
-import lightning.pytorch as pl
-from torch.utils.data import DataLoader
+from torch.utils.data import Dataset
+from typing_extensions import override
 
-from dpddp._compat import trained_batches_in_epoch
-from dpddp.data.global_batch import GlobalBatchSampler, TensorBatches
+from dpddp.data.global_batch import GlobalBatchDataModule, TensorBatches
 from dpddp.data.synthetic import BLOCK, StreamingTensors, checksum, make_tensors
 
 __all__ = ["RandomTensorDataModule"]
@@ -18,8 +16,9 @@ __all__ = ["RandomTensorDataModule"]
 log = logging.getLogger(__name__)
 
 
-class RandomTensorDataModule(pl.LightningDataModule):
-    """A learnable classification task from random tensors (see the module docstring).
+class RandomTensorDataModule(GlobalBatchDataModule):
+    """A learnable classification task from random tensors (see the module docstring); one user of
+    ``GlobalBatchDataModule`` (global batch, same order on every world size, exact evaluation and resume).
 
     Args:
         num_samples: samples in all splits together.
@@ -49,59 +48,25 @@ class RandomTensorDataModule(pl.LightningDataModule):
         seed: int = 0,
         streaming: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size=batch_size, val_fraction=val_fraction, test_fraction=test_fraction, seed=seed)
         self.save_hyperparameters()
         self.num_samples, self.num_features, self.num_classes = num_samples, num_features, num_classes
-        self.batch_size, self.label_noise, self.seed, self.streaming = batch_size, label_noise, seed, streaming
-        self.num_val = int(num_samples * val_fraction)
-        self.num_test = int(num_samples * test_fraction)
-        self.num_train = num_samples - self.num_val - self.num_test
-        self.splits: dict[str, TensorBatches | StreamingTensors] = {}
+        self.label_noise, self.streaming = label_noise, streaming
+        self.num_train, self.num_val, self.num_test = self.split_sizes(num_samples)
+        self.block_size = BLOCK if streaming else None
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.splits:
-            return
+    @override
+    def make_splits(self) -> dict[str, Dataset]:
+        """Contiguous slices of the generated samples (in memory, or streamed block by block)."""
         bounds = {"train": (0, self.num_train), "val": (self.num_train, self.num_train + self.num_val)}
         bounds["test"] = (self.num_train + self.num_val, self.num_samples)
         sizes = f"{self.num_samples} samples x {self.num_features} features"
         if self.streaming:
             args = (self.seed, self.num_features, self.num_classes, self.label_noise)
             streams = {name: StreamingTensors(*args, offset=a, length=b - a) for name, (a, b) in bounds.items()}
-            self.splits = dict(streams)
             first = streams["train"]
             log.info(f"data checksum {checksum(first.teacher, *first.block(0))} ({sizes}, streaming: teacher, block 0)")
-            return
+            return dict(streams)
         x, y = make_tensors(self.seed, self.num_samples, self.num_features, self.num_classes, self.label_noise)
         log.info(f"data checksum {checksum(x, y)} ({sizes})")
-        self.splits = {name: TensorBatches(x[a:b], y[a:b]) for name, (a, b) in bounds.items()}
-
-    def _loader(self, split: str, with_index: bool = False) -> DataLoader:
-        rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-        ds = self.splits[split]
-        if with_index:
-            ds = copy.copy(ds)
-            ds.with_index = True
-        block = BLOCK if self.streaming else None
-        sampler = GlobalBatchSampler(len(ds), self.batch_size, rank, world_size, split == "train", self.seed, block)
-        # batch_size=None: the sampler yields whole index batches and the dataset gathers them in one index.
-        return DataLoader(ds, sampler=sampler, batch_size=None)
-
-    def train_dataloader(self) -> DataLoader:
-        """Training batches; resuming from a mid-epoch checkpoint, the first epoch skips the batches already
-        trained (Lightning restores the step count but restarts a plain loader from the epoch's start)."""
-        loader = self._loader("train")
-        done = trained_batches_in_epoch(self.trainer) if self.trainer else 0
-        if 0 < done < len(loader):
-            assert isinstance(loader.sampler, GlobalBatchSampler)
-            loader.sampler.skip = done
-        return loader
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
-
-    def predict_dataloader(self) -> DataLoader:
-        """The test split, batches ``(x, y, index)``."""
-        return self._loader("test", with_index=True)
+        return {name: TensorBatches(x[a:b], y[a:b]) for name, (a, b) in bounds.items()}
