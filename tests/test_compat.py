@@ -108,3 +108,18 @@ def test_dp_gets_its_devices_through_parallel_devices():
 
 def test_checked_versions_are_recorded():
     assert set(_compat.CHECKED) == {"lightning", "torch"}
+
+
+def test_logged_metric_kinds_reads_lightnings_result_collection():
+    """``logged_metric_kinds`` (the metric-contract warning) reads ``Trainer._results``: ``_ResultMetric`` with
+    ``is_tensor`` and ``meta.name``, ``meta.sync.should``."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
+
+    from dpddp._compat import logged_metric_kinds
+
+    assert isinstance(pl.Trainer.__dict__["_results"], property)
+    meta = _Metadata("validation_step", "val/acc")
+    meta.sync = _Sync(_should=True)
+    fake = type("FakeTrainer", (), {"_results": {"validation_step.val/acc": _ResultMetric(meta, is_tensor=True)}})()
+    assert logged_metric_kinds(fake) == {"val/acc": (False, True)}  # type: ignore[arg-type]

@@ -1,0 +1,73 @@
+"""The metric contract a model meets for dpddp's promises (README, "Bring your own model and data"), and the
+warning that names what is lost when a model breaks it."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from dpddp._compat import logged_metric_kinds
+
+__all__ = ["REQUIRED", "MetricContract"]
+
+log = logging.getLogger(__name__)
+
+REQUIRED = {"fit": ("train/loss", "val/loss", "val/acc"), "test": ("test/loss", "test/acc")}
+"""The metric names a model logs, per stage."""
+
+
+class MetricContract(pl.Callback):
+    """Warns, once per name, when the model breaks the metric contract:
+
+    - a name of ``REQUIRED`` not logged: ``metrics.json`` has ``null`` for it, and a checkpoint or sweep that
+      monitors it has nothing to compare;
+    - under more than one process, a ``val/*`` or ``test/*`` value logged as a plain tensor: Lightning averages
+      per-step values per rank, then the ranks' means (``sync_dist=True``), or keeps rank 0's alone (without):
+      not the mean over every sample once. Exact values come from torchmetrics ``Metric`` objects (synced sums
+      and counts) passed to ``self.log``.
+    """
+
+    def __init__(self) -> None:
+        self.warned: set[str] = set()
+
+    def _warn(self, name: str, what: str) -> None:
+        if name not in self.warned:
+            self.warned.add(name)
+            rank_zero_warn(f"metric contract: {what}")
+
+    def _check_exact(self, trainer: pl.Trainer, prefix: str) -> None:
+        if trainer.world_size < 2:
+            return
+        for name, (is_metric, synced) in logged_metric_kinds(trainer).items():
+            if name.startswith(prefix) and not is_metric:
+                how = "averaged per rank then over ranks" if synced else "rank 0's alone (no sync_dist)"
+                self._warn(
+                    name,
+                    f"{name} is logged as a tensor, so it is {how}, not exact over every sample: "
+                    "log a torchmetrics Metric (synced sums and counts) instead",
+                )
+
+    def _check_names(self, trainer: pl.Trainer, stage: str) -> None:
+        missing = [n for n in REQUIRED[stage] if n not in trainer.callback_metrics]
+        if stage == "fit" and not trainer.limit_val_batches:
+            missing = [n for n in missing if not n.startswith("val/")]
+        for name in missing:
+            self._warn(name, f"the model logs no {name}: metrics.json has null for it and nothing can monitor it")
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._check_exact(trainer, "val/")
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_exact(trainer, "test/")
+        self._check_names(trainer, "test")
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch > 0:  # at least one whole epoch
+            self._check_names(trainer, "fit")
