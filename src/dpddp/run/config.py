@@ -20,8 +20,11 @@ from hydra.utils import get_class
 from omegaconf import DictConfig
 
 from dpddp.cluster import cluster_world_size, stray_rank_variables
+from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.data.random_tensors import RandomTensorDataModule
+from dpddp.data.sharded import ShardedDataModule
 from dpddp.errors import ConfigError
+from dpddp.models.classifier import Classifier
 from dpddp.models.linear import OPTIMIZERS, LinearClassifier
 from dpddp.run.checkpoint import checkpoint_problem
 
@@ -195,8 +198,11 @@ def _check_strategy_options(options: Mapping) -> None:
     if options.get("launch", "auto") not in ("auto", "fork", "exec"):
         raise ConfigError(f"strategy.launch={options['launch']!r} is unknown: use auto, fork (CPU) or exec")
     start = options.get("start_method")
-    if start not in (None, "popen", "spawn", "fork", "forkserver"):
-        raise ConfigError(f"strategy.start_method={start!r} is unknown: use popen (ddp) or spawn, fork, forkserver")
+    if start not in (None, "popen"):  # Lightning's multiprocessing launchers: no SIGTERM checkpoint (case 16)
+        raise ConfigError(
+            f"strategy.start_method={start!r} is not offered: dpddp starts the ranks itself; remove it and choose "
+            "strategy.launch=fork (CPU) or exec (a fresh interpreter per rank, as strategy=ddp_spawn does)"
+        )
     for key in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
         if key in options and not isinstance(options[key], bool):
             raise ConfigError(f"strategy.{key}={options[key]!r} is invalid: use true or false")
@@ -263,6 +269,18 @@ def _check_model(model: Mapping) -> None:
         _int(f"model.{key}", model[key], 1, f"keep model.{key}: ${{data.{key}}}")
 
 
+def _check_sharding(cfg: Mapping) -> None:
+    """A data module of the user's with its own loaders would run every epoch whole on every rank (case 29)."""
+    data = target_class("data", cfg["data"])
+    n_procs = world_size(cfg)
+    if n_procs > 1 and not issubclass(data, (GlobalBatchDataModule, ShardedDataModule)):
+        raise ConfigError(
+            f"data._target_={cfg['data']['_target_']} would give each of the {n_procs} processes every batch of its "
+            "loaders: shard them with data=sharded +data.module._target_=<that class> (its batch_size becomes the "
+            "global batch), or build it on dpddp.data.global_batch.GlobalBatchDataModule"
+        )
+
+
 def check_config(cfg: DictConfig | Mapping) -> None:
     """Check a composed config (see ``conf/``); return nothing, or raise one ``ConfigError`` line.
 
@@ -282,7 +300,8 @@ def check_config(cfg: DictConfig | Mapping) -> None:
         _check_data(cfg["data"], world_size(cfg))  # after the devices: the world size needs them valid
     else:
         _check_batch(cfg["data"], world_size(cfg))
-    if target_class("model", cfg["model"]) is LinearClassifier:
+    _check_sharding(cfg)
+    if issubclass(target_class("model", cfg["model"]), Classifier):  # the built-in models
         _check_model(cfg["model"])
     for key in ("num_features", "num_classes"):  # linked settings (case 18)
         if key in cfg["model"] and key in cfg["data"] and cfg["model"][key] != cfg["data"][key]:
@@ -290,6 +309,12 @@ def check_config(cfg: DictConfig | Mapping) -> None:
                 f"model.{key}={cfg['model'][key]!r} differs from data.{key}={cfg['data'][key]!r}: set data.{key} "
                 f"only (model.{key} follows it)"
             )
+    overfit = (cfg["trainer"] or {}).get("overfit_batches") or 0
+    if overfit:  # case 14: Lightning swaps the training sampler for a sequential one, and the global batch is lost
+        raise ConfigError(
+            f"trainer.overfit_batches={overfit!r} is not offered: Lightning replaces the training sampler for it; "
+            f"use trainer.limit_train_batches={overfit!r} trainer.limit_val_batches={overfit!r} instead"
+        )
     for key in ("max_epochs", "max_steps"):
         value = (cfg["trainer"] or {}).get(key)
         if value is not None and value != -1:
