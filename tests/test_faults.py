@@ -224,6 +224,8 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(tmp_pat
         straight.communicate(timeout=240)
         assert straight.returncode == 0
     assert max_diff(weights(last), weights(tmp_path / "straight/checkpoints/last.ckpt")) <= 1e-6
+    # case 19: the resumed epoch's train/loss counts the steps before the stop too (its sum is in the checkpoint)
+    assert abs(metrics(tmp_path / run)["train/loss"] - metrics(tmp_path / "straight")["train/loss"]) <= 1e-6
 
 
 def test_a_rank_killed_in_one_sweep_job_does_not_end_the_sweep(tmp_path):

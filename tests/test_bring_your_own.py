@@ -1,0 +1,149 @@
+"""A user's own model and data set, written outside the package as a user would (the README's example), trained
+through train.py with _target_ overrides; the bundled tables; the installed command from any directory."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import QUIET, ROOT, child_env, leftover, metrics
+
+pytestmark = pytest.mark.slow
+
+MINE = '''
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+
+class Blobs(Dataset):
+    """Gaussian blobs around random centres: one (x [num_features], y) sample per index."""
+
+    def __init__(self, num_samples: int = 1013, num_features: int = 8, num_classes: int = 3, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        centres = 2 * torch.randn(num_classes, num_features, generator=g)
+        self.y = torch.randint(0, num_classes, (num_samples,), generator=g)
+        self.x = centres[self.y] + torch.randn(num_samples, num_features, generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class TwoLayerNet(pl.LightningModule):
+    """Two layers; metrics as torchmetrics objects (synced sums and counts), logged per epoch."""
+
+    def __init__(self, num_features: int = 8, num_classes: int = 3, hidden: int = 32, lr: float = 0.05):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(num_features, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, num_classes)
+        )
+        self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.train_loss.update(loss.detach(), weight=len(y))
+        self.log("train/loss", self.train_loss, on_step=False, on_epoch=True)
+        return loss
+
+    def _evaluate(self, batch, stage):
+        x, y = batch
+        logits = self(x)
+        loss, acc = getattr(self, f"{stage}_loss"), getattr(self, f"{stage}_acc")
+        loss.update(F.cross_entropy(logits, y, reduction="none"))  # per sample: an empty chunk adds nothing
+        if len(y):
+            acc.update(logits, y)
+        self.log(f"{stage}/loss", loss, on_step=False, on_epoch=True)
+        self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True)
+
+    def validation_step(self, batch, batch_idx):
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch, batch_idx):
+        self._evaluate(batch, "test")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+'''
+
+MY_NET_YAML = """_target_: mine.TwoLayerNet
+num_features: 8
+num_classes: 3
+hidden: 32
+lr: 0.05
+"""
+
+USER_ARGS = ["--config-dir", "conf", "model=my_net", "data=dataset", "+data.dataset._target_=mine.Blobs"]
+USER_ARGS += ["data.batch_size=32", "trainer.max_epochs=3", "accelerator=cpu", *QUIET]
+DDP = ["strategy=ddp", "devices=2"]
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """The user's project: their copy of train.py, ``mine.py`` and ``conf/model/my_net.yaml``."""
+    shutil.copy(ROOT / "train.py", tmp_path / "train.py")
+    (tmp_path / "mine.py").write_text(MINE)
+    (tmp_path / "conf/model").mkdir(parents=True)
+    (tmp_path / "conf/model/my_net.yaml").write_text(MY_NET_YAML)
+    return tmp_path
+
+
+def _run(cwd: Path, *args: str, command: list[str] | None = None) -> None:
+    env, tag = child_env(PYTHONPATH=str(cwd))
+    cmd = command or [sys.executable, "train.py"]
+    proc = subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert leftover(tag) == []
+
+
+def _weights(run: Path, prefix: str) -> dict[str, torch.Tensor]:
+    state = torch.load(run / "checkpoints/last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _close(a: dict, b: dict, tol: float) -> bool:
+    return a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= tol for k in a)
+
+
+def test_a_users_model_and_dataset_train_the_same_on_one_and_two_processes(project):
+    _run(project, *USER_ARGS, "hydra.run.dir=one")
+    _run(project, *USER_ARGS, *DDP, "hydra.run.dir=two")
+    one, two = metrics(project / "one"), metrics(project / "two")
+    assert two["world_size"] == 2 and one["val/acc"] > 0.9
+    assert _close(_weights(project / "one", "net."), _weights(project / "two", "net."), 1e-5)
+    # 1013 samples: val and test hold 101 each, an odd size that splits unevenly over 2 ranks
+    for key in ("val/loss", "val/acc", "test/loss", "test/acc", "train/loss"):
+        assert abs(one[key] - two[key]) <= 1e-5, key
+
+
+def test_digits_with_the_mlp_reaches_095_on_one_and_two_processes(tmp_path):
+    args = ["data=digits", "model=mlp", "accelerator=cpu", *QUIET]
+    _run(tmp_path, *args, "hydra.run.dir=one", command=[sys.executable, str(ROOT / "train.py")])
+    _run(tmp_path, *args, *DDP, "hydra.run.dir=two", command=[sys.executable, str(ROOT / "train.py")])
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert one["test/acc"] >= 0.95 and two["test/acc"] >= 0.95
+    for key in ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc"):
+        assert abs(one[key] - two[key]) <= 1e-5, key
+
+
+def test_the_installed_command_trains_from_any_directory(tmp_path):
+    command = shutil.which("dpddp-train", path=str(Path(sys.executable).parent))
+    assert command, "dpddp-train is not installed next to this Python"
+    _run(tmp_path, "trainer.max_epochs=1", "hydra.run.dir=run", *QUIET, command=[command])
+    assert metrics(tmp_path / "run")["val/acc"] > 0.5 and (tmp_path / "run/checkpoints/last.ckpt").is_file()
