@@ -162,7 +162,10 @@ def test_cluster_kubeflow_selects_lightnings_kubeflow_environment(tmp_path, monk
         (["strategy=ddp", "strategy.timeout_s=0"], "strategy.timeout_s=0 is invalid"),
         (["strategy=ddp", "strategy.timeout_s=abc"], "strategy.timeout_s='abc' is invalid"),
         (["strategy=ddp", "strategy.process_group_backend=foo"], "strategy.process_group_backend='foo' is unknown"),
-        (["strategy=ddp", "+strategy.start_method=thread"], "strategy.start_method='thread' is unknown"),
+        (
+            ["strategy=ddp", "+strategy.start_method=spawn"],
+            "strategy.start_method='spawn' is not offered: dpddp starts",
+        ),
         (["strategy=ddp", "strategy.launch=spawn"], "strategy.launch='spawn' is unknown: use auto, fork (CPU) or exec"),
     ],
 )

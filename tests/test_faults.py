@@ -176,7 +176,13 @@ def test_twenty_random_kills_each_resume_to_completion(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "entry,strategy,target", [("train.py", "auto", "rank 0"), ("train.py", "ddp", "rank 1"), ("cli", "ddp", "rank 0")]
+    "entry,strategy,target",
+    [
+        ("train.py", "auto", "rank 0"),
+        ("train.py", "ddp", "rank 1"),
+        ("cli", "ddp", "rank 0"),
+        ("train.py", "ddp_spawn", "rank 0"),
+    ],
 )
 def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(tmp_path, entry, strategy, target):
     import torch
@@ -185,7 +191,7 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(tmp_pat
     from dpddp.run.training import train
 
     settings = {"data.num_samples": 20000, "trainer.max_epochs": 3, "model.optimizer": "adam"}
-    settings.update(strategy=strategy, devices=2 if strategy == "ddp" else 1)
+    settings.update(strategy=strategy, devices=2 if strategy.startswith("ddp") else 1)
     args, run = _args(entry, "run", **settings)
     proc = _start(tmp_path, *args)
     last = tmp_path / run / "checkpoints/last.ckpt"

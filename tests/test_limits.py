@@ -3,13 +3,16 @@
 
 import errno
 import json
+import os
+import signal
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import QUIET, compose_cfg, max_diff, weights
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from dpddp.errors import WriteFailed
+from dpddp.errors import Preempted, WriteFailed
 from dpddp.run.checkpoint import AtomicCheckpointIO
 from dpddp.run.training import train
 
@@ -82,3 +85,59 @@ def test_a_failed_checkpoint_write_leaves_the_earlier_file_whole(tmp_path, monke
     assert str(err.value) == f"cannot write last.ckpt in {str(tmp_path)!r}: No space left on device"
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     assert io.saved_steps == {"last.ckpt": 1}
+
+
+def test_overfit_batches_is_refused_in_one_line():
+    """Case 14: a flag that swaps the sampler is refused, naming the flag and what to use instead."""
+    from conftest import compose_cfg as cc
+
+    from dpddp.errors import ConfigError
+    from dpddp.run.config import check_config
+
+    with pytest.raises(ConfigError) as err:
+        check_config(cc("trainer.overfit_batches=2"))
+    assert str(err.value) == (
+        "trainer.overfit_batches=2 is not offered: Lightning replaces the training sampler for it; use "
+        "trainer.limit_train_batches=2 trainer.limit_val_batches=2 instead"
+    )
+
+
+@pytest.mark.parametrize("flag", ["trainer.reload_dataloaders_every_n_epochs=1", "trainer.limit_train_batches=5"])
+def test_flags_that_rebuild_or_cut_loaders_keep_exact_resume(tmp_path, flag):
+    """Case 14's kind: loaders rebuilt every epoch, or cut short, then a stop by max_steps and a continuation."""
+    train(compose_cfg(*BASE, "trainer.max_epochs=3", flag, "trainer.max_steps=7"), tmp_path / "first")
+    ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    train(compose_cfg(*BASE, "trainer.max_epochs=3", flag, f"ckpt_path={ckpt}"), tmp_path / "continued")
+    train(compose_cfg(*BASE, "trainer.max_epochs=3", flag), tmp_path / "straight")
+    assert _step(tmp_path / "continued") == _step(tmp_path / "straight")
+    a, b = weights(tmp_path / "continued/checkpoints/last.ckpt"), weights(tmp_path / "straight/checkpoints/last.ckpt")
+    assert max_diff(a, b) <= 1e-6
+
+
+class SigtermAt(pl.Callback):
+    """Test helper: sends this process SIGTERM at the end of training batch ``at`` (counted over the run)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, 0
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if self.seen == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.seen += 1
+
+
+# (accumulate, SIGTERM after batch, optimizer steps at the stop): 12 batches an epoch; the stop comes at the
+# first window end (or epoch end) after the batch that sees the signal
+@pytest.mark.parametrize("accumulate,at,steps", [(4, 5, 2), (3, 13, 5), (5, 10, 3)])
+def test_sigterm_inside_an_accumulation_window_resumes_exactly(tmp_path, accumulate, at, steps):
+    """Case 12: the stop lands on an optimizer-step boundary, so no summed gradient is lost with .grad."""
+    args = [*BASE, "trainer.max_epochs=2", f"trainer.accumulate_grad_batches={accumulate}"]
+    kill = [f"+callbacks.kill._target_={__name__}.SigtermAt", f"+callbacks.kill.at={at}"]
+    with pytest.raises(Preempted) as stop:
+        train(compose_cfg(*args, *kill), tmp_path / "run")
+    assert stop.value.step == steps
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    train(compose_cfg(*args, f"ckpt_path={ckpt}"), tmp_path / "resumed")
+    train(compose_cfg(*args), tmp_path / "straight")
+    a, b = weights(tmp_path / "resumed/checkpoints/last.ckpt"), weights(tmp_path / "straight/checkpoints/last.ckpt")
+    assert _step(tmp_path / "resumed") == _step(tmp_path / "straight") and max_diff(a, b) <= 1e-6

@@ -326,9 +326,11 @@ class Preemption(pl.Callback):
     ~0.9 ms on 2 CPU cores: issue 7), which ``on_train_start`` turns off since that flag can no longer be set.
 
     When the flag is set, all ranks write ``<dirpath>/last.ckpt`` through ``trainer.save_checkpoint`` (rank 0
-    writes) and raise ``Preempted``. The checkpoint is taken at a step end, the point Lightning restores
-    mid-epoch from; ``RandomTensorDataModule`` then skips the batches of that epoch already trained, so the
-    resumed run ends with the weights of an uninterrupted one.
+    writes) and raise ``Preempted``. The checkpoint is taken at the end of the first batch after which an
+    optimizer step was taken (with ``accumulate_grad_batches=k``, the end of the open window of ``k``
+    batches): a point Lightning restores mid-epoch from, with no gradient outside the checkpoint; the
+    global-batch sampler then skips the batches already trained, so the resumed run ends with the weights of
+    an uninterrupted one.
 
     Args:
         dirpath: where ``last.ckpt`` goes.
@@ -341,6 +343,7 @@ class Preemption(pl.Callback):
         self.requested = False
         self._previous: Any = None
         self._every, self._steps, self._since = 1, 0, 0.0
+        self._agreed = False  # the ranks agreed to stop: at the next optimizer-step boundary
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.requested = True
@@ -352,6 +355,7 @@ class Preemption(pl.Callback):
             # Lightning's per-step broadcast of its own SIGTERM flag: never set now (its handler is replaced).
             disable_sigterm_broadcast(trainer)
         self._every, self._steps, self._since = 1, 0, time.perf_counter()
+        self._agreed = False
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -367,10 +371,23 @@ class Preemption(pl.Callback):
             keep_unfinished_epoch(trainer, checkpoint)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not self._agreed:
+            self._agreed = self._agree(trainer)
+        # Stop where an optimizer step has just been taken: a gradient summed over part of an accumulation
+        # window lives only in .grad, which no checkpoint holds (case 12). Every rank sees the same batch_idx.
+        batch_idx = args[-1]
+        window_closed = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        if self._agreed and (window_closed or batch_idx + 1 >= trainer.num_training_batches):
+            path = self.dirpath / "last.ckpt"
+            trainer.save_checkpoint(path)
+            raise Preempted(path, trainer.global_step)
+
+    def _agree(self, trainer: pl.Trainer) -> bool:
+        """Whether any rank got SIGTERM, agreed every ``n`` steps (see the class doc); ``False`` in between."""
         self._steps += 1
         if self._steps < self._every:
-            return
+            return False
         requested = self.requested
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             now = time.perf_counter()
@@ -382,10 +399,7 @@ class Preemption(pl.Callback):
             self._every = int(min(max(self.interval_s / max(step_s, 1e-9), 1), 1000))
             self._since = now
         self._steps = 0
-        if requested:
-            path = self.dirpath / "last.ckpt"
-            trainer.save_checkpoint(path)
-            raise Preempted(path, trainer.global_step)
+        return requested
 
 
 class LastValidation(pl.Callback):

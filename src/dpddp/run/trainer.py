@@ -79,8 +79,10 @@ def _progress_bar(cfg: DictConfig) -> tuple[bool, list[pl.Callback]]:
 
 
 def build_strategy(cfg: DictConfig, job: RankJob | None) -> str | pl.strategies.Strategy:
-    """The Trainer's strategy from the ``strategy`` group: ``"auto"``, our ``dp``, or our ``DDPStrategy``
-    (``ddp`` whose launcher starts ranks from ``job``; ``ddp_spawn`` with ``start_method="spawn"``)."""
+    """The Trainer's strategy from the ``strategy`` group: ``"auto"``, our ``dp``, or our ``DDPStrategy`` whose
+    launcher starts ranks from ``job``. ``ddp_spawn`` is that launcher with every rank in a fresh interpreter
+    (``launch="exec"``), not Lightning's ``torch.multiprocessing`` spawn: a spawn parent trains nothing, so a
+    SIGTERM to it ended the run with no checkpoint and left its ranks training, orphaned (case 16)."""
     container = OmegaConf.to_container(cfg.strategy)
     assert isinstance(container, dict)
     options = {str(k): v for k, v in container.items() if k != "name"}
@@ -90,7 +92,7 @@ def build_strategy(cfg: DictConfig, job: RankJob | None) -> str | pl.strategies.
     if name == "ddp":
         return DDPStrategy(job=job, **options)
     if name == "ddp_spawn":
-        return DDPStrategy(start_method="spawn", **options)
+        return DDPStrategy(job=job, **{**options, "launch": "exec", "start_method": "popen"})
     return "auto"
 
 
