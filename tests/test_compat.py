@@ -123,3 +123,13 @@ def test_logged_metric_kinds_reads_lightnings_result_collection():
     meta.sync = _Sync(_should=True)
     fake = type("FakeTrainer", (), {"_results": {"validation_step.val/acc": _ResultMetric(meta, is_tensor=True)}})()
     assert logged_metric_kinds(fake) == {"val/acc": (False, True)}  # type: ignore[arg-type]
+
+
+def test_the_optuna_plugin_launches_through_the_launcher_attribute_the_recording_sweeper_wraps():
+    """``RecordingOptunaSweeper`` replaces ``OptunaSweeper.sweeper.launcher`` (hydra-optuna-sweeper 1.3.0)."""
+    impl = pytest.importorskip("hydra_plugins.hydra_optuna_sweeper._impl")
+    from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
+
+    assert "self.sweeper = OptunaSweeperImpl(" in inspect.getsource(OptunaSweeper.__init__)
+    assert "self.launcher.launch(" in inspect.getsource(impl.OptunaSweeperImpl.sweep)
+    assert "max_failure_rate" in inspect.getsource(impl.OptunaSweeperImpl.sweep)

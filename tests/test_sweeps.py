@@ -80,3 +80,19 @@ def test_submitit_local_launcher_runs_ddp_jobs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert metrics(tmp_path / "sub" / "0")["world_size"] == 2
     assert leftover(proc.tag) == []
+
+
+def test_optuna_search_records_a_failed_trial_and_goes_on(tmp_path):
+    """Case 15: a refused trial (it returns nan) is a FAILED trial, the others run, the summary is written."""
+    pytest.importorskip("optuna")
+    args = ["hparams_search=optuna", "hydra.sweeper.n_trials=3", "model.lr=choice(0.1,-1.0)", "trainer.max_steps=10"]
+    args += ["hydra.sweeper.sampler.seed=5", *SMALL[:2]]
+    proc = run_train(*args, "hydra.sweep.dir=opt", cwd=tmp_path)  # seed 5: trial 0 gets lr=-1.0, 1 and 2 get 0.1
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "error: 1 of 3 jobs failed: 0" in proc.stderr and "Traceback" not in proc.stderr
+    assert (tmp_path / "opt/0/error.txt").read_text().startswith("model.lr=-1.0")
+    rows = list(csv.DictReader(open(tmp_path / "opt/summary.csv")))
+    assert [r["status"][:7] for r in rows] == ["failed:", "ok", "ok"]
+    assert "Failed experiment: job 0 returned nan (see its error.txt)" in proc.stdout  # told Optuna: FAIL
+    best = min(metrics(tmp_path / "opt" / j)["val/loss"] for j in "12")
+    assert f"best_value: {best}" in (tmp_path / "opt/optimization_results.yaml").read_text()

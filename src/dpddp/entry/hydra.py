@@ -93,8 +93,9 @@ def run(cfg: DictConfig) -> float:
 
     A relative ``ckpt_path`` is taken relative to where the command was run (even with
     ``hydra.job.chdir=true``). In a multirun, a job whose ``metrics.json`` is complete for the same overrides
-    is skipped, an interrupted one resumes from its ``checkpoints/last.ckpt``, and a failing job is recorded in
-    its ``error.txt`` and returns ``nan`` so the sweep goes on (the summary callback exits non-zero at the end).
+    is skipped, an interrupted one resumes from its ``checkpoints/last.ckpt``, and a failing job (or one whose
+    ``val/loss`` is ``nan``) is recorded in its ``error.txt`` and returns ``nan`` so the sweep goes on (the
+    summary callback exits non-zero at the end).
     ``resume=true`` does the same for a single run in an existing ``hydra.run.dir``. (A complete job run again
     with other overrides, e.g. more epochs, resumes from its ``last.ckpt``.) Outside a multirun a bad
     setting prints one ``error:`` line and exits with status 2.
@@ -120,7 +121,9 @@ def run(cfg: DictConfig) -> float:
         done = completed_metrics(output_dir) if resume else None
         if done is not None and done.get("overrides") == overrides:
             log.info(f"already complete with the same overrides, skipping: {output_dir / 'metrics.json'}")
-            return done["val/loss"]
+            return math.nan if done["val/loss"] is None else done["val/loss"]  # null: it failed (error.txt)
+        if multirun:
+            (output_dir / "error.txt").unlink(missing_ok=True)  # an earlier try's failure, run again now
         _log_invocation(output_dir)
         last = output_dir / "checkpoints" / "last.ckpt"
         if resume and cfg.get("ckpt_path") is None:
@@ -139,7 +142,10 @@ def run(cfg: DictConfig) -> float:
                 log.info(f"resume=true but there is no {last}: starting fresh")
     try:
         with isolated_job():
-            return train(cfg, output_dir, extra={"overrides": overrides})["val/loss"]
+            val_loss = train(cfg, output_dir, extra={"overrides": overrides})["val/loss"]
+        if not multirun or math.isfinite(val_loss):
+            return val_loss
+        line = f"val/loss is {val_loss}: the training diverged or no validation ran on the final weights"
     except (ConfigError, RankFailed, Preempted, WriteFailed) as err:
         if isinstance(err, Preempted):
             line = f"{err}: resume with {_resume_command(overrides, output_dir, multirun)}"

@@ -1,0 +1,61 @@
+"""What the Optuna sweeper of ``hparams_search=optuna`` (``hydra_plugins.dpddp_sweeper``: Hydra loads plugins from
+that package only) adds to hydra-optuna-sweeper's: a failed trial recorded as failed instead of ending the
+search (case 15).
+
+The plugin casts each job's return value to ``float`` and tells Optuna the trial is complete; a ``nan`` (a job
+that ``dpddp.entry.hydra.run`` recorded as failed, or one that diverged) makes Optuna raise, and the plugin then
+raises again while recording the failure. Here the plugin's launcher is wrapped so that a job returning ``nan``
+comes back as a failed job: the plugin tells Optuna ``TrialState.FAIL`` for it (with ``max_failure_rate: 1.0``,
+set in ``conf/hydra/sweeper/dpddp_optuna.yaml``, it goes on), and a search in which no trial completed ends with
+one line instead of a traceback, so the sweep summary is still written."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+from typing_extensions import override
+
+__all__ = ["FailedTrial", "NanFailsLauncher"]
+
+
+class FailedTrial(RuntimeError):
+    """The return value of a job whose result is ``nan``: it failed (its ``error.txt`` says why)."""
+
+
+def _failed(ret: JobReturn) -> bool:
+    """Whether a finished job failed: it raised, or returned something that is not a finite number."""
+    if ret.status != JobStatus.COMPLETED:
+        return True
+    try:
+        return not math.isfinite(float(ret.return_value))
+    except (TypeError, ValueError):
+        return True
+
+
+class NanFailsLauncher(Launcher):
+    """Wraps the sweeper's launcher: a job that returns ``nan`` comes back with status ``FAILED``, so the
+    Optuna sweeper records a failed trial; counts the jobs that did not fail."""
+
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+        self.completed = 0
+
+    @override
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.launcher.setup(hydra_context=hydra_context, task_function=task_function, config=config)
+
+    @override
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        returns = list(self.launcher.launch(job_overrides, initial_job_idx))
+        for num, ret in enumerate(returns, start=initial_job_idx):
+            if not _failed(ret):
+                self.completed += 1
+            elif ret.status == JobStatus.COMPLETED:
+                ret.return_value = FailedTrial(f"job {num} returned {ret.return_value!r} (see its error.txt)")
+                ret.status = JobStatus.FAILED
+        return returns
