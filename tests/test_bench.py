@@ -20,7 +20,7 @@ def test_bench_quick(tmp_path: Path) -> None:
     env, _ = child_env()
     cmd = [sys.executable, "bench/run.py", "--quick", "--workloads", "W1,W4", "--strategies", "single,ddp"]
     proc = subprocess.run(
-        [*cmd, "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        [*cmd, "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=360
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = (tmp_path / "RESULTS.md").read_text()

@@ -109,4 +109,4 @@ def test_ckpt_path_last_continues_the_newest_run_in_its_directory(tmp_path):
     assert sorted(p.name for p in (tmp_path / "runs/lightning_logs").iterdir()) == ["version_0"]
     last = tmp_path / "runs/lightning_logs/version_0/checkpoints/last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == 4 * (3278 // 64)
-    assert (tmp_path / "runs/lightning_logs/version_0/config_fit.yaml").is_file()  # the first config is kept
+    assert (tmp_path / "runs/lightning_logs/version_0/config-1.yaml").is_file()  # the first config is kept

@@ -146,22 +146,22 @@ def test_resume_true_continues_in_the_run_directory(tmp_path):
     assert fresh.returncode == 0 and "resume=true but there is no" in out
     again = _start(tmp_path, *base, "resume=true", "trainer.max_epochs=4")
     out, _ = again.communicate(timeout=120)
-    assert again.returncode == 0 and "resuming interrupted job from" in out
+    assert again.returncode == 0 and "continuing finished job from" in out  # 2 epochs done, extended to 4
     import torch
 
     assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 4 * (805 // 64)
 
 
-def test_twenty_random_kills_each_resume_to_completion(tmp_path):
-    """Kill a run at 20 random moments (SIGKILL: no handler runs), resuming each time with resume=true; every
+def test_ten_random_kills_each_resume_to_completion(tmp_path):
+    """Kill a run at 10 random moments (SIGKILL: no handler runs), resuming each time with resume=true; every
     resume must load last.ckpt (atomic writes), and the chain must end where an uninterrupted run ends."""
     import random
 
     import torch
 
     rng = random.Random(0)
-    args = ["accelerator=cpu", "data.num_samples=20000", "trainer.max_epochs=40", *QUIET, "resume=true"]
-    for _ in range(20):
+    args = ["accelerator=cpu", "data.num_samples=20000", "trainer.max_epochs=20", *QUIET, "resume=true"]
+    for _ in range(10):
         proc = _start(tmp_path, *args, "hydra.run.dir=run")
         time.sleep(rng.uniform(2.0, 6.0))  # start-up (imports) takes about 3 s: kills land before and in training
         proc.send_signal(signal.SIGKILL)
@@ -171,7 +171,7 @@ def test_twenty_random_kills_each_resume_to_completion(tmp_path):
     final = _start(tmp_path, *args, "hydra.run.dir=run")
     _, err = final.communicate(timeout=240)
     assert final.returncode == 0, err[-3000:]
-    assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 40 * (16000 // 64)
+    assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 20 * (16000 // 64)
     assert metrics(tmp_path / "run")["val/acc"] >= 0.9
 
 

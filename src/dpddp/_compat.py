@@ -155,16 +155,17 @@ def keep_unfinished_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> No
 
     Lightning counts the epoch as processed when the fit loop ends, whatever ended it
     (``checkpoint["loops"]["fit_loop"]["epoch_progress"]``: ``processed`` ahead of ``completed``), so a run
-    continued from it would start the next epoch and never train the rest of this one (case 13). With
-    ``processed`` set back to ``completed``, Lightning restores mid-epoch (``FitLoop.restarting``) and the
-    global-batch sampler skips the batches already trained: the continued run follows a straight run's order.
+    continued from it would start the next epoch and never train the rest of this one (case 13); once the fit
+    has ended it counts it as completed too. With both set back to the epochs before it, Lightning restores
+    mid-epoch (``FitLoop.restarting``) and the global-batch sampler skips the batches already trained: the
+    continued run follows a straight run's order.
     Checked on Lightning 2.6.6; if the layout moves, ``tests/test_compat.py`` and the limit-resume tests fail.
     """
     if trainer.fit_loop.epoch_loop.batch_progress.current.processed >= trainer.num_training_batches:  # type: ignore[attr-defined]
         return
     progress = checkpoint["loops"]["fit_loop"]["epoch_progress"]
-    for part in ("total", "current"):
-        progress[part]["processed"] = progress[part]["completed"]
+    for part in ("total", "current"):  # the epoch started (ready, started) and is neither processed nor completed
+        progress[part]["processed"] = progress[part]["completed"] = progress[part]["started"] - 1
 
 
 def logged_metric_kinds(trainer: pl.Trainer) -> dict[str, tuple[bool, bool]]:

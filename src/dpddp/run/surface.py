@@ -1,0 +1,149 @@
+"""The surface: every setting a user can reach, and whether the five promises hold on it or it is refused.
+
+One table in code (``SURFACE``); the README's "What is supported" section is generated from it
+(``python -m dpddp.run.surface`` prints it) and ``tests/test_surface.py`` walks it: each supported Trainer flag
+is stopped at a seeded random step and continued, and must end with a straight run's weights; each refused
+setting must give its one line; every other row names the tests that check its promises, and they must exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SURFACE", "Setting", "markdown"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the surface.
+
+    Attributes:
+        kind: ``"trainer flag"``, ``"strategy"``, ``"entry point"`` or ``"sweeper/launcher"``.
+        name: what the user writes, e.g. ``trainer.accumulate_grad_batches=3``.
+        overrides: ``train.py`` overrides that reach it (trainer flags: what the contract test runs).
+        refused: the start of the one ``error:`` line for a refused setting; empty for a supported one.
+        tested_by: ``file::test`` names of the tests that check the promises on it.
+        note: what to know (one line).
+    """
+
+    kind: str
+    name: str
+    overrides: tuple[str, ...] = ()
+    refused: str = ""
+    tested_by: tuple[str, ...] = ()
+    note: str = ""
+
+
+def _flag(name: str, *overrides: str, note: str = "", refused: str = "") -> Setting:
+    return Setting("trainer flag", name, overrides or (name,), refused, (), note)
+
+
+SURFACE: tuple[Setting, ...] = (
+    _flag("trainer.max_epochs=N", "trainer.max_epochs=3"),
+    _flag("trainer.max_steps=N", "trainer.max_steps=30", note="a stop mid-epoch continues inside the epoch"),
+    _flag("trainer.accumulate_grad_batches=K", "trainer.accumulate_grad_batches=3"),
+    _flag("trainer.gradient_clip_val=V", "trainer.gradient_clip_val=0.5"),
+    _flag("trainer.limit_train_batches=N", "trainer.limit_train_batches=5"),
+    _flag("trainer.limit_val_batches=N", "trainer.limit_val_batches=2"),
+    _flag("+trainer.val_check_interval=N", "+trainer.val_check_interval=4"),
+    _flag("trainer.check_val_every_n_epoch=N", "trainer.check_val_every_n_epoch=2"),
+    _flag("trainer.reload_dataloaders_every_n_epochs=N", "trainer.reload_dataloaders_every_n_epochs=1"),
+    _flag("trainer.precision=bf16-mixed", "trainer.precision=bf16-mixed", note="CPU autocast; weights stay float32"),
+    _flag(
+        "EarlyStopping (+callbacks.early_stopping)",
+        "+callbacks.early_stopping._target_=lightning.pytorch.callbacks.EarlyStopping",
+        "+callbacks.early_stopping.monitor=val/loss",
+        "+callbacks.early_stopping.patience=0",
+        "+callbacks.early_stopping.min_delta=0.05",
+        note="its state is in the checkpoint; a stop by it is final",
+    ),
+    _flag(
+        "trainer.overfit_batches=N",
+        "trainer.overfit_batches=2",
+        refused="trainer.overfit_batches=2 is not offered: Lightning replaces the training sampler for it",
+    ),
+    _flag(
+        "trainer.fast_dev_run=true",
+        "trainer.fast_dev_run=true",
+        note="one batch of each stage, no checkpoint or logger files (Lightning's meaning)",
+    ),
+    Setting("strategy", "strategy=auto", tested_by=("test_train.py::test_defaults_learn_and_write_metrics",)),
+    Setting(
+        "strategy",
+        "strategy=dp (one CPU; GPUs)",
+        tested_by=("test_train.py::test_dp_on_one_cpu_equals_auto_exactly",),
+        note="more than one CPU device is refused: DataParallel replicates over GPUs",
+    ),
+    Setting(
+        "strategy",
+        "strategy=ddp",
+        tested_by=(
+            "test_runs.py::test_ddp_two_processes_equal_one_process",
+            "test_faults.py::test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted",
+        ),
+    ),
+    Setting(
+        "strategy",
+        "strategy=ddp_spawn",
+        tested_by=("test_faults.py::test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted",),
+        note="dpddp's launcher, every rank in a fresh interpreter (not torch.multiprocessing)",
+    ),
+    Setting(
+        "strategy",
+        "strategy.start_method=spawn|fork|forkserver",
+        ("strategy=ddp", "+strategy.start_method=spawn"),
+        refused="strategy.start_method='spawn' is not offered: dpddp starts the ranks itself",
+    ),
+    Setting("entry point", "python train.py", tested_by=("test_faults.py::test_killing_rank_1_ends_the_run",)),
+    Setting(
+        "entry point",
+        "python train.py -m (sweeps)",
+        tested_by=("test_sweeps.py::test_mixed_strategies_with_a_failing_job_then_resume",),
+    ),
+    Setting(
+        "entry point",
+        "dpddp fit ... (Lightning CLI)",
+        tested_by=(
+            "test_faults.py::test_killing_rank_1_ends_the_run",
+            "test_cli.py::test_the_cli_applies_the_checks_of_train_py",
+        ),
+    ),
+    Setting("entry point", "torchrun / SLURM / a PyTorchJob", tested_by=("test_cluster.py", "test_multinode.py")),
+    Setting(
+        "sweeper/launcher", "basic", tested_by=("test_sweeps.py::test_mixed_strategies_with_a_failing_job_then_resume",)
+    ),
+    Setting(
+        "sweeper/launcher",
+        "hydra/launcher=joblib",
+        tested_by=("test_sweeps.py::test_joblib_launcher_runs_ddp_jobs_in_parallel",),
+        note="open (case 20): a SIGTERM to the sweep ends it without a resume line and leaves its workers running",
+    ),
+    Setting(
+        "sweeper/launcher",
+        "hparams_search=optuna",
+        tested_by=(
+            "test_sweeps.py::test_optuna_search_minimises_val_loss",
+            "test_sweeps.py::test_optuna_search_records_a_failed_trial_and_goes_on",
+        ),
+        note="a failed or NaN trial is a FAIL trial in Optuna; the search goes on (case 15)",
+    ),
+    Setting(
+        "sweeper/launcher",
+        "hydra/launcher=submitit_local",
+        tested_by=("test_sweeps.py::test_submitit_local_launcher_runs_ddp_jobs",),
+        note="open (case 20): its jobs ignore SIGTERM between fits",
+    ),
+)
+
+
+def markdown() -> str:
+    """The README's table: one row per setting, ``supported`` or ``refused`` with the start of its line."""
+    rows = ["| kind | setting | status | note |", "| --- | --- | --- | --- |"]
+    for s in SURFACE:
+        status = f"refused: `{s.refused}`" if s.refused else "supported"
+        rows.append(f"| {s.kind} | `{s.name}` | {status} | {s.note} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
