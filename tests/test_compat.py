@@ -82,14 +82,28 @@ def test_sigterm_broadcast_is_a_method_of_the_epoch_loop_called_before_each_step
     assert "_broadcast_sigterm_tensor" not in vars(trainer.fit_loop.epoch_loop)
 
 
-def test_trained_batches_come_from_the_restored_progress_counters():
+def test_the_data_position_comes_from_the_batches_completed_in_all():
     trainer = pl.Trainer(logger=False, enable_checkpointing=False)
-    assert _compat.trained_batches_in_epoch(trainer) == 0  # not restarting
-    loop = trainer.fit_loop
-    loop.epoch_loop.batch_progress.current.processed = 7
-    loop.epoch_progress.current.ready = loop.epoch_progress.current.started = 1  # an epoch begun, unfinished
-    loop.restarting = True
-    assert loop.restarting and _compat.trained_batches_in_epoch(trainer) == 7
+    assert _compat.data_position(trainer) == (0, 0)  # before a fit: no batches per epoch yet
+    trainer.fit_loop.max_batches = 12  # what num_training_batches reads
+    trainer.fit_loop.epoch_loop.batch_progress.total.completed = 31  # restored from a checkpoint
+    assert trainer.num_training_batches == 12 and _compat.data_position(trainer) == (2, 7)
+
+
+def test_an_unfinished_epoch_is_recorded_as_such():
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False)
+    trainer.fit_loop.max_batches = 12
+    trainer.fit_loop.epoch_loop.batch_progress.current.processed = 5
+    counters = {"ready": 2, "started": 2, "processed": 2, "completed": 2}  # what a fit that ended leaves
+    checkpoint = {"loops": {"fit_loop": {"epoch_progress": {"total": dict(counters), "current": dict(counters)}}}}
+    _compat.keep_unfinished_epoch(trainer, checkpoint)
+    assert checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"] == {
+        "ready": 2, "started": 2, "processed": 1, "completed": 1
+    }  # fmt: skip
+    trainer.fit_loop.epoch_loop.batch_progress.current.processed = 12  # the epoch ran to its end: unchanged
+    checkpoint = {"loops": {"fit_loop": {"epoch_progress": {"total": dict(counters), "current": dict(counters)}}}}
+    _compat.keep_unfinished_epoch(trainer, checkpoint)
+    assert checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"] == counters
 
 
 def test_lightning_sets_the_hook_name_attribute_on_the_module():

@@ -41,7 +41,6 @@ __all__ = [
     "resolve_process_group_backend",
     "restore_sigterm_broadcast",
     "set_num_threads_if_needed",
-    "trained_batches_in_epoch",
 ]
 
 CHECKED = {"lightning": "2.6.6", "torch": "2.13.0"}
@@ -118,17 +117,6 @@ def disable_sigterm_broadcast(trainer: pl.Trainer) -> None:
 def restore_sigterm_broadcast(trainer: pl.Trainer) -> None:
     """Undo ``disable_sigterm_broadcast``."""
     trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
-
-
-def trained_batches_in_epoch(trainer: pl.Trainer) -> int:
-    """Training batches of the current epoch already processed when a fit restarts from a mid-epoch checkpoint
-    (``fit_loop.restarting`` and ``fit_loop.epoch_loop.batch_progress.current.processed``), else 0. Lightning
-    restores its step counters but restarts a plain loader at the epoch's first batch; the global-batch
-    sampler skips these. If moved: exact mid-epoch resume breaks; test_compat and the resume tests fail."""
-    loop = trainer.fit_loop
-    if not loop.restarting:
-        return 0
-    return int(loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
 
 
 def data_position(trainer: pl.Trainer) -> tuple[int, int]:
