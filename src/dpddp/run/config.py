@@ -33,7 +33,7 @@ __all__ = ["allowed_keys", "check_config", "resolve_accelerator", "target_class"
 STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
-TOP_LEVEL_OUTPUT = ("epoch_lines",)  # how a run reports progress (dpddp.run.trainer.epoch_lines)
+TOP_LEVEL_OUTPUT = ("epoch_lines", "print_config")  # how a run reports progress and its config
 CLUSTERS = ("auto", "kubeflow")
 GROUPS = ("data", "model", "trainer", "logger", "callbacks")
 # Trainer flags owned elsewhere: the top-level knobs, and what the global-batch contract and the run dir need.

@@ -110,9 +110,13 @@ def _build_callbacks(cfg: DictConfig, output_dir: Path) -> list[pl.Callback]:
 
 
 def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
+    """The ``logger`` group: ``False`` (none), one logger (a ``_target_`` spec), or a list of them (a mapping of
+    named specs, e.g. ``logger=csv_tensorboard``), each writing under the run directory."""
     if not cfg.logger:
         return False
-    return instantiate(cfg.logger, save_dir=str(output_dir))
+    if "_target_" in cfg.logger:
+        return instantiate(cfg.logger, save_dir=str(output_dir))
+    return [instantiate(spec, save_dir=str(output_dir)) for spec in cfg.logger.values() if spec]
 
 
 TRAINER_ERRORS = (ValueError, TypeError, pl.utilities.exceptions.MisconfigurationException)

@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from dpddp.cluster import LAUNCHED_ENV, env_rank
 from dpddp.errors import ConfigError, Preempted, RankFailed, first_line
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import RankJob
@@ -70,6 +71,8 @@ def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: di
     """
     start = time.perf_counter()
     check_config(cfg)
+    if cfg.get("print_config") and env_rank() == 0 and not os.environ.get(LAUNCHED_ENV):  # once per run
+        log.info("config:\n" + OmegaConf.to_yaml(cfg, resolve=True))
     output_dir = Path(output_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data, _convert_="all")
