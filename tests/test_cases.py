@@ -123,3 +123,38 @@ def test_resume_without_naming_the_run_is_refused(tmp_path):
     ]
     assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*.ckpt"))
     assert os.environ.get("RANK") is None
+
+
+def _train_py(tmp_path, *args, **env):
+    full, _ = child_env(**env)
+    cmd = [sys.executable, str(ROOT / "train.py"), *args, "trainer.enable_progress_bar=false"]
+    return subprocess.run(cmd, cwd=tmp_path, env=full, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,env",
+    [
+        (["hydra.run.dir=run"], {}),  # a named directory used twice
+        (
+            [],
+            {"TORCHELASTIC_RUN_ID": "none", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29500"},
+        ),
+    ],
+    ids=["named", "static-torchrun"],
+)
+def test_a_second_run_never_writes_into_another_runs_directory(tmp_path, args, env):
+    """Case 26: the second run is refused in one line (exit 2) and the first run's files are untouched;
+    resume=true continues the first run."""
+    first = _train_py(tmp_path, "trainer.max_epochs=1", *args, **env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    (run,) = {p.parent.parent for p in tmp_path.rglob("checkpoints/last.ckpt")}
+    before = (run / "checkpoints/last.ckpt").read_bytes(), (run / "metrics.json").read_text()
+    second = _train_py(tmp_path, "trainer.max_epochs=1", *args, **env)
+    assert second.returncode == 2
+    lines = [x for x in second.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "holds another run (last.ckpt, metrics.json): continue it with resume=true" in lines[0]
+    assert ((run / "checkpoints/last.ckpt").read_bytes(), (run / "metrics.json").read_text()) == before
+    named = args or [f"hydra.run.dir={run}"]
+    again = _train_py(tmp_path, "trainer.max_epochs=2", *named, "resume=true", **env)
+    assert again.returncode == 0, again.stderr[-2000:]

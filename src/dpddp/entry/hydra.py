@@ -124,8 +124,17 @@ def run(cfg: DictConfig) -> float:
             return math.nan if done["val/loss"] is None else done["val/loss"]  # null: it failed (error.txt)
         if multirun:
             (output_dir / "error.txt").unlink(missing_ok=True)  # an earlier try's failure, run again now
-        _log_invocation(output_dir)
         last = output_dir / "checkpoints" / "last.ckpt"
+        held = [p.name for p in (last, output_dir / "metrics.json") if p.is_file()]
+        if held and not resume and cfg.get("ckpt_path") != str(last):  # case 26: never overwrite another run
+            print(
+                f"error: the run directory {hydra_value(str(output_dir))} holds another run ({', '.join(held)}): "
+                "continue it with resume=true, or give this run its own directory (hydra.run.dir=..., or "
+                "torchrun --rdzv-id=<job id>)",
+                file=sys.stderr,
+            )
+            sys.exit(exit_status(ConfigError()))
+        _log_invocation(output_dir)
         if resume and cfg.get("ckpt_path") is None:
             if last.is_file() and done is not None:
                 limits = ", ".join(
