@@ -158,3 +158,32 @@ def test_a_second_run_never_writes_into_another_runs_directory(tmp_path, args, e
     named = args or [f"hydra.run.dir={run}"]
     again = _train_py(tmp_path, "trainer.max_epochs=2", *named, "resume=true", **env)
     assert again.returncode == 0, again.stderr[-2000:]
+
+
+@pytest.mark.parametrize("limit_gib", [24, 8])
+def test_the_memory_check_counts_what_the_run_holds_and_its_advice_passes(monkeypatch, limit_gib):
+    """Case 22: 8192 x 1,000,000 features: in memory 30 GiB, and streaming blocks of 16 GiB do not fit either;
+    the advice (a feature count) passes the same check, on this machine's size or a container's limit."""
+    from dpddp.run import config
+
+    monkeypatch.setattr(config, "memory_bytes", lambda: limit_gib * 2**30)
+    big = ["trainer.max_epochs=1", "data.num_samples=8192", "data.num_features=1000000"]
+    for streaming in ("false", "true"):
+        with pytest.raises(ConfigError) as err:
+            check_config(compose_cfg(*big, f"data.streaming={streaming}"))
+        line = str(err.value)
+        assert f"more than 80% of the {limit_gib:.1f} GiB this machine or container allows" in line
+        features = int(line.rsplit("lower data.num_features to at most ", 1)[1])
+        check_config(compose_cfg(*big[:2], f"data.num_features={features}", f"data.streaming={streaming}"))
+
+
+def test_the_memory_check_counts_every_process_on_the_node(monkeypatch):
+    """Each DDP process builds its own copy: what fits one process may not fit four; streaming then fits."""
+    from dpddp.run import config
+
+    monkeypatch.setattr(config, "memory_bytes", lambda: 8 * 2**30)
+    args = ["data.num_samples=1000000", "data.num_features=500", "accelerator=cpu"]
+    check_config(compose_cfg(*args))  # one process: about 2.5 GiB
+    with pytest.raises(ConfigError, match="with 4 process\\(es\\) per node need about .*: set data.streaming=true"):
+        check_config(compose_cfg(*args, "strategy=ddp", "devices=4"))
+    check_config(compose_cfg(*args, "strategy=ddp", "devices=4", "data.streaming=true"))

@@ -23,6 +23,7 @@ from dpddp.cluster import cluster_world_size, stray_rank_variables
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.data.sharded import ShardedDataModule
+from dpddp.data.synthetic import BLOCK
 from dpddp.errors import ConfigError
 from dpddp.models.classifier import Classifier
 from dpddp.models.linear import OPTIMIZERS, LinearClassifier
@@ -116,12 +117,65 @@ def _float(name: str, value: Any, low: float, high: float, fix: str) -> float:
     return float(value)
 
 
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v2, v1
+PROCESS_BASE_BYTES = 600 * 2**20
+"""What one training process holds before any data: torch, Lightning, Hydra (about 420 MiB RSS with the CPU
+build of torch, bench/RESULTS.md; rounded up)."""
+
+
 def memory_bytes() -> int:
-    """Physical memory of this machine (bytes)."""
+    """Memory the processes of this run may use (bytes): the machine's physical memory, or the container's
+    cgroup limit where that is lower (``memory.max``, cgroup v2; ``memory.limit_in_bytes``, v1)."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return 16 * 2**30
+        limit = 16 * 2**30
+    for path in CGROUP_LIMITS:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limit = min(limit, int(text))
+    return limit
+
+
+def data_bytes(num_samples: int, num_features: int, num_classes: int, batch_size: int, streaming: bool) -> int:
+    """Bytes one process holds for the built-in data: in memory, ``x`` float32 ``[N, F]``, ``y`` and the
+    training order int64 ``[N]``; streaming, the cached blocks (``cache_blocks`` + the one being built, of
+    ``BLOCK x (F + 2)`` float32) and the block order; either way the teacher ``[F, C]`` and about three batches
+    in flight (the prefetched, the gathered and the one in the step: ``3 x batch_size x F`` float32)."""
+    per_batch = 3 * batch_size * num_features * 4 + num_features * num_classes * 4
+    if streaming:
+        return 5 * BLOCK * (num_features + 2) * 4 + num_samples // BLOCK * 8 + per_batch
+    return num_samples * (4 * num_features + 16) + per_batch
+
+
+def _check_memory(data: Mapping, per_node: int) -> None:
+    """Case 22: what the run will hold on one node, ``per_node`` processes each with its own copy of the data,
+    against ``memory_bytes()`` (80%: headroom for the allocator and the OS); the advice names settings that
+    pass this same check."""
+    limit = memory_bytes() * 0.8
+    n, f, c, b = (data[k] for k in ("num_samples", "num_features", "num_classes", "batch_size"))
+    streaming = bool(data.get("streaming"))
+
+    def need(features: int, stream: bool) -> int:
+        return per_node * (PROCESS_BASE_BYTES + data_bytes(n, features, c, b, stream))
+
+    if need(f, streaming) <= limit:
+        return
+    if not streaming and need(f, True) <= limit:
+        fix = "set data.streaming=true (samples generated as batches need them)"
+    else:
+        fits = [x for x in (f // 2**k for k in range(1, 40)) if x >= 1 and need(x, streaming) <= limit]
+        rest = "use fewer processes per node (devices)" if per_node > 1 else "lower data.num_classes, data.batch_size"
+        fix = f"lower data.num_features to at most {fits[0]}" if fits else rest
+    sizes = f"data.num_samples={n}, data.num_features={f}, data.num_classes={c}, data.batch_size={b}"
+    raise ConfigError(
+        f"{sizes}, data.streaming={str(streaming).lower()} with {per_node} process(es) per node need about "
+        f"{need(f, streaming) / 2**30:.1f} GiB, more than 80% of the {memory_bytes() / 2**30:.1f} GiB this "
+        f"machine or container allows: {fix}"
+    )
 
 
 def resolve_accelerator(accelerator: str) -> str:
@@ -227,14 +281,6 @@ def _check_data(data: Mapping, n_procs: int) -> None:
     _float("data.label_noise", data["label_noise"], 0.0, 1.0, "use a fraction in [0, 1]")
     if not isinstance(data.get("streaming", False), bool):
         raise ConfigError(f"data.streaming={data['streaming']!r} is invalid: use true or false")
-    need = 4 * (data["num_samples"] + data["num_classes"]) * (data["num_features"] + 1)  # bytes: x, teacher
-    if not data.get("streaming") and need > memory_bytes() // 2:
-        sizes = ", ".join(f"data.{k}={data[k]}" for k in ("num_samples", "num_features", "num_classes"))
-        raise ConfigError(
-            f"{sizes} need {need / 2**30:.1f} GiB, more than half of this machine's "
-            f"{memory_bytes() / 2**30:.0f} GiB: set data.streaming=true (samples generated as needed) or make "
-            "them smaller"
-        )
     dm = RandomTensorDataModule(**{k: v for k, v in data.items() if k != "_target_"})
     for split, size in (("val", dm.num_val), ("test", dm.num_test)):
         if size < 1:
@@ -298,6 +344,7 @@ def check_config(cfg: DictConfig | Mapping) -> None:
     _int("seed", cfg["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
     if target_class("data", cfg["data"]) is RandomTensorDataModule:
         _check_data(cfg["data"], world_size(cfg))  # after the devices: the world size needs them valid
+        _check_memory(cfg["data"], world_size(cfg) // cfg["num_nodes"] if world_size(cfg) > 1 else 1)
     else:
         _check_batch(cfg["data"], world_size(cfg))
     _check_sharding(cfg)
