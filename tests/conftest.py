@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
+import lightning.pytorch as pl
 import psutil
 import pytest
 import torch
@@ -107,3 +109,15 @@ def weights(ckpt: Path) -> dict[str, torch.Tensor]:
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+class SigtermAt(pl.Callback):
+    """Test helper: sends this process SIGTERM at the end of training batch ``at`` (counted over the run)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, 0
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if self.seen == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.seen += 1

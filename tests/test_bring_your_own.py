@@ -3,6 +3,7 @@ through train.py with _target_ overrides; the bundled tables; the installed comm
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -149,31 +150,10 @@ def test_the_installed_command_trains_from_any_directory(tmp_path):
     assert metrics(tmp_path / "run")["val/acc"] > 0.5 and (tmp_path / "run/checkpoints/last.ckpt").is_file()
 
 
-KILLER = '''
-import os
-import signal
-
-import lightning.pytorch as pl
-
-
-class SigtermAt(pl.Callback):
-    """Sends this process SIGTERM at the end of training batch ``at`` (counted over the run)."""
-
-    def __init__(self, at: int) -> None:
-        self.at, self.seen = at, 0
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if self.seen == self.at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        self.seen += 1
-'''
-
-
 def test_a_users_model_stopped_by_sigterm_mid_epoch_resumes_to_the_uninterrupted_weights(project):
     """815 training samples / 32 = 25 batches an epoch; SIGTERM after batch 37, in epoch 1."""
-    (project / "killer.py").write_text(KILLER)
-    env, tag = child_env(PYTHONPATH=str(project))
-    kill = ["+callbacks.kill._target_=killer.SigtermAt", "+callbacks.kill.at=37"]
+    env, tag = child_env(PYTHONPATH=os.pathsep.join([str(project), str(ROOT / "tests")]))  # conftest.SigtermAt
+    kill = ["+callbacks.kill._target_=conftest.SigtermAt", "+callbacks.kill.at=37"]
     cmd = [sys.executable, "train.py", *USER_ARGS, "hydra.run.dir=run"]
     proc = subprocess.run([*cmd, *kill], cwd=project, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 143 and "error: stopped by SIGTERM after step" in proc.stderr, proc.stderr[-2000:]

@@ -3,10 +3,7 @@
 
 import errno
 import json
-import os
-import signal
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import QUIET, compose_cfg, max_diff, weights
@@ -114,25 +111,13 @@ def test_flags_that_rebuild_or_cut_loaders_keep_exact_resume(tmp_path, flag):
     assert max_diff(a, b) <= 1e-6
 
 
-class SigtermAt(pl.Callback):
-    """Test helper: sends this process SIGTERM at the end of training batch ``at`` (counted over the run)."""
-
-    def __init__(self, at: int) -> None:
-        self.at, self.seen = at, 0
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if self.seen == self.at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        self.seen += 1
-
-
 # (accumulate, SIGTERM after batch, optimizer steps at the stop): 12 batches an epoch; the stop comes at the
 # first window end (or epoch end) after the batch that sees the signal
 @pytest.mark.parametrize("accumulate,at,steps", [(4, 5, 2), (3, 13, 5), (5, 10, 3)])
 def test_sigterm_inside_an_accumulation_window_resumes_exactly(tmp_path, accumulate, at, steps):
     """Case 12: the stop lands on an optimizer-step boundary, so no summed gradient is lost with .grad."""
     args = [*BASE, "trainer.max_epochs=2", f"trainer.accumulate_grad_batches={accumulate}"]
-    kill = [f"+callbacks.kill._target_={__name__}.SigtermAt", f"+callbacks.kill.at={at}"]
+    kill = ["+callbacks.kill._target_=conftest.SigtermAt", f"+callbacks.kill.at={at}"]
     with pytest.raises(Preempted) as stop:
         train(compose_cfg(*args, *kill), tmp_path / "run")
     assert stop.value.step == steps
