@@ -187,3 +187,30 @@ def test_the_memory_check_counts_every_process_on_the_node(monkeypatch):
     with pytest.raises(ConfigError, match="with 4 process\\(es\\) per node need about .*: set data.streaming=true"):
         check_config(compose_cfg(*args, "strategy=ddp", "devices=4"))
     check_config(compose_cfg(*args, "strategy=ddp", "devices=4", "data.streaming=true"))
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (["experiment=nope"], "experiment=nope is unknown: choose one of compute_heavy"),
+        (["debug=fast_dev_rn"], "debug=fast_dev_rn is unknown: choose one of fast_dev_run, limit, overfit, profiler"),
+        (["-m", "data=default,digts"], "data=digts is unknown: choose one of breast_cancer, dataset, default, digits"),
+        (["data=digits", "model=mlp", "experiment=compute_heavy", "strategy=ddp", "strategy.timeout_s=9"], None),
+        (["data=choice(default,digts)"], None),  # a sweep function: Hydra's own check
+    ],
+)
+def test_an_unknown_config_option_is_named_before_hydra_starts(argv, line):
+    """Found by the fresh-user trial: optional groups (experiment=, debug=) ignored an unknown option silently."""
+    from dpddp.entry.hydra import unknown_option
+
+    got = unknown_option(argv)
+    assert got == line if line is None else got is not None and got.startswith(line)
+
+
+def test_an_unknown_preset_exits_2_in_one_line(tmp_path):
+    proc = _train_py(tmp_path, "experiment=nope")
+    assert proc.returncode == 2
+    assert [x for x in proc.stderr.splitlines() if x.strip()] == [
+        "error: experiment=nope is unknown: choose one of compute_heavy"
+    ]
+    assert not (tmp_path / "outputs").exists()

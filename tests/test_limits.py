@@ -126,3 +126,45 @@ def test_sigterm_inside_an_accumulation_window_resumes_exactly(tmp_path, accumul
     train(compose_cfg(*args), tmp_path / "straight")
     a, b = weights(tmp_path / "resumed/checkpoints/last.ckpt"), weights(tmp_path / "straight/checkpoints/last.ckpt")
     assert _step(tmp_path / "resumed") == _step(tmp_path / "straight") and max_diff(a, b) <= 1e-6
+
+
+ES = [
+    "+callbacks.early_stopping._target_=lightning.pytorch.callbacks.EarlyStopping",
+    "+callbacks.early_stopping.monitor=val/loss",
+    "+callbacks.early_stopping.min_delta=0.05",
+    "+callbacks.early_stopping.patience=0",
+]
+
+
+def test_a_run_ended_by_early_stopping_stays_ended_when_continued(tmp_path):
+    """Found by the fresh-user trial: continued to a later max_epochs, it trained on; a straight run does not."""
+    first = train(compose_cfg(*BASE, *ES, "trainer.max_epochs=10"), tmp_path / "first")
+    ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    stopped = _step(tmp_path / "first")
+    assert stopped < 10 * 12  # EarlyStopping ended it
+    continued = train(compose_cfg(*BASE, *ES, "trainer.max_epochs=20", f"ckpt_path={ckpt}"), tmp_path / "continued")
+    train(compose_cfg(*BASE, *ES, "trainer.max_epochs=20"), tmp_path / "straight")
+    assert _step(tmp_path / "continued") == _step(tmp_path / "straight") == stopped
+    a, b = weights(tmp_path / "continued/checkpoints/last.ckpt"), weights(tmp_path / "straight/checkpoints/last.ckpt")
+    assert max_diff(a, b) == 0 and continued["val/loss"] == first["val/loss"]
+
+
+def test_fast_dev_run_writes_no_checkpoint(tmp_path):
+    train(compose_cfg(*BASE, "trainer.fast_dev_run=true"), tmp_path)
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0 is invalid: use a positive number"),
+        ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1 is invalid: use a non-negative norm"),
+    ],
+)
+def test_trainer_values_lightning_would_crash_on_are_one_line(override, line):
+    from dpddp.errors import ConfigError
+    from dpddp.run.config import check_config
+
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_cfg(override))
+    assert str(err.value).startswith(line)

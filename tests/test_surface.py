@@ -17,7 +17,7 @@ from dpddp.run.surface import SURFACE, markdown
 from dpddp.run.training import train
 
 BASE = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "model.optimizer=adam", "model.lr=0.01"]
-FLAGS = [s for s in SURFACE if s.kind == "trainer flag" and not s.refused]
+FLAGS = [s for s in SURFACE if s.kind == "trainer flag" and not s.refused and not s.tested_by]
 
 
 def _step(run):
@@ -47,7 +47,7 @@ def test_a_refused_setting_is_one_line(setting):
 
 
 def test_every_other_row_names_tests_that_exist():
-    rows = [s for s in SURFACE if s.kind != "trainer flag" and not s.refused]
+    rows = [s for s in SURFACE if s not in FLAGS and not s.refused]
     assert rows and all(s.tested_by for s in rows)
     for setting in rows:
         for name in setting.tested_by:

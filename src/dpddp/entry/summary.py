@@ -31,6 +31,8 @@ def _job_row(job_dir: Path) -> dict[str, Any]:
     elif metrics_file.is_file():
         metrics = json.loads(metrics_file.read_text())
         row.update({k: metrics.get(k) for k in SUMMARY_COLUMNS[3:]}, status="ok")
+        if metrics.get("overrides") is not None:  # the invocation that wrote the metrics, not the first one
+            row["overrides"] = " ".join(metrics["overrides"])
     else:
         row["status"] = "incomplete"
     return row

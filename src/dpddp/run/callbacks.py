@@ -155,6 +155,8 @@ class EpochRecord(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.segments += 1
         self._segment_start = time.perf_counter()
+        # a fit restarted mid-epoch gets no on_train_epoch_start for that epoch: time its rest from here
+        self._epoch_start, self._steps = self._segment_start, 0
         self.rows = [row for row in self.rows if row["epoch"] < trainer.current_epoch]
         if trainer.is_global_zero:
             self._write(self.rows, "w")
@@ -356,6 +358,13 @@ class Preemption(pl.Callback):
             disable_sigterm_broadcast(trainer)
         self._every, self._steps, self._since = 1, 0, time.perf_counter()
         self._agreed = False
+        # A run that EarlyStopping ended stays ended when continued to a later limit, as a straight run does
+        # (its state, stopped_epoch included, is restored from the checkpoint before this hook). Not after a stop
+        # by a limit inside an epoch (restored mid-epoch): the validation Lightning ran there is not a straight
+        # run's, and the straight run decides at the epoch's end.
+        stopped = any(cb.stopped_epoch > 0 for cb in trainer.early_stopping_callbacks)
+        if stopped and not trainer.fit_loop.restarting:
+            trainer.should_stop = True
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -362,6 +362,12 @@ def check_config(cfg: DictConfig | Mapping) -> None:
             f"trainer.overfit_batches={overfit!r} is not offered: Lightning replaces the training sampler for it; "
             f"use trainer.limit_train_batches={overfit!r} trainer.limit_val_batches={overfit!r} instead"
         )
+    accumulate = (cfg["trainer"] or {}).get("accumulate_grad_batches")
+    if accumulate is not None:
+        _int("trainer.accumulate_grad_batches", accumulate, 1, "use a positive number of batches per optimizer step")
+    clip = (cfg["trainer"] or {}).get("gradient_clip_val")
+    if clip is not None:
+        _float("trainer.gradient_clip_val", clip, 0.0, math.inf, "use a non-negative norm or value, or null")
     for key in ("max_epochs", "max_steps"):
         value = (cfg["trainer"] or {}).get(key)
         if value is not None and value != -1:

@@ -22,7 +22,8 @@ class Setting:
         name: what the user writes, e.g. ``trainer.accumulate_grad_batches=3``.
         overrides: ``train.py`` overrides that reach it (trainer flags: what the contract test runs).
         refused: the start of the one ``error:`` line for a refused setting; empty for a supported one.
-        tested_by: ``file::test`` names of the tests that check the promises on it.
+        tested_by: ``file::test`` names of the tests that check the promises on it (a Trainer flag with
+            tests of its own is not walked by the stop-and-continue contract test).
         note: what to know (one line).
     """
 
@@ -55,17 +56,18 @@ SURFACE: tuple[Setting, ...] = (
         "+callbacks.early_stopping.monitor=val/loss",
         "+callbacks.early_stopping.patience=0",
         "+callbacks.early_stopping.min_delta=0.05",
-        note="its state is in the checkpoint; a stop by it is final",
+        note="its state is in the checkpoint; a run it ended stays ended when continued",
     ),
     _flag(
         "trainer.overfit_batches=N",
         "trainer.overfit_batches=2",
         refused="trainer.overfit_batches=2 is not offered: Lightning replaces the training sampler for it",
     ),
-    _flag(
+    Setting(
+        "trainer flag",
         "trainer.fast_dev_run=true",
-        "trainer.fast_dev_run=true",
-        note="one batch of each stage, no checkpoint or logger files (Lightning's meaning)",
+        tested_by=("test_limits.py::test_fast_dev_run_writes_no_checkpoint", "test_presets.py"),
+        note="one batch of each stage, no checkpoint or logger files (Lightning's meaning): nothing to resume",
     ),
     Setting("strategy", "strategy=auto", tested_by=("test_train.py::test_defaults_learn_and_write_metrics",)),
     Setting(

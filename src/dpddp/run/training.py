@@ -188,6 +188,8 @@ def _final_weights(
     at another step, and validate if the last validation ran on other weights (a stop by ``max_steps`` or
     ``max_time`` mid-epoch, ``val_check_interval``, ``check_val_every_n_epoch``: case 13). Returns the new
     validation metrics, if it ran one."""
+    if trainer.fast_dev_run:  # type: ignore[attr-defined]  # no checkpoint, no more validation (Lightning)
+        return {}
     step = trainer.global_step
     io = trainer.strategy.checkpoint_io
     last = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.filename == "last"]
