@@ -34,6 +34,7 @@ __all__ = [
     "SubprocessScriptLauncher",
     "disable_sigterm_broadcast",
     "data_position",
+    "epoch_finished_in",
     "init_process_group",
     "keep_unfinished_epoch",
     "logged_metric_kinds",
@@ -41,6 +42,7 @@ __all__ = [
     "resolve_process_group_backend",
     "restore_sigterm_broadcast",
     "set_num_threads_if_needed",
+    "uncount_last_batch",
 ]
 
 CHECKED = {"lightning": "2.6.6", "torch": "2.13.0"}
@@ -151,9 +153,39 @@ def keep_unfinished_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> No
     """
     if trainer.fit_loop.epoch_loop.batch_progress.current.processed >= trainer.num_training_batches:  # type: ignore[attr-defined]
         return
+    _unfinish_epoch(checkpoint)
+
+
+def _unfinish_epoch(checkpoint: dict[str, Any]) -> None:
     progress = checkpoint["loops"]["fit_loop"]["epoch_progress"]
     for part in ("total", "current"):  # the epoch started (ready, started) and is neither processed nor completed
         progress[part]["processed"] = progress[part]["completed"] = progress[part]["started"] - 1
+
+
+def uncount_last_batch(checkpoint: dict[str, Any]) -> None:
+    """Count the fit's last training batch (one Lightning loop iteration) in ``checkpoint`` as not done, and its
+    epoch as unfinished: for an execution of several steps that ``max_steps`` cut short
+    (``dpddp.run.executions``). A continued run then restores before it, and the sampler yields its rest first.
+
+    Edits ``checkpoint["loops"]["fit_loop"]``: ``"epoch_loop.batch_progress"`` (``total`` and ``current``:
+    ``ready``, ``started``, ``processed``, ``completed``, each one less) and ``"epoch_progress"`` (as
+    ``keep_unfinished_epoch``). Checked on Lightning 2.6.6; test_compat and the steps-per-execution resume tests
+    fail if it moves."""
+    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    for part in ("total", "current"):
+        for key in ("ready", "started", "processed", "completed"):
+            progress[part][key] -= 1
+    progress["is_last_batch"] = False
+    _unfinish_epoch(checkpoint)
+
+
+def epoch_finished_in(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
+    """Whether ``checkpoint`` (being written, its loops already in) records the fit's current epoch as having
+    trained all its batches (``"epoch_loop.batch_progress"`` ``current.processed``, as ``keep_unfinished_epoch``
+    reads it live, after ``uncount_last_batch``): a continued run then starts the next epoch. Checked on
+    Lightning 2.6.6."""
+    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    return bool(progress["current"]["processed"] >= trainer.num_training_batches)
 
 
 def logged_metric_kinds(trainer: pl.Trainer) -> dict[str, tuple[bool, bool]]:

@@ -20,25 +20,46 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
 from typing_extensions import override
 
 from dpddp._compat import data_position
 from dpddp.errors import ConfigError
 
-__all__ = ["Batches", "GlobalBatchDataModule", "GlobalBatchSampler", "TensorBatches", "batch_indexable", "empty_batch"]
+__all__ = [
+    "Batches",
+    "GlobalBatchDataModule",
+    "GlobalBatchSampler",
+    "TensorBatches",
+    "batch_indexable",
+    "empty_batch",
+    "gather",
+    "step_position",
+]
+
+
+def gather(tensor: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` of ``tensor``: ``[*idx.shape, *tensor.shape[1:]]`` for an int64 ``idx`` of any shape
+    (``[b]``, or ``[k, b]`` for ``k`` steps of one execution), as ``tensor[idx]`` gives them.
+
+    ``index_select`` on the flattened ids: on 2 CPU cores it gathers 1024 rows of 1024 float32 in ~0.39 ms
+    against ~0.62 ms for advanced indexing (issue 15), and its output is contiguous, so the view is free."""
+    rows = tensor.index_select(0, idx.reshape(-1))
+    return rows.view(*idx.shape, *tensor.shape[1:])
 
 
 def batch_indexable(dataset: Any) -> bool:
-    """Whether ``dataset[idx]`` with ``idx`` an int64 ``[b]`` tensor returns the whole batch in one index (a
-    ``TensorDataset``, or a class with ``batch_indexable = True``), with no per-sample collate."""
+    """Whether ``dataset[idx]`` with ``idx`` an int64 ``[b]`` (or ``[k, b]``) tensor returns the whole batch in
+    one index (a ``TensorDataset``, or a class with ``batch_indexable = True``), with no per-sample collate."""
     return isinstance(dataset, TensorDataset) or bool(getattr(dataset, "batch_indexable", False))
 
 
 class TensorBatches(Dataset):
     """A dataset indexed by whole batches: ``ds[idx]`` with ``idx`` an int64 ``[b]`` tensor returns
-    ``(x[idx], y[idx])`` in one gather, shapes ``[b, num_features]`` and ``[b]`` (no per-sample collate);
-    with ``with_index=True`` also ``idx`` itself (for predictions in dataset order)."""
+    ``(x[idx], y[idx])`` in one gather (``gather``), shapes ``[b, num_features]`` and ``[b]`` (no per-sample
+    collate; an ``idx`` of ``[k, b]`` gives ``[k, b, num_features]`` and ``[k, b]``); with ``with_index=True``
+    also ``idx`` itself (for predictions in dataset order)."""
 
     batch_indexable = True
 
@@ -49,18 +70,13 @@ class TensorBatches(Dataset):
         return len(self.y)
 
     def __getitem__(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return (self.x[idx], self.y[idx], idx) if self.with_index else (self.x[idx], self.y[idx])
+        x, y = gather(self.x, idx), gather(self.y, idx)
+        return (x, y, idx) if self.with_index else (x, y)
 
 
 def empty_batch(batch: Any) -> Any:
     """``batch`` with every tensor cut to 0 rows (tuples, lists and dicts followed)."""
-    if isinstance(batch, torch.Tensor):
-        return batch[:0]
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(empty_batch(b) for b in batch)
-    if isinstance(batch, dict):
-        return {k: empty_batch(v) for k, v in batch.items()}
-    return batch
+    return apply_to_collection(batch, torch.Tensor, lambda t: t[:0])
 
 
 class Batches(Dataset):
@@ -70,7 +86,8 @@ class Batches(Dataset):
 
     Fast paths: a batch-indexable ``dataset`` (``batch_indexable``) takes the id tensor in one index; one with
     ``__getitems__`` (torch's batched fetch, e.g. ``Subset``, Hugging Face datasets) gets the id list in one call;
-    else one ``dataset[i]`` per sample. Samples are collated by ``collate`` (default ``default_collate``). An
+    else one ``dataset[i]`` per sample. Samples are collated by ``collate`` (default ``default_collate``); an
+    ``idx`` of ``[k, b]`` (the ``k`` steps of one execution) gives every tensor a leading ``[k, b]``. An
     empty ``idx`` (a rank's empty chunk of a short last evaluation batch) gives a batch of 0 rows with the
     structure of a real one. With ``with_index=True`` the batch ends with ``idx`` (``(*batch, idx)``, or an
     ``"index"`` key for a dict batch), for predictions in split order.
@@ -86,8 +103,14 @@ class Batches(Dataset):
         return len(self.ids) if self.ids is not None else len(self.dataset)
 
     def _fetch(self, ids: torch.Tensor) -> Any:
+        if isinstance(self.dataset, TensorDataset):
+            return tuple(gather(t, ids) for t in self.dataset.tensors)
         if batch_indexable(self.dataset):
             return self.dataset[ids]
+        if ids.dim() > 1:  # one fetch of all the execution's samples, then [k * b, ...] -> [k, b, ...]
+            return apply_to_collection(
+                self._fetch(ids.reshape(-1)), torch.Tensor, lambda t: t.view(*ids.shape, *t.shape[1:])
+            )
         if not len(ids):
             return empty_batch(self._fetch(torch.zeros(1, dtype=torch.long)))
         items = ids.tolist()
@@ -100,6 +123,14 @@ class Batches(Dataset):
         if not self.with_index:
             return batch
         return {**batch, "index": idx} if isinstance(batch, dict) else (*batch, idx)
+
+
+def step_position(trainer: pl.Trainer, steps_per_epoch: int) -> tuple[int, int]:
+    """Where the training data stream stands with executions of several steps: ``(epoch, global batches of it
+    trained)`` from the optimizer steps taken (``trainer.global_step``, one global batch each: gradient
+    accumulation is refused with ``steps_per_execution > 1``), ``steps_per_epoch`` global batches an epoch."""
+    epoch, skip = divmod(trainer.global_step, steps_per_epoch)
+    return epoch, skip
 
 
 class GlobalBatchSampler(DistributedSampler):
@@ -122,6 +153,10 @@ class GlobalBatchSampler(DistributedSampler):
             sample); a power of two ``K``: the block shuffle of the streaming mode (whole blocks of ``K`` ids
             permuted, rows of a block in an affine order; the trailing partial block last, in order), computed
             per batch with memory ``O(num_samples / K)`` (a split smaller than one block keeps its order).
+        steps_per_execution: training only: ``k`` global batches per item, stacked (``[k, batch_size /
+            world_size]``): the steps of one Lightning loop iteration (``dpddp.run.executions``). Executions are
+            aligned to multiples of ``k`` within the epoch (the last one shorter); a resume inside one yields
+            its rest first, so Lightning's count of loop iterations and this sampler's agree.
 
     Raises:
         ValueError: if ``batch_size`` does not divide by ``world_size``.
@@ -136,6 +171,7 @@ class GlobalBatchSampler(DistributedSampler):
         train: bool = False,
         seed: int = 0,
         block_size: int | None = None,
+        steps_per_execution: int = 1,
     ) -> None:
         if batch_size % world_size:
             raise ValueError(
@@ -146,18 +182,25 @@ class GlobalBatchSampler(DistributedSampler):
         self.rank, self.world_size, self.num_replicas = rank, world_size, world_size
         self.shuffle = self.drop_last = train
         self.train, self.seed, self.epoch, self.block_size = train, seed, 0, block_size
-        self.skip = 0  # batches of the next epoch already trained before a mid-epoch checkpoint (resume)
-        # training: where the data stream stands, (epoch, batches done), read as each epoch's iteration starts
+        self.steps_per_execution = steps_per_execution
+        self.skip = 0  # global batches of the next epoch already trained before a mid-epoch checkpoint (resume)
+        # training: where the data stream stands, (epoch, global batches done), read as each epoch's iteration starts
         self.position: Callable[[], tuple[int, int]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Called by Lightning at each epoch start; selects that epoch's permutation."""
         self.epoch = epoch
 
-    def __len__(self) -> int:
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches per epoch (training: full ones only)."""
         if self.train:
             return self.num_samples // self.batch_size
         return -(-self.num_samples // self.batch_size)
+
+    def __len__(self) -> int:
+        """Items per epoch: global batches, or executions of ``steps_per_execution`` of them."""
+        return -(-self.steps_per_epoch // self.steps_per_execution)
 
     def _epoch_order(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``None`` (evaluation: identity), or this epoch's order from ``(seed, epoch)``: ``(perm, None)``, a
@@ -196,9 +239,17 @@ class GlobalBatchSampler(DistributedSampler):
             self.epoch, self.skip = self.position()
         order = self._epoch_order()
         skip, self.skip = self.skip, 0
-        for k in range(skip, len(self)):
-            batch = self._ids(order, k * self.batch_size, min((k + 1) * self.batch_size, self.num_samples))
-            yield torch.tensor_split(batch, self.world_size)[self.rank]
+        b, k, steps = self.batch_size, self.steps_per_execution, self.steps_per_epoch
+        if k == 1:
+            for i in range(skip, steps):
+                batch = self._ids(order, i * b, min((i + 1) * b, self.num_samples))
+                yield torch.tensor_split(batch, self.world_size)[self.rank]
+            return
+        step = skip
+        while step < steps:  # training: full global batches, each split evenly; this rank's chunks, stacked
+            end = min((step // k + 1) * k, steps)
+            yield self._ids(order, step * b, end * b).view(end - step, self.world_size, -1)[:, self.rank]
+            step = end
 
 
 class GlobalBatchDataModule(pl.LightningDataModule):
@@ -225,6 +276,8 @@ class GlobalBatchDataModule(pl.LightningDataModule):
 
     block_size: int | None = None
     """``None``: full shuffle of the training split; a power of two: block shuffle (see ``GlobalBatchSampler``)."""
+    steps_per_execution: int = 1
+    """Global batches per training item (``GlobalBatchSampler``); set by the run (``dpddp.run.executions``)."""
 
     def __init__(
         self,
@@ -301,7 +354,8 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         if with_index:
             ds = Batches(ds, with_index=True)
         train, size = split == "train", len(ds)  # type: ignore[arg-type]
-        sampler = GlobalBatchSampler(size, self.batch_size, rank, world_size, train, self.seed, self.block_size)
+        steps = self.steps_per_execution if train else 1
+        sampler = GlobalBatchSampler(size, self.batch_size, rank, world_size, train, self.seed, self.block_size, steps)
         # batch_size=None: the sampler yields whole index batches and the dataset gathers them in one index.
         return DataLoader(ds, sampler=sampler, batch_size=None, num_workers=self.num_workers)
 
@@ -311,9 +365,11 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         resuming mid-epoch, the batches already trained are skipped (Lightning restores its counters but
         restarts a plain loader from the epoch's start)."""
         loader = self._loader("train")
+        sampler = loader.sampler
         if self.trainer is not None:
-            assert isinstance(loader.sampler, GlobalBatchSampler)
-            loader.sampler.position = partial(data_position, self.trainer)
+            assert isinstance(sampler, GlobalBatchSampler)
+            by_steps = partial(step_position, self.trainer, sampler.steps_per_epoch)
+            sampler.position = by_steps if sampler.steps_per_execution > 1 else partial(data_position, self.trainer)
         return loader
 
     @override

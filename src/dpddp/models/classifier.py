@@ -14,7 +14,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from dpddp._compat import HOOK_NAME_ATTRIBUTE
+from dpddp._compat import HOOK_NAME_ATTRIBUTE, epoch_finished_in
 
 __all__ = ["OPTIMIZERS", "Classifier"]
 
@@ -54,7 +54,6 @@ class Classifier(pl.LightningModule):
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
         self._train_loss_sum: torch.Tensor | None = None  # this epoch: sum of per-sample losses on this rank
         self._train_samples = 0
-        self._train_batches = 0  # this epoch's training steps on this rank
         self._carried = (0.0, 0)  # (loss sum, samples) of this epoch before a mid-epoch checkpoint (rank 0 only)
 
     @override
@@ -82,7 +81,6 @@ class Classifier(pl.LightningModule):
             self._train_loss_sum = torch.zeros((), dtype=torch.float64, device=loss.device)
         self._train_loss_sum.add_(loss.detach(), alpha=len(y))
         self._train_samples += len(y)
-        self._train_batches += 1
         return loss
 
     @override
@@ -112,17 +110,16 @@ class Classifier(pl.LightningModule):
             total = self._train_loss_sum if self._train_loss_sum is not None else torch.zeros((), dtype=torch.float64)
             samples = self._train_samples + self._carried[1]
             self.train_loss.update((total + self._carried[0]) / samples, weight=samples)
-        self._train_loss_sum, self._train_samples, self._train_batches, self._carried = None, 0, 0, (0.0, 0)
+        self._train_loss_sum, self._train_samples, self._carried = None, 0, (0.0, 0)
         self._log_epoch("train")
 
     @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Store this epoch's running train loss summed over all ranks when the checkpoint is taken mid-epoch (a
-        collective: Lightning calls this hook on every rank); at an epoch's last batch nothing is carried."""
+        collective: Lightning calls this hook on every rank); when the checkpoint records the epoch as finished
+        (the continued run starts the next one) nothing is carried."""
         trainer = self._trainer
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
-            return
-        if self._train_batches >= trainer.num_training_batches:  # the epoch's end: the next epoch starts afresh
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or epoch_finished_in(trainer, checkpoint):
             return
         local = self._train_loss_sum if self._train_loss_sum is not None else torch.zeros((), dtype=torch.float64)
         state = torch.stack([local.to(self.device, torch.float64), local.new_tensor(float(self._train_samples))])

@@ -22,6 +22,7 @@ from dpddp.errors import Preempted
 __all__ = [
     "EPOCH_COLUMNS",
     "EpochRecord",
+    "GlobalBatches",
     "LastValidation",
     "PredictionWriter",
     "Preemption",
@@ -37,20 +38,38 @@ EPOCH_COLUMNS += ("test/acc", "epoch_s", "samples_per_sec")
 """The columns of ``metrics.csv``, fixed whatever was logged: one ``fit`` row per epoch, one ``test`` row."""
 
 
+class GlobalBatches:
+    """Global batches a Lightning training batch trained: one, or with ``steps_per_execution > 1`` the optimizer
+    steps it took (``trainer.global_step`` before and after; an execution cut by ``max_steps`` counts less)."""
+
+    def __init__(self, steps_per_execution: int = 1) -> None:
+        self.by_steps, self._step = steps_per_execution > 1, 0
+
+    def start(self, trainer: pl.Trainer) -> None:
+        """At ``on_train_batch_start``."""
+        self._step = trainer.global_step
+
+    def done(self, trainer: pl.Trainer) -> int:
+        """At ``on_train_batch_end``: global batches since ``start``."""
+        return trainer.global_step - self._step if self.by_steps else 1
+
+
 class Throughput(pl.Callback):
     """Steady-state training throughput in samples/s over all processes.
 
     Reported at the end of training in ``trainer.callback_metrics[Throughput.KEY]``. Counts the intervals between
     consecutive ``on_train_batch_end`` calls within an epoch (so data loading and
     the step are in, while start-up, the first step of each epoch and validation are out), each worth one
-    global batch (``datamodule.batch_size`` samples). With a single step per epoch it falls back to the step
-    times alone. Cheap: one ``time.perf_counter()`` per step, no sync.
+    global batch (``datamodule.batch_size`` samples), or with ``steps_per_execution > 1`` one per optimizer
+    step it took. With a single step per epoch it falls back to the step times alone. Cheap: one
+    ``time.perf_counter()`` per step, no sync.
     """
 
     KEY = "perf/samples_per_sec"
     FIRST_STEP_KEY = "perf/first_step_unix_s"
 
-    def __init__(self) -> None:
+    def __init__(self, steps_per_execution: int = 1) -> None:
+        self.count = GlobalBatches(steps_per_execution)
         self.samples = 0
         self.seconds = 0.0
         self.fallback = [0, 0.0]
@@ -65,13 +84,14 @@ class Throughput(pl.Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._batch_start = time.perf_counter()
+        self.count.start(trainer)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         now = time.perf_counter()
         if self.first_step_unix_s is None:
             self.first_step_unix_s = time.time()
-        batch = trainer.datamodule.batch_size  # type: ignore[attr-defined]
+        batch = trainer.datamodule.batch_size * self.count.done(trainer)  # type: ignore[attr-defined]
         if self._last is not None:
             self.samples += batch
             self.seconds += now - self._last
@@ -133,7 +153,8 @@ class EpochRecord(pl.Callback):
     SEGMENTS_KEY = "perf/segments"
     CHECKPOINT_KEY = "dpddp_epoch_record"
 
-    def __init__(self, output_dir: str | Path, lines: bool = False) -> None:
+    def __init__(self, output_dir: str | Path, lines: bool = False, steps_per_execution: int = 1) -> None:
+        self.count = GlobalBatches(steps_per_execution)
         self.path = Path(output_dir) / "metrics.csv"
         self.lines = lines
         self.rows: list[dict[str, Any]] = []  # fit rows, epochs 0.. of this run
@@ -167,8 +188,12 @@ class EpochRecord(pl.Callback):
         self._epoch_start, self._steps, self._validated = time.perf_counter(), 0, False
 
     @override
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.count.start(trainer)
+
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._steps += 1
+        self._steps += self.count.done(trainer)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

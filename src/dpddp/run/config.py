@@ -34,6 +34,7 @@ __all__ = ["allowed_keys", "check_config", "resolve_accelerator", "target_class"
 STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
+TOP_LEVEL_RUN = ("steps_per_execution",)  # how training runs (dpddp.run.executions)
 TOP_LEVEL_OUTPUT = ("epoch_lines", "print_config")  # how a run reports progress and its config
 CLUSTERS = ("auto", "kubeflow")
 GROUPS = ("data", "model", "trainer", "logger", "callbacks")
@@ -83,7 +84,7 @@ def allowed_keys(cfg: Mapping | None = None) -> dict[str, list[str]]:
     model = target_class("model", cfg["model"]) if cfg else LinearClassifier
     data = target_class("data", cfg["data"]) if cfg else RandomTensorDataModule
     return {
-        "": list(TOP_LEVEL) + list(TOP_LEVEL_OUTPUT) + list(GROUPS),
+        "": [*TOP_LEVEL, *TOP_LEVEL_RUN, *TOP_LEVEL_OUTPUT, *GROUPS],
         "data": ["_target_", *_params(data)],
         "model": ["_target_", *_params(model)],
         "trainer": trainer,
@@ -327,6 +328,36 @@ def _check_sharding(cfg: Mapping) -> None:
         )
 
 
+# Settings that cannot keep the promises with steps_per_execution > 1: (setting, the values that can, why).
+EXECUTION_LIMITS = (
+    ("trainer.accumulate_grad_batches", (None, 1), "an execution takes one optimizer step per global batch"),
+    ("trainer.gradient_clip_val", (None, 0), "Lightning clips only under automatic optimization"),
+    ("trainer.val_check_interval", (None, 1.0), "validation runs at epoch ends"),
+    ("trainer.limit_train_batches", (None, 1.0), "an epoch is all its global batches"),
+    ("strategy", ("auto", "ddp", "ddp_spawn"), "DataParallel would split an execution's steps over its devices"),
+)
+
+
+def _check_executions(cfg: Mapping) -> None:
+    """``steps_per_execution``: a positive integer; above 1, the ``EXECUTION_LIMITS`` and the data checked."""
+    k = _int("steps_per_execution", cfg.get("steps_per_execution", 1), 1, "use a positive number, e.g. 16")
+    if k == 1:
+        return
+    for name, ok, why in EXECUTION_LIMITS:
+        section, _, key = name.rpartition(".")
+        value = (cfg[section] or {}).get(key) if section else cfg["strategy"]["name"]
+        if value not in ok:
+            raise ConfigError(
+                f"{name}={value!r} cannot be kept with steps_per_execution={k} ({why}): remove it, or use "
+                "steps_per_execution=1"
+            )
+    if not issubclass(target_class("data", cfg["data"]), GlobalBatchDataModule):
+        raise ConfigError(
+            f"steps_per_execution={k} needs global-batch data (data._target_={cfg['data']['_target_']} is not a "
+            "dpddp.data.global_batch.GlobalBatchDataModule): use steps_per_execution=1"
+        )
+
+
 def check_config(cfg: DictConfig | Mapping) -> None:
     """Check a composed config (see ``conf/``); return nothing, or raise one ``ConfigError`` line.
 
@@ -336,7 +367,7 @@ def check_config(cfg: DictConfig | Mapping) -> None:
             ``devices * num_nodes``, or a ``ckpt_path`` that does not exist, cannot be read, has finished more
             epochs than ``trainer.max_epochs``, or (``resume=true``) was trained with other data settings.
     """
-    _check_keys("", [str(k) for k in cfg.keys()], list(TOP_LEVEL) + list(TOP_LEVEL_OUTPUT) + list(GROUPS))
+    _check_keys("", [str(k) for k in cfg.keys()], [*TOP_LEVEL, *TOP_LEVEL_RUN, *TOP_LEVEL_OUTPUT, *GROUPS])
     keys = allowed_keys(cfg)
     for section in ("data", "model", "trainer", "strategy"):
         _check_keys(section, (cfg[section] or {}).keys(), keys[section])
@@ -348,6 +379,7 @@ def check_config(cfg: DictConfig | Mapping) -> None:
     else:
         _check_batch(cfg["data"], world_size(cfg))
     _check_sharding(cfg)
+    _check_executions(cfg)
     if issubclass(target_class("model", cfg["model"]), Classifier):  # the built-in models
         _check_model(cfg["model"])
     for key in ("num_features", "num_classes"):  # linked settings (case 18)

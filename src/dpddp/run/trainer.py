@@ -97,7 +97,11 @@ def build_strategy(cfg: DictConfig, job: RankJob | None) -> str | pl.strategies.
 
 
 def _build_callbacks(cfg: DictConfig, output_dir: Path) -> list[pl.Callback]:
-    callbacks: list[pl.Callback] = [Throughput(), EpochRecord(output_dir, lines=epoch_lines(cfg))]
+    k = cfg.get("steps_per_execution", 1)
+    callbacks: list[pl.Callback] = [
+        Throughput(k),
+        EpochRecord(output_dir, lines=epoch_lines(cfg), steps_per_execution=k),
+    ]
     callbacks += [Preemption(output_dir / "checkpoints"), LastValidation()]
     if cfg.predict:  # every callback costs each hook of each step, even one it does not override
         callbacks.append(PredictionWriter(output_dir))
@@ -136,9 +140,12 @@ def _trainer_flag_error(cfg: DictConfig, err: Exception) -> ConfigError:
     return ConfigError(f"trainer: {line}")
 
 
-def build_trainer(cfg: DictConfig, output_dir: Path, job: RankJob | None = None) -> pl.Trainer:
+def build_trainer(
+    cfg: DictConfig, output_dir: Path, job: RankJob | None = None, callbacks: list[pl.Callback] | None = None
+) -> pl.Trainer:
     """The ``pl.Trainer`` of ``cfg`` (trainer flags passed through; strategy, devices and the rest from the
-    top-level knobs; the distributed sampler off: ``RandomTensorDataModule`` shards global batches itself).
+    top-level knobs; the distributed sampler off: ``RandomTensorDataModule`` shards global batches itself), with
+    ``callbacks`` added to the configured ones.
 
     Raises:
         ConfigError: Lightning refused a flag; the message names it.
@@ -154,7 +161,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path, job: RankJob | None = None)
             devices=cfg.devices,
             num_nodes=cfg.num_nodes,
             logger=_build_logger(cfg, output_dir),
-            callbacks=[*_build_callbacks(cfg, output_dir), *bar_callbacks],
+            callbacks=[*_build_callbacks(cfg, output_dir), *(callbacks or []), *bar_callbacks],
             default_root_dir=str(output_dir),
             use_distributed_sampler=False,
             # Lightning no longer auto-detects Kubeflow's PyTorchJob; the others (torchrun, SLURM) it does.

@@ -28,6 +28,7 @@ from dpddp.parallel.launcher import RankJob
 from dpddp.run.callbacks import EpochRecord, LastValidation, Throughput
 from dpddp.run.checkpoint import AtomicCheckpointIO
 from dpddp.run.config import check_config, resolve_accelerator
+from dpddp.run.executions import StepsPerExecution
 from dpddp.run.plot import can_plot, write_plot
 from dpddp.run.trainer import build_trainer
 
@@ -77,8 +78,12 @@ def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: di
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data, _convert_="all")
     model = instantiate(cfg.model, _convert_="all")
+    steps = cfg.get("steps_per_execution", 1)
+    fused: list[pl.Callback] = [StepsPerExecution(model, steps)] if steps > 1 and stage == "fit" else []
+    if fused:
+        datamodule.steps_per_execution = steps
     job = RankJob(entry=f"{__name__}:train_rank", config=_resolved(cfg, stage), output_dir=str(output_dir))
-    trainer = build_trainer(cfg, output_dir, job)
+    trainer = build_trainer(cfg, output_dir, job, fused)
     metrics = _run_stages(trainer, model, datamodule, cfg, stage)
     result: dict[str, Any] = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(
