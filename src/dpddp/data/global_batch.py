@@ -330,6 +330,24 @@ class GlobalBatchDataModule(pl.LightningDataModule):
             )
 
     @override
+    def state_dict(self) -> dict[str, Any]:
+        """``{"steps_per_execution": k}``, into each checkpoint: ``trainer.global_step`` and the loop's batch count
+        mean other things under ``k > 1`` (``dpddp.run.executions``), so a fit continues with the same ``k``."""
+        return {"steps_per_execution": self.steps_per_execution}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raises:
+        ConfigError: a fit continued with another ``steps_per_execution`` than the checkpoint's."""
+        saved = state_dict.get("steps_per_execution", 1)
+        fitting = self.trainer is not None and self.trainer.state.fn == "fit"
+        if fitting and saved != self.steps_per_execution:
+            raise ConfigError(
+                f"steps_per_execution={self.steps_per_execution} differs from the checkpoint's {saved}: continue "
+                f"this run with steps_per_execution={saved}"
+            )
+
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Build the splits once (every rank builds the same ones).
 

@@ -42,7 +42,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.saved_steps[path.name] = int(checkpoint.get("global_step", -1))
 
 
-def checkpoint_problem(path: str | Path, max_epochs: int | None = None, data: dict | None = None) -> str | None:
+def checkpoint_problem(
+    path: str | Path, max_epochs: int | None = None, data: dict | None = None, steps_per_execution: int | None = None
+) -> str | None:
     """Why ``path`` cannot be resumed from (one line, ending with what to do), or ``None``. Loads it with
     ``weights_only=True`` (no code runs from the file), as ``Trainer.fit(weights_only=True)`` will.
 
@@ -51,6 +53,8 @@ def checkpoint_problem(path: str | Path, max_epochs: int | None = None, data: di
             (Lightning would refuse it in every process after starting them).
         data: the run's data settings, for a resume of the same run (``resume=true``): refused if they differ
             from the checkpoint's (another data set or batch order would continue silently).
+        steps_per_execution: the fit's: refused if the checkpoint's differs (``global_step`` and the loop's
+            batch count mean other things under each: ``dpddp.run.executions``); ``None``: not a fit.
     """
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
@@ -63,6 +67,10 @@ def checkpoint_problem(path: str | Path, max_epochs: int | None = None, data: di
     done = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {}).get("processed")
     if max_epochs not in (None, -1) and isinstance(done, int) and done > max_epochs:
         return f"has finished {done} epochs, more than trainer.max_epochs={max_epochs}: raise trainer.max_epochs"
+    # the global-batch data module's state (under its class name) records k; none recorded: 1
+    k = next((v["steps_per_execution"] for v in ckpt.values() if isinstance(v, dict) and "steps_per_execution" in v), 1)
+    if steps_per_execution is not None and k != steps_per_execution:
+        return f"was trained with steps_per_execution={k}: continue it with steps_per_execution={k}"
     saved = ckpt.get("datamodule_hyper_parameters") or {}
     data = data or {}
     changed = [f"data.{k}={data[k]!r} (was {saved[k]!r})" for k in data if k in saved and saved[k] != data[k]]

@@ -358,14 +358,15 @@ def _check_executions(cfg: Mapping) -> None:
         )
 
 
-def check_config(cfg: DictConfig | Mapping) -> None:
-    """Check a composed config (see ``conf/``); return nothing, or raise one ``ConfigError`` line.
+def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
+    """Check a composed config (see ``conf/``) for ``stage``; return nothing, or raise one ``ConfigError`` line.
 
     Raises:
         ConfigError: an unknown key, a value out of range, a batch size that does not divide by the world size,
             a device request this machine cannot meet, a cluster whose world size differs from
             ``devices * num_nodes``, or a ``ckpt_path`` that does not exist, cannot be read, has finished more
-            epochs than ``trainer.max_epochs``, or (``resume=true``) was trained with other data settings.
+            epochs than ``trainer.max_epochs``, or (``resume=true``) was trained with other data settings, or (a fit)
+            with another ``steps_per_execution``.
     """
     _check_keys("", [str(k) for k in cfg.keys()], [*TOP_LEVEL, *TOP_LEVEL_RUN, *TOP_LEVEL_OUTPUT, *GROUPS])
     keys = allowed_keys(cfg)
@@ -411,5 +412,6 @@ def check_config(cfg: DictConfig | Mapping) -> None:
         )
     max_epochs = (cfg["trainer"] or {}).get("max_epochs")
     data = dict(cfg["data"]) if cfg.get("resume") else None  # resume=true continues the same run: same data
-    if ckpt is not None and (problem := checkpoint_problem(ckpt, max_epochs, data)):
+    k = cfg.get("steps_per_execution", 1) if stage == "fit" else None
+    if ckpt is not None and (problem := checkpoint_problem(ckpt, max_epochs, data, k)):
         raise ConfigError(f"ckpt_path={str(ckpt)!r} {problem}")

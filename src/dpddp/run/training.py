@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 from dpddp.cluster import LAUNCHED_ENV, env_rank
@@ -71,7 +72,7 @@ def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: di
         Preempted: stopped by SIGTERM, with a checkpoint to resume from.
     """
     start = time.perf_counter()
-    check_config(cfg)
+    check_config(cfg, stage)
     if cfg.get("print_config") and env_rank() == 0 and not os.environ.get(LAUNCHED_ENV):  # once per run
         log.info("config:\n" + OmegaConf.to_yaml(cfg, resolve=True))
     output_dir = Path(output_dir)
@@ -161,7 +162,8 @@ def _run_stages(
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
             metrics = _floats(trainer.callback_metrics)
             metrics.update(_final_weights(trainer, model, datamodule))
-            trainer.test(model, datamodule=datamodule, verbose=False)
+            if is_overridden("test_step", model):  # a user's model may have none: test/* are then null
+                trainer.test(model, datamodule=datamodule, verbose=False)
         elif stage in ("validate", "test"):
             getattr(trainer, stage)(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, verbose=False)
             metrics = {}
@@ -203,7 +205,7 @@ def _final_weights(
             trainer.save_checkpoint(Path(last[0].dirpath) / "last.ckpt")
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
     validated = next((cb.step for cb in callbacks if isinstance(cb, LastValidation)), step)
-    if validated == step or trainer.limit_val_batches == 0:
+    if validated == step or trainer.limit_val_batches == 0 or not is_overridden("validation_step", model):
         return {}
     trainer.validate(model, datamodule=datamodule, verbose=False)
     return _floats(trainer.callback_metrics)

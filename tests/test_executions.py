@@ -1,0 +1,194 @@
+"""``steps_per_execution=K`` (``dpddp.run.executions``): K optimizer steps per Lightning loop iteration keep the
+promises: the weights, metrics and ``global_step`` of K=1; ``max_steps`` exact; a stop anywhere (a limit cutting an
+execution, SIGTERM) continued ends with a straight run's weights; ddp equals one process; what cannot keep them is
+refused in one line. The speed is the bench's (bench/RESULTS.md), not a test's."""
+
+import random
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import QUIET, compose_cfg, max_diff, metrics, run_train, weights
+from torch import nn
+
+from dpddp.data.global_batch import GlobalBatchSampler
+from dpddp.errors import ConfigError, Preempted
+from dpddp.run.training import train
+
+# 1005 samples: 804 train = 12 global batches of 64 an epoch; K=5 makes executions of 5, 5 and 2 steps.
+BASE = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "model.optimizer=adam", "model.lr=0.01"]
+KEYS = ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc")
+
+
+def _ckpt(run):
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+def _same_run(a, b, tol=1e-6):
+    """Two run directories ended at the same global step with the same weights (``tol``)."""
+    assert _ckpt(a)["global_step"] == _ckpt(b)["global_step"]
+    assert max_diff(weights(a / "checkpoints/last.ckpt"), weights(b / "checkpoints/last.ckpt")) <= tol
+
+
+def test_the_sampler_yields_aligned_executions_and_the_rest_of_a_cut_one_first():
+    sampler = GlobalBatchSampler(804, 64, rank=1, world_size=2, train=True, steps_per_execution=5)
+    plain = GlobalBatchSampler(804, 64, rank=1, world_size=2, train=True)
+    assert len(sampler) == 3 and len(plain) == 12
+    executions = list(sampler)
+    assert [e.shape for e in executions] == [(5, 32), (5, 32), (2, 32)]
+    assert torch.equal(torch.cat(executions), torch.stack(list(plain)))  # the same chunks, in the same order
+    sampler.position = lambda: (0, 7)  # 7 global batches trained: the rest of the second execution first
+    assert [e.shape[0] for e in sampler] == [3, 2]
+
+
+@pytest.mark.parametrize("k", [5, 16])  # 16: one execution is more than an epoch (12 steps)
+def test_k_steps_per_execution_equal_one(tmp_path, k):
+    args = [*BASE, "trainer.max_epochs=3"]
+    one = train(compose_cfg(*args), tmp_path / "one")
+    fused = train(compose_cfg(*args, f"steps_per_execution={k}"), tmp_path / "fused")
+    _same_run(tmp_path / "one", tmp_path / "fused", tol=0.0)
+    assert _ckpt(tmp_path / "fused")["global_step"] == 36
+    for key in KEYS:
+        assert fused[key] == one[key], key
+    assert fused["samples_per_sec"] > 0
+
+
+def test_max_steps_is_exact_and_a_cut_execution_continues_exactly(tmp_path):
+    """A limit that cuts an execution (13 = 5 + 5 + 2 + 1) stops at it; continued to 3 epochs, the run ends with
+    a straight run's weights, global step and train loss."""
+    args = [*BASE, "trainer.max_epochs=3", "steps_per_execution=5"]
+    straight = train(compose_cfg(*args), tmp_path / "straight")
+    train(compose_cfg(*args, "trainer.max_steps=13"), tmp_path / "first")
+    train(compose_cfg(*BASE, "trainer.max_epochs=3", "trainer.max_steps=13"), tmp_path / "first_k1")
+    assert _ckpt(tmp_path / "first")["global_step"] == 13
+    _same_run(tmp_path / "first", tmp_path / "first_k1", tol=0.0)
+    ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    continued = train(compose_cfg(*args, f"ckpt_path={ckpt}"), tmp_path / "continued")
+    _same_run(tmp_path / "continued", tmp_path / "straight")
+    assert continued["train/loss"] == pytest.approx(straight["train/loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("seed", [3])
+def test_a_stop_at_a_random_step_then_continued_twice_equals_a_straight_run(tmp_path, seed):
+    """Two stops at seeded random steps (cuts anywhere, then a resume that starts inside an execution)."""
+    args = [*BASE, "trainer.max_epochs=3", "steps_per_execution=4"]
+    first, second = sorted(random.Random(seed).sample(range(1, 36), 2))
+    train(compose_cfg(*args), tmp_path / "straight")
+    train(compose_cfg(*args, f"trainer.max_steps={first}"), tmp_path / "a")
+    train(
+        compose_cfg(*args, f"trainer.max_steps={second}", f"ckpt_path={tmp_path}/a/checkpoints/last.ckpt"),
+        tmp_path / "b",
+    )
+    assert _ckpt(tmp_path / "b")["global_step"] == second
+    train(compose_cfg(*args, f"ckpt_path={tmp_path}/b/checkpoints/last.ckpt"), tmp_path / "c")
+    _same_run(tmp_path / "c", tmp_path / "straight")
+
+
+def test_sigterm_stops_on_a_step_boundary_and_resumes_exactly(tmp_path):
+    args = [*BASE, "trainer.max_epochs=3", "steps_per_execution=5"]
+    # SIGTERM at the end of the 4th execution (step 17); Preemption, called before it, stops after the next one
+    kill = ["+callbacks.kill._target_=conftest.SigtermAt", "+callbacks.kill.at=3"]
+    with pytest.raises(Preempted) as stop:
+        train(compose_cfg(*args, *kill), tmp_path / "run")
+    assert stop.value.step == 22  # epochs of 5 + 5 + 2 steps: 12 + 5 + 5, inside the second epoch
+    straight = train(compose_cfg(*args), tmp_path / "straight")
+    resumed = train(compose_cfg(*args, f"ckpt_path={tmp_path}/run/checkpoints/last.ckpt"), tmp_path / "resumed")
+    _same_run(tmp_path / "resumed", tmp_path / "straight")
+    assert resumed["train/loss"] == pytest.approx(straight["train/loss"], abs=1e-6)
+
+
+def test_continuing_with_another_k_is_refused_before_training(tmp_path):
+    train(compose_cfg(*BASE, "trainer.max_steps=7", "steps_per_execution=5"), tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    with pytest.raises(
+        ConfigError, match=r"trained with steps_per_execution=5: continue it with steps_per_execution=5"
+    ):
+        train(compose_cfg(*BASE, f"ckpt_path={ckpt}"), tmp_path / "again")
+    test_only = train(compose_cfg(*BASE, f"ckpt_path={ckpt}"), tmp_path / "test", stage="test")  # any k evaluates
+    assert 0 < test_only["test/acc"] <= 1
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("steps_per_execution=0", "steps_per_execution=0 is invalid: use a positive number"),
+        (
+            "trainer.accumulate_grad_batches=2",
+            "trainer.accumulate_grad_batches=2 cannot be kept with steps_per_execution=4",
+        ),
+        ("trainer.gradient_clip_val=0.5", "trainer.gradient_clip_val=0.5 cannot be kept with steps_per_execution=4"),
+        ("+trainer.val_check_interval=3", "trainer.val_check_interval=3 cannot be kept with steps_per_execution=4"),
+        ("trainer.limit_train_batches=5", "trainer.limit_train_batches=5 cannot be kept with steps_per_execution=4"),
+        ("strategy=dp", "strategy='dp' cannot be kept with steps_per_execution=4"),
+        ("data=sharded", "steps_per_execution=4 needs global-batch data"),
+    ],
+)
+def test_what_cannot_keep_the_promises_is_one_line(tmp_path, override, line):
+    args = [*BASE, "steps_per_execution=4", override]
+    if override == "data=sharded":  # a user's own loaders, sharded by dpddp
+        args = [a for a in args if not a.startswith("data.")]
+        args.append("+data.module._target_=lightning.pytorch.demos.boring_classes.BoringDataModule")
+    with pytest.raises(ConfigError) as err:
+        train(compose_cfg(*args), tmp_path / "run")
+    assert str(err.value).startswith(line) and "\n" not in str(err.value)
+    assert "use steps_per_execution=1" in str(err.value) or override == "steps_per_execution=0"
+
+
+class ScheduledModel(pl.LightningModule):
+    """A user's model with an LR scheduler: manual optimization would not step it."""
+
+    def __init__(self, num_features: int = 16, num_classes: int = 4) -> None:
+        super().__init__()
+        self.layer = nn.Linear(num_features, num_classes)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.layer(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1)}
+
+
+class DictLossModel(ScheduledModel):
+    """A user's model that returns ``{"loss": ...}`` and has no scheduler: it opts in by the setting alone."""
+
+    def training_step(self, batch, batch_idx):
+        return {"loss": super().training_step(batch, batch_idx)}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_users_model_runs_fused_and_one_with_a_scheduler_is_refused(tmp_path):
+    user = [
+        *BASE,
+        "trainer.max_epochs=1",
+        "callbacks.metric_contract=null",
+        "model._target_=test_executions.DictLossModel",
+    ]
+    user += [f"~model.{key}" for key in ("optimizer", "lr", "momentum", "weight_decay")]
+    train(compose_cfg(*user), tmp_path / "one")
+    train(compose_cfg(*user, "steps_per_execution=5"), tmp_path / "fused")
+    a, b = (torch.load(p / "checkpoints/last.ckpt", weights_only=True) for p in (tmp_path / "one", tmp_path / "fused"))
+    assert a["global_step"] == b["global_step"] == 12
+    assert all(torch.equal(a["state_dict"][n], b["state_dict"][n]) for n in a["state_dict"])
+    written = metrics(tmp_path / "fused")  # no validation_step or test_step: null, with the reason
+    assert written["test/acc"] is None and written["missing"]["test/acc"] == "no test ran"
+    assert written["val/loss"] is None and written["train/loss"] is None
+    scheduled = [u.replace("DictLossModel", "ScheduledModel") for u in user]
+    with pytest.raises(ConfigError, match=r"ScheduledModel has 1 optimizer\(s\) and 1 LR scheduler\(s\)"):
+        train(compose_cfg(*scheduled, "steps_per_execution=5"), tmp_path / "scheduled")
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_with_k_equal_one_process(tmp_path):
+    args = [*BASE, "trainer.max_epochs=2", "steps_per_execution=5", "trainer.max_steps=20"]
+    one = train(compose_cfg(*args), tmp_path / "one")
+    done = run_train(*args, "strategy=ddp", "devices=2", "hydra.run.dir=two", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _same_run(tmp_path / "two", tmp_path / "one", tol=1e-5)
+    two = metrics(tmp_path / "two")
+    assert two["world_size"] == 2
+    for key in KEYS:
+        assert two[key] == pytest.approx(one[key], abs=1e-5), key
