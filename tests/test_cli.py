@@ -89,6 +89,11 @@ def _cli_status(*args, cwd):
             "error: data.batch_size=63 (global) does not divide by the world size 2 (devices x num_nodes): use a "
             "multiple of 2",
         ),
+        (
+            ["--steps_per_execution=4", "--trainer.accumulate_grad_batches=2"],
+            "error: trainer.accumulate_grad_batches=2 cannot be kept with steps_per_execution=4 (an execution takes "
+            "one optimizer step per global batch): remove it, or use steps_per_execution=1",
+        ),
     ],
 )
 def test_the_cli_applies_the_checks_of_train_py(tmp_path, args, line):

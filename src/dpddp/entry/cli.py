@@ -58,6 +58,9 @@ class DPDDPCLI(LightningCLI):
         parser.link_arguments("data.num_features", "model.num_features")
         parser.link_arguments("data.num_classes", "model.num_classes")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint, or 'last'")
+        parser.add_argument(
+            "--steps_per_execution", type=int, default=1, help="optimizer steps per Lightning loop iteration"
+        )
 
     @override
     def instantiate_classes(self) -> None:
@@ -100,6 +103,7 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
         **top,
         "seed": given.get("seed_everything", 0),
         "ckpt_path": given.get("ckpt_path"),
+        "steps_per_execution": given.get("steps_per_execution", 1),
         "model": {"_target_": f"{model_cls.__module__}.{model_cls.__qualname__}", **given["model"]},
         "data": {"_target_": f"{data_cls.__module__}.{data_cls.__qualname__}", **given["data"]},
         "trainer": trainer,
