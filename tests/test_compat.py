@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric.utilities import distributed
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -147,3 +148,20 @@ def test_the_optuna_plugin_launches_through_the_launcher_attribute_the_recording
     assert "self.sweeper = OptunaSweeperImpl(" in inspect.getsource(OptunaSweeper.__init__)
     assert "self.launcher.launch(" in inspect.getsource(impl.OptunaSweeperImpl.sweep)
     assert "max_failure_rate" in inspect.getsource(impl.OptunaSweeperImpl.sweep)
+
+
+def test_a_cut_execution_is_uncounted_in_a_real_checkpoints_loop_layout(tmp_path):
+    """``uncount_last_batch`` and ``epoch_finished_in`` on the checkpoint Lightning itself writes."""
+    trainer = pl.Trainer(max_steps=3, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(BoringModel())
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    checkpoint = torch.load(tmp_path / "c.ckpt", weights_only=True)
+    loops = checkpoint["loops"]["fit_loop"]
+    assert loops["epoch_loop.batch_progress"]["current"]["processed"] == 3
+    assert not _compat.epoch_finished_in(trainer, checkpoint)  # 3 of 64 batches
+    _compat.uncount_last_batch(checkpoint)
+    assert loops["epoch_loop.batch_progress"]["total"] == {"ready": 2, "started": 2, "processed": 2, "completed": 2}
+    progress = loops["epoch_progress"]["current"]
+    assert progress["processed"] == progress["completed"] == progress["started"] - 1
+    loops["epoch_loop.batch_progress"]["current"]["processed"] = trainer.num_training_batches
+    assert _compat.epoch_finished_in(trainer, checkpoint)
