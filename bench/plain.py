@@ -13,13 +13,17 @@ Modes:
         batch_size / world_size``, and ``torch.set_num_threads(max(1, cpu_count // world_size))``.
     dp: one process, ``nn.DataParallel`` over ``world_size`` CUDA GPUs (refused without CUDA).
 
+``--device cuda`` (single and ddp; refused without CUDA): the model on GPU 0, or under ddp on GPU ``r`` of rank
+``r`` with nccl; batches are gathered on the CPU and copied over, as under dp.
+
 Writes (and prints) a JSON object to ``out``: ``samples_per_sec`` (steady state: global batches of the steps
 after the first of each epoch over the time from the end of that first step to the end of the epoch's last step,
 samples/s), ``first_step_unix_s`` (``time.time()`` at the end of the first optimizer step, s),
 ``wall_time_s`` (from ``main()`` to the end of testing, s), ``steps`` (optimizer steps), ``val/loss``,
 ``val/acc``, ``test/loss``, ``test/acc`` (mean loss per sample, fraction; equal to the project's for the same job).
 
-Usage: ``python bench/plain.py MODE WORLD_SIZE NUM_SAMPLES NUM_FEATURES NUM_CLASSES BATCH_SIZE EPOCHS OUT``
+Usage: ``python bench/plain.py MODE WORLD_SIZE NUM_SAMPLES NUM_FEATURES NUM_CLASSES BATCH_SIZE EPOCHS OUT
+[--device cpu|cuda]``
 """
 
 from __future__ import annotations
@@ -86,7 +90,9 @@ def evaluate(
                 [F.cross_entropy(logits, yb, reduction="sum"), (logits.argmax(1) == yb).sum(), len(yb)]
             )
     if world_size > 1 and dist.is_initialized():
+        sums = sums.to(device)  # nccl reduces CUDA tensors only
         dist.all_reduce(sums)
+        sums = sums.cpu()
     loss, correct, count = sums.tolist()
     return loss / max(count, 1), correct / max(count, 1)
 
@@ -138,11 +144,18 @@ def _ddp_rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> Non
     """One DDP rank (``mp.spawn`` target); rank 0 puts its result on ``queue``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.world_size)
     try:
         splits = load_splits(args.num_samples, args.num_features, args.num_classes)
         torch.manual_seed(SEED)
-        model = nn.parallel.DistributedDataParallel(nn.Linear(args.num_features, args.num_classes))
+        linear = nn.Linear(args.num_features, args.num_classes)
+        if cuda:
+            model = nn.parallel.DistributedDataParallel(linear.cuda(rank), device_ids=[rank])
+        else:
+            model = nn.parallel.DistributedDataParallel(linear)
         result = fit(model, splits, args.batch_size, args.epochs, rank, args.world_size)
         if rank == 0:
             queue.put(result)
@@ -154,17 +167,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``args.mode``; return rank 0's result."""
     if args.batch_size % args.world_size:
         raise SystemExit(f"error: batch_size {args.batch_size} does not divide by world_size {args.world_size}")
+    if (args.mode == "dp" or args.device == "cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"error: {'mode dp' if args.mode == 'dp' else '--device cuda'} needs CUDA")
     if args.mode == "ddp":
         queue = mp.get_context("spawn").SimpleQueue()
         mp.spawn(_ddp_rank, args=(args, free_port(), queue), nprocs=args.world_size, join=True)
         return queue.get()
-    if args.mode == "dp" and not torch.cuda.is_available():
-        raise SystemExit("error: mode dp needs CUDA")
     splits = load_splits(args.num_samples, args.num_features, args.num_classes)
     torch.manual_seed(SEED)
     model: nn.Module = nn.Linear(args.num_features, args.num_classes)
     if args.mode == "dp":
         model = nn.DataParallel(model.cuda(), device_ids=list(range(args.world_size)))
+    elif args.device == "cuda":
+        model = model.cuda()
     world_size = 1  # single and dp: one process takes the whole global batch
     return fit(model, splits, args.batch_size, args.epochs, 0, world_size)
 
@@ -181,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("batch_size", type=int, help="global batch (samples per optimizer step)")
     parser.add_argument("epochs", type=int)
     parser.add_argument("out", type=Path, help="JSON file to write")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="single and ddp (dp: always cuda)")
     args = parser.parse_args(argv)
     result = {**run(args), "mode": args.mode, "world_size": args.world_size}
     result["wall_time_s"] = time.perf_counter() - start
