@@ -1,11 +1,13 @@
-"""Benchmark dpddp (``python train.py``) against the plain-PyTorch baseline (``bench/plain.py``), side by side.
+"""Benchmark dpddp (``python train.py``) against its two peers: the stock-Lightning program a user would write
+instead (``bench/stock.py``) and the plain-PyTorch baseline (``bench/plain.py``).
 
-For each workload and strategy, the project and the baseline run alternately, each as a fresh subprocess
-(one warm-up pair, not counted, then ``--reps`` pairs), so slow drifts of the machine hit both alike. Writes
-``RESULTS.md`` (medians, min-max, ratios project/plain), ``results.json`` (every run) and ``throughput.png``
-into ``--out``. See ``bench/README.md``.
+For each workload and strategy, project, stock and plain run alternately, each as a fresh subprocess (one
+warm-up round, not counted, then ``--reps`` rounds), so slow drifts of the machine hit all alike. Writes
+``RESULTS.md`` (medians, min-max, ratios project/stock and project/plain, issue 15's targets), ``results.json``
+(every run) and ``throughput.png`` into ``--out``. See ``bench/README.md``.
 
-Usage: ``python bench/run.py [--reps 5] [--workloads W1,W2,W3] [--strategies single,ddp,dp] [--quick] [--out DIR]``
+Usage: ``python bench/run.py [--reps 5] [--workloads W1,W2,W3] [--strategies single,ddp,dp] [--k16 auto|on|off]
+[--impls project,stock,plain] [--quick] [--out DIR]``
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import platform
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,6 +53,12 @@ EXTRA = {"W4": ["trainer.limit_train_batches=3000", "trainer.limit_val_batches=2
 QUICK_EXTRA = {"W4": ["trainer.limit_train_batches=20", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]}
 # The implementations compared per workload (the first is the denominator of the variant tables).
 IMPLS = {"W4": ["project", "project-streaming"]}
+PEERS = ("stock", "plain")  # bench/stock.py and bench/plain.py: every other workload's project is compared with both
+# The project variant "project-k16": several optimizer steps per Lightning loop iteration (issue 15 item 4), on
+# the tiny-step workload; --k16 auto runs it once the project's config has the key.
+STEPS_PER_EXECUTION = 16
+K_WORKLOADS = ("W3",)
+VARIANTS = {"project-streaming": ["data.streaming=true"], "project-k16": [f"steps_per_execution={STEPS_PER_EXECUTION}"]}
 # Variables that would make a child think a cluster launched it.
 RANK_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
 QUIET = [
@@ -65,6 +74,29 @@ METRICS = [
     ("wall_s", "whole wall time (s)", 1.0),
     ("start_to_first_step_s", "start to first step (s)", 1.0),
     ("peak_rss_bytes", "peak RSS of one process (MiB)", 1 / 2**20),
+]
+METRIC_LABELS = {key: label for key, label, _ in METRICS}
+# Issue 15's targets: (workload, strategy, metric key, numerator, denominator, test, bound). The test is ">=" or
+# "<=" on the median of the per-round ratios numerator/denominator, "-<=" on the median of the per-round
+# differences numerator - denominator (s).
+TARGETS = [
+    ("W1", "single", "wall_s", "project", "stock", "<=", 1.0),  # item 2: dpddp lean at least 1.0x stock Lightning
+    ("W1", "ddp(2)", "wall_s", "project", "stock", "<=", 1.0),
+    ("W2", "single", "samples_per_sec", "project", "stock", ">=", 1.0),
+    ("W2", "ddp(2)", "samples_per_sec", "project", "stock", ">=", 1.0),
+    ("W3", "single", "samples_per_sec", "project", "stock", ">=", 1.0),
+    ("W3", "ddp(2)", "samples_per_sec", "project", "stock", ">=", 1.0),
+    ("W1", "single", "start_to_first_step_s", "project", "stock", "-<=", 0.3),  # item 2: at most stock + 0.3 s
+    ("W1", "ddp(2)", "start_to_first_step_s", "project", "stock", "-<=", 0.3),
+    ("W2", "single", "start_to_first_step_s", "project", "stock", "-<=", 0.3),
+    ("W2", "ddp(2)", "start_to_first_step_s", "project", "stock", "-<=", 0.3),
+    ("W3", "single", "start_to_first_step_s", "project", "stock", "-<=", 0.3),
+    ("W3", "ddp(2)", "start_to_first_step_s", "project", "stock", "-<=", 0.3),
+    ("W2", "single", "samples_per_sec", "project-defaults", "project", ">=", 0.95),  # item 2: defaults cost <= 5%
+    ("W2", "single", "samples_per_sec", "project", "plain", ">=", 0.85),  # item 3
+    ("W2", "ddp(2)", "samples_per_sec", "project", "plain", ">=", 1.0),
+    ("W3", "single", "samples_per_sec", "project-k16", "plain", ">=", 0.8),  # item 4
+    ("W3", "ddp(2)", "samples_per_sec", "project-k16", "plain", ">=", 0.8),
 ]
 
 
@@ -83,13 +115,36 @@ def strategies(names: list[str]) -> dict[str, tuple[str, int]]:
     return chosen
 
 
+def project_knows_k() -> bool:
+    """Whether the project's config has the top-level key ``steps_per_execution`` (until it does, Hydra refuses
+    it as an unknown key)."""
+    config = (ROOT / "src" / "dpddp" / "conf" / "config.yaml").read_text()
+    return any(line.startswith("steps_per_execution:") for line in config.splitlines())
+
+
+def impls_for(workload: str, mode: str, k16: bool) -> list[str]:
+    """The implementations of one round, in run order: project, stock (no dp in stock Lightning), plain, then the
+    project variants of the workload (defaults on at W2 single; ``project-k16`` when ``k16``)."""
+    if workload in IMPLS:
+        return IMPLS[workload]
+    impls = ["project", *(peer for peer in PEERS if not (peer == "stock" and mode == "dp"))]
+    impls += ["project-defaults"] if (workload, mode) == ("W2", "single") else []
+    return impls + (["project-k16"] if k16 and workload in K_WORKLOADS else [])
+
+
 def project_cmd(
-    sizes: tuple[int, ...], mode: str, world_size: int, run_dir: Path, defaults: bool, extra: list[str]
+    sizes: tuple[int, ...],
+    mode: str,
+    world_size: int,
+    run_dir: Path,
+    defaults: bool,
+    extra: list[str],
+    accelerator: str | None = None,
 ) -> list[str]:
     """``python train.py`` for one epoch of the workload plus ``extra`` overrides; ``defaults``: progress bar,
-    CSV logger and checkpoints left on."""
+    CSV logger and checkpoints left on; ``accelerator`` (default: ``gpu`` for dp, else ``cpu``)."""
     num_samples, num_features, num_classes, batch_size = sizes
-    accelerator = "gpu" if mode == "dp" else "cpu"
+    accelerator = accelerator or ("gpu" if mode == "dp" else "cpu")
     cmd = [sys.executable, "train.py", f"accelerator={accelerator}", f"data.num_samples={num_samples}"]
     cmd += [f"data.num_features={num_features}", f"data.num_classes={num_classes}", f"data.batch_size={batch_size}"]
     cmd += ["trainer.max_epochs=1", f"hydra.run.dir={run_dir}", "trainer.num_sanity_val_steps=0"]
@@ -98,9 +153,10 @@ def project_cmd(
     return cmd + extra
 
 
-def plain_cmd(sizes: tuple[int, ...], mode: str, world_size: int, out: Path) -> list[str]:
-    """``python bench/plain.py`` for one epoch of the workload."""
-    return [sys.executable, str(ROOT / "bench" / "plain.py"), mode, str(world_size), *map(str, sizes), "1", str(out)]
+def peer_cmd(peer: str, sizes: tuple[int, ...], mode: str, world_size: int, out: Path, *options: str) -> list[str]:
+    """``python bench/<peer>.py`` (``stock`` or ``plain``) for one epoch of the workload."""
+    script = str(ROOT / "bench" / f"{peer}.py")
+    return [sys.executable, script, mode, str(world_size), *map(str, sizes), "1", str(out), *options]
 
 
 def _poll_rss(proc: subprocess.Popen, stop: threading.Event, peak: list[int], interval_s: float = 0.05) -> None:
@@ -123,23 +179,31 @@ def _poll_rss(proc: subprocess.Popen, stop: threading.Event, peak: list[int], in
         stop.wait(interval_s)
 
 
-def measure(cmd: list[str], result_file: Path, log_file: Path, env: dict[str, str]) -> dict[str, Any]:
+def measure(
+    cmd: list[str], result_file: Path, log_file: Path, env: dict[str, str], timeout_s: float | None = None
+) -> dict[str, Any]:
     """Run ``cmd`` to its end; return its ``result_file`` JSON plus ``wall_s`` (Popen to exit, s),
     ``start_to_first_step_s`` (``first_step_unix_s`` minus ``time.time()`` before Popen, s) and
     ``peak_rss_bytes`` (the largest RSS of any one process of the tree: 50 ms polls, raised to the kernel's exact
-    ``ru_maxrss`` of reaped children when that grew during the run, bytes).
+    ``ru_maxrss`` of reaped children when that grew during the run, bytes). With ``timeout_s`` (s) the command
+    runs in its own session, killed as a whole when it runs longer.
 
     Raises:
-        RuntimeError: the command failed (the end of its log in the message).
+        RuntimeError: the command failed or timed out (the end of its log in the message).
     """
     rusage_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     peak, stop = [0], threading.Event()
     with open(log_file, "wb") as log:
         start_unix, start = time.time(), time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        session = timeout_s is not None
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=session)
         poller = threading.Thread(target=_poll_rss, args=(proc, stop, peak), daemon=True)
         poller.start()
-        code = proc.wait()
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            code = proc.wait()
         wall = time.perf_counter() - start
     stop.set()
     poller.join()
@@ -164,14 +228,15 @@ def measure(cmd: list[str], result_file: Path, log_file: Path, env: dict[str, st
 def run_one(
     impl: str, sizes: tuple[int, ...], mode: str, world_size: int, env: dict[str, str], extra: list[str]
 ) -> dict[str, Any]:
-    """One fresh subprocess of ``impl`` (``project``, ``project-defaults``, ``project-streaming`` or ``plain``),
-    in a temporary directory that is removed afterwards."""
+    """One fresh subprocess of ``impl`` (``project``, a project variant of ``VARIANTS``, ``project-defaults``,
+    ``stock`` or ``plain``), in a temporary directory that is removed afterwards."""
     tmp = Path(tempfile.mkdtemp(prefix="dpddp-bench-"))
     try:
-        if impl == "plain":
-            cmd, result_file = plain_cmd(sizes, mode, world_size, tmp / "plain.json"), tmp / "plain.json"
+        if impl in PEERS:
+            result_file = tmp / f"{impl}.json"
+            cmd = peer_cmd(impl, sizes, mode, world_size, result_file)
         else:
-            extra = extra + (["data.streaming=true"] if impl == "project-streaming" else [])
+            extra = extra + VARIANTS.get(impl, [])
             cmd = project_cmd(sizes, mode, world_size, tmp / "run", impl == "project-defaults", extra)
             result_file = tmp / "run" / "metrics.json"
         return measure(cmd, result_file, tmp / "log.txt", env)
@@ -181,17 +246,19 @@ def run_one(
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every run of the session, in order: per workload and strategy, a warm-up round and ``args.reps`` rounds
-    of project, plain (and project-defaults for W2 single)."""
+    of ``impls_for`` the workload (project, stock, plain, then the project's variants)."""
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     sizes_of = QUICK_WORKLOADS if args.quick else WORKLOADS
     chosen = strategies(args.strategies)
+    k16 = args.k16 == "on" or (args.k16 == "auto" and project_knows_k())
+    if not k16 and any(w in K_WORKLOADS for w in args.workloads):
+        print(f"not running steps_per_execution={STEPS_PER_EXECUTION} (--k16 {args.k16})", flush=True)
     runs = []
     for workload in args.workloads:
         for label, (mode, world_size) in chosen.items():
-            impls = IMPLS.get(workload, ["project", "plain"])
-            impls = impls + (["project-defaults"] if (workload, mode) == ("W2", "single") else [])
+            impls = [impl for impl in impls_for(workload, mode, k16) if impl in args.impls or not args.impls]
             extra = (QUICK_EXTRA if args.quick else EXTRA).get(workload, [])
             for rep in range(0 if args.quick else -1, args.reps):  # rep -1: the warm-up round
                 for impl in impls:
@@ -230,30 +297,66 @@ def _values(runs: list[dict], workload: str, strategy: str, impl: str, key: str)
     return [r[key] for r in runs if (r["workload"], r["strategy"], r["impl"]) == (workload, strategy, impl)]
 
 
-def paired_ratios(runs: list[dict], workload: str, strategy: str, key: str, num: str, den: str) -> list[float]:
-    """``num / den`` for each repetition, the two runs of a pair being back to back."""
+def paired(
+    runs: list[dict], workload: str, strategy: str, key: str, num: str, den: str, diff: bool = False
+) -> list[float]:
+    """``num / den`` (``diff``: ``num - den``) for each repetition, the runs of a round being back to back."""
     a, b = (_values(runs, workload, strategy, impl, key) for impl in (num, den))
-    if len(a) != len(b):  # a side that did not run (W4 has no plain side)
+    if len(a) != len(b):  # a side that did not run (W4 has no peers, dp no stock)
         return []
-    return [x / y for x, y in zip(a, b, strict=True) if y]
+    return [x - y if diff else x / y for x, y in zip(a, b, strict=True) if diff or y]
+
+
+def target_label(workload: str, strategy: str, key: str, num: str, den: str, test: str) -> str:
+    """``W3 single K=16 samples/s (steady state), dpddp/plain``: what a target compares."""
+    suffix = f" K={STEPS_PER_EXECUTION}" if num == "project-k16" else ""
+    sides = f"dpddp{' - ' if test.startswith('-') else '/'}{den}"
+    sides = "defaults on/off" if num == "project-defaults" else sides
+    return f"{workload} {strategy}{suffix} {METRIC_LABELS[key]}, {sides}"
+
+
+def target_table(runs: list[dict]) -> list[str]:
+    """Issue 15's targets as a markdown table: each bound next to the median [min-max] of its paired values and
+    whether the median meets it."""
+    lines = ["| target (issue 15) | bound | measured | met |", "| --- | --- | --- | --- |"]
+    for workload, strategy, key, num, den, test, bound in TARGETS:
+        values = paired(runs, workload, strategy, key, num, den, diff=test.startswith("-"))
+        median = statistics.median(values) if values else None
+        met = "not measured" if median is None else "yes" if eval_bound(median, test, bound) else "no"
+        label = target_label(workload, strategy, key, num, den, test)
+        lines.append(f"| {label} | {test.lstrip('-')} {bound:g} | {_stat(values)} | {met} |")
+    return lines
+
+
+def eval_bound(value: float, test: str, bound: float) -> bool:
+    """Whether ``value`` passes ``test`` (``>=``, ``<=`` or ``-<=``, a difference) against ``bound``."""
+    return value >= bound if test == ">=" else value <= bound
 
 
 def headline(runs: list[dict]) -> list[str]:
-    """The ratios that answer "what does the project cost": one line each, median [min-max] of the pairs."""
+    """The targets, then the ratios that answer "what does the project cost": one line each, median [min-max]
+    of the per-round ratios, against stock Lightning and plain PyTorch."""
+    lines = [*target_table(runs), ""]
+    main_metric = {"W1": ("wall_s", "whole wall time"), "W2": ("samples_per_sec", "samples/s")}
+    groups = list(dict.fromkeys((r["workload"], r["strategy"]) for r in runs if r["workload"] not in IMPLS))
+    for impl, suffix in (("project", ""), ("project-k16", f" K={STEPS_PER_EXECUTION}")):
+        for workload, strategy in groups:
+            key, label = main_metric.get(workload, ("samples_per_sec", "samples/s"))
+            parts = [
+                f"dpddp/{peer} **{_stat(ratios)}**"
+                for peer in PEERS
+                if (ratios := paired(runs, workload, strategy, key, impl, peer))
+            ]
+            if parts:
+                lines.append(f"- {workload} {strategy}{suffix} {label}: {', '.join(parts)}")
+    for workload, strategy in groups:
+        key = "start_to_first_step_s"
+        parts = [
+            f"dpddp/{p} **{_stat(r)}**" for p in PEERS if (r := paired(runs, workload, strategy, key, "project", p))
+        ]
+        if parts:
+            lines.append(f"- {workload} {strategy} start to first step: {', '.join(parts)}")
     wanted = [
-        ("W1", "single", "wall_s", "project", "plain", "W1 single whole wall time, project/plain"),
-        ("W1", "ddp(2)", "wall_s", "project", "plain", "W1 ddp(2) whole wall time, project/plain"),
-        ("W2", "single", "samples_per_sec", "project", "plain", "W2 single samples/s, project/plain"),
-        ("W2", "ddp(2)", "samples_per_sec", "project", "plain", "W2 ddp(2) samples/s, project/plain"),
-        ("W3", "single", "samples_per_sec", "project", "plain", "W3 single samples/s, project/plain"),
-        ("W3", "ddp(2)", "samples_per_sec", "project", "plain", "W3 ddp(2) samples/s, project/plain"),
-    ]
-    wanted += [
-        (w, "ddp(2)", "start_to_first_step_s", "project", "plain", f"{w} ddp(2) start to first step, project/plain")
-        for w in WORKLOADS
-        if w not in IMPLS
-    ]
-    wanted += [
         ("W2", "single", key, "project-defaults", "project", f"W2 single {label}, defaults on/off")
         for key, label in (("samples_per_sec", "samples/s"), ("wall_s", "whole wall time"))
     ]
@@ -262,10 +365,8 @@ def headline(runs: list[dict]) -> list[str]:
         for s in ("single", "ddp(2)")
         for key, label in (("samples_per_sec", "samples/s"), ("peak_rss_bytes", "peak RSS per process"))
     ]
-    lines = []
     for workload, strategy, key, num, den, label in wanted:
-        ratios = paired_ratios(runs, workload, strategy, key, num, den)
-        if ratios:
+        if ratios := paired(runs, workload, strategy, key, num, den):
             lines.append(f"- {label}: **{_stat(ratios)}**")
     for strategy in ("single", "ddp(2)"):
         if rss := _values(runs, "W4", strategy, "project-streaming", "peak_rss_bytes"):
@@ -274,13 +375,20 @@ def headline(runs: list[dict]) -> list[str]:
 
 
 def workload_table(runs: list[dict], workload: str) -> list[str]:
-    """The markdown table of one workload: a row per strategy and metric."""
-    lines = ["| strategy | metric | project | plain | project/plain |", "| --- | --- | --- | --- | --- |"]
+    """The markdown table of one workload: a row per strategy (and project variant ``project-k16``, as
+    ``<strategy> K=16``) and metric, the project against stock Lightning and plain PyTorch."""
+    lines = [
+        "| strategy | metric | project | stock | plain | project/stock | project/plain |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for strategy in dict.fromkeys(r["strategy"] for r in runs if r["workload"] == workload):
-        for key, label, scale in METRICS:
-            project, plain = (_values(runs, workload, strategy, impl, key) for impl in ("project", "plain"))
-            ratio = _stat(paired_ratios(runs, workload, strategy, key, "project", "plain"))
-            lines.append(f"| {strategy} | {label} | {_stat(project, scale)} | {_stat(plain, scale)} | {ratio} |")
+        for impl, suffix in (("project", ""), ("project-k16", f" K={STEPS_PER_EXECUTION}")):
+            if impl != "project" and not _values(runs, workload, strategy, impl, "wall_s"):
+                continue
+            for key, label, scale in METRICS:
+                cells = [_stat(_values(runs, workload, strategy, i, key), scale) for i in (impl, *PEERS)]
+                cells += [_stat(paired(runs, workload, strategy, key, impl, peer)) for peer in PEERS]
+                lines.append(f"| {strategy}{suffix} | {label} | {' | '.join(cells)} |")
     return lines
 
 
@@ -292,7 +400,7 @@ def variant_table(runs: list[dict], workload: str, strategies: list[str], num: s
             continue
         for key, label, scale in METRICS:
             a, b = (_values(runs, workload, strategy, impl, key) for impl in (num, den))
-            ratio = _stat(paired_ratios(runs, workload, strategy, key, num, den))
+            ratio = _stat(paired(runs, workload, strategy, key, num, den))
             lines.append(f"| {strategy} | {label} | {_stat(a, scale)} | {_stat(b, scale)} | {ratio} |")
     return lines if len(lines) > 2 else []
 
@@ -305,7 +413,7 @@ def write_results(runs: list[dict], args: argparse.Namespace, command: str) -> N
     threads = args.threads or os.environ.get("OMP_NUM_THREADS", "unset")
     nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     lines = [
-        "# dpddp vs plain PyTorch",
+        "# dpddp vs stock Lightning and plain PyTorch",
         "",
         f"Command: `{command}`  ",
         f"Date: {datetime.date.today().isoformat()}; machine: `nproc` = {nproc}, {platform.machine()}, "
@@ -314,9 +422,10 @@ def write_results(runs: list[dict], args: argparse.Namespace, command: str) -> N
         f"the end; matplotlib {'' if importlib.util.find_spec('matplotlib') else 'not '}installed (torchmetrics, "
         "imported by the project, imports it in every project process when it is)  ",
         f"Repetitions: {args.reps} per implementation{'' if args.quick else ' after one warm-up round'}, "
-        "project and plain alternating, each a fresh process. Cells: median [min-max]; ratios: median [min-max] of "
-        "the per-repetition ratios project/plain (the two runs of a repetition back to back). samples/s ratio < 1: "
-        "the project is slower; time and memory ratio > 1: the project takes more.",
+        "project, stock Lightning (`bench/stock.py`) and plain PyTorch (`bench/plain.py`) alternating, each a "
+        "fresh process. Cells: median [min-max]; ratios: median [min-max] of the per-repetition ratios (the runs "
+        "of a repetition back to back). samples/s ratio < 1: the project is slower; time and memory ratio > 1: "
+        "the project takes more.",
         "",
         "## Headline",
         "",
@@ -339,20 +448,22 @@ def write_results(runs: list[dict], args: argparse.Namespace, command: str) -> N
         if defaults:
             lines += ["", "What the defaults cost (W2 single): progress bar, CSV logger and checkpoints on.", ""]
             lines += defaults
-    losses = []
-    for workload, strategy in dict.fromkeys((r["workload"], r["strategy"]) for r in counted):
-        project, plain = (_values(counted, workload, strategy, impl, "test_loss") for impl in ("project", "plain"))
-        if len(project) == len(plain):  # W4 has no plain side
-            losses += [abs(a - b) for a, b in zip(project, plain, strict=True) if a is not None and b is not None]
-    if losses:
-        lines += ["", f"Same job check: max |test/loss project - plain| over the pairs = {max(losses):.2g}."]
+    for impl, what in (("project", "the same job"), ("stock", "the same task in another sample order")):
+        losses = []
+        for workload, strategy in dict.fromkeys((r["workload"], r["strategy"]) for r in counted):
+            a, b = (_values(counted, workload, strategy, i, "test_loss") for i in (impl, "plain"))
+            if len(a) == len(b):  # W4 has no plain side
+                losses += [abs(x - y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
+        if losses:
+            lines += ["", f"Check, {what}: max |test/loss {impl} - plain| over the rounds = {max(losses):.2g}."]
     lines += [
         "",
         "Project command: `python train.py accelerator=cpu data.num_samples=N data.num_features=F "
         "data.num_classes=C data.batch_size=B trainer.max_epochs=1 hydra.run.dir=<tmp dir> "
         f"{' '.join(QUIET)} trainer.num_sanity_val_steps=0` plus `strategy=auto` or `strategy=ddp devices=2` "
-        "(defaults variant: without the logger, checkpoint and progress bar overrides). Plain command: "
-        "`python bench/plain.py MODE WORLD_SIZE N F C B 1 OUT`.",
+        "(defaults variant: without the logger, checkpoint and progress bar overrides; K variant: plus "
+        f"`{VARIANTS['project-k16'][0]}`). Stock command: `python bench/stock.py MODE WORLD_SIZE N F C B 1 OUT`. "
+        "Plain command: `python bench/plain.py MODE WORLD_SIZE N F C B 1 OUT`.",
     ]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "RESULTS.md").write_text("\n".join(lines) + "\n")
@@ -360,8 +471,8 @@ def write_results(runs: list[dict], args: argparse.Namespace, command: str) -> N
 
 
 def write_chart(runs: list[dict], path: Path) -> None:
-    """Grouped bars: median samples/s (log scale, min-max whiskers) per workload and strategy, project vs
-    plain."""
+    """Grouped bars: median samples/s (log scale, min-max whiskers) per workload and strategy: the project (and
+    its K variant), stock Lightning, plain PyTorch."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -369,19 +480,21 @@ def write_chart(runs: list[dict], path: Path) -> None:
 
     counted = [r for r in runs if r["rep"] >= 0]
     groups = list(dict.fromkeys((r["workload"], r["strategy"]) for r in counted if r["workload"] not in IMPLS))
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(groups)), 4))
-    width = 0.38
-    for i, impl in enumerate(("project", "plain")):
+    names = {"project": "dpddp", "project-k16": f"dpddp K={STEPS_PER_EXECUTION}", "stock": "stock Lightning"}
+    impls = [i for i in ("project", "project-k16", *PEERS) if any(r["impl"] == i for r in counted)]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
+    width = 0.8 / max(len(impls), 1)
+    for i, impl in enumerate(impls):
         values = [_values(counted, w, s, impl, "samples_per_sec") for w, s in groups]
         medians = [statistics.median(v) if v else 0 for v in values]
         low = [m - min(v) if v else 0 for m, v in zip(medians, values, strict=True)]
         high = [max(v) - m if v else 0 for m, v in zip(medians, values, strict=True)]
-        xs = [g + (i - 0.5) * width for g in range(len(groups))]
-        ax.bar(xs, medians, width, yerr=[low, high], capsize=3, label="dpddp" if impl == "project" else "plain")
+        xs = [g + (i - (len(impls) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, medians, width, yerr=[low, high], capsize=3, label=names.get(impl, impl))
     ax.set_xticks(range(len(groups)), [f"{w}\n{s}" for w, s in groups])
     ax.set_yscale("log")
     ax.set_ylabel("training samples/s (median, min-max)")
-    ax.set_title("Steady-state training throughput: dpddp vs plain PyTorch", fontsize=10)
+    ax.set_title("Steady-state training throughput: dpddp vs stock Lightning and plain PyTorch", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -397,11 +510,26 @@ def main(argv: list[str] | None = None) -> int:
         "--strategies", default="single,ddp,dp", help="comma-separated subset of single,ddp,dp (dp: CUDA only)"
     )
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every run (default: inherited/unset)")
+    parser.add_argument(
+        "--k16",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help=f"the project with steps_per_execution={STEPS_PER_EXECUTION} on {','.join(K_WORKLOADS)} "
+        "(auto: when the project's config has the key)",
+    )
+    parser.add_argument(
+        "--impls",
+        default="",
+        help="comma-separated subset of project,stock,plain and the project variants (default all)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition, no warm-up (smoke test)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench", help="output directory (default bench/)")
     args = parser.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    if unknown := set(args.impls) - {"project", *VARIANTS, "project-defaults", *PEERS}:
+        parser.error(f"unknown implementations {sorted(unknown)}")
     if unknown := set(args.workloads) - set(WORKLOADS):
         parser.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
     if unknown := set(args.strategies) - {"single", "ddp", "dp"}:

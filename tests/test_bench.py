@@ -1,7 +1,11 @@
-"""Smoke test of the benchmark (``bench/run.py --quick``): it runs and records both sides. No speed is asserted."""
+"""Tests of the benchmark: ``bench/run.py --quick`` runs and records stock Lightning; ``bench/gpu.py --dry-run``
+runs the project and plain PyTorch and writes its table; the report generator on made-up runs. No speed is
+asserted."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -11,23 +15,98 @@ import pytest
 from conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
+KEYS = ("samples_per_sec", "steps_per_sec", "wall_s", "start_to_first_step_s", "peak_rss_bytes")
+
+
+def load_bench_run():
+    """``bench/run.py`` as a module."""
+    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def number(cell: str) -> float:
+    """The median of a ``median [min-max]`` cell (``1,234 [..]`` or ``0.5 [..]``)."""
+    return float(cell.split(" [")[0].replace(",", ""))
 
 
 @pytest.mark.slow
 def test_bench_quick(tmp_path: Path) -> None:
-    """One project run and one plain run of the seed's size, and the in-memory and streaming runs of the scale
-    workload, in one process and under ddp (tiny; about a minute on 2 cores)."""
+    """``bench/run.py --quick`` end to end on the new peer: stock Lightning at the seed's size under its own ddp
+    (the subprocess launcher re-running ``bench/stock.py``), one real run with positive measurements, and
+    RESULTS.md with its rows. The project and plain PyTorch run through the same ``measure`` in
+    ``test_gpu_dry_run``; the ratios and targets are checked in ``test_results_report``: one run keeps this short."""
     env, _ = child_env()
-    cmd = [sys.executable, "bench/run.py", "--quick", "--workloads", "W1,W4", "--strategies", "single,ddp"]
+    cmd = [sys.executable, "bench/run.py", "--quick", "--workloads", "W1", "--strategies", "ddp", "--impls", "stock"]
     proc = subprocess.run(
-        [*cmd, "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=360
+        [*cmd, "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert (run["impl"], run["strategy"], run["workload"]) == ("stock", "ddp(2)", "W1")
+    assert all(run[key] > 0 for key in KEYS), run
+    assert 0 < run["test_loss"] < 10, run
     results = (tmp_path / "RESULTS.md").read_text()
-    assert "samples/s" in results and "W4 single samples/s, streaming/in-memory" in results
-    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
-    for impl in ("project", "plain", "project-streaming"):
-        rows = [r for r in runs if r["impl"] == impl]
-        assert rows, f"no {impl} row"
-        assert all(r["samples_per_sec"] > 0 for r in rows)
-        assert all(r["wall_s"] > 0 and r["peak_rss_bytes"] > 0 for r in rows)
+    assert "| strategy | metric | project | stock | plain | project/stock | project/plain |" in results
+    for _, label, _ in load_bench_run().METRICS:
+        row = next(line for line in results.splitlines() if line.startswith(f"| ddp(2) | {label} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2] == "-" and number(cells[3]) > 0 and cells[4:] == ["-"] * 3, row
+    assert "| W1 ddp(2) whole wall time (s), dpddp/stock | <= 1 | - | not measured |" in results
+
+
+@pytest.mark.slow
+def test_gpu_dry_run(tmp_path: Path) -> None:
+    """``bench/gpu.py --dry-run`` takes the GPU script's code path on CPU (one process, dp on one device, ddp on
+    2 processes) and writes a well-formed table with positive numbers."""
+    env, _ = child_env()
+    cmd = [sys.executable, "bench/gpu.py", "--dry-run", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((tmp_path / "gpu.json").read_text())
+    assert record["failed"] == []
+    assert len(record["runs"]) == 5  # project x 3 strategies, plain x 2 (its dp needs CUDA)
+    assert all(r[key] > 0 for r in record["runs"] for key in KEYS if key != "steps_per_sec")
+    lines = (tmp_path / "GPU.md").read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| |"))
+    assert header.count("|") == 5 and "dp" in header and "ddp" in header
+    body = [line.strip("|").split("|") for line in lines if line.startswith("| ") and line != header]
+    rows = {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in body}
+    assert rows["processes"] == ["1", "1", "2"]
+    for name in ("samples/s (steady state)", "whole wall time (s)", "start to first step (s)"):
+        assert all(number(c) > 0 for c in rows[f"{name}, dpddp"]), rows[f"{name}, dpddp"]
+        plain = rows[f"{name}, plain PyTorch"]
+        assert number(plain[0]) > 0 and plain[1] == "-" and number(plain[2]) > 0
+    assert number(rows["samples/s (steady state), dpddp/plain"][0]) > 0
+    assert rows["samples/s (steady state), dpddp against one CPU process"][0] == "1"
+
+
+def test_results_report(tmp_path: Path) -> None:
+    """The RESULTS.md generator on made-up runs of every workload, the K variant included: each issue-15 target
+    with its bound, measured value and verdict; both ratios per workload and strategy; the W4 lines."""
+    bench = load_bench_run()
+    runs = []
+    for workload in ("W1", "W2", "W3", "W4"):
+        for strategy, mode in (("single", "single"), ("ddp(2)", "ddp")):
+            for rep in (0, 1):
+                for impl in bench.impls_for(workload, mode, True):
+                    speed = {"project": 900.0, "stock": 1000.0, "plain": 2000.0}.get(impl, 1800.0)
+                    record = dict.fromkeys(KEYS, 1.0) | {"samples_per_sec": speed, "test_loss": 0.5}
+                    record |= {"start_to_first_step_s": 4.0 if impl == "project" else 3.8, "wall_s": 5.0}
+                    runs.append(record | {"workload": workload, "strategy": strategy, "impl": impl, "rep": rep})
+    workloads = ["W1", "W2", "W3", "W4"]
+    args = argparse.Namespace(quick=False, threads=1, reps=2, load=(1.0, 1.0), workloads=workloads, out=tmp_path)
+    bench.write_results(runs, args, "python bench/run.py")
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "| W2 single samples/s (steady state), dpddp/stock | >= 1 | 0.9 [0.9-0.9] | no |" in text
+    assert "| W1 ddp(2) start to first step (s), dpddp - stock | <= 0.3 | 0.2 [0.2-0.2] | yes |" in text
+    assert "| W3 single K=16 samples/s (steady state), dpddp/plain | >= 0.8 | 0.9 [0.9-0.9] | yes |" in text
+    assert "| W2 single samples/s (steady state), defaults on/off | >= 0.95 | 2 [2-2] | yes |" in text
+    assert text.count("| target (issue 15) |") == 1 and "not measured" not in text
+    assert "- W3 ddp(2) samples/s: dpddp/stock **0.9 [0.9-0.9]**, dpddp/plain **0.45 [0.45-0.45]**" in text
+    assert "- W3 ddp(2) K=16 samples/s: dpddp/stock **1.8 [1.8-1.8]**" in text
+    assert "| ddp(2) K=16 | samples/s (steady state) |" in text
+    assert "- W4 ddp(2) samples/s, streaming/in-memory: **2 [2-2]**" in text
+    assert "max |test/loss project - plain| over the rounds = 0" in text
