@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric.utilities import distributed
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
@@ -165,3 +166,14 @@ def test_a_cut_execution_is_uncounted_in_a_real_checkpoints_loop_layout(tmp_path
     assert progress["processed"] == progress["completed"] == progress["started"] - 1
     loops["epoch_loop.batch_progress"]["current"]["processed"] = trainer.num_training_batches
     assert _compat.epoch_finished_in(trainer, checkpoint)
+
+
+def test_a_lightning_optimizer_has_the_step_counting_hooks_counted_step_calls():
+    raw = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+    optimizer, seen = LightningOptimizer(raw), []
+    optimizer._on_before_step = lambda: seen.append("before")
+    optimizer._on_after_step = lambda: seen.append("after")
+    raw.param_groups[0]["params"][0].grad = torch.ones(1)
+    _compat.counted_step(optimizer)
+    assert seen == ["before", "after"] and optimizer.optimizer is raw
+    assert raw.param_groups[0]["params"][0].item() == 0.0  # the raw step ran

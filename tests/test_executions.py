@@ -53,6 +53,24 @@ def test_k_steps_per_execution_equal_one(tmp_path, k):
     assert fused["samples_per_sec"] > 0
 
 
+class CountSteps(pl.Callback):
+    """Overrides a per-step hook, so every step goes through Lightning's full wrappers (not the lean path)."""
+
+    calls = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        CountSteps.calls += 1
+
+
+def test_the_full_wrapped_path_equals_one_and_calls_the_step_hooks(tmp_path):
+    args = [*BASE, "trainer.max_epochs=3", "+callbacks.count._target_=test_executions.CountSteps"]
+    train(compose_cfg(*args), tmp_path / "one")
+    CountSteps.calls = 0
+    train(compose_cfg(*args, "steps_per_execution=5"), tmp_path / "fused")
+    assert CountSteps.calls == 36  # once per optimizer step, as with automatic optimization
+    _same_run(tmp_path / "one", tmp_path / "fused", tol=0.0)
+
+
 def test_max_steps_is_exact_and_a_cut_execution_continues_exactly(tmp_path):
     """A limit that cuts an execution (13 = 5 + 5 + 2 + 1) stops at it; continued to 3 epochs, the run ends with
     a straight run's weights, global step and train loss."""

@@ -43,6 +43,7 @@ __all__ = [
     "restore_sigterm_broadcast",
     "set_num_threads_if_needed",
     "uncount_last_batch",
+    "counted_step",
 ]
 
 CHECKED = {"lightning": "2.6.6", "torch": "2.13.0"}
@@ -177,6 +178,18 @@ def uncount_last_batch(checkpoint: dict[str, Any]) -> None:
             progress[part][key] -= 1
     progress["is_last_batch"] = False
     _unfinish_epoch(checkpoint)
+
+
+def counted_step(optimizer: Any) -> None:
+    """The optimizer step of ``LightningOptimizer.step`` without its strategy and precision wrappers (their
+    ``on_before_optimizer_step`` hooks and closure; callers check that nothing overrides them and the precision
+    is plain 32-bit): ``_on_before_step``, the raw optimizer's ``step``, ``_on_after_step``. Those two are set by
+    the manual-optimization loop (``_ManualOptimization.on_run_start``) and count the step in
+    ``trainer.global_step``. Checked on Lightning 2.6.6: if they move, ``global_step`` stops counting and the
+    steps-per-execution tests fail (test_compat names them)."""
+    optimizer._on_before_step()
+    optimizer.optimizer.step()
+    optimizer._on_after_step()
 
 
 def epoch_finished_in(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
