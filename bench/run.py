@@ -55,9 +55,9 @@ QUICK_EXTRA = {"W4": ["trainer.limit_train_batches=20", "trainer.limit_val_batch
 IMPLS = {"W4": ["project", "project-streaming"]}
 PEERS = ("stock", "plain")  # bench/stock.py and bench/plain.py: every other workload's project is compared with both
 # The project variant "project-k16": several optimizer steps per Lightning loop iteration (issue 15 item 4), on
-# the tiny-step workload; --k16 auto runs it once the project's config has the key.
+# the tiny-step workload and the compute-heavy one; --k16 auto runs it once the project's config has the key.
 STEPS_PER_EXECUTION = 16
-K_WORKLOADS = ("W3",)
+K_WORKLOADS = ("W2", "W3")
 VARIANTS = {"project-streaming": ["data.streaming=true"], "project-k16": [f"steps_per_execution={STEPS_PER_EXECUTION}"]}
 # Variables that would make a child think a cluster launched it.
 RANK_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
@@ -94,6 +94,7 @@ TARGETS = [
     ("W3", "ddp(2)", "start_to_first_step_s", "project", "stock", "-<=", 0.3),
     ("W2", "single", "samples_per_sec", "project-defaults", "project", ">=", 0.95),  # item 2: defaults cost <= 5%
     ("W2", "single", "samples_per_sec", "project", "plain", ">=", 0.85),  # item 3
+    ("W2", "single", "samples_per_sec", "project-k16", "plain", ">=", 0.85),  # item 3 with the loop's cost amortized
     ("W2", "ddp(2)", "samples_per_sec", "project", "plain", ">=", 1.0),
     ("W3", "single", "samples_per_sec", "project-k16", "plain", ">=", 0.8),  # item 4
     ("W3", "ddp(2)", "samples_per_sec", "project-k16", "plain", ">=", 0.8),
