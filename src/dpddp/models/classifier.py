@@ -105,12 +105,18 @@ class Classifier(pl.LightningModule):
         self.log_dict(metrics, prog_bar=stage != "test")
 
     @override
+    def on_train_epoch_start(self) -> None:
+        # Reset here, not at the epoch's end: a fit stopped inside an epoch (max_steps, max_time) still runs the
+        # epoch-end hooks, and its checkpoint, written after them, must carry the sums (on_save_checkpoint).
+        # A fit restored mid-epoch gets no epoch start for that epoch, so what it loaded is kept.
+        self._train_loss_sum, self._train_samples, self._carried = None, 0, (0.0, 0)
+
+    @override
     def on_train_epoch_end(self) -> None:
         if self._train_samples or self._carried[1]:  # the epoch's mean, weight = samples: sums and counts sync
             total = self._train_loss_sum if self._train_loss_sum is not None else torch.zeros((), dtype=torch.float64)
             samples = self._train_samples + self._carried[1]
             self.train_loss.update((total + self._carried[0]) / samples, weight=samples)
-        self._train_loss_sum, self._train_samples, self._carried = None, 0, (0.0, 0)
         self._log_epoch("train")
 
     @override
