@@ -98,6 +98,11 @@ BAD = [
     (["trainer.max_epochs=0"], "trainer.max_epochs=0 is invalid"),
     (["strategy=auto", "devices=2", "accelerator=cpu"], "strategy=auto runs on one device"),
     (["num_nodes=2"], "num_nodes=2 needs one process per device: use strategy=ddp"),
+    (["+trainer.val_check_interval=52"], "trainer.val_check_interval=52 is more than the 51 training batches"),
+    (
+        ["+trainer.val_check_interval=20", "trainer.limit_train_batches=0.25"],
+        "trainer.val_check_interval=20 is more than the 12 training batches",
+    ),
 ]
 
 

@@ -1,15 +1,20 @@
 """The contract test: walks ``dpddp.run.surface.SURFACE``, the table of every setting a user can reach.
 
 Each supported Trainer flag: a run stopped at a seeded random step (``max_steps``) and continued ends with the
-step and weights of a straight run (one process, 1e-6). Each refused setting: its one line. Every other row
-names the tests that check its promises: they must exist. The README's table is the generated one."""
+step and weights of a straight run (one process, 1e-6), and ddp on 2 processes ends with the step, weights and
+metrics of one process (1e-5; every flag's ddp run is a job of one sweep). Each refused setting: its one line.
+Every other row names the tests that check its promises: they must exist. The README's table is the generated
+one."""
 
 import random
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import QUIET, ROOT, compose_cfg, max_diff, weights
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, max_diff, metrics, weights
+from omegaconf import OmegaConf
 
 from dpddp.errors import ConfigError
 from dpddp.run.config import check_config
@@ -27,9 +32,10 @@ def _step(run):
 @pytest.mark.parametrize("setting", FLAGS, ids=[s.name for s in FLAGS])
 def test_a_stop_at_a_random_step_then_continued_equals_a_straight_run(tmp_path, setting):
     args = [*BASE, "trainer.max_epochs=3", *setting.overrides]
-    stop = random.Random(setting.name).randint(1, 30)  # 12 batches an epoch: anywhere in the 3 epochs
     train(compose_cfg(*args), tmp_path / "straight")
+    stop = random.Random(setting.name).randint(1, _step(tmp_path / "straight") - 1)  # anywhere before its end
     train(compose_cfg(*args, f"trainer.max_steps={stop}"), tmp_path / "first")
+    assert _step(tmp_path / "first") == stop
     train(compose_cfg(*args, f"ckpt_path={tmp_path / 'first/checkpoints/last.ckpt'}"), tmp_path / "continued")
     assert _step(tmp_path / "continued") == _step(tmp_path / "straight")
     a, b = weights(tmp_path / "continued/checkpoints/last.ckpt"), weights(tmp_path / "straight/checkpoints/last.ckpt")
@@ -37,6 +43,51 @@ def test_a_stop_at_a_random_step_then_continued_equals_a_straight_run(tmp_path, 
 
 
 REFUSED = [s for s in SURFACE if s.refused]
+# The flags whose row under ddp is a refused row of its own (trainer.precision=bf16-mixed): one process only.
+DDP_FLAGS = [
+    s for s in FLAGS if not any("strategy=ddp" in r.overrides and set(s.overrides) <= set(r.overrides) for r in REFUSED)
+]
+
+
+@pytest.mark.slow
+def test_each_flag_on_two_processes_equals_one_process(tmp_path):
+    """Promise 1 on every flag: one sweep (one interpreter) runs each flag's ddp(2) run as a job, a config of
+    the ``surface`` group written here; meanwhile each flag's one-process run runs in this process."""
+    assert DDP_FLAGS
+    rows = tmp_path / "conf" / "surface"
+    rows.mkdir(parents=True)
+    for i, setting in enumerate(DDP_FLAGS):
+        flag = OmegaConf.from_dotlist([o.lstrip("+") for o in setting.overrides])
+        (rows / f"r{i}.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(flag))
+    args = [
+        "-m",
+        *BASE,
+        "trainer.max_epochs=3",
+        "strategy=ddp",
+        "devices=2",
+        f"hydra.searchpath=[file://{tmp_path}/conf]",
+    ]
+    args += [f"+surface={','.join(f'r{i}' for i in range(len(DDP_FLAGS)))}", f"hydra.sweep.dir={tmp_path}/sweep"]
+    env, tag = child_env()
+    cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    sweep = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for i, setting in enumerate(DDP_FLAGS):
+            train(compose_cfg(*BASE, "trainer.max_epochs=3", *setting.overrides), tmp_path / "one" / str(i))
+        _, err = sweep.communicate(timeout=600)
+    finally:
+        sweep.kill()
+    assert sweep.returncode == 0, err[-3000:]
+    assert leftover(tag) == []
+    for i, setting in enumerate(DDP_FLAGS):
+        one, two = tmp_path / "one" / str(i), tmp_path / "sweep" / str(i)
+        assert metrics(two)["world_size"] == 2, setting.name
+        assert _step(two) == _step(one), setting.name
+        assert max_diff(weights(two / "checkpoints/last.ckpt"), weights(one / "checkpoints/last.ckpt")) <= 1e-5, (
+            setting.name
+        )
+        for key in ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc"):
+            assert metrics(two)[key] == pytest.approx(metrics(one)[key], abs=1e-5), (setting.name, key)
 
 
 @pytest.mark.parametrize("setting", REFUSED, ids=[s.name for s in REFUSED])
@@ -44,6 +95,21 @@ def test_a_refused_setting_is_one_line(setting):
     with pytest.raises(ConfigError) as err:
         check_config(compose_cfg(*setting.overrides))
     assert str(err.value).startswith(setting.refused) and "\n" not in str(err.value)
+
+
+def test_16_bit_precision_is_refused_on_every_kind_of_replica():
+    """The refused precision row on dp over GPUs too (a config mapping: no GPU here), and 32 bits kept."""
+    from dpddp.run.config import _check_precision
+
+    def cfg(precision, strategy, devices):
+        return {"trainer": {"precision": precision}, "strategy": {"name": strategy}, "devices": devices, "num_nodes": 1}
+
+    with pytest.raises(ConfigError, match="^trainer.precision=16-mixed with 2 GPUs under strategy=dp: each rounds"):
+        _check_precision(cfg("16-mixed", "dp", 2))
+    with pytest.raises(ConfigError, match="^trainer.precision=bf16-true with 4 processes: each rounds"):
+        _check_precision(cfg("bf16-true", "ddp_spawn", 4))
+    for ok in (cfg("bf16-mixed", "dp", 1), cfg("bf16-mixed", "auto", 1), cfg("32-true", "ddp", 2), cfg(None, "ddp", 2)):
+        _check_precision(ok)
 
 
 def test_every_other_row_names_tests_that_exist():
