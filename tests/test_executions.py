@@ -30,6 +30,14 @@ def _same_run(a, b, tol=1e-6):
     assert max_diff(weights(a / "checkpoints/last.ckpt"), weights(b / "checkpoints/last.ckpt")) <= tol
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """One process, k=1, 3 epochs (36 steps): ``(run dir, metrics)``; every k ends here bit for bit
+    (``test_k_steps_per_execution_equal_one``), so the continued runs below are compared with it."""
+    run = tmp_path_factory.mktemp("straight")
+    return run, train(compose_cfg(*BASE, "trainer.max_epochs=3"), run)
+
+
 def test_the_sampler_yields_aligned_executions_and_the_rest_of_a_cut_one_first():
     sampler = GlobalBatchSampler(804, 64, rank=1, world_size=2, train=True, steps_per_execution=5)
     plain = GlobalBatchSampler(804, 64, rank=1, world_size=2, train=True)
@@ -42,11 +50,10 @@ def test_the_sampler_yields_aligned_executions_and_the_rest_of_a_cut_one_first()
 
 
 @pytest.mark.parametrize("k", [5, 16])  # 16: one execution is more than an epoch (12 steps)
-def test_k_steps_per_execution_equal_one(tmp_path, k):
-    args = [*BASE, "trainer.max_epochs=3"]
-    one = train(compose_cfg(*args), tmp_path / "one")
-    fused = train(compose_cfg(*args, f"steps_per_execution={k}"), tmp_path / "fused")
-    _same_run(tmp_path / "one", tmp_path / "fused", tol=0.0)
+def test_k_steps_per_execution_equal_one(tmp_path, straight, k):
+    one_dir, one = straight
+    fused = train(compose_cfg(*BASE, "trainer.max_epochs=3", f"steps_per_execution={k}"), tmp_path / "fused")
+    _same_run(one_dir, tmp_path / "fused", tol=0.0)
     assert _ckpt(tmp_path / "fused")["global_step"] == 36
     for key in KEYS:
         assert fused[key] == one[key], key
@@ -62,36 +69,33 @@ class CountSteps(pl.Callback):
         CountSteps.calls += 1
 
 
-def test_the_full_wrapped_path_equals_one_and_calls_the_step_hooks(tmp_path):
+def test_the_full_wrapped_path_equals_one_and_calls_the_step_hooks(tmp_path, straight):
     args = [*BASE, "trainer.max_epochs=3", "+callbacks.count._target_=test_executions.CountSteps"]
-    train(compose_cfg(*args), tmp_path / "one")
     CountSteps.calls = 0
     train(compose_cfg(*args, "steps_per_execution=5"), tmp_path / "fused")
     assert CountSteps.calls == 36  # once per optimizer step, as with automatic optimization
-    _same_run(tmp_path / "one", tmp_path / "fused", tol=0.0)
+    _same_run(straight[0], tmp_path / "fused", tol=0.0)
 
 
-def test_max_steps_is_exact_and_a_cut_execution_continues_exactly(tmp_path):
+def test_max_steps_is_exact_and_a_cut_execution_continues_exactly(tmp_path, straight):
     """A limit that cuts an execution (13 = 5 + 5 + 2 + 1) stops at it; continued to 3 epochs, the run ends with
     a straight run's weights, global step and train loss."""
     args = [*BASE, "trainer.max_epochs=3", "steps_per_execution=5"]
-    straight = train(compose_cfg(*args), tmp_path / "straight")
     train(compose_cfg(*args, "trainer.max_steps=13"), tmp_path / "first")
     train(compose_cfg(*BASE, "trainer.max_epochs=3", "trainer.max_steps=13"), tmp_path / "first_k1")
     assert _ckpt(tmp_path / "first")["global_step"] == 13
     _same_run(tmp_path / "first", tmp_path / "first_k1", tol=0.0)
     ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
     continued = train(compose_cfg(*args, f"ckpt_path={ckpt}"), tmp_path / "continued")
-    _same_run(tmp_path / "continued", tmp_path / "straight")
-    assert continued["train/loss"] == pytest.approx(straight["train/loss"], abs=1e-6)
+    _same_run(tmp_path / "continued", straight[0])
+    assert continued["train/loss"] == pytest.approx(straight[1]["train/loss"], abs=1e-6)
 
 
 @pytest.mark.parametrize("seed", [3])
-def test_a_stop_at_a_random_step_then_continued_twice_equals_a_straight_run(tmp_path, seed):
+def test_a_stop_at_a_random_step_then_continued_twice_equals_a_straight_run(tmp_path, straight, seed):
     """Two stops at seeded random steps (cuts anywhere, then a resume that starts inside an execution)."""
     args = [*BASE, "trainer.max_epochs=3", "steps_per_execution=4"]
     first, second = sorted(random.Random(seed).sample(range(1, 36), 2))
-    train(compose_cfg(*args), tmp_path / "straight")
     train(compose_cfg(*args, f"trainer.max_steps={first}"), tmp_path / "a")
     train(
         compose_cfg(*args, f"trainer.max_steps={second}", f"ckpt_path={tmp_path}/a/checkpoints/last.ckpt"),
@@ -99,20 +103,19 @@ def test_a_stop_at_a_random_step_then_continued_twice_equals_a_straight_run(tmp_
     )
     assert _ckpt(tmp_path / "b")["global_step"] == second
     train(compose_cfg(*args, f"ckpt_path={tmp_path}/b/checkpoints/last.ckpt"), tmp_path / "c")
-    _same_run(tmp_path / "c", tmp_path / "straight")
+    _same_run(tmp_path / "c", straight[0])
 
 
-def test_sigterm_stops_on_a_step_boundary_and_resumes_exactly(tmp_path):
+def test_sigterm_stops_on_a_step_boundary_and_resumes_exactly(tmp_path, straight):
     args = [*BASE, "trainer.max_epochs=3", "steps_per_execution=5"]
     # SIGTERM at the end of the 4th execution (step 17); Preemption, called before it, stops after the next one
     kill = ["+callbacks.kill._target_=conftest.SigtermAt", "+callbacks.kill.at=3"]
     with pytest.raises(Preempted) as stop:
         train(compose_cfg(*args, *kill), tmp_path / "run")
     assert stop.value.step == 22  # epochs of 5 + 5 + 2 steps: 12 + 5 + 5, inside the second epoch
-    straight = train(compose_cfg(*args), tmp_path / "straight")
     resumed = train(compose_cfg(*args, f"ckpt_path={tmp_path}/run/checkpoints/last.ckpt"), tmp_path / "resumed")
-    _same_run(tmp_path / "resumed", tmp_path / "straight")
-    assert resumed["train/loss"] == pytest.approx(straight["train/loss"], abs=1e-6)
+    _same_run(tmp_path / "resumed", straight[0])
+    assert resumed["train/loss"] == pytest.approx(straight[1]["train/loss"], abs=1e-6)
 
 
 def test_continuing_with_another_k_is_refused_before_training(tmp_path):
@@ -213,12 +216,11 @@ def test_ddp_two_processes_with_k_equal_one_process(tmp_path):
 
 
 @pytest.mark.parametrize("k", [1, 5])
-def test_the_train_loss_of_an_epoch_a_limit_cut_is_whole_when_continued(tmp_path, k):
+def test_the_train_loss_of_an_epoch_a_limit_cut_is_whole_when_continued(tmp_path, straight, k):
     """Case 19's kind: a run stopped by max_steps inside its last epoch (35 of 36 steps; with k=5 inside that
     epoch's last execution), continued, reports the straight run's train/loss for that epoch, not the rest's."""
     args = [*BASE, "trainer.max_epochs=3", f"steps_per_execution={k}"]
-    straight = train(compose_cfg(*args), tmp_path / "straight")
     train(compose_cfg(*args, "trainer.max_steps=35"), tmp_path / "first")
     continued = train(compose_cfg(*args, f"ckpt_path={tmp_path}/first/checkpoints/last.ckpt"), tmp_path / "continued")
-    _same_run(tmp_path / "continued", tmp_path / "straight")
-    assert continued["train/loss"] == pytest.approx(straight["train/loss"], abs=1e-6)
+    _same_run(tmp_path / "continued", straight[0])
+    assert continued["train/loss"] == pytest.approx(straight[1]["train/loss"], abs=1e-6)
