@@ -177,3 +177,23 @@ def test_a_lightning_optimizer_has_the_step_counting_hooks_counted_step_calls():
     _compat.counted_step(optimizer)
     assert seen == ["before", "after"] and optimizer.optimizer is raw
     assert raw.param_groups[0]["params"][0].item() == 0.0  # the raw step ran
+
+
+def test_torchrun_tells_its_workers_when_they_get_the_agent_store(monkeypatch):
+    """``agent_store`` keys on the variable the agent sets for its workers; the store it hands them is the one
+    every restart reuses (static rendezvous: created once; c10d: the cached shared server)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous, static_tcp_rendezvous
+
+    assert f'"{_compat.AGENT_STORE_ENV}": str(use_agent_store)' in inspect.getsource(LocalElasticAgent._start_workers)
+    assert "if not self._store:" in inspect.getsource(static_tcp_rendezvous.StaticTCPRendezvous.next_rendezvous)
+    assert "_shared_tcp_store_server is None" in inspect.getsource(
+        dynamic_rendezvous.DynamicRendezvousHandler.next_rendezvous
+    )
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.delenv(_compat.AGENT_STORE_ENV, raising=False)
+    assert _compat.agent_store("127.0.0.1", server.port, timedelta(seconds=5)) is None
+    monkeypatch.setenv(_compat.AGENT_STORE_ENV, "True")
+    client = _compat.agent_store("127.0.0.1", server.port, timedelta(seconds=5))
+    client.set("k", "v")
+    assert server.get("k") == b"v"

@@ -7,6 +7,7 @@ fails when one moves, so an upgrade of Lightning or torch is a failing test, not
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 from typing import Any
@@ -28,10 +29,12 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 __all__ = [
+    "AGENT_STORE_ENV",
     "CHECKED",
     "HOOK_NAME_ATTRIBUTE",
     "Launcher",
     "SubprocessScriptLauncher",
+    "agent_store",
     "disable_sigterm_broadcast",
     "data_position",
     "epoch_finished_in",
@@ -104,6 +107,28 @@ def rank0_store(sock: socket.socket, world_size: int, timeout: timedelta) -> tor
         master_listen_fd=sock.detach(), use_libuv=False,
     )  # fmt: skip
     return torch.distributed.PrefixStore("default_pg", store)
+
+
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+"""Set to ``"True"`` by torchrun's agent (``LocalElasticAgent._start_workers``) in every worker when
+``MASTER_ADDR``:``MASTER_PORT`` is the agent's own store (the default: static rendezvous, and c10d unless
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``)."""
+
+
+def agent_store(address: str, port: int, timeout: timedelta) -> torch.distributed.Store | None:
+    """A client of torchrun's agent store when this worker was handed one (``AGENT_STORE_ENV``), else ``None``.
+
+    The behaviour this works around, checked on torch 2.13: the agent keeps that store across
+    ``--max-restarts`` (the static handler creates it once; the c10d handler caches ``_shared_tcp_store_server``
+    after its first round), while ``torch.distributed.rendezvous._create_c10d_store`` hands the workers a plain
+    client, without a per-attempt prefix ("we create a new TCPStore for every retry", it says). Restarted
+    workers then read the failed attempt's keys (pytorch/pytorch#135712 for NCCL; for gloo, a dead pair address
+    retried until the timeout). ``dpddp.parallel.rendezvous.join_start`` gives each start a prefix of its own.
+    If torch starts prefixing per attempt itself, this stays correct (a prefix inside a fresh store).
+    """
+    if os.environ.get(AGENT_STORE_ENV) != str(True):
+        return None
+    return torch.distributed.TCPStore(address, port, is_master=False, timeout=timeout)
 
 
 def disable_sigterm_broadcast(trainer: pl.Trainer) -> None:

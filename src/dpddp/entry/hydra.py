@@ -9,7 +9,6 @@ import gc
 import json
 import logging
 import math
-import os
 import re
 import shlex
 import sys
@@ -24,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dpddp.cluster import register_resolvers, run_name
 from dpddp.errors import ConfigError, Preempted, RankFailed, WriteFailed, exit_status, first_line
+from dpddp.parallel.rendezvous import torchrun_restarted
 from dpddp.run.training import METRIC_KEYS, isolated_job, train
 
 __all__ = ["config_dirs", "config_subdir", "main", "run"]
@@ -117,7 +117,7 @@ def run(cfg: DictConfig) -> float:
         if cfg.get("ckpt_path"):
             cfg.ckpt_path = to_absolute_path(str(cfg.ckpt_path))
         # torchrun --max-restarts: a restarted worker continues its run (same directory: cluster.run_name)
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        restarted = torchrun_restarted()
         resume = multirun or cfg.get("resume") or restarted
         done = completed_metrics(output_dir) if resume else None
         if done is not None and done.get("overrides") == overrides:

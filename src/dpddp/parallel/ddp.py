@@ -15,12 +15,13 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from typing_extensions import override
 
-from dpddp._compat import Launcher, init_process_group, rank0_store, resolve_process_group_backend
+from dpddp._compat import Launcher, agent_store, init_process_group, rank0_store, resolve_process_group_backend
 from dpddp.errors import ConfigError, Preempted, first_line
 from dpddp.network import choose_interface, interface_address
 from dpddp.parallel.launcher import JobLauncher, RankJob, Supervisor
 from dpddp.parallel.peers import PeerWatch
 from dpddp.parallel.rank import run_rank
+from dpddp.parallel.rendezvous import join_start
 
 __all__ = ["DDPStrategy", "apply_interface"]
 
@@ -78,6 +79,8 @@ class DDPStrategy(LightningDDPStrategy):
         self.start_method = kwargs.get("start_method", "popen")
         self._job_launcher: JobLauncher | None = None
         self._peer_watch: PeerWatch | None = None
+        self._prefix = "dpddp/0/"
+        """The key prefix of this start in the rendezvous store: its own under torchrun (``join_start``)."""
 
     @property
     @override
@@ -105,36 +108,48 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        """Lightning's, after choosing the network interface (``apply_interface``, logged) and, with more than
-        one node, starting this rank's ``PeerWatch``; on rank 0 of a launch by our launcher the TCPStore takes
-        the launcher's socket, bound to the address that routes to ``MASTER_ADDR`` (``dpddp._compat.rank0_store``).
+        """Lightning's, after choosing the network interface (``apply_interface``, logged); under torchrun, in a
+        key prefix of this start's own in the agent's store (``dpddp.parallel.rendezvous.join_start``: the store
+        outlives a restart); with more than one node, this rank's ``PeerWatch`` runs from here on. On rank 0 of a
+        launch by our launcher the TCPStore takes the launcher's socket, bound to the address that routes to
+        ``MASTER_ADDR`` (``dpddp._compat.rank0_store``).
 
         Raises:
             ConfigError: see ``apply_interface``.
+            RankFailed: under torchrun, a rank did not join this start within ``strategy.timeout_s``.
         """
         assert self.cluster_environment is not None
         env = self.cluster_environment
-        if not torch.distributed.is_initialized():
+        initialized = torch.distributed.is_initialized()  # fit, then test: one group
+        store: torch.distributed.Store | None = None
+        if not initialized:
             log.info(f"network: {apply_interface(env.main_address, self.num_nodes)}")
+            self.set_world_ranks()
+            client = agent_store(env.main_address, env.main_port, self.pg_timeout)
+            if client is not None:
+                self._prefix = join_start(
+                    client, self.global_rank, self.world_size, self.num_processes, self.pg_timeout.total_seconds()
+                )
+                store = torch.distributed.PrefixStore(f"{self._prefix}default_pg", client)
         if self.num_nodes > 1 and self._peer_watch is None:
             self.set_world_ranks()
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             self._peer_watch = PeerWatch(
                 env.main_address, env.main_port, self.global_rank, self.num_processes * self.num_nodes,
-                self.num_processes, self.pg_timeout.total_seconds(), attempt,
+                self.num_processes, self.pg_timeout.total_seconds(), self._prefix,
             )  # fmt: skip
             self._peer_watch.start()
         launcher = self._job_launcher
         sock = launcher.listen_socket if launcher is not None else None
-        if launcher is None or sock is None or torch.distributed.is_initialized():  # fit, then test: one group
+        if initialized or (store is None and sock is None):
             return super().setup_distributed()
-        launcher.listen_socket = None
         reset_seed()
         self.set_world_ranks()
         backend = resolve_process_group_backend(self)
-        store = rank0_store(sock, self.world_size, self.pg_timeout)
-        assert self.cluster_environment is not None
-        init_process_group(self.cluster_environment, backend, self.pg_timeout, self.root_device, store)
+        if sock is not None:
+            assert launcher is not None
+            launcher.listen_socket = None
+            store = rank0_store(sock, self.world_size, self.pg_timeout)
+        init_process_group(env, backend, self.pg_timeout, self.root_device, store)
 
     def explain_failure(self, err: BaseException) -> str | None:
         """With more than one node: the line naming the peer to blame for ``err`` (``PeerWatch.explain``), or

@@ -4,13 +4,15 @@ everywhere within ``strategy.timeout_s`` (plus a few seconds) with one line that
 Gloo alone does not: a peer that dies before the process group has connected leaves the others retrying the
 connection for 5 x the timeout, and a peer that dies later fails the others' collectives with a broken
 connection that names an address, not a node. So every rank runs a ``PeerWatch`` thread that, every
-``BEAT_S`` seconds, adds 1 to its own counter ``dpddp/<attempt>/beat/<rank>`` in the store (``MASTER_ADDR``:
-``MASTER_PORT``: torchrun's agent store, or rank 0's) and reads every other rank's. A counter that stops moving
-means that rank's process is gone, stopped or cut off. A rank that fails writes its reason once, first one wins,
-to ``dpddp/<attempt>/cause``. The watch ends its own process (``os._exit(1)``, the main thread may sit in a C++
-wait no Python signal reaches) when a peer has not beaten for ``timeout_s``, when the store has not answered
-for ``timeout_s``, or ``CAUSE_GRACE_S`` after a peer reported a failure that the main thread has not ended on.
-A rank whose training raised asks ``explain`` which peer was lost (waiting up to ``STALE_S`` + 1 s to see it).
+``BEAT_S`` seconds, adds 1 to its own counter ``<prefix>beat/<rank>`` in the store (``MASTER_ADDR``:
+``MASTER_PORT``: torchrun's agent store, or rank 0's; ``prefix`` is ``dpddp/0/``, or under torchrun this start's
+own, as the agent's store outlives a restart: ``dpddp.parallel.rendezvous``) and reads every other rank's. A
+counter that stops moving means that rank's process is gone, stopped or cut off. A rank that fails writes its
+reason once, first one wins, to ``<prefix>cause``. The watch ends its own process (``os._exit(1)``, the main
+thread may sit in a C++ wait no Python signal reaches) when a peer has not beaten for ``timeout_s``, when the
+store has not answered for ``timeout_s``, or ``CAUSE_GRACE_S`` after a peer reported a failure that the main
+thread has not ended on. A rank whose training raised asks ``explain`` which peer was lost (waiting up to
+``STALE_S`` + 1 s to see it).
 
 Costs: one thread per rank and ``world_size`` store operations per rank every ``BEAT_S`` seconds.
 """
@@ -61,16 +63,16 @@ class PeerWatch(threading.Thread):
         rank, world_size, ranks_per_node: this rank and the run's shape (node of rank r: r // ranks_per_node).
         timeout_s: seconds without a peer's heartbeat, or without an answer from the store (also at start-up,
             before the store exists), after which this process exits with status 1.
-        attempt: a key prefix that differs between torchrun restarts (their store is the same).
+        prefix: the key prefix of this start (``join_start``'s under torchrun, whose store outlives restarts).
     """
 
     def __init__(
-        self, address: str, port: int, rank: int, world_size: int, ranks_per_node: int, timeout_s: float, attempt: str
+        self, address: str, port: int, rank: int, world_size: int, ranks_per_node: int, timeout_s: float, prefix: str
     ) -> None:
         super().__init__(daemon=True, name="dpddp-peer-watch")
         self.address, self.port, self.rank, self.world_size = address, port, rank, world_size
         self.ranks_per_node, self.timeout_s = ranks_per_node, timeout_s
-        self.prefix = f"dpddp/{attempt}/"
+        self.prefix = prefix
         self.stopped = threading.Event()
         self._lock = threading.Lock()  # the store client: this thread and `report` from the main thread
         self._store: torch.distributed.Store | None = None

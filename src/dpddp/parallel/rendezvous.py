@@ -1,0 +1,103 @@
+"""One start of a run's ranks agrees on a key prefix of its own in a rendezvous store that outlives it.
+
+Why: torchrun's agent hands its workers a store (``MASTER_ADDR``:``MASTER_PORT``, the agent's own
+``TCPStore``) that it keeps across ``--max-restarts``, and torch's ``env://`` rendezvous uses it without a
+per-attempt prefix. So the restarted workers find the keys of the failed attempt still there: gloo's
+``connectFullMesh`` reads a dead rank's pair address and retries ``Connection refused`` until the process group
+timeout (the hang of a restart that "sometimes" happened: only when the reading side is the one that connects).
+``TORCHELASTIC_RESTART_COUNT`` cannot serve as the prefix: it counts the restarts of one agent, and with several
+nodes an agent that restarts its healthy workers for a rejoining node does not count that restart.
+
+How: rank 0 writes a fresh random name to ``dpddp/start``, every other rank writes a fresh token under that name
+(``dpddp/<name>/join/<rank>``) and waits for rank 0 to list its token in ``dpddp/<name>/members``. A name left
+by an earlier start never lists a fresh token, so a rank that read it waits for ``dpddp/start`` to change and
+joins the new name. Every key of this start (the process group's, the heartbeats') then lives under
+``dpddp/<name>/``. Costs: a few store operations per rank, once per start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+from dpddp._compat import agent_store
+from dpddp.errors import RankFailed
+from dpddp.parallel.peers import describe_ranks
+
+__all__ = ["START_KEY", "join_start", "torchrun_restarted"]
+
+START_KEY = "dpddp/start"
+"""Where rank 0 of the latest start writes its name."""
+
+_POLL_S = 0.05
+
+
+def _key(name: str, *parts: str) -> str:
+    return "/".join(["dpddp", name, *parts])
+
+
+def join_start(store: Any, rank: int, world_size: int, ranks_per_node: int, timeout_s: float) -> str:
+    """Agree with the other ranks of this start on a fresh key prefix in ``store`` (a ``torch.distributed``
+    store shared with earlier starts); return it, e.g. ``"dpddp/3f2a.../"``.
+
+    Args:
+        store: the rendezvous store (``set``, ``get``, ``check``, ``wait`` as ``torch.distributed.Store``).
+        rank, world_size, ranks_per_node: this rank and the run's shape (node of rank r: r // ranks_per_node).
+        timeout_s: how long rank 0 waits for every other rank to join, and another rank for rank 0.
+
+    Raises:
+        RankFailed: a rank did not join within ``timeout_s``; the message names the missing node(s) and rank(s)
+            (``"node 1 (rank 1) lost: not started within 30 s"``, or ``"node 0 (rank 0) lost: ..."``).
+    """
+    if rank == 0:
+        return _lead(store, world_size, ranks_per_node, timeout_s)
+    token = uuid.uuid4().hex
+    deadline = time.monotonic() + timeout_s
+    joined: str | None = None
+    while time.monotonic() < deadline:
+        name = store.get(START_KEY).decode() if store.check([START_KEY]) else None
+        if name is not None and name != joined:
+            store.set(_key(name, "join", str(rank)), token)
+            joined = name
+        members = _key(joined, "members") if joined is not None else None
+        if members is not None and store.check([members]) and token in json.loads(store.get(members)):
+            return _key(joined, "")  # type: ignore[arg-type]
+        time.sleep(_POLL_S)
+    what = describe_ranks([0], ranks_per_node)
+    raise RankFailed(f"{what} lost: this start was not joined by rank 0 within {timeout_s:.0f} s; ending the run")
+
+
+def _lead(store: Any, world_size: int, ranks_per_node: int, timeout_s: float) -> str:
+    """Rank 0's part: name this start, wait for every other rank's token, list them."""
+    name = uuid.uuid4().hex
+    store.set(START_KEY, name)
+    deadline = time.monotonic() + timeout_s
+    pending = list(range(1, world_size))
+    while pending:
+        pending = [r for r in pending if not store.check([_key(name, "join", str(r))])]
+        if pending and time.monotonic() > deadline:
+            what = describe_ranks(pending, ranks_per_node)
+            raise RankFailed(f"{what} lost: not started within {timeout_s:.0f} s; ending the run")
+        if pending:
+            time.sleep(_POLL_S)
+    tokens = [store.get(_key(name, "join", str(r))).decode() for r in range(1, world_size)]
+    store.set(_key(name, "members"), json.dumps(tokens))
+    return _key(name, "")
+
+
+def torchrun_restarted() -> bool:
+    """Whether this worker belongs to a restart of its torchrun job: ``TORCHELASTIC_RESTART_COUNT`` > 0, or
+    the agent's store already holds an earlier start (``START_KEY``). The count alone is per agent: with
+    several nodes (c10d rendezvous), an agent that restarts its healthy workers because another node rejoined
+    does not count it, and its workers would take the run directory for another run's. Every rank of a restart
+    sees the earlier start, since it stays in the store. Outside torchrun: ``False``."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return True
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return False
+    store = agent_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timedelta(seconds=60))
+    return store is not None and store.check([START_KEY])
