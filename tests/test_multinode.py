@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, max_diff, metrics, weights
-from netns import bed_fixture, listening, pids_in, run_in
+from netns import IFNAME, bed_fixture, listening, pids_in, run_in
 
 from dpddp.run.training import train
 
@@ -107,6 +107,53 @@ def test_killed_node_ends_the_run_on_the_other_node(bed2, tmp_path):
     assert "error: node 1 (rank 1) lost" in out, out[-3000:]
     time.sleep(0.5)
     assert pids_in(bed2.nodes[0]) == [] and pids_in(bed2.nodes[1]) == []
+
+
+bed4 = bed_fixture(4)
+
+
+def test_silent_node_ends_the_run_on_the_other_node(bed4, tmp_path):
+    """Two runs of 2 nodes at once (namespaces 0-1 and 2-3): node 1 of the first stops answering without its
+    processes exiting (SIGSTOP), node 1 of the second loses its link (its interface set down). Node 0 of each
+    ends within ``strategy.timeout_s`` + 10 s, non-zero, with one line naming node 1; node 1 ends by itself
+    once it runs again (SIGCONT) or on its own timeout; nothing is left in any namespace."""
+    args = [*SMALL[:2], *QUIET, "trainer.max_epochs=100000", "strategy.timeout_s=30"]
+    runs = {"sigstop": (0, 1), "link-down": (2, 3)}
+    procs = {}
+    for name, nodes in runs.items():
+        cwd = tmp_path / name
+        cwd.mkdir()
+        for node_rank, index in enumerate(nodes):
+            rdzv = [f"--master_addr={bed4.addresses[nodes[0]]}", f"--master_port={PORT}", "--nnodes=2"]
+            cmd = [*TORCHRUN, *rdzv, f"--node_rank={node_rank}", "--nproc_per_node=1", str(ROOT / "train.py")]
+            cmd += ["strategy=ddp", "devices=1", "num_nodes=2", *args]
+            out = open(cwd / f"node{node_rank}.out", "w")
+            procs[name, node_rank] = run_in(
+                bed4.nodes[index], cmd, env=_env(), cwd=cwd, stdout=out, stderr=subprocess.STDOUT
+            )
+    deadline = time.monotonic() + 90
+    for name in runs:
+        while not list((tmp_path / name).glob("outputs/*/checkpoints/last.ckpt")) and time.monotonic() < deadline:
+            assert procs[name, 0].poll() is None, (tmp_path / name / "node0.out").read_text()[-3000:]
+            time.sleep(0.2)
+    stopped = pids_in(bed4.nodes[1])
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    subprocess.run(["ip", "-n", bed4.nodes[3], "link", "set", IFNAME, "down"], check=True)
+    start = time.monotonic()
+    for name in runs:
+        code = procs[name, 0].wait(timeout=60)
+        seconds = time.monotonic() - start
+        out = (tmp_path / name / "node0.out").read_text()
+        assert code != 0 and seconds <= 30 + 10, (name, code, seconds, out[-3000:])
+        lines = [line for line in out.splitlines() if "error: node 1 (rank 1) lost" in line]
+        assert len(lines) == 1, (name, out[-3000:])
+    for pid in stopped:
+        os.kill(pid, signal.SIGCONT)
+    for name in runs:
+        assert procs[name, 1].wait(timeout=30) != 0
+    time.sleep(0.5)
+    assert [pids_in(ns) for ns in bed4.nodes] == [[], [], [], []]
 
 
 def test_torchrun_restart_resumes_from_last_ckpt(tmp_path):

@@ -159,12 +159,13 @@ class DDPStrategy(LightningDDPStrategy):
             return None
         line = watch.explain()
         watch.report(line or f"rank {self.global_rank} (node {self.node_rank}) failed: {first_line(err)}")
-        watch.stop()
+        watch.stop(clean=False)
         return line
 
     @override
     def teardown(self) -> None:
-        """Stop this rank's ``PeerWatch`` (the next stage starts another), then Lightning's teardown."""
+        """Stop this rank's ``PeerWatch`` cleanly (its peers do not call it lost; the next stage starts another
+        watch), then Lightning's teardown."""
         if self._peer_watch is not None:
             self._peer_watch.stop()
             self._peer_watch = None

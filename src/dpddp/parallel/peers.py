@@ -7,14 +7,17 @@ connection that names an address, not a node. So every rank runs a ``PeerWatch``
 ``BEAT_S`` seconds, adds 1 to its own counter ``<prefix>beat/<rank>`` in the store (``MASTER_ADDR``:
 ``MASTER_PORT``: torchrun's agent store, or rank 0's; ``prefix`` is ``dpddp/0/``, or under torchrun this start's
 own, as the agent's store outlives a restart: ``dpddp.parallel.rendezvous``) and reads every other rank's. A
-counter that stops moving means that rank's process is gone, stopped or cut off. A rank that fails writes its
-reason once, first one wins, to ``<prefix>cause``. The watch ends its own process (``os._exit(1)``, the main
-thread may sit in a C++ wait no Python signal reaches) when a peer has not beaten for ``timeout_s``, when the
-store has not answered for ``timeout_s``, or ``CAUSE_GRACE_S`` after a peer reported a failure that the main
-thread has not ended on. A rank whose training raised asks ``explain`` which peer was lost (waiting up to
-``STALE_S`` + 1 s to see it).
+counter that stops moving means that rank's process is gone, stopped or cut off; a rank that stops its watch
+cleanly (the end of a stage) takes ``LEFT`` off its counter, and a negative counter is never called lost (the
+rank adds it back when its next watch starts). A rank that fails writes its reason once, first one wins, to
+``<prefix>cause``. The watch ends its own process (``os._exit(1)``, the main thread may sit in a C++ wait no
+Python signal reaches) when a peer has not beaten for ``timeout_s``, when the store has not answered for
+``timeout_s`` (an operation that never returns included: the beats run in a second thread), or
+``CAUSE_GRACE_S`` after a peer reported a failure that the main thread has not ended on; so a silent peer or
+store ends the run within ``timeout_s + 2 x BEAT_S`` plus one store round trip. A rank whose training raised
+asks ``explain`` which peer was lost (waiting up to ``STALE_S`` + 1 s to see it).
 
-Costs: one thread per rank and ``world_size`` store operations per rank every ``BEAT_S`` seconds.
+Costs: two threads per rank and ``world_size + 2`` store operations per rank every ``BEAT_S`` seconds.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 
-__all__ = ["BEAT_S", "CAUSE_GRACE_S", "STALE_S", "PeerWatch", "describe_ranks"]
+__all__ = ["BEAT_S", "CAUSE_GRACE_S", "LEFT", "STALE_S", "PeerWatch", "describe_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,9 @@ STALE_S = 3.0
 
 CAUSE_GRACE_S = 5.0
 """Seconds the main thread gets to fail by itself after a peer reported its failure, before the watch ends it."""
+
+LEFT = 1 << 40
+"""What a rank that stops its watch cleanly takes off its heartbeat counter (negative: not lost, only gone)."""
 
 _STORE_OP_S = 5.0  # seconds one store operation may take before it counts as unanswered
 
@@ -56,7 +63,9 @@ def describe_ranks(ranks: list[int], ranks_per_node: int) -> str:
 
 
 class PeerWatch(threading.Thread):
-    """The heartbeat thread of one rank (see the module doc).
+    """The watch of one rank (see the module doc): this thread checks, a second one (``dpddp-peer-beat``) talks
+    to the store, so that a store operation that never returns (a silent node 0: torch's ``TCPStore`` client
+    waits for an answer for ever once its request was sent) cannot stop the check.
 
     Args:
         address, port: the rendezvous store (``MASTER_ADDR``, ``MASTER_PORT``).
@@ -74,51 +83,97 @@ class PeerWatch(threading.Thread):
         self.ranks_per_node, self.timeout_s = ranks_per_node, timeout_s
         self.prefix = prefix
         self.stopped = threading.Event()
-        self._lock = threading.Lock()  # the store client: this thread and `report` from the main thread
+        self._lock = threading.Lock()  # the store client: the beat thread, `report` and `stop`
         self._store: torch.distributed.Store | None = None
         now = time.monotonic()
         self._seen = {r: (0, now) for r in range(world_size) if r != rank}  # rank -> (counter, when it changed)
         self._answered = now  # when the store last answered
+        self._error = ""  # the last store operation's failure, for the line
         self._cause: str | None = None
         self._cause_seen: float | None = None
+        self._left = False  # whether this rank's counter carries -LEFT (set by `stop`, undone by the next watch)
+        self._beater = threading.Thread(target=self._beat_loop, daemon=True, name="dpddp-peer-beat")
 
-    def stop(self) -> None:
-        """End the watch (at the end of a stage, or when the run has failed and is ending by itself)."""
+    def stop(self, clean: bool = True) -> None:
+        """End the watch: at the end of a stage (``clean``: the peers are told this rank left, so its silence
+        is not a loss), or when the run has failed and is ending by itself (``clean=False``). Never raises;
+        waits at most about ``_STORE_OP_S`` for the store."""
         self.stopped.set()
+        if clean:
+            self._store_op("tell the peers that this rank left", self._leave)
+
+    def _leave(self, store: torch.distributed.Store) -> None:
+        if not self._left:
+            store.add(self._own_key, -LEFT)
+            self._left = True
+
+    @property
+    def _own_key(self) -> str:
+        return f"{self.prefix}beat/{self.rank}"
 
     def run(self) -> None:
+        self._beater.start()
         while not self.stopped.wait(BEAT_S):
             now = time.monotonic()
-            try:
-                self._beat(now)
-            except Exception as err:  # refused, reset or timed out: the store (node 0) may be gone
-                if now - self._answered > self.timeout_s:
-                    self._end(f"{self._store_gone()} for {self.timeout_s:.0f} s ({type(err).__name__})")
+            if now - self._answered > self.timeout_s:
+                why = f" ({self._error})" if self._error else ""
+                self._end(f"{self._store_gone()} for {self.timeout_s:.0f} s{why}")
                 continue
             stale = [r for r, (_, t) in self._seen.items() if now - t > self.timeout_s]
             if stale:
                 self._end(f"{describe_ranks(stale, self.ranks_per_node)} lost: no heartbeat for {self.timeout_s:.0f} s")
+                continue
             if self._cause is not None:
                 self._cause_seen = self._cause_seen or now
                 if now - self._cause_seen > CAUSE_GRACE_S:
                     self._end(self._cause)
 
-    def _beat(self, now: float) -> None:
+    def _beat_loop(self) -> None:
+        while not self.stopped.wait(BEAT_S):
+            try:
+                self._beat()
+            except Exception as err:  # refused, reset or timed out: the store (node 0) may be gone
+                self._error = type(err).__name__
+
+    def _beat(self) -> None:
         with self._lock:
             if self._store is None:
                 self._store = torch.distributed.TCPStore(
                     self.address, self.port, is_master=False, timeout=timedelta(seconds=_STORE_OP_S)
                 )
             store = self._store
-            store.add(f"{self.prefix}beat/{self.rank}", 1)
+            if self.stopped.is_set():  # `stop` may have run while this beat waited for the lock
+                return
+            if store.add(self._own_key, 1) < 0:  # an earlier watch of this rank (stage) left
+                store.add(self._own_key, LEFT)
             counts = {r: store.add(f"{self.prefix}beat/{r}", 0) for r in self._seen}
             cause_key = f"{self.prefix}cause"
             cause = store.get(cause_key).decode() if store.check([cause_key]) else None
-        self._answered = now
+        now = time.monotonic()
+        self._answered, self._error = now, ""
         for r, count in counts.items():
-            if count != self._seen[r][0]:
+            if count != self._seen[r][0] or count < 0:  # moved, or left cleanly
                 self._seen[r] = (count, now)
         self._cause = cause
+
+    def _store_op(self, what: str, op: Callable[[torch.distributed.Store], object]) -> None:
+        """Run ``op`` on the store client (if there is one) from a helper thread, waiting at most about
+        ``_STORE_OP_S`` for it: the beat thread may hold the client in an operation that never returns."""
+
+        def call() -> None:
+            if not self._lock.acquire(timeout=_STORE_OP_S):
+                return
+            try:
+                if self._store is not None:
+                    op(self._store)
+            except Exception as err:
+                log.debug(f"could not {what}: {err}")
+            finally:
+                self._lock.release()
+
+        helper = threading.Thread(target=call, daemon=True, name="dpddp-peer-op")
+        helper.start()
+        helper.join(2 * _STORE_OP_S)
 
     def _store_gone(self) -> str:
         return f"node 0 lost: the rendezvous store at {self.address}:{self.port} has not answered"
@@ -129,28 +184,27 @@ class PeerWatch(threading.Thread):
         os._exit(1)
 
     def explain(self) -> str | None:
-        """Why the run failed, when a peer is to blame: a peer's reported failure, ``"node 1 (rank 1) lost: no
-        heartbeat for 3 s"``, or node 0's store not answering; ``None`` when every peer still beats after up to
+        """Why the run failed, when a peer is to blame: a peer's reported failure, node 0's store not answering,
+        or ``"node 1 (rank 1) lost: no heartbeat for 5 s"``; ``None`` when every peer still beats after up to
         ``STALE_S`` + 1 s (the failure is this rank's own). Called from the main thread; blocks for that long."""
         deadline = time.monotonic() + STALE_S + 1.0
         while True:
             now = time.monotonic()
             if self._cause is not None:
                 return self._cause
+            if now - self._answered >= STALE_S:  # then no peer can be seen either
+                return self._store_gone()
             stale = [r for r, (_, t) in self._seen.items() if now - t >= STALE_S]
             if stale:
-                return f"{describe_ranks(stale, self.ranks_per_node)} lost: no heartbeat for {STALE_S:.0f} s"
-            if now - self._answered >= STALE_S:
-                return self._store_gone()
+                silent = max(now - self._seen[r][1] for r in stale)
+                return f"{describe_ranks(stale, self.ranks_per_node)} lost: no heartbeat for {silent:.0f} s"
             if now > deadline or not self.is_alive():
                 return None
             time.sleep(0.1)
 
     def report(self, line: str) -> None:
-        """Tell the peers why this rank is failing (kept only if no rank reported before). Never raises."""
-        try:
-            with self._lock:
-                if self._store is not None:
-                    self._store.compare_set(f"{self.prefix}cause", "", line)
-        except Exception as err:
-            log.debug(f"could not report the failure to the store: {err}")
+        """Tell the peers why this rank is failing (kept only if no rank reported before). Never raises; waits
+        at most about ``_STORE_OP_S`` for the store."""
+        self._store_op(
+            "report the failure to the store", lambda store: store.compare_set(f"{self.prefix}cause", "", line)
+        )
