@@ -4,6 +4,7 @@ one process: each rank is a thread with its own client of a real TCPStore."""
 
 from __future__ import annotations
 
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -13,6 +14,7 @@ import torch
 
 from dpddp._compat import AGENT_STORE_ENV
 from dpddp.errors import RankFailed
+from dpddp.parallel import rendezvous
 from dpddp.parallel.rendezvous import START_KEY, join_start, torchrun_restarted
 
 
@@ -86,3 +88,16 @@ def test_a_restart_is_seen_by_the_count_or_by_an_earlier_start_in_the_agent_stor
     assert not torchrun_restarted()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert torchrun_restarted()
+
+
+def test_an_unreachable_agent_store_is_no_restart(monkeypatch):
+    """Where MASTER_ADDR leads nowhere from here, the entry goes on: setting up the process group says why."""
+    with socket.socket() as sock:  # a port where nothing listens
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv(AGENT_STORE_ENV, "True")
+    monkeypatch.setattr(rendezvous, "timedelta", lambda seconds: timedelta(seconds=0.5))
+    assert not torchrun_restarted()

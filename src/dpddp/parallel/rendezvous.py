@@ -18,6 +18,7 @@ joins the new name. Every key of this start (the process group's, the heartbeats
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -29,6 +30,8 @@ from dpddp.errors import RankFailed
 from dpddp.parallel.peers import describe_ranks
 
 __all__ = ["START_KEY", "join_start", "torchrun_restarted"]
+
+log = logging.getLogger(__name__)
 
 START_KEY = "dpddp/start"
 """Where rank 0 of the latest start writes its name."""
@@ -94,10 +97,15 @@ def torchrun_restarted() -> bool:
     the agent's store already holds an earlier start (``START_KEY``). The count alone is per agent: with
     several nodes (c10d rendezvous), an agent that restarts its healthy workers because another node rejoined
     does not count it, and its workers would take the run directory for another run's. Every rank of a restart
-    sees the earlier start, since it stays in the store. Outside torchrun: ``False``."""
+    sees the earlier start, since it stays in the store. Outside torchrun, or when the store cannot be reached
+    within 10 s (a ``MASTER_ADDR`` that resolves wrongly here, refused later in one line): ``False``."""
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return True
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         return False
-    store = agent_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timedelta(seconds=60))
-    return store is not None and store.check([START_KEY])
+    try:
+        store = agent_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timedelta(seconds=10))
+        return store is not None and store.check([START_KEY])
+    except RuntimeError as err:  # unreachable: setting up the process group says why (apply_interface), later
+        log.debug(f"could not ask torchrun's agent store for an earlier start: {err}")
+        return False
