@@ -4,8 +4,10 @@ project relies on. An upgrade that moves one fails here, by name, instead of cha
 from __future__ import annotations
 
 import inspect
+import re
 import socket
 from datetime import timedelta
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -17,6 +19,7 @@ from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from dpddp import DataParallelStrategy, _compat
 from dpddp.parallel.ddp import DDPStrategy
@@ -112,6 +115,30 @@ def test_lightning_sets_the_hook_name_attribute_on_the_module():
     module = pl.LightningModule()
     assert _compat.HOOK_NAME_ATTRIBUTE in vars(module)
     assert f"self.{_compat.HOOK_NAME_ATTRIBUTE}" in inspect.getsource(pl.LightningModule.log)
+
+
+def test_lightning_calls_batch_hooks_only_through_the_loop_that_skips_what_is_not_callable():
+    """``skip_empty_batch_hooks``: Lightning's hook loop skips a hook that is not callable and is the only caller of
+    the per-batch hooks; a callback with its empty hooks set to ``None`` trains as before, its own hook still
+    called, and reads as not overriding them."""
+    assert "if callable(fn):" in inspect.getsource(call._call_callback_hooks)
+    package = Path(pl.__file__).parent
+    direct = re.compile(rf"\b(self|callback|cb)\.({'|'.join(_compat.PER_BATCH_HOOKS)})\(")  # not through the loop
+    assert [str(path.relative_to(package)) for path in package.rglob("*.py") if direct.search(path.read_text())] == []
+    ends = []
+
+    class Counting(pl.Callback):
+        def on_train_batch_end(self, *args: object) -> None:
+            ends.append(args[-1])
+
+    counting = Counting()
+    trainer = pl.Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[counting])  # fmt: skip
+    _compat.skip_empty_batch_hooks(trainer.callbacks)
+    assert vars(counting)["on_before_backward"] is None and "on_train_batch_end" not in vars(counting)
+    assert not is_overridden("on_before_backward", counting, pl.Callback)
+    trainer.fit(BoringModel())
+    assert ends == [0, 1, 2]
 
 
 def test_dp_gets_its_devices_through_parallel_devices():

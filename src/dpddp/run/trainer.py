@@ -16,6 +16,7 @@ from lightning.fabric.plugins.environments import KubeflowEnvironment
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
+from dpddp._compat import skip_empty_batch_hooks
 from dpddp.errors import ConfigError
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy
@@ -153,7 +154,7 @@ def build_trainer(
     bar, bar_callbacks = _progress_bar(cfg)
     flags = {k: v for k, v in (cfg.trainer or {}).items() if k != "enable_progress_bar"}
     try:
-        return pl.Trainer(
+        trainer = pl.Trainer(
             **flags,
             enable_progress_bar=bar,
             strategy=build_strategy(cfg, job),
@@ -169,3 +170,5 @@ def build_trainer(
         )
     except TRAINER_ERRORS as err:
         raise _trainer_flag_error(cfg, err) from err
+    skip_empty_batch_hooks(trainer.callbacks)  # type: ignore[attr-defined]  # Lightning's default ones included
+    return trainer
