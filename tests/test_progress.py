@@ -9,9 +9,11 @@ import sys
 
 import pytest
 from conftest import QUIET, ROOT, child_env, compose_cfg, leftover
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from PIL import Image
 
-from dpddp.run.callbacks import EPOCH_COLUMNS
+from dpddp.run import trainer as trainer_module
+from dpddp.run.callbacks import EPOCH_COLUMNS, RichBar, TQDMBar
 from dpddp.run.plot import write_plot
 from dpddp.run.training import train
 
@@ -69,6 +71,33 @@ def test_plot_of_a_run_and_of_a_sweep(tmp_path):
     out = write_plot(tmp_path / "sweep")
     assert out == tmp_path / "sweep/curves.png"
     _png_ok(out)
+
+
+@pytest.mark.parametrize("kind", ["rich", "tqdm"])
+def test_the_bar_shows_at_most_ten_updates_a_second_and_every_loops_last_batch(tmp_path, monkeypatch, kind):
+    """A bar update costs more than a tiny training step: the bar skips the updates of batches that end within
+    0.1 s of the last one shown, never the last batch of a loop (so it ends where Lightning's does)."""
+    base = RichProgressBar if kind == "rich" else TQDMProgressBar
+    if kind == "tqdm":  # the tqdm bar is the one without rich installed
+        monkeypatch.setattr(trainer_module, "RichBar", TQDMBar)
+    shown: dict[str, list[int]] = {}
+
+    def spy(hook, update):
+        def shows(self, trainer, pl_module, outputs, batch, batch_idx, *rest):
+            shown.setdefault(hook, []).append(batch_idx + 1)
+            return update(self, trainer, pl_module, outputs, batch, batch_idx, *rest)
+
+        return shows
+
+    for hook in ("on_train_batch_end", "on_validation_batch_end", "on_test_batch_end"):
+        monkeypatch.setattr(base, hook, spy(hook, getattr(base, hook)))
+    sizes = ["data.num_samples=8000", "data.batch_size=8", "trainer.max_epochs=1"]  # 800, 100 and 100 batches
+    train(compose_cfg("accelerator=cpu", "logger=none", *sizes, "trainer.enable_progress_bar=true"), tmp_path)
+    assert {hook: seen[-1] for hook, seen in shown.items()} == {
+        "on_train_batch_end": 800, "on_validation_batch_end": 100, "on_test_batch_end": 100
+    }  # fmt: skip
+    assert len(shown["on_train_batch_end"]) < 800 // 4
+    assert RichBar().refresh_rate == 10  # redraws a second (Lightning's: 100)
 
 
 @pytest.mark.slow
