@@ -65,6 +65,7 @@ QUIET = [
     "logger=none",
     "callbacks.model_checkpoint=null",
     "callbacks.last_checkpoint=null",
+    "trainer.enable_checkpointing=false",  # else Lightning adds its own ModelCheckpoint (epoch=0-step=N.ckpt)
     "trainer.enable_progress_bar=false",
 ]
 # (key in a run record, label, unit scale): the rows of each table.
