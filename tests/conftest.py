@@ -121,3 +121,17 @@ class SigtermAt(pl.Callback):
         if self.seen == self.at:
             os.kill(os.getpid(), signal.SIGTERM)
         self.seen += 1
+
+
+class StopWhenFile(pl.Callback):
+    """Test helper (``+callbacks.stop._target_=conftest.StopWhenFile +callbacks.stop.path=...``, with ``tests/`` on
+    ``PYTHONPATH``): ends the fit as a limit would (exit 0, outputs written) at the end of the first training batch
+    after the file ``path`` exists, on every rank at the same step. A run a test needs alive only until it has
+    looked at it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.strategy.reduce_boolean_decision(Path(self.path).exists(), all=False):
+            trainer.should_stop = True

@@ -81,10 +81,12 @@ def test_a_busy_master_port_fails_fast_and_leaves_the_other_run_alone(tmp_path, 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         store_port = str(sock.getsockname()[1])
-    # trains for 30 s whatever the machine's speed: still running when the second run is refused (forked ranks
-    # start fast; a fixed number of epochs could end before the second run's imports are done)
-    long = ["trainer.max_epochs=100000", "trainer.max_time=00:00:00:30"]
-    first = _start(tmp_path, *DDP, *long, "hydra.run.dir=first", MASTER_PORT=store_port)
+    # trains until told to stop (at most 60 s), whatever the machine's speed: still running when the second run is
+    # refused (forked ranks start fast; a fixed number of epochs could end before the second run's imports are done)
+    stop = tmp_path / "stop"
+    long = ["trainer.max_epochs=100000", "trainer.max_time=00:00:01:00", "hydra.run.dir=first"]
+    long += ["+callbacks.stop._target_=conftest.StopWhenFile", f"+callbacks.stop.path={stop}"]
+    first = _start(tmp_path, *DDP, *long, MASTER_PORT=store_port, PYTHONPATH=str(ROOT / "tests"))
     _wait_ranks(first)
     assert ("127.0.0.1", int(store_port)) in _listening(first.tag)  # rank 0's store took the port
     start = time.monotonic()
@@ -96,6 +98,7 @@ def test_a_busy_master_port_fails_fast_and_leaves_the_other_run_alone(tmp_path, 
     assert len(lines) == 1 and f"MASTER_PORT={store_port}" in lines[0] and "unset MASTER_PORT" in lines[0]
     assert leftover(second.tag) == []
     assert first.poll() is None  # the port was the running first run's
+    stop.touch()
     first.communicate(timeout=240)
     assert first.returncode == 0
     assert metrics(tmp_path / "first")["world_size"] == 2
