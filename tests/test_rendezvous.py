@@ -62,7 +62,7 @@ def test_the_ranks_missing_from_a_start_are_named(store):
 def test_a_node_missing_from_a_start_is_named_with_its_ranks(store):
     """2 nodes x 2: rank 1 (node 0) joins, node 1 never comes."""
     with ThreadPoolExecutor(1) as pool:
-        joined = pool.submit(join_start, client(store), 1, 4, 2, 3.0)
+        joined = pool.submit(join_start, client(store), 1, 4, 2, 1.5)
         with pytest.raises(RankFailed, match=r"^node 1 \(ranks 2, 3\) lost: not started within 1 s"):
             join_start(client(store), 0, 4, 2, timeout_s=1.0)
         with pytest.raises(RankFailed):  # rank 0 ended, so rank 1 never gets the member list either
