@@ -1,6 +1,7 @@
 """LightningCLI entry point: print_config round trip, ddp and dp fits, re-runs, predictions."""
 
 import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -105,13 +106,19 @@ def test_the_cli_applies_the_checks_of_train_py(tmp_path, args, line):
 
 
 def test_ckpt_path_last_continues_the_newest_run_in_its_directory(tmp_path):
-    """Case 25: ``--ckpt_path=last`` resumes the latest run where a user expects it; without a run, one line."""
-    root = "--trainer.default_root_dir=runs"
-    proc = _cli_status("fit", *FAST, root, "--ckpt_path=last", cwd=tmp_path)
+    """Case 25: ``--ckpt_path=last`` resumes the latest run where a user expects it, keeping both invocations'
+    configs, one metrics table and both segments; without a run, one line."""
+    root = ["--trainer.default_root_dir=runs", "--data.num_samples=1005"]
+    proc = _cli_status("fit", *FAST, *root, "--ckpt_path=last", cwd=tmp_path)
     assert proc.returncode == 2 and "--ckpt_path=last: no run under" in proc.stderr
-    cli("fit", *FAST, root, "--trainer.max_epochs=2", cwd=tmp_path)
-    cli("fit", *FAST, root, "--trainer.max_epochs=4", "--ckpt_path=last", cwd=tmp_path)
+    outputs = [cli("fit", *FAST, *root, "--trainer.max_epochs=2", cwd=tmp_path)]
+    outputs.append(cli("fit", *FAST, *root, "--trainer.max_epochs=4", "--ckpt_path=last", cwd=tmp_path))
+    assert all("metrics: train/loss=" in out.stdout + out.stderr for out in outputs)
     assert sorted(p.name for p in (tmp_path / "runs/lightning_logs").iterdir()) == ["version_0"]
-    last = tmp_path / "runs/lightning_logs/version_0/checkpoints/last.ckpt"
-    assert torch.load(last, weights_only=True)["global_step"] == 4 * (3278 // 64)
-    assert (tmp_path / "runs/lightning_logs/version_0/config-1.yaml").is_file()  # the first config is kept
+    run = tmp_path / "runs/lightning_logs/version_0"
+    assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 4 * (805 // 64)
+    assert "max_epochs: 2" in (run / "config.yaml").read_text()  # the first config is kept
+    assert "max_epochs: 4" in (run / "config-1.yaml").read_text()
+    with open(run / "metrics.csv", newline="") as f:
+        assert [int(r["epoch"]) for r in csv.DictReader(f) if r["stage"] == "fit"] == [0, 1, 2, 3]
+    assert json.loads((run / "metrics.json").read_text())["segments"] == 2

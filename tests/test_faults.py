@@ -142,19 +142,6 @@ def test_killing_the_launching_process_leaves_no_orphan(tmp_path, entry):
     assert leftover(proc.tag) == []
 
 
-def test_resume_true_continues_in_the_run_directory(tmp_path):
-    base = ["accelerator=cpu", "data.num_samples=1005", *QUIET, "hydra.run.dir=run"]
-    fresh = _start(tmp_path, *base, "resume=true", "trainer.max_epochs=2")
-    out, _ = fresh.communicate(timeout=120)
-    assert fresh.returncode == 0 and "resume=true but there is no" in out
-    again = _start(tmp_path, *base, "resume=true", "trainer.max_epochs=4")
-    out, _ = again.communicate(timeout=120)
-    assert again.returncode == 0 and "continuing finished job from" in out  # 2 epochs done, extended to 4
-    import torch
-
-    assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 4 * (805 // 64)
-
-
 def test_ten_random_kills_each_resume_to_completion(tmp_path):
     """Kill a run at 10 random moments (SIGKILL: no handler runs), resuming each time with resume=true; every
     resume must load last.ckpt (atomic writes), and the chain must end where an uninterrupted run ends."""
