@@ -43,15 +43,17 @@ class RankFailed(RuntimeError):
 
 
 class Preempted(RuntimeError):
-    """Training stopped on SIGTERM after a checkpoint was written.
+    """The run stopped on SIGTERM: in training after a checkpoint was written, or outside it (start-up, the test
+    after the fit) with the run's last checkpoint, if it has one.
 
     Args:
-        path: the checkpoint to resume from.
+        path: the checkpoint to resume from; ``None``: the run stopped before writing one.
         step: the global step (optimizer steps) it holds.
     """
 
-    def __init__(self, path: Path, step: int) -> None:
-        super().__init__(f"stopped by SIGTERM after step {step}; checkpoint: {path}")
+    def __init__(self, path: Path | None, step: int) -> None:
+        where = f"after step {step}; checkpoint: {path}" if path is not None else "before its first checkpoint"
+        super().__init__(f"stopped by SIGTERM {where}")
         self.path, self.step = path, step
 
 

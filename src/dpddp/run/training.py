@@ -7,6 +7,8 @@ import json
 import logging
 import math
 import os
+import signal
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -71,11 +73,44 @@ def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: di
         RankFailed: a launched rank ended with a non-zero status and the run failed with it.
         Preempted: stopped by SIGTERM, with a checkpoint to resume from.
     """
+    with _sigterm_stops_the_run(Path(output_dir)) as running:
+        return _train(cfg, Path(output_dir), stage, extra, running)
+
+
+@contextmanager
+def _sigterm_stops_the_run(output_dir: Path) -> Iterator[dict[str, pl.Trainer]]:
+    """Outside the training loop (start-up, the test or predict after the fit), a SIGTERM raises ``Preempted``
+    with the run's ``last.ckpt`` (if written) and global step, so every entry point ends with its one line and
+    resume command instead of a silent exit 143. Inside the loop ``Preemption`` replaces this handler with its own
+    (a stop at a step boundary) and puts it back after. A handler that was there before (a sweep's, which stops
+    the sweep as one: ``dpddp.run.sweep_stop``) keeps the signal. Yields a dict that takes the run's ``"trainer"``."""
+    running: dict[str, pl.Trainer] = {}
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield running
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        if callable(previous):
+            previous(signum, frame)
+            return
+        last = output_dir / "checkpoints" / "last.ckpt"
+        trainer = running.get("trainer")
+        raise Preempted(last if last.is_file() else None, trainer.global_step if trainer is not None else 0)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield running
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _train(
+    cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, running: dict[str, pl.Trainer]
+) -> dict[str, Any]:
     start = time.perf_counter()
     check_config(cfg, stage)
     if cfg.get("print_config") and env_rank() == 0 and not os.environ.get(LAUNCHED_ENV):  # once per run
         log.info("config:\n" + OmegaConf.to_yaml(cfg, resolve=True))
-    output_dir = Path(output_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data, _convert_="all")
     model = instantiate(cfg.model, _convert_="all")
@@ -84,7 +119,7 @@ def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: di
     if fused:
         datamodule.steps_per_execution = steps
     job = RankJob(entry=f"{__name__}:train_rank", config=_resolved(cfg, stage), output_dir=str(output_dir))
-    trainer = build_trainer(cfg, output_dir, job, fused)
+    trainer = running["trainer"] = build_trainer(cfg, output_dir, job, fused)
     metrics = _run_stages(trainer, model, datamodule, cfg, stage)
     result: dict[str, Any] = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(

@@ -1,0 +1,56 @@
+"""A SIGTERM outside the training loop (start-up, the test after the fit) ends the run with ``Preempted``, its
+last checkpoint and step, which every entry point prints as one line with the resume command (exit 143), not a
+silent exit; the resumed run ends with the straight run's weights and a whole ``metrics.json``."""
+
+import os
+import signal
+
+import lightning.pytorch as pl
+import pytest
+from conftest import QUIET, compose_cfg, max_diff, metrics, weights
+
+from dpddp.errors import Preempted
+from dpddp.run.training import train
+
+BASE = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "trainer.max_epochs=2"]
+
+
+class SigtermOn(pl.Callback):
+    """Sends this process SIGTERM in hook ``hook`` (``setup``: the fit's start-up; ``on_test_start``)."""
+
+    def __init__(self, hook: str) -> None:
+        self.hook = hook
+
+    def setup(self, trainer, pl_module, stage):
+        if self.hook == "setup" and stage == "fit":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_test_start(self, trainer, pl_module):
+        if self.hook == "on_test_start":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _kill(hook):
+    return ["+callbacks.kill._target_=test_stop_anywhere.SigtermOn", f"+callbacks.kill.hook={hook}"]
+
+
+def test_a_sigterm_while_testing_stops_with_the_final_checkpoint_and_resumes_to_whole_outputs(tmp_path):
+    with pytest.raises(Preempted) as stop:
+        train(compose_cfg(*BASE, *_kill("on_test_start")), tmp_path / "run")
+    assert stop.value.step == 24 and stop.value.path == tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert str(stop.value).startswith("stopped by SIGTERM after step 24; checkpoint: ")
+    assert not (tmp_path / "run" / "metrics.json").exists()
+    straight = train(compose_cfg(*BASE), tmp_path / "straight")
+    resumed = train(compose_cfg(*BASE, f"ckpt_path={stop.value.path}"), tmp_path / "resumed")
+    assert max_diff(weights(tmp_path / "resumed/checkpoints/last.ckpt"), weights(stop.value.path)) == 0
+    assert max_diff(weights(stop.value.path), weights(tmp_path / "straight/checkpoints/last.ckpt")) <= 1e-6
+    for key in ("val/loss", "test/loss", "test/acc"):
+        assert resumed[key] == pytest.approx(straight[key], abs=1e-6), key
+    assert metrics(tmp_path / "resumed")["test/acc"] == pytest.approx(straight["test/acc"], abs=1e-6)
+
+
+def test_a_sigterm_during_start_up_stops_before_any_checkpoint(tmp_path):
+    with pytest.raises(Preempted) as stop:
+        train(compose_cfg(*BASE, *_kill("setup")), tmp_path / "run")
+    assert stop.value.path is None and str(stop.value) == "stopped by SIGTERM before its first checkpoint"
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the run's handler is gone with it
