@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -95,6 +98,27 @@ def launched(tag: str) -> list[psutil.Process]:
 def leftover(tag: str) -> list[int]:
     """PIDs of live processes started under ``tag``."""
     return [p.pid for p in tagged(tag)]
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory) -> Path:
+    """A directory every xdist worker of this session sees (the parent of each worker's base temp directory)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def made_once(shared: Path, name: str, make: Callable[[Path], None]) -> Path:
+    """``shared/name``, made by ``make(shared/name)`` for the first test of any worker that asks, while the others
+    wait on a lock: a run that several tests compare to, run once a session (an xdist group would do it, but
+    pytest-xdist's loadgroup does not group on pytest 9.2: pytest-xdist#1386)."""
+    path, done = shared / name, shared / f"{name}.done"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            make(path)
+            done.touch()
+    return path
 
 
 def metrics(run_dir: Path) -> dict:

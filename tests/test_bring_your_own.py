@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, leftover, metrics
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, metrics
+
+from dpddp.run.training import train
 
 pytestmark = pytest.mark.slow
 
@@ -135,7 +137,7 @@ def test_a_users_model_and_dataset_train_the_same_on_one_and_two_processes(proje
 
 def test_digits_with_the_mlp_reaches_095_on_one_and_two_processes(tmp_path):
     args = ["data=digits", "model=mlp", "accelerator=cpu", *QUIET]
-    _run(tmp_path, *args, "hydra.run.dir=one", command=[sys.executable, str(ROOT / "train.py")])
+    train(compose_cfg(*args, "logger=none"), tmp_path / "one")  # what train.py runs, in process
     _run(tmp_path, *args, *DDP, "hydra.run.dir=two", command=[sys.executable, str(ROOT / "train.py")])
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert one["test/acc"] >= 0.95 and two["test/acc"] >= 0.95

@@ -10,7 +10,7 @@ import time
 
 import psutil
 import pytest
-from conftest import QUIET, ROOT, child_env, launched, leftover, metrics, tagged
+from conftest import QUIET, ROOT, child_env, launched, leftover, made_once, metrics, tagged
 
 pytestmark = pytest.mark.slow
 DDP = ["strategy=ddp", "devices=2", "accelerator=cpu", *QUIET]
@@ -165,6 +165,22 @@ def test_ten_random_kills_each_resume_to_completion(tmp_path):
     assert metrics(tmp_path / "run")["val/acc"] >= 0.9
 
 
+SIGTERM_RUN = {"data.num_samples": 20000, "trainer.max_epochs": 3, "model.optimizer": "adam"}
+
+
+@pytest.fixture
+def ddp_straight(shared_dir):
+    """The uninterrupted 2-process run that the stopped ddp, CLI and ddp_spawn runs are compared to, run once a
+    session (the same settings and the same DDP arithmetic, however the ranks start): its run directory."""
+
+    def make(run):
+        straight = _start(run.parent, *_args("train.py", run.name, **SIGTERM_RUN, strategy="ddp", devices=2)[0])
+        _, err = straight.communicate(timeout=240)
+        assert straight.returncode == 0, err[-2000:]
+
+    return made_once(shared_dir, "sigterm_ddp_straight", make)
+
+
 @pytest.mark.parametrize(
     "entry,strategy,target",
     [
@@ -174,14 +190,13 @@ def test_ten_random_kills_each_resume_to_completion(tmp_path):
         ("train.py", "ddp_spawn", "rank 0"),
     ],
 )
-def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(tmp_path, entry, strategy, target):
+def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(tmp_path, request, entry, strategy, target):
     import torch
     from conftest import compose_cfg, max_diff, weights
 
     from dpddp.run.training import train
 
-    settings = {"data.num_samples": 20000, "trainer.max_epochs": 3, "model.optimizer": "adam"}
-    settings.update(strategy=strategy, devices=2 if strategy.startswith("ddp") else 1)
+    settings = {**SIGTERM_RUN, "strategy": strategy, "devices": 2 if strategy.startswith("ddp") else 1}
     args, run = _args(entry, "run", **settings)
     proc = _start(tmp_path, *args)
     last = tmp_path / run / "checkpoints/last.ckpt"
@@ -214,14 +229,13 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(tmp_pat
     # the same run uninterrupted: in-process for one process; DDP ranks must be real processes
     if strategy == "auto":
         overrides = [a for a in _args("train.py", "x", **settings)[0] if not a.startswith("hydra.")]
-        train(compose_cfg(*overrides, "logger=none"), tmp_path / "straight")
+        straight = tmp_path / "straight"
+        train(compose_cfg(*overrides, "logger=none"), straight)
     else:
-        straight = _start(tmp_path, *_args("train.py", "straight", **settings)[0])
-        straight.communicate(timeout=240)
-        assert straight.returncode == 0
-    assert max_diff(weights(last), weights(tmp_path / "straight/checkpoints/last.ckpt")) <= 1e-6
+        straight = request.getfixturevalue("ddp_straight")
+    assert max_diff(weights(last), weights(straight / "checkpoints/last.ckpt")) <= 1e-6
     # case 19: the resumed epoch's train/loss counts the steps before the stop too (its sum is in the checkpoint)
-    assert abs(metrics(tmp_path / run)["train/loss"] - metrics(tmp_path / "straight")["train/loss"]) <= 1e-6
+    assert abs(metrics(tmp_path / run)["train/loss"] - metrics(straight)["train/loss"]) <= 1e-6
 
 
 def test_a_rank_killed_in_one_sweep_job_does_not_end_the_sweep(tmp_path):
