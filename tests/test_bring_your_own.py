@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, metrics
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, made_once, metrics
 
 from dpddp.run.training import train
 
@@ -97,14 +97,30 @@ USER_ARGS += ["data.batch_size=32", "trainer.max_epochs=3", "accelerator=cpu", *
 DDP = ["strategy=ddp", "devices=2"]
 
 
+def _project(path: Path) -> Path:
+    shutil.copy(ROOT / "train.py", path / "train.py")
+    (path / "mine.py").write_text(MINE)
+    (path / "conf/model").mkdir(parents=True)
+    (path / "conf/model/my_net.yaml").write_text(MY_NET_YAML)
+    return path
+
+
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
     """The user's project: their copy of train.py, ``mine.py`` and ``conf/model/my_net.yaml``."""
-    shutil.copy(ROOT / "train.py", tmp_path / "train.py")
-    (tmp_path / "mine.py").write_text(MINE)
-    (tmp_path / "conf/model").mkdir(parents=True)
-    (tmp_path / "conf/model/my_net.yaml").write_text(MY_NET_YAML)
-    return tmp_path
+    return _project(tmp_path)
+
+
+@pytest.fixture
+def one_process(shared_dir: Path) -> Path:
+    """The user's model and data trained by ``train.py`` on one process (``USER_ARGS``), once a session: the run
+    directory that the 2-process run and the stopped-and-resumed run are compared to."""
+
+    def make(path: Path) -> None:
+        path.mkdir()
+        _run(_project(path), *USER_ARGS, "hydra.run.dir=one")
+
+    return made_once(shared_dir, "users_model_one_process", make) / "one"
 
 
 def _run(cwd: Path, *args: str, command: list[str] | None = None) -> None:
@@ -124,12 +140,11 @@ def _close(a: dict, b: dict, tol: float) -> bool:
     return a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= tol for k in a)
 
 
-def test_a_users_model_and_dataset_train_the_same_on_one_and_two_processes(project):
-    _run(project, *USER_ARGS, "hydra.run.dir=one")
+def test_a_users_model_and_dataset_train_the_same_on_one_and_two_processes(project, one_process):
     _run(project, *USER_ARGS, *DDP, "hydra.run.dir=two")
-    one, two = metrics(project / "one"), metrics(project / "two")
+    one, two = metrics(one_process), metrics(project / "two")
     assert two["world_size"] == 2 and one["val/acc"] > 0.9
-    assert _close(_weights(project / "one", "net."), _weights(project / "two", "net."), 1e-5)
+    assert _close(_weights(one_process, "net."), _weights(project / "two", "net."), 1e-5)
     # 1013 samples: val and test hold 101 each, an odd size that splits unevenly over 2 ranks
     for key in ("val/loss", "val/acc", "test/loss", "test/acc", "train/loss"):
         assert abs(one[key] - two[key]) <= 1e-5, key
@@ -152,7 +167,7 @@ def test_the_installed_command_trains_from_any_directory(tmp_path):
     assert metrics(tmp_path / "run")["val/acc"] > 0.5 and (tmp_path / "run/checkpoints/last.ckpt").is_file()
 
 
-def test_a_users_model_stopped_by_sigterm_mid_epoch_resumes_to_the_uninterrupted_weights(project):
+def test_a_users_model_stopped_by_sigterm_mid_epoch_resumes_to_the_uninterrupted_weights(project, one_process):
     """815 training samples / 32 = 25 batches an epoch; SIGTERM after batch 37, in epoch 1."""
     env, tag = child_env(PYTHONPATH=os.pathsep.join([str(project), str(ROOT / "tests")]))  # conftest.SigtermAt
     kill = ["+callbacks.kill._target_=conftest.SigtermAt", "+callbacks.kill.at=37"]
@@ -163,5 +178,4 @@ def test_a_users_model_stopped_by_sigterm_mid_epoch_resumes_to_the_uninterrupted
     step = torch.load(project / "run/checkpoints/last.ckpt", weights_only=True)["global_step"]
     assert 25 < step < 50  # mid-epoch 1
     _run(project, *USER_ARGS, "hydra.run.dir=run", "resume=true")
-    _run(project, *USER_ARGS, "hydra.run.dir=straight")
-    assert _close(_weights(project / "run", "net."), _weights(project / "straight", "net."), 1e-6)
+    assert _close(_weights(project / "run", "net."), _weights(one_process, "net."), 1e-6)  # the straight run
