@@ -102,11 +102,15 @@ def test_the_bar_shows_at_most_ten_updates_a_second_and_every_loops_last_batch(t
 
 
 @pytest.mark.slow
-def test_redirected_default_run_prints_epoch_lines_and_no_warning(tmp_path):
-    """The default run (10 epochs) with its output in a file: one line per epoch there and in train.log, the
-    final metrics line readable, and no warning line at all."""
-    output = _train_py("hydra.run.dir=run", cwd=tmp_path, log=tmp_path / "out.txt")
-    train_log = (tmp_path / "run/train.log").read_text()
+def test_the_quickstart_run_redirected_learns_prints_epoch_lines_and_no_warning(tmp_path):
+    """The README's quick start, ``python train.py`` (10 epochs, one process), with its output in a file: it
+    learns, writes its run directory under outputs/<date>/<time>/, one line per epoch in the file and in
+    train.log, the final metrics line readable, and no warning line at all."""
+    output = _train_py(cwd=tmp_path, log=tmp_path / "out.txt")
+    (run,) = [p.parent for p in tmp_path.glob("outputs/*/*/metrics.json")]
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["val/acc"] >= 0.9 and m["world_size"] == 1 and (run / ".hydra/config.yaml").is_file()
+    train_log = (run / "train.log").read_text()
     for text in (output, train_log):
         assert re.findall(EPOCH_LINE, text) == [str(e) for e in range(1, 11)]
     assert [line for line in output.splitlines() if WARNING_LINE.search(line)] == []

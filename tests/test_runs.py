@@ -18,15 +18,6 @@ def _ok(proc):
     assert leftover(proc.tag) == []
 
 
-def test_quickstart_default_run(tmp_path):
-    proc = run_train(cwd=tmp_path)
-    _ok(proc)
-    (run_dir,) = [p.parent for p in tmp_path.glob("outputs/*/*/metrics.json")]
-    m = metrics(run_dir)
-    assert m["val/acc"] >= 0.9 and m["world_size"] == 1
-    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "train.log").is_file()
-
-
 @pytest.mark.parametrize("launch", ["fork", "exec"])
 def test_ddp_two_processes_equal_one_process(tmp_path, launch):
     """Cases 03, 04, 08, 11: odd split sizes, same data on every rank, one writer, global batch; rank 1 forked
