@@ -2,6 +2,7 @@
 
 import csv
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 from conftest import child_env, leftover, max_diff, weights
 
 from dpddp.data.synthetic import make_tensors
+from dpddp.entry.cli import main
 
 pytestmark = pytest.mark.slow
 FAST = ["--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false"]
@@ -68,13 +70,27 @@ def test_predict_under_ddp_writes_every_test_sample_once_in_order(tmp_path):
     assert [int(r["pred"]) for r in rows] == probs.argmax(1).tolist()
 
 
-def _cli_status(*args, cwd):
-    env, tag = child_env()
-    proc = subprocess.run(
-        [sys.executable, "-m", "dpddp.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
-    )
-    assert leftover(tag) == []
-    return proc
+@pytest.fixture
+def cli_status(tmp_path, monkeypatch, capsys):
+    """``cli_status(*args)``: what ``python -m dpddp.cli ARGS`` runs (``main``), in this process and in
+    ``tmp_path``, for a refusal: its exit status and stderr. The root logger's handlers are put back after (the
+    CLI logs into its run directory's train.log)."""
+    monkeypatch.chdir(tmp_path)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+
+    def status(*args: str) -> tuple[int | str | None, str]:
+        try:
+            with pytest.raises(SystemExit) as stop:
+                main(list(args))
+        finally:
+            for handler in root.handlers:
+                if handler not in handlers:
+                    handler.close()
+            root.handlers[:], root.level = handlers, level
+        return stop.value.code, capsys.readouterr().err
+
+    return status
 
 
 @pytest.mark.parametrize(
@@ -97,20 +113,20 @@ def _cli_status(*args, cwd):
         ),
     ],
 )
-def test_the_cli_applies_the_checks_of_train_py(tmp_path, args, line):
+def test_the_cli_applies_the_checks_of_train_py(tmp_path, cli_status, args, line):
     """Case 25: the same check, one line (once, not per rank), exit 2, nothing written."""
-    proc = _cli_status("fit", *FAST, *args, cwd=tmp_path)
-    assert proc.returncode == 2
-    assert [x for x in proc.stderr.splitlines() if x.startswith("error:")] == [line]
+    code, err = cli_status("fit", *FAST, *args)
+    assert code == 2
+    assert [x for x in err.splitlines() if x.startswith("error:")] == [line]
     assert not list(tmp_path.rglob("*.ckpt"))
 
 
-def test_ckpt_path_last_continues_the_newest_run_in_its_directory(tmp_path):
+def test_ckpt_path_last_continues_the_newest_run_in_its_directory(tmp_path, cli_status):
     """Case 25: ``--ckpt_path=last`` resumes the latest run where a user expects it, keeping both invocations'
     configs, one metrics table and both segments; without a run, one line."""
     root = ["--trainer.default_root_dir=runs", "--data.num_samples=1005"]
-    proc = _cli_status("fit", *FAST, *root, "--ckpt_path=last", cwd=tmp_path)
-    assert proc.returncode == 2 and "--ckpt_path=last: no run under" in proc.stderr
+    code, err = cli_status("fit", *FAST, *root, "--ckpt_path=last")
+    assert code == 2 and "--ckpt_path=last: no run under" in err
     outputs = [cli("fit", *FAST, *root, "--trainer.max_epochs=2", cwd=tmp_path)]
     outputs.append(cli("fit", *FAST, *root, "--trainer.max_epochs=4", "--ckpt_path=last", cwd=tmp_path))
     assert all("metrics: train/loss=" in out.stdout + out.stderr for out in outputs)

@@ -29,6 +29,7 @@ import os
 import shlex
 import sys
 import warnings
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,14 @@ from dpddp.run.training import STAGES, isolated_job, train
 
 __all__ = ["DPDDPCLI", "main", "run_config"]
 
+
+def _version(package: str) -> tuple[int, ...]:
+    """The installed ``package``'s (major, minor)."""
+    return tuple(int(part) for part in version(package).split(".")[:2])
+
+
+# jsonargparse 4.49 renamed ArgumentParser.save's skip_none to skip_unset (the old name warns, and goes in 5.0).
+KEEP_NONE = {"skip_unset" if _version("jsonargparse") >= (4, 49) else "skip_none": False}
 TOP_LEVEL = {"strategy": "strategy", "accelerator": "accelerator", "devices": "devices", "num_nodes": "num_nodes"}
 
 
@@ -166,7 +175,7 @@ def main(args: list[str] | None = None) -> None:
         if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
             output_dir.mkdir(parents=True, exist_ok=True)
             n = next(i for i in range(1, 10_000) if not (output_dir / _config_name(i)).exists())
-            cli.parser.save(cli.config, str(output_dir / _config_name(n)), skip_none=False)
+            cli.parser.save(cli.config, str(output_dir / _config_name(n)), **KEEP_NONE)
             _log_to(output_dir / "train.log")
             logging.getLogger(__name__).info(f"invocation {n} into this run directory ({stage}): {_config_name(n)}")
         with isolated_job():
