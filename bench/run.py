@@ -503,6 +503,23 @@ def write_chart(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+README_START, README_END = "<!-- bench/run.py: start -->", "<!-- bench/run.py: end -->"
+
+
+def readme_section(results: dict[str, Any]) -> str:
+    """The README's performance numbers, from a ``results.json``: its command, then issue 15's targets
+    (``target_table``) and the ratio lines of ``headline``."""
+    body = [f"From `{results['command']}` (`bench/RESULTS.md` has every cell):", "", *headline(results["runs"])]
+    return "\n".join([README_START, *body, README_END])
+
+
+def write_readme(readme: Path, results_json: Path) -> None:
+    """Replace the part of ``readme`` between the markers with ``readme_section`` of ``results_json``."""
+    text = readme.read_text()
+    start, end = text.index(README_START), text.index(README_END) + len(README_END)
+    readme.write_text(text[:start] + readme_section(json.loads(results_json.read_text())) + text[end:])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the options, run the session, write the results; return the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -526,7 +543,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition, no warm-up (smoke test)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench", help="output directory (default bench/)")
+    parser.add_argument(
+        "--readme", action="store_true", help="only rewrite README.md's performance numbers from <out>/results.json"
+    )
     args = parser.parse_args(argv)
+    if args.readme:
+        write_readme(ROOT / "README.md", args.out / "results.json")
+        return 0
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]

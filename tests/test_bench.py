@@ -110,3 +110,13 @@ def test_results_report(tmp_path: Path) -> None:
     assert "| ddp(2) K=16 | samples/s (steady state) |" in text
     assert "- W4 ddp(2) samples/s, streaming/in-memory: **2 [2-2]**" in text
     assert "max |test/loss project - plain| over the rounds = 0" in text
+
+
+def test_the_readme_performance_numbers_are_the_committed_results() -> None:
+    """README.md's performance block is ``bench/run.py --readme`` of ``bench/results.json``: no hand-copied number."""
+    bench = load_bench_run()
+    readme = (ROOT / "README.md").read_text()
+    start, end = readme.index(bench.README_START), readme.index(bench.README_END) + len(bench.README_END)
+    results = json.loads((ROOT / "bench" / "results.json").read_text())
+    assert readme[start:end] == bench.readme_section(results)
+    assert "| target (issue 15) |" in readme[start:end]
