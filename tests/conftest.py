@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from dpddp.cluster import register_resolvers
+from dpddp.run import sweep_stop
 
 # One intra-op thread per test process: pytest-xdist runs one worker per core, and two busy multi-threaded
 # torch processes on shared cores slow each other down many times over.
@@ -159,3 +161,33 @@ class StopWhenFile(pl.Callback):
     def on_train_batch_end(self, trainer, *args) -> None:
         if trainer.strategy.reduce_boolean_decision(Path(self.path).exists(), all=False):
             trainer.should_stop = True
+
+
+class SigtermSweepAt(pl.Callback):
+    """Test helper for sweeps (``+callbacks.stop._target_=conftest.SigtermSweepAt``, with ``tests/`` on
+    ``PYTHONPATH``): before the training batch that takes global step ``step + 1`` (never in a run resumed past
+    it), once the file ``after`` exists, sends SIGTERM to the sweep's own process (the topmost process of this
+    test's tag) and waits until the sweep is stopping. With ``step=0`` the stop lands at the end of the first
+    batch, where every rank checks for a SIGTERM (later checks come about once a second)."""
+
+    def __init__(self, step: int, after: str | None = None) -> None:
+        self.step, self.after = step, after
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step != self.step:
+            return
+        deadline = time.monotonic() + 300
+        while self.after and not Path(self.after).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        me = psutil.Process()
+        ours = [p for p in [me, *me.parents()] if _environ(p).get("DPDDP_TEST_TAG") == os.environ["DPDDP_TEST_TAG"]]
+        ours[-1].send_signal(signal.SIGTERM)
+        while not sweep_stop.requested() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _environ(proc: psutil.Process) -> dict[str, str]:
+    try:
+        return proc.environ()
+    except (psutil.Error, OSError):
+        return {}

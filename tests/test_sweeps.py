@@ -1,11 +1,17 @@
 """Hydra multirun sweeps whose jobs launch DDP ranks: summary, failures, resume, joblib, how it was started."""
 
 import csv
+import os
+import shlex
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
-from conftest import QUIET, ROOT, child_env, leftover, metrics, run_train
+import torch
+from conftest import QUIET, ROOT, child_env, leftover, max_diff, metrics, run_train, weights
 
 pytestmark = pytest.mark.slow
 SMALL = ["accelerator=cpu", "data.num_samples=606", "trainer.max_epochs=1"]
@@ -96,3 +102,104 @@ def test_optuna_search_records_a_failed_trial_and_goes_on(tmp_path):
     assert "Failed experiment: job 0 returned nan (see its error.txt)" in proc.stdout  # told Optuna: FAIL
     best = min(metrics(tmp_path / "opt" / j)["val/loss"] for j in "12")
     assert f"best_value: {best}" in (tmp_path / "opt/optimization_results.yaml").read_text()
+
+
+def _sweep_watched(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """Run ``train.py ARGS`` while collecting every process of its tree as it grows (psutil); return the ended
+    Popen (its output in ``.out``, ``.err``) and the processes seen."""
+    with open(cwd / "stdout.txt", "w+") as out, open(cwd / "stderr.txt", "w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, stdout=out, stderr=err
+        )
+        seen: dict[int, psutil.Process] = {}
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                children = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.Error:
+                children = []
+            for child in children:
+                try:
+                    if child.pid not in seen:
+                        child.seen_cmdline = " ".join(child.cmdline())  # type: ignore[attr-defined]
+                        seen[child.pid] = child
+                except psutil.Error:
+                    continue
+            time.sleep(0.2)
+        proc.kill()
+        proc.wait()
+        out.seek(0)
+        err.seek(0)
+        proc.out, proc.err = out.read(), err.read()  # type: ignore[attr-defined]
+    return proc, list(seen.values())
+
+
+def _left(seen: list[psutil.Process], tmp_path, tag: str, wait_s: float = 10.0) -> list[str]:
+    """The sweep's processes still alive after ``wait_s`` seconds: any seen in its tree, any with its tag, any
+    whose command line or working directory is the test's directory."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = {p.pid: p for p in seen if _alive(p)}
+        for p in psutil.process_iter():
+            try:
+                mine = str(tmp_path) in " ".join(p.cmdline()) or p.cwd() == str(tmp_path)
+                if (mine or p.environ().get("DPDDP_TEST_TAG") == tag) and _alive(p):
+                    left[p.pid] = p
+            except (psutil.Error, OSError):
+                continue
+        if not left or time.monotonic() > deadline:
+            return [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in left.values() if _alive(p)]
+        time.sleep(0.2)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"], ["hydra/launcher=submitit_local"], []],
+    ids=["joblib", "submitit_local", "basic"],
+)
+def test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resumes_exactly(tmp_path, launcher):
+    """Case 20: two identical DDP jobs, in parallel (one after the other under the basic launcher); job 1, before
+    its first batch and once job 0 has finished, SIGTERMs the sweep's process. Job 1's ranks stop after that batch
+    with ``last.ckpt``, the summary is written, one line says how to resume, exit 143, no worker, rank, tracker or
+    controller is left. The printed command skips job 0 and continues job 1 to job 0's weights."""
+    env, tag = child_env(PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    stop = ["+callbacks.stop._target_=conftest.SigtermSweepAt", "+callbacks.stop.step=-1,0"]
+    stop += ["+callbacks.stop.after=sweep/0/metrics.json"]
+    args = ["-m", *launcher, "strategy=ddp", "devices=2", *SMALL[:1], "data.num_samples=2048", "logger=none"]
+    args += ["trainer.max_epochs=2", *stop, *QUIET, "hydra.sweep.dir=sweep"]
+    proc, seen = _sweep_watched(args, tmp_path, env)
+    assert proc.returncode == 143, proc.err[-3000:]
+    assert _left(seen, tmp_path, tag) == []
+    if launcher:
+        assert any("popen_loky" in p.seen_cmdline or "submitit" in p.seen_cmdline for p in seen)  # the workers
+    lines = [x for x in proc.err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "stopped by SIGTERM (1 of 2 jobs finished; stopped with a checkpoint: 1)" in lines[0]
+    sweep = tmp_path / "sweep"
+    rows = list(csv.DictReader(open(sweep / "summary.csv")))
+    assert [r["status"].split(":")[0] for r in rows] == ["ok", "incomplete"]
+    steps = _step(sweep / "0/checkpoints/last.ckpt")  # 2 epochs of 25
+    assert _step(sweep / "1/checkpoints/last.ckpt") == 1 < steps  # at the first check after the SIGTERM
+    assert not (sweep / "1/metrics.json").exists() and not (sweep / ".stop").exists()
+
+    command = shlex.split(lines[0].split("resume with ", 1)[1])
+    assert command[:2] == ["python", "train.py"] and "hydra.sweep.dir=" + str(sweep) in command
+    stamp = (sweep / "0/metrics.json").stat().st_mtime_ns
+    again, seen = _sweep_watched(command[2:], tmp_path, env)
+    assert again.returncode == 0, again.err[-3000:]
+    assert (sweep / "0/metrics.json").stat().st_mtime_ns == stamp  # finished: not run again
+    assert "resuming interrupted job from" in (sweep / "1/train.log").read_text()
+    assert _step(sweep / "1/checkpoints/last.ckpt") == steps
+    assert max_diff(weights(sweep / "1/checkpoints/last.ckpt"), weights(sweep / "0/checkpoints/last.ckpt")) <= 1e-6
+    assert [r["status"] for r in csv.DictReader(open(sweep / "summary.csv"))] == ["ok", "ok"]
+    assert _left(seen, tmp_path, tag) == []
+
+
+def _step(ckpt: Path) -> int:
+    return torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"]

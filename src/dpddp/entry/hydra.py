@@ -24,9 +24,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from dpddp.cluster import register_resolvers, run_name
 from dpddp.errors import ConfigError, Preempted, RankFailed, WriteFailed, exit_status, first_line
 from dpddp.parallel.rendezvous import torchrun_restarted
+from dpddp.run import sweep_stop
 from dpddp.run.training import METRIC_KEYS, isolated_job, train
 
-__all__ = ["config_dirs", "config_subdir", "main", "run"]
+__all__ = ["config_dirs", "config_subdir", "hydra_value", "main", "run", "sweep_resume_command"]
 
 log = logging.getLogger(__name__)
 register_resolvers()
@@ -78,13 +79,19 @@ def hydra_value(value: str) -> str:
     )
 
 
+def sweep_resume_command(sweep_dir: Path) -> str:
+    """In the sweep's own process: its command line with its ``hydra.sweep.dir`` (absolute), to paste into a shell
+    (complete jobs are skipped, interrupted ones resume). Works for any directory name (case 23)."""
+    argv = [a for a in sys.argv[1:] if not a.startswith("hydra.sweep.dir=")]
+    return shlex.join(["python", "train.py", *argv, f"hydra.sweep.dir={hydra_value(str(sweep_dir.absolute()))}"])
+
+
 def _resume_command(overrides: list[str], output_dir: Path, multirun: bool) -> str:
     """The command that continues a preempted run, to paste into a shell: the same overrides in the same run
-    directory; for a sweep, the sweep's own command line with its ``hydra.sweep.dir`` (complete jobs are skipped,
-    this one resumes). Works for any directory name (case 23)."""
+    directory; for a sweep, the sweep's own command line (``sweep_resume_command``). Works for any directory
+    name (case 23)."""
     if multirun:
-        argv = [a for a in sys.argv[1:] if not a.startswith("hydra.sweep.dir=")]
-        return shlex.join(["python", "train.py", *argv, f"hydra.sweep.dir={hydra_value(str(output_dir.parent))}"])
+        return sweep_resume_command(output_dir.parent)
     kept = [o for o in overrides if not o.startswith(("resume=", "hydra.run.dir="))]
     return shlex.join(["python", "train.py", *kept, "resume=true", f"hydra.run.dir={hydra_value(str(output_dir))}"])
 
@@ -96,7 +103,10 @@ def run(cfg: DictConfig) -> float:
     ``hydra.job.chdir=true``). In a multirun, a job whose ``metrics.json`` is complete for the same overrides
     is skipped, an interrupted one resumes from its ``checkpoints/last.ckpt``, and a failing job (or one whose
     ``val/loss`` is ``nan``) is recorded in its ``error.txt`` and returns ``nan`` so the sweep goes on (the
-    summary callback exits non-zero at the end).
+    summary callback exits non-zero at the end). Under a local launcher (basic, joblib, submitit_local) a
+    SIGTERM to any process of the sweep stops the sweep (``dpddp.run.sweep_stop``): the running jobs stop with
+    their ``last.ckpt`` and return ``nan``, later ones do not start, and the summary callback prints the line
+    that resumes the sweep.
     ``resume=true`` does the same for a single run in an existing ``hydra.run.dir``. (A complete job run again
     with other overrides, e.g. more epochs, resumes from its ``last.ckpt``.) Outside a multirun a bad
     setting prints one ``error:`` line and exits with status 2.
@@ -123,6 +133,12 @@ def run(cfg: DictConfig) -> float:
         if done is not None and done.get("overrides") == overrides:
             log.info(f"already complete with the same overrides, skipping: {output_dir / 'metrics.json'}")
             return math.nan if done["val/loss"] is None else done["val/loss"]  # null: it failed (error.txt)
+        stops = multirun and sweep_stop.active()
+        if stops:
+            sweep_stop.watch()  # in this job's process (a worker's, submitit's: its own handler only logs it)
+            if sweep_stop.requested():
+                log.info("the sweep is stopping (SIGTERM): this job does not start; resuming the sweep runs it")
+                return math.nan
         if multirun:
             (output_dir / "error.txt").unlink(missing_ok=True)  # an earlier try's failure, run again now
         last = output_dir / "checkpoints" / "last.ckpt"
@@ -157,6 +173,10 @@ def run(cfg: DictConfig) -> float:
             return val_loss
         line = f"val/loss is {val_loss}: the training diverged or no validation ran on the final weights"
     except (ConfigError, RankFailed, Preempted, WriteFailed) as err:
+        if isinstance(err, Preempted) and stops:
+            sweep_stop.request()  # every job stops; the sweep's process prints the line that resumes them
+            log.warning(f"{err}: the sweep stops; resuming it continues this job")
+            return math.nan
         if isinstance(err, Preempted):
             line = f"{err}: resume with {_resume_command(overrides, output_dir, multirun)}"
             print(f"error: {line}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""The sweep summary: a Hydra callback that writes one table of all jobs at the end of a multirun."""
+"""The sweep summary: a Hydra callback that writes one table of all jobs at the end of a multirun, and ends a
+sweep stopped by SIGTERM with the line that resumes it."""
 
 from __future__ import annotations
 
@@ -12,9 +13,20 @@ from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
+from dpddp.entry.hydra import sweep_resume_command
+from dpddp.errors import EXIT_PREEMPTED
+from dpddp.run import sweep_stop
 from dpddp.run.plot import can_plot, write_plot
 
-__all__ = ["SUMMARY_COLUMNS", "SweepSummary"]
+__all__ = ["LOCAL_LAUNCHERS", "SUMMARY_COLUMNS", "SweepSummary", "end_sweep", "write_summary"]
+
+LOCAL_LAUNCHERS = (
+    "hydra._internal.core_plugins.basic_launcher.BasicLauncher",
+    "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher",
+    "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
+)
+"""The launchers whose jobs run on this machine, under the sweep's process: a SIGTERM stops their sweep as one
+(``dpddp.run.sweep_stop``). Under any other (``hydra/launcher=slurm``) the jobs are the cluster's."""
 
 SUMMARY_COLUMNS: tuple[str, ...] = ("job", "overrides", "status", "val/loss", "val/acc", "test/acc")
 SUMMARY_COLUMNS += ("samples_per_sec", "world_size", "wall_time_s", "train_time_s", "segments")
@@ -33,8 +45,10 @@ def _job_row(job_dir: Path) -> dict[str, Any]:
         row.update({k: metrics.get(k) for k in SUMMARY_COLUMNS[3:]}, status="ok")
         if metrics.get("overrides") is not None:  # the invocation that wrote the metrics, not the first one
             row["overrides"] = " ".join(metrics["overrides"])
+    elif (job_dir / "checkpoints" / "last.ckpt").is_file():
+        row["status"] = "incomplete: resumes from checkpoints/last.ckpt"
     else:
-        row["status"] = "incomplete"
+        row["status"] = "not started"
     return row
 
 
@@ -44,32 +58,66 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value).replace("|", "\\|")
 
 
+def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
+    """Write ``summary.csv`` and ``summary.md`` at ``sweep_dir``, one row per job directory (see
+    ``SweepSummary``), print the table, draw ``curves.png`` when matplotlib is installed; return the rows."""
+    job_dirs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    rows = [_job_row(p) for p in job_dirs]
+    with open(sweep_dir / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| " + " | ".join(SUMMARY_COLUMNS) + " |", "|" + " --- |" * len(SUMMARY_COLUMNS)]
+    lines += ["| " + " | ".join(_cell(row.get(c)) for c in SUMMARY_COLUMNS) + " |" for row in rows]
+    table = "\n".join(lines) + "\n"
+    (sweep_dir / "summary.md").write_text(table)
+    print(f"\nsweep summary ({sweep_dir / 'summary.md'}):\n{table}")
+    if can_plot() and any((p / "metrics.csv").is_file() for p in job_dirs):
+        print(f"curves: {write_plot(sweep_dir)}")
+    return rows
+
+
+def end_sweep(sweep_dir: Path, cut_short: bool = False) -> None:
+    """In the sweep's process, once its jobs have returned: write the summary (``write_summary``), then exit
+    with status 143 and one line with the command that resumes the sweep if it was stopped by SIGTERM before
+    every job finished (``cut_short``: a sweeper had more jobs to launch), or with status 1 and one line if a
+    job failed or did not finish."""
+    rows = write_summary(sweep_dir)
+    stopped = sweep_stop.active() and sweep_stop.requested()
+    sweep_stop.clear()
+    unfinished = [row["job"] for row in rows if row["status"] != "ok" and not row["status"].startswith("failed")]
+    if stopped and (unfinished or cut_short):
+        jobs: dict[str, list[str]] = {}
+        for row in rows:
+            jobs.setdefault(row["status"].split(":")[0], []).append(row["job"])
+        kinds = (("incomplete", "stopped with a checkpoint"), ("not started", "not started"), ("failed", "failed"))
+        parts = [f"{len(jobs.get('ok', []))} of {len(rows)} jobs finished"]
+        parts += [f"{what}: {', '.join(jobs[key])}" for key, what in kinds if key in jobs]
+        command = sweep_resume_command(sweep_dir)
+        print(f"error: the sweep was stopped by SIGTERM ({'; '.join(parts)}): resume with {command}", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
+    failed = [row["job"] for row in rows if row["status"] != "ok"]
+    if failed:
+        print(f"error: {len(failed)} of {len(rows)} jobs failed: {', '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
+
+
 class SweepSummary(HydraCallback):
     """Hydra callback: at the end of a multirun, writes ``summary.csv`` and ``summary.md`` at the sweep root,
     one row per job directory (jobs of an earlier, resumed run of the same sweep included; ``wall_time_s``: the
     job's last invocation, ``train_time_s`` and ``segments``: its training over all of them), prints the table,
     writes ``curves.png`` (one colour per job) when matplotlib is installed, and exits with status 1 if any
-    job failed or did not finish."""
+    job failed or did not finish.
+
+    Under a local launcher (``LOCAL_LAUNCHERS``) a SIGTERM to the sweep's process, or to any of its jobs, stops
+    the sweep (``dpddp.run.sweep_stop``): at the end the summary is written as always, then one line gives the
+    command that resumes the sweep, and the exit status is 143."""
+
+    @override
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.hydra.launcher.get("_target_") in LOCAL_LAUNCHERS:
+            sweep_stop.start(Path(config.hydra.sweep.dir))
 
     @override
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        job_dirs = sorted(
-            (p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
-        )
-        rows = [_job_row(p) for p in job_dirs]
-        with open(sweep_dir / "summary.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
-        lines = ["| " + " | ".join(SUMMARY_COLUMNS) + " |", "|" + " --- |" * len(SUMMARY_COLUMNS)]
-        lines += ["| " + " | ".join(_cell(row.get(c)) for c in SUMMARY_COLUMNS) + " |" for row in rows]
-        table = "\n".join(lines) + "\n"
-        (sweep_dir / "summary.md").write_text(table)
-        print(f"\nsweep summary ({sweep_dir / 'summary.md'}):\n{table}")
-        if can_plot() and any((p / "metrics.csv").is_file() for p in job_dirs):
-            print(f"curves: {write_plot(sweep_dir)}")
-        failed = [row["job"] for row in rows if row["status"] != "ok"]
-        if failed:
-            print(f"error: {len(failed)} of {len(rows)} jobs failed: {', '.join(failed)}", file=sys.stderr)
-            sys.exit(1)
+        end_sweep(Path(config.hydra.sweep.dir))

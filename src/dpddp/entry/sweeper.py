@@ -7,18 +7,24 @@ that ``dpddp.entry.hydra.run`` recorded as failed, or one that diverged) makes O
 raises again while recording the failure. Here the plugin's launcher is wrapped so that a job returning ``nan``
 comes back as a failed job: the plugin tells Optuna ``TrialState.FAIL`` for it (with ``max_failure_rate: 1.0``,
 set in ``conf/hydra/sweeper/dpddp_optuna.yaml``, it goes on), and a search in which no trial completed ends with
-one line instead of a traceback, so the sweep summary is still written."""
+one line instead of a traceback, so the sweep summary is still written. A search stopped by SIGTERM
+(``dpddp.run.sweep_stop``) launches no further trials: it ends after the running ones with the summary and the
+line that resumes it."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 from typing_extensions import override
+
+from dpddp.entry.summary import end_sweep
+from dpddp.run import sweep_stop
 
 __all__ = ["FailedTrial", "NanFailsLauncher"]
 
@@ -39,15 +45,18 @@ def _failed(ret: JobReturn) -> bool:
 
 class NanFailsLauncher(Launcher):
     """Wraps the sweeper's launcher: a job that returns ``nan`` comes back with status ``FAILED``, so the
-    Optuna sweeper records a failed trial; counts the jobs that did not fail."""
+    Optuna sweeper records a failed trial; counts the jobs that did not fail. Once the sweep is stopped by
+    SIGTERM, ends it (``end_sweep``: summary, resume line, exit 143) instead of returning to the sweeper."""
 
     def __init__(self, launcher: Launcher) -> None:
         self.launcher = launcher
         self.completed = 0
+        self.sweep_dir: Path | None = None
 
     @override
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.launcher.setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        self.sweep_dir = Path(config.hydra.sweep.dir)
 
     @override
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
@@ -58,4 +67,6 @@ class NanFailsLauncher(Launcher):
             elif ret.status == JobStatus.COMPLETED:
                 ret.return_value = FailedTrial(f"job {num} returned {ret.return_value!r} (see its error.txt)")
                 ret.status = JobStatus.FAILED
+        if sweep_stop.active() and sweep_stop.requested() and self.sweep_dir is not None:
+            end_sweep(self.sweep_dir, cut_short=True)
         return returns

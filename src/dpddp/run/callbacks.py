@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from dpddp._compat import disable_sigterm_broadcast, keep_unfinished_epoch, restore_sigterm_broadcast
 from dpddp.errors import Preempted
+from dpddp.run import sweep_stop
 
 __all__ = [
     "BAR_INTERVAL_S",
@@ -399,6 +400,9 @@ class Preemption(pl.Callback):
     step), and its training loop broadcasts a flag before every step (a blocking gloo collective per step,
     ~0.9 ms on 2 CPU cores: issue 7), which ``on_train_start`` turns off since that flag can no longer be set.
 
+    In a sweep that stops as one (``dpddp.run.sweep_stop``), a SIGTERM stops the sweep too, and the sweep's stop
+    counts as a SIGTERM: looked for at the start of the fit and at each check (at most every 0.25 s).
+
     When the flag is set, all ranks write ``<dirpath>/last.ckpt`` through ``trainer.save_checkpoint`` (rank 0
     writes) and raise ``Preempted``. The checkpoint is taken at the end of the first batch after which an
     optimizer step was taken (with ``accumulate_grad_batches=k``, the end of the open window of ``k``
@@ -415,21 +419,32 @@ class Preemption(pl.Callback):
         self.dirpath = Path(dirpath)
         self.interval_s = interval_s
         self.requested = False
-        self._previous: Any = None
+        self._before_fit: Any = None  # the SIGTERM handler before the fit, put back after it
+        self._replaced = False
         self._every, self._steps, self._since = 1, 0, 0.0
+        self._sweep_checked = 0.0
         self._agreed = False  # the ranks agreed to stop: at the next optimizer-step boundary
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.requested = True
+        if sweep_stop.active():
+            sweep_stop.request()  # the other jobs of the sweep stop now, not after this one's checkpoint
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and threading.current_thread() is threading.main_thread():  # before Lightning's handler
+            self._before_fit = signal.getsignal(signal.SIGTERM)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if threading.current_thread() is threading.main_thread():  # after Lightning installed its handler
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._replaced = True
             # Lightning's per-step broadcast of its own SIGTERM flag: never set now (its handler is replaced).
             disable_sigterm_broadcast(trainer)
         self._every, self._steps, self._since = 1, 0, time.perf_counter()
         self._agreed = False
+        self.requested = self.requested or sweep_stop.requested()  # stopped while this job was starting
         # A run that EarlyStopping ended stays ended when continued to a later limit, as a straight run does
         # (its state, stopped_epoch included, is restored from the checkpoint before this hook). Not after a stop
         # by a limit inside an epoch (restored mid-epoch): the validation Lightning ran there is not a straight
@@ -440,9 +455,11 @@ class Preemption(pl.Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        # The handler from before the fit, not Lightning's (its teardown put the same one back just before): one
+        # left behind would only log a later SIGTERM, and a sweep's process would then outlive it.
+        if self._replaced:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._before_fit is None else self._before_fit)
+            self._replaced = False
         restore_sigterm_broadcast(trainer)
 
     @override
@@ -469,6 +486,9 @@ class Preemption(pl.Callback):
         self._steps += 1
         if self._steps < self._every:
             return False
+        if not self.requested and time.perf_counter() - self._sweep_checked >= 0.25:  # a stat, not every step
+            self._sweep_checked = time.perf_counter()
+            self.requested = sweep_stop.requested()
         requested = self.requested
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             now = time.perf_counter()
