@@ -41,6 +41,12 @@ def _flag(name: str, *overrides: str, note: str = "", refused: str = "") -> Sett
     return Setting("trainer flag", name, overrides or (name,), refused, (), note)
 
 
+SWEEP_SIGTERM = (
+    "a SIGTERM to the sweep or to any of its processes: the running jobs stop at a step end with their checkpoint, "
+    "the summary is written, one line resumes the sweep, exit 143 (case 20)"
+)
+"""The note of each local launcher's row (``dpddp.run.sweep_stop``)."""
+
 SURFACE: tuple[Setting, ...] = (
     _flag("trainer.max_epochs=N", "trainer.max_epochs=3"),
     _flag("trainer.max_steps=N", "trainer.max_steps=30", note="a stop mid-epoch continues inside the epoch"),
@@ -125,13 +131,22 @@ SURFACE: tuple[Setting, ...] = (
     ),
     Setting("entry point", "torchrun / SLURM / a PyTorchJob", tested_by=("test_cluster.py", "test_multinode.py")),
     Setting(
-        "sweeper/launcher", "basic", tested_by=("test_sweeps.py::test_mixed_strategies_with_a_failing_job_then_resume",)
+        "sweeper/launcher",
+        "basic",
+        tested_by=(
+            "test_sweeps.py::test_mixed_strategies_with_a_failing_job_then_resume",
+            "test_sweeps.py::test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resumes_exactly",
+        ),
+        note=SWEEP_SIGTERM,
     ),
     Setting(
         "sweeper/launcher",
         "hydra/launcher=joblib",
-        tested_by=("test_sweeps.py::test_joblib_launcher_runs_ddp_jobs_in_parallel",),
-        note="open (case 20): a SIGTERM to the sweep ends it without a resume line and leaves its workers running",
+        tested_by=(
+            "test_sweeps.py::test_joblib_launcher_runs_ddp_jobs_in_parallel",
+            "test_sweeps.py::test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resumes_exactly",
+        ),
+        note=SWEEP_SIGTERM,
     ),
     Setting(
         "sweeper/launcher",
@@ -145,8 +160,11 @@ SURFACE: tuple[Setting, ...] = (
     Setting(
         "sweeper/launcher",
         "hydra/launcher=submitit_local",
-        tested_by=("test_sweeps.py::test_submitit_local_launcher_runs_ddp_jobs",),
-        note="open (case 20): its jobs ignore SIGTERM between fits",
+        tested_by=(
+            "test_sweeps.py::test_submitit_local_launcher_runs_ddp_jobs",
+            "test_sweeps.py::test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resumes_exactly",
+        ),
+        note=SWEEP_SIGTERM,
     ),
 )
 
