@@ -20,7 +20,7 @@ class Setting:
     """One row of the surface.
 
     Attributes:
-        kind: ``"trainer flag"``, ``"strategy"``, ``"entry point"`` or ``"sweeper/launcher"``.
+        kind: ``"trainer flag"``, ``"run setting"``, ``"strategy"``, ``"entry point"`` or ``"sweeper/launcher"``.
         name: what the user writes, e.g. ``trainer.accumulate_grad_batches=3``.
         overrides: ``train.py`` overrides that reach it (trainer flags: what the contract test runs).
         refused: the start of the one ``error:`` line for a refused setting; empty for a supported one.
@@ -87,6 +87,19 @@ SURFACE: tuple[Setting, ...] = (
         "trainer.fast_dev_run=true",
         tested_by=("test_limits.py::test_fast_dev_run_writes_no_checkpoint", "test_presets.py"),
         note="one batch of each stage, no checkpoint or logger files (Lightning's meaning): nothing to resume",
+    ),
+    Setting(
+        "run setting",
+        "steps_per_execution=K",
+        tested_by=(
+            "test_executions.py::test_k_steps_per_execution_equal_one",
+            "test_executions.py::test_a_stop_at_a_random_step_then_continued_twice_equals_a_straight_run",
+            "test_executions.py::test_sigterm_stops_on_a_step_boundary_and_resumes_exactly",
+            "test_executions.py::test_ddp_two_processes_with_k_equal_one_process",
+            "test_executions.py::test_what_cannot_keep_the_promises_is_one_line",
+        ),
+        note="K optimizer steps per loop iteration; with K > 1 accumulate_grad_batches, gradient_clip_val, "
+        "val_check_interval, limit_train_batches and strategy=dp are refused",
     ),
     Setting("strategy", "strategy=auto", tested_by=("test_train.py::test_defaults_learn_and_write_metrics",)),
     Setting(
