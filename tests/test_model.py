@@ -52,4 +52,6 @@ def test_train_loss_is_the_mean_over_every_sample_of_the_epoch():
     x, y = (torch.cat(t) for t in zip(*batches, strict=True))
     expected = torch.nn.functional.cross_entropy(model(x), y)
     assert model.train_loss.compute().item() == pytest.approx(expected.item(), rel=1e-6)
-    assert model._train_samples == 0  # reset for the next epoch
+    assert model._train_samples == 12  # kept for a checkpoint after the epoch's end (a limit's stop)
+    model.on_train_epoch_start()
+    assert model._train_samples == 0 and model._train_loss_sum is None  # reset as the next epoch starts
