@@ -7,11 +7,13 @@ import inspect
 import re
 import socket
 from datetime import timedelta
+from importlib.resources import files
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from lightning.fabric.utilities import distributed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.demos.boring_classes import BoringModel
@@ -22,6 +24,7 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from dpddp import DataParallelStrategy, _compat
+from dpddp.entry import hydra as hydra_entry
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import JobLauncher, RankJob
 from dpddp.run.training import train_rank
@@ -150,7 +153,41 @@ def test_dp_gets_its_devices_through_parallel_devices():
 
 
 def test_checked_versions_are_recorded():
-    assert set(_compat.CHECKED) == {"lightning", "torch"}
+    assert set(_compat.CHECKED) == {"lightning", "torch", "hydra-core"}
+
+
+def test_hydra_main_composes_a_first_time_only_to_read_the_mode_and_reads_none_when_none_is_set():
+    """``hydra_mode_unset``: ``hydra.main`` asks ``Hydra.get_mode`` before composing to run, and ``get_mode`` is the
+    ``hydra.mode`` of a composition, ``None`` when it fails; inside the block it is ``None`` without composing."""
+    from hydra._internal import utils as hydra_utils
+    from hydra._internal.hydra import Hydra
+
+    assert "run_mode = hydra.get_mode(config_name=config_name, overrides=overrides)" in inspect.getsource(
+        hydra_utils._run_hydra
+    )
+    source = inspect.getsource(Hydra.get_mode)
+    assert "return cfg.hydra.mode" in source and "except Exception:\n            return None" in source
+    get_mode = Hydra.get_mode
+    with _compat.hydra_mode_unset():
+        assert Hydra.get_mode(None, "config", []) is None  # type: ignore[arg-type]
+    assert Hydra.get_mode is get_mode
+
+
+def test_only_the_mode_groups_set_the_hydra_mode_and_the_command_lines_that_may_are_known():
+    """The premise of skipping Hydra's first composition (``dpddp.entry.hydra.sets_no_mode``): composed alone,
+    every packaged option leaves ``hydra.mode`` unset except those of ``MODE_GROUPS``."""
+    conf = Path(str(files("dpddp.conf")))
+    options = sorted(p.relative_to(conf).with_suffix("") for p in conf.rglob("*.yaml") if p.parent != conf)
+    assert len(options) > 20
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        for option in options:
+            group, name = str(option.parent), option.name
+            cfg = compose(config_name="config", overrides=[f"{group}={name}"], return_hydra_config=True)
+            assert (cfg.hydra.mode is not None) == (group in hydra_entry.MODE_GROUPS), option
+    assert hydra_entry.sets_no_mode([]) and hydra_entry.sets_no_mode(["-m", "strategy=ddp", "devices=1,2", "seed=0"])
+    for argv in (["hparams_search=optuna"], ["+hydra.mode=MULTIRUN"], ["--config-dir", "conf"], ["-cn", "other"],
+                 ["--config-path=x"], ["hydra.searchpath=[file://conf]"]):  # fmt: skip
+        assert not hydra_entry.sets_no_mode(argv), argv
 
 
 def test_logged_metric_kinds_reads_lightnings_result_collection():

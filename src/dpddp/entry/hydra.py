@@ -12,6 +12,7 @@ import math
 import re
 import shlex
 import sys
+from contextlib import nullcontext
 from importlib.resources import files
 from pathlib import Path
 
@@ -21,13 +22,14 @@ from hydra.types import RunMode
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from dpddp._compat import hydra_mode_unset
 from dpddp.cluster import register_resolvers, run_name
 from dpddp.errors import ConfigError, Preempted, RankFailed, WriteFailed, exit_status, first_line
 from dpddp.parallel.rendezvous import torchrun_restarted
 from dpddp.run import sweep_stop
 from dpddp.run.training import METRIC_KEYS, isolated_job, train
 
-__all__ = ["config_dirs", "config_subdir", "hydra_value", "main", "run", "sweep_resume_command"]
+__all__ = ["config_dirs", "config_subdir", "hydra_value", "main", "run", "sets_no_mode", "sweep_resume_command"]
 
 log = logging.getLogger(__name__)
 register_resolvers()
@@ -238,6 +240,25 @@ def unknown_option(argv: list[str]) -> str | None:
     return None
 
 
+MODE_GROUPS = ("hparams_search",)
+"""The packaged config groups whose options may set ``hydra.mode`` (``hparams_search=optuna`` sweeps without
+``-m``); no other packaged config sets it (tests/test_compat.py composes each option)."""
+
+
+def sets_no_mode(argv: list[str]) -> bool:
+    """Whether the config of this command line surely sets no ``hydra.mode``: packaged configs only (no
+    ``--config-dir``, ``--config-path`` or ``--config-name``, no ``hydra.searchpath``), no option of
+    ``MODE_GROUPS`` chosen and no ``hydra.mode`` override. Hydra's first composition, which only reads that mode,
+    is then skipped (``dpddp._compat.hydra_mode_unset``)."""
+    for arg in argv:
+        key = arg.partition("=")[0].lstrip("+~")
+        if key in MODE_GROUPS or "hydra.mode" in arg or "hydra.searchpath" in arg:
+            return False
+        if arg.startswith(("--config", "-cd", "-cp", "-cn")):
+            return False
+    return True
+
+
 def main() -> None:
     """``python train.py [key=value ...]`` or ``dpddp-train ...``: Hydra composes the packaged ``conf/`` with the
     overrides (``--config-dir`` adds a user's own) and calls ``run``. An unknown config option is one line,
@@ -252,4 +273,5 @@ def main() -> None:
     gc.enable()
     # The final collections over what the run built cost ~1 s of every run (bench/).
     atexit.register(gc.freeze)
-    _hydra_main()
+    with hydra_mode_unset() if sets_no_mode(sys.argv[1:]) else nullcontext():
+        _hydra_main()
