@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_env, leftover, max_diff, weights
+from conftest import QUIET, child_env, compose_cfg, leftover, max_diff, weights
 
 from dpddp.data.synthetic import make_tensors
 from dpddp.entry.cli import main
+from dpddp.run.training import train
 
 pytestmark = pytest.mark.slow
 FAST = ["--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false"]
@@ -33,8 +34,9 @@ def _ckpt(root):
     return path
 
 
-def test_print_config_round_trip(tmp_path):
-    printed = cli("fit", *FAST, "--model.lr=0.05", "--data.batch_size=32", "--print_config", cwd=tmp_path).stdout
+def test_print_config_round_trip(tmp_path, cli_status):
+    code, printed = cli_status("fit", *FAST, "--model.lr=0.05", "--data.batch_size=32", "--print_config")
+    assert code == 0
     assert "strategy: auto" in printed and "batch_size: 32" in printed and "lr: 0.05" in printed
     (tmp_path / "config.yaml").write_text(printed)
     cli("fit", *FAST, "--model.lr=0.05", "--data.batch_size=32", "--trainer.default_root_dir=a", cwd=tmp_path)
@@ -56,8 +58,9 @@ def test_fit_ddp_and_dp_and_rerun_into_the_same_directory(tmp_path):
 
 
 def test_predict_under_ddp_writes_every_test_sample_once_in_order(tmp_path):
-    cli("fit", *FAST, "--data.num_samples=1005", "--trainer.default_root_dir=fit", cwd=tmp_path)
-    ckpt = _ckpt(tmp_path / "fit")
+    fit = ["accelerator=cpu", "trainer.max_epochs=1", "data.num_samples=1005", "logger=none", *QUIET]
+    train(compose_cfg(*fit), tmp_path / "fit")  # what the CLI's fit runs, in process
+    ckpt = tmp_path / "fit/checkpoints/last.ckpt"
     args = ["--trainer.strategy=ddp", "--trainer.devices=2", "--data.num_samples=1005", "--data.batch_size=32"]
     cli("predict", *FAST, *args, f"--ckpt_path={ckpt}", "--trainer.default_root_dir=pred", cwd=tmp_path)
     (path,) = tmp_path.glob("pred/**/predictions.csv")
@@ -73,8 +76,8 @@ def test_predict_under_ddp_writes_every_test_sample_once_in_order(tmp_path):
 @pytest.fixture
 def cli_status(tmp_path, monkeypatch, capsys):
     """``cli_status(*args)``: what ``python -m dpddp.cli ARGS`` runs (``main``), in this process and in
-    ``tmp_path``, for a refusal: its exit status and stderr. The root logger's handlers are put back after (the
-    CLI logs into its run directory's train.log)."""
+    ``tmp_path``, for a refusal or ``--print_config``: its exit status and stderr (stdout with ``--print_config``).
+    The root logger's handlers are put back after (the CLI logs into its run directory's train.log)."""
     monkeypatch.chdir(tmp_path)
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
@@ -88,7 +91,8 @@ def cli_status(tmp_path, monkeypatch, capsys):
                 if handler not in handlers:
                     handler.close()
             root.handlers[:], root.level = handlers, level
-        return stop.value.code, capsys.readouterr().err
+        out, err = capsys.readouterr()
+        return stop.value.code, out if "--print_config" in args else err
 
     return status
 
