@@ -95,7 +95,6 @@ TARGETS = [
     ("W3", "ddp(2)", "start_to_first_step_s", "project", "stock", "-<=", 0.3),
     ("W2", "single", "samples_per_sec", "project-defaults", "project", ">=", 0.95),  # item 2: defaults cost <= 5%
     ("W2", "single", "samples_per_sec", "project", "plain", ">=", 0.85),  # item 3
-    ("W2", "single", "samples_per_sec", "project-k16", "plain", ">=", 0.85),  # item 3 with the loop's cost amortized
     ("W2", "ddp(2)", "samples_per_sec", "project", "plain", ">=", 1.0),
     ("W3", "single", "samples_per_sec", "project-k16", "plain", ">=", 0.8),  # item 4
     ("W3", "ddp(2)", "samples_per_sec", "project-k16", "plain", ">=", 0.8),
@@ -418,7 +417,7 @@ def write_results(runs: list[dict], args: argparse.Namespace, command: str) -> N
         "# dpddp vs stock Lightning and plain PyTorch",
         "",
         f"Command: `{command}`  ",
-        f"Date: {datetime.date.today().isoformat()}; machine: `nproc` = {nproc}, {platform.machine()}, "
+        f"Date: {args.date}; machine: `nproc` = {nproc}, {platform.machine()}, "
         f"Python {platform.python_version()}, torch {versions['torch']}, lightning {versions['lightning']}; "
         f"OMP_NUM_THREADS {threads}; 1-minute load average {args.load[0]:.2f} at the start, {args.load[1]:.2f} at "
         f"the end; matplotlib {'' if importlib.util.find_spec('matplotlib') else 'not '}installed (torchmetrics, "
@@ -433,6 +432,8 @@ def write_results(runs: list[dict], args: argparse.Namespace, command: str) -> N
         "",
         *headline(counted),
     ]
+    if (args.out / "STARTUP.md").is_file():
+        lines += ["", "Where the start-up goes, phase by phase: `STARTUP.md` (`python bench/startup.py`)."]
     for workload in args.workloads:
         num_samples, num_features, num_classes, batch_size = sizes_of[workload]
         lines += [
@@ -469,7 +470,27 @@ def write_results(runs: list[dict], args: argparse.Namespace, command: str) -> N
     ]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "RESULTS.md").write_text("\n".join(lines) + "\n")
-    (args.out / "results.json").write_text(json.dumps({"command": command, "runs": runs}, indent=1) + "\n")
+    (args.out / "results.json").write_text(
+        json.dumps({"command": command, **meta(args), "runs": runs}, indent=1) + "\n"
+    )
+
+
+META = ("date", "load", "reps", "quick", "threads", "workloads")
+"""What ``RESULTS.md`` says of a session besides its runs, kept in ``results.json`` for ``--render``."""
+
+
+def meta(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``META`` entries of a session's options."""
+    return {key: getattr(args, key) for key in META}
+
+
+def render(out: Path) -> None:
+    """Rewrite ``RESULTS.md`` and the chart in ``out`` from its ``results.json`` (no run): after a change of
+    the report or of the targets, the numbers stay those of the one session that measured them."""
+    results = json.loads((out / "results.json").read_text())
+    args = argparse.Namespace(out=out, **{key: results[key] for key in META})
+    write_results(results["runs"], args, results["command"])
+    write_chart(results["runs"], out / "throughput.png")
 
 
 def write_chart(runs: list[dict], path: Path) -> None:
@@ -546,9 +567,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--readme", action="store_true", help="only rewrite README.md's performance numbers from <out>/results.json"
     )
+    parser.add_argument(
+        "--render", action="store_true", help="only rewrite <out>/RESULTS.md and the chart from <out>/results.json"
+    )
     args = parser.parse_args(argv)
     if args.readme:
         write_readme(ROOT / "README.md", args.out / "results.json")
+        return 0
+    if args.render:
+        render(args.out)
         return 0
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -566,10 +593,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the chart needs matplotlib: pip install -r bench/requirements.txt")
     command = " ".join(["python bench/run.py", *(sys.argv[1:] if argv is None else argv)])
     load_start = os.getloadavg()[0]
+    args.date = datetime.date.today().isoformat()
     runs = run_all(args)
     args.load = (load_start, os.getloadavg()[0])
     args.out.mkdir(parents=True, exist_ok=True)  # the runs first: a report that fails to render loses nothing
-    (args.out / "results.json").write_text(json.dumps({"command": command, "runs": runs}, indent=1) + "\n")
+    (args.out / "results.json").write_text(
+        json.dumps({"command": command, **meta(args), "runs": runs}, indent=1) + "\n"
+    )
     write_results(runs, args, command)
     if has_matplotlib:
         write_chart(runs, args.out / "throughput.png")

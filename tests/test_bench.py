@@ -98,8 +98,13 @@ def test_results_report(tmp_path: Path) -> None:
                     runs.append(record | {"workload": workload, "strategy": strategy, "impl": impl, "rep": rep})
     workloads = ["W1", "W2", "W3", "W4"]
     args = argparse.Namespace(quick=False, threads=1, reps=2, load=(1.0, 1.0), workloads=workloads, out=tmp_path)
+    args.date = "2026-01-31"
     bench.write_results(runs, args, "python bench/run.py")
     text = (tmp_path / "RESULTS.md").read_text()
+    assert "Date: 2026-01-31;" in text and "load average 1.00 at the start" in text
+    (tmp_path / "RESULTS.md").unlink()
+    bench.render(tmp_path)  # --render: the same report from results.json alone
+    assert (tmp_path / "RESULTS.md").read_text() == text
     assert "| W2 single samples/s (steady state), dpddp/stock | >= 1 | 0.9 [0.9-0.9] | no |" in text
     assert "| W1 ddp(2) start to first step (s), dpddp - stock | <= 0.3 | 0.2 [0.2-0.2] | yes |" in text
     assert "| W3 single K=16 samples/s (steady state), dpddp/plain | >= 0.8 | 0.9 [0.9-0.9] | yes |" in text
@@ -120,3 +125,45 @@ def test_the_readme_performance_numbers_are_the_committed_results() -> None:
     results = json.loads((ROOT / "bench" / "results.json").read_text())
     assert readme[start:end] == bench.readme_section(results)
     assert "| target (issue 15) |" in readme[start:end]
+
+
+def load_bench_startup():
+    """``bench/startup.py`` as a module."""
+    spec = importlib.util.spec_from_file_location("bench_startup", ROOT / "bench" / "startup.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_startup_report() -> None:
+    """``STARTUP.md`` on made-up phases: a row per phase (``-`` where stock Lightning has none), the medians, and
+    the sums after ``import lightning`` and from the start."""
+    startup = load_bench_startup()
+    project = dict.fromkeys(startup.PHASES["project"], 0.1) | {"import lightning": 3.0}
+    stock = dict.fromkeys(startup.PHASES["stock"], 0.2) | {"import lightning": 3.0}
+    slower = {k: v + 0.2 for k, v in project.items()}
+    text = startup.report({"project": [project, slower, project], "stock": [stock, stock, stock]}, "cmd")
+    assert "| Hydra composition | 0.10 [0.10-0.30] | - |" in text
+    assert "| import lightning | 3.00 [3.00-3.20] | 3.00 [3.00-3.00] |" in text
+    assert "| **after import lightning** | 0.50 [0.50-1.50] | 0.20 [0.20-0.20] |" in text
+    assert "| **start to first step** | 3.70 [3.70-5.30] | 3.60 [3.60-3.60] |" in text
+
+
+@pytest.mark.slow
+def test_startup_runs(tmp_path: Path) -> None:
+    """``bench/startup.py --runs 1``: one real run of each program, every phase timed (positive, summing to a
+    start no longer than the whole run), and STARTUP.md written."""
+    env, _ = child_env()
+    cmd = [sys.executable, "bench/startup.py", "--runs", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:4]
+        for line in (tmp_path / "STARTUP.md").read_text().splitlines()
+        if line.startswith("| ") and "---" not in line
+    }
+    for phase in load_bench_startup().PHASES["project"]:
+        assert number(rows[phase][0].strip()) > 0, (phase, rows[phase])
+    assert rows["Hydra composition"][1].strip() == "-" and number(rows["import lightning"][1].strip()) > 0
+    assert number(rows["**start to first step**"][0].strip()) > number(rows["**after import lightning**"][0].strip())

@@ -1,0 +1,187 @@
+"""Where start-up goes, dpddp against stock Lightning: ``python bench/startup.py [--runs 5] [--out bench/]``.
+
+Each run is a fresh process of ``python train.py`` (the seed's size W1, one CPU process, the lean overrides of
+``bench/run.py``) or of ``bench/stock.py`` (the same job in stock Lightning), alternating, started through this
+script's ``--child`` mode, which imports torch and Lightning itself before handing over to the program, timing
+each phase with ``time.time()`` from the process's creation (``psutil``):
+
+- ``python up``: interpreter start until this script runs;
+- ``import torch``, then ``import lightning`` (which imports torchmetrics, scipy and more): both programs pay these;
+- ``import dpddp, Hydra``: the project's modules, Hydra and OmegaConf (project only);
+- ``before composition``: the command-line check and Hydra's set-up until its composition starts;
+- ``Hydra composition``: ``Hydra.compose_config`` (the packaged ``conf/`` and the overrides);
+- ``to the job``: Hydra's job set-up (run directory, ``.hydra/``, logging) until the job's first log line;
+- ``to the first step``: the job (config check, model, data, ``Trainer``, fit set-up), or for stock Lightning
+  everything after its imports, until the end of the first optimizer step (``first_step_unix_s``).
+
+Writes ``STARTUP.md`` (per phase: median [min-max] seconds over the runs, and the sum of the phases after
+``import lightning``: what the project costs on its own) into ``--out`` and prints it. Needs ``psutil``
+(``bench/requirements.txt``). No speed is asserted anywhere: this is a profile, for ``RESULTS.md``'s start-up rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import runpy
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = ("100", "10", "2", "32")  # W1 of bench/run.py: samples, features, classes, global batch
+LEAN = [
+    "logger=none",
+    "callbacks.model_checkpoint=null",
+    "callbacks.last_checkpoint=null",
+    "trainer.enable_checkpointing=false",
+    "trainer.enable_progress_bar=false",
+    "trainer.num_sanity_val_steps=0",
+]
+PHASES = {
+    "project": [
+        "python up",
+        "import torch",
+        "import lightning",
+        "import dpddp, Hydra",
+        "before composition",
+        "Hydra composition",
+        "to the job",
+        "to the first step",
+    ],
+    "stock": ["python up", "import torch", "import lightning", "to the first step"],
+}
+SHARED = ("python up", "import torch", "import lightning")  # the phases both programs pay alike
+JOB_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[dpddp\.entry\.hydra\]\[INFO\]", re.M)
+
+
+def child(program: str, run_dir: Path) -> None:
+    """Run ``program`` (``project`` or ``stock``) in this process with its phases timed; write ``phases.json``
+    (phase -> seconds) into ``run_dir``."""
+    import psutil
+
+    created = psutil.Process().create_time()
+    marks = {"python up": time.time()}
+    import torch  # noqa: F401
+
+    marks["import torch"] = time.time()
+    import lightning.pytorch  # noqa: F401
+
+    marks["import lightning"] = time.time()
+    if program == "stock":
+        sys.path.insert(0, str(ROOT / "bench"))
+        sys.argv = ["stock.py", "single", "1", *SIZES, "1", str(run_dir / "out.json")]
+        try:
+            runpy.run_path(str(ROOT / "bench" / "stock.py"), run_name="__main__")
+        except SystemExit as end:  # its sys.exit(main())
+            if end.code:
+                raise
+        marks["to the first step"] = json.loads((run_dir / "out.json").read_text())["first_step_unix_s"]
+    else:
+        marks.update(_project(run_dir))
+    starts = [created, *marks.values()]
+    phases = {name: end - start for (name, end), start in zip(marks.items(), starts, strict=False)}
+    (run_dir / "phases.json").write_text(json.dumps(phases))
+
+
+def _project(run_dir: Path) -> dict[str, float]:
+    """``python train.py`` in this process; the wall-clock ends of the project's own phases."""
+    import dpddp.entry.hydra as entry
+
+    marks = {"import dpddp, Hydra": time.time()}
+    from hydra._internal.hydra import Hydra
+
+    compose = Hydra.compose_config
+
+    def timed(*args, **kwargs):
+        marks.setdefault("before composition", time.time())
+        try:
+            return compose(*args, **kwargs)
+        finally:
+            marks["Hydra composition"] = time.time()
+
+    Hydra.compose_config = timed  # type: ignore[method-assign]
+    sizes = dict(zip(("num_samples", "num_features", "num_classes", "batch_size"), SIZES, strict=True))
+    overrides = [f"data.{key}={value}" for key, value in sizes.items()]
+    sys.argv = ["train.py", "accelerator=cpu", "strategy=auto", "trainer.max_epochs=1", *overrides, *LEAN]
+    sys.argv.append(f"hydra.run.dir={run_dir}")
+    entry.main()
+    found = JOB_LINE.search((run_dir / "train.log").read_text())
+    assert found, "no job log line in train.log"
+    job = datetime.datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    marks["to the job"] = max(job, marks["Hydra composition"])  # the log's clock has millisecond steps
+    marks["to the first step"] = json.loads((run_dir / "metrics.json").read_text())["first_step_unix_s"]
+    return marks
+
+
+def measure(program: str, env: dict[str, str]) -> dict[str, float]:
+    """One fresh process of ``program``; its phases (phase -> seconds).
+
+    Raises:
+        RuntimeError: the process failed (the end of its output in the message).
+    """
+    with tempfile.TemporaryDirectory(prefix="dpddp-startup-") as tmp:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", program, tmp]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{program} failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-2000:]}")
+        return json.loads((Path(tmp) / "phases.json").read_text())
+
+
+def _cell(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]" if values else "-"
+
+
+def report(runs: dict[str, list[dict[str, float]]], command: str) -> str:
+    """``STARTUP.md``: a row per phase, a column per program (median [min-max] s), and the rows "after import
+    lightning" (the sum of each run's later phases) and "start to first step" (the sum of all)."""
+    lines = [
+        "# Start-up: dpddp vs stock Lightning (W1, one CPU process, lean)",
+        "",
+        f"Command: `{command}`; {len(runs['project'])} runs of each, alternating, each a fresh process. Cells: "
+        "median [min-max] seconds of each phase (see `bench/startup.py`).",
+        "",
+        "| phase | dpddp | stock Lightning |",
+        "| --- | --- | --- |",
+    ]
+    for phase in PHASES["project"]:
+        cells = [_cell([r[phase] for r in runs[p] if phase in r]) for p in ("project", "stock")]
+        lines.append(f"| {phase} | {' | '.join(cells)} |")
+    for label, keep in (("after import lightning", lambda p: p not in SHARED), ("start to first step", bool)):
+        cells = [_cell([sum(v for k, v in r.items() if keep(k)) for r in runs[p]]) for p in ("project", "stock")]
+        lines.append(f"| **{label}** | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the options, run, write ``STARTUP.md``; return the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5, help="runs of each program (default 5)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench", help="output directory (default bench/)")
+    parser.add_argument("--child", nargs=2, metavar=("PROGRAM", "RUN_DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args.child[0], Path(args.child[1]))
+        return 0
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    runs: dict[str, list[dict[str, float]]] = {"project": [], "stock": []}
+    for i in range(args.runs):
+        for program in runs:
+            runs[program].append(measure(program, env))
+            print(f"{program:7} run {i}: first step at {sum(runs[program][-1].values()):.2f} s", flush=True)
+    command = " ".join(["python bench/startup.py", *(sys.argv[1:] if argv is None else argv)])
+    text = report(runs, command)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "STARTUP.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
