@@ -61,12 +61,13 @@ class GlobalBatches:
 class Throughput(pl.Callback):
     """Steady-state training throughput in samples/s over all processes.
 
-    Reported at the end of training in ``trainer.callback_metrics[Throughput.KEY]``. Counts the intervals between
-    consecutive ``on_train_batch_end`` calls within an epoch (so data loading and
-    the step are in, while start-up, the first step of each epoch and validation are out), each worth one
-    global batch (``datamodule.batch_size`` samples), or with ``steps_per_execution > 1`` one per optimizer
-    step it took. With a single step per epoch it falls back to the step times alone. Cheap: one
-    ``time.perf_counter()`` per step, no sync.
+    Reported at the end of the fit in ``trainer.callback_metrics[Throughput.KEY]`` (a finished run continued, with
+    nothing left to train, reports its earlier segments' figure: the counts travel in the checkpoint). Counts the
+    intervals between consecutive ``on_train_batch_end`` calls within an epoch (so data loading and the step are
+    in, while start-up, the first step of each epoch and validation are out), each worth one global batch
+    (``datamodule.batch_size`` samples), or with ``steps_per_execution > 1`` one per optimizer step it took. With
+    a single step per epoch it falls back to the step times alone. Cheap: one ``time.perf_counter()`` per step,
+    no sync.
     """
 
     KEY = "perf/samples_per_sec"
@@ -104,8 +105,9 @@ class Throughput(pl.Callback):
         self._last = now
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Into callback_metrics: that is what ddp_spawn carries back from its rank-0 process to the caller.
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Into callback_metrics: that is what ddp_spawn carries back from its rank-0 process to the caller. At the
+        # fit's end, not training's: a finished run continued trains nothing (no on_train_end) and keeps its figure.
         trainer.callback_metrics[self.KEY] = torch.tensor(self.samples_per_sec, dtype=torch.float64)
         if self.first_step_unix_s is not None:
             trainer.callback_metrics[self.FIRST_STEP_KEY] = torch.tensor(self.first_step_unix_s, dtype=torch.float64)
@@ -141,8 +143,8 @@ class EpochRecord(pl.Callback):
     the checkpoint (``on_save_checkpoint``), so a run resumed from any ``last.ckpt`` rewrites ``metrics.csv``
     with the checkpoint's epochs and extends it: epochs ``0..N-1`` once each, one table.
     ``train_time_s`` counts each segment from ``on_train_start`` to its end, or to its last checkpoint when it
-    was stopped. At ``on_train_end`` both go into ``trainer.callback_metrics`` (``TIME_KEY``,
-    ``SEGMENTS_KEY``), what ``ddp_spawn`` carries back to the caller.
+    was stopped. At ``on_fit_end`` both go into ``trainer.callback_metrics`` (``TIME_KEY``, ``SEGMENTS_KEY``),
+    what ``ddp_spawn`` carries back to the caller; a finished run continued (nothing left to train) keeps them.
 
     Lightning calls callbacks' ``on_train_epoch_end`` before the module's, where the built-in model logs
     ``train/loss``: the row is completed at the next hook (the epoch-end checkpoint, the next epoch's start or
@@ -169,6 +171,7 @@ class EpochRecord(pl.Callback):
         self._steps = 0
         self._validated = False
         self._pending: dict[str, Any] | None = None
+        self._trained = False  # this fit reached on_train_start (a finished run continued does not)
 
     @property
     def train_time_s(self) -> float:
@@ -177,7 +180,12 @@ class EpochRecord(pl.Callback):
         return self._earlier_s + running
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._trained = False
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._trained = True
         self.segments += 1
         self._segment_start = time.perf_counter()
         # a fit restarted mid-epoch gets no on_train_epoch_start for that epoch: time its rest from here
@@ -220,6 +228,13 @@ class EpochRecord(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flush(trainer)
         self._earlier_s, self._segment_start = self.train_time_s, None
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # At the fit's end, not training's: a finished run continued trains nothing, and keeps its time and count,
+        # and its table (the checkpoint's rows) in the directory it continues in.
+        if not self._trained and trainer.is_global_zero:
+            self._write(self.rows, "w")
         trainer.callback_metrics[self.TIME_KEY] = torch.tensor(self._earlier_s, dtype=torch.float64)
         trainer.callback_metrics[self.SEGMENTS_KEY] = torch.tensor(self.segments, dtype=torch.float64)
 
@@ -478,7 +493,7 @@ class Preemption(pl.Callback):
         window_closed = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
         if self._agreed and (window_closed or batch_idx + 1 >= trainer.num_training_batches):
             path = self.dirpath / "last.ckpt"
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)  # explicit: Lightning logs a line when it is unset
             raise Preempted(path, trainer.global_step)
 
     def _agree(self, trainer: pl.Trainer) -> bool:

@@ -88,7 +88,8 @@ def write_plot(path: str | Path, out: str | Path | None = None) -> Path:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    acc_ax.legend(fontsize="small")
+    if acc_ax.lines:  # no validation ran: no legend (matplotlib warns about an empty one)
+        acc_ax.legend(fontsize="small")
     fig.tight_layout()
     target = Path(out) if out is not None else Path(path) / PLOT_NAME
     fig.savefig(target)

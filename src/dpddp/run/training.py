@@ -237,7 +237,7 @@ def _final_weights(
     last = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.filename == "last"]
     if last and last[0].dirpath and isinstance(io, AtomicCheckpointIO):
         if trainer.strategy.broadcast(io.saved_steps.get("last.ckpt") != step):  # rank 0 wrote it, if anyone
-            trainer.save_checkpoint(Path(last[0].dirpath) / "last.ckpt")
+            trainer.save_checkpoint(Path(last[0].dirpath) / "last.ckpt", weights_only=False)  # explicit: no log line
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
     validated = next((cb.step for cb in callbacks if isinstance(cb, LastValidation)), step)
     if validated == step or trainer.limit_val_batches == 0 or not is_overridden("validation_step", model):
