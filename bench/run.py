@@ -530,7 +530,8 @@ README_START, README_END = "<!-- bench/run.py: start -->", "<!-- bench/run.py: e
 def readme_section(results: dict[str, Any]) -> str:
     """The README's performance numbers, from a ``results.json``: its command, then issue 15's targets
     (``target_table``) and the ratio lines of ``headline``."""
-    body = [f"From `{results['command']}` (`bench/RESULTS.md` has every cell):", "", *headline(results["runs"])]
+    counted = [r for r in results["runs"] if r["rep"] >= 0]  # as in RESULTS.md: not the warm-up round
+    body = [f"From `{results['command']}` (`bench/RESULTS.md` has every cell):", "", *headline(counted)]
     return "\n".join([README_START, *body, README_END])
 
 
