@@ -54,3 +54,19 @@ def test_a_sigterm_during_start_up_stops_before_any_checkpoint(tmp_path):
         train(compose_cfg(*BASE, *_kill("setup")), tmp_path / "run")
     assert stop.value.path is None and str(stop.value) == "stopped by SIGTERM before its first checkpoint"
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the run's handler is gone with it
+
+
+def test_a_sigterm_while_testing_under_a_sweeps_handler_is_preempted_not_a_silent_exit(tmp_path):
+    """In a sweep the sweep's handler keeps the signal (it stops the sweep) and Lightning's evaluation loop ends
+    the test with its SIGTERMException, a SystemExit of status 0 that would end the sweep with no summary: the run
+    ends with ``Preempted`` instead, and the sweep's handler was called."""
+    calls = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    try:
+        with pytest.raises(Preempted) as stop:
+            train(compose_cfg(*BASE, *_kill("on_test_start")), tmp_path / "run")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert calls == [signal.SIGTERM]
+    assert stop.value.step == 24 and stop.value.path == tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert not (tmp_path / "run" / "metrics.json").exists()

@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
@@ -83,23 +84,30 @@ def _sigterm_stops_the_run(output_dir: Path) -> Iterator[dict[str, pl.Trainer]]:
     with the run's ``last.ckpt`` (if written) and global step, so every entry point ends with its one line and
     resume command instead of a silent exit 143. Inside the loop ``Preemption`` replaces this handler with its own
     (a stop at a step boundary) and puts it back after. A handler that was there before (a sweep's, which stops
-    the sweep as one: ``dpddp.run.sweep_stop``) keeps the signal. Yields a dict that takes the run's ``"trainer"``."""
+    the sweep as one: ``dpddp.run.sweep_stop``) keeps the signal; Lightning's evaluation loop then ends the stage
+    with its ``SIGTERMException`` (a ``SystemExit`` of status 0, which would end a sweep silently), which becomes
+    ``Preempted`` too. Yields a dict that takes the run's ``"trainer"``."""
     running: dict[str, pl.Trainer] = {}
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield running
         return
 
+    def preempted() -> Preempted:
+        last = output_dir / "checkpoints" / "last.ckpt"
+        trainer = running.get("trainer")
+        return Preempted(last if last.is_file() else None, trainer.global_step if trainer is not None else 0)
+
     def stop(signum: int, frame: Any) -> None:
         if callable(previous):
             previous(signum, frame)
             return
-        last = output_dir / "checkpoints" / "last.ckpt"
-        trainer = running.get("trainer")
-        raise Preempted(last if last.is_file() else None, trainer.global_step if trainer is not None else 0)
+        raise preempted()
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         yield running
+    except SIGTERMException as err:  # Lightning's evaluation loop ends on a SIGTERM with this SystemExit, status 0
+        raise preempted() from err
     finally:
         signal.signal(signal.SIGTERM, previous)
 
