@@ -139,10 +139,13 @@ def test_tables_are_bundled_and_their_sizes_are_checked():
 
 def test_the_contract_names_what_a_model_does_not_log():
     class FakeTrainer:
-        world_size, limit_val_batches = 1, 1.0
+        world_size, limit_val_batches, sanity_checking = 1, 1.0, False
         callback_metrics = {"train/loss": torch.tensor(1.0), "val/loss": torch.tensor(1.0)}
 
     contract = MetricContract()
+    contract._check_names(FakeTrainer(), "fit")  # type: ignore[arg-type]
+    assert contract.warned == set()  # no validation ran in this fit: the final weights' comes after it
+    contract.on_validation_end(FakeTrainer(), None)  # type: ignore[arg-type]
     with pytest.warns(UserWarning, match="logs no val/acc"):
         contract._check_names(FakeTrainer(), "fit")  # type: ignore[arg-type]
     assert contract.warned == {"val/acc"}

@@ -3,6 +3,7 @@
 
 import errno
 import json
+import warnings
 
 import pytest
 import torch
@@ -142,11 +143,26 @@ def test_a_run_ended_by_early_stopping_stays_ended_when_continued(tmp_path):
     ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
     stopped = _step(tmp_path / "first")
     assert stopped < 10 * 12  # EarlyStopping ended it
-    continued = train(compose_cfg(*BASE, *ES, "trainer.max_epochs=20", f"ckpt_path={ckpt}"), tmp_path / "continued")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        continued = train(compose_cfg(*BASE, *ES, "trainer.max_epochs=20", f"ckpt_path={ckpt}"), tmp_path / "continued")
+    assert not [str(w.message) for w in caught if "metric contract" in str(w.message)]  # it logs nothing: no step
+    assert continued["segments"] == first["segments"] == 1 and continued["train_time_s"] <= first["train_time_s"]
+    assert continued["train/loss"] == first["train/loss"]  # the final row's, not null
     train(compose_cfg(*BASE, *ES, "trainer.max_epochs=20"), tmp_path / "straight")
     assert _step(tmp_path / "continued") == _step(tmp_path / "straight") == stopped
     a, b = weights(tmp_path / "continued/checkpoints/last.ckpt"), weights(tmp_path / "straight/checkpoints/last.ckpt")
     assert max_diff(a, b) == 0 and continued["val/loss"] == first["val/loss"]
+
+
+def test_a_stop_by_max_steps_before_any_validation_warns_of_no_missing_metric(tmp_path):
+    """The fit ran no validation, so the final weights are validated after it: no "metric contract" warning that
+    val/loss is null, since metrics.json has it (found by the fresh-user trial)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train(compose_cfg(*BASE, "trainer.max_steps=5"), tmp_path)
+    assert not [str(w.message) for w in caught if "metric contract" in str(w.message)]
+    assert result["val/loss"] > 0 and result["val/acc"] > 0 and _step(tmp_path) == 5
 
 
 def test_fast_dev_run_writes_no_checkpoint(tmp_path):

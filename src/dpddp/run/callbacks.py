@@ -139,9 +139,9 @@ class EpochRecord(pl.Callback):
     (``epoch 3/10: train/loss=0.2231 val/loss=0.1823 val/acc=0.9658 (0.21 s, 24,300 samples/s)``; epochs
     counted from 1 there, from 0 in the table). A test adds a ``test`` row stamped with the last trained epoch.
 
-    The rows, the training seconds and the number of segments (fits: the first run and each resume) travel in
-    the checkpoint (``on_save_checkpoint``), so a run resumed from any ``last.ckpt`` rewrites ``metrics.csv``
-    with the checkpoint's epochs and extends it: epochs ``0..N-1`` once each, one table.
+    The rows, the training seconds and the number of segments (fits that took a step: the first run and each
+    resume) travel in the checkpoint (``on_save_checkpoint``), so a run resumed from any ``last.ckpt`` rewrites
+    ``metrics.csv`` with the checkpoint's epochs and extends it: epochs ``0..N-1`` once each, one table.
     ``train_time_s`` counts each segment from ``on_train_start`` to its end, or to its last checkpoint when it
     was stopped. At ``on_fit_end`` both go into ``trainer.callback_metrics`` (``TIME_KEY``, ``SEGMENTS_KEY``),
     what ``ddp_spawn`` carries back to the caller; a finished run continued (nothing left to train) keeps them.
@@ -171,7 +171,7 @@ class EpochRecord(pl.Callback):
         self._steps = 0
         self._validated = False
         self._pending: dict[str, Any] | None = None
-        self._trained = False  # this fit reached on_train_start (a finished run continued does not)
+        self._trained = False  # this fit took a training step (a finished run continued takes none)
 
     @property
     def train_time_s(self) -> float:
@@ -185,8 +185,6 @@ class EpochRecord(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._trained = True
-        self.segments += 1
         self._segment_start = time.perf_counter()
         # a fit restarted mid-epoch gets no on_train_epoch_start for that epoch: time its rest from here
         self._epoch_start, self._steps = self._segment_start, 0
@@ -206,6 +204,9 @@ class EpochRecord(pl.Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._steps += self.count.done(trainer)
+        if not self._trained:  # a segment is a fit that trained (not one EarlyStopping had already ended)
+            self._trained = True
+            self.segments += 1
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -227,14 +228,18 @@ class EpochRecord(pl.Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flush(trainer)
-        self._earlier_s, self._segment_start = self.train_time_s, None
+        self._earlier_s, self._segment_start = self.train_time_s if self._trained else self._earlier_s, None
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # At the fit's end, not training's: a finished run continued trains nothing, and keeps its time and count,
         # and its table (the checkpoint's rows) in the directory it continues in.
-        if not self._trained and trainer.is_global_zero:
-            self._write(self.rows, "w")
+        if not self._trained:
+            if trainer.is_global_zero:
+                self._write(self.rows, "w")
+            last = self.rows[-1] if self.rows else {}
+            if last.get("step") == trainer.global_step and "train/loss" in last:  # the row of the final weights
+                trainer.callback_metrics.setdefault("train/loss", torch.tensor(last["train/loss"]))
         trainer.callback_metrics[self.TIME_KEY] = torch.tensor(self._earlier_s, dtype=torch.float64)
         trainer.callback_metrics[self.SEGMENTS_KEY] = torch.tensor(self.segments, dtype=torch.float64)
 

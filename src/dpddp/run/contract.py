@@ -4,6 +4,7 @@ warning that names what is lost when a model breaks it."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
@@ -32,6 +33,7 @@ class MetricContract(pl.Callback):
 
     def __init__(self) -> None:
         self.warned: set[str] = set()
+        self._stepped = self._validated = False  # this fit took a training step; ran a validation
 
     def _warn(self, name: str, what: str) -> None:
         if name not in self.warned:
@@ -52,14 +54,15 @@ class MetricContract(pl.Callback):
 
     def _check_names(self, trainer: pl.Trainer, stage: str) -> None:
         missing = [n for n in REQUIRED[stage] if n not in trainer.callback_metrics]
-        if stage == "fit" and not trainer.limit_val_batches:
-            missing = [n for n in missing if not n.startswith("val/")]
+        if stage == "fit" and not (trainer.limit_val_batches and self._validated):  # (the final weights are
+            missing = [n for n in missing if not n.startswith("val/")]  # validated after a fit that ran none)
         for name in missing:
             self._warn(name, f"the model logs no {name}: metrics.json has null for it and nothing can monitor it")
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
+            self._validated = True
             self._check_exact(trainer, "val/")
 
     @override
@@ -68,6 +71,14 @@ class MetricContract(pl.Callback):
         self._check_names(trainer, "test")
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stepped = self._validated = False
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._stepped = True
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.current_epoch > 0:  # at least one whole epoch
-            self._check_names(trainer, "fit")
+        if trainer.current_epoch > 0 and self._stepped:  # at least one whole epoch, and a step in this fit (a run
+            self._check_names(trainer, "fit")  # that EarlyStopping ended, continued, logs nothing)
