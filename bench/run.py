@@ -281,6 +281,11 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     return runs
 
 
+def counted_runs(runs: list[dict]) -> list[dict]:
+    """The runs of the counted rounds (not the warm-up round, ``rep`` -1): what every report and chart shows."""
+    return [r for r in runs if r["rep"] >= 0]
+
+
 def _stat(values: list[float], scale: float = 1.0) -> str:
     """``median [min-max]`` of the values times ``scale``."""
     if not values:
@@ -408,7 +413,7 @@ def variant_table(runs: list[dict], workload: str, strategies: list[str], num: s
 
 def write_results(runs: list[dict], args: argparse.Namespace, command: str) -> None:
     """``RESULTS.md`` and ``results.json`` in ``args.out``."""
-    counted = [r for r in runs if r["rep"] >= 0]
+    counted = counted_runs(runs)
     sizes_of = QUICK_WORKLOADS if args.quick else WORKLOADS
     versions = {name: importlib.metadata.version(name) for name in ("torch", "lightning")}
     threads = args.threads or os.environ.get("OMP_NUM_THREADS", "unset")
@@ -501,7 +506,7 @@ def write_chart(runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    counted = [r for r in runs if r["rep"] >= 0]
+    counted = counted_runs(runs)
     groups = list(dict.fromkeys((r["workload"], r["strategy"]) for r in counted if r["workload"] not in IMPLS))
     names = {"project": "dpddp", "project-k16": f"dpddp K={STEPS_PER_EXECUTION}", "stock": "stock Lightning"}
     impls = [i for i in ("project", "project-k16", *PEERS) if any(r["impl"] == i for r in counted)]
@@ -530,7 +535,7 @@ README_START, README_END = "<!-- bench/run.py: start -->", "<!-- bench/run.py: e
 def readme_section(results: dict[str, Any]) -> str:
     """The README's performance numbers, from a ``results.json``: its command, then issue 15's targets
     (``target_table``) and the ratio lines of ``headline``."""
-    counted = [r for r in results["runs"] if r["rep"] >= 0]  # as in RESULTS.md: not the warm-up round
+    counted = counted_runs(results["runs"])  # as in RESULTS.md
     body = [f"From `{results['command']}` (`bench/RESULTS.md` has every cell):", "", *headline(counted)]
     return "\n".join([README_START, *body, README_END])
 

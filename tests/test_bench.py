@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("samples_per_sec", "steps_per_sec", "wall_s", "start_to_first_step_s", "peak_rss_bytes")
 
 
-def load_bench_run():
-    """``bench/run.py`` as a module."""
-    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
+def load_bench(name: str = "run"):
+    """``bench/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -50,7 +50,7 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert 0 < run["test_loss"] < 10, run
     results = (tmp_path / "RESULTS.md").read_text()
     assert "| strategy | metric | project | stock | plain | project/stock | project/plain |" in results
-    for _, label, _ in load_bench_run().METRICS:
+    for _, label, _ in load_bench().METRICS:
         row = next(line for line in results.splitlines() if line.startswith(f"| ddp(2) | {label} |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[2] == "-" and number(cells[3]) > 0 and cells[4:] == ["-"] * 3, row
@@ -86,7 +86,7 @@ def test_gpu_dry_run(tmp_path: Path) -> None:
 def test_results_report(tmp_path: Path) -> None:
     """The RESULTS.md generator on made-up runs of every workload, the K variant included: each issue-15 target
     with its bound, measured value and verdict; both ratios per workload and strategy; the W4 lines."""
-    bench = load_bench_run()
+    bench = load_bench()
     runs = []
     for workload in ("W1", "W2", "W3", "W4"):
         for strategy, mode in (("single", "single"), ("ddp(2)", "ddp")):
@@ -119,7 +119,7 @@ def test_results_report(tmp_path: Path) -> None:
 
 def test_the_readme_performance_numbers_are_the_committed_results() -> None:
     """README.md's performance block is ``bench/run.py --readme`` of ``bench/results.json``: no hand-copied number."""
-    bench = load_bench_run()
+    bench = load_bench()
     readme = (ROOT / "README.md").read_text()
     start, end = readme.index(bench.README_START), readme.index(bench.README_END) + len(bench.README_END)
     results = json.loads((ROOT / "bench" / "results.json").read_text())
@@ -131,19 +131,10 @@ def test_the_readme_performance_numbers_are_the_committed_results() -> None:
     assert targets and all(line in report for line in targets)
 
 
-def load_bench_startup():
-    """``bench/startup.py`` as a module."""
-    spec = importlib.util.spec_from_file_location("bench_startup", ROOT / "bench" / "startup.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_startup_report() -> None:
     """``STARTUP.md`` on made-up phases: a row per phase (``-`` where stock Lightning has none), the medians, and
     the sums after ``import lightning`` and from the start."""
-    startup = load_bench_startup()
+    startup = load_bench("startup")
     project = dict.fromkeys(startup.PHASES["project"], 0.1) | {"import lightning": 3.0}
     stock = dict.fromkeys(startup.PHASES["stock"], 0.2) | {"import lightning": 3.0}
     slower = {k: v + 0.2 for k, v in project.items()}
@@ -167,7 +158,7 @@ def test_startup_runs(tmp_path: Path) -> None:
         for line in (tmp_path / "STARTUP.md").read_text().splitlines()
         if line.startswith("| ") and "---" not in line
     }
-    for phase in load_bench_startup().PHASES["project"]:
+    for phase in load_bench("startup").PHASES["project"]:
         assert number(rows[phase][0].strip()) > 0, (phase, rows[phase])
     assert rows["Hydra composition"][1].strip() == "-" and number(rows["import lightning"][1].strip()) > 0
     assert number(rows["**start to first step**"][0].strip()) > number(rows["**after import lightning**"][0].strip())
