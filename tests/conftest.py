@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from dpddp.cluster import register_resolvers
-from dpddp.run import sweep_stop
+from dpddp.continuity import stop as sweep_stop
 
 # One intra-op thread per test process: pytest-xdist runs one worker per core, and two busy multi-threaded
 # torch processes on shared cores slow each other down many times over.

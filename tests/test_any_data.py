@@ -12,8 +12,9 @@ from dpddp.data.global_batch import Batches, GlobalBatchDataModule, GlobalBatchS
 from dpddp.data.sharded import ShardedDataModule, shard_loader
 from dpddp.data.tables import TableDataModule
 from dpddp.errors import ConfigError
+from dpddp.report.contract import MetricContract
+from dpddp.report.tally import FitTally
 from dpddp.run.config import check_config
-from dpddp.run.contract import MetricContract
 
 
 class PerSample(Dataset):
@@ -139,13 +140,14 @@ def test_tables_are_bundled_and_their_sizes_are_checked():
 
 def test_the_contract_names_what_a_model_does_not_log():
     class FakeTrainer:
-        world_size, limit_val_batches, sanity_checking = 1, 1.0, False
+        world_size, limit_val_batches, sanity_checking, global_step = 1, 1.0, False, 3
         callback_metrics = {"train/loss": torch.tensor(1.0), "val/loss": torch.tensor(1.0)}
 
-    contract = MetricContract()
+    tally = FitTally()
+    contract = MetricContract(tally)
     contract._check_names(FakeTrainer(), "fit")  # type: ignore[arg-type]
     assert contract.warned == set()  # no validation ran in this fit: the final weights' comes after it
-    contract.on_validation_end(FakeTrainer(), None)  # type: ignore[arg-type]
+    tally.on_validation_end(FakeTrainer(), None)  # type: ignore[arg-type]
     with pytest.warns(UserWarning, match="logs no val/acc"):
         contract._check_names(FakeTrainer(), "fit")  # type: ignore[arg-type]
     assert contract.warned == {"val/acc"}

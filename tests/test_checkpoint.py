@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dpddp.run.checkpoint import AtomicCheckpointIO, checkpoint_problem
+from dpddp.continuity.io import AtomicCheckpointIO, checkpoint_problem
 
 
 def test_a_write_cut_short_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):

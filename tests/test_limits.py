@@ -10,8 +10,8 @@ import torch
 from conftest import QUIET, compose_cfg, max_diff, weights
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.errors import Preempted, WriteFailed
-from dpddp.run.checkpoint import AtomicCheckpointIO
 from dpddp.run.training import train
 
 # 805 training samples / 64 = 12 global batches per epoch

@@ -13,9 +13,10 @@ from conftest import QUIET, ROOT, child_env, compose_cfg, leftover
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from PIL import Image
 
+from dpddp.report.bars import RichBar, TQDMBar
+from dpddp.report.curves import write_plot
+from dpddp.report.epochs import EPOCH_COLUMNS
 from dpddp.run import trainer as trainer_module
-from dpddp.run.callbacks import EPOCH_COLUMNS, RichBar, TQDMBar
-from dpddp.run.plot import write_plot
 from dpddp.run.training import train
 
 SMALL = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none"]

@@ -10,8 +10,8 @@ import pytest
 from conftest import compose_cfg
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from dpddp.continuity import stop as sweep_stop
 from dpddp.entry.summary import end_sweep
-from dpddp.run import sweep_stop
 from dpddp.run.training import METRIC_KEYS, train
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dpddp.run.plot import PLOT_NAME, write_plot
+from dpddp.report.curves import PLOT_NAME, write_plot
 
 __all__ = ["main"]
 

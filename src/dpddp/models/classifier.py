@@ -9,12 +9,11 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from dpddp._compat import HOOK_NAME_ATTRIBUTE, epoch_finished_in
+from dpddp._compat import HOOK_NAME_ATTRIBUTE
 
 __all__ = ["OPTIMIZERS", "Classifier"]
 
@@ -35,16 +34,14 @@ class Classifier(pl.LightningModule):
 
     Per training step the only bookkeeping is one in-place add of the detached loss into a running sum; the
     ``train_loss`` metric takes that sum once per epoch (a per-step ``MeanMetric.update`` cost ~0.3 ms of a
-    ~1 ms step on small batches: ``bench/``). A mid-epoch checkpoint stores the running sum and count of all
-    ranks (``on_save_checkpoint``), so a resumed run reports the uninterrupted run's ``train/loss``.
+    ~1 ms step on small batches: ``bench/``). ``train_loss_sums`` and ``carry_train_loss`` let a mid-epoch
+    checkpoint carry the running sum, so a resumed run reports the uninterrupted run's ``train/loss``.
     """
 
     # Lightning sets ``_current_fx_name`` (``dpddp._compat``) on the module around every hook it calls (~20 times
     # per training step); ``nn.Module.__setattr__`` spends microseconds each checking parameters, buffers and
     # submodules.
     _PLAIN_ATTRIBUTES = frozenset({HOOK_NAME_ATTRIBUTE})
-    CHECKPOINT_KEY = "dpddp_train_loss"
-    """Checkpoint entry of the epoch's running train loss: ``{"sum": float, "samples": int}`` over all ranks."""
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()
@@ -107,7 +104,7 @@ class Classifier(pl.LightningModule):
     @override
     def on_train_epoch_start(self) -> None:
         # Reset here, not at the epoch's end: a fit stopped inside an epoch (max_steps, max_time) still runs the
-        # epoch-end hooks, and its checkpoint, written after them, must carry the sums (on_save_checkpoint).
+        # epoch-end hooks, and its checkpoint, written after them, must carry the sums (train_loss_sums).
         # A fit restored mid-epoch gets no epoch start for that epoch, so what it loaded is kept.
         self._train_loss_sum, self._train_samples, self._carried = None, 0, (0.0, 0)
 
@@ -119,27 +116,18 @@ class Classifier(pl.LightningModule):
             self.train_loss.update((total + self._carried[0]) / samples, weight=samples)
         self._log_epoch("train")
 
-    @override
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Store this epoch's running train loss summed over all ranks when the checkpoint is taken mid-epoch (a
-        collective: Lightning calls this hook on every rank); when the checkpoint records the epoch as finished
-        (the continued run starts the next one) nothing is carried."""
-        trainer = self._trainer
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING or epoch_finished_in(trainer, checkpoint):
-            return
+    def train_loss_sums(self) -> torch.Tensor:
+        """``[2]`` float64: this rank's sum of per-sample train losses and its sample count this epoch (rank 0
+        adds what a mid-epoch checkpoint carried), for the resumable state."""
         local = self._train_loss_sum if self._train_loss_sum is not None else torch.zeros((), dtype=torch.float64)
-        state = torch.stack([local.to(self.device, torch.float64), local.new_tensor(float(self._train_samples))])
-        total = trainer.strategy.reduce(state.to(self.device), reduce_op="sum")
-        carried = self._carried if self.global_rank == 0 else (0.0, 0)  # rank 0 alone holds what came before
-        checkpoint[self.CHECKPOINT_KEY] = {"sum": float(total[0]) + carried[0], "samples": int(total[1]) + carried[1]}
+        carried = self._carried if self.global_rank == 0 else (0.0, 0)
+        samples = local.new_tensor(float(self._train_samples + carried[1]), dtype=torch.float64)
+        return torch.stack([local.to(torch.float64) + carried[0], samples])
 
-    @override
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Restore the running train loss of a mid-epoch checkpoint on global rank 0 only (the epoch-end sync of
-        sums and counts then counts it once, on any world size)."""
-        saved = checkpoint.get(self.CHECKPOINT_KEY)
-        if saved and self.global_rank == 0:
-            self._carried = (float(saved["sum"]), int(saved["samples"]))
+    def carry_train_loss(self, total: float, samples: int) -> None:
+        """Take a restored ``(sum, samples)`` of the epoch before a mid-epoch checkpoint (global rank 0 only: the
+        epoch-end sync of sums and counts then counts it once, on any world size)."""
+        self._carried = (total, samples)
 
     @override
     def on_validation_epoch_end(self) -> None:

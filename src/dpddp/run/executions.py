@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
-from dpddp._compat import counted_step, uncount_last_batch
+from dpddp._compat import counted_step
 from dpddp.errors import ConfigError
 
 __all__ = ["STEP_HOOKS", "StepsPerExecution", "lean_steps"]
@@ -59,9 +59,9 @@ class StepsPerExecution(pl.Callback):
 
     The wrapped ``training_step`` gets each global batch's tensors (``[b, ...]``: the ``[k, b, ...]`` execution
     batch indexed at ``i``) and Lightning's ``batch_idx`` of the execution. An execution stops early at
-    ``trainer.max_steps``, so ``max_steps`` is exact; a checkpoint taken there counts the cut execution as not
-    done (``uncount_last_batch``), so a continued run's loop count and the sampler's (aligned executions, the
-    rest of the cut one first) agree and it ends with a straight run's weights.
+    ``trainer.max_steps``, so ``max_steps`` is exact; ``cut`` then tells the resumable state to count the cut
+    execution as not done, so a continued run's loop count and the sampler's (aligned executions, the rest of
+    the cut one first) agree and it ends with a straight run's weights.
 
     Raises:
         ConfigError: at construction, a module with manual optimization; at ``on_train_start``, more than one
@@ -116,8 +116,3 @@ class StepsPerExecution(pl.Callback):
                 "use steps_per_execution=1"
             )
         self.lean = lean_steps(trainer, pl_module)
-
-    @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        if self.cut and trainer.state.fn == "fit":
-            uncount_last_batch(checkpoint)

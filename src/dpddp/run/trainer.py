@@ -17,13 +17,20 @@ from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
 from dpddp._compat import skip_empty_batch_hooks
+from dpddp.continuity.io import AtomicCheckpointIO
+from dpddp.continuity.state import ResumableState
+from dpddp.continuity.stop import StepBoundaryStop
 from dpddp.errors import ConfigError
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.run.callbacks import EpochRecord, LastValidation, PredictionWriter, Preemption, RichBar, Throughput, TQDMBar
-from dpddp.run.checkpoint import AtomicCheckpointIO
-from dpddp.run.config import resolve_accelerator
+from dpddp.parallel.rules import resolve_accelerator
+from dpddp.report.bars import RichBar, TQDMBar
+from dpddp.report.epochs import EpochRecord
+from dpddp.report.predictions import PredictionWriter
+from dpddp.report.tally import FitTally
+from dpddp.report.throughput import Throughput
+from dpddp.run.executions import StepsPerExecution
 
 __all__ = ["build_strategy", "build_trainer", "epoch_lines"]
 
@@ -97,13 +104,20 @@ def build_strategy(cfg: DictConfig, job: RankJob | None) -> str | pl.strategies.
     return "auto"
 
 
-def _build_callbacks(cfg: DictConfig, output_dir: Path) -> list[pl.Callback]:
-    k = cfg.get("steps_per_execution", 1)
-    callbacks: list[pl.Callback] = [
-        Throughput(k),
-        EpochRecord(output_dir, lines=epoch_lines(cfg), steps_per_execution=k),
-    ]
-    callbacks += [Preemption(output_dir / "checkpoints"), LastValidation()]
+def _build_callbacks(cfg: DictConfig, output_dir: Path, executions: StepsPerExecution | None) -> list[pl.Callback]:
+    """dpddp's own callbacks (the tally first: the reporters read it), then the configured ones."""
+    tally = FitTally(cfg.get("steps_per_execution", 1))
+    throughput, epochs = Throughput(tally), EpochRecord(output_dir, tally, lines=epoch_lines(cfg))
+    state = ResumableState(
+        throughput.counts,
+        epochs,
+        seed=cfg.seed,
+        steps_per_execution=cfg.get("steps_per_execution", 1),
+        uncounted=(lambda: executions.cut) if executions is not None else (lambda: False),
+    )
+    callbacks: list[pl.Callback] = [tally, throughput, epochs, state, StepBoundaryStop(output_dir / "checkpoints")]
+    if executions is not None:
+        callbacks.append(executions)
     if cfg.predict:  # every callback costs each hook of each step, even one it does not override
         callbacks.append(PredictionWriter(output_dir))
     for spec in (cfg.callbacks or {}).values():
@@ -142,11 +156,11 @@ def _trainer_flag_error(cfg: DictConfig, err: Exception) -> ConfigError:
 
 
 def build_trainer(
-    cfg: DictConfig, output_dir: Path, job: RankJob | None = None, callbacks: list[pl.Callback] | None = None
+    cfg: DictConfig, output_dir: Path, job: RankJob | None = None, executions: StepsPerExecution | None = None
 ) -> pl.Trainer:
     """The ``pl.Trainer`` of ``cfg`` (trainer flags passed through; strategy, devices and the rest from the
     top-level knobs; the distributed sampler off: ``RandomTensorDataModule`` shards global batches itself), with
-    ``callbacks`` added to the configured ones.
+    ``executions`` (``steps_per_execution > 1``) among its callbacks.
 
     Raises:
         ConfigError: Lightning refused a flag; the message names it.
@@ -162,7 +176,7 @@ def build_trainer(
             devices=cfg.devices,
             num_nodes=cfg.num_nodes,
             logger=_build_logger(cfg, output_dir),
-            callbacks=[*_build_callbacks(cfg, output_dir), *(callbacks or []), *bar_callbacks],
+            callbacks=[*_build_callbacks(cfg, output_dir, executions), *bar_callbacks],
             default_root_dir=str(output_dir),
             use_distributed_sampler=False,
             # Lightning no longer auto-detects Kubeflow's PyTorchJob; the others (torchrun, SLURM) it does.

@@ -3,37 +3,35 @@ the Lightning CLI all call ``train``."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import signal
-import threading
 import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 from dpddp.cluster import LAUNCHED_ENV, env_rank
+from dpddp.continuity.state import save_final_checkpoint
+from dpddp.continuity.stop import run_stops
 from dpddp.errors import ConfigError, Preempted, RankFailed, first_line
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.run.callbacks import EpochRecord, LastValidation, Throughput
-from dpddp.run.checkpoint import AtomicCheckpointIO
-from dpddp.run.config import check_config, resolve_accelerator
+from dpddp.parallel.rules import resolve_accelerator
+from dpddp.report.epochs import EpochRecord
+from dpddp.report.metrics import METRIC_KEYS, write_metrics
+from dpddp.report.tally import FitTally
+from dpddp.report.throughput import Throughput
+from dpddp.run.config import check_config
 from dpddp.run.executions import StepsPerExecution
-from dpddp.run.plot import can_plot, write_plot
 from dpddp.run.trainer import build_trainer
 
 __all__ = ["METRIC_KEYS", "STAGES", "isolated_job", "train", "train_rank"]
@@ -43,7 +41,6 @@ log = logging.getLogger(__name__)
 # Lightning cannot see from a plain DataLoader; its warning would say the opposite.
 warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
-METRIC_KEYS = ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc")
 STAGES = ("fit", "validate", "test", "predict")
 
 
@@ -67,49 +64,15 @@ def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: di
         ``EpochRecord``) and ``segments`` their number.
 
     Also on rank 0: ``<output_dir>/metrics.csv`` (one row per epoch, see ``EpochRecord``) and, when matplotlib
-    is installed, ``<output_dir>/curves.png`` (``dpddp.run.plot``).
+    is installed, ``<output_dir>/curves.png`` (``dpddp.report.curves``).
 
     Raises:
         ConfigError: a bad setting (see ``dpddp.run.config.check_config``), before any process is started.
         RankFailed: a launched rank ended with a non-zero status and the run failed with it.
         Preempted: stopped by SIGTERM, with a checkpoint to resume from.
     """
-    with _sigterm_stops_the_run(Path(output_dir)) as running:
+    with run_stops(Path(output_dir)) as running:
         return _train(cfg, Path(output_dir), stage, extra, running)
-
-
-@contextmanager
-def _sigterm_stops_the_run(output_dir: Path) -> Iterator[dict[str, pl.Trainer]]:
-    """Outside the training loop (start-up, the test or predict after the fit), a SIGTERM raises ``Preempted``
-    with the run's ``last.ckpt`` (if written) and global step, so every entry point ends with its one line and
-    resume command instead of a silent exit 143. Inside the loop ``Preemption`` replaces this handler with its own
-    (a stop at a step boundary) and puts it back after. A handler that was there before (a sweep's, which stops
-    the sweep as one: ``dpddp.run.sweep_stop``) keeps the signal; Lightning's evaluation loop then ends the stage
-    with its ``SIGTERMException`` (a ``SystemExit`` of status 0, which would end a sweep silently), which becomes
-    ``Preempted`` too. Yields a dict that takes the run's ``"trainer"``."""
-    running: dict[str, pl.Trainer] = {}
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-        yield running
-        return
-
-    def preempted() -> Preempted:
-        last = output_dir / "checkpoints" / "last.ckpt"
-        trainer = running.get("trainer")
-        return Preempted(last if last.is_file() else None, trainer.global_step if trainer is not None else 0)
-
-    def stop(signum: int, frame: Any) -> None:
-        if callable(previous):
-            previous(signum, frame)
-            return
-        raise preempted()
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield running
-    except SIGTERMException as err:  # Lightning's evaluation loop ends on a SIGTERM with this SystemExit, status 0
-        raise preempted() from err
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _train(
@@ -123,11 +86,11 @@ def _train(
     datamodule = instantiate(cfg.data, _convert_="all")
     model = instantiate(cfg.model, _convert_="all")
     steps = cfg.get("steps_per_execution", 1)
-    fused: list[pl.Callback] = [StepsPerExecution(model, steps)] if steps > 1 and stage == "fit" else []
-    if fused:
+    executions = StepsPerExecution(model, steps) if steps > 1 and stage == "fit" else None
+    if executions is not None:
         datamodule.steps_per_execution = steps
     job = RankJob(entry=f"{__name__}:train_rank", config=_resolved(cfg, stage), output_dir=str(output_dir))
-    trainer = running["trainer"] = build_trainer(cfg, output_dir, job, fused)
+    trainer = running["trainer"] = build_trainer(cfg, output_dir, job, executions)
     metrics = _run_stages(trainer, model, datamodule, cfg, stage)
     result: dict[str, Any] = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(
@@ -144,42 +107,8 @@ def _train(
         **(extra or {}),
     )
     if trainer.is_global_zero:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "metrics.json").write_text(json.dumps(strict(result), indent=2, allow_nan=False) + "\n")
-        log.info("metrics: " + ", ".join(_shown(k, v) for k, v in result.items()))
-        if can_plot() and (output_dir / "metrics.csv").is_file():
-            log.info(f"curves: {write_plot(output_dir)}")
+        write_metrics(output_dir, result)
     return result
-
-
-MISSING = {
-    "train/": "no training step ran",
-    "val/": "no validation ran on the final weights (trainer.limit_val_batches=0, or an empty split)",
-    "test/": "no test ran",
-    "samples_per_sec": "fewer than two training steps: no steady state to measure",
-}
-
-
-def strict(result: dict[str, Any]) -> dict[str, Any]:
-    """``result`` as strict JSON (RFC 8259 has no NaN): a value that does not exist is ``null``, and
-    ``"missing"`` says why, e.g. ``{"val/loss": null, ..., "missing": {"val/loss": "no validation ran ..."}}``."""
-    missing = {
-        key: next((why for prefix, why in MISSING.items() if key.startswith(prefix)), "not measured")
-        for key, value in result.items()
-        if isinstance(value, float) and not math.isfinite(value)
-    }
-    out = {key: None if key in missing else value for key, value in result.items()}
-    return {**out, "missing": missing} if missing else out
-
-
-def _shown(key: str, value: Any) -> str:
-    """``key=value`` for the log: counts and rates grouped (``samples_per_sec=33,560``), other floats to 4
-    significant digits, the first step's time as a local ISO time."""
-    if key == "first_step_unix_s":
-        return f"first_step={datetime.fromtimestamp(value).isoformat(timespec='seconds')}" if value else "first_step=-"
-    if isinstance(value, float) and math.isfinite(value):
-        return f"{key}={value:,.0f}" if abs(value) >= 1000 else f"{key}={value:.4g}"
-    return f"{key}={value}"
 
 
 def train_rank(job: RankJob) -> None:
@@ -240,14 +169,10 @@ def _final_weights(
     validation metrics, if it ran one."""
     if trainer.fast_dev_run:  # type: ignore[attr-defined]  # no checkpoint, no more validation (Lightning)
         return {}
+    save_final_checkpoint(trainer)
     step = trainer.global_step
-    io = trainer.strategy.checkpoint_io
-    last = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.filename == "last"]
-    if last and last[0].dirpath and isinstance(io, AtomicCheckpointIO):
-        if trainer.strategy.broadcast(io.saved_steps.get("last.ckpt") != step):  # rank 0 wrote it, if anyone
-            trainer.save_checkpoint(Path(last[0].dirpath) / "last.ckpt", weights_only=False)  # explicit: no log line
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
-    validated = next((cb.step for cb in callbacks if isinstance(cb, LastValidation)), step)
+    validated = next((cb.validated_step for cb in callbacks if isinstance(cb, FitTally)), step)
     if validated == step or trainer.limit_val_batches == 0 or not is_overridden("validation_step", model):
         return {}
     trainer.validate(model, datamodule=datamodule, verbose=False)

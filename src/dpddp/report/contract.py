@@ -4,13 +4,13 @@ warning that names what is lost when a model breaks it."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from dpddp._compat import logged_metric_kinds
+from dpddp.report.tally import FitTally
 
 __all__ = ["REQUIRED", "MetricContract"]
 
@@ -31,9 +31,17 @@ class MetricContract(pl.Callback):
       and counts) passed to ``self.log``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tally: FitTally | None = None) -> None:
         self.warned: set[str] = set()
-        self._stepped = self._validated = False  # this fit took a training step; ran a validation
+        self.tally = tally  # the run's, found at setup when not given
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.tally is None:
+            found = [cb for cb in trainer.callbacks if isinstance(cb, FitTally)]  # type: ignore[attr-defined]
+            self.tally = found[0] if found else FitTally()
+            if not found:  # a plain Lightning Trainer: count for ourselves, before this callback's hooks
+                trainer.callbacks.insert(0, self.tally)  # type: ignore[attr-defined]
 
     def _warn(self, name: str, what: str) -> None:
         if name not in self.warned:
@@ -54,7 +62,8 @@ class MetricContract(pl.Callback):
 
     def _check_names(self, trainer: pl.Trainer, stage: str) -> None:
         missing = [n for n in REQUIRED[stage] if n not in trainer.callback_metrics]
-        if stage == "fit" and not (trainer.limit_val_batches and self._validated):  # (the final weights are
+        validated = self.tally is not None and self.tally.validated_step is not None
+        if stage == "fit" and not (trainer.limit_val_batches and validated):  # (the final weights are
             missing = [n for n in missing if not n.startswith("val/")]  # validated after a fit that ran none)
         for name in missing:
             self._warn(name, f"the model logs no {name}: metrics.json has null for it and nothing can monitor it")
@@ -62,7 +71,6 @@ class MetricContract(pl.Callback):
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self._validated = True
             self._check_exact(trainer, "val/")
 
     @override
@@ -71,14 +79,8 @@ class MetricContract(pl.Callback):
         self._check_names(trainer, "test")
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._stepped = self._validated = False
-
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._stepped = True
-
-    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.current_epoch > 0 and self._stepped:  # at least one whole epoch, and a step in this fit (a run
+        if (
+            trainer.current_epoch > 0 and self.tally is not None and self.tally.stepped
+        ):  # at least one whole epoch, and a step in this fit (a run
             self._check_names(trainer, "fit")  # that EarlyStopping ended, continued, logs nothing)

@@ -29,7 +29,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
         Raises:
             WriteFailed: the write failed (a full disk, an I/O error): the temporary file is removed and the
-                previous file at ``path`` is left whole (case 24).
+                previous file at ``path`` is left whole.
         """
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
@@ -67,8 +67,7 @@ def checkpoint_problem(
     done = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {}).get("processed")
     if max_epochs not in (None, -1) and isinstance(done, int) and done > max_epochs:
         return f"has finished {done} epochs, more than trainer.max_epochs={max_epochs}: raise trainer.max_epochs"
-    # the global-batch data module's state (under its class name) records k; none recorded: 1
-    k = next((v["steps_per_execution"] for v in ckpt.values() if isinstance(v, dict) and "steps_per_execution" in v), 1)
+    k = (ckpt.get("dpddp") or {}).get("steps_per_execution", 1)  # the resumable state's entry; none: 1
     if steps_per_execution is not None and k != steps_per_execution:
         return f"was trained with steps_per_execution={k}: continue it with steps_per_execution={k}"
     saved = ckpt.get("datamodule_hyper_parameters") or {}

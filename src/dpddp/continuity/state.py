@@ -1,0 +1,213 @@
+"""The one owner of the resumable state: every entry dpddp keeps in a checkpoint, and every edit of Lightning's
+loop counters, saved and loaded here in one written order."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
+
+from dpddp._compat import epoch_finished_in, fit_restarting, keep_unfinished_epoch, uncount_last_batch
+from dpddp.continuity.io import AtomicCheckpointIO
+from dpddp.continuity.schedulers import due_plateau_values, take_skipped_plateau_steps
+from dpddp.errors import ConfigError
+from dpddp.report.epochs import EpochRecord, EpochTable
+from dpddp.report.throughput import ThroughputCounts
+
+__all__ = ["KEY", "ResumableState", "TrainLossSums", "random_state", "rank_seed", "save_final_checkpoint"]
+
+KEY = "dpddp"
+"""The checkpoint entry this module owns (``checkpoint["dpddp"]``)."""
+
+
+@runtime_checkable
+class TrainLossSums(Protocol):
+    """A module whose epoch train loss survives a mid-epoch checkpoint (the built-in ``Classifier``)."""
+
+    def train_loss_sums(self) -> torch.Tensor:
+        """``[2]`` float64: this rank's sum of per-sample losses and its sample count, this epoch so far."""
+        ...
+
+    def carry_train_loss(self, total: float, samples: int) -> None:
+        """Add a restored ``(sum, samples)`` of the epoch before the checkpoint (called on global rank 0 only)."""
+        ...
+
+
+def rank_seed(seed: int, global_rank: int) -> int:
+    """The seed of rank ``global_rank``'s random stream: ``seed`` on rank 0, a distinct one on every other."""
+    if global_rank == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, global_rank]).generate_state(1)[0])
+
+
+def random_state() -> dict[str, Any]:
+    """This process's global random state (torch CPU and CUDA, numpy, Python), loadable with
+    ``weights_only=True`` (numpy's key array as a tensor)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    version, python, python_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, gauss],
+        "python": [version, list(python), python_gauss],
+    }
+
+
+def set_random_state(state: dict[str, Any]) -> None:
+    """Restore a ``random_state()``."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, python, python_gauss = state["python"]
+    random.setstate((version, tuple(python), python_gauss))
+
+
+class ResumableState(pl.Callback):
+    """Saves and loads ``checkpoint["dpddp"]`` and edits the checkpoint's loop counters, on every rank.
+
+    Save, in this order: (1) the epoch table's pending row is completed; (2) a fit stopped inside an epoch
+    (a limit, SIGTERM) is recorded as unfinished, and an execution cut by ``max_steps`` as not done, so the
+    continued run restores inside the epoch and the sampler skips what was trained; (3) the unfinished epoch's
+    train-loss sums of all ranks (a sum over ranks); (4) every rank's random state (a gather); (5) the entry:
+    throughput counts, epoch table, train-loss sums, random states, the monitored values of plateau steps
+    still due at an epoch-end checkpoint (``schedulers``), ``steps_per_execution``.
+
+    Load: the counts and the table; the sums on rank 0 (the epoch-end sync counts them once on any world size);
+    each rank's random state, on the same world size only, set where the straight run stood: at the first
+    training batch after a mid-epoch checkpoint, at the start of training after an epoch-end one. At
+    ``setup`` every rank seeds its own stream (``rank_seed``). A run EarlyStopping ended stays ended. Once the
+    restored epoch has ended, the plateau steps Lightning skipped are taken.
+
+    Raises:
+        ConfigError: at load, a checkpoint of another ``steps_per_execution``.
+    """
+
+    def __init__(
+        self,
+        throughput: ThroughputCounts,
+        epochs: EpochRecord,
+        seed: int = 0,
+        steps_per_execution: int = 1,
+        uncounted: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.throughput, self.epochs, self.seed = throughput, epochs, seed
+        self.steps_per_execution, self.uncounted = steps_per_execution, uncounted
+        self._random: dict[str, Any] | None = None  # this rank's restored state, until set
+        self._mid_epoch = False
+        self._in_loop = False  # between on_train_start and on_train_end: the epoch-end updates are still due
+        self._plateau: tuple[int, dict[int, float]] | None = None  # restored epoch, values saved for its steps
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            pl.seed_everything(rank_seed(self.seed, trainer.global_rank), workers=True, verbose=False)
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self.epochs.flush(trainer)
+        fitting = trainer.state.fn == "fit"
+        if fitting:
+            keep_unfinished_epoch(trainer, checkpoint)
+            if self.uncounted():
+                uncount_last_batch(checkpoint)
+        finished = not fitting or epoch_finished_in(trainer, checkpoint)
+        entry: dict[str, Any] = {
+            "throughput": asdict(self.throughput),
+            "epochs": asdict(self.epochs.snapshot()),
+            "train_loss": None if finished else self._train_loss(trainer, pl_module),
+            "random": self._gather(trainer, random_state()),
+            "mid_epoch": not finished,
+            "plateau": due_plateau_values(trainer) if fitting and finished and self._in_loop else {},
+            "steps_per_execution": self.steps_per_execution,
+        }
+        checkpoint[KEY] = entry
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        entry = checkpoint.get(KEY) or {}
+        saved = entry.get("steps_per_execution", 1)
+        if trainer.state.fn == "fit" and saved != self.steps_per_execution:
+            raise ConfigError(
+                f"steps_per_execution={self.steps_per_execution} differs from the checkpoint's {saved}: continue "
+                f"this run with steps_per_execution={saved}"
+            )
+        for name, value in entry.get("throughput", {}).items():
+            setattr(self.throughput, name, value)
+        self.epochs.table = EpochTable(**entry["epochs"]) if "epochs" in entry else EpochTable()
+        sums = entry.get("train_loss")
+        if sums and trainer.global_rank == 0 and isinstance(pl_module, TrainLossSums):
+            pl_module.carry_train_loss(float(sums[0]), int(sums[1]))
+        states = entry.get("random") or []
+        self._random = states[trainer.global_rank] if len(states) == trainer.world_size else None
+        self._mid_epoch = bool(entry.get("mid_epoch"))
+        if trainer.state.fn == "fit" and "loops" in checkpoint:
+            self._plateau = int(checkpoint.get("epoch", 0)), dict(entry.get("plateau") or {})
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._in_loop = True
+        if self._random is not None and not self._mid_epoch:  # before the next epoch's loader draws its seed
+            set_random_state(self._random)
+            self._random = None
+        # A straight run that EarlyStopping ended stays ended; not after a stop inside an epoch, whose
+        # validation was not the straight run's (that one decides at the epoch's end).
+        stopped = any(cb.stopped_epoch > 0 for cb in trainer.early_stopping_callbacks)
+        if stopped and not fit_restarting(trainer):
+            trainer.should_stop = True
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._take_plateau_steps(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._take_plateau_steps(trainer)
+        self._in_loop = False
+
+    def _take_plateau_steps(self, trainer: pl.Trainer) -> None:
+        """Once the restored epoch has ended: the plateau steps Lightning skipped there."""
+        if self._plateau is not None and trainer.current_epoch > self._plateau[0]:
+            take_skipped_plateau_steps(trainer, *self._plateau)
+            self._plateau = None
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self._random is not None:  # after a mid-epoch checkpoint: where the straight run's next batch began
+            set_random_state(self._random)
+            self._random = None
+
+    @staticmethod
+    def _train_loss(trainer: pl.Trainer, module: pl.LightningModule) -> list[float] | None:
+        if not isinstance(module, TrainLossSums):
+            return None
+        total = trainer.strategy.reduce(module.train_loss_sums().to(module.device), reduce_op="sum")
+        return [float(total[0]), float(total[1])]
+
+    @staticmethod
+    def _gather(trainer: pl.Trainer, state: dict[str, Any]) -> list[dict[str, Any]]:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return [state]
+        gathered: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, state)
+        return gathered
+
+
+def save_final_checkpoint(trainer: pl.Trainer) -> None:
+    """Make ``last.ckpt`` the final weights: write it if its last write was at another global step (on every
+    rank; rank 0 writes)."""
+    io = trainer.strategy.checkpoint_io
+    last = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.filename == "last"]
+    if not (last and last[0].dirpath and isinstance(io, AtomicCheckpointIO)):
+        return
+    if trainer.strategy.broadcast(io.saved_steps.get("last.ckpt") != trainer.global_step):  # rank 0 wrote it
+        trainer.save_checkpoint(Path(last[0].dirpath) / "last.ckpt", weights_only=False)  # explicit: no log line

@@ -1,0 +1,80 @@
+"""Lightning's progress bars, throttled, showing only current metrics."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
+from typing_extensions import override
+
+__all__ = ["BAR_INTERVAL_S", "RichBar", "TQDMBar"]
+
+
+def _bar_metrics(items: dict[str, Any]) -> dict[str, Any]:
+    """The bar's items without ``v_num`` (the logger's version: a directory name, not a metric) and
+    ``train/loss`` (logged in the model's ``on_train_epoch_end``, which Lightning calls after the bar's own, so
+    the bar would show the previous epoch's value; the epoch line and ``metrics.csv`` have the right one)."""
+    return {k: v for k, v in items.items() if k not in ("v_num", "train/loss")}
+
+
+BAR_INTERVAL_S = 0.1
+"""The bar shows at most 10 updates a second (Lightning's bars update at every batch, and a tiny training step
+takes less time than an update: the rich bar cost ~30% of W3's steps on 2 cores, bench/), and always a loop's
+last batch."""
+
+
+class _ThrottledBar(ProgressBar):
+    """A bar's per-batch updates at most every ``BAR_INTERVAL_S`` seconds per loop (train, validate, test,
+    predict), and always at a loop's last batch, so the bar ends where Lightning's would."""
+
+    def _due(self, loop: str, n: int, total: float) -> bool:
+        now, shown = time.monotonic(), self.__dict__.setdefault("_shown_at", {})
+        if n >= total or now - shown.get(loop, -math.inf) >= BAR_INTERVAL_S:
+            shown[loop] = now
+            return True
+        return False
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._due("train", args[-1] + 1, self.total_train_batches):
+            super().on_train_batch_end(trainer, pl_module, *args)
+
+    @override
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        batch_idx = args[2]  # outputs, batch, batch_idx[, dataloader_idx]
+        if self._due("validate", batch_idx + 1, self.total_val_batches_current_dataloader):
+            super().on_validation_batch_end(trainer, pl_module, *args)
+
+    @override
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._due("test", args[2] + 1, self.total_test_batches_current_dataloader):
+            super().on_test_batch_end(trainer, pl_module, *args)
+
+    @override
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._due("predict", args[2] + 1, self.total_predict_batches_current_dataloader):
+            super().on_predict_batch_end(trainer, pl_module, *args)
+
+
+class RichBar(_ThrottledBar, RichProgressBar):
+    """Lightning's rich progress bar, showing only current metrics (see ``_bar_metrics``), updated and redrawn at
+    most 10 times a second (``BAR_INTERVAL_S``; Lightning's redraws 100 times a second in a thread of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__(refresh_rate=round(1 / BAR_INTERVAL_S))
+
+    @override
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        return _bar_metrics(super().get_metrics(trainer, pl_module))
+
+
+class TQDMBar(_ThrottledBar, TQDMProgressBar):
+    """Lightning's tqdm progress bar (when ``rich`` is not installed), showing only current metrics, updated at
+    most 10 times a second (``BAR_INTERVAL_S``)."""
+
+    @override
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        return _bar_metrics(super().get_metrics(trainer, pl_module))

@@ -1,0 +1,165 @@
+"""The epoch table (``metrics.csv``), the epoch line, and the run's training time over its segments."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from dpddp.report.tally import FitTally
+
+__all__ = ["EPOCH_COLUMNS", "EpochRecord", "EpochTable"]
+
+log = logging.getLogger(__name__)
+
+EPOCH_COLUMNS: tuple[str, ...] = ("stage", "epoch", "step", "train/loss", "val/loss", "val/acc", "test/loss")
+EPOCH_COLUMNS += ("test/acc", "epoch_s", "samples_per_sec")
+"""The columns of ``metrics.csv``, fixed whatever was logged: one ``fit`` row per epoch, one ``test`` row."""
+
+
+@dataclass
+class EpochTable:
+    """The resumable part of the record: the ``fit`` rows of epochs ``0..``, the training seconds of the
+    segments before the running one, and the number of segments (fits that took a step)."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    train_time_s: float = 0.0
+    segments: int = 0
+
+
+class EpochRecord(pl.Callback):
+    """One ``fit`` row per finished epoch in ``<output_dir>/metrics.csv`` (rank 0; ``EPOCH_COLUMNS``), with
+    ``lines=True`` one log line each (``epoch 3/10: train/loss=0.2231 val/loss=0.1823 val/acc=0.9658 (0.21 s,
+    24,300 samples/s)``), and a ``test`` row after a test. ``epoch_s`` runs from the epoch's start to its end,
+    validation included. A resumed run rewrites the table from the checkpoint's rows and extends it.
+
+    Lightning calls callbacks' ``on_train_epoch_end`` before the module's, where ``train/loss`` is logged, so a
+    row is completed at the next hook: ``flush`` (the state owner calls it before a checkpoint is written), the
+    next epoch's start or the end of training. ``train_time_s`` counts each segment from ``on_train_start``.
+    """
+
+    TIME_KEY = "perf/train_time_s"
+    SEGMENTS_KEY = "perf/segments"
+
+    def __init__(self, output_dir: str | Path, tally: FitTally, lines: bool = False) -> None:
+        self.path, self.tally, self.lines = Path(output_dir) / "metrics.csv", tally, lines
+        self.table = EpochTable()
+        self._segment_start: float | None = None
+        self._counted = False  # this fit's segment is counted in table.segments
+        self._epoch_start, self._steps = 0.0, 0
+        self._pending: dict[str, Any] | None = None
+
+    @property
+    def train_time_s(self) -> float:
+        """Training seconds over all segments, the running one included."""
+        running = time.perf_counter() - self._segment_start if self._segment_start is not None else 0.0
+        return self.table.train_time_s + running
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._counted = False
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._segment_start = time.perf_counter()
+        # a fit restarted mid-epoch gets no on_train_epoch_start for that epoch: time its rest from here
+        self._epoch_start, self._steps = self._segment_start, 0
+        self.table.rows = [row for row in self.table.rows if row["epoch"] < trainer.current_epoch]
+        if trainer.is_global_zero:
+            self._write(self.table.rows, "w")
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.flush(trainer)
+        self._epoch_start, self._steps = time.perf_counter(), 0
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._steps += self.tally.batches
+        if not self._counted:
+            self._counted = True
+            self.table.segments += 1
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        seconds = time.perf_counter() - self._epoch_start
+        samples = self._steps * getattr(trainer.datamodule, "batch_size", 0)  # type: ignore[attr-defined]
+        self._pending = {
+            "stage": "fit",
+            "epoch": trainer.current_epoch,
+            "step": trainer.global_step,
+            "epoch_s": seconds,
+            "samples_per_sec": samples / seconds if seconds > 0 else float("nan"),
+            "validated": self.tally.epoch_validated,
+        }
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.flush(trainer)
+        if self.tally.stepped:
+            self.table.train_time_s = self.train_time_s
+        self._segment_start = None
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A finished run continued trains nothing: it keeps its time, count and table (the checkpoint's rows).
+        rows = self.table.rows
+        if not self.tally.stepped:
+            if trainer.is_global_zero:
+                self._write(rows, "w")
+            last = rows[-1] if rows else {}
+            if last.get("step") == trainer.global_step and "train/loss" in last:  # the row of the final weights
+                trainer.callback_metrics.setdefault("train/loss", torch.tensor(last["train/loss"]))
+        trainer.callback_metrics[self.TIME_KEY] = torch.tensor(self.table.train_time_s, dtype=torch.float64)
+        trainer.callback_metrics[self.SEGMENTS_KEY] = torch.tensor(self.table.segments, dtype=torch.float64)
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        metrics = trainer.callback_metrics
+        row: dict[str, Any] = {k: float(metrics[k]) for k in ("test/loss", "test/acc") if k in metrics}
+        epoch = self.table.rows[-1]["epoch"] if self.table.rows else ""
+        self._write([{"stage": "test", "epoch": epoch, "step": trainer.global_step, **row}], "a")
+
+    def snapshot(self) -> EpochTable:
+        """The table as a checkpoint taken now holds it: the running segment's seconds included."""
+        return EpochTable([dict(r) for r in self.table.rows], self.train_time_s, self.table.segments)
+
+    def flush(self, trainer: pl.Trainer) -> None:
+        """Complete the pending row with the epoch's metrics; write it and log its line (rank 0)."""
+        if self._pending is None:
+            return
+        row, self._pending = self._pending, None
+        keys = ("train/loss", "val/loss", "val/acc") if row.pop("validated") else ("train/loss",)
+        metrics = trainer.callback_metrics
+        row.update({k: float(metrics[k]) for k in keys if k in metrics})
+        self.table.rows.append(row)
+        if trainer.is_global_zero:
+            self._write([row], "a")
+            if self.lines:
+                log.info(self._line(row, trainer.max_epochs))
+
+    @staticmethod
+    def _line(row: dict[str, Any], max_epochs: int | None) -> str:
+        total = f"/{max_epochs}" if max_epochs not in (None, -1) else ""
+        values = " ".join(f"{k}={row[k]:.4f}" for k in ("train/loss", "val/loss", "val/acc") if k in row)
+        speed = f"{row['epoch_s']:.2f} s, {row['samples_per_sec']:,.0f} samples/s"
+        return f"epoch {row['epoch'] + 1}{total}: {values} ({speed})"
+
+    def _write(self, rows: list[dict[str, Any]], mode: str) -> None:
+        """Write ``rows`` (``mode="w"``: the whole table; ``"a"``: appended, with the header if the file is new)."""
+        header = mode == "w" or not self.path.is_file()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, mode, newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=EPOCH_COLUMNS, restval="")
+            if header:
+                writer.writeheader()
+            writer.writerows(rows)

@@ -1,0 +1,56 @@
+"""``metrics.json``: the run's metrics of the final weights, as strict JSON, and its log line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from dpddp.report.curves import can_plot, write_plot
+
+__all__ = ["METRIC_KEYS", "MISSING", "strict", "write_metrics"]
+
+log = logging.getLogger(__name__)
+
+METRIC_KEYS = ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc")
+
+MISSING = {
+    "train/": "no training step ran",
+    "val/": "no validation ran on the final weights (trainer.limit_val_batches=0, or an empty split)",
+    "test/": "no test ran",
+    "samples_per_sec": "fewer than two training steps: no steady state to measure",
+}
+
+
+def strict(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` as strict JSON (RFC 8259 has no NaN): a value that does not exist is ``null``, and
+    ``"missing"`` says why, e.g. ``{"val/loss": null, ..., "missing": {"val/loss": "no validation ran ..."}}``."""
+    missing = {
+        key: next((why for prefix, why in MISSING.items() if key.startswith(prefix)), "not measured")
+        for key, value in result.items()
+        if isinstance(value, float) and not math.isfinite(value)
+    }
+    out = {key: None if key in missing else value for key, value in result.items()}
+    return {**out, "missing": missing} if missing else out
+
+
+def _shown(key: str, value: Any) -> str:
+    """``key=value`` for the log: counts and rates grouped (``samples_per_sec=33,560``), other floats to 4
+    significant digits, the first step's time as a local ISO time."""
+    if key == "first_step_unix_s":
+        return f"first_step={datetime.fromtimestamp(value).isoformat(timespec='seconds')}" if value else "first_step=-"
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{key}={value:,.0f}" if abs(value) >= 1000 else f"{key}={value:.4g}"
+    return f"{key}={value}"
+
+
+def write_metrics(output_dir: Path, result: dict[str, Any]) -> None:
+    """Write ``<output_dir>/metrics.json``, log its line, and draw the curves when matplotlib is installed."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "metrics.json").write_text(json.dumps(strict(result), indent=2, allow_nan=False) + "\n")
+    log.info("metrics: " + ", ".join(_shown(k, v) for k, v in result.items()))
+    if can_plot() and (output_dir / "metrics.csv").is_file():
+        log.info(f"curves: {write_plot(output_dir)}")
