@@ -1,5 +1,7 @@
-"""The house: imports run one way (entry -> run -> models/data -> parallel -> cluster -> _compat -> errors), no
-cycle, no import of dpddp inside a function, and ``import dpddp`` costs little more than Lightning's own import."""
+"""The house: imports run one way (entry -> run -> continuity -> report -> models/data/nn -> parallel -> cluster
+-> _compat -> errors), no cycle, no import of dpddp inside a function, ``import dpddp`` costs little more than
+Lightning's own import, and each promise has one owner: one module installs SIGTERM handlers, one writes the
+checkpoint's entries."""
 
 from __future__ import annotations
 
@@ -20,12 +22,15 @@ LAYERS = {
     "dpddp.network": 1,
     "dpddp": 2,  # the package's __init__: registers dp
     "dpddp.parallel": 2,
+    "dpddp.nn": 3,  # layers for users' models
     "dpddp.data": 3,
     "dpddp.models": 3,
-    "dpddp.run": 4,
-    "dpddp.entry": 5,
-    "dpddp.cli": 6,
-    "dpddp.plot": 6,
+    "dpddp.report": 4,  # every output of a run
+    "dpddp.continuity": 5,  # stop anywhere and continue exactly (saves the reporters' resumable counts)
+    "dpddp.run": 6,
+    "dpddp.entry": 7,
+    "dpddp.cli": 8,
+    "dpddp.plot": 8,
     "dpddp.conf": 0,
 }
 
@@ -62,6 +67,7 @@ def _imports() -> dict[str, list[tuple[str, bool]]]:
 def test_every_module_has_a_layer_and_imports_point_down():
     imports = _imports()
     assert {"dpddp.parallel.ddp", "dpddp.run.training", "dpddp.entry.cli", "dpddp._compat"} <= imports.keys()
+    assert {"dpddp.continuity.state", "dpddp.continuity.stop", "dpddp.report.epochs"} <= imports.keys()
     upward = [
         f"{module} -> {target}"
         for module, targets in imports.items()
@@ -128,3 +134,67 @@ def test_import_dpddp_costs_at_most_lightning_plus_0_3_s():
     assert own <= 300_000, f"import dpddp adds {own / 1e6:.2f} s to import lightning.pytorch"
     loaded = set(ast.literal_eval(proc.stdout.strip()))
     assert loaded <= {"dpddp", "dpddp.parallel", "dpddp.parallel.dp"}, loaded
+
+
+def _sources() -> dict[str, str]:
+    return {str(path.relative_to(SRC)): path.read_text() for path in SRC.rglob("*.py")}
+
+
+def test_one_module_installs_sigterm_handlers():
+    installers = sorted(name for name, text in _sources().items() if "signal.signal(" in text)
+    assert installers == ["continuity/stop.py"]
+
+
+def test_one_owner_writes_the_checkpoints_entries():
+    """Lightning's checkpoint hooks (``on_save_checkpoint``, ``state_dict``) are defined only by the resumable
+    state's owner, and by the sharding wrapper, which hands a user's data module its own state: no reporter,
+    model or data module of dpddp adds entries of its own."""
+    hooks = re.compile(r"^\s+def (on_save_checkpoint|on_load_checkpoint|state_dict|load_state_dict)\(", re.M)
+    defined = sorted((name, m.group(1)) for name, text in _sources().items() for m in hooks.finditer(text))
+    assert defined == [
+        ("continuity/state.py", "on_load_checkpoint"),
+        ("continuity/state.py", "on_save_checkpoint"),
+        ("data/sharded.py", "load_state_dict"),
+        ("data/sharded.py", "state_dict"),
+    ]
+
+
+def test_no_source_file_is_over_350_lines():
+    long = {name: text.count("\n") for name, text in _sources().items() if text.count("\n") > 350}
+    assert long == {}
+
+
+def test_the_code_points_at_nothing_outside_the_repository():
+    pattern = re.compile(r"\b(case|issue)s? \d+|\.\./shared", re.I)
+    found = [f"{name}: {m.group(0)}" for name, text in _sources().items() for m in pattern.finditer(text)]
+    assert found == []
+
+
+def _docstring_lines(tree: ast.AST) -> int:
+    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))]
+    nodes += [n for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef)]
+    total = 0
+    for node in nodes:
+        body = node.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            if isinstance(body[0].value.value, str):
+                total += body[0].end_lineno - body[0].lineno + 1  # type: ignore[operator]
+    # attribute docstrings: a string statement right after an assignment
+    for node in ast.walk(tree):
+        for block in (getattr(node, "body", None), getattr(node, "orelse", None)):
+            if not isinstance(block, list):
+                continue
+            for before, after in zip(block, block[1:]):
+                if isinstance(before, (ast.Assign, ast.AnnAssign)) and isinstance(after, ast.Expr):
+                    if isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                        total += after.end_lineno - after.lineno + 1  # type: ignore[operator]
+    return total
+
+
+def test_docstrings_are_at_most_22_percent_of_the_code_lines():
+    """The contract in a few lines; narratives and measured figures belong in ``docs/`` or ``bench/``."""
+    lines = docs = 0
+    for text in _sources().values():
+        lines += sum(1 for line in text.splitlines() if line.strip())
+        docs += _docstring_lines(ast.parse(text))
+    assert docs / lines <= 0.22, f"docstrings are {docs / lines:.1%} of {lines} code lines"

@@ -1,0 +1,91 @@
+"""Randomness and schedulers across a stop: each rank's random state travels with the checkpoint, ranks draw
+distinct streams, and every LR scheduler Lightning steps continues exactly."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import QUIET, compose_cfg
+
+from dpddp.continuity.state import random_state, rank_seed, set_random_state
+from dpddp.run.training import train
+
+BASE = ["model=mlp", "accelerator=cpu", "logger=none", "data.num_samples=1024", *QUIET]
+# 1024 samples: 820 train, 12 batches of 64 an epoch
+
+
+def _state(run: Path) -> dict:
+    return torch.load(run / "checkpoints/last.ckpt", map_location="cpu", weights_only=True)
+
+
+def _max_diff(a: Path, b: Path) -> float:
+    wa, wb = _state(a)["state_dict"], _state(b)["state_dict"]
+    assert wa.keys() == wb.keys()
+    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
+
+
+def test_rank_streams_are_distinct_and_rank_0_keeps_the_seed():
+    seeds = [rank_seed(7, r) for r in range(4)]
+    assert seeds[0] == 7 and len(set(seeds)) == 4 and rank_seed(7, 1) == rank_seed(7, 1)
+
+
+def test_the_random_state_loads_with_weights_only_and_replays_every_generator(tmp_path):
+    torch.manual_seed(1), np.random.seed(2), random.seed(3)
+    torch.save({"r": random_state()}, tmp_path / "s.pt")
+    first = (torch.rand(3), np.random.rand(3), random.random())
+    set_random_state(torch.load(tmp_path / "s.pt", weights_only=True)["r"])
+    again = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(first[0], again[0]) and np.array_equal(first[1], again[1]) and first[2] == again[2]
+
+
+@pytest.fixture(scope="module")
+def dropout_straight(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("straight")
+    train(compose_cfg(*BASE, "model._target_=users_models.GlobalDropoutMLP", "trainer.max_epochs=3"), run)
+    return run
+
+
+@pytest.mark.parametrize("stop", ["trainer.max_steps=17", "+callbacks.kill._target_=conftest.SigtermAt"])
+def test_a_users_global_rng_model_stopped_mid_epoch_and_continued_equals_the_straight_run(
+    tmp_path, dropout_straight, stop
+):
+    """Steps 17 (a limit) or 9 (SIGTERM after batch 8) lie inside an epoch of 12 steps."""
+    args = [*BASE, "model._target_=users_models.GlobalDropoutMLP", "trainer.max_epochs=3"]
+    stopping = [stop, "+callbacks.kill.at=8"] if "kill" in stop else [stop]
+    try:
+        train(compose_cfg(*args, *stopping), tmp_path / "run")
+    except Exception as err:  # the SIGTERM stop ends with Preempted
+        assert "stopped by SIGTERM" in str(err)
+    assert 0 < _state(tmp_path / "run")["global_step"] % 12
+    train(compose_cfg(*args, f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}"), tmp_path / "continued")
+    assert _state(tmp_path / "continued")["global_step"] == 36
+    assert _max_diff(tmp_path / "continued", dropout_straight) <= 1e-6
+
+
+def test_without_its_random_state_the_same_continue_differs(tmp_path, dropout_straight):
+    """The check above can fail: the same stop, continued from a checkpoint whose random states are dropped."""
+    args = [*BASE, "model._target_=users_models.GlobalDropoutMLP", "trainer.max_epochs=3"]
+    train(compose_cfg(*args, "trainer.max_steps=17"), tmp_path / "run")
+    ckpt = torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)
+    ckpt["dpddp"]["random"] = []
+    torch.save(ckpt, tmp_path / "run/checkpoints/last.ckpt")
+    train(compose_cfg(*args, f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}"), tmp_path / "continued")
+    assert _max_diff(tmp_path / "continued", dropout_straight) > 1e-3
+
+
+@pytest.mark.parametrize("model", ["PlateauMLP", "StepLRMLP"])
+@pytest.mark.parametrize("stop", ["trainer.max_epochs=3", "trainer.max_steps=29"])
+def test_a_scheduler_continues_exactly_across_a_stop(tmp_path, model, stop):
+    """A plateau scheduler on val/loss and an epoch scheduler, stopped at an epoch's end or inside an epoch and
+    continued to 6 epochs: the straight run's weights and learning rate."""
+    args = [*BASE, f"model._target_=users_models.{model}"]
+    train(compose_cfg(*args, "trainer.max_epochs=6"), tmp_path / "straight")
+    train(compose_cfg(*args, "trainer.max_epochs=6", stop), tmp_path / "run")
+    train(compose_cfg(*args, "trainer.max_epochs=6", f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}"), tmp_path / "c")
+    lr = [_state(r)["optimizer_states"][0]["param_groups"][0]["lr"] for r in (tmp_path / "straight", tmp_path / "c")]
+    assert lr[0] == lr[1] and lr[0] < 0.2  # the scheduler stepped
+    assert _max_diff(tmp_path / "c", tmp_path / "straight") <= 1e-6

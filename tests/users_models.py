@@ -1,0 +1,43 @@
+"""Models a user writes by subclassing the built-in MLP (``model=mlp model._target_=users_models.X``, with
+``tests/`` on the import path): randomness from the global RNG, and LR schedulers Lightning steps."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpddp.models.mlp import MLPClassifier
+
+
+class GlobalDropoutMLP(MLPClassifier):
+    """``torch.nn.Dropout`` (global RNG) before the output layer, and a ``torch.rand`` draw in every step."""
+
+    def __init__(self, p: float = 0.3, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.net[:-1](x)
+        return self.net[-1](self.drop(hidden))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        noise = 0.01 * torch.rand_like(x)  # an augmentation drawn from the global RNG
+        return super().training_step((x + noise, y), batch_idx)
+
+
+class PlateauMLP(MLPClassifier):
+    """SGD with ``ReduceLROnPlateau`` on ``val/loss`` (``patience=0``: a step at most every epoch)."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.2)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss"}}
+
+
+class StepLRMLP(MLPClassifier):
+    """SGD with ``StepLR`` stepped every epoch."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.2)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.7)}
