@@ -8,24 +8,43 @@
 | ``Preempted`` | 143 (128 + SIGTERM, as a shell reports it) | ``error: stopped by SIGTERM ...`` |
 | any other exception | 1 | its traceback |
 
-Nothing here imports torch or Lightning: every layer, the parallel plumbing included, can raise these.
+The shell every entry point (``train.py``, the CLI, a launched rank, the sweep summary) runs in is here too: the
+error -> one line -> exit status policy, the command that resumes a stopped run, the numbering of the
+invocations into one run directory and the log set-up. Nothing here imports torch or Lightning: every layer,
+the parallel plumbing included, can use it.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import shlex
 import signal
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
 __all__ = [
     "EXIT_CONFIG",
     "EXIT_CRASH",
     "EXIT_PREEMPTED",
+    "KNOWN",
     "ConfigError",
     "Preempted",
     "RankFailed",
     "WriteFailed",
+    "checked_float",
+    "checked_int",
+    "exit_on",
     "exit_status",
+    "fail",
     "first_line",
+    "invocation_name",
+    "invocations",
+    "log_to",
+    "rank_status",
+    "resume_command",
 ]
 
 EXIT_CRASH = 1
@@ -76,3 +95,93 @@ def first_line(err: BaseException, limit: int = 200) -> str:
     one-line report."""
     text = (str(err).splitlines() or [""])[0][:limit]
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def checked_int(name: str, value: Any, low: int, fix: str, high: int | None = None) -> int:
+    """``value`` when it is an integer in ``[low, high]`` (no upper bound when ``high`` is ``None``; a bool is no
+    integer).
+
+    Raises:
+        ConfigError: ``<name>=<value> is not an integer: <fix>``, or ``... is invalid: <fix>``.
+    """
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} is not an integer: {fix}")
+    if value < low or (high is not None and value > high):
+        raise ConfigError(f"{name}={value!r} is invalid: {fix}")
+    return value
+
+
+def checked_float(name: str, value: Any, low: float, high: float, fix: str) -> float:
+    """``value`` as a float when it is a finite number in ``[low, high]`` (a bool is no number).
+
+    Raises:
+        ConfigError: ``<name>=<value> is invalid: <fix>``.
+    """
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not low <= value <= high:
+        raise ConfigError(f"{name}={value!r} is invalid: {fix}")
+    return float(value)
+
+
+KNOWN = (ConfigError, RankFailed, Preempted, WriteFailed)
+"""The errors an entry point reports in one line. Any other exception is a crash: it is raised on, and shows its
+traceback (under ``train.py`` Hydra's short one, the full one with ``HYDRA_FULL_ERROR=1``)."""
+
+
+def fail(line: str, status: int = EXIT_CONFIG, log: logging.Logger | None = None) -> NoReturn:
+    """End the process: ``error: <line>`` on stderr, or through ``log`` (its handlers: a run's ``train.log``
+    too), and exit with ``status``."""
+    if log is None:
+        print(f"error: {line}", file=sys.stderr)
+    else:
+        log.error(f"error: {line}")
+    sys.exit(status)
+
+
+def exit_on(err: BaseException, resume: Callable[[], str] | None = None, log: logging.Logger | None = None) -> NoReturn:
+    """``fail`` with ``err``'s message and exit status (the module's table); a ``Preempted`` line ends with
+    ``: resume with <resume()>`` when ``resume`` is given."""
+    line = f"{err}: resume with {resume()}" if isinstance(err, Preempted) and resume is not None else str(err)
+    fail(line, exit_status(err), log)
+
+
+def rank_status(err: BaseException, log: logging.Logger) -> int:
+    """In a launched rank: log ``err`` and return its exit status. A ``ConfigError`` is ``error: <message>``, a
+    ``Preempted`` its message alone (rank 0 says the line that resumes the run), anything else is logged with its
+    traceback."""
+    if isinstance(err, ConfigError):
+        log.error(f"error: {err}")
+    elif isinstance(err, Preempted):
+        log.error(str(err))
+    else:
+        log.exception("rank failed")
+    return exit_status(err)
+
+
+def resume_command(program: Sequence[str], args: Iterable[str], drop: tuple[str, ...], add: Iterable[str]) -> str:
+    """The command that continues a stopped run, to paste into a POSIX shell (any directory name quoted):
+    ``program``, then the arguments ``args`` except those starting with one of ``drop``, then ``add``."""
+    return shlex.join([*program, *(a for a in args if not a.startswith(drop)), *add])
+
+
+def invocation_name(first: str, n: int) -> str:
+    """The name of what the ``n``-th invocation (from 1) into one run directory writes: ``first``, then ``first``
+    numbered before its suffix: ``.hydra``, ``.hydra-1``, ... or ``config.yaml``, ``config-1.yaml``, ..."""
+    path = Path(first)
+    return first if n == 1 else f"{path.stem}-{n - 1}{path.suffix}"
+
+
+def invocations(run_dir: str | Path, first: str) -> list[Path]:
+    """What the invocations into ``run_dir`` so far wrote (``invocation_name``), in order; the next invocation is
+    number ``len(...) + 1``, so none overwrites an earlier one's."""
+    found: list[Path] = []
+    while (path := Path(run_dir) / invocation_name(first, len(found) + 1)).exists():
+        found.append(path)
+    return found
+
+
+def log_to(path: Path, fmt: str) -> None:
+    """Send log records of level INFO and above to stderr and to the file ``path``, formatted by ``fmt``
+    (replacing any handlers set before: a forked rank inherits its parent's)."""
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr), logging.FileHandler(path)]
+    logging.basicConfig(level=logging.INFO, format=fmt, handlers=handlers, force=True)
