@@ -1,0 +1,85 @@
+"""The data settings a run may have, and the split rule, once: the config check (``dpddp.run.config``) and the data
+modules at ``setup`` both use them. Each bad setting is one ``ConfigError`` line: the setting, the value, the fix.
+
+The split rule: of ``n`` samples, ``int(n * val_fraction)`` are held out for validation, ``int(n * test_fraction)``
+for test, and the rest trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dpddp.errors import ConfigError, checked_float, checked_int
+
+__all__ = ["check_divides", "check_random_tensors", "check_split_settings", "check_train_split", "split_sizes"]
+
+
+def split_sizes(n: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
+    """``(train, val, test)`` sample counts of ``n`` samples (the module's split rule)."""
+    num_val, num_test = int(n * val_fraction), int(n * test_fraction)
+    return n - num_val - num_test, num_val, num_test
+
+
+def check_split_settings(batch_size: Any, val_fraction: Any, test_fraction: Any) -> None:
+    """The settings every global-batch data module has: a positive integer global batch, and fractions in
+    ``[0, 0.9]`` that leave training samples.
+
+    Raises:
+        ConfigError: the first that cannot work.
+    """
+    checked_int("data.batch_size", batch_size, 1, "use a positive global batch size (samples per step)")
+    for key, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        checked_float(f"data.{key}", value, 0.0, 0.9, "use a fraction in [0, 0.9]")
+    if val_fraction + test_fraction >= 1:
+        raise ConfigError(
+            f"data.val_fraction={val_fraction} + data.test_fraction={test_fraction} leave no training samples: "
+            "keep their sum below 1"
+        )
+
+
+def check_train_split(batch_size: int, num_train: int, more: str) -> None:
+    """Raises: ConfigError: a train split of ``num_train`` samples has no full global batch (``more``: how to get
+    more samples)."""
+    if num_train < batch_size:
+        raise ConfigError(
+            f"data.batch_size={batch_size} is larger than the train split ({num_train} samples): lower "
+            f"data.batch_size or {more}"
+        )
+
+
+def check_divides(batch_size: Any, world_size: int) -> None:
+    """Raises: ConfigError: an integer global batch that the ``world_size`` processes cannot share evenly."""
+    if isinstance(batch_size, int) and batch_size % world_size:
+        raise ConfigError(
+            f"data.batch_size={batch_size} (global) does not divide by the world size {world_size} (devices x "
+            f"num_nodes): use a multiple of {world_size}"
+        )
+
+
+def check_random_tensors(data: Mapping, world_size: int) -> tuple[int, int, int]:
+    """Check the built-in data's settings (``RandomTensorDataModule``'s arguments) for ``world_size`` processes,
+    from the values alone (nothing is built); return the ``(train, val, test)`` sample counts.
+
+    Raises:
+        ConfigError: a value out of range, an empty split, no full global batch to train, or a global batch that
+            does not divide by ``world_size``.
+    """
+    n = checked_int("data.num_samples", data["num_samples"], 1, "use a positive number of samples")
+    checked_int("data.num_features", data["num_features"], 1, "use a positive number of features")
+    checked_int("data.num_classes", data["num_classes"], 2, "use at least 2 classes")
+    checked_int("data.seed", data["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
+    check_split_settings(data["batch_size"], data["val_fraction"], data["test_fraction"])
+    checked_float("data.label_noise", data["label_noise"], 0.0, 1.0, "use a fraction in [0, 1]")
+    if not isinstance(data.get("streaming", False), bool):
+        raise ConfigError(f"data.streaming={data['streaming']!r} is invalid: use true or false")
+    sizes = split_sizes(n, data["val_fraction"], data["test_fraction"])
+    for split, size in (("val", sizes[1]), ("test", sizes[2])):
+        if size < 1:
+            raise ConfigError(
+                f"data.{split}_fraction={data[f'{split}_fraction']} leaves the {split} split empty with "
+                f"data.num_samples={n}: raise data.num_samples or data.{split}_fraction"
+            )
+    check_train_split(data["batch_size"], sizes[0], "raise data.num_samples")
+    check_divides(data["batch_size"], world_size)
+    return sizes

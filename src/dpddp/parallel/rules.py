@@ -1,0 +1,128 @@
+"""The device and strategy settings a run may have: each bad one is one ``ConfigError`` line (the setting, the value,
+the fix), raised before any process starts; and the world size the settings give."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+
+from dpddp.cluster import cluster_world_size, stray_rank_variables
+from dpddp.errors import ConfigError, checked_float, checked_int
+
+__all__ = [
+    "ACCELERATORS",
+    "CLUSTERS",
+    "DDP_OPTIONS",
+    "STRATEGIES",
+    "check_devices",
+    "check_strategy_options",
+    "resolve_accelerator",
+    "world_size",
+]
+
+STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+CLUSTERS = ("auto", "kubeflow")
+DDP_OPTIONS = ("process_group_backend", "timeout_s", "launch", "start_method")
+"""dpddp's own ``strategy.*`` keys; the others are ``DistributedDataParallel``'s arguments."""
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    """``auto`` -> ``gpu`` when CUDA is available, else ``cpu``; ``cuda`` is ``gpu``."""
+    if accelerator == "auto":
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    return "gpu" if accelerator == "cuda" else accelerator
+
+
+def world_size(cfg: Mapping) -> int:
+    """Processes the run will have: ``devices * num_nodes`` for DDP, 1 for ``auto`` and ``dp`` (one process).
+
+    ``devices=-1`` counts the visible GPUs.
+    """
+    if cfg["strategy"]["name"] not in ("ddp", "ddp_spawn"):
+        return 1
+    devices = cfg["devices"] if cfg["devices"] != -1 else torch.cuda.device_count()
+    return devices * cfg["num_nodes"]
+
+
+def check_devices(cfg: Mapping) -> None:
+    """The top-level ``strategy``, ``accelerator``, ``devices``, ``num_nodes`` and ``cluster`` of ``cfg``, the
+    ``strategy.*`` options, and the cluster this process was started in (its world size must be the run's).
+
+    Raises:
+        ConfigError: the first setting this machine or cluster cannot run, with the fix.
+    """
+    strategy, devices, num_nodes = cfg["strategy"]["name"], cfg["devices"], cfg["num_nodes"]
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy={strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}")
+    if cfg["accelerator"] not in ACCELERATORS:
+        raise ConfigError(f"accelerator={cfg['accelerator']!r} is unknown: choose one of {', '.join(ACCELERATORS)}")
+    if devices != -1:
+        checked_int("devices", devices, 1, "use a positive number of devices per node, or -1 for all GPUs")
+    checked_int("num_nodes", num_nodes, 1, "use a positive number of nodes")
+    accelerator = resolve_accelerator(cfg["accelerator"])
+    if accelerator == "gpu" and not torch.cuda.is_available():
+        raise ConfigError(f"accelerator={cfg['accelerator']} but CUDA is not available: use accelerator=cpu")
+    if accelerator == "cpu" and devices == -1:
+        raise ConfigError("devices=-1 (all GPUs) on CPU: give a number of CPU processes, e.g. devices=2")
+    if accelerator == "gpu" and devices > torch.cuda.device_count():
+        raise ConfigError(f"devices={devices} but {torch.cuda.device_count()} GPUs are visible: lower devices")
+    cores = os.cpu_count() or 1
+    if accelerator == "cpu" and devices > 4 * cores:
+        raise ConfigError(f"devices={devices} CPU processes on {cores} cores: use at most {4 * cores}")
+    if strategy == "dp" and accelerator == "cpu" and devices > 1:
+        raise ConfigError(
+            f"strategy=dp with devices={devices} on CPU: DataParallel replicates over CUDA GPUs in one process; "
+            f"for several CPU processes use strategy=ddp devices={devices}"
+        )
+    if strategy in ("auto", "dp") and num_nodes > 1:
+        raise ConfigError(f"num_nodes={num_nodes} needs one process per device: use strategy=ddp")
+    if strategy == "auto" and devices != 1:
+        raise ConfigError(f"strategy=auto runs on one device, not devices={devices}: use strategy=ddp (or dp on GPUs)")
+    if cfg["cluster"] not in CLUSTERS:
+        raise ConfigError(f"cluster={cfg['cluster']!r} is unknown: choose one of {', '.join(CLUSTERS)}")
+    check_strategy_options(cfg["strategy"])
+    if problem := stray_rank_variables(cfg["cluster"], num_nodes):
+        raise ConfigError(problem)
+    cluster = cluster_world_size(cfg["cluster"])
+    if cluster and strategy not in ("ddp", "ddp_spawn") and cluster[0] > 1:  # each process would train alone
+        raise ConfigError(
+            f"the cluster started {cluster[0]} processes ({cluster[1]}={cluster[0]}) but strategy={strategy} runs "
+            f"one, so each would train alone into the same directory: use strategy=ddp with devices x num_nodes = "
+            f"{cluster[0]}"
+        )
+    if cluster and strategy in ("ddp", "ddp_spawn") and cluster[0] != world_size(cfg):
+        raise ConfigError(
+            f"devices={devices} x num_nodes={num_nodes} = {world_size(cfg)} processes, but the cluster started "
+            f"{cluster[0]} ({cluster[1]}={cluster[0]}): make devices x num_nodes match the cluster's tasks"
+        )
+
+
+def check_strategy_options(options: Mapping) -> None:
+    """The ``strategy.*`` options (and ``MASTER_PORT`` from the environment).
+
+    Raises:
+        ConfigError: an option dpddp's DDP strategy cannot take, with the fix.
+    """
+    if "timeout_s" in options:
+        timeout = options["timeout_s"]
+        checked_float("strategy.timeout_s", timeout, 1.0, 7 * 86400.0, "use seconds, e.g. strategy.timeout_s=180")
+    backend = options.get("process_group_backend")
+    if backend not in (None, "gloo", "nccl", "mpi", "ucc"):
+        raise ConfigError(f"strategy.process_group_backend={backend!r} is unknown: use null (automatic), gloo or nccl")
+    if options.get("launch", "auto") not in ("auto", "fork", "exec"):
+        raise ConfigError(f"strategy.launch={options['launch']!r} is unknown: use auto, fork (CPU) or exec")
+    start = options.get("start_method")
+    if start not in (None, "popen"):  # Lightning's multiprocessing launchers would write no SIGTERM checkpoint
+        raise ConfigError(
+            f"strategy.start_method={start!r} is not offered: dpddp starts the ranks itself; remove it and choose "
+            "strategy.launch=fork (CPU) or exec (a fresh interpreter per rank, as strategy=ddp_spawn does)"
+        )
+    for key in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
+        if key in options and not isinstance(options[key], bool):
+            raise ConfigError(f"strategy.{key}={options[key]!r} is invalid: use true or false")
+    port = os.environ.get("MASTER_PORT")
+    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"MASTER_PORT={port!r} (environment) is not a port: unset it or use 1-65535")
