@@ -1,9 +1,13 @@
+import re
+
 import pytest
 import torch
 
 from dpddp.data.global_batch import GlobalBatchSampler
 from dpddp.data.random_tensors import RandomTensorDataModule
+from dpddp.data.rules import check_random_tensors
 from dpddp.data.synthetic import BLOCK, StreamingTensors, checksum, make_tensors
+from dpddp.errors import ConfigError
 
 
 def test_tensors_are_a_pure_function_of_seed_and_sizes():
@@ -135,3 +139,30 @@ def test_streaming_empty_chunk_of_a_short_last_batch():
     dm.setup("fit")
     ranks = [list(GlobalBatchSampler(dm.num_val, 64, r, 2)) for r in range(2)]
     assert sum(len(dm.splits["val"][b][1]) for r in ranks for b in r) == dm.num_val == 65
+
+
+DATA = dict(num_samples=1001, num_features=3, num_classes=2, batch_size=8, val_fraction=0.15, test_fraction=0.05)
+DATA.update(label_noise=0.0, seed=0, streaming=False)
+
+
+def test_the_config_check_counts_the_splits_the_data_module_builds():
+    """The check reads the split sizes from the settings alone (nothing built), by the module's own rule."""
+    dm = RandomTensorDataModule(**DATA)
+    dm.setup("fit")
+    assert check_random_tensors(DATA, 1) == tuple(len(dm.splits[s]) for s in ("train", "val", "test")) == (801, 150, 50)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"batch_size": 0}, "data.batch_size=0 is invalid: use a positive global batch size"),
+        ({"val_fraction": 0.95}, "data.val_fraction=0.95 is invalid: use a fraction in [0, 0.9]"),
+        ({"val_fraction": 0.9, "test_fraction": 0.2}, "data.val_fraction=0.9 + data.test_fraction=0.2 leave no"),
+        ({"batch_size": 802}, "data.batch_size=802 is larger than the train split (801 samples): lower"),
+    ],
+)
+def test_the_data_module_refuses_at_setup_what_the_config_check_refuses(change, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_random_tensors({**DATA, **change}, 1)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        RandomTensorDataModule(**{**DATA, **change}).setup("fit")

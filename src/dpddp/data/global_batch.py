@@ -20,111 +20,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
 from dpddp._compat import data_position
+from dpddp.data import rules
+from dpddp.data.batches import Batches, batch_indexable
 from dpddp.errors import ConfigError
 
-__all__ = [
-    "Batches",
-    "GlobalBatchDataModule",
-    "GlobalBatchSampler",
-    "TensorBatches",
-    "batch_indexable",
-    "empty_batch",
-    "gather",
-    "step_position",
-]
-
-
-def gather(tensor: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows ``idx`` of ``tensor``: ``[*idx.shape, *tensor.shape[1:]]`` for an int64 ``idx`` of any shape
-    (``[b]``, or ``[k, b]`` for ``k`` steps of one execution), as ``tensor[idx]`` gives them.
-
-    ``index_select`` on the flattened ids: on 2 CPU cores it gathers 1024 rows of 1024 float32 in ~0.39 ms
-    against ~0.62 ms for advanced indexing (issue 15), and its output is contiguous, so the view is free."""
-    if idx.dim() == 1:  # one step's batch: no reshape and view (microseconds a step on tiny batches)
-        return tensor.index_select(0, idx)
-    rows = tensor.index_select(0, idx.reshape(-1))
-    return rows.view(*idx.shape, *tensor.shape[1:])
-
-
-def batch_indexable(dataset: Any) -> bool:
-    """Whether ``dataset[idx]`` with ``idx`` an int64 ``[b]`` (or ``[k, b]``) tensor returns the whole batch in
-    one index (a ``TensorDataset``, or a class with ``batch_indexable = True``), with no per-sample collate."""
-    return isinstance(dataset, TensorDataset) or bool(getattr(dataset, "batch_indexable", False))
-
-
-class TensorBatches(Dataset):
-    """A dataset indexed by whole batches: ``ds[idx]`` with ``idx`` an int64 ``[b]`` tensor returns
-    ``(x[idx], y[idx])`` in one gather (``gather``), shapes ``[b, num_features]`` and ``[b]`` (no per-sample
-    collate; an ``idx`` of ``[k, b]`` gives ``[k, b, num_features]`` and ``[k, b]``); with ``with_index=True``
-    also ``idx`` itself (for predictions in dataset order)."""
-
-    batch_indexable = True
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, with_index: bool = False) -> None:
-        self.x, self.y, self.with_index = x, y, with_index
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        x, y = gather(self.x, idx), gather(self.y, idx)
-        return (x, y, idx) if self.with_index else (x, y)
-
-
-def empty_batch(batch: Any) -> Any:
-    """``batch`` with every tensor cut to 0 rows (tuples, lists and dicts followed)."""
-    return apply_to_collection(batch, torch.Tensor, lambda t: t[:0])
-
-
-class Batches(Dataset):
-    """Any map-style data set, indexed by whole batches: ``view[idx]`` with ``idx`` an int64 ``[b]`` tensor of
-    positions in this view returns the batch of samples ``ids[idx]`` of ``dataset`` (all of it when ``ids`` is
-    ``None``).
-
-    Fast paths: a batch-indexable ``dataset`` (``batch_indexable``) takes the id tensor in one index; one with
-    ``__getitems__`` (torch's batched fetch, e.g. ``Subset``, Hugging Face datasets) gets the id list in one call;
-    else one ``dataset[i]`` per sample. Samples are collated by ``collate`` (default ``default_collate``); an
-    ``idx`` of ``[k, b]`` (the ``k`` steps of one execution) gives every tensor a leading ``[k, b]``. An
-    empty ``idx`` (a rank's empty chunk of a short last evaluation batch) gives a batch of 0 rows with the
-    structure of a real one. With ``with_index=True`` the batch ends with ``idx`` (``(*batch, idx)``, or an
-    ``"index"`` key for a dict batch), for predictions in split order.
-    """
-
-    batch_indexable = True
-
-    def __init__(self, dataset: Any, ids: torch.Tensor | None = None, collate: Any = None, with_index: bool = False):
-        self.dataset, self.ids, self.with_index = dataset, ids, with_index
-        self.collate = collate or default_collate
-
-    def __len__(self) -> int:
-        return len(self.ids) if self.ids is not None else len(self.dataset)
-
-    def _fetch(self, ids: torch.Tensor) -> Any:
-        if isinstance(self.dataset, TensorDataset):
-            return tuple(gather(t, ids) for t in self.dataset.tensors)
-        if batch_indexable(self.dataset):
-            return self.dataset[ids]
-        if ids.dim() > 1:  # one fetch of all the execution's samples, then [k * b, ...] -> [k, b, ...]
-            return apply_to_collection(
-                self._fetch(ids.reshape(-1)), torch.Tensor, lambda t: t.view(*ids.shape, *t.shape[1:])
-            )
-        if not len(ids):
-            return empty_batch(self._fetch(torch.zeros(1, dtype=torch.long)))
-        items = ids.tolist()
-        getitems = getattr(self.dataset, "__getitems__", None)
-        samples = getitems(items) if getitems is not None else [self.dataset[i] for i in items]
-        return self.collate(samples)
-
-    def __getitem__(self, idx: torch.Tensor) -> Any:
-        batch = self._fetch(idx if self.ids is None else self.ids[idx])
-        if not self.with_index:
-            return batch
-        return {**batch, "index": idx} if isinstance(batch, dict) else (*batch, idx)
+__all__ = ["GlobalBatchDataModule", "GlobalBatchSampler", "step_position"]
 
 
 def step_position(trainer: pl.Trainer, steps_per_epoch: int) -> tuple[int, int]:
@@ -305,9 +209,8 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         return self.dataset
 
     def split_sizes(self, n: int) -> tuple[int, int, int]:
-        """``(train, val, test)`` sample counts of ``n`` samples."""
-        num_val, num_test = int(n * self.val_fraction), int(n * self.test_fraction)
-        return n - num_val - num_test, num_val, num_test
+        """``(train, val, test)`` sample counts of ``n`` samples (``dpddp.data.rules.split_sizes``)."""
+        return rules.split_sizes(n, self.val_fraction, self.test_fraction)
 
     def make_splits(self) -> dict[str, Dataset]:
         """``{"train", "val", "test"}`` -> map-style data sets: the seeded permutation of ``make_dataset``'s ids."""
@@ -317,19 +220,6 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         cuts = {"train": perm[:num_train], "val": perm[num_train : num_train + num_val]}
         cuts["test"] = perm[num_train + num_val :]
         return {name: Batches(dataset, ids) for name, ids in cuts.items()}
-
-    def _check(self) -> None:
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ConfigError(f"data.batch_size={self.batch_size!r} is invalid: use a positive global batch size")
-        for name in ("val_fraction", "test_fraction"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 <= value <= 0.9:
-                raise ConfigError(f"data.{name}={value!r} is invalid: use a fraction in [0, 0.9]")
-        if self.val_fraction + self.test_fraction >= 1:
-            raise ConfigError(
-                f"data.val_fraction={self.val_fraction} + data.test_fraction={self.test_fraction} leave no training "
-                "samples: keep their sum below 1"
-            )
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -358,15 +248,10 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         """
         if self.splits:
             return
-        self._check()
+        rules.check_split_settings(self.batch_size, self.val_fraction, self.test_fraction)
         splits = self.make_splits()
         self.splits = {k: ds if batch_indexable(ds) else Batches(ds) for k, ds in splits.items()}
-        num_train = len(self.splits["train"])  # type: ignore[arg-type]
-        if num_train < self.batch_size:
-            raise ConfigError(
-                f"data.batch_size={self.batch_size} is larger than the train split ({num_train} samples): lower "
-                "data.batch_size or give more data"
-            )
+        rules.check_train_split(self.batch_size, len(self.splits["train"]), "give more data")  # type: ignore[arg-type]
 
     def _loader(self, split: str, with_index: bool = False) -> DataLoader:
         rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)

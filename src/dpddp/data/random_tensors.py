@@ -8,7 +8,8 @@ import logging
 from torch.utils.data import Dataset
 from typing_extensions import override
 
-from dpddp.data.global_batch import GlobalBatchDataModule, TensorBatches
+from dpddp.data.batches import TensorBatches
+from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.data.synthetic import BLOCK, StreamingTensors, checksum, make_tensors
 
 __all__ = ["RandomTensorDataModule"]

@@ -1,5 +1,5 @@
 """A user's own LightningDataModule with its own DataLoaders, sharded: each global batch of its loaders split
-over the ranks (``ShardedDataModule``), never the whole epoch on every rank (case 29)."""
+over the ranks (``ShardedDataModule``), never the whole epoch on every rank."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 from typing_extensions import override
 
 from dpddp._compat import data_position
-from dpddp.data.global_batch import empty_batch
+from dpddp.data.batches import empty_batch
 from dpddp.errors import ConfigError
 
 __all__ = ["ShardedBatchSampler", "ShardedDataModule", "shard_loader"]

@@ -85,7 +85,7 @@ class StreamingTensors(Dataset):
     (num_features + 2) * 4`` bytes each, 192 KiB at 10 features).
     """
 
-    batch_indexable = True  # ds[ids] gathers a whole batch (dpddp.data.global_batch.batch_indexable)
+    batch_indexable = True  # ds[ids] gathers a whole batch (dpddp.data.batches.batch_indexable)
 
     def __init__(
         self,
