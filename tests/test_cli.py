@@ -3,6 +3,7 @@
 import csv
 import json
 import logging
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +143,29 @@ def test_ckpt_path_last_continues_the_newest_run_in_its_directory(tmp_path, cli_
     with open(run / "metrics.csv", newline="") as f:
         assert [int(r["epoch"]) for r in csv.DictReader(f) if r["stage"] == "fit"] == [0, 1, 2, 3]
     assert json.loads((run / "metrics.json").read_text())["segments"] == 2
+
+
+def test_the_resume_line_continues_the_run_in_its_directory(tmp_path):
+    """The ``resume with`` command of a stopped CLI run: the same arguments, the run's root and its last.ckpt."""
+    from dpddp.entry.cli import _resume_command
+
+    run = tmp_path / "my runs" / "lightning_logs" / "version_3"
+    given = ["--trainer.max_epochs=4", "--ckpt_path=old.ckpt", "--trainer.default_root_dir=old"]
+    assert shlex.split(_resume_command("fit", given, run)) == [
+        "dpddp",
+        "fit",
+        "--trainer.max_epochs=4",
+        f"--trainer.default_root_dir={tmp_path / 'my runs'}",
+        "--ckpt_path=last",
+    ]
+
+
+def test_each_invocation_into_a_run_directory_keeps_its_own_config(tmp_path):
+    from dpddp.errors import invocation_name, invocations
+
+    assert [invocation_name("config.yaml", n) for n in (1, 2, 3)] == ["config.yaml", "config-1.yaml", "config-2.yaml"]
+    assert [invocation_name(".hydra", n) for n in (1, 2)] == [".hydra", ".hydra-1"]
+    assert invocations(tmp_path, "config.yaml") == []
+    for name in ("config.yaml", "config-1.yaml"):
+        (tmp_path / name).write_text("")
+    assert [p.name for p in invocations(tmp_path, "config.yaml")] == ["config.yaml", "config-1.yaml"]

@@ -26,7 +26,6 @@ import atexit
 import gc
 import logging
 import os
-import shlex
 import sys
 import warnings
 from importlib.metadata import version
@@ -41,7 +40,7 @@ from typing_extensions import override
 
 from dpddp.cluster import run_name
 from dpddp.data.random_tensors import RandomTensorDataModule
-from dpddp.errors import ConfigError, Preempted, RankFailed, WriteFailed, exit_status
+from dpddp.errors import KNOWN, ConfigError, exit_on, invocation_name, invocations, log_to, resume_command
 from dpddp.models.linear import LinearClassifier
 from dpddp.run.training import STAGES, isolated_job, train
 
@@ -56,6 +55,10 @@ def _version(package: str) -> tuple[int, ...]:
 # jsonargparse 4.49 renamed ArgumentParser.save's skip_none to skip_unset (the old name warns, and goes in 5.0).
 KEEP_NONE = {"skip_unset" if _version("jsonargparse") >= (4, 49) else "skip_none": False}
 TOP_LEVEL = {"strategy": "strategy", "accelerator": "accelerator", "devices": "devices", "num_nodes": "num_nodes"}
+CONFIG = "config.yaml"
+"""The CLI config of a run directory's first invocation (``dpddp.errors.invocation_name`` numbers the later ones)."""
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+"""Hydra's job-logging format, as ``train.py`` logs."""
 
 
 class DPDDPCLI(LightningCLI):
@@ -174,35 +177,22 @@ def main(args: list[str] | None = None) -> None:
         cfg.predict = stage == "predict"  # predictions.csv in the run directory
         if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
             output_dir.mkdir(parents=True, exist_ok=True)
-            n = next(i for i in range(1, 10_000) if not (output_dir / _config_name(i)).exists())
-            cli.parser.save(cli.config, str(output_dir / _config_name(n)), **KEEP_NONE)
-            _log_to(output_dir / "train.log")
-            logging.getLogger(__name__).info(f"invocation {n} into this run directory ({stage}): {_config_name(n)}")
+            n = len(invocations(output_dir, CONFIG)) + 1  # config.yaml, then config-1.yaml, ... (as .hydra/)
+            cli.parser.save(cli.config, str(output_dir / invocation_name(CONFIG, n)), **KEEP_NONE)
+            log_to(output_dir / "train.log", LOG_FORMAT)
+            logging.getLogger(__name__).info(
+                f"invocation {n} into this run directory ({stage}): {invocation_name(CONFIG, n)}"
+            )
         with isolated_job():
             train(cfg, output_dir, stage=stage)
-    except (ConfigError, RankFailed, Preempted, WriteFailed) as err:
-        resume = f": resume with {_resume_command(stage, rest, output_dir)}" if isinstance(err, Preempted) else ""
-        print(f"error: {err}{resume}", file=sys.stderr)
-        sys.exit(exit_status(err))
-
-
-def _config_name(n: int) -> str:
-    """The CLI config of the ``n``-th invocation into a run directory: ``config.yaml``, then ``config-1.yaml``, ...
-    (as ``.hydra/``, ``.hydra-1/``, ... for ``train.py``)."""
-    return "config.yaml" if n == 1 else f"config-{n - 1}.yaml"
-
-
-def _log_to(path: Path) -> None:
-    """Log records of level INFO and above to stderr and ``path``, in Hydra's job-logging format (as train.py)."""
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr), logging.FileHandler(path)]
-    fmt = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
-    logging.basicConfig(level=logging.INFO, format=fmt, handlers=handlers, force=True)
+    except KNOWN as err:
+        exit_on(err, lambda: _resume_command(stage, rest, output_dir))
 
 
 def _resume_command(stage: str, rest: list[str], output_dir: Path) -> str:
-    kept = [a for a in rest if not a.startswith(("--ckpt_path", "--trainer.default_root_dir"))]
-    root = output_dir.parent.parent
-    return shlex.join(["dpddp", stage, *kept, f"--trainer.default_root_dir={root}", "--ckpt_path=last"])
+    """The command that continues the run in ``output_dir`` from its ``last.ckpt``."""
+    add = [f"--trainer.default_root_dir={output_dir.parent.parent}", "--ckpt_path=last"]
+    return resume_command(["dpddp", stage], rest, ("--ckpt_path", "--trainer.default_root_dir"), add)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The Hydra entry point (``train.py``, ``dpddp-train``): one run, or one job of a sweep, isolated from the jobs
 around it. Importing this module registers the ``dpddp.*`` resolvers the packaged configs use (a sweep's worker
-process imports it to unpickle ``run``)."""
+process imports it to unpickle ``run_job``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import json
 import logging
 import math
 import re
-import shlex
 import sys
 from contextlib import nullcontext
+from functools import partial
 from importlib.resources import files
 from pathlib import Path
 
@@ -24,12 +24,22 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dpddp._compat import hydra_mode_unset
 from dpddp.cluster import register_resolvers, run_name
-from dpddp.errors import ConfigError, Preempted, RankFailed, WriteFailed, exit_status, first_line
+from dpddp.continuity import stop as sweep_stop
+from dpddp.errors import (
+    KNOWN,
+    Preempted,
+    RankFailed,
+    exit_on,
+    fail,
+    first_line,
+    invocation_name,
+    invocations,
+    resume_command,
+)
 from dpddp.parallel.rendezvous import torchrun_restarted
-from dpddp.run import sweep_stop
 from dpddp.run.training import METRIC_KEYS, isolated_job, train
 
-__all__ = ["config_dirs", "config_subdir", "hydra_value", "main", "run", "sets_no_mode", "sweep_resume_command"]
+__all__ = ["config_dirs", "config_subdir", "hydra_value", "main", "run_job", "sets_no_mode", "sweep_resume_command"]
 
 log = logging.getLogger(__name__)
 register_resolvers()
@@ -38,20 +48,15 @@ CONFIG_DIR = ".hydra"
 
 def config_dirs(output_dir: str | Path) -> list[Path]:
     """The config directories of the invocations into ``output_dir`` so far, in order: ``.hydra``, ``.hydra-1``,
-    ``.hydra-2``, ..."""
-    found, n = [], 0
-    while (path := Path(output_dir) / (CONFIG_DIR if n == 0 else f"{CONFIG_DIR}-{n}")).is_dir():
-        found.append(path)
-        n += 1
-    return found
+    ``.hydra-2``, ... (``dpddp.errors.invocations``)."""
+    return invocations(output_dir, CONFIG_DIR)
 
 
 def config_subdir(output_dir: str) -> str:
     """Hydra's ``output_subdir`` for the invocation starting now (``${dpddp.config_subdir:<run dir>}``): the
     first free name of ``config_dirs``, so that an invocation into an existing run directory (a resume, a
     continuation) keeps the configs and overrides of the earlier ones instead of overwriting them."""
-    n = len(config_dirs(output_dir))
-    return CONFIG_DIR if n == 0 else f"{CONFIG_DIR}-{n}"
+    return invocation_name(CONFIG_DIR, len(config_dirs(output_dir)) + 1)
 
 
 if not OmegaConf.has_resolver("dpddp.config_subdir"):
@@ -83,48 +88,41 @@ def hydra_value(value: str) -> str:
 
 def sweep_resume_command(sweep_dir: Path) -> str:
     """In the sweep's own process: its command line with its ``hydra.sweep.dir`` (absolute), to paste into a shell
-    (complete jobs are skipped, interrupted ones resume). Works for any directory name (case 23)."""
-    argv = [a for a in sys.argv[1:] if not a.startswith("hydra.sweep.dir=")]
-    return shlex.join(["python", "train.py", *argv, f"hydra.sweep.dir={hydra_value(str(sweep_dir.absolute()))}"])
+    (complete jobs are skipped, interrupted ones resume), whatever the directory's name."""
+    sweep = f"hydra.sweep.dir={hydra_value(str(sweep_dir.absolute()))}"
+    return resume_command(["python", "train.py"], sys.argv[1:], ("hydra.sweep.dir=",), [sweep])
 
 
 def _resume_command(overrides: list[str], output_dir: Path, multirun: bool) -> str:
     """The command that continues a preempted run, to paste into a shell: the same overrides in the same run
-    directory; for a sweep, the sweep's own command line (``sweep_resume_command``). Works for any directory
-    name (case 23)."""
+    directory; for a sweep, the sweep's own command line (``sweep_resume_command``); whatever the directory's
+    name."""
     if multirun:
         return sweep_resume_command(output_dir.parent)
-    kept = [o for o in overrides if not o.startswith(("resume=", "hydra.run.dir="))]
-    return shlex.join(["python", "train.py", *kept, "resume=true", f"hydra.run.dir={hydra_value(str(output_dir))}"])
+    add = ["resume=true", f"hydra.run.dir={hydra_value(str(output_dir))}"]
+    return resume_command(["python", "train.py"], overrides, ("resume=", "hydra.run.dir="), add)
 
 
-def run(cfg: DictConfig) -> float:
-    """Run the composed ``cfg`` in Hydra's output directory; return ``val/loss`` for sweepers.
+def run_job(cfg: DictConfig) -> float:
+    """Run one Hydra job, the composed ``cfg``, in Hydra's output directory; return ``val/loss`` for sweepers.
 
-    A relative ``ckpt_path`` is taken relative to where the command was run (even with
-    ``hydra.job.chdir=true``). In a multirun, a job whose ``metrics.json`` is complete for the same overrides
-    is skipped, an interrupted one resumes from its ``checkpoints/last.ckpt``, and a failing job (or one whose
-    ``val/loss`` is ``nan``) is recorded in its ``error.txt`` and returns ``nan`` so the sweep goes on (the
-    summary callback exits non-zero at the end). Under a local launcher (basic, joblib, submitit_local) a
-    SIGTERM to any process of the sweep stops the sweep (``dpddp.run.sweep_stop``): the running jobs stop with
-    their ``last.ckpt`` and return ``nan``, later ones do not start, and the summary callback prints the line
-    that resumes the sweep.
-    ``resume=true`` does the same for a single run in an existing ``hydra.run.dir``. (A complete job run again
-    with other overrides, e.g. more epochs, resumes from its ``last.ckpt``.) Outside a multirun a bad
-    setting prints one ``error:`` line and exits with status 2.
+    A relative ``ckpt_path`` is taken from where the command ran. Every sweep job, and a single run given
+    ``resume=true`` and its ``hydra.run.dir``, continues from its ``checkpoints/last.ckpt`` (a job complete with
+    the same overrides is skipped). A known error is one ``error:`` line and its exit status (``dpddp.errors``);
+    in a sweep, a failed or diverged job writes its ``error.txt`` and returns ``nan``, so the sweep goes on.
+    Under a local launcher a SIGTERM stops the whole sweep (``dpddp.continuity.stop``); elsewhere it ends the
+    process with the line that resumes the run or sweep.
     """
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     overrides = list(hydra_cfg.overrides.task)
     named = any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra) or "/" not in run_name()
-    if cfg.get("resume") and not multirun and not named:  # case 28; a cluster job's own name has no "/"
-        print(
-            "error: resume=true needs the run to resume: add hydra.run.dir=<its directory> (e.g. "
-            "hydra.run.dir=outputs/2026-01-31/12-00-00)",
-            file=sys.stderr,
+    if cfg.get("resume") and not multirun and not named:  # a cluster job's own name has no "/"
+        fail(
+            "resume=true needs the run to resume: add hydra.run.dir=<its directory> (e.g. "
+            "hydra.run.dir=outputs/2026-01-31/12-00-00)"
         )
-        sys.exit(exit_status(ConfigError()))
     with open_dict(cfg):
         if cfg.get("ckpt_path"):
             cfg.ckpt_path = to_absolute_path(str(cfg.ckpt_path))
@@ -145,14 +143,12 @@ def run(cfg: DictConfig) -> float:
             (output_dir / "error.txt").unlink(missing_ok=True)  # an earlier try's failure, run again now
         last = output_dir / "checkpoints" / "last.ckpt"
         held = [p.name for p in (last, output_dir / "metrics.json") if p.is_file()]
-        if held and not resume and cfg.get("ckpt_path") != str(last):  # case 26: never overwrite another run
-            print(
-                f"error: the run directory {hydra_value(str(output_dir))} holds another run ({', '.join(held)}): "
+        if held and not resume and cfg.get("ckpt_path") != str(last):  # never overwrite another run
+            fail(
+                f"the run directory {hydra_value(str(output_dir))} holds another run ({', '.join(held)}): "
                 "continue it with resume=true, or give this run its own directory (hydra.run.dir=..., or "
-                "torchrun --rdzv-id=<job id>)",
-                file=sys.stderr,
+                "torchrun --rdzv-id=<job id>)"
             )
-            sys.exit(exit_status(ConfigError()))
         _log_invocation(output_dir)
         if resume and cfg.get("ckpt_path") is None:
             if last.is_file() and done is not None:
@@ -174,21 +170,14 @@ def run(cfg: DictConfig) -> float:
         if not multirun or math.isfinite(val_loss):
             return val_loss
         line = f"val/loss is {val_loss}: the training diverged or no validation ran on the final weights"
-    except (ConfigError, RankFailed, Preempted, WriteFailed) as err:
+    except KNOWN as err:
         if isinstance(err, Preempted) and stops:
             sweep_stop.request()  # every job stops; the sweep's process prints the line that resumes them
             log.warning(f"{err}: the sweep stops; resuming it continues this job")
             return math.nan
-        if isinstance(err, Preempted):
-            line = f"{err}: resume with {_resume_command(overrides, output_dir, multirun)}"
-            print(f"error: {line}", file=sys.stderr)
-            sys.exit(exit_status(err))  # a preempted sweep stops too: the scheduler wants the node back
-        if not multirun:
-            if isinstance(err, RankFailed):
-                log.error(f"error: {err}")  # into train.log too
-            else:
-                print(f"error: {err}", file=sys.stderr)
-            sys.exit(exit_status(err))
+        if isinstance(err, Preempted) or not multirun:  # a preempted sweep stops too: the scheduler wants the node
+            command = partial(_resume_command, overrides, output_dir, multirun)
+            exit_on(err, command, log if isinstance(err, RankFailed) else None)  # a lost rank: into train.log too
         line = str(err)
     except Exception as err:
         if not multirun:
@@ -207,7 +196,7 @@ def _log_invocation(output_dir: Path) -> None:
         log.info(f"invocation {len(dirs)} into this run directory: config and overrides in {dirs[-1].name}/")
 
 
-_hydra_main = hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(run)
+_hydra_main = hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(run_job)
 
 
 GROUPS = ("strategy", "data", "model", "trainer", "logger", "callbacks", "experiment", "debug", "hparams_search")
@@ -219,7 +208,7 @@ def unknown_option(argv: list[str]) -> str | None:
     has ``<group>/<option>.yaml``, with the options there are; ``None`` when all exist. The directories are the
     packaged ``conf/`` and a ``--config-dir``/``-cd`` given; with ``hydra.searchpath`` overridden, or a sweep
     function (``choice(...)``, ``glob(...)``), Hydra's own check answers instead. Hydra would accept an unknown
-    ``experiment=``/``debug=`` preset silently (optional groups) or print a 14-line error (cases 10, 17)."""
+    ``experiment=``/``debug=`` preset silently (optional groups) or print a many-line error instead."""
     dirs = [Path(str(files("dpddp.conf")))]
     for i, arg in enumerate(argv):
         if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
@@ -261,11 +250,10 @@ def sets_no_mode(argv: list[str]) -> bool:
 
 def main() -> None:
     """``python train.py [key=value ...]`` or ``dpddp-train ...``: Hydra composes the packaged ``conf/`` with the
-    overrides (``--config-dir`` adds a user's own) and calls ``run``. An unknown config option is one line,
+    overrides (``--config-dir`` adds a user's own) and calls ``run_job``. An unknown config option is one line,
     exit 2, before Hydra starts."""
     if problem := unknown_option(sys.argv[1:]):
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(exit_status(ConfigError()))
+        fail(problem)
     # What is imported by now (torch, Lightning, Hydra: ~700,000 objects) lives as long as the process: out of the
     # collector's sight, each collection of the oldest generation is milliseconds instead of ~0.3 s (one fell in
     # every run's start-up), and collection is on again if train.py turned it off for the imports.

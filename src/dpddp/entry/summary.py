@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +12,10 @@ from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
+from dpddp.continuity import stop as sweep_stop
 from dpddp.entry.hydra import sweep_resume_command
-from dpddp.errors import EXIT_PREEMPTED
-from dpddp.run import sweep_stop
-from dpddp.run.plot import can_plot, write_plot
+from dpddp.errors import EXIT_CRASH, EXIT_PREEMPTED, fail
+from dpddp.report.curves import can_plot, write_plot
 
 __all__ = ["LOCAL_LAUNCHERS", "SUMMARY_COLUMNS", "SweepSummary", "end_sweep", "write_summary"]
 
@@ -26,7 +25,7 @@ LOCAL_LAUNCHERS = (
     "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
 )
 """The launchers whose jobs run on this machine, under the sweep's process: a SIGTERM stops their sweep as one
-(``dpddp.run.sweep_stop``). Under any other (``hydra/launcher=slurm``) the jobs are the cluster's."""
+(``dpddp.continuity.stop``). Under any other (``hydra/launcher=slurm``) the jobs are the cluster's."""
 
 SUMMARY_COLUMNS: tuple[str, ...] = ("job", "overrides", "status", "val/loss", "val/acc", "test/acc")
 SUMMARY_COLUMNS += ("samples_per_sec", "world_size", "wall_time_s", "train_time_s", "segments")
@@ -94,12 +93,10 @@ def end_sweep(sweep_dir: Path, cut_short: bool = False) -> None:
         parts = [f"{len(jobs.get('ok', []))} of {len(rows)} jobs finished"]
         parts += [f"{what}: {', '.join(jobs[key])}" for key, what in kinds if key in jobs]
         command = sweep_resume_command(sweep_dir)
-        print(f"error: the sweep was stopped by SIGTERM ({'; '.join(parts)}): resume with {command}", file=sys.stderr)
-        sys.exit(EXIT_PREEMPTED)
+        fail(f"the sweep was stopped by SIGTERM ({'; '.join(parts)}): resume with {command}", EXIT_PREEMPTED)
     failed = [row["job"] for row in rows if row["status"] != "ok"]
     if failed:
-        print(f"error: {len(failed)} of {len(rows)} jobs failed: {', '.join(failed)}", file=sys.stderr)
-        sys.exit(1)
+        fail(f"{len(failed)} of {len(rows)} jobs failed: {', '.join(failed)}", EXIT_CRASH)
 
 
 class SweepSummary(HydraCallback):
@@ -110,7 +107,7 @@ class SweepSummary(HydraCallback):
     job failed or did not finish.
 
     Under a local launcher (``LOCAL_LAUNCHERS``) a SIGTERM to the sweep's process, or to any of its jobs, stops
-    the sweep (``dpddp.run.sweep_stop``): at the end the summary is written as always, then one line gives the
+    the sweep (``dpddp.continuity.stop``): at the end the summary is written as always, then one line gives the
     command that resumes the sweep, and the exit status is 143."""
 
     @override
