@@ -261,3 +261,16 @@ def test_torchrun_tells_its_workers_when_they_get_the_agent_store(monkeypatch):
     client = _compat.agent_store("127.0.0.1", server.port, timedelta(seconds=5))
     client.set("k", "v")
     assert server.get("k") == b"v"
+
+
+def test_hydras_basic_launcher_is_the_target_the_sweep_summary_names():
+    """``HYDRA_BASIC_LAUNCHER`` is the ``_target_`` the packaged config composes for ``hydra/launcher=basic`` (the
+    default), and it names Hydra's launcher class."""
+    from hydra.plugins.launcher import Launcher
+    from hydra.utils import get_class
+
+    with initialize_config_dir(config_dir=str(files("dpddp.conf")), version_base="1.3"):
+        for overrides in ([], ["hydra/launcher=basic"]):
+            cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+            assert cfg.hydra.launcher._target_ == _compat.HYDRA_BASIC_LAUNCHER, overrides
+    assert issubclass(get_class(_compat.HYDRA_BASIC_LAUNCHER), Launcher)

@@ -293,3 +293,9 @@ def hydra_mode_unset() -> Iterator[None]:
         yield
     finally:
         Hydra.get_mode = get_mode  # type: ignore[method-assign]
+
+
+HYDRA_BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+"""The ``_target_`` of Hydra's default launcher (``hydra/launcher=basic``), a private module path (hydra-core
+1.3.8). ``dpddp.entry.summary.LOCAL_LAUNCHERS`` names it: if it moves, a SIGTERM no longer stops a basic sweep as
+one (test_compat fails)."""

@@ -12,6 +12,7 @@ from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
+from dpddp._compat import HYDRA_BASIC_LAUNCHER
 from dpddp.continuity import stop as sweep_stop
 from dpddp.entry.hydra import sweep_resume_command
 from dpddp.errors import EXIT_CRASH, EXIT_PREEMPTED, fail
@@ -20,7 +21,7 @@ from dpddp.report.curves import can_plot, write_plot
 __all__ = ["LOCAL_LAUNCHERS", "SUMMARY_COLUMNS", "SweepSummary", "end_sweep", "write_summary"]
 
 LOCAL_LAUNCHERS = (
-    "hydra._internal.core_plugins.basic_launcher.BasicLauncher",
+    HYDRA_BASIC_LAUNCHER,
     "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher",
     "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
 )
