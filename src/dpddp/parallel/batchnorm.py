@@ -1,0 +1,281 @@
+"""BatchNorm over the global batch on any backend: ``GlobalBatchNorm``, the ``BatchNormSync`` plugin that puts it
+in place of a model's BatchNorm modules for a fit, and ``batchnorm_plugins``, the decision from the config.
+
+Under DDP each process holds a share of the global batch; a plain ``nn.BatchNorm*`` normalises by its share's
+statistics and tracks running statistics of its share, so the weights drift from one process's. torch's
+``nn.SyncBatchNorm`` takes global statistics on CUDA only; ``GlobalBatchNorm`` does on gloo (CPU) as well.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins import LayerSync
+from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor, nn
+from typing_extensions import override
+
+from dpddp._compat import BatchNormBase
+from dpddp.errors import ConfigError
+from dpddp.parallel.rules import resolve_accelerator, world_size
+
+__all__ = ["BatchNormSync", "GlobalBatchNorm", "batchnorm_modules", "batchnorm_plugins", "convert", "revert"]
+
+log = logging.getLogger(__name__)
+
+ORIGINAL = "_dpddp_original"
+"""The attribute (outside the module registry: not in ``state_dict`` or ``named_modules``) where a converted
+layer keeps the module it replaced, for ``revert``."""
+
+
+class _GroupSum(torch.autograd.Function):
+    """``all_reduce`` (sum over ``group``) whose backward is the sum of the gradients over ``group``: each
+    process's input adds to every process's output. ``torch.distributed.nn.functional.all_reduce`` is the same
+    but deprecated in torch 2.13 (a ``FutureWarning`` in every process)."""
+
+    @staticmethod
+    @override
+    def forward(ctx: Any, tensor: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    @override
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _group_size(group: Any) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+class GlobalBatchNorm(BatchNormBase):
+    """BatchNorm whose training statistics are those of the global batch, on any ``torch.distributed`` backend.
+
+    Input ``[N, C, *]`` (``C = num_features``), output the same shape. In training, with a process group of more
+    than one process, each forward sums the count, sum and sum of squares of every channel (float64, over all
+    dims but 1) over ``process_group`` (``None``: the world) and normalises by the global mean and biased
+    variance; the backward sums their gradients over the group. Running statistics are updated as
+    ``nn.BatchNorm*`` does (momentum, or a cumulative average for ``momentum=None``; the unbiased variance from
+    the global count; ``num_batches_tracked``). In eval mode, or on one process: ``nn.BatchNorm*``'s forward.
+    The parameters, buffers and ``state_dict`` keys are ``nn.BatchNorm*``'s.
+
+    Raises:
+        ValueError: input of fewer than 2 dims; in training, one value or none per channel in the global batch.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Any = None,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        bias: bool = True,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        self.process_group = process_group
+
+    @override
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    @override
+    def forward(self, input: Tensor) -> Tensor:
+        if not self.training or _group_size(self.process_group) <= 1:
+            return super().forward(input)
+        self._check_input_dim(input)
+        channels = input.size(1)
+        dims = [0, *range(2, input.dim())]
+        x = input.to(torch.float64)
+        count = torch.full((1,), input.numel() // max(channels, 1), dtype=torch.float64, device=input.device)
+        stats = _GroupSum.apply(torch.cat([x.sum(dims), (x * x).sum(dims), count]), self.process_group)
+        n = float(stats[-1].detach())
+        if n <= 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got {int(n)} in the global batch "
+                f"(input size {list(input.shape)} on this process)"
+            )
+        mean = stats[:channels] / n
+        var = (stats[channels : 2 * channels] / n - mean * mean).clamp(min=0)
+        shape = [1, channels] + [1] * (input.dim() - 2)
+        out = (input - mean.to(input.dtype).view(shape)) * torch.rsqrt(var + self.eps).to(input.dtype).view(shape)
+        if self.weight is not None:
+            out = out * self.weight.view(shape)
+        if self.bias is not None:
+            out = out + self.bias.view(shape)
+        if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
+            self._update_running_stats(mean.detach(), var.detach() * (n / (n - 1)))
+        return out
+
+    def _update_running_stats(self, mean: Tensor, unbiased_var: Tensor) -> None:
+        """``nn.BatchNorm*``'s update (``_BatchNorm.forward`` and ATen's ``batch_norm``)."""
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        assert self.running_mean is not None and self.running_var is not None
+        with torch.no_grad():
+            for running, batch in ((self.running_mean, mean), (self.running_var, unbiased_var)):
+                running.copy_(factor * batch + (1 - factor) * running.to(torch.float64))
+
+
+def batchnorm_modules(model: nn.Module) -> list[str]:
+    """The qualified names of the BatchNorm modules (every ``torch.nn.modules.batchnorm._BatchNorm``) in
+    ``model`` (``""``: ``model`` itself)."""
+    return [name for name, module in model.named_modules() if isinstance(module, BatchNormBase)]
+
+
+def _lazy(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params()
+
+
+def convert(module: nn.Module, cuda: bool = False, process_group: Any = None) -> nn.Module:
+    """``module`` with every BatchNorm module in it replaced by a ``GlobalBatchNorm`` (``cuda``: by torch's
+    ``nn.SyncBatchNorm``) that takes over its parameters and buffers (the same tensors), training flag and
+    ``qconfig``, and keeps the module it replaced for ``revert``; as ``nn.SyncBatchNorm.convert_sync_batchnorm``
+    does. Layers already of the target class and lazy ones not yet initialised stay; a module shared by
+    several parents stays shared. Children are replaced in place; returns ``module`` or its replacement."""
+    target = nn.SyncBatchNorm if cuda else GlobalBatchNorm
+    done: dict[int, nn.Module] = {}
+
+    def swap(old: nn.Module) -> nn.Module:
+        if id(old) in done:
+            return done[id(old)]
+        new = old
+        if isinstance(old, BatchNormBase) and not isinstance(old, target) and not _lazy(old):
+            new = target(old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats, process_group)
+            new._parameters.update(old._parameters)
+            new._buffers.update(old._buffers)
+            new._non_persistent_buffers_set = set(old._non_persistent_buffers_set)
+            new.training = old.training
+            if hasattr(old, "qconfig"):
+                new.qconfig = old.qconfig
+            object.__setattr__(new, ORIGINAL, old)
+        done[id(old)] = new
+        for name, child in list(old._modules.items()):  # named_children skips repeats
+            new.add_module(name, None if child is None else swap(child))
+        return new
+
+    return swap(module)
+
+
+def revert(module: nn.Module) -> nn.Module:
+    """Undo ``convert``: each converted layer gives its current parameters, buffers, training flag, ``eps`` and
+    ``momentum`` back to the module it replaced, which takes its place again (its own class and attributes).
+    Returns ``module`` or the module it had replaced."""
+    done: dict[int, nn.Module] = {}
+
+    def restore(new: nn.Module) -> nn.Module:
+        if id(new) in done:
+            return done[id(new)]
+        old: nn.Module | None = new.__dict__.get(ORIGINAL)
+        if old is None:
+            old = new
+        else:
+            assert isinstance(new, BatchNormBase) and isinstance(old, BatchNormBase)
+            old._parameters.update(new._parameters)
+            old._buffers.update(new._buffers)
+            old.training, old.eps, old.momentum = new.training, new.eps, new.momentum
+            del new.__dict__[ORIGINAL]
+        done[id(new)] = old
+        for name, child in list(new._modules.items()):
+            old.add_module(name, None if child is None else restore(child))
+        return old
+
+    return restore(module)
+
+
+def _names(names: list[str], most: int = 4) -> str:
+    shown = ", ".join(name or "(the model)" for name in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+class BatchNormSync(LayerSync):
+    """Lightning's ``LayerSync`` plugin for BatchNorm under DDP (``DDPStrategy.setup`` applies it to the model
+    of a fit, before DDP wraps it; teardown reverts it).
+
+    Args:
+        sync: ``True``: ``convert`` (``GlobalBatchNorm``, any backend; with ``cuda``, torch's ``SyncBatchNorm``).
+            ``False``: nothing converted; rank 0 logs one warning naming the BatchNorm modules.
+        cuda: the fit runs on CUDA devices.
+        processes: processes of the run, for the warning.
+    """
+
+    def __init__(self, sync: bool = True, cuda: bool = False, processes: int = 2) -> None:
+        self.sync, self.cuda, self.processes = sync, cuda, processes
+
+    @override
+    def apply(self, model: nn.Module) -> nn.Module:
+        if self.sync:
+            converted = convert(model, self.cuda)
+            if lazy := [name for name, module in converted.named_modules() if _lazy(module)]:
+                _warn(f"lazy BatchNorm modules not yet initialised are not synced: {_names(lazy)}")
+            return converted
+        if names := batchnorm_modules(model):
+            _warn(
+                f"trainer.sync_batchnorm=false with {self.processes} processes: {_names(names)} normalise each "
+                "process's own share of the global batch, so ddp no longer trains as one process (weights and "
+                "running statistics differ); set trainer.sync_batchnorm=null to take them over the global batch"
+            )
+        return model
+
+    @override
+    def revert(self, model: nn.Module) -> nn.Module:
+        return revert(model) if self.sync else model
+
+
+@rank_zero_only
+def _warn(message: str) -> None:
+    log.warning(message)
+
+
+def batchnorm_plugins(cfg: Mapping, model: nn.Module | None = None) -> list[LayerSync]:
+    """The Trainer's BatchNorm plugin for the run of ``cfg`` (a list of none or one; the Trainer then takes
+    ``sync_batchnorm=False``, so that Lightning's own CUDA-only plugin is never used).
+
+    ``trainer.sync_batchnorm``: ``null`` (or ``auto``) and ``true``: BatchNorm taken over the global batch under
+    more than one process (``BatchNormSync``); ``false``: each process's own share, warned of at the fit's start.
+    ``model``: the model to fit; ``None``: not known here (the ``strategy=dp`` check is then skipped).
+
+    Returns:
+        ``[BatchNormSync]`` under ``ddp``/``ddp_spawn`` with more than one process, else ``[]``.
+
+    Raises:
+        ConfigError: ``trainer.sync_batchnorm`` is another value; or ``strategy=dp`` over more than one device
+            with BatchNorm modules in ``model`` (each DataParallel replica normalises its own chunk, and the
+            replicas' running statistics are dropped).
+    """
+    sync = (cfg.get("trainer") or {}).get("sync_batchnorm")
+    if not (sync is None or isinstance(sync, bool) or sync == "auto"):
+        raise ConfigError(
+            f"trainer.sync_batchnorm={sync!r} is invalid: use null (BatchNorm synced over the global batch when "
+            "several processes train), true or false"
+        )
+    strategy, devices, processes = cfg["strategy"]["name"], cfg["devices"], world_size(cfg)
+    replicas = torch.cuda.device_count() if devices == -1 else devices
+    if strategy == "dp" and replicas > 1 and model is not None and (names := batchnorm_modules(model)):
+        raise ConfigError(
+            f"strategy=dp with devices={devices} and BatchNorm modules ({_names(names)}): each DataParallel "
+            "replica normalises its own chunk and the replicas' running statistics are dropped, so the model "
+            f"drifts from one process's: use strategy=ddp devices={devices} (BatchNorm synced over the global batch)"
+        )
+    if strategy not in ("ddp", "ddp_spawn") or processes <= 1:
+        return []
+    cuda = resolve_accelerator(cfg["accelerator"]) == "gpu"
+    return [BatchNormSync(sync=sync is not False, cuda=cuda, processes=processes)]
