@@ -8,10 +8,8 @@
 | ``Preempted`` | 143 (128 + SIGTERM, as a shell reports it) | ``error: stopped by SIGTERM ...`` |
 | any other exception | 1 | its traceback |
 
-The shell every entry point (``train.py``, the CLI, a launched rank, the sweep summary) runs in is here too: the
-error -> one line -> exit status policy, the command that resumes a stopped run, the numbering of the
-invocations into one run directory and the log set-up. Nothing here imports torch or Lightning: every layer,
-the parallel plumbing included, can use it.
+Also the shell every entry point runs in: that policy, the resume command, the numbering of the invocations into
+a run directory and the log set-up. Nothing here imports torch or Lightning: every layer can use it.
 """
 
 from __future__ import annotations
@@ -62,13 +60,8 @@ class RankFailed(RuntimeError):
 
 
 class Preempted(RuntimeError):
-    """The run stopped on SIGTERM: in training after a checkpoint was written, or outside it (start-up, the test
-    after the fit) with the run's last checkpoint, if it has one.
-
-    Args:
-        path: the checkpoint to resume from; ``None``: the run stopped before writing one.
-        step: the global step (optimizer steps) it holds.
-    """
+    """The run stopped on SIGTERM, with ``path``, the checkpoint to resume from (``None``: none written yet),
+    holding global step ``step``."""
 
     def __init__(self, path: Path | None, step: int) -> None:
         where = f"after step {step}; checkpoint: {path}" if path is not None else "before its first checkpoint"
@@ -98,12 +91,8 @@ def first_line(err: BaseException, limit: int = 200) -> str:
 
 
 def checked_int(name: str, value: Any, low: int, fix: str, high: int | None = None) -> int:
-    """``value`` when it is an integer in ``[low, high]`` (no upper bound when ``high`` is ``None``; a bool is no
-    integer).
-
-    Raises:
-        ConfigError: ``<name>=<value> is not an integer: <fix>``, or ``... is invalid: <fix>``.
-    """
+    """``value``, an integer (not a bool) in ``[low, high]``; else a ``ConfigError``: ``<name>=<value> is not an
+    integer: <fix>`` or ``... is invalid: <fix>``."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise ConfigError(f"{name}={value!r} is not an integer: {fix}")
     if value < low or (high is not None and value > high):
@@ -112,20 +101,17 @@ def checked_int(name: str, value: Any, low: int, fix: str, high: int | None = No
 
 
 def checked_float(name: str, value: Any, low: float, high: float, fix: str) -> float:
-    """``value`` as a float when it is a finite number in ``[low, high]`` (a bool is no number).
-
-    Raises:
-        ConfigError: ``<name>=<value> is invalid: <fix>``.
-    """
+    """``value`` as a float, a finite number (not a bool) in ``[low, high]``; else a ``ConfigError``:
+    ``<name>=<value> is invalid: <fix>``."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or not low <= value <= high:
         raise ConfigError(f"{name}={value!r} is invalid: {fix}")
     return float(value)
 
 
+# The errors an entry point reports in one line; any other is raised on and shows its traceback (under train.py
+# Hydra's short one, the full one with HYDRA_FULL_ERROR=1).
 KNOWN = (ConfigError, RankFailed, Preempted, WriteFailed)
-"""The errors an entry point reports in one line. Any other exception is a crash: it is raised on, and shows its
-traceback (under ``train.py`` Hydra's short one, the full one with ``HYDRA_FULL_ERROR=1``)."""
 
 
 def fail(line: str, status: int = EXIT_CONFIG, log: logging.Logger | None = None) -> NoReturn:
@@ -146,9 +132,8 @@ def exit_on(err: BaseException, resume: Callable[[], str] | None = None, log: lo
 
 
 def rank_status(err: BaseException, log: logging.Logger) -> int:
-    """In a launched rank: log ``err`` and return its exit status. A ``ConfigError`` is ``error: <message>``, a
-    ``Preempted`` its message alone (rank 0 says the line that resumes the run), anything else is logged with its
-    traceback."""
+    """In a launched rank: log ``err`` (a ``ConfigError`` as ``error: <message>``, a ``Preempted`` as its message:
+    rank 0 says the resume line; anything else with its traceback) and return its exit status."""
     if isinstance(err, ConfigError):
         log.error(f"error: {err}")
     elif isinstance(err, Preempted):

@@ -14,11 +14,8 @@ __all__ = ["Batches", "TensorBatches", "batch_indexable", "empty_batch", "gather
 
 
 def gather(tensor: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows ``idx`` of ``tensor``: ``[*idx.shape, *tensor.shape[1:]]`` for an int64 ``idx`` of any shape
-    (``[b]``, or ``[k, b]`` for ``k`` steps of one execution), as ``tensor[idx]`` gives them.
-
-    ``index_select`` on the flattened ids: faster than advanced indexing on CPU, and its output is contiguous, so
-    the view is free."""
+    """Rows ``idx`` of ``tensor`` (int64 ``[b]`` or ``[k, b]``), as ``tensor[idx]`` gives them: ``index_select``
+    on the flattened ids, faster than advanced indexing on CPU, and contiguous."""
     if idx.dim() == 1:  # one step's batch: no reshape and view (microseconds a step on tiny batches)
         return tensor.index_select(0, idx)
     rows = tensor.index_select(0, idx.reshape(-1))
@@ -56,18 +53,11 @@ def empty_batch(batch: Any) -> Any:
 
 
 class Batches(Dataset):
-    """Any map-style data set, indexed by whole batches: ``view[idx]`` with ``idx`` an int64 ``[b]`` tensor of
-    positions in this view returns the batch of samples ``ids[idx]`` of ``dataset`` (all of it when ``ids`` is
-    ``None``).
-
-    Fast paths: a batch-indexable ``dataset`` (``batch_indexable``) takes the id tensor in one index; one with
-    ``__getitems__`` (torch's batched fetch, e.g. ``Subset``, Hugging Face datasets) gets the id list in one call;
-    else one ``dataset[i]`` per sample. Samples are collated by ``collate`` (default ``default_collate``); an
-    ``idx`` of ``[k, b]`` (the ``k`` steps of one execution) gives every tensor a leading ``[k, b]``. An
-    empty ``idx`` (a rank's empty chunk of a short last evaluation batch) gives a batch of 0 rows with the
-    structure of a real one. With ``with_index=True`` the batch ends with ``idx`` (``(*batch, idx)``, or an
-    ``"index"`` key for a dict batch), for predictions in split order.
-    """
+    """Any map-style data set, indexed by whole batches: ``view[idx]`` (int64 ``[b]`` positions in this view)
+    is the batch of samples ``ids[idx]`` of ``dataset`` (all of it when ``ids`` is ``None``), fetched in one index
+    (``batch_indexable``), one ``__getitems__`` call, or one ``dataset[i]`` per sample collated by ``collate``.
+    An ``idx`` of ``[k, b]`` gives every tensor a leading ``[k, b]``; an empty one, 0 rows of a real batch's
+    structure. ``with_index=True`` appends ``idx`` (an ``"index"`` key for a dict batch)."""
 
     batch_indexable = True
 

@@ -1,15 +1,10 @@
 """Global-batch sampling for any map-style data set: the same batches in the same order on every world size.
 
-``GlobalBatchDataModule`` serves any map-style ``torch.utils.data.Dataset`` (``__len__`` and ``__getitem__``) this
-way: seeded splits, the global batch, the same order on every world size, exact evaluation (no padded
-duplicates) and exact mid-epoch resume. Give it a dataset (``data.dataset._target_=my_pkg.MyDataset``) or
-subclass it and override ``make_dataset`` (one data set, split by the seed) or ``make_splits`` (your own splits).
-
-Batching follows the project's contract: ``batch_size`` is the GLOBAL batch, the number of samples per
-optimizer step over all processes. Training step ``k`` of an epoch takes the global batch
-``perm[k * B:(k + 1) * B]`` of that epoch's permutation, and rank ``r`` of ``W`` takes the contiguous
-chunk ``[r * B / W, (r + 1) * B / W)`` of it, so every world size sees the same global batches in the same
-order and DDP's gradient average equals the single-process mean over ``B`` samples.
+``batch_size`` is the GLOBAL batch, the samples of one optimizer step over all processes: training step ``k`` of
+an epoch takes ``perm[k * B:(k + 1) * B]`` of that epoch's permutation and rank ``r`` of ``W`` its ``r``-th
+chunk, so DDP's gradient average is the one-process mean over ``B`` samples. ``GlobalBatchDataModule`` serves a
+data set so (``data.dataset._target_=my_pkg.MyDataset``, or a subclass overriding ``make_dataset`` or
+``make_splits``): seeded splits, exact evaluation (no padded duplicates) and exact mid-epoch resume.
 """
 
 from __future__ import annotations
@@ -159,22 +154,10 @@ class GlobalBatchSampler(DistributedSampler):
 
 
 class GlobalBatchDataModule(pl.LightningDataModule):
-    """Serves a map-style data set in global batches (see the module docstring); a base to build on.
-
-    Args:
-        dataset: the whole data set, split here by ``seed``; ``None`` for a subclass that overrides
-            ``make_dataset`` or ``make_splits``.
-        batch_size: GLOBAL batch size: samples per optimizer step over all processes; each of the
-            ``world_size`` processes takes ``batch_size / world_size``.
-        val_fraction, test_fraction: fractions of the samples held out for validation and test
-            (``int(n * fraction)`` samples each).
-        seed: seed of the split and of the training order (epoch ``e``'s order is a function of
-            ``(seed, e)`` alone).
-        num_workers: DataLoader worker processes; each fetches whole batches.
-
-    Splits (``make_splits``): one permutation of the ``n`` sample ids drawn from ``seed``, cut into
-    ``[train | val | test]``. Training drops the last partial global batch (``len(train_dataloader()) ==
-    n_train // batch_size``); evaluation visits every sample once.
+    """Serves ``dataset`` (``None`` for a subclass with its own ``make_dataset`` or ``make_splits``) in global
+    batches of ``batch_size``. The splits cut one permutation drawn from ``seed`` into ``[train | val | test]``
+    (``dpddp.data.rules.split_sizes``); epoch ``e``'s training order is a function of ``(seed, e)``. Training
+    drops the last partial global batch; evaluation visits every sample once.
 
     Raises (at ``setup``):
         ConfigError: a batch size, fraction or split size that leaves a split unusable, or no data set.

@@ -47,12 +47,8 @@ def data_bytes(num_samples: int, num_features: int, num_classes: int, batch_size
 
 
 def check_memory(data: Mapping, per_node: int, available: int) -> None:
-    """What the built-in data ``data`` needs on one node, ``per_node`` processes each with its own copy, against
-    80% of ``available`` bytes (``memory_bytes()``; the rest is headroom for the allocator and the OS).
-
-    Raises:
-        ConfigError: it does not fit; the advice names settings that pass this same check.
-    """
+    """Raises: ConfigError: the built-in data ``data`` on one node, ``per_node`` processes each with its own copy,
+    needs more than 80% of ``available`` bytes (the rest: headroom); the advice names settings that fit."""
     limit = available * 0.8
     n, f, c, b = (data[k] for k in ("num_samples", "num_features", "num_classes", "batch_size"))
     streaming = bool(data.get("streaming"))

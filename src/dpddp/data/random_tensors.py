@@ -18,24 +18,11 @@ log = logging.getLogger(__name__)
 
 
 class RandomTensorDataModule(GlobalBatchDataModule):
-    """A learnable classification task from random tensors (see the module docstring); one user of
-    ``GlobalBatchDataModule`` (global batch, same order on every world size, exact evaluation and resume).
-
-    Args:
-        num_samples: samples in all splits together.
-        num_features: input features per sample.
-        num_classes: classes (>= 2).
-        batch_size: GLOBAL batch size: samples per optimizer step over all processes; each of the
-            ``world_size`` processes takes ``batch_size / world_size``.
-        val_fraction, test_fraction: fractions of ``num_samples`` held out for validation and test.
-        label_noise: fraction of labels replaced by a uniformly random class (0 = separable task).
-        seed: seed of the data and of the training order.
-        streaming: generate samples when batches need them (``StreamingTensors``, block-shuffled training
-            order) instead of drawing the whole data set at ``setup``: memory independent of ``num_samples``.
-
-    Splits are contiguous slices ``[train | val | test]`` of the i.i.d. samples, fixed by the seed. Training
-    drops the last partial global batch: ``len(train_dataloader()) == num_train // batch_size``.
-    """
+    """A learnable classification task of ``num_samples`` samples from random tensors, in global batches (a
+    ``GlobalBatchDataModule``: ``batch_size`` is the GLOBAL batch). ``label_noise``: the fraction of labels
+    replaced by a random class; ``streaming``: samples generated as batches need them (``StreamingTensors``),
+    memory independent of ``num_samples``. The splits are the contiguous slices ``[train | val | test]`` of the
+    i.i.d. samples (``dpddp.data.rules.split_sizes``)."""
 
     def __init__(
         self,

@@ -1,9 +1,5 @@
-"""The data settings a run may have, and the split rule, once: the config check (``dpddp.run.config``) and the data
-modules at ``setup`` both use them. Each bad setting is one ``ConfigError`` line: the setting, the value, the fix.
-
-The split rule: of ``n`` samples, ``int(n * val_fraction)`` are held out for validation, ``int(n * test_fraction)``
-for test, and the rest trains.
-"""
+"""The data settings a run may have and the split rule, once, for the config check (``dpddp.run.config``) and the
+data modules at ``setup``: each bad setting is one ``ConfigError`` line (the setting, the value, the fix)."""
 
 from __future__ import annotations
 
@@ -16,18 +12,14 @@ __all__ = ["check_divides", "check_random_tensors", "check_split_settings", "che
 
 
 def split_sizes(n: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
-    """``(train, val, test)`` sample counts of ``n`` samples (the module's split rule)."""
+    """``(train, val, test)`` sample counts of ``n`` samples: ``int(n * fraction)`` held out for each."""
     num_val, num_test = int(n * val_fraction), int(n * test_fraction)
     return n - num_val - num_test, num_val, num_test
 
 
 def check_split_settings(batch_size: Any, val_fraction: Any, test_fraction: Any) -> None:
-    """The settings every global-batch data module has: a positive integer global batch, and fractions in
-    ``[0, 0.9]`` that leave training samples.
-
-    Raises:
-        ConfigError: the first that cannot work.
-    """
+    """Raises: ConfigError: a global batch that is not a positive integer, or fractions outside ``[0, 0.9]`` or
+    leaving no training samples (the settings every global-batch data module has)."""
     checked_int("data.batch_size", batch_size, 1, "use a positive global batch size (samples per step)")
     for key, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
         checked_float(f"data.{key}", value, 0.0, 0.9, "use a fraction in [0, 0.9]")
@@ -58,13 +50,9 @@ def check_divides(batch_size: Any, world_size: int) -> None:
 
 
 def check_random_tensors(data: Mapping, world_size: int) -> tuple[int, int, int]:
-    """Check the built-in data's settings (``RandomTensorDataModule``'s arguments) for ``world_size`` processes,
-    from the values alone (nothing is built); return the ``(train, val, test)`` sample counts.
-
-    Raises:
-        ConfigError: a value out of range, an empty split, no full global batch to train, or a global batch that
-            does not divide by ``world_size``.
-    """
+    """The ``(train, val, test)`` sample counts of the built-in data's settings (``RandomTensorDataModule``'s), from
+    the values alone. Raises: ConfigError: a value out of range, an empty split, no full global batch to train, or
+    one that does not divide by ``world_size``."""
     n = checked_int("data.num_samples", data["num_samples"], 1, "use a positive number of samples")
     checked_int("data.num_features", data["num_features"], 1, "use a positive number of features")
     checked_int("data.num_classes", data["num_classes"], 2, "use at least 2 classes")

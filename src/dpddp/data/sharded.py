@@ -20,13 +20,10 @@ __all__ = ["ShardedBatchSampler", "ShardedDataModule", "shard_loader"]
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
-    """This rank's share of each batch of ``batches`` (a batch sampler whose batches are GLOBAL batches).
-
-    Rank ``r`` of ``W`` takes chunk ``r`` of ``torch.tensor_split(batch, W)``. Training: every batch must hold a
-    multiple of ``W`` samples, and a last batch smaller than the others is dropped on every world size (so the
-    optimizer steps are the same on all of them). Evaluation: every sample once; a rank's chunk of a short last
-    batch may be empty. ``position``: ``() -> (epoch, batches of it already trained)``, read when an epoch's
-    iteration starts; those batches are skipped (mid-epoch resume).
+    """This rank's share of each batch of ``batches`` (a batch sampler whose batches are GLOBAL batches): rank
+    ``r`` of ``W`` takes chunk ``r`` of ``torch.tensor_split(batch, W)``. Training drops a short last batch on
+    every world size; evaluation visits every sample once. ``position() -> (epoch, batches trained)``, read as an
+    epoch's iteration starts, skips the batches already trained (mid-epoch resume).
 
     Raises:
         ConfigError: a training batch that does not divide by ``world_size``.
@@ -101,18 +98,9 @@ def shard_loader(loader: Any, rank: int, world_size: int, train: bool) -> DataLo
 
 
 class ShardedDataModule(pl.LightningDataModule):
-    """Wraps a user's ``LightningDataModule`` whose ``*_dataloader()`` return plain DataLoaders: every loader is
-    rebuilt by ``shard_loader`` (its ``batch_size`` is the GLOBAL batch, split over the ranks; evaluation counts
-    every sample once; a training epoch resumed mid-way skips the batches already trained).
-
-    What then depends on the user's sampler (README): the same order on every world size and an exact
-    mid-epoch resume need a sampler whose order is a function of the seed and the epoch (a ``RandomSampler``
-    with a seeded ``generator``, or one with ``set_epoch``); ``shuffle=True`` without a generator draws its order
-    from the global RNG.
-
-    Args:
-        module: the user's data module (``data.module._target_=my_pkg.MyDataModule``).
-    """
+    """Wraps a user's ``LightningDataModule`` (``data.module._target_=my_pkg.MyDataModule``) whose loaders are
+    plain DataLoaders, each rebuilt by ``shard_loader``. The same order on every world size and an exact mid-epoch
+    resume then need the user's sampler to order by seed and epoch (a seeded ``generator``, or ``set_epoch``)."""
 
     def __init__(self, module: pl.LightningDataModule) -> None:
         super().__init__()

@@ -1,20 +1,11 @@
-"""Random-tensor classification data, identical on every rank: the whole set, or generated block by block.
+"""Random-tensor classification data, identical on every rank: the whole set, or generated block by block (torch
+only: ``bench/``'s plain-PyTorch baselines import it).
 
-Only torch is imported here (the plain-PyTorch baselines in ``bench/`` import ``make_tensors``).
-
-The task: features ``x ~ N(0, 1)`` of shape ``[num_samples, num_features]`` and labels from a fixed random
-teacher ``y = argmax(x @ W + b)`` with ``W: [num_features, num_classes]``, optionally with a fraction of labels
-replaced by uniformly random classes. Everything is drawn from one ``torch.Generator`` seeded with ``seed``
-(never the global RNG), so the tensors are a pure function of ``(seed, sizes)``: every rank of every world size
-builds the same ones (the recipe of Lightning's ``BoringDataModule``, made learnable).
-
-Streaming mode (``streaming=True``) holds no data set in memory: sample ``i`` is generated when a batch asks for
-it, from the block ``i // BLOCK`` of ``BLOCK`` samples drawn by a generator seeded with ``(seed, block)`` (same
-teacher as the in-memory mode, so the same task), and a few recent blocks are cached. Memory no longer grows
-with ``num_samples``. The training order is a block shuffle (the technique of sharded streaming loaders such as
-WebDataset): each epoch permutes the whole blocks and visits the rows of a block in an affine order ``(a * r +
-c) mod BLOCK`` (``a`` odd), both from ``(seed, epoch)``; ids are computed per global batch from positions, so the
-order is the same on every world size and no per-sample permutation is ever materialised.
+The task: ``x ~ N(0, 1)`` of ``[num_samples, num_features]``, labels ``argmax(x @ W + b)`` of a fixed random
+teacher, a fraction ``label_noise`` of them random. One generator seeded with ``seed`` draws everything: the
+tensors are a pure function of ``(seed, sizes)`` on every world size. Streaming, sample ``i`` comes from block
+``i // BLOCK``, drawn from ``(seed, block)`` when a batch needs it (the same teacher): memory does not grow with
+``num_samples``, and training visits the blocks in a block shuffle (``GlobalBatchSampler``).
 """
 
 from __future__ import annotations
@@ -75,15 +66,9 @@ def checksum(*tensors: torch.Tensor) -> str:
 
 
 class StreamingTensors(Dataset):
-    """Samples ``[offset, offset + length)`` of an unbounded stream, generated on demand, never stored whole.
-
-    Block ``k`` (samples ``[k * BLOCK, (k + 1) * BLOCK)``) is ``x ~ N(0, 1)`` of shape ``[BLOCK, num_features]``
-    from a generator seeded with ``(seed, k)``, labelled like ``make_tensors`` (same teacher, same label noise
-    rule). A sample depends only on ``(seed, id)``, not on ``num_samples``, the batch or the world size.
-    ``ds[ids]`` with ``ids`` an int64 ``[b]`` tensor of split-local ids returns ``(x [b, num_features], y [b])``
-    (and ``ids`` with ``with_index=True``); the last ``cache_blocks`` blocks are kept (``BLOCK *
-    (num_features + 2) * 4`` bytes each, 192 KiB at 10 features).
-    """
+    """Samples ``[offset, offset + length)`` of an unbounded stream, generated on demand: a sample depends only on
+    ``(seed, id)``. ``ds[ids]`` (split-local int64 ``[b]``) returns ``(x [b, num_features], y [b])`` (and ``ids``
+    with ``with_index=True``); the last ``cache_blocks`` blocks are kept."""
 
     batch_indexable = True  # ds[ids] gathers a whole batch (dpddp.data.batches.batch_indexable)
 

@@ -24,16 +24,9 @@ TABLES = {"digits": datasets.load_digits, "breast_cancer": datasets.load_breast_
 
 
 class TableDataModule(GlobalBatchDataModule):
-    """One of scikit-learn's bundled classification tables, standardized, split by the seed.
-
-    Args:
-        name: ``"digits"`` or ``"breast_cancer"`` (``TABLES``).
-        num_features, num_classes: the table's sizes, stated in the config so that the model's sizes follow
-            them (``model.num_features: ${data.num_features}``); checked against the table.
-        batch_size, val_fraction, test_fraction, seed, num_workers: see ``GlobalBatchDataModule``.
-
-    Features ``x: [n, num_features]`` float32 are standardized per feature with the mean and standard deviation
-    of the whole table (a feature that is constant gets scale 1); labels ``y: [n]`` int64.
+    """The bundled table ``name`` (``TABLES``), each feature standardized over the whole table (a constant one
+    keeps scale 1), split by the seed. ``num_features`` and ``num_classes`` state the table's sizes in the config,
+    for the model's to follow; the other arguments are ``GlobalBatchDataModule``'s.
 
     Raises (at ``setup``):
         ConfigError: an unknown ``name``, or sizes that differ from the table's.

@@ -1,23 +1,11 @@
-"""The Lightning CLI entry point: ``dpddp fit --trainer.strategy=ddp --trainer.devices=2 --model.lr=0.1``
-(also ``python -m dpddp.cli``).
+"""The Lightning CLI entry point: ``dpddp fit --trainer.strategy=ddp --trainer.devices=2`` (``python -m dpddp.cli``).
 
-LightningCLI (jsonargparse) parses: subcommands ``fit``, ``validate``, ``test``, ``predict``; ``--config FILE``
-(repeatable), ``--print_config``, ``--seed_everything``, ``--ckpt_path``, and every ``--trainer.*``, ``--model.*``,
-``--data.*`` argument with its type and default from the classes' signatures. The run itself is the one every
-entry point shares: the parsed values become the same config ``train.py`` composes (the packaged ``conf/``
-defaults, the model and data as ``_target_`` specs, ``--trainer.strategy/accelerator/devices/num_nodes`` as the
-top-level knobs, trainer flags that differ from their defaults as ``trainer.*``), and
-``dpddp.run.training.train`` checks and runs it: the same strategies and launcher, checks, callbacks,
-checkpoint layout, preemption and errors as ``train.py``.
-
-Outputs go to ``<default_root_dir>/lightning_logs/version_<N>/`` (a new ``N`` per run; under torchrun or SLURM
-the cluster's run name instead, so that all processes agree): ``config.yaml`` (the CLI's config, loadable with
-``--config``; a later invocation into the same directory, e.g. ``--ckpt_path=last``, adds ``config-1.yaml``, ...),
-``checkpoints/last.ckpt`` and ``best.ckpt``, ``metrics.json``, ``metrics.csv`` (one row per epoch), ``curves.png``
-(with matplotlib), ``csv/`` (the logger's), ``predictions.csv`` (``predict``) and ``train.log``. ``fit`` logs a
-line per epoch when stdout is not a terminal, and the final metrics line.
-``fit`` trains, then tests the final weights, like ``train.py``. ``--ckpt_path=last`` means the newest run's
-``checkpoints/last.ckpt``: ``fit`` then continues that run in its own directory.
+LightningCLI parses the subcommands ``fit``, ``validate``, ``test``, ``predict`` and every ``--trainer.*``,
+``--model.*``, ``--data.*`` argument; the parsed values become the config ``train.py`` composes, run by
+``dpddp.run.training.train``: the same checks, strategies, outputs and errors. A run's directory is
+``<default_root_dir>/lightning_logs/version_<N>/`` (under torchrun or SLURM, the cluster's run name), with each
+invocation's ``config.yaml``, ``config-1.yaml``, ... ``fit`` trains, then tests the final weights;
+``--ckpt_path=last`` continues the newest run in its own directory.
 """
 
 from __future__ import annotations
@@ -55,10 +43,8 @@ def _version(package: str) -> tuple[int, ...]:
 # jsonargparse 4.49 renamed ArgumentParser.save's skip_none to skip_unset (the old name warns, and goes in 5.0).
 KEEP_NONE = {"skip_unset" if _version("jsonargparse") >= (4, 49) else "skip_none": False}
 TOP_LEVEL = {"strategy": "strategy", "accelerator": "accelerator", "devices": "devices", "num_nodes": "num_nodes"}
-CONFIG = "config.yaml"
-"""The CLI config of a run directory's first invocation (``dpddp.errors.invocation_name`` numbers the later ones)."""
-LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
-"""Hydra's job-logging format, as ``train.py`` logs."""
+CONFIG = "config.yaml"  # the first invocation's config; dpddp.errors.invocation_name numbers the later ones
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job-logging format, as train.py's
 
 
 class DPDDPCLI(LightningCLI):
@@ -150,7 +136,8 @@ def _output_dir(root: Path, stage: str, ckpt_path: str | None) -> tuple[Path, st
 
 
 def main(args: list[str] | None = None) -> None:
-    """Run the CLI on ``args`` (default ``sys.argv[1:]``); exit with ``dpddp.errors.exit_status``."""
+    """Run the CLI on ``args`` (default ``sys.argv[1:]``); a known error ends it in one line with its exit status
+    (``dpddp.errors.exit_on``)."""
     atexit.register(gc.freeze)  # the final collections cost ~1 s of every run (bench/)
     args = list(sys.argv[1:] if args is None else args)
     if not args or args[0] not in STAGES:

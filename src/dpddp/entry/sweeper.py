@@ -1,15 +1,10 @@
-"""What the Optuna sweeper of ``hparams_search=optuna`` (``hydra_plugins.dpddp_sweeper``: Hydra loads plugins from
-that package only) adds to hydra-optuna-sweeper's: a failed trial recorded as failed instead of ending the
-search.
+"""What the Optuna sweeper of ``hparams_search=optuna`` (``hydra_plugins.dpddp_sweeper``, where Hydra finds
+plugins) adds to hydra-optuna-sweeper's: a failed trial is recorded as failed instead of ending the search.
 
-The plugin casts each job's return value to ``float`` and tells Optuna the trial is complete; a ``nan`` (a job
-that ``dpddp.entry.hydra.run_job`` recorded as failed, or one that diverged) makes Optuna raise, and the plugin then
-raises again while recording the failure. Here the plugin's launcher is wrapped so that a job returning ``nan``
-comes back as a failed job: the plugin tells Optuna ``TrialState.FAIL`` for it (with ``max_failure_rate: 1.0``,
-set in ``conf/hydra/sweeper/dpddp_optuna.yaml``, it goes on), and a search in which no trial completed ends with
-one line instead of a traceback, so the sweep summary is still written. A search stopped by SIGTERM
-(``dpddp.continuity.stop``) launches no further trials: it ends after the running ones with the summary and the
-line that resumes it."""
+A job returning ``nan`` (failed, recorded by ``dpddp.entry.hydra.run_job``, or diverged) would make the plugin
+raise; the wrapped launcher hands it back as a failed job, which Optuna records as ``TrialState.FAIL`` and goes
+on (``max_failure_rate: 1.0``, ``conf/hydra/sweeper/dpddp_optuna.yaml``). A search stopped by SIGTERM
+(``dpddp.continuity.stop``) launches no further trials and ends with the summary and the line that resumes it."""
 
 from __future__ import annotations
 

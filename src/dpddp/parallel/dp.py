@@ -1,14 +1,9 @@
 """The ``dp`` strategy that Lightning 2.x removed: one process, the forward replicated over GPUs.
 
-``DataParallelStrategy`` (registered as ``"dp"``): one process, world size 1. The LightningModule's
-``forward`` is replaced, for the duration of a run, by ``torch.nn.DataParallel`` over the GPUs: the batch is
-scattered along dim 0, the forward runs in replicas, outputs are gathered on the root device (the first GPU).
-Everything else (loss, backward, optimizer step, metrics, ``self.log``) runs once on the root device, so no
-``*_step_end`` reduction is needed (those hooks were removed in Lightning 2.0).
-
-Lightning's accelerator connector fills ``parallel_devices`` of any strategy that has the attribute
-(``hasattr``) from the Trainer's ``devices``: the setter here receives them (checked on Lightning 2.6.6;
-``test_strategies`` fails if that stops).
+``DataParallelStrategy`` (registered as ``"dp"``, world size 1) replaces the LightningModule's ``forward`` for a
+run by ``torch.nn.DataParallel`` over the GPUs; the loss, backward, optimizer step and metrics run once on the
+root device. Lightning's accelerator connector fills ``parallel_devices`` of any strategy that has the attribute
+from the Trainer's ``devices`` (checked on Lightning 2.6.6; ``test_strategies`` fails if that stops).
 """
 
 from __future__ import annotations
@@ -52,17 +47,12 @@ def restore_forward(module: pl.LightningModule) -> None:
 
 
 class DataParallelStrategy(SingleDeviceStrategy):
-    """Single-process data parallelism over several GPUs with ``torch.nn.DataParallel``.
-
-    World size 1: the loader yields the whole global batch (``[B, ...]``); ``DataParallel`` splits it into
-    ``len(devices)`` chunks along dim 0 (``torch.chunk`` sizes, so uneven or tiny batches work), runs the
-    forward on each GPU and concatenates the outputs ``[B, ...]`` on the root device ``cuda:<first id>``.
-    Checkpoints hold the plain module's weights (the wrapper is never registered on the module), so they load
-    under any other strategy and the reverse. On CPU with one device the module runs unwrapped.
+    """Single-process data parallelism over several GPUs with ``torch.nn.DataParallel``: the whole global batch
+    ``[B, ...]`` is split along dim 0 over the GPUs (any size) and the outputs gathered on the first. Checkpoints
+    hold the plain module's weights, loadable under any strategy; one device runs the module unwrapped.
 
     Raises:
-        ValueError: at Trainer construction, for more than one CPU device (DataParallel replicates over CUDA
-            GPUs only; use ``strategy=ddp`` for several CPU processes).
+        ValueError: at Trainer construction, more than one CPU device (use ``strategy=ddp``).
     """
 
     strategy_name = "dp"
