@@ -59,9 +59,14 @@ class GlobalBatchSampler(DistributedSampler):
             aligned to multiples of ``k`` within the epoch (the last one shorter); a resume inside one yields
             its rest first, so Lightning's count of loop iterations and this sampler's agree.
 
+    Training records what it yields (in the main process, even with loader workers) for ``ids_at``.
+
     Raises:
         ValueError: if ``batch_size`` does not divide by ``world_size``.
     """
+
+    recorded: int = 256
+    """Items kept for ``ids_at``: more than a loader prefetches (``num_workers * prefetch_factor`` + 1)."""
 
     def __init__(
         self,
@@ -87,6 +92,20 @@ class GlobalBatchSampler(DistributedSampler):
         self.skip = 0  # global batches of the next epoch already trained before a mid-epoch checkpoint (resume)
         # training: where the data stream stands, (epoch, global batches done), read as each epoch's iteration starts
         self.position: Callable[[], tuple[int, int]] | None = None
+        self._yielded: dict[int, tuple[int, torch.Tensor]] = {}  # training: position in the epoch -> (epoch, ids)
+
+    def ids_at(self, position: int) -> tuple[int, torch.Tensor] | None:
+        """``(epoch, ids)`` of the training item at ``position`` of the epoch (Lightning's ``batch_idx``, also
+        resumed mid-epoch), or ``None``; earlier items are forgotten."""
+        for earlier in [p for p in self._yielded if p < position]:
+            del self._yielded[earlier]
+        return self._yielded.get(position)
+
+    def _record(self, position: int, ids: torch.Tensor) -> torch.Tensor:
+        self._yielded[position] = (self.epoch, ids)
+        if len(self._yielded) > self.recorded:
+            del self._yielded[next(iter(self._yielded))]
+        return ids
 
     def set_epoch(self, epoch: int) -> None:
         """Called by Lightning at each epoch start; selects that epoch's permutation."""
@@ -141,15 +160,18 @@ class GlobalBatchSampler(DistributedSampler):
         order = self._epoch_order()
         skip, self.skip = self.skip, 0
         b, k, steps = self.batch_size, self.steps_per_execution, self.steps_per_epoch
+        self._yielded.clear()
         if k == 1:
             for i in range(skip, steps):
                 batch = self._ids(order, i * b, min((i + 1) * b, self.num_samples))
-                yield batch if self.world_size == 1 else torch.tensor_split(batch, self.world_size)[self.rank]
+                batch = batch if self.world_size == 1 else torch.tensor_split(batch, self.world_size)[self.rank]
+                yield self._record(i, batch) if self.train else batch
             return
         step = skip
         while step < steps:  # training: full global batches, each split evenly; this rank's chunks, stacked
             end = min((step // k + 1) * k, steps)
-            yield self._ids(order, step * b, end * b).view(end - step, self.world_size, -1)[:, self.rank]
+            ids = self._ids(order, step * b, end * b).view(end - step, self.world_size, -1)[:, self.rank]
+            yield self._record(step // k, ids)
             step = end
 
 

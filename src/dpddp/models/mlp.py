@@ -7,13 +7,14 @@ from torch import nn
 from typing_extensions import override
 
 from dpddp.models.classifier import Classifier
+from dpddp.nn import SampleDropout
 
 __all__ = ["MLPClassifier"]
 
 
 class MLPClassifier(Classifier):
     """``x: [batch, num_features] -> logits [batch, num_classes]`` through hidden layers of ``Linear -> ReLU``
-    (``-> Dropout`` when ``dropout > 0``).
+    (``-> SampleDropout`` when ``dropout > 0``: per-sample masks, ``dpddp.nn``).
 
     Args:
         num_features: input features per sample.
@@ -49,7 +50,7 @@ class MLPClassifier(Classifier):
         layers: list[nn.Module] = []
         width = num_features
         for h in hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()] + ([nn.Dropout(dropout)] if dropout else [])
+            layers += [nn.Linear(width, h), nn.ReLU()] + ([SampleDropout(dropout)] if dropout else [])
             width = h
         self.net = nn.Sequential(*layers, nn.Linear(width, num_classes))
 

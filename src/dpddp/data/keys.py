@@ -1,0 +1,91 @@
+"""Each training batch's keys of per-sample randomness (``dpddp.nn``), from the ids its sampler yielded:
+``sample_key_callbacks(model)`` is what a run adds to its Trainer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from dpddp.data.global_batch import GlobalBatchSampler
+from dpddp.nn import SampleDropout, assign_layer_keys, clear_sample_keys, set_sample_keys
+from dpddp.parallel.dp import DataParallelStrategy
+
+__all__ = ["SampleKeyCallback", "sample_key_callbacks", "uses_sample_keys"]
+
+
+def uses_sample_keys(model: nn.Module) -> bool:
+    """Whether ``model`` has a ``SampleDropout`` or sets ``uses_sample_keys = True`` (its own keyed draws)."""
+    return bool(getattr(model, "uses_sample_keys", False)) or any(isinstance(m, SampleDropout) for m in model.modules())
+
+
+def sample_key_callbacks(model: nn.Module) -> list[pl.Callback]:
+    """``[SampleKeyCallback()]`` for a model that uses sample keys, else ``[]`` (no per-batch hooks)."""
+    return [SampleKeyCallback()] if uses_sample_keys(model) else []
+
+
+def _sampler(trainer: pl.Trainer) -> GlobalBatchSampler | None:
+    loader = trainer.train_dataloader
+    sampler = loader.sampler if isinstance(loader, DataLoader) else None
+    return sampler if isinstance(sampler, GlobalBatchSampler) else None
+
+
+class SampleKeyCallback(pl.Callback):
+    """At ``on_train_batch_start``, keys ``(data seed, epoch, ids)`` of the batch the ``GlobalBatchSampler``
+    recorded at ``batch_idx`` (``[k, b]`` ids for an execution; DataParallel's device ids under ``dp``);
+    cleared at its end. ``on_train_start`` keys the layers (``assign_layer_keys``). Without a
+    ``GlobalBatchSampler`` nothing is set (the layers act as ``nn.Dropout``) and a warning says so.
+
+    Raises:
+        RuntimeError: no ids recorded for a batch's ``batch_idx``.
+    """
+
+    def __init__(self) -> None:
+        self.devices: list[int] | None = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        layers = assign_layer_keys(pl_module)
+        strategy = trainer.strategy
+        parallel = strategy.parallel_devices if isinstance(strategy, DataParallelStrategy) else []
+        self.devices = [d.index for d in parallel if d.type == "cuda"] if len(parallel) > 1 else None
+        if (layers or uses_sample_keys(pl_module)) and _sampler(trainer) is None:
+            rank_zero_warn(
+                f"{type(pl_module).__name__}'s per-sample randomness has no sample keys: the training data is not "
+                "served by a GlobalBatchSampler, so SampleDropout draws from torch's global RNG (masks then differ "
+                "between world sizes and across a resume)"
+            )
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        sampler = _sampler(trainer)
+        if sampler is None:
+            return
+        found = sampler.ids_at(batch_idx)
+        if found is None:
+            raise RuntimeError(
+                f"no sample ids recorded for training batch {batch_idx} of epoch {trainer.current_epoch}: the "
+                "global-batch sampler and Lightning's batch count disagree"
+            )
+        epoch, ids = found
+        set_sample_keys(sampler.seed, epoch, ids, self.devices)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        clear_sample_keys()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        clear_sample_keys()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        clear_sample_keys()
