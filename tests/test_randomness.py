@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import QUIET, compose_cfg
+from conftest import QUIET, compose_cfg, run_train
 
 from dpddp.continuity.state import random_state, rank_seed, set_random_state
 from dpddp.run.training import train
@@ -85,7 +85,27 @@ def test_a_scheduler_continues_exactly_across_a_stop(tmp_path, model, stop):
     args = [*BASE, f"model._target_=users_models.{model}"]
     train(compose_cfg(*args, "trainer.max_epochs=6"), tmp_path / "straight")
     train(compose_cfg(*args, "trainer.max_epochs=6", stop), tmp_path / "run")
-    train(compose_cfg(*args, "trainer.max_epochs=6", f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}"), tmp_path / "c")
+    train(
+        compose_cfg(*args, "trainer.max_epochs=6", f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}"),
+        tmp_path / "c",
+    )
     lr = [_state(r)["optimizer_states"][0]["param_groups"][0]["lr"] for r in (tmp_path / "straight", tmp_path / "c")]
     assert lr[0] == lr[1] and lr[0] < 0.2  # the scheduler stepped
     assert _max_diff(tmp_path / "c", tmp_path / "straight") <= 1e-6
+
+
+@pytest.mark.slow
+def test_under_ddp_a_global_rng_layer_is_named_in_one_line_at_start(tmp_path):
+    """2 processes: the user's ``nn.Dropout`` is named once (its masks depend on the world size); the built-in
+    MLP's dropout, whose masks belong to the sample, is not."""
+    common = ["accelerator=cpu", "strategy=ddp", "devices=2", "trainer.max_epochs=1", "data.num_samples=512"]
+    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    user = run_train(
+        *common, "model=mlp", "model._target_=users_models.GlobalDropoutMLP", "hydra.run.dir=u", cwd=tmp_path, env=env
+    )
+    assert user.returncode == 0, user.stderr[-2000:]
+    lines = [line for line in (user.stdout + user.stderr).splitlines() if "draw from the global random stream" in line]
+    assert len(lines) == 1 and "model.drop " in lines[0] and "with 2 replicas" in lines[0], lines
+    builtin = run_train(*common, "model=mlp", "model.dropout=0.5", "hydra.run.dir=b", cwd=tmp_path, env=env)
+    assert builtin.returncode == 0, builtin.stderr[-2000:]
+    assert "global random stream" not in builtin.stdout + builtin.stderr

@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from dpddp._compat import counted_step
 from dpddp.errors import ConfigError
+from dpddp.nn import select_sample_row
 
 __all__ = ["STEP_HOOKS", "StepsPerExecution", "lean_steps"]
 
@@ -89,6 +90,7 @@ class StepsPerExecution(pl.Callback):
         left = trainer.max_steps - trainer.global_step if trainer.max_steps >= 0 else rows
         self.cut = left < rows
         for i in range(min(rows, left)):
+            select_sample_row(i)  # the sample keys of global batch i
             out = self._step(apply_to_collection(batch, torch.Tensor, lambda t: t[i]), batch_idx)  # noqa: B023
             loss = out["loss"] if isinstance(out, Mapping) else out
             if loss is None:

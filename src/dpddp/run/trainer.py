@@ -5,26 +5,33 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import KubeflowEnvironment
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 from typing_extensions import override
 
 from dpddp._compat import skip_empty_batch_hooks
+from dpddp.cluster import LAUNCHED_ENV, env_rank
 from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.continuity.state import ResumableState
 from dpddp.continuity.stop import StepBoundaryStop
+from dpddp.data.keys import sample_key_callbacks
 from dpddp.errors import ConfigError
+from dpddp.nn import SampleDropout
+from dpddp.parallel.batchnorm import batchnorm_plugins
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.parallel.rules import resolve_accelerator
+from dpddp.parallel.rules import resolve_accelerator, world_size
 from dpddp.report.bars import RichBar, TQDMBar
 from dpddp.report.epochs import EpochRecord
 from dpddp.report.predictions import PredictionWriter
@@ -33,6 +40,8 @@ from dpddp.report.throughput import Throughput
 from dpddp.run.executions import StepsPerExecution
 
 __all__ = ["build_strategy", "build_trainer", "epoch_lines"]
+
+log = logging.getLogger(__name__)
 
 
 # Known-harmless messages of Lightning and torch, each silenced by its own text only (checked on Lightning 2.6.6,
@@ -155,8 +164,33 @@ def _trainer_flag_error(cfg: DictConfig, err: Exception) -> ConfigError:
     return ConfigError(f"trainer: {line}")
 
 
+GLOBAL_RNG_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def _warn_global_rng(model: pl.LightningModule, cfg: DictConfig) -> None:
+    """One line at start when ``model`` has layers drawing from the global random stream and the run has more
+    than one process or DataParallel replica: each draws its own masks, so the weights depend on the world size
+    (a continued run on the same world size still replays them: the random state travels)."""
+    found = model.named_modules()
+    names = [n for n, m in found if isinstance(m, GLOBAL_RNG_LAYERS) and not isinstance(m, SampleDropout)]
+    devices = torch.cuda.device_count() if cfg.devices == -1 else cfg.devices
+    replicas = world_size(cfg) if cfg.strategy.name in ("ddp", "ddp_spawn") else devices * (cfg.strategy.name == "dp")
+    if names and replicas > 1 and env_rank() == 0 and not os.environ.get(LAUNCHED_ENV):
+        shown = ", ".join(f"model.{n}" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        log.warning(
+            f"{shown} draw from the global random stream: with {replicas} replicas the weights differ from one "
+            "process's (a continued run on the same world size still equals a straight one); use "
+            "dpddp.nn.SampleDropout, whose masks belong to the sample"
+        )
+
+
 def build_trainer(
-    cfg: DictConfig, output_dir: Path, job: RankJob | None = None, executions: StepsPerExecution | None = None
+    cfg: DictConfig,
+    output_dir: Path,
+    job: RankJob | None = None,
+    executions: StepsPerExecution | None = None,
+    *,
+    model: pl.LightningModule | None = None,
 ) -> pl.Trainer:
     """The ``pl.Trainer`` of ``cfg`` (trainer flags passed through; strategy, devices and the rest from the
     top-level knobs; the distributed sampler off: ``RandomTensorDataModule`` shards global batches itself), with
@@ -167,20 +201,28 @@ def build_trainer(
     """
     bar, bar_callbacks = _progress_bar(cfg)
     flags = {k: v for k, v in (cfg.trainer or {}).items() if k != "enable_progress_bar"}
+    batchnorm = batchnorm_plugins(cfg, model)  # before the Trainer: its refusals are dpddp's own lines
+    sample_keys = sample_key_callbacks(model) if model is not None else []
+    if model is not None:
+        _warn_global_rng(model, cfg)
     try:
         trainer = pl.Trainer(
-            **flags,
+            **{**flags, "sync_batchnorm": False},  # BatchNorm: batchnorm_plugins below, on any backend
             enable_progress_bar=bar,
             strategy=build_strategy(cfg, job),
             accelerator=resolve_accelerator(cfg.accelerator),
             devices=cfg.devices,
             num_nodes=cfg.num_nodes,
             logger=_build_logger(cfg, output_dir),
-            callbacks=[*_build_callbacks(cfg, output_dir, executions), *bar_callbacks],
+            callbacks=[*_build_callbacks(cfg, output_dir, executions), *sample_keys, *bar_callbacks],
             default_root_dir=str(output_dir),
             use_distributed_sampler=False,
             # Lightning no longer auto-detects Kubeflow's PyTorchJob; the others (torchrun, SLURM) it does.
-            plugins=[AtomicCheckpointIO(), *([KubeflowEnvironment()] if cfg.cluster == "kubeflow" else [])],
+            plugins=[
+                AtomicCheckpointIO(),
+                *([KubeflowEnvironment()] if cfg.cluster == "kubeflow" else []),
+                *batchnorm,
+            ],
         )
     except TRAINER_ERRORS as err:
         raise _trainer_flag_error(cfg, err) from err

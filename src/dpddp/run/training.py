@@ -90,7 +90,7 @@ def _train(
     if executions is not None:
         datamodule.steps_per_execution = steps
     job = RankJob(entry=f"{__name__}:train_rank", config=_resolved(cfg, stage), output_dir=str(output_dir))
-    trainer = running["trainer"] = build_trainer(cfg, output_dir, job, executions)
+    trainer = running["trainer"] = build_trainer(cfg, output_dir, job, executions, model=model)
     metrics = _run_stages(trainer, model, datamodule, cfg, stage)
     result: dict[str, Any] = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(
