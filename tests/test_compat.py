@@ -4,24 +4,35 @@ project relies on. An upgrade that moves one fails here, by name, instead of cha
 from __future__ import annotations
 
 import inspect
+import math
+import os
 import re
+import signal
 import socket
+import sys
+from collections import Counter
 from datetime import timedelta
+from importlib.metadata import version
 from importlib.resources import files
 from pathlib import Path
 
+import hydra
 import lightning.pytorch as pl
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from lightning.fabric.utilities import distributed
+from hydra.types import RunMode
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from omegaconf import DictConfig, OmegaConf
+from packaging.version import Version
+from torchmetrics import MeanMetric
 
 from dpddp import DataParallelStrategy, _compat
 from dpddp.entry import hydra as hydra_entry
@@ -29,16 +40,67 @@ from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import JobLauncher, RankJob
 from dpddp.run.training import train_rank
 
-
-def test_the_launcher_base_is_the_type_lightning_kills_on_ctrl_c():
-    assert _compat.SubprocessScriptLauncher is _SubprocessScriptLauncher
-    assert "isinstance(launcher, _SubprocessScriptLauncher)" in inspect.getsource(call._call_and_handle_interrupt)
+QUIET_TRAINER = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+QUIET_TRAINER["enable_model_summary"] = False
 
 
-def test_lightning_reads_the_public_launcher_property_at_every_stage():
-    """DDPStrategy swaps in its JobLauncher through ``Strategy.launcher``; Lightning must read it there."""
-    assert "trainer.strategy.launcher" in inspect.getsource(call._call_and_handle_interrupt)
+def test_on_ctrl_c_lightning_kills_the_ranks_of_the_projects_launcher_and_exits_1():
+    """``JobLauncher`` subclasses ``SubprocessScriptLauncher`` because Lightning, on a KeyboardInterrupt in a stage,
+    sends SIGKILL to every process in ``procs`` of a launcher of that type (an isinstance check), then exits 1."""
+    assert _compat.SubprocessScriptLauncher is _SubprocessScriptLauncher and issubclass(
+        JobLauncher, _SubprocessScriptLauncher
+    )
+
+    class Interrupted(JobLauncher):
+        def launch(self, function, *args, trainer=None, **kwargs):
+            raise KeyboardInterrupt
+
+    class Rank:
+        pid, signals = 0, []
+
+        def send_signal(self, signum: int) -> None:
+            self.signals.append(signum)
+
+    trainer = pl.Trainer(strategy=LightningDDPStrategy(), accelerator="cpu", devices=1, **QUIET_TRAINER)
+    job = RankJob(entry=f"{train_rank.__module__}:train_rank", config={}, output_dir=".")
+    launcher = Interrupted(trainer.strategy.cluster_environment, 1, 1, job=job, fork=True, run_forked=lambda job: 0)
+    launcher.procs = [Rank()]  # type: ignore[list-item]
+    trainer.strategy._launcher = launcher
+    sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores further Ctrl-C from there on
+    try:
+        with pytest.raises(SystemExit) as exited:
+            trainer.fit(BoringModel())
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    assert exited.value.code == 1 and Rank.signals == [signal.SIGKILL]
+
+
+def test_lightning_runs_every_stage_through_the_public_launcher_property():
+    """DDPStrategy swaps in its JobLauncher by overriding the ``Strategy.launcher`` property: fit, validate, test
+    and predict must each be launched by what that property returns."""
     assert isinstance(inspect.getattr_static(pl.strategies.Strategy, "launcher"), property)
+
+    class Recording(_compat.Launcher):
+        is_interactive_compatible = False
+        stages: list[str] = []
+
+        def launch(self, function, *args, trainer=None, **kwargs):
+            self.stages.append(trainer.state.fn.value)  # the stage is not run: nothing else happens
+
+        def kill(self, signum) -> None:
+            pass
+
+    class Swapped(LightningDDPStrategy):
+        @property
+        def launcher(self):
+            return Recording()
+
+    trainer, model = pl.Trainer(strategy=Swapped(), accelerator="cpu", devices=1, **QUIET_TRAINER), BoringModel()
+    trainer.fit(model)
+    trainer.validate(model)
+    trainer.test(model)
+    trainer.predict(model)
+    assert Recording.stages == ["fit", "validate", "test", "predict"]
 
 
 def test_a_ddp_trainer_with_a_job_gets_the_projects_launcher_not_lightnings():
@@ -53,14 +115,58 @@ def test_a_ddp_trainer_with_a_job_gets_the_projects_launcher_not_lightnings():
     assert type(plain.strategy.launcher) is _SubprocessScriptLauncher
 
 
-def test_dist_connection_helpers_keep_their_signatures():
-    params = inspect.signature(distributed._init_dist_connection).parameters
-    assert list(params)[:2] == ["cluster_environment", "torch_distributed_backend"] and "kwargs" in params
-    assert "num_processes" in inspect.signature(distributed._set_num_threads_if_needed).parameters
-    assert isinstance(_compat._TORCH_GREATER_EQUAL_2_3, bool)
-    source = inspect.getsource(LightningDDPStrategy.setup_distributed)
-    assert "_TORCH_GREATER_EQUAL_2_3" in source and "device_id" in source  # the guard the copy keeps
-    assert callable(LightningDDPStrategy._get_process_group_backend)
+@pytest.fixture
+def world_of_one():
+    """A one-process cluster environment; the process group a test makes with it is destroyed afterwards."""
+    env = LightningEnvironment()
+    env.set_world_size(1)
+    env.set_global_rank(0)
+    yield env
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_init_process_group_passes_what_lightnings_setup_distributed_passes(world_of_one, monkeypatch):
+    """The copy of ``DDPStrategy.setup_distributed`` hands ``_init_dist_connection`` the same backend and keyword
+    arguments as Lightning's own (the timeout, and ``device_id`` under its torch >= 2.3 guard)."""
+    from lightning.pytorch.strategies import ddp as lightning_ddp
+
+    passed = {}
+    monkeypatch.setattr(
+        lightning_ddp, "_init_dist_connection", lambda env, backend, **kw: passed.update(its=(backend, kw))
+    )
+    monkeypatch.setattr(_compat, "_init_dist_connection", lambda env, backend, **kw: passed.update(ours=(backend, kw)))
+    strategy = LightningDDPStrategy(
+        accelerator=CPUAccelerator(), parallel_devices=[torch.device("cpu")], cluster_environment=world_of_one
+    )
+    strategy.setup_distributed()
+    _compat.init_process_group(world_of_one, "gloo", strategy._timeout, strategy.root_device)
+    assert passed["ours"] == passed["its"] == ("gloo", {"timeout": strategy._timeout, "device_id": None})
+    assert _compat._TORCH_GREATER_EQUAL_2_3 is (Version(torch.__version__) >= Version("2.3"))
+
+
+def test_init_process_group_joins_through_lightnings_dist_connection_with_a_given_store(world_of_one):
+    """``_init_dist_connection`` (positional environment and backend, keyword arguments passed on to torch) sets
+    ``MASTER_ADDR``/``MASTER_PORT`` from the environment and makes the process group, here on the store given."""
+    store = torch.distributed.HashStore()
+    _compat.init_process_group(world_of_one, "gloo", timedelta(seconds=10), torch.device("cpu"), store)
+    assert torch.distributed.get_backend() == "gloo" and torch.distributed.get_world_size() == 1
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("127.0.0.1", str(world_of_one.main_port))
+    torch.distributed.barrier()
+
+
+def test_set_num_threads_if_needed_gives_each_process_its_share_of_the_cores_unless_omp_says(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    _compat.set_num_threads_if_needed(num_processes=1)
+    assert torch.get_num_threads() == cores and os.environ["OMP_NUM_THREADS"] == str(cores)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    _compat.set_num_threads_if_needed(num_processes=2 * cores)
+    assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    torch.set_num_threads(2)
+    _compat.set_num_threads_if_needed(num_processes=1)
+    assert torch.get_num_threads() == 2  # the user's OMP_NUM_THREADS: left alone
 
 
 def test_resolve_process_group_backend_sets_what_the_public_property_reads():
@@ -80,14 +186,32 @@ def test_rank0_store_takes_a_bound_socket_and_meets_env_rendezvous_keys():
     assert client.get("default_pg/k") == b"v"  # what an env:// rank's PrefixStore("default_pg") reads
 
 
-def test_sigterm_broadcast_is_a_method_of_the_epoch_loop_called_before_each_step():
-    assert callable(_TrainingEpochLoop._broadcast_sigterm_tensor)
-    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
-    trainer = pl.Trainer(logger=False, enable_checkpointing=False)
+def test_the_epoch_loop_broadcasts_sigterm_before_each_distributed_step_until_disabled(world_of_one, monkeypatch):
+    """Lightning calls ``_TrainingEpochLoop._broadcast_sigterm_tensor`` before every training step of a fit with
+    a process group and a world size above 1 (here a real group of one, the Trainer told it has 2);
+    ``disable_sigterm_broadcast`` turns those calls off for one Trainer, ``restore_sigterm_broadcast`` back on."""
+    _compat.init_process_group(
+        world_of_one, "gloo", timedelta(seconds=10), torch.device("cpu"), torch.distributed.HashStore()
+    )
+    steps = []
+    broadcast = _TrainingEpochLoop._broadcast_sigterm_tensor
+
+    def counted(loop: _TrainingEpochLoop) -> None:
+        steps.append(loop.trainer.global_step)
+        broadcast(loop)
+
+    monkeypatch.setattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", counted)
+    monkeypatch.setattr(pl.Trainer, "world_size", property(lambda trainer: 2))
+    pl.Trainer(max_steps=3, **QUIET_TRAINER).fit(BoringModel())
+    assert steps == [0, 1, 2]
+    trainer = pl.Trainer(max_steps=3, **QUIET_TRAINER)
     _compat.disable_sigterm_broadcast(trainer)
-    assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor() is None
+    trainer.fit(BoringModel())
+    assert steps == [0, 1, 2]  # none more
     _compat.restore_sigterm_broadcast(trainer)
-    assert "_broadcast_sigterm_tensor" not in vars(trainer.fit_loop.epoch_loop)
+    trainer.fit_loop.epoch_loop.max_steps = 5
+    trainer.fit(BoringModel())
+    assert steps == [0, 1, 2, 3, 4]  # the same Trainer, continued to 5 steps: broadcasting again
 
 
 def test_the_data_position_comes_from_the_batches_completed_in_all():
@@ -114,17 +238,61 @@ def test_an_unfinished_epoch_is_recorded_as_such():
     assert checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"] == counters
 
 
-def test_lightning_sets_the_hook_name_attribute_on_the_module():
-    module = pl.LightningModule()
+def test_lightning_sets_the_hook_name_attribute_on_the_module_around_each_hook():
+    """``HOOK_NAME_ATTRIBUTE``: Lightning sets it, through the module's ``__setattr__`` (which the built-in models
+    make cheap for this one name), to the name of the hook it is calling."""
+    seen, sets = [], []
+
+    class Probe(BoringModel):
+        def __setattr__(self, name: str, value: object) -> None:
+            if name == _compat.HOOK_NAME_ATTRIBUTE:
+                sets.append(value)
+            super().__setattr__(name, value)
+
+        def training_step(self, batch, batch_idx):
+            seen.append(vars(self)[_compat.HOOK_NAME_ATTRIBUTE])
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch, batch_idx):
+            seen.append(vars(self)[_compat.HOOK_NAME_ATTRIBUTE])
+
+        def on_train_epoch_end(self) -> None:
+            seen.append(vars(self)[_compat.HOOK_NAME_ATTRIBUTE])
+
+    module = Probe()
     assert _compat.HOOK_NAME_ATTRIBUTE in vars(module)
-    assert f"self.{_compat.HOOK_NAME_ATTRIBUTE}" in inspect.getsource(pl.LightningModule.log)
+    trainer = pl.Trainer(
+        max_epochs=1, limit_train_batches=1, limit_val_batches=1, num_sanity_val_steps=0, **QUIET_TRAINER
+    )
+    trainer.fit(module)
+    assert seen == ["training_step", "validation_step", "on_train_epoch_end"]
+    assert {"training_step", "validation_step", "on_train_epoch_end"} <= set(sets)
 
 
 def test_lightning_calls_batch_hooks_only_through_the_loop_that_skips_what_is_not_callable():
     """``skip_empty_batch_hooks``: Lightning's hook loop skips a hook that is not callable and is the only caller of
     the per-batch hooks; a callback with its empty hooks set to ``None`` trains as before, its own hook still
-    called, and reads as not overriding them."""
-    assert "if callable(fn):" in inspect.getsource(call._call_callback_hooks)
+    called, and reads as not overriding them; ``PER_BATCH_HOOKS`` are the hooks Lightning calls once a batch."""
+    seen = []
+
+    class Every(pl.Callback):
+        pass
+
+    for name in _compat.PER_BATCH_HOOKS:
+        setattr(Every, name, lambda self, *args, _name=name: seen.append(_name))
+    limits = {"limit_train_batches": 2, "limit_val_batches": 1, "limit_test_batches": 1, "limit_predict_batches": 1}
+    model, plain = BoringModel(), pl.Callback()
+    for callback in (Every(), plain):
+        trainer = pl.Trainer(max_epochs=1, num_sanity_val_steps=0, callbacks=[callback], **limits, **QUIET_TRAINER)
+        _compat.skip_empty_batch_hooks(trainer.callbacks)
+        trainer.fit(model)
+        trainer.validate(model)
+        trainer.test(model)
+        trainer.predict(model)
+    once = ("on_test", "on_predict")  # training: 2 batches; validation: 1 in fit, 1 in validate; test, predict: 1
+    assert Counter(seen) == {h: 1 if h.startswith(once) else 2 for h in _compat.PER_BATCH_HOOKS}
+    assert all(vars(plain)[name] is None for name in _compat.PER_BATCH_HOOKS)  # each skipped: none was called
+    # No caller outside the hook loop on any other path (manual optimization, loops not run above): a source scan.
     package = Path(pl.__file__).parent
     direct = re.compile(rf"\b(self|callback|cb)\.({'|'.join(_compat.PER_BATCH_HOOKS)})\(")  # not through the loop
     assert [str(path.relative_to(package)) for path in package.rglob("*.py") if direct.search(path.read_text())] == []
@@ -152,25 +320,59 @@ def test_dp_gets_its_devices_through_parallel_devices():
         pl.Trainer(strategy=DataParallelStrategy(), accelerator="cpu", devices=2, logger=False)
 
 
-def test_checked_versions_are_recorded():
-    assert set(_compat.CHECKED) == {"lightning", "torch", "hydra-core"}
+def test_the_installed_versions_are_the_checked_ones():
+    """``CHECKED`` is what every fenced name was read in and tested against; another installed version passes the
+    tests below only by luck of what they observe."""
+    installed = {name: Version(version(name)).public for name in _compat.CHECKED}  # 2.13.0+cpu is 2.13.0
+    assert installed == _compat.CHECKED, (
+        f"installed {installed}, dpddp._compat.CHECKED says {_compat.CHECKED}: re-check every name fenced in "
+        "dpddp._compat against the new version (each entry says what it relies on), then update CHECKED"
+    )
 
 
-def test_hydra_main_composes_a_first_time_only_to_read_the_mode_and_reads_none_when_none_is_set():
-    """``hydra_mode_unset``: ``hydra.main`` asks ``Hydra.get_mode`` before composing to run, and ``get_mode`` is the
-    ``hydra.mode`` of a composition, ``None`` when it fails; inside the block it is ``None`` without composing."""
-    from hydra._internal import utils as hydra_utils
+def test_hydra_main_composes_a_first_time_only_to_read_the_mode_and_not_inside_hydra_mode_unset(tmp_path, monkeypatch):
+    """``hydra_mode_unset``: ``hydra.main`` composes twice (``Hydra.get_mode``'s composition to read
+    ``hydra.mode``, then the run's); inside the block once, and the app gets the same config."""
     from hydra._internal.hydra import Hydra
 
-    assert "run_mode = hydra.get_mode(config_name=config_name, overrides=overrides)" in inspect.getsource(
-        hydra_utils._run_hydra
-    )
-    source = inspect.getsource(Hydra.get_mode)
-    assert "return cfg.hydra.mode" in source and "except Exception:\n            return None" in source
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "config.yaml").write_text("x: 1\n")
+    composed, ran = [], []
+    compose_config = Hydra.compose_config
+
+    def counted(self, *args, **kwargs):
+        composed.append(kwargs["run_mode"])
+        return compose_config(self, *args, **kwargs)
+
+    @hydra.main(config_path=str(tmp_path / "conf"), config_name="config", version_base="1.3")
+    def app(cfg: DictConfig) -> None:
+        ran.append(cfg.x)
+
+    monkeypatch.setattr(Hydra, "compose_config", counted)
+    quiet = ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    monkeypatch.setattr(sys, "argv", ["app", "x=2", f"hydra.run.dir={tmp_path / 'run'}", *quiet])
+    app()
+    assert ran == [2] and composed == [RunMode.MULTIRUN, RunMode.RUN]  # get_mode composes as a multirun
     get_mode = Hydra.get_mode
     with _compat.hydra_mode_unset():
-        assert Hydra.get_mode(None, "config", []) is None  # type: ignore[arg-type]
+        app()
+    assert ran == [2, 2] and composed == [RunMode.MULTIRUN, RunMode.RUN, RunMode.RUN]
     assert Hydra.get_mode is get_mode
+
+
+def test_hydras_get_mode_is_the_composed_hydra_mode_and_none_when_composing_fails(tmp_path):
+    """What ``hydra_mode_unset`` answers without composing is what ``get_mode`` answers for a config that sets no
+    ``hydra.mode``: ``None``, as for one that does not compose."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    (tmp_path / "config.yaml").write_text("x: 1\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        hydra_app = GlobalHydra.instance().hydra
+        assert hydra_app is not None
+        assert hydra_app.get_mode("config", []) is None
+        assert hydra_app.get_mode("config", ["hydra.mode=MULTIRUN"]) is RunMode.MULTIRUN
+        assert hydra_app.get_mode("config", ["y=1"]) is None  # not in struct: composing fails
+        assert hydra_app.get_mode("missing", []) is None
 
 
 def test_only_the_mode_groups_set_the_hydra_mode_and_the_command_lines_that_may_are_known():
@@ -190,29 +392,72 @@ def test_only_the_mode_groups_set_the_hydra_mode_and_the_command_lines_that_may_
         assert not hydra_entry.sets_no_mode(argv), argv
 
 
-def test_logged_metric_kinds_reads_lightnings_result_collection():
+def test_logged_metric_kinds_reads_lightnings_result_collection(world_of_one):
     """``logged_metric_kinds`` (the metric-contract warning) reads ``Trainer._results``: ``_ResultMetric`` with
-    ``is_tensor`` and ``meta.name``, ``meta.sync.should``."""
-    import lightning.pytorch as pl
-    from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
+    ``is_tensor`` and ``meta.name``, ``meta.sync.should``: during a real validation under DDP (a process group of
+    one), a Metric object, a tensor with ``sync_dist`` and one without; nothing outside a loop."""
+    found = []
 
-    from dpddp._compat import logged_metric_kinds
+    class Logs(BoringModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mean = MeanMetric()
 
-    assert isinstance(pl.Trainer.__dict__["_results"], property)
-    meta = _Metadata("validation_step", "val/acc")
-    meta.sync = _Sync(_should=True)
-    fake = type("FakeTrainer", (), {"_results": {"validation_step.val/acc": _ResultMetric(meta, is_tensor=True)}})()
-    assert logged_metric_kinds(fake) == {"val/acc": (False, True)}  # type: ignore[arg-type]
+        def validation_step(self, batch, batch_idx):
+            loss = super().validation_step(batch, batch_idx)["x"]
+            self.mean.update(loss)
+            self.log("val/metric", self.mean)
+            self.log("val/synced", loss, sync_dist=True)
+            self.log("val/alone", loss)
+
+    class Reads(pl.Callback):
+        def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            found.append(_compat.logged_metric_kinds(trainer))
+
+    _compat.init_process_group(
+        world_of_one, "gloo", timedelta(seconds=10), torch.device("cpu"), torch.distributed.HashStore()
+    )
+    trainer = pl.Trainer(
+        strategy=LightningDDPStrategy(), accelerator="cpu", devices=1, limit_val_batches=2, callbacks=[Reads()],
+        **QUIET_TRAINER,
+    )  # fmt: skip
+    trainer.validate(Logs(), verbose=False)
+    assert found == [{"val/metric": (True, False), "val/synced": (False, True), "val/alone": (False, False)}]
+    assert _compat.logged_metric_kinds(trainer) == {}
 
 
-def test_the_optuna_plugin_launches_through_the_launcher_attribute_the_recording_sweeper_wraps():
-    """``RecordingOptunaSweeper`` replaces ``OptunaSweeper.sweeper.launcher`` (hydra-optuna-sweeper 1.3.0)."""
-    impl = pytest.importorskip("hydra_plugins.hydra_optuna_sweeper._impl")
-    from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
+def test_the_optuna_plugin_launches_trials_through_the_launcher_the_recording_sweeper_wraps(tmp_path, monkeypatch):
+    """``RecordingOptunaSweeper`` replaces ``OptunaSweeper.sweeper.launcher`` after the plugin's setup
+    (hydra-optuna-sweeper 1.3.0): every trial goes through it, and with the packaged ``max_failure_rate`` a trial
+    that returned nan is a failed trial and the search goes on to the best of the others."""
+    optuna = pytest.importorskip("optuna")
+    from hydra.core.plugins import Plugins
+    from hydra.core.utils import JobReturn, JobStatus
 
-    assert "self.sweeper = OptunaSweeperImpl(" in inspect.getsource(OptunaSweeper.__init__)
-    assert "self.launcher.launch(" in inspect.getsource(impl.OptunaSweeperImpl.sweep)
-    assert "max_failure_rate" in inspect.getsource(impl.OptunaSweeperImpl.sweep)
+    from hydra_plugins.dpddp_sweeper.optuna_sweeper import RecordingOptunaSweeper
+
+    class Jobs:
+        values, launched = iter([0.5, math.nan, 0.25]), []
+
+        def launch(self, job_overrides, initial_job_idx):
+            self.launched.append(initial_job_idx)
+            ret = JobReturn(status=JobStatus.COMPLETED)
+            ret.return_value = next(self.values)
+            return [ret]
+
+    monkeypatch.setattr(Plugins, "instantiate_launcher", lambda self, **kwargs: Jobs())  # what setup instantiates
+    packaged = OmegaConf.load(Path(str(files("dpddp.conf"))) / "hydra" / "sweeper" / "dpddp_optuna.yaml")
+    sweeper = RecordingOptunaSweeper(
+        sampler=optuna.samplers.RandomSampler(seed=0), direction="minimize", storage=None, study_name="compat",
+        n_trials=3, n_jobs=1, max_failure_rate=packaged.max_failure_rate, search_space=None,
+        custom_search_space=None, params=None,
+    )  # fmt: skip
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    sweeper.setup(hydra_context=object(), task_function=lambda cfg: None, config=config)  # type: ignore[arg-type]
+    assert sweeper.sweeper.launcher is sweeper.recorder
+    sweeper.sweep(["x=interval(0,1)"])
+    assert Jobs.launched == [0, 1, 2] and sweeper.recorder.completed == 2
+    assert OmegaConf.load(tmp_path / "optimization_results.yaml").best_value == 0.25
 
 
 def test_a_cut_execution_is_uncounted_in_a_real_checkpoints_loop_layout(tmp_path):
@@ -243,17 +488,92 @@ def test_a_lightning_optimizer_has_the_step_counting_hooks_counted_step_calls():
     assert raw.param_groups[0]["params"][0].item() == 0.0  # the raw step ran
 
 
-def test_torchrun_tells_its_workers_when_they_get_the_agent_store(monkeypatch):
-    """``agent_store`` keys on the variable the agent sets for its workers; the store it hands them is the one
-    every restart reuses (static rendezvous: created once; c10d: the cached shared server)."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous, static_tcp_rendezvous
+def test_counted_step_counts_in_global_step_under_manual_optimization():
+    """The manual-optimization loop sets the two hooks, and they count each step in ``trainer.global_step``."""
 
-    assert f'"{_compat.AGENT_STORE_ENV}": str(use_agent_store)' in inspect.getsource(LocalElasticAgent._start_workers)
-    assert "if not self._store:" in inspect.getsource(static_tcp_rendezvous.StaticTCPRendezvous.next_rendezvous)
-    assert "_shared_tcp_store_server is None" in inspect.getsource(
-        dynamic_rendezvous.DynamicRendezvousHandler.next_rendezvous
+    class Manual(BoringModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(super().training_step(batch, batch_idx)["loss"])
+            _compat.counted_step(optimizer)
+
+    model = Manual()
+    before = model.layer.weight.detach().clone()
+    trainer = pl.Trainer(max_steps=3, **QUIET_TRAINER)
+    trainer.fit(model)
+    assert trainer.global_step == 3 and trainer.fit_loop.epoch_loop.batch_progress.total.completed == 3
+    assert not torch.equal(model.layer.weight, before)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_torchrun_hands_its_workers_the_agents_static_store_and_says_so(tmp_path, monkeypatch):
+    """The agent (``LocalElasticAgent._start_workers``) sets ``AGENT_STORE_ENV`` to ``"True"`` in every worker whose
+    ``MASTER_ADDR``:``MASTER_PORT`` is the agent's own store: ``agent_store`` then reaches that store, which the
+    static rendezvous creates once and hands out again on a restart."""
+    from torch.distributed.elastic.agent.server import WorkerSpec, local_elastic_agent
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    envs = {}
+
+    class Started:  # the workers' processes, not started
+        def pids(self) -> dict[int, int]:
+            return {0: 0}
+
+    monkeypatch.setattr(local_elastic_agent, "start_processes", lambda **kw: envs.update(kw["envs"]) or Started())
+    handler = StaticTCPRendezvous("127.0.0.1", _free_port(), 0, 1, "job", 10)
+    spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=handler, entrypoint="python", args=())
+    agent = local_elastic_agent.LocalElasticAgent(spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)))
+    agent._initialize_workers(agent._worker_group)
+    worker = envs[0]
+    assert worker[_compat.AGENT_STORE_ENV] == "True"
+    monkeypatch.setenv(_compat.AGENT_STORE_ENV, worker[_compat.AGENT_STORE_ENV])
+    client = _compat.agent_store(worker["MASTER_ADDR"], int(worker["MASTER_PORT"]), timedelta(seconds=5))
+    assert client is not None
+    client.set("k", "v")
+    restart = handler.next_rendezvous().store  # the run's PrefixStore over the agent's store
+    assert restart.underlying_store.get("k") == b"v"
+
+
+def test_the_c10d_rendezvous_hands_every_round_the_same_shared_store(monkeypatch):
+    """The c10d handler caches its shared TCP store server after the first round: a worker's key written in one
+    round is there in the next (a restart)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", lambda depth=2: "")  # its event names walk the stack
+    params = RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{_free_port()}", run_id="job", min_nodes=1, max_nodes=1, is_host=True
     )
+    handler = get_rendezvous_handler(params)
+    try:
+        assert handler.use_agent_store
+        first = handler.next_rendezvous().bootstrap_store_info
+        client = torch.distributed.TCPStore(
+            first.master_addr, first.master_port, is_master=False, timeout=timedelta(seconds=5)
+        )
+        client.set("k", "v")
+        second = handler.next_rendezvous().bootstrap_store_info
+        assert (second.master_addr, second.master_port) == (first.master_addr, first.master_port)
+        again = torch.distributed.TCPStore(
+            second.master_addr, second.master_port, is_master=False, timeout=timedelta(seconds=5)
+        )
+        assert again.get("k") == b"v"
+    finally:
+        handler.shutdown()
+
+
+def test_agent_store_is_none_unless_the_agent_said_so(monkeypatch):
     server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     monkeypatch.delenv(_compat.AGENT_STORE_ENV, raising=False)
     assert _compat.agent_store("127.0.0.1", server.port, timedelta(seconds=5)) is None
