@@ -32,9 +32,16 @@ def test_debug_presets_compose_and_pass_the_check(preset, expected):
 
 
 def test_debug_limit_trains_its_few_batches(tmp_path):
+    """2 epochs of 5 batches of 64, then 2 validation and 2 test batches (128 samples each) of the final weights:
+    the accuracies and losses of that run (seed 0; chance is 0.25 on 4 classes), to one sample either way."""
     result = train(compose_cfg("debug=limit", *QUIET, "accelerator=cpu"), tmp_path)
     assert torch.load(tmp_path / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 2 * 5
-    assert 0 < result["val/acc"] <= 1 and 0 < result["test/acc"] <= 1
+    assert result["val/acc"] * 128 == pytest.approx(112, abs=1) and result["test/acc"] * 128 == pytest.approx(
+        108, abs=1
+    )
+    assert result["val/loss"] == pytest.approx(0.6054, abs=1e-3) and result["test/loss"] == pytest.approx(
+        0.6452, abs=1e-3
+    )
 
 
 def test_print_config_logs_the_resolved_tree_once(tmp_path, caplog):
