@@ -1,11 +1,13 @@
-"""The contract test: walks ``dpddp.run.surface.SURFACE``, the table of every setting a user can reach.
+"""The contract test: walks ``SURFACE`` (``tests/surface.py``), the table of every setting a user can reach.
 
 Each supported Trainer flag: a run stopped at a seeded random step (``max_steps``) and continued ends with the
 step and weights of a straight run (one process, 1e-6), and ddp on 2 processes ends with the step, weights and
 metrics of one process (1e-5; every flag's ddp run is a job of one sweep). Each refused setting: its one line.
-Every other row names the tests that check its promises: they must exist. The README's table is the generated
-one."""
+Every other row names the tests that check its promises: each must be a test pytest collects, not skipped on
+CPU, that runs the row's setting. The README's table is the generated one."""
 
+import importlib
+import inspect
 import random
 import re
 import subprocess
@@ -15,10 +17,10 @@ import pytest
 import torch
 from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, max_diff, metrics, weights
 from omegaconf import OmegaConf
+from surface import SURFACE, markdown
 
 from dpddp.errors import ConfigError
 from dpddp.run.config import check_config
-from dpddp.run.surface import SURFACE, markdown
 from dpddp.run.training import train
 
 BASE = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "model.optimizer=adam", "model.lr=0.01"]
@@ -112,14 +114,42 @@ def test_16_bit_precision_is_refused_on_every_kind_of_replica():
         _check_precision(ok)
 
 
-def test_every_other_row_names_tests_that_exist():
-    rows = [s for s in SURFACE if s not in FLAGS and not s.refused]
-    assert rows and all(s.tested_by for s in rows)
-    for setting in rows:
-        for name in setting.tested_by:
-            path, _, test = name.partition("::")
-            source = (ROOT / "tests" / path).read_text()
-            assert not test or re.search(rf"^def {re.escape(test)}\(", source, re.M), name
+ROWS = [s for s in SURFACE if s not in FLAGS and not s.refused]
+NAMED = [(setting, name) for setting in ROWS for name in setting.tested_by]
+
+
+def test_every_other_row_names_tests_and_what_they_must_run():
+    assert ROWS and all(s.tested_by and s.runs for s in ROWS)
+    assert not [s.name for s in SURFACE if s.runs and not s.tested_by]
+
+
+def _marks(obj: object) -> list[pytest.Mark]:
+    marks = getattr(obj, "pytestmark", [])
+    return list(marks) if isinstance(marks, list) else [marks]
+
+
+@pytest.mark.parametrize("setting,name", NAMED, ids=[f"{s.name} | {name}" for s, name in NAMED])
+def test_each_named_test_is_collected_runs_on_cpu_and_runs_the_rows_setting(setting, name):
+    """``file::test``: a ``test_*`` function of a ``test_*.py`` module of tests/ (what pytest collects), with no
+    mark that skips it here (``skip``, a true ``skipif``, ``xfail``, ``gpu``), whose code (its source and
+    decorators, its parameters' values, and the module's own functions it calls) matches the row's ``runs``:
+    naming the test of another setting fails."""
+    path, _, test = name.partition("::")
+    assert re.fullmatch(r"test_\w+\.py", path) and (ROOT / "tests" / path).is_file(), name
+    assert test.startswith("test_"), f"{name}: name one test"
+    module = importlib.import_module(path.removesuffix(".py"))  # tests/ is on sys.path, as for conftest
+    function = getattr(module, test, None)
+    assert inspect.isfunction(function) and function.__module__ == module.__name__, f"{name}: no such test"
+    marks = _marks(module) + _marks(function)
+    for mark in marks:
+        assert mark.name not in ("skip", "xfail", "gpu"), f"{name} is marked {mark.name}"
+        if mark.name == "skipif":
+            condition = mark.args[0] if mark.args else mark.kwargs.get("condition")
+            assert isinstance(condition, bool) and not condition, f"{name} is skipped here: {mark.kwargs}"
+    params = [mark.args[1] for mark in marks if mark.name == "parametrize"]
+    helpers = [getattr(module, n) for n in function.__code__.co_names if inspect.isfunction(getattr(module, n, None))]
+    code = "".join(inspect.getsource(f) for f in [function, *helpers] if f.__module__ == module.__name__) + repr(params)
+    assert re.search(setting.runs, code), f"{name} does not run {setting.name} (nothing matches {setting.runs!r})"
 
 
 def test_the_readme_table_is_the_generated_one():

@@ -1,11 +1,12 @@
 """The surface: every setting a user can reach, and whether the five promises hold on it or it is refused.
 
-One table in code (``SURFACE``); the README's "What is supported" section is generated from it
-(``python -m dpddp.run.surface`` prints it) and ``tests/test_surface.py`` walks it: each supported Trainer flag
-is stopped at a seeded random step and continued, and must end with a straight run's weights, and run on 2 ddp
-processes, it must end with one process's step, weights and metrics (unless a refused row says it is one process
-only); each refused setting must give its one line; every other row names the tests that check its promises, and
-they must exist.
+Test metadata, not part of the package: one table (``SURFACE``); the README's "The promises, and what is
+supported" table is generated from it (``python tests/surface.py`` prints it) and ``tests/test_surface.py`` walks
+it: each supported Trainer flag is stopped at a seeded random step and continued, and must end with a straight
+run's weights, and run on 2 ddp processes, it must end with one process's step, weights and metrics (unless a
+refused row says it is one process only); each refused setting must give its one line; every other row names the
+tests that check its promises, and each of them must be a test pytest collects, not skipped on CPU, that runs the
+row's setting.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class Setting:
         refused: the start of the one ``error:`` line for a refused setting; empty for a supported one.
         tested_by: ``file::test`` names of the tests that check the promises on it (a Trainer flag with
             tests of its own is not walked by the stop-and-continue contract test).
+        runs: with ``tested_by``, a regular expression that each of those tests' code (its source with its
+            decorators, and its parameter values) matches: what shows it runs this row's setting.
         note: what to know (one line).
     """
 
@@ -34,18 +37,19 @@ class Setting:
     overrides: tuple[str, ...] = ()
     refused: str = ""
     tested_by: tuple[str, ...] = ()
+    runs: str = ""
     note: str = ""
 
 
 def _flag(name: str, *overrides: str, note: str = "", refused: str = "") -> Setting:
-    return Setting("trainer flag", name, overrides or (name,), refused, (), note)
+    return Setting("trainer flag", name, overrides or (name,), refused, note=note)
 
 
 SWEEP_SIGTERM = (
     "a SIGTERM to the sweep or to any of its processes: the running jobs stop at a step end with their checkpoint, "
-    "the summary is written, one line resumes the sweep, exit 143 (case 20)"
+    "the summary is written, one line resumes the sweep, exit 143"
 )
-"""The note of each local launcher's row (``dpddp.run.sweep_stop``)."""
+"""The note of each local launcher's row (``dpddp.continuity.stop``)."""
 
 SURFACE: tuple[Setting, ...] = (
     _flag("trainer.max_epochs=N", "trainer.max_epochs=3"),
@@ -85,7 +89,11 @@ SURFACE: tuple[Setting, ...] = (
     Setting(
         "trainer flag",
         "trainer.fast_dev_run=true",
-        tested_by=("test_limits.py::test_fast_dev_run_writes_no_checkpoint", "test_presets.py"),
+        tested_by=(
+            "test_limits.py::test_fast_dev_run_writes_no_checkpoint",
+            "test_presets.py::test_print_config_logs_the_resolved_tree_once",
+        ),
+        runs=r"fast_dev_run",
         note="one batch of each stage, no checkpoint or logger files (Lightning's meaning): nothing to resume",
     ),
     Setting(
@@ -98,14 +106,21 @@ SURFACE: tuple[Setting, ...] = (
             "test_executions.py::test_ddp_two_processes_with_k_equal_one_process",
             "test_executions.py::test_what_cannot_keep_the_promises_is_one_line",
         ),
+        runs=r"steps_per_execution=",
         note="K optimizer steps per loop iteration; with K > 1 accumulate_grad_batches, gradient_clip_val, "
         "val_check_interval, limit_train_batches and strategy=dp are refused",
     ),
-    Setting("strategy", "strategy=auto", tested_by=("test_train.py::test_defaults_learn_and_write_metrics",)),
+    Setting(
+        "strategy",
+        "strategy=auto",
+        tested_by=("test_train.py::test_defaults_learn_and_write_metrics",),
+        runs=r'\["strategy"\] == "auto"',  # the default: the run's metrics say it was auto
+    ),
     Setting(
         "strategy",
         "strategy=dp (one CPU; GPUs)",
         tested_by=("test_train.py::test_dp_on_one_cpu_equals_auto_exactly",),
+        runs=r"strategy=dp\b",
         note="more than one CPU device is refused: DataParallel replicates over GPUs",
     ),
     Setting(
@@ -115,11 +130,13 @@ SURFACE: tuple[Setting, ...] = (
             "test_runs.py::test_ddp_two_processes_equal_one_process",
             "test_faults.py::test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted",
         ),
+        runs=r"\bddp\b",
     ),
     Setting(
         "strategy",
         "strategy=ddp_spawn",
         tested_by=("test_faults.py::test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted",),
+        runs=r"\bddp_spawn\b",
         note="dpddp's launcher, every rank in a fresh interpreter (not torch.multiprocessing)",
     ),
     Setting(
@@ -128,11 +145,17 @@ SURFACE: tuple[Setting, ...] = (
         ("strategy=ddp", "+strategy.start_method=spawn"),
         refused="strategy.start_method='spawn' is not offered: dpddp starts the ranks itself",
     ),
-    Setting("entry point", "python train.py", tested_by=("test_faults.py::test_killing_rank_1_ends_the_run",)),
+    Setting(
+        "entry point",
+        "python train.py",
+        tested_by=("test_faults.py::test_killing_rank_1_ends_the_run",),
+        runs=r"\btrain\.py\b",
+    ),
     Setting(
         "entry point",
         "python train.py -m (sweeps)",
         tested_by=("test_sweeps.py::test_mixed_strategies_with_a_failing_job_then_resume",),
+        runs=r'"-m"',
     ),
     Setting(
         "entry point",
@@ -141,8 +164,20 @@ SURFACE: tuple[Setting, ...] = (
             "test_faults.py::test_killing_rank_1_ends_the_run",
             "test_cli.py::test_the_cli_applies_the_checks_of_train_py",
         ),
+        runs=r'\bcli\b|cli_status\("fit"',
     ),
-    Setting("entry point", "torchrun / SLURM / a PyTorchJob", tested_by=("test_cluster.py", "test_multinode.py")),
+    Setting(
+        "entry point",
+        "torchrun / SLURM / a PyTorchJob",
+        tested_by=(
+            "test_cluster.py::test_two_node_torchrun_on_loopback_trains_one_model",
+            "test_cluster.py::test_standalone_torchrun_two_processes",
+            "test_cluster.py::test_simulated_slurm_job_with_two_tasks",
+            "test_config.py::test_cluster_kubeflow_selects_lightnings_kubeflow_environment",
+            "test_multinode.py::test_torchrun_restart_resumes_from_last_ckpt",
+        ),
+        runs=r"TORCHRUN|SLURM|kubeflow",
+    ),
     Setting(
         "sweeper/launcher",
         "basic",
@@ -150,6 +185,7 @@ SURFACE: tuple[Setting, ...] = (
             "test_sweeps.py::test_mixed_strategies_with_a_failing_job_then_resume",
             "test_sweeps.py::test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resumes_exactly",
         ),
+        runs=r'"-m"',  # Hydra's own launcher: no hydra/launcher override
         note=SWEEP_SIGTERM,
     ),
     Setting(
@@ -159,6 +195,7 @@ SURFACE: tuple[Setting, ...] = (
             "test_sweeps.py::test_joblib_launcher_runs_ddp_jobs_in_parallel",
             "test_sweeps.py::test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resumes_exactly",
         ),
+        runs=r"hydra/launcher=joblib",
         note=SWEEP_SIGTERM,
     ),
     Setting(
@@ -168,7 +205,8 @@ SURFACE: tuple[Setting, ...] = (
             "test_sweeps.py::test_optuna_search_minimises_val_loss",
             "test_sweeps.py::test_optuna_search_records_a_failed_trial_and_goes_on",
         ),
-        note="a failed or NaN trial is a FAIL trial in Optuna; the search goes on (case 15)",
+        runs=r"hparams_search=optuna",
+        note="a failed or NaN trial is a FAIL trial in Optuna; the search goes on",
     ),
     Setting(
         "sweeper/launcher",
@@ -177,6 +215,7 @@ SURFACE: tuple[Setting, ...] = (
             "test_sweeps.py::test_submitit_local_launcher_runs_ddp_jobs",
             "test_sweeps.py::test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resumes_exactly",
         ),
+        runs=r"hydra/launcher=submitit_local",
         note=SWEEP_SIGTERM,
     ),
 )
