@@ -1,4 +1,7 @@
-"""Cases 17, 18, 21, 23, 27, 28 of ../shared/cases: each kind of fault, with its right value."""
+"""Faults users of Lightning + Hydra projects meet, one test per kind, each with its right value: presets the
+primary config overrides, linked settings that disagree, stray launcher variables, a cluster world under a
+one-process strategy, generated commands Hydra cannot parse, a resume that would start fresh, a run written into
+another run's directory, a memory check whose advice does not fit, an unknown config option."""
 
 import os
 import shlex
@@ -28,7 +31,8 @@ data:
 
 
 def test_a_preset_sets_top_level_keys_and_the_command_line_still_wins(tmp_path):
-    """Case 17: ``_self_`` first in config.yaml's defaults."""
+    """A preset's top-level keys (``seed``, ``devices``) are not overridden by the primary config's own values
+    (``_self_`` comes first in config.yaml's defaults), and the command line still wins over the preset."""
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "mine.yaml").write_text(PRESET)
     search = f"hydra.searchpath=[file://{tmp_path}]"
@@ -41,7 +45,8 @@ def test_a_preset_sets_top_level_keys_and_the_command_line_still_wins(tmp_path):
 
 @pytest.mark.parametrize("key,value", [("num_classes", 3), ("num_features", 5)])
 def test_linked_model_and_data_settings_that_disagree_are_one_line(key, value):
-    """Case 18, for every linked pair."""
+    """A model size that disagrees with the data's is one line naming both settings and their values, not
+    Lightning's hparams-merging traceback; for every linked pair."""
     with pytest.raises(ConfigError) as err:
         check_config(compose_cfg(f"model.{key}={value}"))
     default = compose_cfg()["data"][key]
@@ -60,7 +65,8 @@ def test_linked_model_and_data_settings_that_disagree_are_one_line(key, value):
     ],
 )
 def test_stray_rank_variables_are_refused_naming_them(monkeypatch, env, named):
-    """Case 21: variables left by a shell or a container, with no launcher that set them."""
+    """Rank variables left by a shell, a container or an earlier job, with no launcher that set them: one line
+    naming them and how to clear them, before anything waits on a rank that will never start."""
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError, match=f"^{named} set in the environment, but no launcher") as err:
@@ -76,7 +82,7 @@ def test_rank_variables_of_a_real_launcher_are_trusted(monkeypatch):
     check_config(compose_cfg("strategy=ddp", "devices=1", "num_nodes=2", "accelerator=cpu"))
 
 
-def test_kubeflow_needs_the_whole_set(monkeypatch):
+def test_partial_kubeflow_rank_variables_are_refused_naming_the_missing_ones(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError, match="^cluster=kubeflow but MASTER_ADDR, MASTER_PORT not set"):
@@ -85,7 +91,8 @@ def test_kubeflow_needs_the_whole_set(monkeypatch):
 
 @pytest.mark.parametrize("strategy", ["auto", "dp"])
 def test_a_launcher_world_above_one_under_a_one_process_strategy_is_refused(monkeypatch, strategy):
-    """Case 27: ``torchrun --nproc_per_node=2 train.py`` without strategy=ddp."""
+    """Several launched processes that would each train alone into one directory (``torchrun --nproc_per_node=2
+    train.py`` without strategy=ddp): one line, on every process, before anything trains."""
     for key, value in {"TORCHELASTIC_RUN_ID": "r", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError) as err:
@@ -97,7 +104,8 @@ def test_a_launcher_world_above_one_under_a_one_process_strategy_is_refused(monk
 @settings(max_examples=200, deadline=None)
 @given(st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), min_size=1, max_size=30))
 def test_any_directory_name_survives_hydras_override_parser(name):
-    """Case 23: the printed resume command is quoted for Hydra, then for the shell."""
+    """A generated command quoted for the shell but not for Hydra fails in Hydra's parser at a space: the printed
+    resume command quotes each value for Hydra, then for the shell, for any directory name."""
     parsed = OverridesParser.create().parse_override(f"hydra.run.dir={hydra_value(name)}")
     assert parsed.value() == name
 
@@ -112,7 +120,8 @@ def test_the_printed_resume_command_parses_back_to_the_run_directory(tmp_path):
 
 
 def test_resume_without_naming_the_run_is_refused(tmp_path):
-    """Case 28: resume=true alone would start a fresh, time-stamped run."""
+    """A resume request that would silently start fresh (``resume=true`` alone: a new time-stamped directory) is
+    refused in one line that says how to name the run."""
     env, _ = child_env()
     cmd = [sys.executable, str(ROOT / "train.py"), "resume=true"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
@@ -144,8 +153,9 @@ def _train_py(tmp_path, *args, **env):
     ids=["named", "static-torchrun"],
 )
 def test_a_second_run_never_writes_into_another_runs_directory(tmp_path, args, env):
-    """Case 26: the second run is refused in one line (exit 2) and the first run's files are untouched;
-    resume=true continues the first run."""
+    """One run's outputs overwritten by another's (a named directory used twice; a static torchrun run id): the
+    second run is refused in one line (exit 2) and the first run's files are untouched; resume=true continues
+    the first run."""
     first = _train_py(tmp_path, "trainer.max_epochs=1", *args, **env)
     assert first.returncode == 0, first.stderr[-2000:]
     (run,) = {p.parent.parent for p in tmp_path.rglob("checkpoints/last.ckpt")}
@@ -162,8 +172,9 @@ def test_a_second_run_never_writes_into_another_runs_directory(tmp_path, args, e
 
 @pytest.mark.parametrize("limit_gib", [24, 8])
 def test_the_memory_check_counts_what_the_run_holds_and_its_advice_passes(monkeypatch, limit_gib):
-    """Case 22: 8192 x 1,000,000 features: in memory 30 GiB, and streaming blocks of 16 GiB do not fit either;
-    the advice (a feature count) passes the same check, on this machine's size or a container's limit."""
+    """A memory check whose estimate and advice must match the run: 8192 x 1,000,000 features is 30 GiB in memory,
+    and streaming blocks of 16 GiB do not fit either; the advice (a feature count) passes the same check, on this
+    machine's size or a container's limit."""
     from dpddp.run import config
 
     monkeypatch.setattr(config, "memory_bytes", lambda: limit_gib * 2**30)
