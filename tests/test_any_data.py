@@ -1,5 +1,5 @@
 """Any map-style data set in global batches (GlobalBatchDataModule), a user's own loaders sharded or refused
-(case 29), the bundled tables, and the metric contract."""
+(a user's loader never silently duplicated on every rank), the bundled tables, and the metric contract."""
 
 from __future__ import annotations
 

@@ -46,7 +46,8 @@ def test_print_config_round_trip(tmp_path, cli_status):
 
 
 def test_fit_ddp_and_dp_and_rerun_into_the_same_directory(tmp_path):
-    """Case 09: the same command twice into the same default_root_dir keeps the first run's files."""
+    """LightningCLI refusing to re-run into an existing directory: the same command twice into the same
+    default_root_dir runs again and keeps the first run's files."""
     root = ["--trainer.default_root_dir=runs"]
     cli("fit", *FAST, "--trainer.strategy=ddp", "--trainer.devices=2", *root, cwd=tmp_path)
     cli("fit", *FAST, "--trainer.strategy=dp", "--trainer.devices=1", *root, cwd=tmp_path)
@@ -119,7 +120,8 @@ def cli_status(tmp_path, monkeypatch, capsys):
     ],
 )
 def test_the_cli_applies_the_checks_of_train_py(tmp_path, cli_status, args, line):
-    """Case 25: the same check, one line (once, not per rank), exit 2, nothing written."""
+    """An entry point that would skip the checks of the others: the same check, one line (once, not per rank),
+    exit 2, nothing written."""
     code, err = cli_status("fit", *FAST, *args)
     assert code == 2
     assert [x for x in err.splitlines() if x.startswith("error:")] == [line]
@@ -127,8 +129,8 @@ def test_the_cli_applies_the_checks_of_train_py(tmp_path, cli_status, args, line
 
 
 def test_ckpt_path_last_continues_the_newest_run_in_its_directory(tmp_path, cli_status):
-    """Case 25: ``--ckpt_path=last`` resumes the latest run where a user expects it, keeping both invocations'
-    configs, one metrics table and both segments; without a run, one line."""
+    """The CLI keeps the layout of the others: ``--ckpt_path=last`` resumes the latest run where a user expects it,
+    keeping both invocations' configs, one metrics table and both segments; without a run, one line."""
     root = ["--trainer.default_root_dir=runs", "--data.num_samples=1005"]
     code, err = cli_status("fit", *FAST, *root, "--ckpt_path=last")
     assert code == 2 and "--ckpt_path=last: no run under" in err

@@ -104,7 +104,7 @@ def test_simulated_slurm_job_with_two_tasks(tmp_path):
 
 
 def test_simulated_slurm_task_mismatch_is_refused(tmp_path):
-    """Case 06: one task started, devices=2 asked."""
+    """A cluster task count that disagrees with devices x num_nodes: one task started, devices=2 asked."""
     codes, out, seconds = _slurm(tmp_path, ntasks=1, devices=2, job_id="4243")
     assert codes == [2] and seconds < FAST_S
     line = [x for x in out[0].splitlines() if x.startswith("error:")]

@@ -117,7 +117,7 @@ def test_bad_settings_give_one_line_naming_them(overrides, message):
 
 
 def test_cluster_world_size_mismatch_is_refused(monkeypatch):
-    """Case 06: SLURM started 1 task but devices x num_nodes = 2."""
+    """A cluster task count that disagrees: SLURM started 1 task but devices x num_nodes = 2."""
     env = dict(SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_JOB_NAME="train")
     env.update(SLURM_JOB_ID="1", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
     for key, value in env.items():

@@ -217,8 +217,9 @@ def test_ddp_two_processes_with_k_equal_one_process(tmp_path):
 
 @pytest.mark.parametrize("k", [1, 5])
 def test_the_train_loss_of_an_epoch_a_limit_cut_is_whole_when_continued(tmp_path, straight, k):
-    """Case 19's kind: a run stopped by max_steps inside its last epoch (35 of 36 steps; with k=5 inside that
-    epoch's last execution), continued, reports the straight run's train/loss for that epoch, not the rest's."""
+    """A reported metric whose state must be in the checkpoint: a run stopped by max_steps inside its last epoch (35 of
+    36 steps; with k=5 inside that epoch's last execution), continued, reports the straight run's train/loss for that
+    epoch, not the rest's."""
     args = [*BASE, "trainer.max_epochs=3", f"steps_per_execution={k}"]
     train(compose_cfg(*args, "trainer.max_steps=35"), tmp_path / "first")
     continued = train(compose_cfg(*args, f"ckpt_path={tmp_path}/first/checkpoints/last.ckpt"), tmp_path / "continued")

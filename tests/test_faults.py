@@ -1,4 +1,5 @@
-"""Sockets, ports and concurrent runs on one machine (case 05), and failures that must end every rank."""
+"""Sockets, ports and concurrent runs on one machine (port clashes, orphaned ranks), and failures that must end every
+rank."""
 
 import ipaddress
 import shlex
@@ -77,7 +78,7 @@ def test_single_node_ddp_listens_on_loopback_only(tmp_path, entry):
 
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_a_busy_master_port_fails_fast_and_leaves_the_other_run_alone(tmp_path, entry):
-    """Case 05: the second run exits within seconds naming the port; the first finishes; no orphans."""
+    """A rendezvous port clash: the second run exits within seconds naming the port; the first finishes; no orphans."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         store_port = str(sock.getsockname()[1])
@@ -234,7 +235,8 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(tmp_pat
     else:
         straight = request.getfixturevalue("ddp_straight")
     assert max_diff(weights(last), weights(straight / "checkpoints/last.ckpt")) <= 1e-6
-    # case 19: the resumed epoch's train/loss counts the steps before the stop too (its sum is in the checkpoint)
+    # a reported metric's state is in the checkpoint: the resumed epoch's train/loss counts the steps before the
+    # stop too (its sum is in the checkpoint)
     assert abs(metrics(tmp_path / run)["train/loss"] - metrics(straight)["train/loss"]) <= 1e-6
 
 

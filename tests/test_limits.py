@@ -1,5 +1,5 @@
-"""Runs stopped by a limit and continued (case 13), final outputs of the final weights, strict metrics.json
-(case 19), and checkpoint writes that fail (case 24). In-process, one process."""
+"""Runs stopped by a limit and continued, final outputs of the final weights, strict metrics.json, and checkpoint
+writes that fail (a full disk). In-process, one process."""
 
 import errno
 import json
@@ -31,7 +31,8 @@ def _step(run):
     ],
 )
 def test_a_run_stopped_by_a_limit_and_continued_equals_a_straight_run(tmp_path, first, then):
-    """Case 13: continuing to a later limit ends with the weights and step of a run that went straight there."""
+    """A checkpoint written at a limit stop resumes in the right place: continuing to a later limit ends with the
+    weights and step of a run that went straight there."""
     train(compose_cfg(*BASE, "trainer.max_epochs=4", *first), tmp_path / "first")
     ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
     train(compose_cfg(*BASE, "trainer.max_epochs=4", *then, f"ckpt_path={ckpt}"), tmp_path / "continued")
@@ -58,7 +59,7 @@ def test_last_ckpt_and_metrics_are_the_final_weights_whatever_the_validation_sch
 
 
 def test_metrics_json_is_strict_json_with_reasons(tmp_path):
-    """Case 19: no bare NaN; a value that does not exist is null, and says why."""
+    """Strict JSON: no bare NaN; a value that does not exist is null, and says why."""
     train(compose_cfg(*BASE, "trainer.max_epochs=1", "+trainer.limit_val_batches=0"), tmp_path)
     text = (tmp_path / "metrics.json").read_text()
     written = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
@@ -67,7 +68,8 @@ def test_metrics_json_is_strict_json_with_reasons(tmp_path):
 
 
 def test_a_failed_checkpoint_write_leaves_the_earlier_file_whole(tmp_path, monkeypatch):
-    """Case 24: a full disk mid-write: one line naming the file and directory, no temporary file left."""
+    """An I/O error while writing outputs, a full disk mid-write: one line naming the file and directory, no temporary
+    file left."""
     io = AtomicCheckpointIO()
     path = tmp_path / "last.ckpt"
     io.save_checkpoint({"global_step": 1, "state_dict": {}}, path)
@@ -86,7 +88,7 @@ def test_a_failed_checkpoint_write_leaves_the_earlier_file_whole(tmp_path, monke
 
 
 def test_overfit_batches_is_refused_in_one_line():
-    """Case 14: a flag that swaps the sampler is refused, naming the flag and what to use instead."""
+    """A pass-through Trainer flag that rebuilds the sampler is refused, naming the flag and what to use instead."""
     from conftest import compose_cfg as cc
 
     from dpddp.errors import ConfigError
@@ -102,7 +104,8 @@ def test_overfit_batches_is_refused_in_one_line():
 
 @pytest.mark.parametrize("flag", ["trainer.reload_dataloaders_every_n_epochs=1", "trainer.limit_train_batches=5"])
 def test_flags_that_rebuild_or_cut_loaders_keep_exact_resume(tmp_path, flag):
-    """Case 14's kind: loaders rebuilt every epoch, or cut short, then a stop by max_steps and a continuation."""
+    """Pass-through flags that rebuild or cut loaders: loaders rebuilt every epoch, or cut short, then a stop by
+    max_steps and a continuation."""
     train(compose_cfg(*BASE, "trainer.max_epochs=3", flag, "trainer.max_steps=7"), tmp_path / "first")
     ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
     train(compose_cfg(*BASE, "trainer.max_epochs=3", flag, f"ckpt_path={ckpt}"), tmp_path / "continued")
@@ -116,7 +119,8 @@ def test_flags_that_rebuild_or_cut_loaders_keep_exact_resume(tmp_path, flag):
 # first window end (or epoch end) after the batch that sees the signal
 @pytest.mark.parametrize("accumulate,at,steps", [(4, 5, 2), (3, 13, 5), (5, 10, 3)])
 def test_sigterm_inside_an_accumulation_window_resumes_exactly(tmp_path, accumulate, at, steps):
-    """Case 12: the stop lands on an optimizer-step boundary, so no summed gradient is lost with .grad."""
+    """A stop must leave no state outside the checkpoint (an open accumulation window): it lands on an optimizer-step
+    boundary, so no summed gradient is lost with .grad."""
     args = [*BASE, "trainer.max_epochs=2", f"trainer.accumulate_grad_batches={accumulate}"]
     kill = ["+callbacks.kill._target_=conftest.SigtermAt", f"+callbacks.kill.at={at}"]
     with pytest.raises(Preempted) as stop:

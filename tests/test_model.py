@@ -25,7 +25,7 @@ def test_optimizers():
 
 
 def test_no_removed_step_end_hooks_anywhere():
-    """Lightning 2.0 removed *_step_end; a module defining one would silently never be called (case 02)."""
+    """Lightning 2.0 removed *_step_end; a module defining one would silently never be called."""
     modules = [importlib.import_module(m.name) for m in pkgutil.walk_packages(dpddp.__path__, "dpddp.")]
     classes = {
         c for m in modules for _, c in inspect.getmembers(m, inspect.isclass) if c.__module__.startswith("dpddp")

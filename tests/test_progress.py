@@ -1,4 +1,4 @@
-"""Day-to-day use (issue 17): a line per epoch in batch jobs, one metrics.csv per run across resumes, curves as a
+"""Day-to-day use: a line per epoch in batch jobs, one metrics.csv per run across resumes, curves as a
 PNG, every invocation's config kept, training time over all segments, and a console without warnings."""
 
 import csv

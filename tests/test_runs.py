@@ -20,8 +20,9 @@ def _ok(proc):
 
 @pytest.mark.parametrize("launch", ["fork", "exec"])
 def test_ddp_two_processes_equal_one_process(tmp_path, launch):
-    """Cases 03, 04, 08, 11: odd split sizes, same data on every rank, one writer, global batch; rank 1 forked
-    (the CPU default) or started as ``python -m dpddp.parallel.rank`` (what GPUs use)."""
+    """Evaluation counting padded samples, data differing between ranks, code after fit on every rank, a batch size
+    whose meaning changes with the world size: odd split sizes, same data on every rank, one writer, global batch; rank
+    1 forked (the CPU default) or started as ``python -m dpddp.parallel.rank`` (what GPUs use)."""
     common = ["accelerator=cpu", "data.num_samples=1005", "seed=2", "trainer.max_epochs=3", "data.batch_size=32"]
     train(compose_cfg(*common, *QUIET, "logger=none"), tmp_path / "single")  # what train.py runs, in process
     ddp_args = ["strategy=ddp", "devices=2", f"strategy.launch={launch}", "predict=true", "hydra.run.dir=ddp"]
@@ -39,7 +40,7 @@ def test_ddp_two_processes_equal_one_process(tmp_path, launch):
     assert max_diff(weights(ckpts[0]), weights(ckpts[1])) <= 1e-5
     steps = [torch.load(c, weights_only=True)["global_step"] for c in ckpts]
     assert steps == [3 * (805 // 32)] * 2  # the same optimizer steps per epoch on 1 and 2 processes
-    # the same data on both ranks (case 04)
+    # the same data on both ranks
     sums = [
         line.split("data checksum ")[1].split()[0]
         for f in ("train.log", "rank1.log")
@@ -47,7 +48,7 @@ def test_ddp_two_processes_equal_one_process(tmp_path, launch):
         if "data checksum" in line
     ]
     assert len(sums) >= 2 and len(set(sums)) == 1
-    # rank 0 alone writes results (case 08)
+    # rank 0 alone writes results
     assert [p.name for p in tmp_path.glob("ddp/**/metrics.json")] == ["metrics.json"]
     assert len(list(tmp_path.glob("ddp/**/.hydra"))) == 1
     assert (ddp.stdout + ddp.stderr).count("metrics: train/loss=") == 1
@@ -57,7 +58,8 @@ def test_ddp_two_processes_equal_one_process(tmp_path, launch):
 
 
 def test_resume_from_relative_path_on_one_and_two_devices(tmp_path):
-    """Case 07: ckpt_path relative to where the command ran, also with hydra.job.chdir=true and on 2 devices."""
+    """A relative path resolved against a changed working directory: ckpt_path relative to where the command ran, also
+    with hydra.job.chdir=true and on 2 devices."""
     common = ["accelerator=cpu", "data.num_samples=1005", "model.optimizer=adam", "model.lr=0.01"]
     train(compose_cfg(*common, *QUIET, "trainer.max_epochs=4", "logger=none"), tmp_path / "runs/straight")
     train(compose_cfg(*common, *QUIET, "trainer.max_epochs=2", "logger=none"), tmp_path / "runs/a")
@@ -92,7 +94,8 @@ def test_bad_input_exits_with_one_line(tmp_path, args, message):
 
 @pytest.mark.parametrize("order", ["1,2", "2,1"])
 def test_multirun_over_devices_launches_each_jobs_own_ranks(tmp_path, order):
-    """Case 01: one sweep dir, each job its own world size and its own directory, metrics of a single run."""
+    """DDP ranks replaying a Hydra sweep, rank state leaking between jobs: one sweep dir, each job its own world size
+    and its own directory, metrics of a single run."""
     args = ["-m", "strategy=ddp", "accelerator=cpu", f"devices={order}", "data.num_samples=606"]
     proc = run_train(*args, "trainer.max_epochs=2", "hydra.sweep.dir=sweep", cwd=tmp_path)
     _ok(proc)

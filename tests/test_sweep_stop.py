@@ -1,5 +1,5 @@
-"""Case 20 in one process: a sweep stopped by SIGTERM ends with its summary and one line that resumes it, for any
-directory name; a fit leaves the SIGTERM handler it found. (The sweeps themselves: test_sweeps.py.)"""
+"""A SIGTERM to a sweep, in one process: a sweep stopped by SIGTERM ends with its summary and one line that resumes it,
+for any directory name; a fit leaves the SIGTERM handler it found. (The sweeps themselves: test_sweeps.py.)"""
 
 import json
 import shlex

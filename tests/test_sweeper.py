@@ -1,4 +1,5 @@
-"""The Optuna sweeper's launcher wrapper: a job returning nan or raising comes back failed (case 15)."""
+"""The Optuna sweeper's launcher wrapper: a job returning nan or raising comes back failed, so
+one failed job does not end the search."""
 
 import math
 

@@ -89,7 +89,8 @@ def test_submitit_local_launcher_runs_ddp_jobs(tmp_path):
 
 
 def test_optuna_search_records_a_failed_trial_and_goes_on(tmp_path):
-    """Case 15: a refused trial (it returns nan) is a FAILED trial, the others run, the summary is written."""
+    """A failed job must not end a whole search: a refused trial (it returns nan) is a FAILED trial, the others run, the
+    summary is written."""
     pytest.importorskip("optuna")
     args = ["hparams_search=optuna", "hydra.sweeper.n_trials=3", "model.lr=choice(0.1,-1.0)", "trainer.max_steps=10"]
     args += ["hydra.sweeper.sampler.seed=5", *SMALL[:2]]
@@ -165,10 +166,11 @@ def _alive(p: psutil.Process) -> bool:
     ids=["joblib", "submitit_local", "basic"],
 )
 def test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resumes_exactly(tmp_path, launcher):
-    """Case 20: two identical DDP jobs, in parallel (one after the other under the basic launcher); job 1, before
-    its first batch and once job 0 has finished, SIGTERMs the sweep's process. Job 1's ranks stop after that batch
-    with ``last.ckpt``, the summary is written, one line says how to resume, exit 143, no worker, rank, tracker or
-    controller is left. The printed command skips job 0 and continues job 1 to job 0's weights."""
+    """A SIGTERM must reach the processes a launcher plugin started: two identical DDP jobs, in parallel (one after the
+    other under the basic launcher); job 1, before its first batch and once job 0 has finished, SIGTERMs the sweep's
+    process. Job 1's ranks stop after that batch with ``last.ckpt``, the summary is written, one line says how to
+    resume, exit 143, no worker, rank, tracker or controller is left. The printed command skips job 0 and continues job
+    1 to job 0's weights."""
     env, tag = child_env(PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     stop = ["+callbacks.stop._target_=conftest.SigtermSweepAt", "+callbacks.stop.step=-1,0"]
     stop += ["+callbacks.stop.after=sweep/0/metrics.json"]

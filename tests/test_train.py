@@ -20,11 +20,13 @@ def test_defaults_learn_and_write_metrics(tmp_path):
     assert written["val/acc"] >= 0.9 and written["test/acc"] >= 0.9
     assert written["world_size"] == 1 and written["strategy"] == "auto" and written["samples_per_sec"] > 0
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file() and (tmp_path / "checkpoints" / "best.ckpt").is_file()
-    assert (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().startswith("epoch,step")
+    # one epoch table by default: dpddp's metrics.csv; Lightning's CSV logger only with logger=csv
+    assert (tmp_path / "metrics.csv").read_text().startswith("stage,epoch,step") and not (tmp_path / "csv").exists()
 
 
 def test_dp_on_one_cpu_equals_auto_exactly(tmp_path):
-    """Case 02: strategy=dp accelerator=cpu devices=1 runs unwrapped: the same weights as auto (difference 0)."""
+    """strategy=dp, gone from Lightning 2.x, is dpddp's: with accelerator=cpu devices=1 it runs unwrapped: the same
+    weights as auto (difference 0)."""
     auto = train(compose_cfg(*SMALL, "strategy=auto"), tmp_path / "auto")
     dp = train(compose_cfg(*SMALL, "strategy=dp"), tmp_path / "dp")
     assert dp["strategy"] == "dp" and dp["world_size"] == 1

@@ -1,4 +1,4 @@
-"""A user's own model next to their copy of train.py: every launched rank imports it (case 30), and the job a
+"""A user's own model next to their copy of train.py: every launched rank imports it (as rank 0 does), and the job a
 launched rank receives round-trips through its environment."""
 
 import shutil
@@ -32,8 +32,9 @@ def test_rank_job_round_trips_through_the_environment(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", ["fork", "exec"])
 def test_launched_ranks_import_a_user_module_next_to_train_py_run_from_elsewhere(tmp_path, launch):
-    """Case 30: ``python proj/train.py model._target_=mine.WiderNet strategy=ddp devices=2`` from another
-    directory: rank 0 imports ``mine`` from the script's directory; so does every launched rank."""
+    """Launched ranks that must see rank 0's import path: ``python proj/train.py model._target_=mine.WiderNet
+    strategy=ddp devices=2`` from another directory: rank 0 imports ``mine`` from the script's directory; so does every
+    launched rank."""
     proj = tmp_path / "proj"
     proj.mkdir()
     shutil.copy(ROOT / "train.py", proj / "train.py")
