@@ -66,7 +66,7 @@ def test_evaluation_counts_every_sample_exactly_once(n, batch, world):
 
 
 def test_batch_size_must_divide_by_world_size():
-    with pytest.raises(ValueError, match=r"data.batch_size=10 .* world size 4"):
+    with pytest.raises(ConfigError, match=r"^data.batch_size=10 \(global\) does not divide by the world size 4 "):
         GlobalBatchSampler(100, 10, rank=0, world_size=4)
 
 

@@ -184,7 +184,7 @@ def _docstring_lines(tree: ast.AST) -> int:
         for block in (getattr(node, "body", None), getattr(node, "orelse", None)):
             if not isinstance(block, list):
                 continue
-            for before, after in zip(block, block[1:]):
+            for before, after in zip(block, block[1:], strict=False):
                 if isinstance(before, (ast.Assign, ast.AnnAssign)) and isinstance(after, ast.Expr):
                     if isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
                         total += after.end_lineno - after.lineno + 1  # type: ignore[operator]

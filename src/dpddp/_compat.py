@@ -41,9 +41,11 @@ __all__ = [
     "hydra_mode_unset",
     "data_position",
     "epoch_finished_in",
+    "fit_restarting",
     "init_process_group",
     "keep_unfinished_epoch",
     "logged_metric_kinds",
+    "processed_epochs",
     "rank0_store",
     "resolve_process_group_backend",
     "restore_sigterm_broadcast",
@@ -175,7 +177,7 @@ def keep_unfinished_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> No
 
     Lightning counts the epoch as processed when the fit loop ends, whatever ended it
     (``checkpoint["loops"]["fit_loop"]["epoch_progress"]``: ``processed`` ahead of ``completed``), so a run
-    continued from it would start the next epoch and never train the rest of this one (case 13); once the fit
+    continued from it would start the next epoch and never train the rest of this one; once the fit
     has ended it counts it as completed too. With both set back to the epochs before it, Lightning restores
     mid-epoch (``FitLoop.restarting``) and the global-batch sampler skips the batches already trained: the
     continued run follows a straight run's order.
@@ -228,6 +230,20 @@ def epoch_finished_in(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
     Lightning 2.6.6."""
     progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
     return bool(progress["current"]["processed"] >= trainer.num_training_batches)
+
+
+def processed_epochs(checkpoint: dict[str, Any]) -> int | None:
+    """Epochs a checkpoint's fit loop has processed (``["loops"]["fit_loop"]["epoch_progress"]["current"]
+    ["processed"]``), ``None`` when it records none. Checked on Lightning 2.6.6; test_compat fails if it moves."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    done = loop.get("epoch_progress", {}).get("current", {}).get("processed")
+    return done if isinstance(done, int) else None
+
+
+def fit_restarting(trainer: pl.Trainer) -> bool:
+    """Whether the fit loop was restored inside an epoch (``trainer.fit_loop.restarting``, set while a restored
+    loop has not yet run past its checkpoint). Checked on Lightning 2.6.6; test_compat fails if it moves."""
+    return bool(trainer.fit_loop.restarting)
 
 
 def logged_metric_kinds(trainer: pl.Trainer) -> dict[str, tuple[bool, bool]]:
@@ -293,6 +309,12 @@ def hydra_mode_unset() -> Iterator[None]:
         yield
     finally:
         Hydra.get_mode = get_mode  # type: ignore[method-assign]
+
+
+BatchNormBase = torch.nn.modules.batchnorm._BatchNorm
+"""torch's base class of ``BatchNorm1d/2d/3d``, ``SyncBatchNorm`` and the lazy ones (torch 2.13): what
+``dpddp.parallel.batchnorm`` converts and the base of its ``GlobalBatchNorm`` (the same parameters, buffers,
+``state_dict`` keys and versioned loading). If renamed: importing ``dpddp.parallel.batchnorm`` fails."""
 
 
 HYDRA_BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"

@@ -104,7 +104,7 @@ def stray_rank_variables(cluster: str, num_nodes: int) -> str | None:
     (Lightning's ``SLURMEnvironment.detect``), a PyTorchJob (``cluster=kubeflow``: all of ``KUBEFLOW_VARIABLES``),
     dpddp's own launcher (``DPDDP_LAUNCHED``), or ``NODE_RANK`` alone for a multi-node launch by hand
     (``num_nodes > 1``, Lightning's own convention). Anything else was left behind by a shell, a container or an
-    earlier job (case 21): Lightning would wait for ranks nobody starts, or write as a rank other than 0.
+    earlier job: Lightning would wait for ranks nobody starts, or write as a rank other than 0.
     """
     from lightning.fabric.plugins.environments import SLURMEnvironment
 

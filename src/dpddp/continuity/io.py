@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from dpddp._compat import processed_epochs
 from dpddp.errors import WriteFailed
 
 __all__ = ["AtomicCheckpointIO", "checkpoint_problem"]
@@ -64,7 +65,7 @@ def checkpoint_problem(
         return f"cannot be read as a checkpoint ({what}): give a last.ckpt or best.ckpt written by dpddp"
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         return "is not a Lightning checkpoint (no state_dict): give a last.ckpt or best.ckpt written by dpddp"
-    done = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {}).get("processed")
+    done = processed_epochs(ckpt)
     if max_epochs not in (None, -1) and isinstance(done, int) and done > max_epochs:
         return f"has finished {done} epochs, more than trainer.max_epochs={max_epochs}: raise trainer.max_epochs"
     k = (ckpt.get("dpddp") or {}).get("steps_per_execution", 1)  # the resumable state's entry; none: 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -62,7 +61,7 @@ class GlobalBatchSampler(DistributedSampler):
     Training records what it yields (in the main process, even with loader workers) for ``ids_at``.
 
     Raises:
-        ValueError: if ``batch_size`` does not divide by ``world_size``.
+        ConfigError: if ``batch_size`` does not divide by ``world_size`` (``rules.check_divides``).
     """
 
     recorded: int = 256
@@ -79,11 +78,7 @@ class GlobalBatchSampler(DistributedSampler):
         block_size: int | None = None,
         steps_per_execution: int = 1,
     ) -> None:
-        if batch_size % world_size:
-            raise ValueError(
-                f"data.batch_size={batch_size} does not divide by the world size {world_size}: "
-                f"use a multiple of {world_size}"
-            )
+        rules.check_divides(batch_size, world_size)
         self.num_samples, self.batch_size = num_samples, batch_size
         self.rank, self.world_size, self.num_replicas = rank, world_size, world_size
         self.shuffle = self.drop_last = train
@@ -225,24 +220,6 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         cuts = {"train": perm[:num_train], "val": perm[num_train : num_train + num_val]}
         cuts["test"] = perm[num_train + num_val :]
         return {name: Batches(dataset, ids) for name, ids in cuts.items()}
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        """``{"steps_per_execution": k}``, into each checkpoint: ``trainer.global_step`` and the loop's batch count
-        mean other things under ``k > 1`` (``dpddp.run.executions``), so a fit continues with the same ``k``."""
-        return {"steps_per_execution": self.steps_per_execution}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Raises:
-        ConfigError: a fit continued with another ``steps_per_execution`` than the checkpoint's."""
-        saved = state_dict.get("steps_per_execution", 1)
-        fitting = self.trainer is not None and self.trainer.state.fn == "fit"
-        if fitting and saved != self.steps_per_execution:
-            raise ConfigError(
-                f"steps_per_execution={self.steps_per_execution} differs from the checkpoint's {saved}: continue "
-                f"this run with steps_per_execution={saved}"
-            )
 
     @override
     def setup(self, stage: str | None = None) -> None:

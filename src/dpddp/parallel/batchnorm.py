@@ -9,7 +9,7 @@ statistics and tracks running statistics of its share, so the weights drift from
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -145,60 +145,66 @@ def _lazy(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params()
 
 
-def convert(module: nn.Module, cuda: bool = False, process_group: Any = None) -> nn.Module:
-    """``module`` with every BatchNorm module in it replaced by a ``GlobalBatchNorm`` (``cuda``: by torch's
-    ``nn.SyncBatchNorm``) that takes over its parameters and buffers (the same tensors), training flag and
-    ``qconfig``, and keeps the module it replaced for ``revert``; as ``nn.SyncBatchNorm.convert_sync_batchnorm``
-    does. Layers already of the target class and lazy ones not yet initialised stay; a module shared by
-    several parents stays shared. Children are replaced in place; returns ``module`` or its replacement."""
-    target = nn.SyncBatchNorm if cuda else GlobalBatchNorm
+STATE = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+"""A BatchNorm's parameters and buffers, moved between a layer and its replacement (the same tensors)."""
+
+
+def _move_state(source: nn.Module, target: nn.Module) -> None:
+    for name in STATE:
+        setattr(target, name, getattr(source, name))
+    target.train(source.training)
+
+
+def _replace_each(model: nn.Module, swap: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """``model`` with every module ``m`` under it replaced by ``swap(m)`` in place (a module shared by several
+    parents by one replacement); returns ``model`` or its replacement."""
     done: dict[int, nn.Module] = {}
 
-    def swap(old: nn.Module) -> nn.Module:
-        if id(old) in done:
-            return done[id(old)]
-        new = old
-        if isinstance(old, BatchNormBase) and not isinstance(old, target) and not _lazy(old):
-            new = target(old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats, process_group)
-            new._parameters.update(old._parameters)
-            new._buffers.update(old._buffers)
-            new._non_persistent_buffers_set = set(old._non_persistent_buffers_set)
-            new.training = old.training
-            if hasattr(old, "qconfig"):
-                new.qconfig = old.qconfig
-            object.__setattr__(new, ORIGINAL, old)
-        done[id(old)] = new
-        for name, child in list(old._modules.items()):  # named_children skips repeats
-            new.add_module(name, None if child is None else swap(child))
+    def replaced(module: nn.Module) -> nn.Module:
+        if id(module) not in done:
+            done[id(module)] = swap(module)
+        return done[id(module)]
+
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if name and (new := replaced(module)) is not module:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, new)
+    return replaced(model)
+
+
+def convert(module: nn.Module, cuda: bool = False, process_group: Any = None) -> nn.Module:
+    """``module`` with every BatchNorm in it replaced by a ``GlobalBatchNorm`` (``cuda``: torch's
+    ``nn.SyncBatchNorm``) holding its parameters and buffers (the same tensors), as
+    ``nn.SyncBatchNorm.convert_sync_batchnorm`` does; lazy layers not yet initialised stay. Returns ``module``
+    or its replacement."""
+    target = nn.SyncBatchNorm if cuda else GlobalBatchNorm
+
+    def synced(old: nn.Module) -> nn.Module:
+        if not isinstance(old, BatchNormBase) or isinstance(old, target) or _lazy(old):
+            return old
+        new = target(old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats, process_group)
+        _move_state(old, new)
+        if hasattr(old, "qconfig"):
+            new.qconfig = old.qconfig
+        new.__dict__[ORIGINAL] = old  # not a submodule: kept out of state_dict and parameters()
         return new
 
-    return swap(module)
+    return _replace_each(module, synced)
 
 
 def revert(module: nn.Module) -> nn.Module:
-    """Undo ``convert``: each converted layer gives its current parameters, buffers, training flag, ``eps`` and
-    ``momentum`` back to the module it replaced, which takes its place again (its own class and attributes).
-    Returns ``module`` or the module it had replaced."""
-    done: dict[int, nn.Module] = {}
+    """Undo ``convert``: each replaced layer takes its place again with the current parameters, buffers,
+    training flag, ``eps`` and ``momentum``. Returns ``module`` or the module it had replaced."""
 
-    def restore(new: nn.Module) -> nn.Module:
-        if id(new) in done:
-            return done[id(new)]
-        old: nn.Module | None = new.__dict__.get(ORIGINAL)
+    def original(new: nn.Module) -> nn.Module:
+        old = new.__dict__.pop(ORIGINAL, None)
         if old is None:
-            old = new
-        else:
-            assert isinstance(new, BatchNormBase) and isinstance(old, BatchNormBase)
-            old._parameters.update(new._parameters)
-            old._buffers.update(new._buffers)
-            old.training, old.eps, old.momentum = new.training, new.eps, new.momentum
-            del new.__dict__[ORIGINAL]
-        done[id(new)] = old
-        for name, child in list(new._modules.items()):
-            old.add_module(name, None if child is None else restore(child))
+            return new
+        _move_state(new, old)
+        old.eps, old.momentum = new.eps, new.momentum
         return old
 
-    return restore(module)
+    return _replace_each(module, original)
 
 
 def _names(names: list[str], most: int = 4) -> str:

@@ -51,7 +51,7 @@ class RankJob:
         config: the run's resolved config (plain JSON types).
         output_dir: the run directory shared by all ranks.
         cwd: the launching process's working directory (the rank runs there).
-        sys_path: the launching process's ``sys.path`` (a launched rank imports what rank 0 could: case 30).
+        sys_path: the launching process's ``sys.path`` (a launched rank imports what rank 0 could).
     """
 
     ENV: ClassVar[str] = "DPDDP_JOB"
@@ -140,7 +140,7 @@ def bind_store_socket(address: str) -> socket.socket:
     the store takes it, so two runs on one machine cannot pick the same port.
 
     Raises:
-        ConfigError: ``MASTER_PORT`` is already in use (case 05), before any rank is started.
+        ConfigError: ``MASTER_PORT`` is already in use, before any rank is started.
     """
     port = int(os.environ.get("MASTER_PORT", 0))
     family = socket.AF_INET6 if ":" in address else socket.AF_INET

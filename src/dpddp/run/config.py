@@ -49,11 +49,16 @@ TRAINER_OWNED = {
 
 
 def _params(fn: Any) -> list[str]:
-    return [
-        n
-        for n, p in inspect.signature(fn).parameters.items()
-        if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
+    """The keyword names ``fn`` takes; a class's ``**kwargs`` passed on to its bases adds theirs (a user's
+    subclass of a built-in model)."""
+    params = inspect.signature(fn).parameters.values()
+    names = [p.name for p in params if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if isinstance(fn, type) and any(p.kind is p.VAR_KEYWORD for p in params):
+        for base in fn.__mro__[1:]:
+            if "__init__" in vars(base) and base is not object:
+                names += [n for n in _params(base) if n not in names]
+                break
+    return names
 
 
 def target_class(section: str, spec: Mapping) -> type:

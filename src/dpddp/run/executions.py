@@ -1,5 +1,5 @@
 """``steps_per_execution=K``: one Lightning loop iteration carries ``K`` global batches and takes ``K`` optimizer
-steps, so the loop's fixed cost (~0.4 ms a step on 2 CPU cores, whatever the step: issue 15) is paid once per
+steps, so the loop's fixed cost is paid once per
 ``K`` steps. Keras's ``steps_per_execution`` is the same idea; here it is built from Lightning's manual
 optimization, so every step still goes through Lightning's backward and optimizer wrappers (precision plugins,
 DDP's gradient all-reduce before each backward, the ``on_before_*`` hooks) and ``trainer.global_step`` counts

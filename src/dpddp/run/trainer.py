@@ -99,7 +99,7 @@ def build_strategy(cfg: DictConfig, job: RankJob | None) -> str | pl.strategies.
     """The Trainer's strategy from the ``strategy`` group: ``"auto"``, our ``dp``, or our ``DDPStrategy`` whose
     launcher starts ranks from ``job``. ``ddp_spawn`` is that launcher with every rank in a fresh interpreter
     (``launch="exec"``), not Lightning's ``torch.multiprocessing`` spawn: a spawn parent trains nothing, so a
-    SIGTERM to it ended the run with no checkpoint and left its ranks training, orphaned (case 16)."""
+    SIGTERM to it ended the run with no checkpoint and left its ranks training, orphaned."""
     container = OmegaConf.to_container(cfg.strategy)
     assert isinstance(container, dict)
     options = {str(k): v for k, v in container.items() if k != "name"}

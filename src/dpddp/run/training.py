@@ -165,7 +165,7 @@ def _final_weights(
 ) -> dict[str, float]:
     """Make the fit's outputs the final weights', whatever stopped it: write ``last.ckpt`` if its last write was
     at another step, and validate if the last validation ran on other weights (a stop by ``max_steps`` or
-    ``max_time`` mid-epoch, ``val_check_interval``, ``check_val_every_n_epoch``: case 13). Returns the new
+    ``max_time`` mid-epoch, ``val_check_interval``, ``check_val_every_n_epoch``). Returns the new
     validation metrics, if it ran one."""
     if trainer.fast_dev_run:  # type: ignore[attr-defined]  # no checkpoint, no more validation (Lightning)
         return {}
