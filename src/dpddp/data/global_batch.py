@@ -1,10 +1,8 @@
 """Global-batch sampling for any map-style data set: the same batches in the same order on every world size.
 
-``batch_size`` is the GLOBAL batch, the samples of one optimizer step over all processes: training step ``k`` of
-an epoch takes ``perm[k * B:(k + 1) * B]`` of that epoch's permutation and rank ``r`` of ``W`` its ``r``-th
-chunk, so DDP's gradient average is the one-process mean over ``B`` samples. ``GlobalBatchDataModule`` serves a
-data set so (``data.dataset._target_=my_pkg.MyDataset``, or a subclass overriding ``make_dataset`` or
-``make_splits``): seeded splits, exact evaluation (no padded duplicates) and exact mid-epoch resume.
+``batch_size`` is the GLOBAL batch (samples per optimizer step over all processes): step ``k`` takes
+``perm[k * B:(k + 1) * B]`` of the epoch's permutation and rank ``r`` its ``r``-th chunk. See
+docs/design-notes.md (data.global_batch).
 """
 
 from __future__ import annotations
@@ -26,42 +24,22 @@ __all__ = ["GlobalBatchDataModule", "GlobalBatchSampler", "step_position"]
 
 
 def step_position(trainer: pl.Trainer, steps_per_epoch: int) -> tuple[int, int]:
-    """Where the training data stream stands with executions of several steps: ``(epoch, global batches of it
-    trained)`` from the optimizer steps taken (``trainer.global_step``, one global batch each: gradient
-    accumulation is refused with ``steps_per_execution > 1``), ``steps_per_epoch`` global batches an epoch."""
+    """``(epoch, global batches of it trained)`` from ``trainer.global_step`` (one global batch a step), for
+    executions of several steps."""
     epoch, skip = divmod(trainer.global_step, steps_per_epoch)
     return epoch, skip
 
 
 class GlobalBatchSampler(DistributedSampler):
-    """Yields this rank's share of each global batch, as an int64 index tensor.
+    """Yields this rank's share of each global batch (samples), an int64 index tensor; a ``DistributedSampler``
+    by type only, so Lightning does not wrap it.
 
-    A ``DistributedSampler`` by type only (its ``__init__`` is not called): Lightning leaves a loader with a
-    ``DistributedSampler`` as it is, so with ``use_distributed_sampler=True`` nothing is split twice.
+    ``train``: order seeded by ``(seed, epoch)``, last partial global batch dropped; else identity order, every
+    sample once, the last batch split by ``torch.tensor_split``. ``block_size``: ``None`` (full permutation) or a
+    power of two ``K`` (block shuffle, memory ``O(num_samples / K)``). ``steps_per_execution`` ``k`` (training):
+    items of ``[k, batch_size / world_size]``, aligned to multiples of ``k`` in the epoch.
 
-    Args:
-        num_samples: size of the split (samples).
-        batch_size: global batch size (samples per step over all ranks).
-        rank, world_size: this process's global rank and the number of processes.
-        train: shuffle with a permutation seeded by ``(seed, epoch)`` and drop the last partial global batch
-            (every step then averages exactly ``batch_size`` samples). Otherwise: identity order, every sample
-            exactly once, the last global batch split as evenly as it goes (``torch.tensor_split``), so
-            evaluation counts no padded duplicate (unlike ``DistributedSampler``) and every rank runs the same
-            number of batches.
-        seed: shuffle seed.
-        block_size: ``None``: the training order is a full permutation (``torch.randperm``, 8 bytes per
-            sample); a power of two ``K``: the block shuffle of the streaming mode (whole blocks of ``K`` ids
-            permuted, rows of a block in an affine order; the trailing partial block last, in order), computed
-            per batch with memory ``O(num_samples / K)`` (a split smaller than one block keeps its order).
-        steps_per_execution: training only: ``k`` global batches per item, stacked (``[k, batch_size /
-            world_size]``): the steps of one Lightning loop iteration (``dpddp.run.executions``). Executions are
-            aligned to multiples of ``k`` within the epoch (the last one shorter); a resume inside one yields
-            its rest first, so Lightning's count of loop iterations and this sampler's agree.
-
-    Training records what it yields (in the main process, even with loader workers) for ``ids_at``.
-
-    Raises:
-        ConfigError: if ``batch_size`` does not divide by ``world_size`` (``rules.check_divides``).
+    Raises ``ConfigError`` if ``batch_size`` does not divide by ``world_size`` (``rules.check_divides``).
     """
 
     recorded: int = 256
@@ -90,8 +68,8 @@ class GlobalBatchSampler(DistributedSampler):
         self._yielded: dict[int, tuple[int, torch.Tensor]] = {}  # training: position in the epoch -> (epoch, ids)
 
     def ids_at(self, position: int) -> tuple[int, torch.Tensor] | None:
-        """``(epoch, ids)`` of the training item at ``position`` of the epoch (Lightning's ``batch_idx``, also
-        resumed mid-epoch), or ``None``; earlier items are forgotten."""
+        """``(epoch, ids)`` of the training item at ``position`` (Lightning's ``batch_idx``), or ``None``;
+        earlier items are forgotten."""
         for earlier in [p for p in self._yielded if p < position]:
             del self._yielded[earlier]
         return self._yielded.get(position)
@@ -118,9 +96,8 @@ class GlobalBatchSampler(DistributedSampler):
         return -(-self.steps_per_epoch // self.steps_per_execution)
 
     def _epoch_order(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """``None`` (evaluation: identity), or this epoch's order from ``(seed, epoch)``: ``(perm, None)``, a
-        permutation of the samples (full shuffle), or ``(block perm, in-block rows)`` with rows
-        ``(a * r + c) mod K`` for ``r`` in ``[0, K)`` (``a`` odd: a bijection)."""
+        """``None`` (identity), ``(perm, None)`` (full shuffle) or ``(block perm, rows (a * r + c) mod K)``, ``a``
+        odd, from ``(seed, epoch)``."""
         if not self.train:
             return None
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
@@ -132,8 +109,7 @@ class GlobalBatchSampler(DistributedSampler):
         return perm, (a * torch.arange(k) + int(torch.randint(0, k, (1,), generator=gen))) % k
 
     def _ids(self, order: tuple | None, start: int, stop: int) -> torch.Tensor:
-        """The ids at positions ``[start, stop)`` of the epoch's order, int64 ``[stop - start]``; for the block
-        shuffle, one slice and add per block the batch touches (ids past the last full block stay in place)."""
+        """The ids at positions ``[start, stop)`` of the epoch's order, int64 ``[stop - start]``."""
         if order is None:
             return torch.arange(start, stop)
         perm, rows = order
@@ -171,13 +147,10 @@ class GlobalBatchSampler(DistributedSampler):
 
 
 class GlobalBatchDataModule(pl.LightningDataModule):
-    """Serves ``dataset`` (``None`` for a subclass with its own ``make_dataset`` or ``make_splits``) in global
-    batches of ``batch_size``. The splits cut one permutation drawn from ``seed`` into ``[train | val | test]``
-    (``dpddp.data.rules.split_sizes``); epoch ``e``'s training order is a function of ``(seed, e)``. Training
-    drops the last partial global batch; evaluation visits every sample once.
+    """Serves ``dataset`` (or a subclass's ``make_dataset``/``make_splits``) in global batches of ``batch_size``,
+    split by one permutation from ``seed`` into ``[train | val | test]`` (``rules.split_sizes``).
 
-    Raises (at ``setup``):
-        ConfigError: a batch size, fraction or split size that leaves a split unusable, or no data set.
+    Raises ``ConfigError`` at ``setup``: a setting that leaves a split unusable, or no data set.
     """
 
     block_size: int | None = None
@@ -223,11 +196,7 @@ class GlobalBatchDataModule(pl.LightningDataModule):
 
     @override
     def setup(self, stage: str | None = None) -> None:
-        """Build the splits once (every rank builds the same ones).
-
-        Raises:
-            ConfigError: see the class.
-        """
+        """Build the splits once (the same on every rank). Raises ``ConfigError`` (see the class)."""
         if self.splits:
             return
         rules.check_split_settings(self.batch_size, self.val_fraction, self.test_fraction)
@@ -248,9 +217,7 @@ class GlobalBatchDataModule(pl.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        """Training batches; each epoch starts where the data stream stands (``dpddp._compat.data_position``):
-        resuming mid-epoch, the batches already trained are skipped (Lightning restores its counters but
-        restarts a plain loader from the epoch's start)."""
+        """Training batches; each epoch starts at ``dpddp._compat.data_position`` (a resume skips those trained)."""
         loader = self._loader("train")
         sampler = loader.sampler
         if self.trainer is not None:

@@ -1,10 +1,5 @@
-"""BatchNorm over the global batch on any backend: ``GlobalBatchNorm``, the ``BatchNormSync`` plugin that puts it
-in place of a model's BatchNorm modules for a fit, and ``batchnorm_plugins``, the decision from the config.
-
-Under DDP each process holds a share of the global batch; a plain ``nn.BatchNorm*`` normalises by its share's
-statistics and tracks running statistics of its share, so the weights drift from one process's. torch's
-``nn.SyncBatchNorm`` takes global statistics on CUDA only; ``GlobalBatchNorm`` does on gloo (CPU) as well.
-"""
+"""BatchNorm over the global batch on any backend (torch's ``nn.SyncBatchNorm`` is CUDA-only): ``GlobalBatchNorm``,
+the ``BatchNormSync`` plugin that swaps it in for a fit, and ``batchnorm_plugins``, the decision from the config."""
 
 from __future__ import annotations
 
@@ -28,14 +23,12 @@ __all__ = ["BatchNormSync", "GlobalBatchNorm", "batchnorm_modules", "batchnorm_p
 log = logging.getLogger(__name__)
 
 ORIGINAL = "_dpddp_original"
-"""The attribute (outside the module registry: not in ``state_dict`` or ``named_modules``) where a converted
-layer keeps the module it replaced, for ``revert``."""
+"""Where a converted layer keeps the module it replaced, for ``revert`` (outside ``state_dict``)."""
 
 
 class _GroupSum(torch.autograd.Function):
-    """``all_reduce`` (sum over ``group``) whose backward is the sum of the gradients over ``group``: each
-    process's input adds to every process's output. ``torch.distributed.nn.functional.all_reduce`` is the same
-    but deprecated in torch 2.13 (a ``FutureWarning`` in every process)."""
+    """``all_reduce`` (sum over ``group``) whose backward sums the gradients over ``group``; as the deprecated
+    ``torch.distributed.nn.functional.all_reduce``."""
 
     @staticmethod
     @override
@@ -60,18 +53,13 @@ def _group_size(group: Any) -> int:
 
 
 class GlobalBatchNorm(BatchNormBase):
-    """BatchNorm whose training statistics are those of the global batch, on any ``torch.distributed`` backend.
+    """BatchNorm with the global batch's training statistics over ``process_group`` (``None``: the world).
 
-    Input ``[N, C, *]`` (``C = num_features``), output the same shape. In training, with a process group of more
-    than one process, each forward sums the count, sum and sum of squares of every channel (float64, over all
-    dims but 1) over ``process_group`` (``None``: the world) and normalises by the global mean and biased
-    variance; the backward sums their gradients over the group. Running statistics are updated as
-    ``nn.BatchNorm*`` does (momentum, or a cumulative average for ``momentum=None``; the unbiased variance from
-    the global count; ``num_batches_tracked``). In eval mode, or on one process: ``nn.BatchNorm*``'s forward.
-    The parameters, buffers and ``state_dict`` keys are ``nn.BatchNorm*``'s.
+    Input ``[N, C, *]`` (``C = num_features``), output the same shape. Training on more than one process: the
+    per-channel count, sum and sum of squares (float64) are summed over the group; running statistics as
+    ``nn.BatchNorm*``. Otherwise ``nn.BatchNorm*``'s forward; same parameters, buffers and ``state_dict`` keys.
 
-    Raises:
-        ValueError: input of fewer than 2 dims; in training, one value or none per channel in the global batch.
+    Raises ``ValueError``: input of fewer than 2 dims; in training, at most one value per channel globally.
     """
 
     def __init__(
@@ -136,8 +124,7 @@ class GlobalBatchNorm(BatchNormBase):
 
 
 def batchnorm_modules(model: nn.Module) -> list[str]:
-    """The qualified names of the BatchNorm modules (every ``torch.nn.modules.batchnorm._BatchNorm``) in
-    ``model`` (``""``: ``model`` itself)."""
+    """The qualified names of the BatchNorm modules in ``model`` (``""``: ``model`` itself)."""
     return [name for name, module in model.named_modules() if isinstance(module, BatchNormBase)]
 
 
@@ -156,8 +143,8 @@ def _move_state(source: nn.Module, target: nn.Module) -> None:
 
 
 def _replace_each(model: nn.Module, swap: Callable[[nn.Module], nn.Module]) -> nn.Module:
-    """``model`` with every module ``m`` under it replaced by ``swap(m)`` in place (a module shared by several
-    parents by one replacement); returns ``model`` or its replacement."""
+    """``model`` with every module ``m`` replaced by ``swap(m)`` in place (shared modules once); returns ``model``
+    or its replacement."""
     done: dict[int, nn.Module] = {}
 
     def replaced(module: nn.Module) -> nn.Module:
@@ -173,10 +160,8 @@ def _replace_each(model: nn.Module, swap: Callable[[nn.Module], nn.Module]) -> n
 
 
 def convert(module: nn.Module, cuda: bool = False, process_group: Any = None) -> nn.Module:
-    """``module`` with every BatchNorm in it replaced by a ``GlobalBatchNorm`` (``cuda``: torch's
-    ``nn.SyncBatchNorm``) holding its parameters and buffers (the same tensors), as
-    ``nn.SyncBatchNorm.convert_sync_batchnorm`` does; lazy layers not yet initialised stay. Returns ``module``
-    or its replacement."""
+    """``module`` with every initialised BatchNorm replaced by a ``GlobalBatchNorm`` (``cuda``: ``nn.SyncBatchNorm``)
+    holding the same tensors, as ``nn.SyncBatchNorm.convert_sync_batchnorm``. Returns ``module`` or its replacement."""
     target = nn.SyncBatchNorm if cuda else GlobalBatchNorm
 
     def synced(old: nn.Module) -> nn.Module:
@@ -193,8 +178,7 @@ def convert(module: nn.Module, cuda: bool = False, process_group: Any = None) ->
 
 
 def revert(module: nn.Module) -> nn.Module:
-    """Undo ``convert``: each replaced layer takes its place again with the current parameters, buffers,
-    training flag, ``eps`` and ``momentum``. Returns ``module`` or the module it had replaced."""
+    """Undo ``convert``, keeping the current parameters, buffers, training flag, ``eps`` and ``momentum``."""
 
     def original(new: nn.Module) -> nn.Module:
         old = new.__dict__.pop(ORIGINAL, None)
@@ -213,15 +197,8 @@ def _names(names: list[str], most: int = 4) -> str:
 
 
 class BatchNormSync(LayerSync):
-    """Lightning's ``LayerSync`` plugin for BatchNorm under DDP (``DDPStrategy.setup`` applies it to the model
-    of a fit, before DDP wraps it; teardown reverts it).
-
-    Args:
-        sync: ``True``: ``convert`` (``GlobalBatchNorm``, any backend; with ``cuda``, torch's ``SyncBatchNorm``).
-            ``False``: nothing converted; rank 0 logs one warning naming the BatchNorm modules.
-        cuda: the fit runs on CUDA devices.
-        processes: processes of the run, for the warning.
-    """
+    """Lightning's ``LayerSync`` plugin for BatchNorm under DDP: ``sync`` converts (``cuda``: ``SyncBatchNorm``);
+    else rank 0 warns once, naming the modules, for ``processes`` processes."""
 
     def __init__(self, sync: bool = True, cuda: bool = False, processes: int = 2) -> None:
         self.sync, self.cuda, self.processes = sync, cuda, processes
@@ -252,20 +229,11 @@ def _warn(message: str) -> None:
 
 
 def batchnorm_plugins(cfg: Mapping, model: nn.Module | None = None) -> list[LayerSync]:
-    """The Trainer's BatchNorm plugin for the run of ``cfg`` (a list of none or one; the Trainer then takes
-    ``sync_batchnorm=False``, so that Lightning's own CUDA-only plugin is never used).
+    """``[BatchNormSync]`` under ``ddp``/``ddp_spawn`` with more than one process, else ``[]``; the Trainer then
+    takes ``sync_batchnorm=False``. ``trainer.sync_batchnorm``: ``null``/``auto``/``true`` sync, ``false`` warns.
 
-    ``trainer.sync_batchnorm``: ``null`` (or ``auto``) and ``true``: BatchNorm taken over the global batch under
-    more than one process (``BatchNormSync``); ``false``: each process's own share, warned of at the fit's start.
-    ``model``: the model to fit; ``None``: not known here (the ``strategy=dp`` check is then skipped).
-
-    Returns:
-        ``[BatchNormSync]`` under ``ddp``/``ddp_spawn`` with more than one process, else ``[]``.
-
-    Raises:
-        ConfigError: ``trainer.sync_batchnorm`` is another value; or ``strategy=dp`` over more than one device
-            with BatchNorm modules in ``model`` (each DataParallel replica normalises its own chunk, and the
-            replicas' running statistics are dropped).
+    Raises ``ConfigError``: another ``sync_batchnorm`` value, or ``strategy=dp`` over several devices with
+    BatchNorm modules in ``model`` (``None``: that check skipped).
     """
     sync = (cfg.get("trainer") or {}).get("sync_batchnorm")
     if not (sync is None or isinstance(sync, bool) or sync == "auto"):

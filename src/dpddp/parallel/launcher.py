@@ -1,11 +1,7 @@
 """Starting and supervising the local ranks of a DDP run: the job they run, the launcher, the rank watcher.
 
-``JobLauncher`` starts local ranks 1..n-1 from a ``RankJob`` (the run's resolved config) instead of re-running
-``sys.argv`` (Lightning's ``_hydra_subprocess_cmd`` replays the whole command line, so inside ``-m`` every child
-would start a sweep of its own): on CPU by forking the launching process (torch and Lightning are imported
-already, like Lightning's ``ddp_fork``), on GPUs with ``python -m dpddp.parallel.rank`` (a fresh interpreter:
-CUDA does not survive a fork). The children die with their parent (``PR_SET_PDEATHSIG``), and a watcher thread
-ends the run when one of them dies.
+``JobLauncher`` starts local ranks 1..n-1 from a ``RankJob`` instead of re-running ``sys.argv``: forked on CPU,
+``python -m dpddp.parallel.rank`` on GPUs. See docs/design-notes.md (parallel.launcher).
 """
 
 from __future__ import annotations
@@ -43,16 +39,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RankJob:
-    """What a launched rank needs to run its share of a run, without Hydra and without ``sys.argv``.
-
-    Attributes:
-        entry: ``"module:function"``: the function the rank calls with this job (it returns when the rank's
-            work is done and raises the errors of ``dpddp.errors``).
-        config: the run's resolved config (plain JSON types).
-        output_dir: the run directory shared by all ranks.
-        cwd: the launching process's working directory (the rank runs there).
-        sys_path: the launching process's ``sys.path`` (a launched rank imports what rank 0 could).
-    """
+    """What a launched rank needs, without Hydra or ``sys.argv``: ``entry`` (``"module:function"``, called with
+    the job), the resolved ``config`` (JSON types), the shared ``output_dir``, and the launcher's ``cwd`` and
+    ``sys_path``."""
 
     ENV: ClassVar[str] = "DPDDP_JOB"
 
@@ -68,11 +57,7 @@ class RankJob:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> RankJob:
-        """The job that ``to_env`` wrote.
-
-        Raises:
-            KeyError: ``$DPDDP_JOB`` is not set (not a launched rank).
-        """
+        """The job that ``to_env`` wrote. Raises ``KeyError`` if ``$DPDDP_JOB`` is not set."""
         fields = json.loads(environ[cls.ENV])
         return cls(**{**fields, "sys_path": tuple(fields["sys_path"])})
 
@@ -109,9 +94,8 @@ def rank_ended(rank: int, proc: Any) -> str:
 
 
 class _RankWatcher(threading.Thread):
-    """Watches launched ranks; when one exits non-zero, kills the others and, if rank 0 has not failed by
-    itself within ``grace_s`` seconds (it normally does at once: gloo and nccl collectives fail when a peer's
-    connection drops; a wait on the rendezvous store does not), ends rank 0 with exit status 1."""
+    """When a launched rank exits non-zero, kills the others and, unless rank 0 fails within ``grace_s``
+    seconds, ends it with exit status 1."""
 
     def __init__(self, procs: list[Any], grace_s: float = 10.0) -> None:
         super().__init__(daemon=True, name="dpddp-rank-watcher")
@@ -135,12 +119,9 @@ class _RankWatcher(threading.Thread):
 
 
 def bind_store_socket(address: str) -> socket.socket:
-    """A listening socket for rank 0's TCPStore on ``address`` only (torch's own store listens on every
-    interface), on ``$MASTER_PORT`` if set, else on a free port. Held from before the other ranks start until
-    the store takes it, so two runs on one machine cannot pick the same port.
+    """A listening socket for rank 0's TCPStore on ``address`` only, on ``$MASTER_PORT`` if set, else a free port.
 
-    Raises:
-        ConfigError: ``MASTER_PORT`` is already in use, before any rank is started.
+    Raises ``ConfigError`` if ``MASTER_PORT`` is in use (before any rank starts).
     """
     port = int(os.environ.get("MASTER_PORT", 0))
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -158,8 +139,7 @@ def bind_store_socket(address: str) -> socket.socket:
 
 
 class _ForkedRank:
-    """A local rank forked from the launching process, with the part of ``subprocess.Popen``'s interface the
-    launcher and the watcher use (``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``kill``)."""
+    """A forked local rank with the ``subprocess.Popen`` interface the launcher and watcher use."""
 
     def __init__(self, pid: int) -> None:
         self.pid: int = pid
@@ -191,14 +171,8 @@ class _ForkedRank:
 
 
 class JobLauncher(SubprocessScriptLauncher):
-    """Lightning's subprocess launcher, starting local ranks from ``job`` (see the module doc).
-
-    Args:
-        cluster_environment, num_processes, num_nodes: as Lightning's ``_SubprocessScriptLauncher``.
-        job: what every launched rank runs.
-        fork: fork local ranks (CPU) instead of starting ``python -m dpddp.parallel.rank``.
-        run_forked: the function a forked rank calls with ``job``, returning its exit status (the rank entry).
-    """
+    """Lightning's ``_SubprocessScriptLauncher`` starting local ranks from ``job``: forked (``fork``, running
+    ``run_forked(job)`` for an exit status) or ``python -m dpddp.parallel.rank``."""
 
     def __init__(
         self,
@@ -260,8 +234,7 @@ class JobLauncher(SubprocessScriptLauncher):
             log.info(f"local ranks 1-{self.num_processes - 1} {how}: pids {[p.pid for p in self.procs]}")
 
     def _fork_rank(self, local_rank: int) -> _ForkedRank:
-        """Fork local rank ``local_rank``: it runs ``run_forked(job)`` and ``os._exit``s with its status (never
-        returning into the launcher's caller, so no Hydra or sweep code runs twice)."""
+        """Fork local rank ``local_rank``: it runs ``run_forked(job)`` and ``os._exit``s with its status."""
         sys.stdout.flush()
         sys.stderr.flush()
         parent = os.getpid()
@@ -285,8 +258,7 @@ class JobLauncher(SubprocessScriptLauncher):
             os._exit(code)
 
     def failed_ranks(self, wait_s: float) -> list[str]:
-        """Launched ranks that ended with a non-zero status, waiting up to ``wait_s`` seconds in all for them to
-        end (a rank killed by a signal drops its connections just before its parent can see it exit), e.g.
+        """Launched ranks that ended non-zero, waiting up to ``wait_s`` seconds in all, e.g.
         ``["rank 1 (pid 4242) was killed by SIGKILL"]``."""
         deadline = time.monotonic() + wait_s
         failed = []
