@@ -21,7 +21,8 @@ class Setting:
     """One row of the surface.
 
     Attributes:
-        kind: ``"trainer flag"``, ``"run setting"``, ``"strategy"``, ``"entry point"`` or ``"sweeper/launcher"``.
+        kind: ``"trainer flag"``, ``"run setting"``, ``"strategy"``, ``"entry point"``, ``"sweeper/launcher"``
+            or ``"model"`` (a kind of layer a user's model has; walked like a flag, and on 2 and 3 processes).
         name: what the user writes, e.g. ``trainer.accumulate_grad_batches=3``.
         overrides: ``train.py`` overrides that reach it (trainer flags: what the contract test runs).
         refused: the start of the one ``error:`` line for a refused setting; empty for a supported one.
@@ -217,6 +218,37 @@ SURFACE: tuple[Setting, ...] = (
         ),
         runs=r"hydra/launcher=submitit_local",
         note=SWEEP_SIGTERM,
+    ),
+    Setting(
+        "model",
+        "dropout: model=mlp model.dropout=0.5, or dpddp.nn.SampleDropout in a user's model",
+        ("model=mlp", "model.dropout=0.5"),
+        note="each sample's mask is a function of (seed, epoch, sample, layer): the same masks on any world size",
+    ),
+    Setting(
+        "model",
+        "BatchNorm (nn.BatchNorm1d/2d/3d) in a user's model",
+        ("model=mlp", "model._target_=users_models.BatchNormMLP", "model.optimizer=sgd", "model.lr=0.05"),
+        note="statistics over the global batch under ddp (trainer.sync_batchnorm=null: on; false: warned, not kept)",
+    ),
+    Setting(
+        "model",
+        "randomness from the global stream (nn.Dropout, torch.rand in a step)",
+        tested_by=(
+            "test_randomness.py::test_a_users_global_rng_model_stopped_mid_epoch_and_continued_equals_the_straight_run",
+            "test_randomness.py::test_under_ddp_a_global_rng_layer_is_named_in_one_line_at_start",
+        ),
+        runs=r"GlobalDropoutMLP",
+        note="each rank's random state travels in the checkpoint: promise 3 on the same world size; under more "
+        "than one replica promise 1 does not hold, and one line at start names the layers",
+    ),
+    Setting(
+        "model",
+        "an LR scheduler stepped each epoch (StepLR) or on a monitored metric (ReduceLROnPlateau)",
+        tested_by=("test_randomness.py::test_a_scheduler_continues_exactly_across_a_stop",),
+        runs=r"PlateauMLP",
+        note="a plateau step Lightning skips across a stop is taken again (not covered: a plateau scheduler "
+        "with interval=step)",
     ),
 )
 

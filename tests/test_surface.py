@@ -114,7 +114,89 @@ def test_16_bit_precision_is_refused_on_every_kind_of_replica():
         _check_precision(ok)
 
 
-ROWS = [s for s in SURFACE if s not in FLAGS and not s.refused]
+MODELS = [s for s in SURFACE if s.kind == "model" and not s.tested_by]
+VARIANTS = ["", "steps_per_execution=4", "trainer.accumulate_grad_batches=2"]
+# 805 training samples: 16 steps an epoch. The model's settings go with each row (a sweep's command line would
+# override a job's config).
+MODEL_BASE = [o for o in BASE if not o.startswith("model.")] + ["trainer.max_epochs=3", "data.batch_size=48"]
+MODEL_DEFAULTS = [o for o in BASE if o.startswith("model.")]
+
+
+def _model(setting) -> list[str]:
+    """The row's overrides after the suite's model settings (a group choice first: it resets the group)."""
+    groups = [o for o in setting.overrides if o.startswith("model=")]
+    return [*groups, *MODEL_DEFAULTS, *[o for o in setting.overrides if o not in groups]]
+
+
+def _state(run) -> dict[str, torch.Tensor]:
+    """Every tensor of the model in ``last.ckpt``: weights, running statistics and their counts."""
+    return torch.load(run / "checkpoints/last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+
+
+def _state_diff(a, b) -> float:
+    sa, sb = _state(a), _state(b)
+    assert sa.keys() == sb.keys()
+    return max((sa[k].double() - sb[k].double()).abs().max().item() for k in sa)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("setting", MODELS, ids=[s.name.split(":")[0] for s in MODELS])
+def test_a_models_stop_at_a_random_step_then_continued_equals_a_straight_run(tmp_path, setting, variant):
+    args = [*MODEL_BASE, *_model(setting), *([variant] if variant else [])]
+    train(compose_cfg(*args), tmp_path / "straight")
+    steps = _step(tmp_path / "straight")
+    k = 4 if "steps_per_execution" in variant else 1  # a stop inside an execution is its own test
+    stop = k * random.Random(setting.name + variant).randint(1, steps // k - 1)
+    train(compose_cfg(*args, f"trainer.max_steps={stop}"), tmp_path / "first")
+    assert _step(tmp_path / "first") == stop
+    train(compose_cfg(*args, f"ckpt_path={tmp_path / 'first/checkpoints/last.ckpt'}"), tmp_path / "continued")
+    assert _step(tmp_path / "continued") == steps
+    assert _state_diff(tmp_path / "continued", tmp_path / "straight") <= 1e-6
+
+
+def _job_config(overrides: list[str]) -> str:
+    """A ``# @package _global_`` config of ``train.py`` overrides (a group choice becomes a defaults override)."""
+    groups = [o.split("=", 1) for o in overrides if "=" in o and "." not in o.split("=", 1)[0] and o[0] != "+"]
+    groups = [(k, v) for k, v in groups if k in ("model", "data")]
+    values = OmegaConf.from_dotlist([o for o in overrides if o.split("=", 1)[0] not in dict(groups)])
+    defaults = "".join(f"  - override /{k}: {v}\n" for k, v in groups)
+    return "# @package _global_\n" + (f"defaults:\n{defaults}" if defaults else "") + OmegaConf.to_yaml(values)
+
+
+MODEL_JOBS = [(s, v, 2) for s in MODELS for v in VARIANTS] + [(s, "", 3) for s in MODELS]
+
+
+@pytest.mark.slow
+def test_each_model_on_two_and_three_processes_equals_one_process(tmp_path):
+    """Promise 1 on each model row: ddp on 2 processes with each variant, and on 3, as jobs of one sweep; the
+    weights and running statistics of one process (1e-5), and its step and metrics."""
+    rows = tmp_path / "conf" / "surface"
+    rows.mkdir(parents=True)
+    for i, (setting, variant, devices) in enumerate(MODEL_JOBS):
+        job = [*_model(setting), *([variant] if variant else []), f"devices={devices}"]
+        (rows / f"m{i}.yaml").write_text(_job_config(job))
+    args = ["-m", *MODEL_BASE, "strategy=ddp", f"hydra.searchpath=[file://{tmp_path}/conf]"]
+    args += [f"+surface={','.join(f'm{i}' for i in range(len(MODEL_JOBS)))}", f"hydra.sweep.dir={tmp_path}/sweep"]
+    env, tag = child_env(PYTHONPATH=str(ROOT / "tests"))
+    cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    sweep = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for i, (setting, variant, _) in enumerate(MODEL_JOBS):
+            train(compose_cfg(*MODEL_BASE, *_model(setting), *([variant] if variant else [])), tmp_path / f"one/{i}")
+        _, err = sweep.communicate(timeout=900)
+    finally:
+        sweep.kill()
+    assert sweep.returncode == 0, err[-3000:]
+    assert leftover(tag) == []
+    for i, (setting, variant, devices) in enumerate(MODEL_JOBS):
+        one, many, case = tmp_path / f"one/{i}", tmp_path / f"sweep/{i}", (setting.name, variant, devices)
+        assert metrics(many)["world_size"] == devices and _step(many) == _step(one), case
+        assert _state_diff(many, one) <= 1e-5, case
+        for key in ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc"):
+            assert metrics(many)[key] == pytest.approx(metrics(one)[key], abs=1e-5), (case, key)
+
+
+ROWS = [s for s in SURFACE if s not in FLAGS and s not in MODELS and not s.refused]
 NAMED = [(setting, name) for setting in ROWS for name in setting.tested_by]
 
 

@@ -41,3 +41,11 @@ class StepLRMLP(MLPClassifier):
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.2)
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.7)}
+
+
+class BatchNormMLP(MLPClassifier):
+    """``Linear -> BatchNorm1d -> ReLU`` in the first hidden layer."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.net.insert(1, nn.BatchNorm1d(self.hparams["hidden"][0]))
