@@ -594,3 +594,50 @@ def test_hydras_basic_launcher_is_the_target_the_sweep_summary_names():
             cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
             assert cfg.hydra.launcher._target_ == _compat.HYDRA_BASIC_LAUNCHER, overrides
     assert issubclass(get_class(_compat.HYDRA_BASIC_LAUNCHER), Launcher)
+
+
+def test_processed_epochs_reads_a_real_checkpoints_fit_loop(tmp_path):
+    """``processed_epochs`` on the checkpoint Lightning writes after 2 whole epochs; ``None`` without loops."""
+    trainer = pl.Trainer(max_epochs=2, limit_train_batches=3, limit_val_batches=0, logger=False, **_QUIET_BAR)
+    trainer.fit(BoringModel())
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    assert _compat.processed_epochs(torch.load(tmp_path / "c.ckpt", weights_only=True)) == 2
+    assert _compat.processed_epochs({"state_dict": {}}) is None
+
+
+class _Restarting(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        self.seen.append(_compat.fit_restarting(trainer))
+
+
+class _SaveAt(pl.Callback):
+    def __init__(self, path: Path, batch: int) -> None:
+        self.path, self.batch = path, batch
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.batch:
+            trainer.save_checkpoint(self.path)
+
+
+def test_fit_restarting_is_true_in_the_epoch_a_mid_epoch_checkpoint_restores_and_only_there(tmp_path):
+    flags = {"limit_train_batches": 5, "limit_val_batches": 0, "logger": False, **_QUIET_BAR}
+    first = pl.Trainer(max_epochs=1, callbacks=[_SaveAt(tmp_path / "mid.ckpt", 2)], default_root_dir=tmp_path, **flags)
+    first.fit(BoringModel())  # mid.ckpt: after 3 of 5 batches of epoch 0
+    seen = _Restarting()
+    again = pl.Trainer(max_epochs=2, callbacks=[seen], default_root_dir=tmp_path, **flags)
+    again.fit(BoringModel(), ckpt_path=tmp_path / "mid.ckpt", weights_only=True)
+    assert seen.seen == [True, True, False, False, False, False, False]  # the rest of epoch 0, then epoch 1
+
+
+def test_batchnorm_base_is_the_base_of_torchs_batchnorms():
+    for cls in (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm):
+        assert issubclass(cls, _compat.BatchNormBase)
+    assert not issubclass(torch.nn.LayerNorm, _compat.BatchNormBase)
+    layer = _compat.BatchNormBase(4)
+    assert set(layer.state_dict()) == {"weight", "bias", "running_mean", "running_var", "num_batches_tracked"}
+
+
+_QUIET_BAR = {"enable_progress_bar": False, "enable_model_summary": False}
