@@ -1,9 +1,5 @@
 """What the cluster says: the world size it started, the run directory its processes share, this process's rank.
-
-Processes started by torchrun, SLURM or a Kubernetes PyTorchJob each run Hydra themselves; the resolvers here
-make them agree on one run directory without ``hydra.run.dir`` (Hydra's default is a timestamp, which would
-differ per process) and keep ``.hydra/`` and ``train.log`` to global rank 0 (others log to ``rank<N>.log``).
-"""
+The resolvers keep ``.hydra/`` and ``train.log`` to global rank 0 (others log to ``rank<N>.log``)."""
 
 from __future__ import annotations
 
@@ -26,8 +22,7 @@ __all__ = [
 
 
 def env_rank() -> int:
-    """Global rank given by a launcher (``RANK`` from torchrun or a PyTorchJob, ``SLURM_PROCID`` under SLURM,
-    else 0). Our own DDP launcher's ranks never run Hydra, so they need no entry here."""
+    """Global rank given by a launcher: ``RANK`` (torchrun, a PyTorchJob), ``SLURM_PROCID``, else 0."""
     for key in ("RANK", "SLURM_PROCID"):
         if key in os.environ:
             return int(os.environ[key])
@@ -44,13 +39,9 @@ def process_name() -> str:
 
 
 def run_name() -> str:
-    """A run directory name every process of one run computes alike.
-
-    ``slurm-<SLURM_JOB_ID>`` (the same after a requeue, so the run resumes in place), ``torchrun-<run id>``
-    (torchrun's ``--rdzv-id``), ``torchrun-<date>-port<MASTER_PORT>`` for a static torchrun without a run id,
-    ``job-<date>-port<MASTER_PORT>`` for other launchers that set ``RANK``; otherwise the local date and time
-    ``<YYYY-MM-DD>/<HH-MM-SS>`` (one process, or our own launcher, whose ranks reuse rank 0's directory).
-    """
+    """A run directory name every process of one run computes alike: ``slurm-<SLURM_JOB_ID>``,
+    ``torchrun-<run id>``, ``torchrun-<date>-port<MASTER_PORT>``, ``job-<date>-port<MASTER_PORT>`` (``RANK`` set),
+    else ``<YYYY-MM-DD>/<HH-MM-SS>``."""
     if "SLURM_JOB_ID" in os.environ and "SLURM_NTASKS" in os.environ:
         return f"slurm-{os.environ['SLURM_JOB_ID']}"
     day = time.strftime("%Y-%m-%d")
@@ -100,11 +91,8 @@ KUBEFLOW_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 def stray_rank_variables(cluster: str, num_nodes: int) -> str | None:
     """Why this process's rank variables cannot be trusted (one line, ending with what to do), or ``None``.
 
-    They are trusted only as the complete set a real launcher sets: torchrun (``TORCHELASTIC_RUN_ID``), SLURM
-    (Lightning's ``SLURMEnvironment.detect``), a PyTorchJob (``cluster=kubeflow``: all of ``KUBEFLOW_VARIABLES``),
-    dpddp's own launcher (``DPDDP_LAUNCHED``), or ``NODE_RANK`` alone for a multi-node launch by hand
-    (``num_nodes > 1``, Lightning's own convention). Anything else was left behind by a shell, a container or an
-    earlier job: Lightning would wait for ranks nobody starts, or write as a rank other than 0.
+    Trusted under torchrun, SLURM, dpddp's launcher (``LAUNCHED_ENV``), ``cluster=kubeflow`` with all of
+    ``KUBEFLOW_VARIABLES``, or ``NODE_RANK`` alone with ``num_nodes > 1``.
     """
     from lightning.fabric.plugins.environments import SLURMEnvironment
 

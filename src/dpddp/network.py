@@ -1,11 +1,5 @@
 """Which local network interface the ranks of a multi-node run should use to reach each other (stdlib only).
-
-gloo picks the address it listens on and announces to its peers from the machine's hostname unless
-``GLOO_SOCKET_IFNAME`` names an interface; where the hostname resolves to a loopback address (``127.0.0.1`` or
-Debian's ``127.0.1.1``), the other nodes are told to connect to their own loopback and the run fails. NCCL has
-``NCCL_SOCKET_IFNAME`` for the same purpose. ``choose_interface`` sets both to the interface the kernel would use
-to reach ``MASTER_ADDR`` (the one every node already reaches rank 0's store through), unless the user set one.
-"""
+See docs/design-notes.md (network)."""
 
 from __future__ import annotations
 
@@ -26,9 +20,8 @@ _IF_INET6 = "/proc/net/if_inet6"  # Linux: one line per IPv6 address: hex addres
 
 
 def interface_address(name: str) -> str | None:
-    """The primary IPv4 address of the interface ``name`` (e.g. ``"198.18.0.2"``), or ``None`` if it has none,
-    does not exist, or the platform has no ``SIOCGIFADDR`` ioctl (Linux ``netdevice(7)``). Secondary addresses
-    (``ip addr add`` of a second address) are not seen."""
+    """The primary IPv4 address of interface ``name`` (e.g. ``"198.18.0.2"``), or ``None`` (none, no such
+    interface, or no ``SIOCGIFADDR``: Linux ``netdevice(7)``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
             reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
@@ -51,9 +44,8 @@ def _ipv6_interface(address: ipaddress.IPv6Address) -> str | None:
 
 
 def interface_for_address(address: str) -> str | None:
-    """The name of the local interface that holds ``address`` (an IP literal; an IPv6 one may carry a
-    ``%scope``), or ``None`` when no interface holds it. IPv4 is looked up with ``SIOCGIFADDR`` on every interface
-    of ``socket.if_nameindex()``; IPv6 with the scope id, else in ``/proc/net/if_inet6`` (Linux only)."""
+    """The name of the local interface holding ``address`` (an IP literal, IPv6 with an optional ``%scope``), or
+    ``None``."""
     host, _, scope = address.partition("%")
     try:
         ip = ipaddress.ip_address(host)
@@ -74,18 +66,11 @@ def interface_for_address(address: str) -> str | None:
 
 
 def route_interface(address: str, port: int = 9) -> tuple[str, str] | None:
-    """The local interface, and its address, through which this machine reaches ``address`` (a host name or an
-    IP literal), e.g. ``("eth1", "10.1.2.3")``; ``("lo", "127.0.0.1")`` for a loopback address.
+    """The kernel's choice of local interface and source address to reach ``address`` (host name or IP), e.g.
+    ``("eth1", "10.1.2.3")``, from a ``connect()``-ed UDP socket (no packet sent).
 
-    The kernel's own choice: a UDP socket is ``connect()``-ed to ``(address, port)`` (which only selects a
-    route and a source address, sending no packet) and the source address from ``getsockname()`` is mapped to an
-    interface with ``interface_for_address``. A host name is resolved with ``getaddrinfo`` (``/etc/hosts``,
-    then DNS), the first IPv4 or IPv6 answer that routes being used.
-
-    Returns:
-        ``None`` when the name does not resolve, no route leads to it (``ENETUNREACH``), or no interface holds
-        the source address (e.g. an IPv4 address that is not an interface's primary one). Never raises
-        ``OSError``.
+    ``None`` when the name does not resolve, nothing routes to it, or no interface holds the source address.
+    Never raises ``OSError``.
     """
     try:
         infos = socket.getaddrinfo(address, port, type=socket.SOCK_DGRAM)
@@ -108,19 +93,9 @@ def route_interface(address: str, port: int = 9) -> tuple[str, str] | None:
 
 
 def choose_interface(master_addr: str, environ: Mapping[str, str] | None = None) -> tuple[dict[str, str], str]:
-    """The socket-interface variables to set for a run whose rank 0 is at ``master_addr``, and one line saying
-    why, for the log.
-
-    Rule: when ``environ`` (default ``os.environ``) sets ``GLOO_SOCKET_IFNAME`` or ``NCCL_SOCKET_IFNAME`` (even
-    only one of them), nothing is set: the user's choice wins, and we do not second-guess the other variable.
-    Otherwise both are set to the interface ``route_interface(master_addr)`` finds: ``GLOO_SOCKET_IFNAME=<name>``
-    and ``NCCL_SOCKET_IFNAME==<name>`` (NCCL reads its value as name prefixes; a leading ``=`` means the exact
-    name). When no interface is found, nothing is set and gloo falls back to the hostname's address.
-
-    Returns:
-        ``({"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "=eth1"},
-        "GLOO_SOCKET_IFNAME=eth1 (routes to MASTER_ADDR=10.0.0.1 from 10.0.0.2)")``, or
-        ``({}, "GLOO_SOCKET_IFNAME=eth1 set by the user")``, or ``({}, "no interface routes to ...")``.
+    """The ``IFNAME_VARS`` to set for rank 0 at ``master_addr`` (``route_interface``) and a line for the log:
+    ``({"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "=eth1"}, "GLOO_SOCKET_IFNAME=eth1 (routes to ...)")``.
+    ``({}, why)`` when ``environ`` (default ``os.environ``) sets either variable or no interface routes there.
     """
     env = os.environ if environ is None else environ
     given = [f"{var}={env[var]}" for var in IFNAME_VARS if env.get(var)]

@@ -38,14 +38,10 @@ def _is_loopback(address: str | None) -> bool:
 
 
 def apply_interface(master_addr: str, num_nodes: int) -> str:
-    """Set ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` in ``os.environ`` to the interface that routes to
-    ``master_addr`` unless the user set either (``dpddp.network.choose_interface``); return the reason, for the
-    log. Gloo's pair sockets then bind that interface's address (without it, the address of the host name, often
-    a loopback address that other nodes cannot reach).
+    """Set ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` to the interface that routes to ``master_addr``
+    unless the user set either (``dpddp.network.choose_interface``); return the reason, for the log.
 
-    Raises:
-        ConfigError: ``num_nodes > 1`` and ``master_addr``, not a loopback address itself, is reached through
-            loopback here (e.g. a host name that ``/etc/hosts`` maps to 127.0.1.1): the other nodes cannot.
+    Raises ``ConfigError`` if ``num_nodes > 1`` and a non-loopback ``master_addr`` is reached through loopback here.
     """
     updates, why = choose_interface(master_addr)
     name = updates.get("GLOO_SOCKET_IFNAME")
@@ -59,18 +55,10 @@ def apply_interface(master_addr: str, num_nodes: int) -> str:
 
 
 class DDPStrategy(LightningDDPStrategy):
-    """Lightning's ``DDPStrategy`` whose launcher starts ranks from a ``RankJob``, with a timeout in seconds.
-
-    Args:
-        job: what launched ranks run. ``None`` keeps Lightning's launcher (re-running ``sys.argv``), which only
-            a plain script outside Hydra may use.
-        timeout_s: seconds a collective waits for a lost peer before the run fails (torch's default is 1800).
-        launch: how local ranks 1..n-1 start (with ``job`` only): ``"fork"`` (the launching process, with torch
-            and Lightning imported already), ``"exec"`` (``python -m dpddp.parallel.rank``), or ``"auto"``:
-            fork on CPU while CUDA is not initialised, exec otherwise.
-        **kwargs: passed to Lightning's ``DDPStrategy`` (``process_group_backend``, ``start_method``, and
-            ``torch.nn.parallel.DistributedDataParallel`` options such as ``find_unused_parameters``).
-    """
+    """Lightning's ``DDPStrategy`` whose launcher starts ranks from ``job`` (``None``: Lightning's, outside Hydra
+    only); ``timeout_s``: seconds a collective waits for a lost peer. ``launch``: ``"fork"``, ``"exec"``
+    (``python -m dpddp.parallel.rank``) or ``"auto"`` (fork on CPU while CUDA is not initialised).
+    ``**kwargs`` go to Lightning's ``DDPStrategy``."""
 
     def __init__(self, job: RankJob | None = None, timeout_s: float = 180.0, launch: str = "auto", **kwargs: Any):
         self.pg_timeout = timedelta(seconds=timeout_s)
@@ -85,8 +73,7 @@ class DDPStrategy(LightningDDPStrategy):
     @property
     @override
     def launcher(self) -> Launcher | None:
-        """Our ``JobLauncher`` for a ``popen`` launch with a job; else Lightning's. A public property that
-        Lightning reads at every ``fit``/``test`` (rather than the private ``_configure_launcher`` it calls)."""
+        """Our ``JobLauncher`` for a ``popen`` launch with a job; else Lightning's (read at every ``fit``/``test``)."""
         if self.job is None or self.start_method != "popen":
             return super().launcher
         if self._job_launcher is None:
@@ -108,15 +95,10 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        """Lightning's, after choosing the network interface (``apply_interface``, logged); under torchrun, in a
-        key prefix of this start's own in the agent's store (``dpddp.parallel.rendezvous.join_start``: the store
-        outlives a restart); with more than one node, this rank's ``PeerWatch`` runs from here on. On rank 0 of a
-        launch by our launcher the TCPStore takes the launcher's socket, bound to the address that routes to
-        ``MASTER_ADDR`` (``dpddp._compat.rank0_store``).
+        """Lightning's, after ``apply_interface``; under torchrun in this start's key prefix (``join_start``);
+        starts the ``PeerWatch`` on more than one node; rank 0's store takes the launcher's socket (``rank0_store``).
 
-        Raises:
-            ConfigError: see ``apply_interface``.
-            RankFailed: under torchrun, a rank did not join this start within ``strategy.timeout_s``.
+        Raises ``ConfigError`` (``apply_interface``), or ``RankFailed`` if a torchrun rank did not join in time.
         """
         assert self.cluster_environment is not None
         env = self.cluster_environment
@@ -152,8 +134,8 @@ class DDPStrategy(LightningDDPStrategy):
         init_process_group(env, backend, self.pg_timeout, self.root_device, store)
 
     def explain_failure(self, err: BaseException) -> str | None:
-        """With more than one node: the line naming the peer to blame for ``err`` (``PeerWatch.explain``), or
-        ``None`` when this rank's failure is its own, which is then reported to the peers. Stops the watch."""
+        """The line naming the peer to blame for ``err`` (``PeerWatch.explain``), or ``None`` (this rank's own
+        failure, reported to the peers). Stops the watch."""
         watch, self._peer_watch = self._peer_watch, None
         if watch is None or isinstance(err, (ConfigError, Preempted)):
             return None
@@ -164,8 +146,7 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """Stop this rank's ``PeerWatch`` cleanly (its peers do not call it lost; the next stage starts another
-        watch), then Lightning's teardown."""
+        """Stop this rank's ``PeerWatch`` cleanly, then Lightning's teardown."""
         if self._peer_watch is not None:
             self._peer_watch.stop()
             self._peer_watch = None

@@ -1,23 +1,8 @@
-"""A multi-node run's ranks watch each other through the rendezvous store, so that a lost node ends the run
-everywhere within ``strategy.timeout_s`` (plus a few seconds) with one line that names it.
+"""Heartbeats through the rendezvous store, so that a lost node ends a multi-node run everywhere within
+``strategy.timeout_s + 2 x BEAT_S`` seconds (plus a store round trip) with one line that names it.
 
-Gloo alone does not: a peer that dies before the process group has connected leaves the others retrying the
-connection for 5 x the timeout, and a peer that dies later fails the others' collectives with a broken
-connection that names an address, not a node. So every rank runs a ``PeerWatch`` thread that, every
-``BEAT_S`` seconds, adds 1 to its own counter ``<prefix>beat/<rank>`` in the store (``MASTER_ADDR``:
-``MASTER_PORT``: torchrun's agent store, or rank 0's; ``prefix`` is ``dpddp/0/``, or under torchrun this start's
-own, as the agent's store outlives a restart: ``dpddp.parallel.rendezvous``) and reads every other rank's. A
-counter that stops moving means that rank's process is gone, stopped or cut off; a rank that stops its watch
-cleanly (the end of a stage) takes ``LEFT`` off its counter, and a negative counter is never called lost (the
-rank adds it back when its next watch starts). A rank that fails writes its reason once, first one wins, to
-``<prefix>cause``. The watch ends its own process (``os._exit(1)``, the main thread may sit in a C++ wait no
-Python signal reaches) when a peer has not beaten for ``timeout_s``, when the store has not answered for
-``timeout_s`` (an operation that never returns included: the beats run in a second thread), or
-``CAUSE_GRACE_S`` after a peer reported a failure that the main thread has not ended on; so a silent peer or
-store ends the run within ``timeout_s + 2 x BEAT_S`` plus one store round trip. A rank whose training raised
-asks ``explain`` which peer was lost (waiting up to ``STALE_S`` + 1 s to see it).
-
-Costs: two threads per rank and ``world_size + 2`` store operations per rank every ``BEAT_S`` seconds.
+Keys: ``<prefix>beat/<rank>`` (a counter), ``<prefix>cause`` (the first failure reported). Costs: two threads
+and ``world_size + 2`` store operations per rank every ``BEAT_S`` seconds. See docs/design-notes.md (parallel.peers).
 """
 
 from __future__ import annotations
@@ -63,17 +48,9 @@ def describe_ranks(ranks: list[int], ranks_per_node: int) -> str:
 
 
 class PeerWatch(threading.Thread):
-    """The watch of one rank (see the module doc): this thread checks, a second one (``dpddp-peer-beat``) talks
-    to the store, so that a store operation that never returns (a silent node 0: torch's ``TCPStore`` client
-    waits for an answer for ever once its request was sent) cannot stop the check.
-
-    Args:
-        address, port: the rendezvous store (``MASTER_ADDR``, ``MASTER_PORT``).
-        rank, world_size, ranks_per_node: this rank and the run's shape (node of rank r: r // ranks_per_node).
-        timeout_s: seconds without a peer's heartbeat, or without an answer from the store (also at start-up,
-            before the store exists), after which this process exits with status 1.
-        prefix: the key prefix of this start (``join_start``'s under torchrun, whose store outlives restarts).
-    """
+    """One rank's watch of the store at ``address:port``: exits this process with status 1 after ``timeout_s``
+    seconds without a peer's heartbeat or a store answer, or ``CAUSE_GRACE_S`` after a peer reported a failure.
+    Node of rank r: ``r // ranks_per_node``; ``prefix``: this start's keys (``join_start``)."""
 
     def __init__(
         self, address: str, port: int, rank: int, world_size: int, ranks_per_node: int, timeout_s: float, prefix: str
@@ -95,9 +72,8 @@ class PeerWatch(threading.Thread):
         self._beater = threading.Thread(target=self._beat_loop, daemon=True, name="dpddp-peer-beat")
 
     def stop(self, clean: bool = True) -> None:
-        """End the watch: at the end of a stage (``clean``: the peers are told this rank left, so its silence
-        is not a loss), or when the run has failed and is ending by itself (``clean=False``). Never raises;
-        waits at most about ``_STORE_OP_S`` for the store."""
+        """End the watch (``clean``: tell the peers this rank left, so its silence is not a loss). Never raises;
+        waits at most about ``_STORE_OP_S`` seconds for the store."""
         self.stopped.set()
         if clean:
             self._store_op("tell the peers that this rank left", self._leave)
@@ -157,8 +133,7 @@ class PeerWatch(threading.Thread):
         self._cause = cause
 
     def _store_op(self, what: str, op: Callable[[torch.distributed.Store], object]) -> None:
-        """Run ``op`` on the store client (if there is one) from a helper thread, waiting at most about
-        ``_STORE_OP_S`` for it: the beat thread may hold the client in an operation that never returns."""
+        """Run ``op`` on the store client from a helper thread, waiting at most about ``_STORE_OP_S`` seconds."""
 
         def call() -> None:
             if not self._lock.acquire(timeout=_STORE_OP_S):
@@ -184,9 +159,8 @@ class PeerWatch(threading.Thread):
         os._exit(1)
 
     def explain(self) -> str | None:
-        """Why the run failed, when a peer is to blame: a peer's reported failure, node 0's store not answering,
-        or ``"node 1 (rank 1) lost: no heartbeat for 5 s"``; ``None`` when every peer still beats after up to
-        ``STALE_S`` + 1 s (the failure is this rank's own). Called from the main thread; blocks for that long."""
+        """The peer to blame for the run's failure (``"node 1 (rank 1) lost: no heartbeat for 5 s"``, a reported
+        cause, or node 0's store), or ``None`` if all still beat; blocks up to ``STALE_S`` + 1 seconds."""
         deadline = time.monotonic() + STALE_S + 1.0
         while True:
             now = time.monotonic()
@@ -203,8 +177,8 @@ class PeerWatch(threading.Thread):
             time.sleep(0.1)
 
     def report(self, line: str) -> None:
-        """Tell the peers why this rank is failing (kept only if no rank reported before). Never raises; waits
-        at most about ``_STORE_OP_S`` for the store."""
+        """Tell the peers why this rank is failing (the first report wins). Never raises; waits at most about
+        ``_STORE_OP_S`` seconds."""
         self._store_op(
             "report the failure to the store", lambda store: store.compare_set(f"{self.prefix}cause", "", line)
         )

@@ -1,18 +1,6 @@
-"""One start of a run's ranks agrees on a key prefix of its own in a rendezvous store that outlives it.
-
-Why: torchrun's agent hands its workers a store (``MASTER_ADDR``:``MASTER_PORT``, the agent's own
-``TCPStore``) that it keeps across ``--max-restarts``, and torch's ``env://`` rendezvous uses it without a
-per-attempt prefix. So the restarted workers find the keys of the failed attempt still there: gloo's
-``connectFullMesh`` reads a dead rank's pair address and retries ``Connection refused`` until the process group
-timeout (the hang of a restart that "sometimes" happened: only when the reading side is the one that connects).
-``TORCHELASTIC_RESTART_COUNT`` cannot serve as the prefix: it counts the restarts of one agent, and with several
-nodes an agent that restarts its healthy workers for a rejoining node does not count that restart.
-
-How: rank 0 writes a fresh random name to ``dpddp/start``, every other rank writes a fresh token under that name
-(``dpddp/<name>/join/<rank>``) and waits for rank 0 to list its token in ``dpddp/<name>/members``. A name left
-by an earlier start never lists a fresh token, so a rank that read it waits for ``dpddp/start`` to change and
-joins the new name. Every key of this start (the process group's, the heartbeats') then lives under
-``dpddp/<name>/``. Costs: a few store operations per rank, once per start.
+"""One start of a run's ranks agrees on a key prefix of its own (``dpddp/<name>/``) in a rendezvous store that
+outlives it (torchrun's agent store). Keys: ``dpddp/start``, ``dpddp/<name>/join/<rank>``, ``dpddp/<name>/members``.
+See docs/design-notes.md (parallel.rendezvous).
 """
 
 from __future__ import annotations
@@ -44,17 +32,11 @@ def _key(name: str, *parts: str) -> str:
 
 
 def join_start(store: Any, rank: int, world_size: int, ranks_per_node: int, timeout_s: float) -> str:
-    """Agree with the other ranks of this start on a fresh key prefix in ``store`` (a ``torch.distributed``
-    store shared with earlier starts); return it, e.g. ``"dpddp/3f2a.../"``.
+    """Agree with this start's other ranks on a fresh key prefix in ``store`` (a ``torch.distributed.Store``
+    shared with earlier starts) and return it, e.g. ``"dpddp/3f2a.../"``. Node of rank r: ``r // ranks_per_node``.
 
-    Args:
-        store: the rendezvous store (``set``, ``get``, ``check``, ``wait`` as ``torch.distributed.Store``).
-        rank, world_size, ranks_per_node: this rank and the run's shape (node of rank r: r // ranks_per_node).
-        timeout_s: how long rank 0 waits for every other rank to join, and another rank for rank 0.
-
-    Raises:
-        RankFailed: a rank did not join within ``timeout_s``; the message names the missing node(s) and rank(s)
-            (``"node 1 (rank 1) lost: not started within 30 s"``, or ``"node 0 (rank 0) lost: ..."``).
+    Raises ``RankFailed`` naming the missing node(s) and rank(s) if one did not join within ``timeout_s`` seconds
+    (``"node 1 (rank 1) lost: not started within 30 s"``).
     """
     if rank == 0:
         return _lead(store, world_size, ranks_per_node, timeout_s)
@@ -93,12 +75,9 @@ def _lead(store: Any, world_size: int, ranks_per_node: int, timeout_s: float) ->
 
 
 def torchrun_restarted() -> bool:
-    """Whether this worker belongs to a restart of its torchrun job: ``TORCHELASTIC_RESTART_COUNT`` > 0, or
-    the agent's store already holds an earlier start (``START_KEY``). The count alone is per agent: with
-    several nodes (c10d rendezvous), an agent that restarts its healthy workers because another node rejoined
-    does not count it, and its workers would take the run directory for another run's. Every rank of a restart
-    sees the earlier start, since it stays in the store. Outside torchrun, or when the store cannot be reached
-    within 10 s (a ``MASTER_ADDR`` that resolves wrongly here, refused later in one line): ``False``."""
+    """Whether this worker belongs to a restart of its torchrun job: ``TORCHELASTIC_RESTART_COUNT`` > 0, or the
+    agent's store holds an earlier start (``START_KEY``). ``False`` outside torchrun or if the store does not
+    answer within 10 s."""
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return True
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
