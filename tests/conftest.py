@@ -149,6 +149,15 @@ class SigtermAt(pl.Callback):
         self.seen += 1
 
 
+class SigkillAt(SigtermAt):
+    """Test helper: this process SIGKILLs itself at the end of training batch ``at`` (counted over the run)."""
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if self.seen == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.seen += 1
+
+
 class StopWhenFile(pl.Callback):
     """Test helper (``+callbacks.stop._target_=conftest.StopWhenFile +callbacks.stop.path=...``, with ``tests/`` on
     ``PYTHONPATH``): ends the fit as a limit would (exit 0, outputs written) at the end of the first training batch

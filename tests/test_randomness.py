@@ -3,7 +3,9 @@ distinct streams, and every LR scheduler Lightning steps continues exactly."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +57,20 @@ def test_a_users_global_rng_model_stopped_mid_epoch_and_continued_equals_the_str
 ):
     """Steps 17 (a limit) or 9 (SIGTERM after batch 8) lie inside an epoch of 12 steps."""
     args = [*BASE, "model._target_=users_models.GlobalDropoutMLP", "trainer.max_epochs=3"]
+    _stop_and_continue(tmp_path, args, stop)
+    assert _max_diff(tmp_path / "continued", dropout_straight) <= 1e-6
+
+
+@pytest.mark.parametrize("p", [0.2, 0.5])
+@pytest.mark.parametrize("stop", ["trainer.max_steps=17", "+callbacks.kill._target_=conftest.SigtermAt"])
+def test_the_builtin_dropout_stopped_mid_epoch_and_continued_equals_the_straight_run(tmp_path, p, stop):
+    args = [*BASE, f"model.dropout={p}", "trainer.max_epochs=3"]
+    train(compose_cfg(*args), tmp_path / "straight")
+    _stop_and_continue(tmp_path, args, stop)
+    assert _max_diff(tmp_path / "continued", tmp_path / "straight") <= 1e-6
+
+
+def _stop_and_continue(tmp_path: Path, args: list[str], stop: str) -> None:
     stopping = [stop, "+callbacks.kill.at=8"] if "kill" in stop else [stop]
     try:
         train(compose_cfg(*args, *stopping), tmp_path / "run")
@@ -63,7 +79,6 @@ def test_a_users_global_rng_model_stopped_mid_epoch_and_continued_equals_the_str
     assert 0 < _state(tmp_path / "run")["global_step"] % 12
     train(compose_cfg(*args, f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}"), tmp_path / "continued")
     assert _state(tmp_path / "continued")["global_step"] == 36
-    assert _max_diff(tmp_path / "continued", dropout_straight) <= 1e-6
 
 
 def test_without_its_random_state_the_same_continue_differs(tmp_path, dropout_straight):
@@ -78,13 +93,18 @@ def test_without_its_random_state_the_same_continue_differs(tmp_path, dropout_st
 
 
 @pytest.mark.parametrize("model", ["PlateauMLP", "StepLRMLP"])
-@pytest.mark.parametrize("stop", ["trainer.max_epochs=3", "trainer.max_steps=29"])
+@pytest.mark.parametrize("stop", ["trainer.max_epochs=3", "trainer.max_steps=29", "+callbacks.kill.at=29"])
 def test_a_scheduler_continues_exactly_across_a_stop(tmp_path, model, stop):
-    """A plateau scheduler on val/loss and an epoch scheduler, stopped at an epoch's end or inside an epoch and
-    continued to 6 epochs: the straight run's weights and learning rate."""
+    """A plateau scheduler on val/loss and an epoch scheduler, stopped at an epoch's end, by a limit inside an
+    epoch, or by SIGTERM inside an epoch, and continued to 6 epochs: the straight run's weights and learning
+    rate."""
     args = [*BASE, f"model._target_=users_models.{model}"]
     train(compose_cfg(*args, "trainer.max_epochs=6"), tmp_path / "straight")
-    train(compose_cfg(*args, "trainer.max_epochs=6", stop), tmp_path / "run")
+    stopping = [stop, "+callbacks.kill._target_=conftest.SigtermAt"] if "kill" in stop else [stop]
+    try:
+        train(compose_cfg(*args, "trainer.max_epochs=6", *stopping), tmp_path / "run")
+    except Exception as err:  # the SIGTERM stop ends with Preempted
+        assert "stopped by SIGTERM" in str(err)
     train(
         compose_cfg(*args, "trainer.max_epochs=6", f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}"),
         tmp_path / "c",
@@ -109,3 +129,19 @@ def test_under_ddp_a_global_rng_layer_is_named_in_one_line_at_start(tmp_path):
     builtin = run_train(*common, "model=mlp", "model.dropout=0.5", "hydra.run.dir=b", cwd=tmp_path, env=env)
     assert builtin.returncode == 0, builtin.stderr[-2000:]
     assert "global random stream" not in builtin.stdout + builtin.stderr
+
+
+@pytest.mark.slow
+def test_a_plateau_scheduler_killed_by_sigkill_and_resumed_equals_the_straight_run(tmp_path):
+    """SIGKILL after batch 40 (epoch 3 of 6): ``resume=true`` continues from the epoch-3 ``last.ckpt``."""
+    args = ["accelerator=cpu", "model=mlp", "model._target_=users_models.PlateauMLP", "data.num_samples=1024"]
+    args += ["trainer.max_epochs=6", "hydra.run.dir=run"]
+    train(compose_cfg(*QUIET, *args[:-1]), tmp_path / "straight")
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent)])}
+    kill = ["+callbacks.kill._target_=conftest.SigkillAt", "+callbacks.kill.at=40"]
+    killed = run_train(*args, *kill, cwd=tmp_path, env=env)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert _state(tmp_path / "run")["global_step"] == 36  # the last epoch-end checkpoint
+    resumed = run_train(*args, "resume=true", cwd=tmp_path, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _max_diff(tmp_path / "run", tmp_path / "straight") <= 1e-6
