@@ -598,7 +598,9 @@ def test_hydras_basic_launcher_is_the_target_the_sweep_summary_names():
 
 def test_processed_epochs_reads_a_real_checkpoints_fit_loop(tmp_path):
     """``processed_epochs`` on the checkpoint Lightning writes after 2 whole epochs; ``None`` without loops."""
-    trainer = pl.Trainer(max_epochs=2, limit_train_batches=3, limit_val_batches=0, logger=False, **_QUIET_BAR)
+    trainer = pl.Trainer(
+        max_epochs=2, limit_train_batches=3, limit_val_batches=0, logger=False, default_root_dir=tmp_path, **_QUIET_BAR
+    )
     trainer.fit(BoringModel())
     trainer.save_checkpoint(tmp_path / "c.ckpt")
     assert _compat.processed_epochs(torch.load(tmp_path / "c.ckpt", weights_only=True)) == 2
