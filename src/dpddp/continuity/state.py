@@ -73,23 +73,11 @@ def set_random_state(state: dict[str, Any]) -> None:
 
 
 class ResumableState(pl.Callback):
-    """Saves and loads ``checkpoint["dpddp"]`` and edits the checkpoint's loop counters, on every rank.
+    """Saves and loads ``checkpoint["dpddp"]`` (throughput counts, epoch table, train-loss sums, every rank's random
+    state, due plateau values, ``steps_per_execution``) and edits the checkpoint's loop counters, on every rank.
+    Collective at save (a sum and a gather). The order of save and load: docs/design-notes.md (continuity.state).
 
-    Save, in this order: (1) the epoch table's pending row is completed; (2) a fit stopped inside an epoch
-    (a limit, SIGTERM) is recorded as unfinished, and an execution cut by ``max_steps`` as not done, so the
-    continued run restores inside the epoch and the sampler skips what was trained; (3) the unfinished epoch's
-    train-loss sums of all ranks (a sum over ranks); (4) every rank's random state (a gather); (5) the entry:
-    throughput counts, epoch table, train-loss sums, random states, the monitored values of plateau steps
-    still due at an epoch-end checkpoint (``schedulers``), ``steps_per_execution``.
-
-    Load: the counts and the table; the sums on rank 0 (the epoch-end sync counts them once on any world size);
-    each rank's random state, on the same world size only, set where the straight run stood: at the first
-    training batch after a mid-epoch checkpoint, at the start of training after an epoch-end one. At
-    ``setup`` every rank seeds its own stream (``rank_seed``). A run EarlyStopping ended stays ended. Once the
-    restored epoch has ended, the plateau steps Lightning skipped are taken.
-
-    Raises:
-        ConfigError: at load, a checkpoint of another ``steps_per_execution``.
+    Raises ``ConfigError`` at load: a checkpoint of another ``steps_per_execution``.
     """
 
     def __init__(

@@ -1,15 +1,7 @@
-"""The one owner of SIGTERM: every handler dpddp installs is installed here, each saving the handler it finds
-and composing with it, and putting it back when its scope ends (the pattern of Lightning's signal connector).
-
-Three scopes, innermost first:
-
-- the training loop (``StepBoundaryStop``): a SIGTERM sets a flag; the ranks agree on it at step ends and
-  stop at the next optimizer-step boundary with ``last.ckpt``, raising ``Preempted``;
-- a run (``run_stops``): outside the loop (start-up, the test or predict after the fit) a SIGTERM raises
-  ``Preempted`` with the run's ``last.ckpt``, unless a sweep's handler is there to take it;
-- a sweep (``start``, ``watch``): a SIGTERM to any process of a sweep stops the whole sweep through a file,
-  ``<sweep dir>/.stop``, that every process of it sees (launchers' workers outlive the sweep's process and
-  end jobs without a checkpoint, so they cannot be asked); a stopped job stays resumable.
+"""The one owner of SIGTERM: every handler dpddp installs is installed here, composing with the one it finds and
+putting it back when its scope ends. Scopes, innermost first: the training loop (``StepBoundaryStop``), a run
+(``run_stops``), a sweep (``start``, ``watch``: the stop file ``<sweep dir>/.stop``). See docs/design-notes.md
+(continuity.stop).
 """
 
 from __future__ import annotations
@@ -143,15 +135,9 @@ def run_stops(output_dir: Path) -> Iterator[dict[str, pl.Trainer]]:
 
 
 class StepBoundaryStop(pl.Callback):
-    """Stops the fit on SIGTERM within about ``interval_s`` seconds, on every rank, with ``last.ckpt``.
-
-    While the loop runs, a SIGTERM to any process (or all) only sets a flag, and stops the sweep too. Under DDP
-    the ranks agree on it with one ``all_reduce(MAX)`` every ``n`` steps, ``n`` (1 to 1000) re-derived at each
-    check from the slowest rank's step time so checks come every ``interval_s``; one process checks every step.
-    Lightning's own handler is replaced for the loop (it broadcasts from rank 0 inside the handler), and its
-    per-step broadcast of its flag turned off. On agreement every rank writes ``last.ckpt`` at the end of the
-    first batch that closed an accumulation window (no gradient outside the checkpoint) and raises
-    ``Preempted``.
+    """Stops the fit on SIGTERM to any rank within about ``interval_s`` seconds, on every rank, at an optimizer-step
+    boundary: writes ``last.ckpt`` under ``dirpath`` and raises ``Preempted``. Under DDP, one ``all_reduce(MAX)``
+    every 1 to 1000 steps (docs/design-notes.md, continuity.stop).
     """
 
     def __init__(self, dirpath: str | Path, interval_s: float = 1.0) -> None:

@@ -1,12 +1,6 @@
-"""``steps_per_execution=K``: one Lightning loop iteration carries ``K`` global batches and takes ``K`` optimizer
-steps, so the loop's fixed cost is paid once per
-``K`` steps. Keras's ``steps_per_execution`` is the same idea; here it is built from Lightning's manual
-optimization, so every step still goes through Lightning's backward and optimizer wrappers (precision plugins,
-DDP's gradient all-reduce before each backward, the ``on_before_*`` hooks) and ``trainer.global_step`` counts
-optimizer steps.
-
-The data side is ``GlobalBatchSampler(steps_per_execution=K)``: each training item is ``[k, b]`` ids (this rank's
-chunks of ``k <= K`` global batches), so every tensor of a batch has a leading ``[k, b]``.
+"""``steps_per_execution=K`` (as Keras's): one Lightning loop iteration carries ``K`` global batches and takes
+``K`` optimizer steps through manual optimization; ``trainer.global_step`` counts optimizer steps. Every tensor
+of a training batch has a leading ``[k, b]`` (``GlobalBatchSampler``). See docs/design-notes.md (run.executions).
 """
 
 from __future__ import annotations
@@ -33,10 +27,8 @@ STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_st
 
 
 def lean_steps(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
-    """Whether a step may skip Lightning's per-step wrappers: the precision is plain 32-bit (Lightning's base
-    ``Precision``) and no callback or the module overrides a hook of ``STEP_HOOKS`` (nor the module
-    ``backward``), so those wrappers would call only no-ops. On 2 CPU cores they cost about as much as a tiny
-    step itself (three callback hooks, each through every callback and a profiler context: bench/)."""
+    """Whether a step may skip Lightning's per-step wrappers: plain 32-bit ``Precision`` and no callback or module
+    override of ``STEP_HOOKS`` (nor of the module's ``backward``)."""
     if type(trainer.precision_plugin) is not Precision:
         return False
     if any(is_overridden(hook, module, pl.LightningModule) for hook in (*STEP_HOOKS, "backward")):
@@ -45,30 +37,13 @@ def lean_steps(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
 
 
 class StepsPerExecution(pl.Callback):
-    """Runs ``module``'s own ``training_step`` (written for one global batch, returning its loss) ``k`` times per
-    Lightning training step, each followed by ``zero_grad``, ``manual_backward`` and the optimizer's ``step``:
-    what automatic optimization does per step, in the same order, so the weights equal ``K=1``'s. When
-    ``lean_steps`` holds, each step calls what those wrappers would reach and nothing else: the strategy's
-    ``pre_backward`` (DDP's reducer set-up) and ``post_backward``, ``loss.backward()``, and the optimizer step
-    counted in ``global_step`` (``dpddp._compat.counted_step``); a profiler then sees the execution, not its steps.
+    """Runs ``module``'s ``training_step`` (one global batch ``[b, ...]``, returning its loss) for each of the
+    ``k`` rows of an execution batch ``[k, b, ...]``, each followed by ``zero_grad``, backward and ``step``, so the
+    weights equal ``K=1``'s. ``steps``: ``K`` (>= 2); ``module``'s ``training_step`` is replaced on the instance.
+    An execution stops at ``trainer.max_steps`` and sets ``cut``.
 
-    Args:
-        module: a LightningModule with automatic optimization, one optimizer and no LR scheduler (checked at
-            ``on_train_start``); its ``training_step`` is replaced on the instance, and its
-            ``automatic_optimization`` set to ``False``.
-        steps: ``K``, global batches per execution (>= 2).
-
-    The wrapped ``training_step`` gets each global batch's tensors (``[b, ...]``: the ``[k, b, ...]`` execution
-    batch indexed at ``i``) and Lightning's ``batch_idx`` of the execution. An execution stops early at
-    ``trainer.max_steps``, so ``max_steps`` is exact; ``cut`` then tells the resumable state to count the cut
-    execution as not done, so a continued run's loop count and the sampler's (aligned executions, the rest of
-    the cut one first) agree and it ends with a straight run's weights.
-
-    Raises:
-        ConfigError: at construction, a module with manual optimization; at ``on_train_start``, more than one
-            optimizer or an LR scheduler (manual optimization does not step schedulers); at a step, a
-            ``training_step`` that returned ``None`` (a skipped step would leave the data ahead of
-            ``global_step``).
+    Raises ``ConfigError``: a module with manual optimization (at construction); more than one optimizer or an LR
+    scheduler (``on_train_start``); a ``training_step`` that returned ``None``.
     """
 
     def __init__(self, module: pl.LightningModule, steps: int) -> None:

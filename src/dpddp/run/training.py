@@ -45,31 +45,16 @@ STAGES = ("fit", "validate", "test", "predict")
 
 
 def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: dict | None = None) -> dict[str, Any]:
-    """Run ``cfg`` (see ``conf/config.yaml``): check it, build the model and data from their ``_target_``, and
-    run ``stage`` under the configured strategy.
+    """Check ``cfg``, build its model and data, and run ``stage`` (``"fit"``: fit, test, and predict with
+    ``predict=true``; else that stage alone on ``ckpt_path``). Rank 0 writes checkpoints, ``metrics.json``,
+    ``metrics.csv`` and (with matplotlib) ``curves.png`` into ``output_dir``.
 
-    Args:
-        cfg: the composed config.
-        output_dir: the run directory shared by all ranks; checkpoints, logger files and ``metrics.json`` go
-            there (written by global rank 0 only).
-        stage: ``"fit"``: fit, then test the final weights (and predict with ``predict=true``); ``"validate"``,
-            ``"test"`` or ``"predict"``: that stage alone, on the weights of ``ckpt_path``.
-        extra: more entries for ``metrics.json`` (a sweep job records its overrides there).
+    Returns the metrics of ``metrics.json``, the same on every rank: losses are means over samples, accuracies
+    fractions, ``samples_per_sec`` training samples/s over all processes and segments, ``wall_time_s`` and
+    ``train_time_s`` seconds, ``segments`` a count; ``extra`` entries are added.
 
-    Returns:
-        The metrics of ``metrics.json`` (the same on every rank: they are synced sums and counts): losses are
-        means over samples, accuracies fractions, ``samples_per_sec`` steady-state training samples per second
-        over all processes and all segments of the run, ``wall_time_s`` seconds from the call to the end,
-        ``train_time_s`` training seconds over all segments (the first fit and each resume; see
-        ``EpochRecord``) and ``segments`` their number.
-
-    Also on rank 0: ``<output_dir>/metrics.csv`` (one row per epoch, see ``EpochRecord``) and, when matplotlib
-    is installed, ``<output_dir>/curves.png`` (``dpddp.report.curves``).
-
-    Raises:
-        ConfigError: a bad setting (see ``dpddp.run.config.check_config``), before any process is started.
-        RankFailed: a launched rank ended with a non-zero status and the run failed with it.
-        Preempted: stopped by SIGTERM, with a checkpoint to resume from.
+    Raises ``ConfigError`` (before any process starts), ``RankFailed`` (a launched rank failed) or ``Preempted``
+    (SIGTERM, with a checkpoint to resume from).
     """
     with run_stops(Path(output_dir)) as running:
         return _train(cfg, Path(output_dir), stage, extra, running)
