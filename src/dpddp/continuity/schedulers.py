@@ -1,10 +1,5 @@
-"""The epoch-interval ``ReduceLROnPlateau`` steps Lightning skips across a stop, found and taken again.
-
-Lightning steps a plateau scheduler after the epoch-end hooks, so a ``last.ckpt`` written at the epoch's end
-precedes that step, and a fit restored inside an epoch skips it at that epoch's end (its metrics are not in the
-checkpoint). The resumable state records the monitored values of the steps still due when it saves, and takes
-every skipped step once the restored epoch has ended, as the straight run did.
-"""
+"""The epoch-interval ``ReduceLROnPlateau`` steps Lightning skips across a stop, found and taken again
+(docs/design-notes.md, continuity.schedulers)."""
 
 from __future__ import annotations
 

@@ -106,12 +106,10 @@ def _resume_command(overrides: list[str], output_dir: Path, multirun: bool) -> s
 def run_job(cfg: DictConfig) -> float:
     """Run one Hydra job, the composed ``cfg``, in Hydra's output directory; return ``val/loss`` for sweepers.
 
-    A relative ``ckpt_path`` is taken from where the command ran. Every sweep job, and a single run given
-    ``resume=true`` and its ``hydra.run.dir``, continues from its ``checkpoints/last.ckpt`` (a job complete with
-    the same overrides is skipped). A known error is one ``error:`` line and its exit status (``dpddp.errors``);
-    in a sweep, a failed or diverged job writes its ``error.txt`` and returns ``nan``, so the sweep goes on.
-    Under a local launcher a SIGTERM stops the whole sweep (``dpddp.continuity.stop``); elsewhere it ends the
-    process with the line that resumes the run or sweep.
+    A relative ``ckpt_path`` is taken from where the command ran. Sweep jobs, and a run with ``resume=true``,
+    continue from ``checkpoints/last.ckpt`` (a complete job is skipped). A known error is one ``error:`` line and
+    its exit status; in a sweep, a failed or diverged job writes ``error.txt`` and returns ``nan``. A SIGTERM stops
+    the whole sweep under a local launcher, else ends the process with the line that resumes it.
     """
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
@@ -254,12 +252,11 @@ def main() -> None:
     exit 2, before Hydra starts."""
     if problem := unknown_option(sys.argv[1:]):
         fail(problem)
-    # What is imported by now (torch, Lightning, Hydra: ~700,000 objects) lives as long as the process: out of the
-    # collector's sight, each collection of the oldest generation is milliseconds instead of ~0.3 s (one fell in
-    # every run's start-up), and collection is on again if train.py turned it off for the imports.
+    # What is imported by now lives as long as the process: keep it out of the collector's sight (and collection
+    # on again if train.py turned it off for the imports).
     gc.freeze()
     gc.enable()
-    # The final collections over what the run built cost ~1 s of every run (bench/).
+    # No full collections over what the run built, at exit.
     atexit.register(gc.freeze)
     with hydra_mode_unset() if sets_no_mode(sys.argv[1:]) else nullcontext():
         _hydra_main()

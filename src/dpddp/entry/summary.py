@@ -101,15 +101,10 @@ def end_sweep(sweep_dir: Path, cut_short: bool = False) -> None:
 
 
 class SweepSummary(HydraCallback):
-    """Hydra callback: at the end of a multirun, writes ``summary.csv`` and ``summary.md`` at the sweep root,
-    one row per job directory (jobs of an earlier, resumed run of the same sweep included; ``wall_time_s``: the
-    job's last invocation, ``train_time_s`` and ``segments``: its training over all of them), prints the table,
-    writes ``curves.png`` (one colour per job) when matplotlib is installed, and exits with status 1 if any
-    job failed or did not finish.
-
-    Under a local launcher (``LOCAL_LAUNCHERS``) a SIGTERM to the sweep's process, or to any of its jobs, stops
-    the sweep (``dpddp.continuity.stop``): at the end the summary is written as always, then one line gives the
-    command that resumes the sweep, and the exit status is 143."""
+    """Hydra callback: at a multirun's end, writes ``summary.csv``, ``summary.md`` (one row per job directory,
+    resumed ones included; ``wall_time_s``: the last invocation, ``train_time_s``: all) and, with matplotlib,
+    ``curves.png`` at the sweep root, and prints the table. Exits 1 if a job failed or did not finish; 143 with
+    the resume command if a SIGTERM stopped the sweep under a ``LOCAL_LAUNCHERS`` launcher."""
 
     @override
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:

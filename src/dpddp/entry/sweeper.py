@@ -1,10 +1,6 @@
-"""What the Optuna sweeper of ``hparams_search=optuna`` (``hydra_plugins.dpddp_sweeper``, where Hydra finds
-plugins) adds to hydra-optuna-sweeper's: a failed trial is recorded as failed instead of ending the search.
-
-A job returning ``nan`` (failed, recorded by ``dpddp.entry.hydra.run_job``, or diverged) would make the plugin
-raise; the wrapped launcher hands it back as a failed job, which Optuna records as ``TrialState.FAIL`` and goes
-on (``max_failure_rate: 1.0``, ``conf/hydra/sweeper/dpddp_optuna.yaml``). A search stopped by SIGTERM
-(``dpddp.continuity.stop``) launches no further trials and ends with the summary and the line that resumes it."""
+"""What the Optuna sweeper of ``hparams_search=optuna`` (``hydra_plugins.dpddp_sweeper``) adds to
+hydra-optuna-sweeper's: a job returning ``nan`` is recorded as ``TrialState.FAIL`` instead of ending the search
+(``conf/hydra/sweeper/dpddp_optuna.yaml``); a search stopped by SIGTERM launches no further trials."""
 
 from __future__ import annotations
 

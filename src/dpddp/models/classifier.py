@@ -1,8 +1,5 @@
-"""``Classifier``: the training, metrics and optimizer of the built-in models, which add only their layers.
-
-It meets dpddp's metric contract (README, "Bring your own model and data"): ``train/loss``, ``val/loss``,
-``val/acc``, ``test/loss``, ``test/acc``, each logged once per epoch from synced sums and counts, and a train
-loss that survives a mid-epoch checkpoint."""
+"""``Classifier``: the training, metrics and optimizer of the built-in models, which add only their layers; it
+meets dpddp's metric contract (README, "Bring your own model and data")."""
 
 from __future__ import annotations
 
@@ -21,26 +18,16 @@ OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 
 
 class Classifier(pl.LightningModule):
-    """Cross-entropy classification with exact per-stage metrics; a subclass builds its layers and ``forward``
+    """Cross-entropy classification over ``num_classes``; a subclass builds its layers and ``forward``
     (``x: [batch, ...] -> logits [batch, num_classes]``) and calls ``save_hyperparameters()`` (``optimizer``,
-    ``lr``, ``momentum``, ``weight_decay`` are read from ``hparams``).
+    ``lr``, ``momentum``, ``weight_decay``).
 
-    Args:
-        num_classes: output classes.
-
-    Logs at epoch end, synced over all processes by torchmetrics (sums and counts, so every sample counts
-    once whatever the world size): ``train/loss``, ``val/loss``, ``val/acc``, ``test/loss``, ``test/acc``.
-    Losses are means over samples. Nothing here knows ranks or devices: the Trainer's strategy owns them.
-
-    Per training step the only bookkeeping is one in-place add of the detached loss into a running sum; the
-    ``train_loss`` metric takes that sum once per epoch (a per-step ``MeanMetric.update`` cost ~0.3 ms of a
-    ~1 ms step on small batches: ``bench/``). ``train_loss_sums`` and ``carry_train_loss`` let a mid-epoch
-    checkpoint carry the running sum, so a resumed run reports the uninterrupted run's ``train/loss``.
+    Logs at epoch end, from sums and counts synced over all processes: ``train/loss``, ``val/loss``, ``val/acc``,
+    ``test/loss``, ``test/acc`` (losses are means over samples). The train loss's running sum survives a
+    mid-epoch checkpoint (``train_loss_sums``, ``carry_train_loss``).
     """
 
-    # Lightning sets ``_current_fx_name`` (``dpddp._compat``) on the module around every hook it calls (~20 times
-    # per training step); ``nn.Module.__setattr__`` spends microseconds each checking parameters, buffers and
-    # submodules.
+    # Set around every hook call (dpddp._compat.HOOK_NAME_ATTRIBUTE): skip nn.Module.__setattr__'s checks.
     _PLAIN_ATTRIBUTES = frozenset({HOOK_NAME_ATTRIBUTE})
 
     def __init__(self, num_classes: int) -> None:

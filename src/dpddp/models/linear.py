@@ -13,17 +13,8 @@ __all__ = ["OPTIMIZERS", "LinearClassifier"]
 
 class LinearClassifier(Classifier):
     """Logistic regression: ``logits = x @ W.T + b``, ``x: [batch, num_features] -> [batch, num_classes]``.
-
-    Args:
-        num_features: input features per sample.
-        num_classes: output classes.
-        optimizer: ``"sgd"`` (with ``momentum``) or ``"adam"``.
-        lr: learning rate.
-        momentum: SGD momentum (ignored by Adam).
-        weight_decay: L2 penalty.
-
-    Training, metrics and the optimizer: ``Classifier``.
-    """
+    ``optimizer``: ``"sgd"`` (with ``momentum``) or ``"adam"``; ``weight_decay``: L2 penalty. Training, metrics
+    and the optimizer: ``Classifier``."""
 
     def __init__(
         self,

@@ -13,21 +13,11 @@ __all__ = ["MLPClassifier"]
 
 
 class MLPClassifier(Classifier):
-    """``x: [batch, num_features] -> logits [batch, num_classes]`` through hidden layers of ``Linear -> ReLU``
-    (``-> SampleDropout`` when ``dropout > 0``: per-sample masks, ``dpddp.nn``).
+    """``x: [batch, num_features] -> logits [batch, num_classes]`` through ``Linear -> ReLU`` layers of widths
+    ``hidden`` (each followed by ``SampleDropout(dropout)`` when ``dropout > 0``). ``optimizer``: ``"sgd"`` (with
+    ``momentum``) or ``"adam"``; ``weight_decay``: L2 penalty. Training and metrics: ``Classifier``.
 
-    Args:
-        num_features: input features per sample.
-        num_classes: output classes.
-        hidden: widths of the hidden layers (at least one, each >= 1).
-        dropout: dropout probability after each hidden layer (0 = none).
-        optimizer: ``"sgd"`` (with ``momentum``) or ``"adam"``.
-        lr: learning rate.
-        momentum: SGD momentum (ignored by Adam).
-        weight_decay: L2 penalty.
-
-    Raises:
-        ValueError: ``hidden`` empty or with a width below 1, or ``dropout`` outside ``[0, 1)``.
+    Raises ``ValueError``: ``hidden`` empty or with a width below 1, or ``dropout`` outside ``[0, 1)``.
     """
 
     def __init__(

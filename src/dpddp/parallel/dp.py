@@ -1,9 +1,6 @@
-"""The ``dp`` strategy that Lightning 2.x removed: one process, the forward replicated over GPUs.
-
-``DataParallelStrategy`` (registered as ``"dp"``, world size 1) replaces the LightningModule's ``forward`` for a
-run by ``torch.nn.DataParallel`` over the GPUs; the loss, backward, optimizer step and metrics run once on the
-root device. Lightning's accelerator connector fills ``parallel_devices`` of any strategy that has the attribute
-from the Trainer's ``devices`` (checked on Lightning 2.6.6; ``test_strategies`` fails if that stops).
+"""The ``dp`` strategy that Lightning 2.x removed: one process, the forward replicated over GPUs by
+``torch.nn.DataParallel``; loss, backward, optimizer step and metrics run once on the root device. Relies on
+Lightning's accelerator connector filling ``parallel_devices`` (Lightning 2.6.6; ``test_strategies`` fails if not).
 """
 
 from __future__ import annotations

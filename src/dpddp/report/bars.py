@@ -14,16 +14,14 @@ __all__ = ["BAR_INTERVAL_S", "RichBar", "TQDMBar"]
 
 
 def _bar_metrics(items: dict[str, Any]) -> dict[str, Any]:
-    """The bar's items without ``v_num`` (the logger's version: a directory name, not a metric) and
-    ``train/loss`` (logged in the model's ``on_train_epoch_end``, which Lightning calls after the bar's own, so
-    the bar would show the previous epoch's value; the epoch line and ``metrics.csv`` have the right one)."""
+    """The bar's items without ``v_num`` (a directory name) and ``train/loss`` (logged after the bar's epoch end,
+    so the bar would show the previous epoch's value)."""
     return {k: v for k, v in items.items() if k not in ("v_num", "train/loss")}
 
 
 BAR_INTERVAL_S = 0.1
-"""The bar shows at most 10 updates a second (Lightning's bars update at every batch, and a tiny training step
-takes less time than an update: the rich bar cost ~30% of W3's steps on 2 cores, bench/), and always a loop's
-last batch."""
+"""Seconds between two bar updates of a loop (Lightning's update at every batch, which can cost more than a tiny
+step); a loop's last batch is always shown."""
 
 
 class _ThrottledBar(ProgressBar):

@@ -21,15 +21,9 @@ REQUIRED = {"fit": ("train/loss", "val/loss", "val/acc"), "test": ("test/loss", 
 
 
 class MetricContract(pl.Callback):
-    """Warns, once per name, when the model breaks the metric contract:
-
-    - a name of ``REQUIRED`` not logged: ``metrics.json`` has ``null`` for it, and a checkpoint or sweep that
-      monitors it has nothing to compare;
-    - under more than one process, a ``val/*`` or ``test/*`` value logged as a plain tensor: Lightning averages
-      per-step values per rank, then the ranks' means (``sync_dist=True``), or keeps rank 0's alone (without):
-      not the mean over every sample once. Exact values come from torchmetrics ``Metric`` objects (synced sums
-      and counts) passed to ``self.log``.
-    """
+    """Warns, once per name, when the model breaks the metric contract: a name of ``REQUIRED`` not logged
+    (``metrics.json`` has ``null``), or, under more than one process, a ``val/*`` or ``test/*`` value logged as a
+    plain tensor instead of a torchmetrics ``Metric`` (not the mean over every sample once)."""
 
     def __init__(self, tally: FitTally | None = None) -> None:
         self.warned: set[str] = set()

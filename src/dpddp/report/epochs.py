@@ -36,13 +36,9 @@ class EpochTable:
 
 class EpochRecord(pl.Callback):
     """One ``fit`` row per finished epoch in ``<output_dir>/metrics.csv`` (rank 0; ``EPOCH_COLUMNS``), with
-    ``lines=True`` one log line each (``epoch 3/10: train/loss=0.2231 val/loss=0.1823 val/acc=0.9658 (0.21 s,
-    24,300 samples/s)``), and a ``test`` row after a test. ``epoch_s`` runs from the epoch's start to its end,
-    validation included. A resumed run rewrites the table from the checkpoint's rows and extends it.
-
-    Lightning calls callbacks' ``on_train_epoch_end`` before the module's, where ``train/loss`` is logged, so a
-    row is completed at the next hook: ``flush`` (the state owner calls it before a checkpoint is written), the
-    next epoch's start or the end of training. ``train_time_s`` counts each segment from ``on_train_start``.
+    ``lines=True`` one log line each (``epoch 3/10: train/loss=... (0.21 s, 24,300 samples/s)``), and a ``test``
+    row after a test. ``epoch_s`` (seconds) includes validation; ``train_time_s`` sums the segments. A resumed
+    run extends the checkpoint's rows. A row is completed at ``flush``, the next epoch's start or the fit's end.
     """
 
     TIME_KEY = "perf/train_time_s"

@@ -11,13 +11,9 @@ __all__ = ["FitTally"]
 
 
 class FitTally(pl.Callback):
-    """Counts of the running fit, read by the other reporters; it must come before them in the callback list.
-
-    ``stepped``: this fit took a training step (a finished run continued takes none). ``validated_step``: the
-    global step of the fit's last validation (``None`` before any). ``epoch_validated``: a validation ran in the
-    current epoch. ``batches``: global batches the last training batch trained (one, or with
-    ``steps_per_execution > 1`` the optimizer steps it took; an execution cut by ``max_steps`` counts less).
-    """
+    """Counts of the running fit, read by the other reporters (it must come before them in the callback list):
+    ``stepped`` (a training step taken), ``validated_step`` (global step of the last validation, or ``None``),
+    ``epoch_validated``, and ``batches`` (global batches the last training batch trained)."""
 
     def __init__(self, steps_per_execution: int = 1) -> None:
         self.by_steps = steps_per_execution > 1
