@@ -23,7 +23,7 @@ from torch import nn
 from dpddp.errors import ConfigError
 from dpddp.parallel import batchnorm
 from dpddp.parallel.batchnorm import BatchNormSync, GlobalBatchNorm, batchnorm_plugins, convert, revert
-from dpddp.run.trainer import build_trainer
+from dpddp.run.assembly import build_trainer
 
 TOL = 1e-5
 STEPS = 3

@@ -13,7 +13,7 @@ import torch
 from conftest import QUIET, child_env, compose_cfg, leftover, max_diff, weights
 
 from dpddp.data.synthetic import make_tensors
-from dpddp.entry.cli import main
+from dpddp.entry.lightning_cli import main
 from dpddp.run.training import train
 
 pytestmark = pytest.mark.slow
@@ -149,7 +149,7 @@ def test_ckpt_path_last_continues_the_newest_run_in_its_directory(tmp_path, cli_
 
 def test_the_resume_line_continues_the_run_in_its_directory(tmp_path):
     """The ``resume with`` command of a stopped CLI run: the same arguments, the run's root and its last.ckpt."""
-    from dpddp.entry.cli import _resume_command
+    from dpddp.entry.lightning_cli import _resume_command
 
     run = tmp_path / "my runs" / "lightning_logs" / "version_3"
     given = ["--trainer.max_epochs=4", "--ckpt_path=old.ckpt", "--trainer.default_root_dir=old"]

@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import ConfigError
 from dpddp.models.linear import LinearClassifier
+from dpddp.run.assembly import build_strategy
 from dpddp.run.config import check_config
-from dpddp.run.trainer import build_strategy
 
 
 def _defaults(cls):
@@ -148,7 +148,7 @@ def test_corrupt_checkpoint_is_one_clean_line(tmp_path, content):
 def test_cluster_kubeflow_selects_lightnings_kubeflow_environment(tmp_path, monkeypatch):
     from lightning.fabric.plugins.environments import KubeflowEnvironment
 
-    from dpddp.run.trainer import build_trainer
+    from dpddp.run.assembly import build_trainer
 
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29999", WORLD_SIZE="1", RANK="0").items():
         monkeypatch.setenv(key, value)

@@ -11,8 +11,8 @@ from omegaconf import open_dict
 from omegaconf.errors import GrammarParseError
 
 from dpddp.errors import ConfigError
+from dpddp.run.assembly import build_trainer
 from dpddp.run.config import allowed_keys, check_config
-from dpddp.run.trainer import build_trainer
 
 BASE = compose_cfg("accelerator=cpu")
 junk = st.one_of(st.text(max_size=12), st.lists(st.integers(), max_size=2), st.just(None), st.booleans())

@@ -16,7 +16,7 @@ from PIL import Image
 from dpddp.report.bars import RichBar, TQDMBar
 from dpddp.report.curves import write_plot
 from dpddp.report.epochs import EPOCH_COLUMNS
-from dpddp.run import trainer as trainer_module
+from dpddp.run import assembly
 from dpddp.run.training import train
 
 SMALL = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none"]
@@ -100,7 +100,7 @@ def test_the_bar_shows_at_most_ten_updates_a_second_and_every_loops_last_batch(t
     0.1 s of the last one shown, never the last batch of a loop (so it ends where Lightning's does)."""
     base = RichProgressBar if kind == "rich" else TQDMProgressBar
     if kind == "tqdm":  # the tqdm bar is the one without rich installed
-        monkeypatch.setattr(trainer_module, "RichBar", TQDMBar)
+        monkeypatch.setattr(assembly, "RichBar", TQDMBar)
     shown: dict[str, list[int]] = {}
 
     def spy(hook, update):

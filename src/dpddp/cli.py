@@ -1,6 +1,6 @@
-"""``python -m dpddp.cli``: the Lightning CLI (``dpddp.entry.cli``; the console script ``dpddp`` is the same)."""
+"""``python -m dpddp.cli``: the Lightning CLI (``dpddp.entry.lightning_cli``; the console script ``dpddp``)."""
 
-from dpddp.entry.cli import main
+from dpddp.entry.lightning_cli import main
 
 if __name__ == "__main__":
     main()

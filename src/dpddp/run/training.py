@@ -30,9 +30,9 @@ from dpddp.report.epochs import EpochRecord
 from dpddp.report.metrics import METRIC_KEYS, write_metrics
 from dpddp.report.tally import FitTally
 from dpddp.report.throughput import Throughput
+from dpddp.run.assembly import build_trainer
 from dpddp.run.config import check_config
 from dpddp.run.executions import StepsPerExecution
-from dpddp.run.trainer import build_trainer
 
 __all__ = ["METRIC_KEYS", "STAGES", "isolated_job", "train", "train_rank"]
 
