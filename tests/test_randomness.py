@@ -145,3 +145,40 @@ def test_a_plateau_scheduler_killed_by_sigkill_and_resumed_equals_the_straight_r
     resumed = run_train(*args, "resume=true", cwd=tmp_path, env=env)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _max_diff(tmp_path / "run", tmp_path / "straight") <= 1e-6
+
+
+NOISY = ["accelerator=cpu", "logger=none", *QUIET, "data=dataset", "+data.dataset._target_=users_models.NoisyBlobs"]
+NOISY += ["model=mlp", "model.num_features=16", "model.num_classes=4", "data.batch_size=32", "trainer.max_epochs=3"]
+# 600 samples: 480 train, 15 batches of 32 an epoch
+
+
+def test_a_data_set_with_set_epoch_is_told_each_epoch_of_the_data():
+    from users_models import NoisyBlobs
+
+    from dpddp.data.global_batch import GlobalBatchDataModule
+
+    module = GlobalBatchDataModule(NoisyBlobs(), batch_size=32)
+    module.setup("fit")
+    loader = module.train_dataloader()
+    loader.sampler.set_epoch(2)
+    assert module.splits["train"].dataset.epoch == 2
+    first = next(iter(loader))[0]
+    loader.sampler.set_epoch(3)
+    assert module.splits["train"].dataset.epoch == 3 and not torch.equal(first, next(iter(loader))[0])
+
+
+def test_augmentation_keyed_by_the_sample_continues_exactly_across_a_stop(tmp_path):
+    train(compose_cfg(*NOISY), tmp_path / "straight")
+    train(compose_cfg(*NOISY, "trainer.max_steps=22"), tmp_path / "run")  # inside epoch 1
+    train(compose_cfg(*NOISY, f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}"), tmp_path / "continued")
+    assert _max_diff(tmp_path / "continued", tmp_path / "straight") <= 1e-6
+
+
+@pytest.mark.slow
+def test_augmentation_keyed_by_the_sample_is_the_same_on_two_processes_and_with_loader_workers(tmp_path):
+    train(compose_cfg(*NOISY), tmp_path / "one")
+    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    for name, extra in (("two", ["strategy=ddp", "devices=2"]), ("workers", ["data.num_workers=1"])):
+        proc = run_train(*NOISY, *extra, f"hydra.run.dir={name}", cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert _max_diff(tmp_path / name, tmp_path / "one") <= 1e-5, name

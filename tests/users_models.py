@@ -1,12 +1,15 @@
 """Models a user writes by subclassing the built-in MLP (``model=mlp model._target_=users_models.X``, with
-``tests/`` on the import path): randomness from the global RNG, and LR schedulers Lightning steps."""
+``tests/`` on the import path): randomness from the global RNG, LR schedulers Lightning steps, BatchNorm; and a
+data set with per-sample augmentation."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from dpddp.models.mlp import MLPClassifier
+from dpddp.nn import sample_generator
 
 
 class GlobalDropoutMLP(MLPClassifier):
@@ -49,3 +52,24 @@ class BatchNormMLP(MLPClassifier):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.net.insert(1, nn.BatchNorm1d(self.hparams["hidden"][0]))
+
+
+class NoisyBlobs(Dataset):
+    """Gaussian blobs with augmentation: each sample's noise is drawn from ``sample_generator(seed, epoch, i)``,
+    the epoch told by the data module (``set_epoch``)."""
+
+    def __init__(self, num_samples: int = 600, num_features: int = 16, num_classes: int = 4, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(0, num_classes, (num_samples,), generator=g)
+        self.x = 2 * torch.randn(num_classes, num_features, generator=g)[self.y]
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = torch.randn(self.x.shape[1], generator=sample_generator(self.seed, self.epoch, int(i)))
+        return self.x[i] + noise, self.y[i]

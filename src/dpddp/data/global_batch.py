@@ -66,6 +66,7 @@ class GlobalBatchSampler(DistributedSampler):
         # training: where the data stream stands, (epoch, global batches done), read as each epoch's iteration starts
         self.position: Callable[[], tuple[int, int]] | None = None
         self._yielded: dict[int, tuple[int, torch.Tensor]] = {}  # training: position in the epoch -> (epoch, ids)
+        self.on_epoch: Callable[[int], None] | None = None  # told each epoch of the data (a data set's set_epoch)
 
     def ids_at(self, position: int) -> tuple[int, torch.Tensor] | None:
         """``(epoch, ids)`` of the training item at ``position`` (Lightning's ``batch_idx``), or ``None``;
@@ -81,8 +82,11 @@ class GlobalBatchSampler(DistributedSampler):
         return ids
 
     def set_epoch(self, epoch: int) -> None:
-        """Called by Lightning at each epoch start; selects that epoch's permutation."""
+        """Called by Lightning at each epoch start, before the loader's workers copy the data set; selects that
+        epoch's permutation and tells ``on_epoch``."""
         self.epoch = epoch
+        if self.on_epoch is not None:
+            self.on_epoch(epoch)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -128,6 +132,8 @@ class GlobalBatchSampler(DistributedSampler):
     def __iter__(self) -> Iterator[torch.Tensor]:
         if self.position is not None:  # a generator: this runs at the first batch, after Lightning's restore
             self.epoch, self.skip = self.position()
+            if self.on_epoch is not None:  # the data's own epoch (num_workers=0: what the data set sees)
+                self.on_epoch(self.epoch)
         order = self._epoch_order()
         skip, self.skip = self.skip, 0
         b, k, steps = self.batch_size, self.steps_per_execution, self.steps_per_epoch
@@ -217,9 +223,13 @@ class GlobalBatchDataModule(pl.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        """Training batches; each epoch starts at ``dpddp._compat.data_position`` (a resume skips those trained)."""
+        """Training batches; each epoch starts at ``dpddp._compat.data_position`` (a resume skips those trained).
+        A data set with ``set_epoch(epoch)`` is told each epoch (for ``dpddp.nn.sample_generator``)."""
         loader = self._loader("train")
         sampler = loader.sampler
+        data = getattr(self.splits["train"], "dataset", None)
+        if callable(set_epoch := getattr(data, "set_epoch", None)):  # per-sample augmentation keyed by the epoch
+            sampler.on_epoch = set_epoch  # type: ignore[attr-defined]
         if self.trainer is not None:
             assert isinstance(sampler, GlobalBatchSampler)
             by_steps = partial(step_position, self.trainer, sampler.steps_per_epoch)
