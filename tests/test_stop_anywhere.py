@@ -9,6 +9,8 @@ import lightning.pytorch as pl
 import pytest
 from conftest import QUIET, compose_cfg, max_diff, metrics, weights
 
+from dpddp.continuity.stop import run_stops, starting_up
+from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import Preempted
 from dpddp.run.training import train
 
@@ -54,6 +56,28 @@ def test_a_sigterm_during_start_up_stops_before_any_checkpoint(tmp_path):
         train(compose_cfg(*BASE, *_kill("setup")), tmp_path / "run")
     assert stop.value.path is None and str(stop.value) == "stopped by SIGTERM before its first checkpoint"
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the run's handler is gone with it
+
+
+class SigtermInInit(RandomTensorDataModule):
+    """A data module whose construction gets a SIGTERM (``instantiate`` would wrap an exception raised there)."""
+
+    def __init__(self, **kwargs) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        super().__init__(**kwargs)
+
+
+def test_a_sigterm_while_building_the_data_is_preempted_not_a_failure_of_that_step(tmp_path):
+    """Not ``instantiate``'s wrapped error (exit 1), nor a config error naming the class (exit 2)."""
+    with pytest.raises(Preempted) as stop:
+        train(compose_cfg(*BASE, "data._target_=test_stop_anywhere.SigtermInInit"), tmp_path / "run")
+    assert stop.value.path is None and str(stop.value) == "stopped by SIGTERM before its first checkpoint"
+
+
+def test_a_sigterm_during_start_up_is_held_to_its_end(tmp_path):
+    with pytest.raises(Preempted), run_stops(tmp_path) as scope, starting_up(scope):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert scope.held  # still running: the import or build in progress is not interrupted
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
 def test_a_sigterm_while_testing_under_a_sweeps_handler_is_preempted_not_a_silent_exit(tmp_path):

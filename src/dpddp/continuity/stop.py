@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from dpddp._compat import disable_sigterm_broadcast, restore_sigterm_broadcast
 from dpddp.errors import Preempted
 
 __all__ = ["ENV", "STOP_FILE", "StepBoundaryStop", "active", "clear", "request", "requested", "run_stops"]
-__all__ += ["start", "watch"]
+__all__ += ["RunScope", "start", "starting_up", "watch"]
 
 ENV = "DPDDP_SWEEP_STOP"
 """The environment variable naming the stop file of the sweep this process belongs to."""
@@ -100,35 +101,61 @@ def clear() -> None:
 # -- the run -----------------------------------------------------------------------------------------------
 
 
+@dataclass
+class RunScope:
+    """A run's SIGTERM scope: its trainer once built; during ``starting_up`` a SIGTERM is held to the end of it
+    (raised inside an import or an ``instantiate`` it would be reported as that step's failure)."""
+
+    output_dir: Path
+    trainer: pl.Trainer | None = None
+    starting: bool = False
+    held: bool = False
+
+    def preempted(self) -> Preempted:
+        last = self.output_dir / "checkpoints" / "last.ckpt"
+        step = self.trainer.global_step if self.trainer is not None else 0
+        return Preempted(last if last.is_file() else None, step)
+
+
 @contextmanager
-def run_stops(output_dir: Path) -> Iterator[dict[str, pl.Trainer]]:
+def run_stops(output_dir: Path) -> Iterator[RunScope]:
     """A run's scope: a SIGTERM raises ``Preempted`` with ``<output_dir>/checkpoints/last.ckpt`` (if written)
     and the global step; a handler found here (a sweep's) takes the signal instead, and Lightning's evaluation
     loop then ends its stage with ``SIGTERMException`` (a ``SystemExit`` of status 0), which becomes
-    ``Preempted`` too. Yields a dict that takes the run's ``"trainer"``."""
-    running: dict[str, pl.Trainer] = {}
+    ``Preempted`` too."""
+    scope = RunScope(output_dir)
     if not _on_main_thread():
-        yield running
+        yield scope
         return
-
-    def preempted() -> Preempted:
-        last = output_dir / "checkpoints" / "last.ckpt"
-        trainer = running.get("trainer")
-        return Preempted(last if last.is_file() else None, trainer.global_step if trainer is not None else 0)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         if callable(previous):
             previous(signum, frame)
-            return
-        raise preempted()
+        elif scope.starting:
+            scope.held = True
+        else:
+            raise scope.preempted()
 
     previous = _install(on_sigterm)
     try:
-        yield running
+        yield scope
     except SIGTERMException as err:
-        raise preempted() from err
+        raise scope.preempted() from err
     finally:
         _put_back(previous)
+
+
+@contextmanager
+def starting_up(scope: RunScope) -> Iterator[None]:
+    """The run's start-up (the check, building the model, data and trainer): a SIGTERM in it raises
+    ``Preempted`` when it ends."""
+    scope.starting = True
+    try:
+        yield
+    finally:
+        scope.starting = False
+    if scope.held:
+        raise scope.preempted()
 
 
 # -- the training loop -------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpddp.cluster import LAUNCHED_ENV, env_rank
 from dpddp.continuity.state import save_final_checkpoint
-from dpddp.continuity.stop import run_stops
+from dpddp.continuity.stop import RunScope, run_stops, starting_up
 from dpddp.errors import ConfigError, Preempted, RankFailed, first_line
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import RankJob
@@ -60,22 +60,21 @@ def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: di
         return _train(cfg, Path(output_dir), stage, extra, running)
 
 
-def _train(
-    cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, running: dict[str, pl.Trainer]
-) -> dict[str, Any]:
+def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, running: RunScope) -> dict[str, Any]:
     start = time.perf_counter()
-    check_config(cfg, stage)
-    if cfg.get("print_config") and env_rank() == 0 and not os.environ.get(LAUNCHED_ENV):  # once per run
-        log.info("config:\n" + OmegaConf.to_yaml(cfg, resolve=True))
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = instantiate(cfg.data, _convert_="all")
-    model = instantiate(cfg.model, _convert_="all")
-    steps = cfg.get("steps_per_execution", 1)
-    executions = StepsPerExecution(model, steps) if steps > 1 and stage == "fit" else None
-    if executions is not None:
-        datamodule.steps_per_execution = steps
-    job = RankJob(entry=f"{__name__}:train_rank", config=_resolved(cfg, stage), output_dir=str(output_dir))
-    trainer = running["trainer"] = build_trainer(cfg, output_dir, job, executions, model=model)
+    with starting_up(running):
+        check_config(cfg, stage)
+        if cfg.get("print_config") and env_rank() == 0 and not os.environ.get(LAUNCHED_ENV):  # once per run
+            log.info("config:\n" + OmegaConf.to_yaml(cfg, resolve=True))
+        pl.seed_everything(cfg.seed, workers=True, verbose=False)
+        datamodule = instantiate(cfg.data, _convert_="all")
+        model = instantiate(cfg.model, _convert_="all")
+        steps = cfg.get("steps_per_execution", 1)
+        executions = StepsPerExecution(model, steps) if steps > 1 and stage == "fit" else None
+        if executions is not None:
+            datamodule.steps_per_execution = steps
+        job = RankJob(entry=f"{__name__}:train_rank", config=_resolved(cfg, stage), output_dir=str(output_dir))
+        trainer = running.trainer = build_trainer(cfg, output_dir, job, executions, model=model)
     metrics = _run_stages(trainer, model, datamodule, cfg, stage)
     result: dict[str, Any] = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(
