@@ -399,3 +399,33 @@ def test_ddp_with_sync_batchnorm_false_trains_warns_once_and_differs_from_one_pr
     assert len(lines) == 1 and "WARNING" in lines[0] and "2 processes: net.1 normalise each process's" in lines[0]
     one, two = _net(bn_project / "one"), _net(bn_project / "unsynced")
     assert max((one[k] - two[k]).abs().max().item() for k in one) > 1e-3
+
+
+def _eval_without_running_stats(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    layer = GlobalBatchNorm(3, track_running_stats=False).eval()
+    x = torch.arange(24.0).view(8, 3) ** 1.5
+    torch.save(layer(x.chunk(world)[rank]).detach(), out)
+    torch.distributed.destroy_process_group()
+
+
+def test_without_running_statistics_evaluation_normalises_over_the_global_batch_too(tmp_path):
+    """``track_running_stats=False``: an eval forward uses batch statistics, taken over every process's share."""
+    x = torch.arange(24.0).view(8, 3) ** 1.5
+    expected = torch.nn.BatchNorm1d(3, track_running_stats=False).eval()(x).detach()
+    assert GlobalBatchNorm(3, track_running_stats=False).eval()(x).allclose(expected)  # one process: torch's own
+    port, context = _free_port(), multiprocessing.get_context("fork")
+    outs = [str(tmp_path / f"{rank}.pt") for rank in range(2)]
+    procs = [context.Process(target=_eval_without_running_stats, args=(r, 2, port, outs[r])) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    got = torch.cat([torch.load(out, weights_only=True) for out in outs])
+    assert got.allclose(expected, atol=1e-5) and not GlobalBatchNorm(3, track_running_stats=False).eval()(
+        x[:4]
+    ).allclose(expected[:4], atol=1e-3)  # a share's own statistics would differ

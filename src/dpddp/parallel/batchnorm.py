@@ -55,9 +55,10 @@ def _group_size(group: Any) -> int:
 class GlobalBatchNorm(BatchNormBase):
     """BatchNorm with the global batch's training statistics over ``process_group`` (``None``: the world).
 
-    Input ``[N, C, *]`` (``C = num_features``), output the same shape. Training on more than one process: the
-    per-channel count, sum and sum of squares (float64) are summed over the group; running statistics as
-    ``nn.BatchNorm*``. Otherwise ``nn.BatchNorm*``'s forward; same parameters, buffers and ``state_dict`` keys.
+    Input ``[N, C, *]`` (``C = num_features``), output the same shape. Batch statistics (training, or any forward
+    without running statistics) on more than one process: the per-channel count, sum and sum of squares
+    (float64) are summed over the group; running statistics as ``nn.BatchNorm*``. Otherwise ``nn.BatchNorm*``'s
+    forward; same parameters, buffers and ``state_dict`` keys.
 
     Raises ``ValueError``: input of fewer than 2 dims; in training, at most one value per channel globally.
     """
@@ -85,7 +86,8 @@ class GlobalBatchNorm(BatchNormBase):
 
     @override
     def forward(self, input: Tensor) -> Tensor:
-        if not self.training or _group_size(self.process_group) <= 1:
+        batch_statistics = self.training or self.running_mean is None  # eval without running statistics too
+        if not batch_statistics or _group_size(self.process_group) <= 1:
             return super().forward(input)
         self._check_input_dim(input)
         channels = input.size(1)
@@ -107,7 +109,7 @@ class GlobalBatchNorm(BatchNormBase):
             out = out * self.weight.view(shape)
         if self.bias is not None:
             out = out + self.bias.view(shape)
-        if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
+        if self.training and self.running_mean is not None and self.running_var is not None:
             self._update_running_stats(mean.detach(), var.detach() * (n / (n - 1)))
         return out
 
@@ -126,6 +128,10 @@ class GlobalBatchNorm(BatchNormBase):
 def batchnorm_modules(model: nn.Module) -> list[str]:
     """The qualified names of the BatchNorm modules in ``model`` (``""``: ``model`` itself)."""
     return [name for name, module in model.named_modules() if isinstance(module, BatchNormBase)]
+
+
+def _tracked(module: nn.Module) -> bool:
+    return getattr(module, "running_mean", None) is not None
 
 
 def _lazy(module: nn.Module) -> bool:
@@ -209,6 +215,12 @@ class BatchNormSync(LayerSync):
             converted = convert(model, self.cuda)
             if lazy := [name for name, module in converted.named_modules() if _lazy(module)]:
                 _warn(f"lazy BatchNorm modules not yet initialised are not synced: {_names(lazy)}")
+            untracked = [n for n, m in converted.named_modules() if isinstance(m, BatchNormBase) and not _tracked(m)]
+            if untracked:
+                _warn(
+                    f"{_names(untracked)} keep no running statistics (track_running_stats=False): validation in the "
+                    "fit uses the global batch's, but test and predict after it each process's own share"
+                )
             return converted
         if names := batchnorm_modules(model):
             _warn(
