@@ -110,8 +110,9 @@ def test_any_directory_name_survives_hydras_override_parser(name):
     assert parsed.value() == name
 
 
-def test_the_printed_resume_command_parses_back_to_the_run_directory(tmp_path):
+def test_the_printed_resume_command_parses_back_to_the_run_directory(tmp_path, monkeypatch):
     run_dir = tmp_path / "runs" / "my run é, it's"
+    monkeypatch.setattr(sys, "argv", ["train.py", "strategy=ddp", "devices=2", "hydra.run.dir=old"])
     command = _resume_command(["strategy=ddp", "devices=2", "hydra.run.dir=old"], run_dir, multirun=False)
     argv = shlex.split(command)
     assert argv[:2] == ["python", "train.py"] and argv[2:5] == ["strategy=ddp", "devices=2", "resume=true"]
@@ -225,3 +226,22 @@ def test_an_unknown_preset_exits_2_in_one_line(tmp_path):
         "error: experiment=nope is unknown: choose one of compute_heavy"
     ]
     assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize(
+    "argv,program",
+    [
+        (["/venv/bin/dpddp-train", "--config-dir", "conf", "model=mine"], ["dpddp-train", "--config-dir", "conf"]),
+        (
+            ["/proj/train.py", "-cd=conf", "-cn", "mine", "seed=1"],
+            ["python", "/proj/train.py", "-cd=conf", "-cn", "mine"],
+        ),
+        (["train.py", "seed=1"], ["python", "train.py"]),
+    ],
+)
+def test_the_printed_resume_command_starts_the_program_as_it_was_started(tmp_path, monkeypatch, argv, program):
+    """The installed command by its name, a file by the path typed, and Hydra's config options kept: a user's own
+    project has no train.py, and its configs are found only through ``--config-dir``."""
+    monkeypatch.setattr(sys, "argv", argv)
+    command = shlex.split(_resume_command(["model=mine"], tmp_path, multirun=False))
+    assert command[: len(program)] == program and command[len(program)] == "model=mine"

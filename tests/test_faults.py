@@ -214,7 +214,7 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(tmp_pat
     assert len(line) == 1, err[-2000:]
     command = shlex.split(line[0].split("resume with ", 1)[1])  # the printed command, run as it is
     if entry == "train.py":
-        assert command[:2] == ["python", "train.py"] and "model.optimizer=adam" in command
+        assert command[:2] == ["python", str(ROOT / "train.py")] and "model.optimizer=adam" in command
         assert "resume=true" in command
         command = command[2:]
     else:

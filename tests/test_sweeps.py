@@ -191,7 +191,7 @@ def test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resum
     assert not (sweep / "1/metrics.json").exists() and not (sweep / ".stop").exists()
 
     command = shlex.split(lines[0].split("resume with ", 1)[1])
-    assert command[:2] == ["python", "train.py"] and "hydra.sweep.dir=" + str(sweep) in command
+    assert command[:2] == ["python", str(ROOT / "train.py")] and "hydra.sweep.dir=" + str(sweep) in command
     stamp = (sweep / "0/metrics.json").stat().st_mtime_ns
     again, seen = _sweep_watched(command[2:], tmp_path, env)
     assert again.returncode == 0, again.err[-3000:]

@@ -90,7 +90,7 @@ def sweep_resume_command(sweep_dir: Path) -> str:
     """In the sweep's own process: its command line with its ``hydra.sweep.dir`` (absolute), to paste into a shell
     (complete jobs are skipped, interrupted ones resume), whatever the directory's name."""
     sweep = f"hydra.sweep.dir={hydra_value(str(sweep_dir.absolute()))}"
-    return resume_command(["python", "train.py"], sys.argv[1:], ("hydra.sweep.dir=",), [sweep])
+    return resume_command(_program(), sys.argv[1:], ("hydra.sweep.dir=",), [sweep])
 
 
 def _resume_command(overrides: list[str], output_dir: Path, multirun: bool) -> str:
@@ -100,7 +100,34 @@ def _resume_command(overrides: list[str], output_dir: Path, multirun: bool) -> s
     if multirun:
         return sweep_resume_command(output_dir.parent)
     add = ["resume=true", f"hydra.run.dir={hydra_value(str(output_dir))}"]
-    return resume_command(["python", "train.py"], overrides, ("resume=", "hydra.run.dir="), add)
+    return resume_command(invoked_as(), overrides, ("resume=", "hydra.run.dir="), add)
+
+
+CONFIG_OPTIONS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
+"""Hydra's command-line options that choose the configs a command composes (kept in a resume command)."""
+
+
+def _config_options(args: list[str]) -> list[str]:
+    found, rest = [], iter(args)
+    for arg in rest:
+        if arg in CONFIG_OPTIONS:
+            found += [arg, next(rest, "")]
+        elif arg.startswith(tuple(f"{option}=" for option in CONFIG_OPTIONS)):
+            found.append(arg)
+    return found
+
+
+def _program() -> list[str]:
+    """The program this command was started as: a console script by its name (``dpddp-train``), a Python file as
+    ``python <path as given>``."""
+    argv0 = sys.argv[0]
+    return ["python", argv0] if argv0.endswith(".py") else [Path(argv0).name]
+
+
+def invoked_as() -> list[str]:
+    """This command as it was started, to start it again: ``_program`` and the config options given
+    (``--config-dir conf``)."""
+    return [*_program(), *_config_options(sys.argv[1:])]
 
 
 def run_job(cfg: DictConfig) -> float:
