@@ -3,7 +3,7 @@ instead (``bench/stock.py``) and the plain-PyTorch baseline (``bench/plain.py``)
 
 For each workload and strategy, project, stock and plain run alternately, each as a fresh subprocess (one
 warm-up round, not counted, then ``--reps`` rounds), so slow drifts of the machine hit all alike. Writes
-``RESULTS.md`` (medians, min-max, ratios project/stock and project/plain, issue 15's targets), ``results.json``
+``RESULTS.md`` (medians, min-max, ratios project/stock and project/plain, the performance targets), ``results.json``
 (every run) and ``throughput.png`` into ``--out``. See ``bench/README.md``.
 
 Usage: ``python bench/run.py [--reps 5] [--workloads W1,W2,W3] [--strategies single,ddp,dp] [--k16 auto|on|off]
@@ -54,7 +54,7 @@ QUICK_EXTRA = {"W4": ["trainer.limit_train_batches=20", "trainer.limit_val_batch
 # The implementations compared per workload (the first is the denominator of the variant tables).
 IMPLS = {"W4": ["project", "project-streaming"]}
 PEERS = ("stock", "plain")  # bench/stock.py and bench/plain.py: every other workload's project is compared with both
-# The project variant "project-k16": several optimizer steps per Lightning loop iteration (issue 15 item 4), on
+# The project variant "project-k16": several optimizer steps per Lightning loop iteration, on
 # the tiny-step workload and the compute-heavy one; --k16 auto runs it once the project's config has the key.
 STEPS_PER_EXECUTION = 16
 K_WORKLOADS = ("W2", "W3")
@@ -77,7 +77,7 @@ METRICS = [
     ("peak_rss_bytes", "peak RSS of one process (MiB)", 1 / 2**20),
 ]
 METRIC_LABELS = {key: label for key, label, _ in METRICS}
-# Issue 15's targets: (workload, strategy, metric key, numerator, denominator, test, bound). The test is ">=" or
+# The performance targets: (workload, strategy, metric key, numerator, denominator, test, bound). The test is ">=" or
 # "<=" on the median of the per-round ratios numerator/denominator, "-<=" on the median of the per-round
 # differences numerator - denominator (s).
 TARGETS = [
@@ -322,9 +322,9 @@ def target_label(workload: str, strategy: str, key: str, num: str, den: str, tes
 
 
 def target_table(runs: list[dict]) -> list[str]:
-    """Issue 15's targets as a markdown table: each bound next to the median [min-max] of its paired values and
+    """The performance targets as a markdown table: each bound next to the median [min-max] of its paired values and
     whether the median meets it."""
-    lines = ["| target (issue 15) | bound | measured | met |", "| --- | --- | --- | --- |"]
+    lines = ["| target | bound | measured | met |", "| --- | --- | --- | --- |"]
     for workload, strategy, key, num, den, test, bound in TARGETS:
         values = paired(runs, workload, strategy, key, num, den, diff=test.startswith("-"))
         median = statistics.median(values) if values else None
@@ -533,7 +533,7 @@ README_START, README_END = "<!-- bench/run.py: start -->", "<!-- bench/run.py: e
 
 
 def readme_section(results: dict[str, Any]) -> str:
-    """The README's performance numbers, from a ``results.json``: its command, then issue 15's targets
+    """The README's performance numbers, from a ``results.json``: its command, then the performance targets
     (``target_table``) and the ratio lines of ``headline``."""
     counted = counted_runs(results["runs"])  # as in RESULTS.md
     body = [f"From `{results['command']}` (`bench/RESULTS.md` has every cell):", "", *headline(counted)]

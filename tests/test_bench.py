@@ -109,7 +109,7 @@ def test_results_report(tmp_path: Path) -> None:
     assert "| W1 ddp(2) start to first step (s), dpddp - stock | <= 0.3 | 0.2 [0.2-0.2] | yes |" in text
     assert "| W3 single K=16 samples/s (steady state), dpddp/plain | >= 0.8 | 0.9 [0.9-0.9] | yes |" in text
     assert "| W2 single samples/s (steady state), defaults on/off | >= 0.95 | 2 [2-2] | yes |" in text
-    assert text.count("| target (issue 15) |") == 1 and "not measured" not in text
+    assert text.count("| target |") == 1 and "not measured" not in text
     assert "- W3 ddp(2) samples/s: dpddp/stock **0.9 [0.9-0.9]**, dpddp/plain **0.45 [0.45-0.45]**" in text
     assert "- W3 ddp(2) K=16 samples/s: dpddp/stock **1.8 [1.8-1.8]**" in text
     assert "| ddp(2) K=16 | samples/s (steady state) |" in text
@@ -124,7 +124,7 @@ def test_the_readme_performance_numbers_are_the_committed_results() -> None:
     start, end = readme.index(bench.README_START), readme.index(bench.README_END) + len(bench.README_END)
     results = json.loads((ROOT / "bench" / "results.json").read_text())
     assert readme[start:end] == bench.readme_section(results)
-    assert "| target (issue 15) |" in readme[start:end]
+    assert "| target |" in readme[start:end]
     # the same numbers as RESULTS.md, which counts no warm-up round
     targets = [line for line in readme[start:end].splitlines() if line.startswith("| W")]
     report = (ROOT / "bench" / "RESULTS.md").read_text().splitlines()
