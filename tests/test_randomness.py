@@ -182,3 +182,24 @@ def test_augmentation_keyed_by_the_sample_is_the_same_on_two_processes_and_with_
         proc = run_train(*NOISY, *extra, f"hydra.run.dir={name}", cwd=tmp_path, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert _max_diff(tmp_path / name, tmp_path / "one") <= 1e-5, name
+
+
+def test_random_states_of_another_world_size_are_not_restored_and_the_run_says_so(caplog):
+    """A checkpoint of 2 processes continued on 1: no rank takes another's stream, and one line says why."""
+    from types import SimpleNamespace
+
+    from dpddp.continuity.state import ResumableState
+    from dpddp.report.epochs import EpochRecord
+    from dpddp.report.tally import FitTally
+    from dpddp.report.throughput import ThroughputCounts
+
+    trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"), global_rank=0, world_size=1)
+    owner = ResumableState(ThroughputCounts(), EpochRecord(".", FitTally()))
+    entry = {"random": [random_state(), random_state()], "mid_epoch": True}
+    with caplog.at_level("INFO", logger="dpddp.continuity.state"):
+        owner.on_load_checkpoint(trainer, None, {"dpddp": entry})  # type: ignore[arg-type]
+    assert owner._random is None
+    assert "the checkpoint holds the random states of 2 processes and this run has 1" in caplog.text
+    trainer.world_size = 2
+    owner.on_load_checkpoint(trainer, None, {"dpddp": entry})  # type: ignore[arg-type]
+    assert owner._random is entry["random"][0]

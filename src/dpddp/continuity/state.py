@@ -3,6 +3,7 @@ loop counters, saved and loaded here in one written order."""
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import asdict
@@ -23,6 +24,8 @@ from dpddp.report.epochs import EpochRecord, EpochTable
 from dpddp.report.throughput import ThroughputCounts
 
 __all__ = ["KEY", "ResumableState", "TrainLossSums", "random_state", "rank_seed", "save_final_checkpoint"]
+
+log = logging.getLogger(__name__)
 
 KEY = "dpddp"
 """The checkpoint entry this module owns (``checkpoint["dpddp"]``)."""
@@ -137,6 +140,12 @@ class ResumableState(pl.Callback):
             pl_module.carry_train_loss(float(sums[0]), int(sums[1]))
         states = entry.get("random") or []
         self._random = states[trainer.global_rank] if len(states) == trainer.world_size else None
+        if states and self._random is None and trainer.global_rank == 0:
+            log.info(
+                f"the checkpoint holds the random states of {len(states)} processes and this run has "
+                f"{trainer.world_size}: randomness from the global stream starts from this run's seeds (a continued "
+                "run equals a straight one on the same world size)"
+            )
         self._mid_epoch = bool(entry.get("mid_epoch"))
         if trainer.state.fn == "fit" and "loops" in checkpoint:
             self._plateau = int(checkpoint.get("epoch", 0)), dict(entry.get("plateau") or {})
