@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from dpddp._compat import BatchNormBase
 from dpddp.errors import ConfigError
-from dpddp.parallel.rules import resolve_accelerator, world_size
+from dpddp.parallel.rules import replicas, resolve_accelerator, world_size
 
 __all__ = ["BatchNormSync", "GlobalBatchNorm", "batchnorm_modules", "batchnorm_plugins", "convert", "revert"]
 
@@ -254,8 +254,7 @@ def batchnorm_plugins(cfg: Mapping, model: nn.Module | None = None) -> list[Laye
             "several processes train), true or false"
         )
     strategy, devices, processes = cfg["strategy"]["name"], cfg["devices"], world_size(cfg)
-    replicas = torch.cuda.device_count() if devices == -1 else devices
-    if strategy == "dp" and replicas > 1 and model is not None and (names := batchnorm_modules(model)):
+    if strategy == "dp" and replicas(cfg) > 1 and model is not None and (names := batchnorm_modules(model)):
         raise ConfigError(
             f"strategy=dp with devices={devices} and BatchNorm modules ({_names(names)}): each DataParallel "
             "replica normalises its own chunk and the replicas' running statistics are dropped, so the model "

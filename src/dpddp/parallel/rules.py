@@ -47,6 +47,14 @@ def world_size(cfg: Mapping) -> int:
     return devices * cfg["num_nodes"]
 
 
+def replicas(cfg: Mapping) -> int:
+    """Replicas of the model that each take a share of the global batch: the processes under DDP
+    (``world_size``), the GPUs under ``dp``, 1 otherwise."""
+    if cfg["strategy"]["name"] == "dp":
+        return torch.cuda.device_count() if cfg["devices"] == -1 else cfg["devices"]
+    return world_size(cfg)
+
+
 def check_devices(cfg: Mapping) -> None:
     """The top-level ``strategy``, ``accelerator``, ``devices``, ``num_nodes`` and ``cluster`` of ``cfg``, the
     ``strategy.*`` options, and the cluster this process was started in (its world size must be the run's).

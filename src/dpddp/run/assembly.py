@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import KubeflowEnvironment
 from omegaconf import DictConfig, OmegaConf
@@ -31,7 +30,7 @@ from dpddp.parallel.batchnorm import batchnorm_plugins
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.parallel.rules import resolve_accelerator, world_size
+from dpddp.parallel.rules import replicas, resolve_accelerator
 from dpddp.report.bars import RichBar, TQDMBar
 from dpddp.report.epochs import EpochRecord
 from dpddp.report.predictions import PredictionWriter
@@ -173,12 +172,11 @@ def _warn_global_rng(model: pl.LightningModule, cfg: DictConfig) -> None:
     (a continued run on the same world size still replays them: the random state travels)."""
     found = model.named_modules()
     names = [n for n, m in found if isinstance(m, GLOBAL_RNG_LAYERS) and not isinstance(m, SampleDropout)]
-    devices = torch.cuda.device_count() if cfg.devices == -1 else cfg.devices
-    replicas = world_size(cfg) if cfg.strategy.name in ("ddp", "ddp_spawn") else devices * (cfg.strategy.name == "dp")
-    if names and replicas > 1 and env_rank() == 0 and not os.environ.get(LAUNCHED_ENV):
+    count = replicas(cfg)
+    if names and count > 1 and env_rank() == 0 and not os.environ.get(LAUNCHED_ENV):
         shown = ", ".join(f"model.{n}" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         log.warning(
-            f"{shown} draw from the global random stream: with {replicas} replicas the weights differ from one "
+            f"{shown} draw from the global random stream: with {count} replicas the weights differ from one "
             "process's (a continued run on the same world size still equals a straight one); use "
             "dpddp.nn.SampleDropout, whose masks belong to the sample"
         )

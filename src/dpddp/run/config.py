@@ -27,7 +27,7 @@ from dpddp.data.sharded import ShardedDataModule
 from dpddp.errors import ConfigError, checked_float, checked_int
 from dpddp.models.classifier import Classifier
 from dpddp.models.linear import OPTIMIZERS, LinearClassifier
-from dpddp.parallel.rules import DDP_OPTIONS, check_devices, world_size
+from dpddp.parallel.rules import DDP_OPTIONS, check_devices, replicas, world_size
 
 __all__ = ["allowed_keys", "check_config", "target_class"]
 
@@ -188,9 +188,9 @@ def _check_precision(cfg: Mapping) -> None:
     tolerance. 16-bit precision is refused over more than one replica."""
     precision = str((cfg["trainer"] or {}).get("precision"))
     dp = cfg["strategy"]["name"] == "dp"
-    replicas = (torch.cuda.device_count() if cfg["devices"] == -1 else cfg["devices"]) if dp else world_size(cfg)
-    if precision in SIXTEEN_BIT and replicas > 1:
-        where = f"{replicas} GPUs under strategy=dp" if dp else f"{replicas} processes"
+    count = replicas(cfg)
+    if precision in SIXTEEN_BIT and count > 1:
+        where = f"{count} GPUs under strategy=dp" if dp else f"{count} processes"
         raise ConfigError(
             f"trainer.precision={precision} with {where}: each rounds its own share of every gradient to 16 bits, "
             "so the weights drift from one process's (4e-4 in 36 steps, not 1e-5): use trainer.precision=32-true, "
