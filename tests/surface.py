@@ -164,8 +164,10 @@ SURFACE: tuple[Setting, ...] = (
         tested_by=(
             "test_faults.py::test_killing_rank_1_ends_the_run",
             "test_cli.py::test_the_cli_applies_the_checks_of_train_py",
+            "test_bring_your_own.py::test_the_lightning_cli_takes_a_users_model_and_data_module_and_equals_the_hydra_entry",
         ),
-        runs=r'\bcli\b|cli_status\("fit"',
+        runs=r'\bcli\b|cli_status\("fit"|"dpddp"',
+        note="any LightningModule and LightningDataModule: --model=pkg.Class --data=pkg.Class",
     ),
     Setting(
         "entry point",

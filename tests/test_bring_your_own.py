@@ -25,6 +25,8 @@ from torch.utils.data import Dataset
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from dpddp.data.global_batch import GlobalBatchDataModule
+
 
 class Blobs(Dataset):
     """Gaussian blobs around random centres: one (x [num_features], y) sample per index."""
@@ -83,6 +85,17 @@ class TwoLayerNet(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+class BlobsData(GlobalBatchDataModule):
+    """The blobs in global batches: a data module of the user's own (what data=dataset builds for Blobs)."""
+
+    def __init__(self, num_samples: int = 1013, batch_size: int = 64, seed: int = 0):
+        super().__init__(batch_size=batch_size, seed=seed)
+        self.num_samples = num_samples
+
+    def make_dataset(self):
+        return Blobs(self.num_samples)
 '''
 
 MY_NET_YAML = """_target_: mine.TwoLayerNet
@@ -148,6 +161,21 @@ def test_a_users_model_and_dataset_train_the_same_on_one_and_two_processes(proje
     # 1013 samples: val and test hold 101 each, an odd size that splits unevenly over 2 ranks
     for key in ("val/loss", "val/acc", "test/loss", "test/acc", "train/loss"):
         assert abs(one[key] - two[key]) <= 1e-5, key
+
+
+def test_the_lightning_cli_takes_a_users_model_and_data_module_and_equals_the_hydra_entry(project, one_process):
+    """``dpddp fit --model=<user class> --data=<user class>`` (LightningCLI's subclass mode) on 2 ddp processes:
+    the Hydra entry's weights and metrics (its one-process run of the same model and data)."""
+    command = [str(Path(sys.executable).parent / "dpddp"), "fit", "--model=mine.TwoLayerNet", "--data=mine.BlobsData"]
+    args = ["--data.batch_size=32", "--trainer.max_epochs=3", "--trainer.accelerator=cpu"]
+    args += ["--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.enable_progress_bar=false"]
+    _run(project, *args, "--trainer.default_root_dir=cli", command=command)
+    run = project / "cli/lightning_logs/version_0"
+    assert "class_path: mine.TwoLayerNet" in (run / "config.yaml").read_text()
+    assert metrics(run)["world_size"] == 2
+    assert _close(_weights(run, "net."), _weights(one_process, "net."), 1e-6)
+    for key in ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc"):
+        assert abs(metrics(run)[key] - metrics(one_process)[key]) <= 1e-6, key
 
 
 def test_digits_with_the_mlp_reaches_095_on_one_and_two_processes(tmp_path):

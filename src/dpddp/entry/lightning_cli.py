@@ -1,7 +1,9 @@
 """The Lightning CLI entry point: ``dpddp fit --trainer.strategy=ddp --trainer.devices=2`` (``python -m dpddp.cli``).
 
 LightningCLI parses the subcommands ``fit``, ``validate``, ``test``, ``predict`` and every ``--trainer.*``,
-``--model.*``, ``--data.*`` argument; the parsed values become the config ``train.py`` composes, run by
+``--model.*``, ``--data.*`` argument, in its subclass mode: ``--model=pkg.Class`` is any LightningModule and
+``--data=pkg.Class`` any LightningDataModule (by default the built-in linear classifier and random tensors). The
+parsed values become the config ``train.py`` composes (``class_path``/``init_args`` as ``_target_`` specs), run by
 ``dpddp.run.training.train``: the same checks, strategies, outputs and errors. A run's directory is
 ``<default_root_dir>/lightning_logs/version_<N>/`` (under torchrun or SLURM, the cluster's run name), with each
 invocation's ``config.yaml``, ``config-1.yaml``, ... ``fit`` trains, then tests the final weights;
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import inspect
 import logging
 import os
 import sys
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_module
+from hydra.utils import get_class
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -42,19 +46,31 @@ def _version(package: str) -> tuple[int, ...]:
 
 # jsonargparse 4.49 renamed ArgumentParser.save's skip_none to skip_unset (the old name warns, and goes in 5.0).
 KEEP_NONE = {"skip_unset" if _version("jsonargparse") >= (4, 49) else "skip_none": False}
+DEFAULT_CLASSES = {
+    "model": f"{LinearClassifier.__module__}.{LinearClassifier.__qualname__}",
+    "data": f"{RandomTensorDataModule.__module__}.{RandomTensorDataModule.__qualname__}",
+}
+"""The classes ``--model``/``--data`` name when a command line names none."""
+HELP = (
+    "Train, validate, test or predict any LightningModule (--model=pkg.Class, default: {model}) on any "
+    "LightningDataModule (--data=pkg.Class, default: {data}) through dpddp: the checks, strategies "
+    "(--trainer.strategy=auto|dp|ddp|ddp_spawn), launcher and outputs of dpddp-train. --data.batch_size is the "
+    "global batch. Under more than one process the data must be a dpddp.data.global_batch.GlobalBatchDataModule "
+    "(or a subclass) or a module wrapped in --data=dpddp.data.sharded.ShardedDataModule --data.module=pkg.Class. "
+    "Runs go to <default_root_dir>/lightning_logs/version_N/; --ckpt_path=last continues the newest."
+).format(**DEFAULT_CLASSES)
+SIZES = ("num_features", "num_classes")
 TOP_LEVEL = {"strategy": "strategy", "accelerator": "accelerator", "devices": "devices", "num_nodes": "num_nodes"}
 CONFIG = "config.yaml"  # the first invocation's config; dpddp.errors.invocation_name numbers the later ones
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job-logging format, as train.py's
 
 
 class DPDDPCLI(LightningCLI):
-    """``LightningCLI`` that parses only: the model's sizes linked to the data's, ``--ckpt_path`` added, and no
-    class instantiated (``dpddp.run.training.train`` builds everything, as for ``train.py``)."""
+    """``LightningCLI`` that parses only: ``--ckpt_path`` and ``--steps_per_execution`` added, and no class
+    instantiated (``dpddp.run.training.train`` builds everything, as for ``train.py``)."""
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("data.num_features", "model.num_features")
-        parser.link_arguments("data.num_classes", "model.num_classes")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint, or 'last'")
         parser.add_argument(
             "--steps_per_execution", type=int, default=1, help="optimizer steps per Lightning loop iteration"
@@ -65,10 +81,28 @@ class DPDDPCLI(LightningCLI):
         """Nothing to build here: ``train`` builds the model, data and Trainer from the run config."""
 
 
-def _spec(value: Any) -> dict[str, Any]:
-    """A jsonargparse ``{class_path, init_args}`` as a Hydra ``{_target_, ...}`` spec."""
-    value = value if isinstance(value, dict) else vars(value)
-    return {"_target_": value["class_path"], **dict(value.get("init_args") or {})}
+def _spec(value: Any) -> Any:
+    """A jsonargparse value with its ``{class_path, init_args}`` (at any depth) as Hydra ``{_target_, ...}`` specs."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        if "class_path" in value:
+            return {"_target_": value["class_path"], **_spec(dict(value.get("init_args") or {}))}
+        return {k: _spec(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_spec(v) for v in value]
+    return value
+
+
+def _follow_data(model: dict[str, Any], data: dict[str, Any]) -> None:
+    """The model's ``SIZES`` follow the data's where both classes take them and the model's is its class default
+    (as ``model/default.yaml``'s ``${data.num_features}``); a size given otherwise is kept, and the run's check
+    refuses it if it differs from the data's. A jsonargparse link would drop a given size from the saved config
+    whenever the data class lacks it."""
+    defaults = inspect.signature(get_class(model["_target_"])).parameters
+    for key in SIZES:
+        if key in model and key in data and key in defaults and model[key] == defaults[key].default:
+            model[key] = data[key]
 
 
 def _plain(namespace: Any) -> dict[str, Any]:
@@ -96,18 +130,18 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
     trainer.pop("default_root_dir", None)
     logger = trainer.pop("logger", None)
     callbacks = trainer.pop("callbacks", None) or []
-    model_cls, data_cls = LinearClassifier, RandomTensorDataModule
     update: dict[str, Any] = {
         **top,
         "seed": given.get("seed_everything", 0),
         "ckpt_path": given.get("ckpt_path"),
         "steps_per_execution": given.get("steps_per_execution", 1),
-        "model": {"_target_": f"{model_cls.__module__}.{model_cls.__qualname__}", **given["model"]},
-        "data": {"_target_": f"{data_cls.__module__}.{data_cls.__qualname__}", **given["data"]},
         "trainer": trainer,
     }
     merged = OmegaConf.merge(cfg, update)
     assert isinstance(merged, DictConfig)
+    model, data = _spec(given["model"]), _spec(given["data"])  # each replaced whole: its class's own keys
+    _follow_data(model, data)
+    merged.model, merged.data = model, data
     if logger is False:
         merged.logger = None
     elif logger not in (None, True):
@@ -135,6 +169,16 @@ def _output_dir(root: Path, stage: str, ckpt_path: str | None) -> tuple[Path, st
     return logs / f"version_{int(versions[-1].name[8:]) + 1 if versions else 0}", ckpt_path
 
 
+def with_default_classes(args: list[str]) -> list[str]:
+    """``args`` with ``--model=<DEFAULT_CLASSES>`` (and ``--data=...``) put first where they name no class of
+    their own and no ``--config`` file is given. A parser default would not do: on ``--model=pkg.Class``
+    jsonargparse keeps the default class's values for every parameter the two share (``lr``, ``batch_size``)."""
+    if any(a in ("-c", "--config") or a.startswith(("--config=", "-c=")) for a in args):
+        return args
+    named = {key for key in DEFAULT_CLASSES for a in args if a.partition("=")[0] in (f"--{key}", f"--{key}.class_path")}
+    return [f"--{key}={cls}" for key, cls in DEFAULT_CLASSES.items() if key not in named] + args
+
+
 def main(args: list[str] | None = None) -> None:
     """Run the CLI on ``args`` (default ``sys.argv[1:]``); a known error ends it in one line with its exit status
     (``dpddp.errors.exit_on``)."""
@@ -146,15 +190,17 @@ def main(args: list[str] | None = None) -> None:
     stage, rest = args[0], args[1:]
     # Harmless: the subcommand is taken off sys.argv here, so LightningCLI gets the rest of the same command line.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
+    help_only = any(a in ("-h", "--help") for a in rest)
     cli = DPDDPCLI(
-        LinearClassifier,
-        RandomTensorDataModule,
+        None,  # any LightningModule and LightningDataModule (LightningCLI's subclass mode)
+        None,
+        args=rest if help_only else with_default_classes(rest),
         trainer_defaults={"use_distributed_sampler": False, "max_epochs": 10},  # as train.py
         seed_everything_default=0,
         save_config_callback=None,
+        auto_configure_optimizers=False,  # the model's own configure_optimizers (train builds the model)
         run=False,
-        args=rest,
-        parser_kwargs={"prog": f"dpddp {stage}"},
+        parser_kwargs={"prog": f"dpddp {stage}", "description": HELP},
     )
     output_dir = Path()
     try:

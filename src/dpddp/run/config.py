@@ -141,8 +141,9 @@ def _check_sharding(cfg: Mapping) -> None:
     if n_procs > 1 and not issubclass(data, (GlobalBatchDataModule, ShardedDataModule)):
         raise ConfigError(
             f"data._target_={cfg['data']['_target_']} would give each of the {n_procs} processes every batch of its "
-            "loaders: shard them with data=sharded +data.module._target_=<that class> (its batch_size becomes the "
-            "global batch), or build it on dpddp.data.global_batch.GlobalBatchDataModule"
+            "loaders: shard them with data=sharded +data.module._target_=<that class> (the Lightning CLI: "
+            "--data=dpddp.data.sharded.ShardedDataModule --data.module=<that class>; its batch_size becomes the global "
+            "batch), or build it on dpddp.data.global_batch.GlobalBatchDataModule"
         )
 
 
