@@ -158,6 +158,13 @@ class SigkillAt(SigtermAt):
         self.seen += 1
 
 
+class PredictFails(pl.Callback):
+    """Test helper: raises ``RuntimeError`` at the first predict batch (a failure injected in predict)."""
+
+    def on_predict_batch_start(self, *args) -> None:
+        raise RuntimeError("injected failure in predict")
+
+
 class StopWhenFile(pl.Callback):
     """Test helper (``+callbacks.stop._target_=conftest.StopWhenFile +callbacks.stop.path=...``, with ``tests/`` on
     ``PYTHONPATH``): ends the fit as a limit would (exit 0, outputs written) at the end of the first training batch

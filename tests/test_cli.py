@@ -14,7 +14,7 @@ from conftest import QUIET, child_env, compose_cfg, leftover, max_diff, weights
 
 from dpddp.data.synthetic import make_tensors
 from dpddp.entry.lightning_cli import main
-from dpddp.run.training import train
+from dpddp.run.training import METRIC_KEYS, train
 
 pytestmark = pytest.mark.slow
 FAST = ["--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false"]
@@ -64,10 +64,17 @@ def test_predict_under_ddp_writes_every_test_sample_once_in_order(tmp_path):
     train(compose_cfg(*fit), tmp_path / "fit")  # what the CLI's fit runs, in process
     ckpt = tmp_path / "fit/checkpoints/last.ckpt"
     args = ["--trainer.strategy=ddp", "--trainer.devices=2", "--data.num_samples=1005", "--data.batch_size=32"]
-    cli("predict", *FAST, *args, f"--ckpt_path={ckpt}", "--trainer.default_root_dir=pred", cwd=tmp_path)
+    out = cli("predict", *FAST, *args, f"--ckpt_path={ckpt}", "--trainer.default_root_dir=pred", cwd=tmp_path)
     (path,) = tmp_path.glob("pred/**/predictions.csv")
+    said = out.stdout + out.stderr
+    assert f"predictions: {path} (100 rows)" in said  # where they went
+    (line,) = [line for line in said.splitlines() if "metrics: " in line]
+    assert "nan" not in line and "world_size=2" in line  # no metric a predict run does not make
+    missing = json.loads((path.parent / "metrics.json").read_text())["missing"]
+    assert set(missing) == {*METRIC_KEYS, "samples_per_sec", "train_time_s"}  # (first_step_unix_s: null)
+    assert set(missing.values()) == {"a predict run: only predict ran"}
     rows = list(csv.DictReader(open(path)))
-    assert [int(r["index"]) for r in rows] == list(range(100))  # test split: 1005 * 0.1 samples
+    assert [int(r["index"]) for r in rows] == list(range(905, 1005))  # the test split's rows: 1005 * 0.1 samples
     y = make_tensors(0, 1005, 16, 4)[1][905:]
     assert [int(r["target"]) for r in rows] == y.tolist()
     probs = torch.tensor([[float(r[f"prob_{c}"]) for c in range(4)] for r in rows])

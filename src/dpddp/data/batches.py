@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
-__all__ = ["Batches", "TensorBatches", "batch_indexable", "empty_batch", "gather"]
+__all__ = ["Batches", "TensorBatches", "batch_indexable", "batch_inputs", "dataset_rows", "empty_batch", "gather"]
 
 
 def gather(tensor: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -28,19 +28,48 @@ def batch_indexable(dataset: Any) -> bool:
     return isinstance(dataset, TensorDataset) or bool(getattr(dataset, "batch_indexable", False))
 
 
+def dataset_rows(dataset: Any, positions: torch.Tensor) -> torch.Tensor:
+    """The rows of the whole data set that ``positions`` (int64 ``[b]``) of ``dataset`` hold: ``dataset.rows``
+    where it has one (a split of ``Batches``, ``TensorBatches`` or ``StreamingTensors``), through a torch
+    ``Subset``'s ``indices``, else the positions themselves (``dataset`` is the whole data set)."""
+    rows = getattr(dataset, "rows", None)
+    if callable(rows):
+        return rows(positions)
+    if isinstance(dataset, Subset):
+        return dataset_rows(dataset.dataset, torch.as_tensor(dataset.indices, dtype=torch.long)[positions])
+    return positions
+
+
+def batch_inputs(batch: Any) -> Any:
+    """The model's inputs in ``batch`` by the rule of dpddp's data modules: a batch is what the samples collate
+    to, and a tuple or list batch is ``(inputs, target, ...)``, so its first element; a tensor batch is the
+    inputs itself. ``None`` for a dict (or any other) batch, whose inputs only the model's own
+    ``predict_step`` knows."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, (tuple, list)) and batch:
+        return batch[0]
+    return None
+
+
 class TensorBatches(Dataset):
     """A dataset indexed by whole batches: ``ds[idx]`` with ``idx`` an int64 ``[b]`` tensor returns
     ``(x[idx], y[idx])`` in one gather (``gather``), shapes ``[b, num_features]`` and ``[b]`` (no per-sample
     collate; an ``idx`` of ``[k, b]`` gives ``[k, b, num_features]`` and ``[k, b]``); with ``with_index=True``
-    also ``idx`` itself (for predictions in dataset order)."""
+    also ``idx`` itself (for predictions in dataset order). ``first_row``: the row of the whole data set that
+    position 0 holds (a contiguous split), for ``rows``."""
 
     batch_indexable = True
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, with_index: bool = False) -> None:
-        self.x, self.y, self.with_index = x, y, with_index
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, with_index: bool = False, first_row: int = 0) -> None:
+        self.x, self.y, self.with_index, self.first_row = x, y, with_index, first_row
 
     def __len__(self) -> int:
         return len(self.y)
+
+    def rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """The whole data set's rows at ``positions`` of this split."""
+        return positions + self.first_row
 
     def __getitem__(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x, y = gather(self.x, idx), gather(self.y, idx)
@@ -57,7 +86,8 @@ class Batches(Dataset):
     is the batch of samples ``ids[idx]`` of ``dataset`` (all of it when ``ids`` is ``None``), fetched in one index
     (``batch_indexable``), one ``__getitems__`` call, or one ``dataset[i]`` per sample collated by ``collate``.
     An ``idx`` of ``[k, b]`` gives every tensor a leading ``[k, b]``; an empty one, 0 rows of a real batch's
-    structure. ``with_index=True`` appends ``idx`` (an ``"index"`` key for a dict batch)."""
+    structure. ``with_index=True`` appends the data set's own rows of the batch (``rows``; an ``"index"`` key
+    for a dict batch)."""
 
     batch_indexable = True
 
@@ -67,6 +97,10 @@ class Batches(Dataset):
 
     def __len__(self) -> int:
         return len(self.ids) if self.ids is not None else len(self.dataset)
+
+    def rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rows of the whole data set (``dataset_rows`` of ``dataset``) at ``positions`` of this view."""
+        return dataset_rows(self.dataset, positions if self.ids is None else self.ids[positions])
 
     def _fetch(self, ids: torch.Tensor) -> Any:
         if isinstance(self.dataset, TensorDataset):
@@ -88,4 +122,5 @@ class Batches(Dataset):
         batch = self._fetch(idx if self.ids is None else self.ids[idx])
         if not self.with_index:
             return batch
-        return {**batch, "index": idx} if isinstance(batch, dict) else (*batch, idx)
+        rows = self.rows(idx)
+        return {**batch, "index": rows} if isinstance(batch, dict) else (*batch, rows)

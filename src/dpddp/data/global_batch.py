@@ -156,6 +156,9 @@ class GlobalBatchDataModule(pl.LightningDataModule):
     """Serves ``dataset`` (or a subclass's ``make_dataset``/``make_splits``) in global batches of ``batch_size``,
     split by one permutation from ``seed`` into ``[train | val | test]`` (``rules.split_sizes``).
 
+    A batch is what the samples collate to: ``(inputs, target, ...)`` for tuple samples (``inputs`` first: what
+    a model without a ``predict_step`` is given when predicting, ``dpddp.data.batches.batch_inputs``), or a dict.
+
     Raises ``ConfigError`` at ``setup``: a setting that leaves a split unusable, or no data set.
     """
 
@@ -246,5 +249,6 @@ class GlobalBatchDataModule(pl.LightningDataModule):
 
     @override
     def predict_dataloader(self) -> DataLoader:
-        """The test split, each batch followed by its sample positions in the split (``(x, y, index)``)."""
+        """The test split, each batch followed by its samples' rows in the whole data set (``(x, y, rows)``; an
+        ``"index"`` key for a dict batch)."""
         return self._loader("test", with_index=True)

@@ -57,4 +57,4 @@ class RandomTensorDataModule(GlobalBatchDataModule):
             return dict(streams)
         x, y = make_tensors(self.seed, self.num_samples, self.num_features, self.num_classes, self.label_noise)
         log.info(f"data checksum {checksum(x, y)} ({sizes})")
-        return {name: TensorBatches(x[a:b], y[a:b]) for name, (a, b) in bounds.items()}
+        return {name: TensorBatches(x[a:b], y[a:b], first_row=a) for name, (a, b) in bounds.items()}

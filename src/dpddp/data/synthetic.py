@@ -91,6 +91,10 @@ class StreamingTensors(Dataset):
     def __len__(self) -> int:
         return self.length
 
+    def rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """The stream's sample ids (rows) at ``positions`` of this split."""
+        return positions + self.offset
+
     def block(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ``k``: ``x [BLOCK, num_features]`` float32, ``y [BLOCK]`` int64."""
         if k in self._cache:

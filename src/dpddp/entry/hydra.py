@@ -64,13 +64,14 @@ if not OmegaConf.has_resolver("dpddp.config_subdir"):
 
 
 def completed_metrics(output_dir: Path) -> dict | None:
-    """The job's ``metrics.json`` if it holds every metric key, else ``None``."""
+    """The job's ``metrics.json`` if it holds every metric key and its predict (if any) did not fail, else
+    ``None``."""
     path = output_dir / "metrics.json"
     try:
         metrics = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return metrics if all(k in metrics for k in METRIC_KEYS) else None
+    return metrics if all(k in metrics for k in METRIC_KEYS) and not metrics.get("predict_error") else None
 
 
 def hydra_value(value: str) -> str:

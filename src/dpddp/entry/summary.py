@@ -38,17 +38,19 @@ def _job_row(job_dir: Path) -> dict[str, Any]:
     overrides: Any = OmegaConf.load(overrides_file) if overrides_file.is_file() else []
     row: dict[str, Any] = {"job": job_dir.name, "overrides": " ".join(str(o) for o in overrides)}
     metrics_file, error_file = job_dir / "metrics.json", job_dir / "error.txt"
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else None
     if error_file.is_file():
         row["status"] = "failed: " + error_file.read_text().strip()
-    elif metrics_file.is_file():
-        metrics = json.loads(metrics_file.read_text())
-        row.update({k: metrics.get(k) for k in SUMMARY_COLUMNS[3:]}, status="ok")
-        if metrics.get("overrides") is not None:  # the invocation that wrote the metrics, not the first one
-            row["overrides"] = " ".join(metrics["overrides"])
+    elif metrics is not None:
+        row["status"] = "ok"
     elif (job_dir / "checkpoints" / "last.ckpt").is_file():
         row["status"] = "incomplete: resumes from checkpoints/last.ckpt"
     else:
         row["status"] = "not started"
+    if metrics is not None and (row["status"] == "ok" or metrics.get("predict_error")):  # a failed predict: the
+        row.update({k: metrics.get(k) for k in SUMMARY_COLUMNS[3:]})  # fit's and test's metrics stand beside it
+        if metrics.get("overrides") is not None:  # the invocation that wrote the metrics, not the first one
+            row["overrides"] = " ".join(metrics["overrides"])
     return row
 
 

@@ -25,11 +25,13 @@ MISSING = {
 }
 
 
-def strict(result: dict[str, Any]) -> dict[str, Any]:
+def strict(result: dict[str, Any], reasons: dict[str, str] | None = None) -> dict[str, Any]:
     """``result`` as strict JSON (RFC 8259 has no NaN): a value that does not exist is ``null``, and
-    ``"missing"`` says why, e.g. ``{"val/loss": null, ..., "missing": {"val/loss": "no validation ran ..."}}``."""
+    ``"missing"`` says why (``reasons[key]``, else ``MISSING``'s by prefix), e.g. ``{"val/loss": null, ...,
+    "missing": {"val/loss": "no validation ran ..."}}``."""
+    reasons = reasons or {}
     missing = {
-        key: next((why for prefix, why in MISSING.items() if key.startswith(prefix)), "not measured")
+        key: reasons.get(key) or next((why for pre, why in MISSING.items() if key.startswith(pre)), "not measured")
         for key, value in result.items()
         if isinstance(value, float) and not math.isfinite(value)
     }
@@ -47,10 +49,14 @@ def _shown(key: str, value: Any) -> str:
     return f"{key}={value}"
 
 
-def write_metrics(output_dir: Path, result: dict[str, Any]) -> None:
-    """Write ``<output_dir>/metrics.json``, log its line, and draw the curves when matplotlib is installed."""
+def write_metrics(
+    output_dir: Path, result: dict[str, Any], reasons: dict[str, str] | None = None, unshown: tuple[str, ...] = ()
+) -> None:
+    """Write ``<output_dir>/metrics.json`` (``strict(result, reasons)``), log its line (without the keys of
+    ``unshown``: what the stage does not make, explained in the file), and draw the curves when matplotlib is
+    installed."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "metrics.json").write_text(json.dumps(strict(result), indent=2, allow_nan=False) + "\n")
-    log.info("metrics: " + ", ".join(_shown(k, v) for k, v in result.items()))
+    (output_dir / "metrics.json").write_text(json.dumps(strict(result, reasons), indent=2, allow_nan=False) + "\n")
+    log.info("metrics: " + ", ".join(_shown(k, v) for k, v in result.items() if k not in unshown))
     if can_plot() and (output_dir / "metrics.csv").is_file():
         log.info(f"curves: {write_plot(output_dir)}")

@@ -1,43 +1,128 @@
-"""``predictions.csv``: the predict split's class probabilities, each sample once, gathered from all ranks."""
+"""``predictions.csv``: the predictions of the predict split (the test split), each sample once with its row in
+the data set, gathered from all ranks; and the predictions of a model without a ``predict_step``."""
 
 from __future__ import annotations
 
 import csv
+import logging
+import math
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-__all__ = ["PredictionWriter"]
+from dpddp.data.batches import batch_inputs
+from dpddp.data.global_batch import GlobalBatchDataModule
+from dpddp.errors import ConfigError
+
+__all__ = ["PredictFailed", "PredictionWriter", "check_predictable", "predict_forward"]
+
+log = logging.getLogger(__name__)
+
+
+class PredictFailed(RuntimeError):
+    """The predict stage failed after the fit and test, whose outputs (``metrics.json``) are written."""
+
+
+def check_predictable(model: pl.LightningModule) -> bool:
+    """Whether ``model``'s predictions are its ``forward`` (it has no ``predict_step`` of its own; Lightning's
+    default would call ``forward`` on the whole batch, targets included).
+
+    Raises:
+        ConfigError: it has neither a ``predict_step`` nor a ``forward``.
+    """
+    if is_overridden("predict_step", model, pl.LightningModule):
+        return False
+    if not is_overridden("forward", model, pl.LightningModule):
+        raise ConfigError(
+            f"predict=true: {type(model).__name__} has no predict_step and no forward: give it forward(inputs) or "
+            "predict_step(batch, batch_idx) returning [batch] values or [batch, classes] scores"
+        )
+    return True
+
+
+def predict_forward(model: pl.LightningModule) -> None:
+    """Give ``model`` (one ``check_predictable`` says has no ``predict_step``) a ``predict_step`` that returns
+    ``model(inputs)``, ``inputs`` the batch's by the data modules' rule (``dpddp.data.batches.batch_inputs``: the
+    first element of a tuple batch). An instance attribute: Lightning's loop and its DDP wrapper look it up
+    there. A batch without such inputs (a dict) raises ``TypeError`` naming the fix."""
+
+    def predict_step(batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        inputs = batch_inputs(batch)
+        if inputs is None:
+            raise TypeError(
+                f"{type(model).__name__} has no predict_step, and a {type(batch).__name__} batch has no first "
+                "element to give its forward: add predict_step(batch, batch_idx)"
+            )
+        return model(inputs)
+
+    model.predict_step = predict_step  # type: ignore[method-assign]
+
+
+def _target(batch: Any) -> torch.Tensor | None:
+    """``batch``'s target by the data modules' rule (``(inputs, target, ..., rows)``), if it has one."""
+    target = batch[1] if isinstance(batch, (tuple, list)) and len(batch) >= 3 else None
+    return target if isinstance(target, torch.Tensor) and target.dim() == 1 else None
+
+
+def _number(value: float) -> int | str:
+    return "" if math.isnan(value) else int(value) if value.is_integer() else f"{value:.6g}"
 
 
 class PredictionWriter(BasePredictionWriter):
-    """Writes ``predictions.csv`` (columns ``index, target, pred, prob_0 .. prob_{C-1}``) for the predict split,
-    gathered from all ranks (``torch.distributed.all_gather_object``) and sorted by dataset index, each sample
-    once. Expects batches ``(x, y, index)`` and ``predict_step`` outputs of class probabilities ``[b, C]``.
+    """Writes ``predictions.csv`` (columns ``index, target, pred`` and, for ``[b, C]`` scores,
+    ``<scores>_0 .. <scores>_{C-1}``) for the predict split, gathered from all ranks
+    (``torch.distributed.all_gather_object``) and sorted by ``index``, each sample once: ``index`` is the
+    sample's row in the whole data set (the last element of each batch, or its ``"index"`` key), ``target`` the
+    batch's second element (empty without one), ``pred`` the argmax of ``[b, C]`` scores or the ``[b]`` value.
 
     Args:
         output_dir: where to write; ``None`` = ``trainer.log_dir`` (or ``default_root_dir``).
+        scores: the name of the score columns (``prob`` for probabilities, ``out`` for a forward's outputs).
+        forward: the model predicts with its ``forward`` (``predict_forward``): at setup, data of a
+            ``GlobalBatchDataModule`` whose batches have no inputs to give it are refused (``ConfigError``).
     """
 
-    def __init__(self, output_dir: str | Path | None = None) -> None:
+    def __init__(self, output_dir: str | Path | None = None, scores: str = "prob", forward: bool = False) -> None:
         super().__init__(write_interval="batch")
-        self.output_dir = output_dir
+        self.output_dir, self.scores, self.forward = output_dir, scores, forward
         self.rows: list[torch.Tensor] = []
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        data = trainer.datamodule  # type: ignore[attr-defined]
+        if not self.forward or not isinstance(data, GlobalBatchDataModule) or not data.splits.get("test"):
+            return
+        sample = data.splits["test"][torch.zeros(1, dtype=torch.long)]
+        if batch_inputs(sample) is None:
+            keys = f" (keys {', '.join(map(str, sample))})" if isinstance(sample, dict) else ""
+            raise ConfigError(
+                f"predict=true: the data's batches are {type(sample).__name__}s{keys} and "
+                f"{type(pl_module).__name__} has no predict_step to read them: add predict_step(batch, batch_idx), "
+                "or serve (inputs, target) tuples"
+            )
+
+    @override
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
-        _, target, index = batch
-        probs = prediction.detach().float().cpu()
-        pred = probs.argmax(dim=1, keepdim=True).to(probs.dtype)
-        self.rows.append(torch.cat([index[:, None].to(probs.dtype), target[:, None].to(probs.dtype), pred, probs], 1))
+        if not isinstance(prediction, torch.Tensor) or prediction.dim() not in (1, 2):
+            what = type(prediction).__name__ if not isinstance(prediction, torch.Tensor) else f"{prediction.dim()}-d"
+            raise TypeError(f"predictions.csv takes a tensor [batch] or [batch, classes] per batch, not a {what}")
+        rows = batch["index"] if isinstance(batch, dict) else batch[-1]
+        out = prediction.detach().to(torch.float64).cpu()
+        n = len(rows)
+        target = _target(batch)
+        target = torch.full((n, 1), math.nan) if target is None else target.to(torch.float64).reshape(n, 1).cpu()
+        scores = out if out.dim() == 2 and out.shape[1] > 1 else out.reshape(n, -1)[:, :0]
+        pred = out.argmax(dim=1, keepdim=True).to(out.dtype) if scores.shape[1] else out.reshape(n, 1)
+        self.rows.append(torch.cat([rows.reshape(n, 1).to(torch.float64).cpu(), target, pred, scores], 1))
 
     @override
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        mine = torch.cat(self.rows) if self.rows else torch.zeros(0, 3)
+        mine = torch.cat(self.rows) if self.rows else torch.zeros(0, 3, dtype=torch.float64)
         self.rows = []
         parts = [mine]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -47,12 +132,15 @@ class PredictionWriter(BasePredictionWriter):
         out = Path(self.output_dir or trainer.log_dir or trainer.default_root_dir)  # log_dir: a broadcast, all ranks
         if not trainer.is_global_zero:
             return
-        table = torch.cat([p for p in parts if len(p)])
+        filled = [p for p in parts if len(p)]
+        table = torch.cat(filled) if filled else mine
         table = table[table[:, 0].argsort()]
         out.mkdir(parents=True, exist_ok=True)
-        num_classes = table.shape[1] - 3
-        with open(out / "predictions.csv", "w", newline="") as f:
+        num_scores = table.shape[1] - 3
+        path = out / "predictions.csv"
+        with open(path, "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["index", "target", "pred", *(f"prob_{c}" for c in range(num_classes))])
+            writer.writerow(["index", "target", "pred", *(f"{self.scores}_{c}" for c in range(num_scores))])
             for row in table.tolist():
-                writer.writerow([int(row[0]), int(row[1]), int(row[2]), *(f"{p:.6g}" for p in row[3:])])
+                writer.writerow([int(row[0]), _number(row[1]), _number(row[2]), *(f"{p:.6g}" for p in row[3:])])
+        log.info(f"predictions: {path.absolute()} ({len(table)} rows)")

@@ -112,7 +112,9 @@ def build_strategy(cfg: DictConfig, job: RankJob | None) -> str | pl.strategies.
     return "auto"
 
 
-def _build_callbacks(cfg: DictConfig, output_dir: Path, executions: StepsPerExecution | None) -> list[pl.Callback]:
+def _build_callbacks(
+    cfg: DictConfig, output_dir: Path, executions: StepsPerExecution | None, predicts_forward: bool
+) -> list[pl.Callback]:
     """dpddp's own callbacks (the tally first: the reporters read it), then the configured ones."""
     tally = FitTally(cfg.get("steps_per_execution", 1))
     throughput, epochs = Throughput(tally), EpochRecord(output_dir, tally, lines=epoch_lines(cfg))
@@ -127,7 +129,8 @@ def _build_callbacks(cfg: DictConfig, output_dir: Path, executions: StepsPerExec
     if executions is not None:
         callbacks.append(executions)
     if cfg.predict:  # every callback costs each hook of each step, even one it does not override
-        callbacks.append(PredictionWriter(output_dir))
+        scores = "out" if predicts_forward else "prob"
+        callbacks.append(PredictionWriter(output_dir, scores=scores, forward=predicts_forward))
     for spec in (cfg.callbacks or {}).values():
         if spec is None:
             continue
@@ -189,10 +192,12 @@ def build_trainer(
     executions: StepsPerExecution | None = None,
     *,
     model: pl.LightningModule | None = None,
+    predicts_forward: bool = False,
 ) -> pl.Trainer:
     """The ``pl.Trainer`` of ``cfg`` (trainer flags passed through; strategy, devices and the rest from the
     top-level knobs; the distributed sampler off: ``RandomTensorDataModule`` shards global batches itself), with
-    ``executions`` (``steps_per_execution > 1``) among its callbacks.
+    ``executions`` (``steps_per_execution > 1``) among its callbacks; ``predicts_forward``: the model predicts
+    with its forward (``dpddp.report.predictions.predict_forward``), its scores named ``out``.
 
     Raises:
         ConfigError: Lightning refused a flag; the message names it.
@@ -212,7 +217,7 @@ def build_trainer(
             devices=cfg.devices,
             num_nodes=cfg.num_nodes,
             logger=_build_logger(cfg, output_dir),
-            callbacks=[*_build_callbacks(cfg, output_dir, executions), *sample_keys, *bar_callbacks],
+            callbacks=[*_build_callbacks(cfg, output_dir, executions, predicts_forward), *sample_keys, *bar_callbacks],
             default_root_dir=str(output_dir),
             use_distributed_sampler=False,
             # Lightning no longer auto-detects Kubeflow's PyTorchJob; the others (torchrun, SLURM) it does.

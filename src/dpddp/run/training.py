@@ -28,6 +28,7 @@ from dpddp.parallel.launcher import RankJob
 from dpddp.parallel.rules import resolve_accelerator
 from dpddp.report.epochs import EpochRecord
 from dpddp.report.metrics import METRIC_KEYS, write_metrics
+from dpddp.report.predictions import PredictFailed, check_predictable, predict_forward
 from dpddp.report.tally import FitTally
 from dpddp.report.throughput import Throughput
 from dpddp.run.assembly import build_trainer
@@ -69,13 +70,17 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule = instantiate(cfg.data, _convert_="all")
         model = instantiate(cfg.model, _convert_="all")
+        forward = bool(cfg.predict or stage == "predict") and check_predictable(model)
+        if forward:
+            predict_forward(model)
         steps = cfg.get("steps_per_execution", 1)
         executions = StepsPerExecution(model, steps) if steps > 1 and stage == "fit" else None
         if executions is not None:
             datamodule.steps_per_execution = steps
         job = RankJob(entry=f"{__name__}:train_rank", config=_resolved(cfg, stage), output_dir=str(output_dir))
-        trainer = running.trainer = build_trainer(cfg, output_dir, job, executions, model=model)
-    metrics = _run_stages(trainer, model, datamodule, cfg, stage)
+        trainer = build_trainer(cfg, output_dir, job, executions, model=model, predicts_forward=forward)
+        running.trainer = trainer
+    metrics, ran, predict_error = _run_stages(trainer, model, datamodule, cfg, stage)
     result: dict[str, Any] = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(
         samples_per_sec=metrics.get(Throughput.KEY, math.nan),
@@ -90,9 +95,45 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         wall_time_s=time.perf_counter() - start,
         **(extra or {}),
     )
+    if predict_error is not None:
+        result["predict_error"] = first_line(predict_error)
+    reasons, unshown = _missing(trainer, metrics, stage, ran)
     if trainer.is_global_zero:
-        write_metrics(output_dir, result)
+        write_metrics(output_dir, result, reasons, unshown)
+    if predict_error is not None:
+        raise PredictFailed(
+            f"predict failed (metrics.json of the fit and test is written): {first_line(predict_error)}"
+        ) from predict_error
     return result
+
+
+NOT_RUN = {"fit": (), "validate": ("train/", "test/"), "test": ("train/", "val/")}
+NOT_RUN["predict"] = ("train/", "val/", "test/")
+"""The metric prefixes a stage run alone does not make (nor ``TRAINING_KEYS``, outside a fit)."""
+TRAINING_KEYS = ("samples_per_sec", "train_time_s", "first_step_unix_s")
+
+
+def _missing(
+    trainer: pl.Trainer, metrics: dict[str, float], stage: str, ran: set[str]
+) -> tuple[dict[str, str], tuple[str, ...]]:
+    """Why each metric of ``metrics.json`` that has no value has none, where more is known than
+    ``dpddp.report.metrics.MISSING`` says: the stage ran alone (such keys are also left out of the log line), or
+    the model logged a value that is not finite, or logged none in a stage that ran."""
+    tally = next((cb for cb in trainer.callbacks if isinstance(cb, FitTally)), None)  # type: ignore[attr-defined]
+    logged = {"val/": stage == "validate" or (tally is not None and tally.validated_step is not None)}
+    logged["test/"] = "test" in ran
+    reasons: dict[str, str] = {}
+    unshown = []
+    for key in (*METRIC_KEYS, *TRAINING_KEYS):
+        prefix = key.split("/")[0] + "/"
+        if prefix in NOT_RUN[stage] or (key in TRAINING_KEYS and stage != "fit"):
+            reasons[key] = f"a {stage} run: only {stage} ran"
+            unshown.append(key)
+        elif key in metrics and not math.isfinite(metrics[key]):
+            reasons[key] = f"the model logged {metrics[key]} for it"
+        elif key not in metrics and logged.get(prefix):
+            reasons[key] = f"the model logs no {key}"
+    return reasons, tuple(unshown)
 
 
 def train_rank(job: RankJob) -> None:
@@ -110,9 +151,10 @@ def _resolved(cfg: DictConfig, stage: str) -> dict[str, Any]:
 
 def _run_stages(
     trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule, cfg: DictConfig, stage: str
-) -> dict[str, float]:
-    """Run ``stage`` (see ``train``); return the callback metrics as floats. A launched rank's death is named."""
-    finished = False
+) -> tuple[dict[str, float], set[str], Exception | None]:
+    """Run ``stage`` (see ``train``); return the callback metrics as floats, the stages run, and the error of a
+    predict after a fit that failed (the fit's and test's metrics stand). A launched rank's death is named."""
+    finished, predict_error, ran = False, None, {stage}
     try:
         if stage == "fit":
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
@@ -120,6 +162,7 @@ def _run_stages(
             metrics.update(_final_weights(trainer, model, datamodule))
             if is_overridden("test_step", model):  # a user's model may have none: test/* are then null
                 trainer.test(model, datamodule=datamodule, verbose=False)
+                ran.add("test")
         elif stage in ("validate", "test"):
             getattr(trainer, stage)(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, verbose=False)
             metrics = {}
@@ -128,20 +171,31 @@ def _run_stages(
         metrics.update(_floats(trainer.callback_metrics))
         if cfg.predict or stage == "predict":
             ckpt = cfg.ckpt_path if stage == "predict" else None
-            trainer.predict(model, datamodule=datamodule, return_predictions=False, ckpt_path=ckpt)
-        finished = True
-        return metrics
+            try:
+                trainer.predict(model, datamodule=datamodule, return_predictions=False, ckpt_path=ckpt)
+            except Exception as err:
+                if stage == "predict" or isinstance(err, (ConfigError, Preempted)) or _named(trainer, err) is not err:
+                    raise
+                predict_error = err
+        finished = predict_error is None
+        return metrics, ran, predict_error
     except Exception as err:
-        # Name the cause, not the broken connection; a refusal or a preemption is its own answer (no wait).
-        supervisor = trainer.strategy.supervisor if isinstance(trainer.strategy, DDPStrategy) else None
-        lost = [] if isinstance(err, (ConfigError, Preempted)) or supervisor is None else supervisor.failed_ranks(2.0)
-        if lost:
-            raise RankFailed(f"{'; '.join(lost)}; ending the run (rank 0: {first_line(err)})") from err
+        named = _named(trainer, err)
+        if named is not err:
+            raise named from err
         raise
     finally:
         # Stop watching this job's ranks before the next job of a sweep starts; a failed job's are killed.
         if isinstance(trainer.strategy, DDPStrategy) and trainer.strategy.supervisor is not None:
             trainer.strategy.supervisor.join(timeout_s=60.0 if finished else 5.0)
+
+
+def _named(trainer: pl.Trainer, err: Exception) -> Exception:
+    """``err``, or a ``RankFailed`` naming the launched ranks that died (the cause, not the broken connection);
+    a refusal or a preemption is its own answer (no wait)."""
+    supervisor = trainer.strategy.supervisor if isinstance(trainer.strategy, DDPStrategy) else None
+    lost = [] if isinstance(err, (ConfigError, Preempted)) or supervisor is None else supervisor.failed_ranks(2.0)
+    return RankFailed(f"{'; '.join(lost)}; ending the run (rank 0: {first_line(err)})") if lost else err
 
 
 def _final_weights(

@@ -1,0 +1,166 @@
+"""Predictions for any model: a model without a predict_step predicts its forward on the batch's inputs,
+predictions.csv carries each sample's row in the data set on any world size, a model or data that cannot be
+predicted is refused before anything trains, and a failed predict keeps the fit's and test's outputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, metrics
+from test_any_data import PerSample
+from test_bring_your_own import USER_ARGS, _project
+from torch.utils.data import Subset, TensorDataset
+
+from dpddp.data.batches import Batches, TensorBatches, batch_inputs, dataset_rows
+from dpddp.data.global_batch import GlobalBatchDataModule
+from dpddp.errors import ConfigError
+from dpddp.models.linear import LinearClassifier
+from dpddp.report.predictions import PredictFailed
+from dpddp.run.training import train
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader(open(path)))
+
+
+def test_a_split_knows_the_rows_of_the_whole_data_set_it_holds():
+    ids = torch.tensor([7, 3, 9, 0])
+    assert Batches(PerSample(10), ids).rows(torch.tensor([2, 0])).tolist() == [9, 7]
+    assert TensorBatches(torch.zeros(5, 1), torch.zeros(5), first_row=100).rows(torch.tensor([4])).tolist() == [104]
+    inner = Subset(PerSample(20), [19, 5, 11])  # a split of a Subset: through its indices
+    assert Batches(inner, torch.tensor([2, 1])).rows(torch.tensor([0, 1])).tolist() == [11, 5]
+    assert dataset_rows(PerSample(4), torch.tensor([3])).tolist() == [3]
+    view = Batches(Batches(PerSample(10), ids), with_index=True)  # the predict loader's view of a split
+    batch = view[torch.tensor([1, 3])]
+    assert batch["index"].tolist() == [3, 0] and batch["x"][:, 0].tolist() == [3.0, 0.0]  # the samples it serves
+    tensors = Batches(Batches(TensorDataset(torch.arange(6.0)[:, None]), torch.tensor([5, 4])), with_index=True)
+    assert tensors[torch.tensor([0])][-1].tolist() == [5]
+
+
+def test_the_inputs_of_a_batch_are_its_first_element():
+    x = torch.randn(3, 2)
+    assert batch_inputs((x, torch.zeros(3))) is x and batch_inputs([x]) is x and batch_inputs(x) is x
+    assert batch_inputs({"x": x}) is None and batch_inputs(()) is None
+
+
+def test_a_model_with_neither_predict_step_nor_forward_is_refused_before_anything_trains(tmp_path):
+    cfg = compose_cfg("model._target_=test_predictions.NoForward", "predict=true", *QUIET)
+    with pytest.raises(ConfigError, match="predict=true: NoForward has no predict_step and no forward: give it"):
+        train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+class NoForward(LinearClassifier):
+    """The built-in linear classifier without a forward or a predict_step of its own."""
+
+    forward = pl.LightningModule.forward
+    predict_step = pl.LightningModule.predict_step
+
+
+class NoPredictStep(LinearClassifier):
+    """The built-in linear classifier without a predict_step of its own."""
+
+    predict_step = pl.LightningModule.predict_step
+
+
+class DictSamples(PerSample):
+    """100 dict samples ``{"x": [3], "y": []}``."""
+
+    def __init__(self) -> None:
+        super().__init__(100)
+
+
+def test_dict_batches_for_a_model_without_predict_step_are_refused_at_setup(tmp_path):
+    """The data's batches are dicts: the model's forward has no inputs to take; refused before the first step."""
+    args = ["data=dataset", "+data.dataset._target_=test_predictions.DictSamples", "data.batch_size=8"]
+    args += ["model._target_=test_predictions.NoPredictStep", "model.num_features=3", "model.num_classes=2"]
+    args += ["predict=true", *QUIET]
+    with pytest.raises(ConfigError, match=r"predict=true: the data's batches are dicts \(keys x, y\) and NoPredictSt"):
+        train(compose_cfg(*args), tmp_path / "run")
+    assert not (tmp_path / "run/checkpoints").exists()  # refused before the first training step
+
+
+def test_a_failed_predict_keeps_the_fit_and_test_metrics(tmp_path):
+    args = ["trainer.max_epochs=1", "predict=true", "+callbacks.boom._target_=conftest.PredictFails", *QUIET]
+    with pytest.raises(PredictFailed, match=r"^predict failed \(metrics.json of the fit and test is written\): "):
+        train(compose_cfg(*args), tmp_path / "run")
+    written = metrics(tmp_path / "run")
+    assert written["test/acc"] > 0.5 and written["val/loss"] < 2 and written["train/loss"] < 2  # the fit's, the test's
+    assert written["predict_error"] == "RuntimeError: injected failure in predict"
+    assert (tmp_path / "run/checkpoints/last.ckpt").is_file() and not (tmp_path / "run/predictions.csv").exists()
+
+
+# The README's template model (no predict_step) and data set, in a user's project.
+
+
+def _expected_rows(project: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The test split's rows of ``mine.Blobs()`` (as ``data=dataset`` cuts it, seed 0), and the data set's x, y."""
+    sys.path.insert(0, str(project))
+    try:
+        import mine  # the user's module, as the run imports it
+
+        blobs = mine.Blobs()
+    finally:
+        sys.path.remove(str(project))
+        sys.modules.pop("mine", None)
+    dm = GlobalBatchDataModule(blobs, batch_size=32)
+    dm.setup("fit")
+    return dm.splits["test"].ids, blobs.x, blobs.y  # type: ignore[attr-defined]
+
+
+def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env, tag = child_env(PYTHONPATH=f"{cwd}:{ROOT / 'tests'}")
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    assert leftover(tag) == []
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [1, 2])
+def test_the_readme_template_model_predicts_the_data_sets_rows(tmp_path, devices):
+    project = _project(tmp_path)
+    ddp = ["strategy=ddp", "devices=2"] if devices == 2 else []
+    proc = _run(project, *USER_ARGS, *ddp, "trainer.max_epochs=1", "predict=true", "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"predictions: {project / 'run/predictions.csv'} (101 rows)" in proc.stderr + proc.stdout
+    rows = _rows(project / "run/predictions.csv")
+    assert list(rows[0]) == ["index", "target", "pred", "out_0", "out_1", "out_2"]  # the forward's outputs
+    test_rows, x, y = _expected_rows(project)
+    index = torch.tensor([int(r["index"]) for r in rows])
+    assert index.tolist() == sorted(test_rows.tolist())  # each test sample once, by its row in the data set
+    assert [int(r["target"]) for r in rows] == y[index].tolist()  # the row's own label
+    state = torch.load(project / "run/checkpoints/last.ckpt", weights_only=True)["state_dict"]
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+    net.load_state_dict({k.removeprefix("net."): v for k, v in state.items() if k.startswith("net.")})
+    with torch.no_grad():
+        expected = net(x[index])
+    out = torch.tensor([[float(r[f"out_{c}"]) for c in range(3)] for r in rows])
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)  # forward on that row's inputs
+    assert [int(r["pred"]) for r in rows] == expected.argmax(1).tolist()
+
+
+@pytest.mark.slow
+def test_a_failed_predict_in_a_sweep_keeps_the_jobs_metrics_and_says_predict_failed(tmp_path):
+    project = _project(tmp_path)
+    boom = ["+callbacks.boom._target_=conftest.PredictFails", "predict=true", "trainer.max_epochs=1"]
+    sweep = ["-m", *USER_ARGS, *boom, "seed=0", "hydra.sweep.dir=sweep"]
+    proc = _run(project, *sweep)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    error = (project / "sweep/0/error.txt").read_text()
+    said = "PredictFailed: predict failed (metrics.json of the fit and test is written): RuntimeError: injected"
+    assert error.startswith(said)
+    written = metrics(project / "sweep/0")
+    assert written["test/acc"] > 0.9 and written["predict_error"] == "RuntimeError: injected failure in predict"
+    (row,) = _rows(project / "sweep/summary.csv")
+    assert row["status"] == f"failed: {error.strip()}"
+    assert float(row["test/acc"]) == written["test/acc"] and float(row["val/loss"]) < 1  # the row keeps them
+    again = _run(project, *sweep)  # the same command runs it again: a failed predict is not a complete job
+    assert again.returncode == 1 and "already complete" not in again.stderr + again.stdout
+    assert json.loads((project / "sweep/0/metrics.json").read_text())["predict_error"]
