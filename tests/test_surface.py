@@ -99,21 +99,6 @@ def test_a_refused_setting_is_one_line(setting):
     assert str(err.value).startswith(setting.refused) and "\n" not in str(err.value)
 
 
-def test_16_bit_precision_is_refused_on_every_kind_of_replica():
-    """The refused precision row on dp over GPUs too (a config mapping: no GPU here), and 32 bits kept."""
-    from dpddp.run.config import _check_precision
-
-    def cfg(precision, strategy, devices):
-        return {"trainer": {"precision": precision}, "strategy": {"name": strategy}, "devices": devices, "num_nodes": 1}
-
-    with pytest.raises(ConfigError, match="^trainer.precision=16-mixed with 2 GPUs under strategy=dp: each rounds"):
-        _check_precision(cfg("16-mixed", "dp", 2))
-    with pytest.raises(ConfigError, match="^trainer.precision=bf16-true with 4 processes: each rounds"):
-        _check_precision(cfg("bf16-true", "ddp_spawn", 4))
-    for ok in (cfg("bf16-mixed", "dp", 1), cfg("bf16-mixed", "auto", 1), cfg("32-true", "ddp", 2), cfg(None, "ddp", 2)):
-        _check_precision(ok)
-
-
 MODELS = [s for s in SURFACE if s.kind == "model" and not s.tested_by]
 VARIANTS = ["", "steps_per_execution=4", "trainer.accumulate_grad_batches=2"]
 # 805 training samples: 16 steps an epoch. The model's settings go with each row (a sweep's command line would

@@ -92,6 +92,7 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         accelerator=resolve_accelerator(cfg.accelerator),
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
+        precision=str(trainer.precision),  # Lightning's resolved flag: 16-mixed becomes bf16-mixed on CPU
         wall_time_s=time.perf_counter() - start,
         **(extra or {}),
     )
