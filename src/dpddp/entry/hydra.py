@@ -37,7 +37,7 @@ from dpddp.errors import (
     resume_command,
 )
 from dpddp.parallel.rendezvous import torchrun_restarted
-from dpddp.run.training import METRIC_KEYS, isolated_job, train
+from dpddp.run.training import METRIC_KEYS, isolated_job, objective, train
 
 __all__ = ["config_dirs", "config_subdir", "hydra_value", "main", "run_job", "sets_no_mode", "sweep_resume_command"]
 
@@ -132,7 +132,8 @@ def invoked_as() -> list[str]:
 
 
 def run_job(cfg: DictConfig) -> float:
-    """Run one Hydra job, the composed ``cfg``, in Hydra's output directory; return ``val/loss`` for sweepers.
+    """Run one Hydra job, the composed ``cfg``, in Hydra's output directory; return its ``objective`` (by default
+    ``val/loss``, the best checkpoint's monitor) for sweepers.
 
     A relative ``ckpt_path`` is taken from where the command ran. Sweep jobs, and a run with ``resume=true``,
     continue from ``checkpoints/last.ckpt`` (a complete job is skipped). A known error is one ``error:`` line and
@@ -158,7 +159,8 @@ def run_job(cfg: DictConfig) -> float:
         done = completed_metrics(output_dir) if resume else None
         if done is not None and done.get("overrides") == overrides:
             log.info(f"already complete with the same overrides, skipping: {output_dir / 'metrics.json'}")
-            return math.nan if done["val/loss"] is None else done["val/loss"]  # null: it failed (error.txt)
+            value = done.get(done.get("objective", "val/loss"))
+            return math.nan if value is None else value  # null: it failed (error.txt)
         stops = multirun and sweep_stop.active()
         if stops:
             sweep_stop.watch()  # in this job's process (a worker's, submitit's: its own handler only logs it)
@@ -192,10 +194,10 @@ def run_job(cfg: DictConfig) -> float:
                 log.info(f"resume=true but there is no {last}: starting fresh")
     try:
         with isolated_job():
-            val_loss = train(cfg, output_dir, extra={"overrides": overrides})["val/loss"]
-        if not multirun or math.isfinite(val_loss):
-            return val_loss
-        line = f"val/loss is {val_loss}: the training diverged or no validation ran on the final weights"
+            value = train(cfg, output_dir, extra={"overrides": overrides})[objective(cfg)]
+        if not multirun or math.isfinite(value):
+            return value
+        line = f"{objective(cfg)} (the objective) is {value}: the training diverged, or no validation logged it"
     except KNOWN as err:
         if isinstance(err, Preempted) and stops:
             sweep_stop.request()  # every job stops; the sweep's process prints the line that resumes them

@@ -33,7 +33,8 @@ SUMMARY_COLUMNS += ("samples_per_sec", "world_size", "wall_time_s", "train_time_
 
 
 def _job_row(job_dir: Path) -> dict[str, Any]:
-    """One summary row from a job directory: its ``metrics.json``, or its ``error.txt`` line."""
+    """One summary row from a job directory: its ``metrics.json`` (and its objective, when that is a metric of
+    the user's own name), or its ``error.txt`` line."""
     overrides_file = job_dir / ".hydra" / "overrides.yaml"
     overrides: Any = OmegaConf.load(overrides_file) if overrides_file.is_file() else []
     row: dict[str, Any] = {"job": job_dir.name, "overrides": " ".join(str(o) for o in overrides)}
@@ -49,6 +50,8 @@ def _job_row(job_dir: Path) -> dict[str, Any]:
         row["status"] = "not started"
     if metrics is not None and (row["status"] == "ok" or metrics.get("predict_error")):  # a failed predict: the
         row.update({k: metrics.get(k) for k in SUMMARY_COLUMNS[3:]})  # fit's and test's metrics stand beside it
+        if metrics.get("objective"):  # a name of the user's (callbacks.model_checkpoint.monitor=val_loss)
+            row[metrics["objective"]] = metrics.get(metrics["objective"])
         if metrics.get("overrides") is not None:  # the invocation that wrote the metrics, not the first one
             row["overrides"] = " ".join(metrics["overrides"])
     return row
@@ -65,12 +68,13 @@ def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
     ``SweepSummary``), print the table, draw ``curves.png`` when matplotlib is installed; return the rows."""
     job_dirs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     rows = [_job_row(p) for p in job_dirs]
+    columns = [*SUMMARY_COLUMNS, *dict.fromkeys(k for row in rows for k in row if k not in SUMMARY_COLUMNS)]
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    lines = ["| " + " | ".join(SUMMARY_COLUMNS) + " |", "|" + " --- |" * len(SUMMARY_COLUMNS)]
-    lines += ["| " + " | ".join(_cell(row.get(c)) for c in SUMMARY_COLUMNS) + " |" for row in rows]
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
     table = "\n".join(lines) + "\n"
     (sweep_dir / "summary.md").write_text(table)
     print(f"\nsweep summary ({sweep_dir / 'summary.md'}):\n{table}")

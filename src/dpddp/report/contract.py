@@ -3,6 +3,7 @@ warning that names what is lost when a model breaks it."""
 
 from __future__ import annotations
 
+import difflib
 import logging
 
 import lightning.pytorch as pl
@@ -10,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from dpddp._compat import logged_metric_kinds
+from dpddp.errors import ConfigError
 from dpddp.report.tally import FitTally
 
 __all__ = ["REQUIRED", "MetricContract"]
@@ -28,6 +30,8 @@ class MetricContract(pl.Callback):
     def __init__(self, tally: FitTally | None = None) -> None:
         self.warned: set[str] = set()
         self.tally = tally  # the run's, found at setup when not given
+        self.settings: dict[int, str] = {}  # id(callback) -> the config key it was built from (callbacks.<name>)
+        self.monitors_checked = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -62,9 +66,38 @@ class MetricContract(pl.Callback):
         for name in missing:
             self._warn(name, f"the model logs no {name}: metrics.json has null for it and nothing can monitor it")
 
+    def _check_monitors(self, trainer: pl.Trainer) -> None:
+        """At the end of the first validation (before the checkpoints', which Lightning calls last): a callback's
+        ``monitor`` or a scheduler's that the model does not log is one ``ConfigError`` line naming the setting
+        and what the model logs (Lightning would raise a traceback from the checkpoint instead)."""
+        self.monitors_checked = True
+        logged = sorted(trainer.callback_metrics)
+        monitors = [
+            (self.settings.get(id(cb), type(cb).__name__) + ".monitor", cb.monitor)
+            for cb in trainer.callbacks  # type: ignore[attr-defined]
+            if isinstance(getattr(cb, "monitor", None), str) and getattr(cb, "strict", True) is not False
+        ]
+        monitors += [
+            (f"the model's {type(config.scheduler).__name__} monitor", config.monitor)
+            for config in trainer.lr_scheduler_configs
+            if config.monitor
+        ]
+        for setting, name in monitors:
+            if name not in logged:
+                close = difflib.get_close_matches(name, logged, n=1, cutoff=0.5)
+                fix = "return one of those from configure_optimizers"
+                if setting.startswith("callbacks."):
+                    fix = f"set {setting}={close[0] if close else '<one of those>'}"
+                raise ConfigError(
+                    f"{setting}={name}: the model logs no {name} (it logs {', '.join(logged) or 'nothing'}): "
+                    f"{fix}, or log {name}"
+                )
+
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
+            if not self.monitors_checked:
+                self._check_monitors(trainer)
             self._check_exact(trainer, "val/")
 
     @override

@@ -32,6 +32,7 @@ from dpddp.parallel.dp import DataParallelStrategy
 from dpddp.parallel.launcher import RankJob
 from dpddp.parallel.rules import replicas, resolve_accelerator
 from dpddp.report.bars import RichBar, TQDMBar
+from dpddp.report.contract import MetricContract
 from dpddp.report.epochs import EpochRecord
 from dpddp.report.predictions import PredictionWriter
 from dpddp.report.tally import FitTally
@@ -131,11 +132,15 @@ def _build_callbacks(
     if cfg.predict:  # every callback costs each hook of each step, even one it does not override
         scores = "out" if predicts_forward else "prob"
         callbacks.append(PredictionWriter(output_dir, scores=scores, forward=predicts_forward))
-    for spec in (cfg.callbacks or {}).values():
+    settings: dict[int, str] = {}
+    for key, spec in (cfg.callbacks or {}).items():
         if spec is None:
             continue
         extra = {"dirpath": str(output_dir / "checkpoints")} if spec.get("dirpath", False) is None else {}
         callbacks.append(instantiate(spec, **extra))
+        settings[id(callbacks[-1])] = f"callbacks.{key}"
+    for contract in (cb for cb in callbacks if isinstance(cb, MetricContract)):
+        contract.settings = settings  # its messages name the setting of a callback's monitor
     return callbacks
 
 

@@ -33,7 +33,7 @@ __all__ = ["allowed_keys", "check_config", "target_class"]
 
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
 TOP_LEVEL_RUN = ("steps_per_execution",)  # how training runs (dpddp.run.executions)
-TOP_LEVEL_OUTPUT = ("epoch_lines", "print_config")  # how a run reports progress and its config
+TOP_LEVEL_OUTPUT = ("epoch_lines", "print_config", "objective")  # how a run reports progress, its config, its result
 GROUPS = ("data", "model", "trainer", "logger", "callbacks")
 # Trainer flags owned elsewhere: the top-level knobs, and what the global-batch contract and the run dir need.
 TRAINER_OWNED = {

@@ -35,7 +35,7 @@ from dpddp.run.assembly import build_trainer
 from dpddp.run.config import check_config
 from dpddp.run.executions import StepsPerExecution
 
-__all__ = ["METRIC_KEYS", "STAGES", "isolated_job", "train", "train_rank"]
+__all__ = ["METRIC_KEYS", "STAGES", "isolated_job", "objective", "train", "train_rank"]
 
 log = logging.getLogger(__name__)
 # The global-batch data resumes mid-epoch exactly (its sampler skips the batches already trained), which
@@ -96,6 +96,9 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         wall_time_s=time.perf_counter() - start,
         **(extra or {}),
     )
+    result["objective"] = name = objective(cfg)
+    if name not in result:  # a name of the user's (callbacks.model_checkpoint.monitor=val_loss)
+        result[name] = metrics.get(name, math.nan)
     if predict_error is not None:
         result["predict_error"] = first_line(predict_error)
     reasons, unshown = _missing(trainer, metrics, stage, ran)
@@ -135,6 +138,12 @@ def _missing(
         elif key not in metrics and logged.get(prefix):
             reasons[key] = f"the model logs no {key}"
     return reasons, tuple(unshown)
+
+
+def objective(cfg: DictConfig) -> str:
+    """The metric a sweep optimises and the run returns (``objective``, by default the best checkpoint's
+    ``callbacks.model_checkpoint.monitor``), ``val/loss`` when neither is set."""
+    return str(cfg.get("objective") or "val/loss")
 
 
 def train_rank(job: RankJob) -> None:
