@@ -22,7 +22,7 @@ from dpddp.run.training import train
 SMALL = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none"]
 # A line a warning prints: Python's "file.py:123: SomeWarning: ..." or any line that names a warning.
 WARNING_LINE = re.compile(r"\.py:\d+: |warn", re.IGNORECASE)
-EPOCH_LINE = r"epoch (\d+)/10: train/loss=\S+ val/loss=\S+ val/acc=\S+ \(\S+ s, [\d,]+ samples/s\)"
+EPOCH_LINE = r"epoch (\d+)/10: train/loss=\S+ val/loss=\S+ val/acc=\S+ \(\S+ s, [\d,]+ samples/s, peak [\d,]+ MiB\)"
 
 
 def _table(run_dir):

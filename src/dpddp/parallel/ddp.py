@@ -18,6 +18,7 @@ from typing_extensions import override
 from dpddp._compat import Launcher, agent_store, init_process_group, rank0_store, resolve_process_group_backend
 from dpddp.errors import ConfigError, Preempted, first_line
 from dpddp.network import choose_interface, interface_address
+from dpddp.parallel.allreduce import AllReduceTimer
 from dpddp.parallel.launcher import JobLauncher, RankJob, Supervisor
 from dpddp.parallel.peers import PeerWatch
 from dpddp.parallel.rank import run_rank
@@ -58,11 +59,16 @@ class DDPStrategy(LightningDDPStrategy):
     """Lightning's ``DDPStrategy`` whose launcher starts ranks from ``job`` (``None``: Lightning's, outside Hydra
     only); ``timeout_s``: seconds a collective waits for a lost peer. ``launch``: ``"fork"``, ``"exec"``
     (``python -m dpddp.parallel.rank``) or ``"auto"`` (fork on CPU while CUDA is not initialised).
-    ``**kwargs`` go to Lightning's ``DDPStrategy``."""
+    ``**kwargs`` go to Lightning's ``DDPStrategy``. Without a ``ddp_comm_hook`` of the user's, the gradients go
+    through ``allreduce_timer`` (``AllReduceTimer``: DDP's own all-reduce, timed)."""
 
     def __init__(self, job: RankJob | None = None, timeout_s: float = 180.0, launch: str = "auto", **kwargs: Any):
         self.pg_timeout = timedelta(seconds=timeout_s)
+        timer = AllReduceTimer() if kwargs.get("ddp_comm_hook") is None else None
+        if timer is not None:
+            kwargs["ddp_comm_hook"] = timer.hook
         super().__init__(timeout=self.pg_timeout, **kwargs)
+        self.allreduce_timer = timer
         self.job, self.launch_mode = job, launch
         self.start_method = kwargs.get("start_method", "popen")
         self._job_launcher: JobLauncher | None = None
@@ -132,6 +138,14 @@ class DDPStrategy(LightningDDPStrategy):
             launcher.listen_socket = None
             store = rank0_store(sock, self.world_size, self.pg_timeout)
         init_process_group(env, backend, self.pg_timeout, self.root_device, store)
+
+    @override
+    def configure_ddp(self) -> None:
+        """Lightning's; the communication hook also on CPU (Lightning registers one on CUDA only)."""
+        super().configure_ddp()
+        if self.root_device.type != "cuda" and self.allreduce_timer is not None:
+            assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+            self.model.register_comm_hook(None, self.allreduce_timer.hook)
 
     def explain_failure(self, err: BaseException) -> str | None:
         """The line naming the peer to blame for ``err`` (``PeerWatch.explain``), or ``None`` (this rank's own

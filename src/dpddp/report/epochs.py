@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from dpddp.report.costs import Costs
 from dpddp.report.tally import FitTally
 
 __all__ = ["EPOCH_COLUMNS", "EpochRecord", "EpochTable"]
@@ -20,7 +21,7 @@ __all__ = ["EPOCH_COLUMNS", "EpochRecord", "EpochTable"]
 log = logging.getLogger(__name__)
 
 EPOCH_COLUMNS: tuple[str, ...] = ("stage", "epoch", "step", "train/loss", "val/loss", "val/acc", "test/loss")
-EPOCH_COLUMNS += ("test/acc", "epoch_s", "samples_per_sec")
+EPOCH_COLUMNS += ("test/acc", "epoch_s", "samples_per_sec", "peak_mem_mib", "allreduce_share")
 """The columns of ``metrics.csv``, fixed whatever was logged: one ``fit`` row per epoch, one ``test`` row."""
 
 
@@ -44,8 +45,10 @@ class EpochRecord(pl.Callback):
     TIME_KEY = "perf/train_time_s"
     SEGMENTS_KEY = "perf/segments"
 
-    def __init__(self, output_dir: str | Path, tally: FitTally, lines: bool = False) -> None:
-        self.path, self.tally, self.lines = Path(output_dir) / "metrics.csv", tally, lines
+    def __init__(
+        self, output_dir: str | Path, tally: FitTally, lines: bool = False, costs: Costs | None = None
+    ) -> None:
+        self.path, self.tally, self.lines, self.costs = Path(output_dir) / "metrics.csv", tally, lines, costs
         self.table = EpochTable()
         self._segment_start: float | None = None
         self._counted = False  # this fit's segment is counted in table.segments
@@ -94,6 +97,7 @@ class EpochRecord(pl.Callback):
             "epoch_s": seconds,
             "samples_per_sec": samples / seconds if seconds > 0 else float("nan"),
             "validated": self.tally.epoch_validated,
+            **(self.costs.epoch if self.costs is not None else {}),
         }
 
     @override
@@ -148,6 +152,10 @@ class EpochRecord(pl.Callback):
         total = f"/{max_epochs}" if max_epochs not in (None, -1) else ""
         values = " ".join(f"{k}={row[k]:.4f}" for k in ("train/loss", "val/loss", "val/acc") if k in row)
         speed = f"{row['epoch_s']:.2f} s, {row['samples_per_sec']:,.0f} samples/s"
+        if "peak_mem_mib" in row:
+            speed += f", peak {row['peak_mem_mib']:,.0f} MiB"
+        if "allreduce_share" in row:
+            speed += f", all-reduce {row['allreduce_share']:.0%} of step time"
         return f"epoch {row['epoch'] + 1}{total}: {values} ({speed})"
 
     def _write(self, rows: list[dict[str, Any]], mode: str) -> None:

@@ -22,6 +22,8 @@ MISSING = {
     "val/": "no validation ran on the final weights (trainer.limit_val_batches=0, or an empty split)",
     "test/": "no test ran",
     "samples_per_sec": "fewer than two training steps: no steady state to measure",
+    "peak_mem_mib": "no training step ran",
+    "allreduce_share": "not timed: a ddp_comm_hook of your own, or no training step",
 }
 
 

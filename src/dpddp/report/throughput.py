@@ -18,12 +18,15 @@ __all__ = ["Throughput", "ThroughputCounts"]
 @dataclass
 class ThroughputCounts:
     """The counts behind the figure (resumable state: they travel in the checkpoint). ``samples`` over
-    ``seconds``: intervals between consecutive step ends within an epoch; ``fallback_*``: the steps' own times."""
+    ``seconds``: intervals between consecutive step ends within an epoch; ``fallback_*``: the steps' own times;
+    ``allreduce_seconds`` of them waiting on the gradient all-reduce and the peak memory in MiB (``Costs``)."""
 
     samples: int = 0
     seconds: float = 0.0
     fallback_samples: int = 0
     fallback_seconds: float = 0.0
+    allreduce_seconds: float = 0.0
+    peak_mem_mib: float = 0.0
 
     @property
     def samples_per_sec(self) -> float:

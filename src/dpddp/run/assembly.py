@@ -33,6 +33,7 @@ from dpddp.parallel.launcher import RankJob
 from dpddp.parallel.rules import replicas, resolve_accelerator
 from dpddp.report.bars import RichBar, TQDMBar
 from dpddp.report.contract import MetricContract
+from dpddp.report.costs import Costs
 from dpddp.report.epochs import EpochRecord
 from dpddp.report.predictions import PredictionWriter
 from dpddp.report.tally import FitTally
@@ -118,7 +119,9 @@ def _build_callbacks(
 ) -> list[pl.Callback]:
     """dpddp's own callbacks (the tally first: the reporters read it), then the configured ones."""
     tally = FitTally(cfg.get("steps_per_execution", 1))
-    throughput, epochs = Throughput(tally), EpochRecord(output_dir, tally, lines=epoch_lines(cfg))
+    throughput = Throughput(tally)
+    costs = Costs(throughput.counts)
+    epochs = EpochRecord(output_dir, tally, lines=epoch_lines(cfg), costs=costs)
     state = ResumableState(
         throughput.counts,
         epochs,
@@ -126,7 +129,8 @@ def _build_callbacks(
         steps_per_execution=cfg.get("steps_per_execution", 1),
         uncounted=(lambda: executions.cut) if executions is not None else (lambda: False),
     )
-    callbacks: list[pl.Callback] = [tally, throughput, epochs, state, StepBoundaryStop(output_dir / "checkpoints")]
+    stop = StepBoundaryStop(output_dir / "checkpoints")
+    callbacks: list[pl.Callback] = [tally, throughput, costs, epochs, state, stop]
     if executions is not None:
         callbacks.append(executions)
     if cfg.predict:  # every callback costs each hook of each step, even one it does not override

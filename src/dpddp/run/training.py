@@ -26,6 +26,7 @@ from dpddp.errors import ConfigError, Preempted, RankFailed, first_line
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import RankJob
 from dpddp.parallel.rules import resolve_accelerator
+from dpddp.report.costs import Costs, peak_memory_mib
 from dpddp.report.epochs import EpochRecord
 from dpddp.report.metrics import METRIC_KEYS, write_metrics
 from dpddp.report.predictions import PredictFailed, check_predictable, predict_forward
@@ -84,6 +85,8 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
     result: dict[str, Any] = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(
         samples_per_sec=metrics.get(Throughput.KEY, math.nan),
+        peak_mem_mib=metrics.get(Costs.MEMORY_KEY, math.nan),
+        peak_mem_of=peak_memory_mib(trainer)[1],
         first_step_unix_s=metrics.get(Throughput.FIRST_STEP_KEY),
         train_time_s=metrics.get(EpochRecord.TIME_KEY, math.nan),
         segments=int(metrics[EpochRecord.SEGMENTS_KEY]) if EpochRecord.SEGMENTS_KEY in metrics else 0,
@@ -94,6 +97,11 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         num_nodes=cfg.num_nodes,
         precision=str(trainer.precision),  # Lightning's resolved flag: 16-mixed becomes bf16-mixed on CPU
         wall_time_s=time.perf_counter() - start,
+        **(
+            {"allreduce_share": metrics.get(Costs.SHARE_KEY, math.nan)}
+            if isinstance(trainer.strategy, DDPStrategy)
+            else {}
+        ),
         **(extra or {}),
     )
     result["objective"] = name = objective(cfg)
