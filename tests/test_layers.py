@@ -31,6 +31,7 @@ LAYERS = {
     "dpddp.entry": 7,
     "dpddp.cli": 8,
     "dpddp.plot": 8,
+    "dpddp.check": 8,  # python -m dpddp.check: the self-check
     "dpddp.conf": 0,
 }
 

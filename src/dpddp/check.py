@@ -1,0 +1,236 @@
+"""``python -m dpddp.check``: is data parallelism working on this machine, and is it worth it? Prints the versions,
+the devices, the network interface and launcher variables, then trains one process against ``ddp`` with 2
+processes (and ``dp`` over the GPUs, where there are two or more) and compares their final weights with
+promise 1's tolerance. Exit 0 when it holds, 1 with one ``error:`` line when it does not, 2 for a bad setting."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import warnings
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from dpddp.cluster import RANK_VARIABLES, register_resolvers
+from dpddp.errors import ConfigError, first_line
+from dpddp.network import choose_interface
+from dpddp.nn import SampleDropout
+from dpddp.run.assembly import GLOBAL_RNG_LAYERS
+from dpddp.run.training import isolated_job, train
+
+__all__ = ["TOLERANCE", "main", "overrides_of"]
+
+TOLERANCE = 1e-5
+"""Promise 1: ddp and dp end with the weights of one process to about this (largest absolute difference)."""
+TINY = ["trainer.max_epochs=2", "logger=none", "epoch_lines=false", "trainer.enable_progress_bar=false"]
+LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PET_", "OMPI_", "PMI_", "KUBERNETES_SERVICE_HOST")
+LAUNCHER_NAMES: tuple[str, ...] = (*RANK_VARIABLES, "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
+LAUNCHER_NAMES += ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def overrides_of(group: str, values: list[str]) -> list[str]:
+    """Hydra overrides for ``--model``/``--data`` values: ``mlp`` chooses the group's option (``model=mlp``),
+    ``key=value`` sets ``model.key=value`` (``+key=value`` adds it), and an override naming the group already
+    (``model.hidden=[64]``, ``+data.x=1``) is taken as it is."""
+    found = []
+    for value in values:
+        key, sep, _ = value.partition("=")
+        bare = key.lstrip("+~")
+        if not sep:
+            found.append(f"{group}={value}")
+        elif bare == group or bare.startswith(f"{group}."):
+            found.append(value)
+        else:
+            found.append(f"{key[: len(key) - len(bare)]}{group}.{value.lstrip('+~')}")
+    return found
+
+
+def _version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def environment_lines() -> list[str]:
+    """The versions, the devices, the interface gloo/NCCL would use and the launcher variables set."""
+    versions = [f"Python {platform.python_version()}", f"torch {torch.__version__}"]
+    versions += [f"{n} {_version(n)}" for n in ("lightning", "hydra-core", "dpddp")]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpus = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    shown = ", ".join(f"cuda:{i} {p.name} {p.total_memory / 2**30:.0f} GiB" for i, p in enumerate(gpus)) or "none"
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    _, why = choose_interface(master)
+    env = os.environ
+    seen = [f"{k}={env[k]}" for k in sorted(env) if k in LAUNCHER_NAMES or k.startswith(LAUNCHER_PREFIXES)]
+    return [
+        "versions: " + ", ".join(versions),
+        f"devices: {cores} CPU cores usable (of {os.cpu_count()}); GPUs: {shown}",
+        f"network: {why}; backends: gloo {torch.distributed.is_gloo_available()}, "
+        f"nccl {torch.distributed.is_nccl_available()}",
+        "launcher variables: " + (" ".join(seen) or "none (one machine, dpddp starts the ranks)"),
+    ]
+
+
+def _compose(overrides: list[str], config_dir: str | None) -> DictConfig:
+    """The config ``dpddp-train`` would compose (``--config-dir``: ``config_dir``), with the check's tiny run first.
+
+    Raises ``ConfigError``: Hydra could not compose it (an unknown option or key)."""
+    extra = [f"hydra.searchpath=[file://{Path(config_dir).absolute()}]"] if config_dir else []
+    try:
+        with initialize_config_dir(config_dir=str(Path(__file__).parent / "conf"), version_base="1.3"):
+            return compose(config_name="config", overrides=[*TINY, *overrides, *extra])
+    except HydraException as err:
+        raise ConfigError((str(err).splitlines() or [type(err).__name__])[0]) from err
+
+
+def _weights(run_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    state = {k: v for k, v in ckpt["state_dict"].items() if v.is_floating_point()}
+    return state, int(ckpt["global_step"])
+
+
+def _difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if a.keys() != b.keys():
+        return float("inf")
+    return max(((a[k].float() - b[k].float()).abs().max().item() for k in a), default=0.0)
+
+
+def _runs(gpus: int) -> list[tuple[str, int, list[str]]]:
+    """The trainings and their replicas: one process, ddp(2) and, on two GPUs or more, dp over them (else all on
+    CPU)."""
+    if gpus >= 2:
+        one = ["accelerator=gpu", "strategy=auto", "devices=1"]
+        return [("1 process", 1, one), ("ddp(2)", 2, ["accelerator=gpu", "strategy=ddp", "devices=2"]),
+                (f"dp({gpus})", gpus, ["accelerator=gpu", "strategy=dp", f"devices={gpus}"])]  # fmt: skip
+    return [("1 process", 1, ["accelerator=cpu", "strategy=auto", "devices=1"]),
+            ("ddp(2)", 2, ["accelerator=cpu", "strategy=ddp", "devices=2"])]  # fmt: skip
+
+
+def _train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    with isolated_job(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return train(cfg, run_dir)
+
+
+def _advice(rows: list[dict[str, Any]]) -> str:
+    fastest = max(rows, key=lambda r: r["samples_per_sec"])
+    one = rows[0]
+    ddp = next(r for r in rows if r["name"].startswith("ddp"))
+    share = ddp.get("allreduce_share")
+    waits = f"the gradient all-reduce takes {share:.0%} of each ddp step" if share is not None else "ddp all-reduces"
+    ratio = fastest["samples_per_sec"] / one["samples_per_sec"]
+    if fastest is one:
+        slower = one["samples_per_sec"] / ddp["samples_per_sec"]
+        return (
+            f"advice: one process is fastest here for this model size ({slower:.1f}x ddp(2)): {waits}, more than "
+            "the half step the second process saves; ddp pays off with heavier steps (a larger model or batch, "
+            "more features) or more cores"
+        )
+    return (
+        f"advice: {fastest['name']} is fastest here for this model size ({ratio:.1f}x one process): each replica's "
+        f"share of the step saves more than it waits ({waits})"
+    )
+
+
+def _global_rng_layers(cfg: DictConfig) -> list[str]:
+    model = instantiate(cfg.model, _convert_="all")
+    found = model.named_modules()
+    return [f"model.{n}" for n, m in found if isinstance(m, GLOBAL_RNG_LAYERS) and not isinstance(m, SampleDropout)]
+
+
+def check(overrides: list[str], config_dir: str | None, work: Path) -> int:
+    """Print the report; return the exit status (0: promise 1 holds; 1: it does not, with one line).
+
+    Raises ``ConfigError`` (a setting, or an override Hydra cannot compose) before anything trains."""
+    for line in environment_lines():
+        print(line)
+    planned = _runs(torch.cuda.device_count())
+    runs = [(name, count, _compose([*settings, *overrides], config_dir)) for name, count, settings in planned]
+    rows: list[dict[str, Any]] = []
+    for name, count, cfg in runs:
+        run_dir = work / f"run{len(rows)}"
+        run_dir.mkdir()  # the launched ranks log into it from their start
+        result = _train(cfg, run_dir)
+        weights, step = _weights(run_dir)
+        share = result.get("allreduce_share")
+        rows.append(
+            {"name": name, "replicas": count, "weights": weights, "step": step,
+             "samples_per_sec": result["samples_per_sec"], "peak_mem_mib": result.get("peak_mem_mib"),
+             "allreduce_share": share if isinstance(share, float) and share == share else None}
+        )  # fmt: skip
+    print(f"{'training':<10} {'samples/s':>10} {'scaling':>8} {'peak MiB':>9} {'all-reduce':>10} {'steps':>6} ", end="")
+    print(f"{'max |w - w1|':>13}")
+    failed = []
+    for row in rows:
+        diff = _difference(row["weights"], rows[0]["weights"])
+        share = f"{row['allreduce_share']:.0%}" if row["allreduce_share"] is not None else "-"
+        scaling = row["samples_per_sec"] / (row["replicas"] * rows[0]["samples_per_sec"])
+        print(
+            f"{row['name']:<10} {row['samples_per_sec']:>10,.0f} {scaling:>8.0%} {row['peak_mem_mib']:>9,.0f} "
+            f"{share:>10} {row['step']:>6} {diff:>13.1e}"
+        )
+        if diff > TOLERANCE or row["step"] != rows[0]["step"]:
+            failed.append((row, diff))
+    print(f"promise 1 (ddp and dp end with one process's weights to {TOLERANCE:.0e} and its step): ", end="")
+    print("holds" if not failed else "does NOT hold")
+    print(_advice(rows))
+    if not failed:
+        return 0
+    row, diff = failed[0]
+    layers = _global_rng_layers(_compose(overrides, config_dir))
+    why = (
+        f"; {', '.join(layers)} draw{'s' if len(layers) == 1 else ''} from the global random stream: use "
+        "dpddp.nn.SampleDropout"
+        if layers
+        else ""
+    )
+    steps = f" and step {row['step']} against {rows[0]['step']}" if row["step"] != rows[0]["step"] else ""
+    print(
+        f"error: promise 1 does not hold for this model: {row['name']} ends {diff:.1e} from one process's weights "
+        f"(tolerance {TOLERANCE:.0e}){steps}{why}",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m dpddp.check [--model M ...] [--data D ...] [--config-dir DIR] [key=value ...]``."""
+    parser = argparse.ArgumentParser(prog="python -m dpddp.check", description=__doc__)
+    parser.add_argument("--model", action="append", default=[], help="model option or key=value (repeatable)")
+    parser.add_argument("--data", action="append", default=[], help="data option or key=value (repeatable)")
+    parser.add_argument("--config-dir", help="a directory of your own configs (model/, data/), as dpddp-train's")
+    parser.add_argument("overrides", nargs="*", help="other Hydra overrides (trainer.max_epochs=3, seed=1)")
+    args = parser.parse_args(argv)
+    overrides = [*overrides_of("model", args.model), *overrides_of("data", args.data), *args.overrides]
+    register_resolvers()
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "dpddp"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    work = Path(tempfile.mkdtemp(prefix="dpddp-check-"))
+    try:
+        status = check(overrides, args.config_dir, work)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        status = 2
+    except Exception as err:  # a failed training: one line, the cause
+        print(f"error: a check training failed: {first_line(err)}", file=sys.stderr)
+        status = 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
