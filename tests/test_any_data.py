@@ -103,6 +103,64 @@ def test_a_users_loader_is_sharded_keeping_the_global_batch():
         list(shard_loader(user, 0, 3, train=True))
 
 
+def _epoch(loader, epoch: int) -> list[list[int]]:
+    loader.batch_sampler.set_epoch(epoch)
+    return [b["x"][:, 0].long().tolist() for b in loader]
+
+
+def test_a_wrapped_loaders_training_order_is_a_function_of_seed_and_epoch():
+    """The README's advice (shuffle=True with a generator made once per fit) gave epoch k the k-th draw of the
+    generator's stream, which a new process (a continued run) starts again: the wrapper orders each epoch by
+    (seed, epoch) instead, on any world size, and counts only the full batches it yields."""
+    ds = PerSample(23)
+
+    def user(seed: int) -> DataLoader:  # built again, as a continued run's process builds it
+        return DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(seed))
+
+    first = shard_loader(user(1), 0, 1, train=True, seed=5)
+    assert len(first) == 23 // 4 == len(_epoch(first, 0))
+    epochs = [_epoch(first, e) for e in (0, 1, 2)]
+    again = shard_loader(user(2), 0, 1, train=True, seed=5)
+    assert [_epoch(again, e) for e in (2, 1, 0)] == epochs[::-1]  # any epoch, in any process, from (seed, epoch)
+    assert epochs[0] != epochs[1] and _epoch(shard_loader(user(1), 0, 1, train=True, seed=6), 0) != epochs[0]
+    ranks = [shard_loader(user(1), r, 2, train=True, seed=5) for r in range(2)]
+    assert [[a + b for a, b in zip(*[_epoch(r, 1) for r in ranks], strict=True)]] == [epochs[1]]
+    replaced = DataLoader(ds, batch_size=4, sampler=torch.utils.data.RandomSampler(ds, replacement=True))
+    assert _epoch(shard_loader(replaced, 0, 1, True, 5), 3) == _epoch(shard_loader(replaced, 0, 1, True, 5), 3)
+
+
+class EpochSeeded(torch.utils.data.Sampler):
+    """A user's sampler ordered by (seed, epoch): the generator is seeded inside ``__iter__``."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(100 + self.epoch)).tolist())
+
+
+def test_a_training_sampler_that_cannot_be_ordered_by_seed_and_epoch_is_refused_in_one_line():
+    ds = PerSample(23)
+    weighted = torch.utils.data.WeightedRandomSampler([1.0] * 23, 23, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ConfigError, match=r"sampler \(WeightedRandomSampler\) gives another order each time") as err:
+        shard_loader(DataLoader(ds, batch_size=4, sampler=weighted), 0, 1, train=True)
+    assert "\n" not in str(err.value)
+    seeded = shard_loader(DataLoader(ds, batch_size=4, sampler=EpochSeeded(23)), 0, 1, train=True)
+    assert _epoch(seeded, 1) == _epoch(seeded, 1) != _epoch(seeded, 0)
+    own = DataLoader(ds, batch_sampler=[[0, 1], [2, 3]])
+    with pytest.raises(ConfigError, match="a batch sampler of its own"):
+        shard_loader(own, 0, 1, train=True)
+    assert len(list(shard_loader(own, 0, 1, train=False))) == 2  # evaluation takes any batches
+    with pytest.raises(ConfigError, match="fewer than one batch of 32: no step would train"):
+        shard_loader(DataLoader(ds, batch_size=32), 0, 1, train=True)
+
+
 def test_a_loader_that_cannot_be_sharded_is_refused_in_one_line():
     class Stream(IterableDataset):
         def __iter__(self):

@@ -1,12 +1,13 @@
 """Models a user writes by subclassing the built-in MLP (``model=mlp model._target_=users_models.X``, with
 ``tests/`` on the import path): randomness from the global RNG, LR schedulers Lightning steps, BatchNorm; and a
-data set with per-sample augmentation."""
+data set with per-sample augmentation; a data module with its own loaders (``data=sharded``)."""
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from dpddp.models.mlp import MLPClassifier
 from dpddp.nn import sample_generator
@@ -81,3 +82,32 @@ class RankOneBallastMLP(MLPClassifier):
     def on_train_start(self) -> None:
         if self.global_rank == 1:
             self.ballast = torch.ones(128 * 2**20)  # written: resident, not only reserved
+
+
+class SplitData(pl.LightningDataModule):
+    """A user's data module with its own loaders, as the README's way to bring one is usually written: ``Subset``
+    splits of one data set, and a training ``DataLoader(shuffle=True)`` with a generator seeded once per fit."""
+
+    def __init__(self, num_train: int = 101, batch_size: int = 12, num_features: int = 4, seed: int = 0) -> None:
+        super().__init__()
+        self.num_train, self.batch_size, self.num_features, self.seed = num_train, batch_size, num_features, seed
+
+    def setup(self, stage: str) -> None:
+        g = torch.Generator().manual_seed(self.seed)
+        n = self.num_train + 30
+        y = torch.randint(0, 3, (n,), generator=g)
+        x = 2 * torch.randn(3, self.num_features, generator=g)[y] + torch.randn(n, self.num_features, generator=g)
+        data = TensorDataset(x, y)
+        self.train = Subset(data, range(self.num_train))
+        self.val = Subset(data, range(self.num_train, self.num_train + 17))
+        self.test = Subset(data, range(self.num_train + 17, n))
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, generator=generator)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val, batch_size=self.batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.test, batch_size=self.batch_size)

@@ -9,49 +9,102 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from typing_extensions import override
 
 from dpddp._compat import data_position
 from dpddp.data.batches import empty_batch
 from dpddp.errors import ConfigError
 
-__all__ = ["ShardedBatchSampler", "ShardedDataModule", "shard_loader"]
+__all__ = ["ShardedBatchSampler", "ShardedDataModule", "epoch_order", "shard_loader"]
+
+
+def epoch_order(sampler: Sampler, seed: int) -> Callable[[int], list[int]]:
+    """The training order of each epoch of a user's ``sampler``, a function of ``(seed, epoch)``: a
+    ``RandomSampler`` (``shuffle=True``, with or without a ``generator``) is drawn again from ``(seed, epoch)``
+    (with replacement, or whole permutations for its ``num_samples``), a ``SequentialSampler`` is in order, and
+    any other sampler is told ``set_epoch(epoch)`` (if it has one) and iterated.
+
+    Raises:
+        ConfigError: another sampler whose order is not the same each time it is iterated for an epoch (a
+            ``generator`` drawn once per fit, the global RNG): a continued run or another world size would see
+            other batches than a straight run.
+    """
+    if isinstance(sampler, RandomSampler):
+        n, count, replace = len(sampler.data_source), sampler.num_samples, sampler.replacement
+
+        def drawn(epoch: int) -> list[int]:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)  # as the global-batch sampler's
+            if replace:
+                return torch.randint(n, (count,), generator=gen).tolist()
+            return torch.cat([torch.randperm(n, generator=gen) for _ in range(-(-count // n))])[:count].tolist()
+
+        return drawn
+
+    def told(epoch: int) -> list[int]:
+        if callable(set_epoch := getattr(sampler, "set_epoch", None)):
+            set_epoch(epoch)
+        return [int(i) for i in sampler]
+
+    if not isinstance(sampler, SequentialSampler) and told(0) != told(0):
+        raise ConfigError(
+            f"data: the training loader's sampler ({type(sampler).__name__}) gives another order each time it is "
+            "iterated, so a continued run or another world size would train other batches: order it by the seed "
+            "and set_epoch(epoch) (seed a generator inside __iter__, as DistributedSampler does), or use "
+            "shuffle=True (dpddp then orders each epoch by (seed, epoch))"
+        )
+    return told
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
-    """This rank's share of each batch of ``batches`` (a batch sampler whose batches are GLOBAL batches): rank
-    ``r`` of ``W`` takes chunk ``r`` of ``torch.tensor_split(batch, W)``. Training drops a short last batch on
-    every world size; evaluation visits every sample once. ``position() -> (epoch, batches trained)``, read as an
-    epoch's iteration starts, skips the batches already trained (mid-epoch resume).
+    """This rank's share of each GLOBAL batch: rank ``r`` of ``W`` takes chunk ``r`` of
+    ``torch.tensor_split(batch, W)``.
+
+    Training (``train``: ``batches`` is the loader's ``torch.utils.data.BatchSampler``): the epoch's order comes
+    from ``epoch_order`` (a function of ``(seed, epoch)``), cut into full batches of ``batch_size`` (the short
+    last one dropped, and not counted in ``len``, on every world size); ``position() -> (epoch, batches
+    trained)``, read as an epoch's iteration starts, picks the epoch and skips the batches already trained
+    (mid-epoch resume). Evaluation: ``batches`` (any batch sampler) as they come, every sample once.
 
     Raises:
-        ConfigError: a training batch that does not divide by ``world_size``.
+        ConfigError: a training batch that does not divide by ``world_size``, or a sampler ``epoch_order``
+            refuses.
     """
 
-    def __init__(self, batches: Any, rank: int, world_size: int, train: bool) -> None:
+    def __init__(self, batches: Any, rank: int, world_size: int, train: bool, seed: int = 0) -> None:
         self.batches, self.rank, self.world_size, self.train = batches, rank, world_size, train
         self.sampler = getattr(batches, "sampler", None)  # Lightning calls its set_epoch (if it has one)
         self.position: Callable[[], tuple[int, int]] | None = None
+        self.epoch = 0
+        if train:
+            self.batch_size: int = batches.batch_size
+            if self.batch_size % world_size:
+                raise ConfigError(
+                    f"the data module's training batch of {self.batch_size} samples does not divide by the world "
+                    f"size {world_size}: use a batch size that is a multiple of {world_size}"
+                )
+            self.order = epoch_order(self.sampler, seed)  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch to iterate when no ``position`` is set (Lightning calls it at each epoch start)."""
+        self.epoch = epoch
 
     def __len__(self) -> int:
-        return len(self.batches)
+        """Batches per epoch: training, full global batches only."""
+        return len(self.sampler) // self.batch_size if self.train else len(self.batches)  # type: ignore[arg-type]
+
+    def _chunk(self, batch: list[int]) -> list[int]:
+        return [int(i) for i in torch.tensor_split(torch.tensor(batch, dtype=torch.long), self.world_size)[self.rank]]
 
     def __iter__(self) -> Iterator[list[int]]:
-        skip = self.position()[1] if self.position is not None else 0
-        full = None
-        for k, batch in enumerate(self.batches):
-            batch = list(batch)
-            full = full or len(batch)
-            if self.train and len(batch) < full:
-                return
-            if self.train and len(batch) % self.world_size:
-                raise ConfigError(
-                    f"the data module's training batch of {len(batch)} samples does not divide by the world size "
-                    f"{self.world_size}: use a batch size that is a multiple of {self.world_size}"
-                )
-            if k >= skip:
-                yield [int(i) for i in torch.tensor_split(torch.tensor(batch), self.world_size)[self.rank]]
+        if not self.train:
+            for batch in self.batches:
+                yield self._chunk(list(batch))
+            return
+        epoch, skip = self.position() if self.position is not None else (self.epoch, 0)
+        order, b = self.order(epoch), self.batch_size
+        for k in range(skip, len(order) // b):
+            yield self._chunk(order[k * b : (k + 1) * b])
 
 
 class _CollateOrEmpty:
@@ -64,13 +117,14 @@ class _CollateOrEmpty:
         return self.collate(samples) if len(samples) else empty_batch(self.collate([self.dataset[0]]))
 
 
-def shard_loader(loader: Any, rank: int, world_size: int, train: bool) -> DataLoader:
+def shard_loader(loader: Any, rank: int, world_size: int, train: bool, seed: int = 0) -> DataLoader:
     """``loader`` (a plain ``torch.utils.data.DataLoader`` over a map-style data set, batched by a sampler)
     rebuilt with a ``ShardedBatchSampler``: its batch size becomes the global batch.
 
     Raises:
-        ConfigError: a loader that cannot be sharded this way (another class, an iterable data set, or no
-            batch sampler), with what to do instead.
+        ConfigError: a loader that cannot be sharded this way (another class, an iterable data set, no batch
+            sampler, or for training a batch sampler of its own or fewer samples than one batch), with what to do
+            instead; or one ``ShardedBatchSampler`` refuses.
     """
     fix = (
         "return a plain DataLoader(dataset, batch_size=...), or subclass dpddp.data.global_batch.GlobalBatchDataModule"
@@ -80,7 +134,18 @@ def shard_loader(loader: Any, rank: int, world_size: int, train: bool) -> DataLo
         if isinstance(getattr(loader, "dataset", None), IterableDataset):
             what = "a DataLoader over an IterableDataset"
         raise ConfigError(f"data: the data module returns {what}, which dpddp cannot shard over ranks: {fix}")
-    batches = ShardedBatchSampler(loader.batch_sampler, rank, world_size, train)
+    if train and type(loader.batch_sampler) is not BatchSampler:
+        raise ConfigError(
+            f"data: the training loader has a batch sampler of its own ({type(loader.batch_sampler).__name__}), "
+            "whose batches dpddp cannot order by (seed, epoch): give DataLoader(dataset, batch_size=..., "
+            "shuffle=... or sampler=...)"
+        )
+    batches = ShardedBatchSampler(loader.batch_sampler, rank, world_size, train, seed)
+    if train and not len(batches):
+        raise ConfigError(
+            f"data: the training loader has {len(batches.sampler)} samples, fewer than one batch of "  # type: ignore[arg-type]
+            f"{batches.batch_size}: no step would train; use a smaller batch_size or more data"
+        )
     workers = loader.num_workers
     return DataLoader(
         loader.dataset,
@@ -99,12 +164,14 @@ def shard_loader(loader: Any, rank: int, world_size: int, train: bool) -> DataLo
 
 class ShardedDataModule(pl.LightningDataModule):
     """Wraps a user's ``LightningDataModule`` (``data.module._target_=my_pkg.MyDataModule``) whose loaders are
-    plain DataLoaders, each rebuilt by ``shard_loader``. The same order on every world size and an exact mid-epoch
-    resume then need the user's sampler to order by seed and epoch (a seeded ``generator``, or ``set_epoch``)."""
+    plain DataLoaders, each rebuilt by ``shard_loader``: the training order is a function of ``(seed, epoch)``
+    (``epoch_order``), so every world size trains the same batches and a stop continues exactly.
+    ``batch_size`` is the training loader's, the global batch (set when the training loader is built)."""
 
-    def __init__(self, module: pl.LightningDataModule) -> None:
+    def __init__(self, module: pl.LightningDataModule, seed: int = 0) -> None:
         super().__init__()
-        self.module = module
+        self.module, self.seed = module, seed
+        self.batch_size = 0
 
     @override
     def prepare_data(self) -> None:
@@ -133,13 +200,14 @@ class ShardedDataModule(pl.LightningDataModule):
 
     def _shard(self, loader: Any, train: bool) -> DataLoader:
         rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-        return shard_loader(loader, rank, world_size, train)
+        return shard_loader(loader, rank, world_size, train, self.seed)
 
     @override
     def train_dataloader(self) -> DataLoader:
         loader = self._shard(self.module.train_dataloader(), train=True)
+        assert isinstance(loader.batch_sampler, ShardedBatchSampler)
+        self.batch_size = loader.batch_sampler.batch_size
         if self.trainer is not None:
-            assert isinstance(loader.batch_sampler, ShardedBatchSampler)
             loader.batch_sampler.position = partial(data_position, self.trainer)
         return loader
 

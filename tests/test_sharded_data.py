@@ -1,0 +1,60 @@
+"""A user's data module with its own loaders, wrapped by ``data=sharded``, end to end: it trains every epoch on a
+training split that does or does not divide by the batch, and a run stopped mid-epoch on 2 or 3 processes and
+continued on 3 or 1 ends with the weights of one process's straight run (each world size trains a segment). The
+loaders are the usual ones: ``Subset`` splits and ``shuffle=True`` with a generator seeded once per fit
+(``users_models.SplitData``)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, leftover, made_once, max_diff, metrics, run_train, weights
+
+pytestmark = pytest.mark.slow
+
+BATCH = 12  # divides by 1, 2 and 3 processes; 96 and 101 training samples are both 8 batches an epoch
+STEPS = 3 * 8
+
+
+def _train(run: Path, num_train: int, procs: int, *more: str) -> dict:
+    """``train.py`` on the wrapped ``users_models.SplitData`` into ``run``; its metrics."""
+    ddp = ["strategy=ddp", f"devices={procs}"] if procs > 1 else []
+    proc = run_train(
+        "accelerator=cpu", "trainer.max_epochs=3", "model.num_features=4", "model.num_classes=3", "data=sharded",
+        "+data.module._target_=users_models.SplitData", f"+data.module.num_train={num_train}",
+        f"+data.module.batch_size={BATCH}", *ddp, *more, f"hydra.run.dir={run}",
+        cwd=run.parent, env={"PYTHONPATH": str(ROOT / "tests")},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert leftover(proc.tag) == []
+    return metrics(run)
+
+
+def _epochs(run: Path) -> list[tuple[int, str]]:
+    with open(run / "metrics.csv", newline="") as f:
+        return [(int(r["epoch"]), r["val/loss"]) for r in csv.DictReader(f) if r["stage"] == "fit"]
+
+
+@pytest.mark.parametrize("num_train", [96, 101], ids=["divides", "does not divide"])
+@pytest.mark.parametrize("procs,then", [(2, 3), (3, 1)], ids=["2 then 3", "3 then 1"])
+def test_a_wrapped_data_module_trains_every_epoch_equals_one_process_and_continues_exactly(
+    tmp_path, shared_dir, num_train, procs, then
+):
+    straight = made_once(shared_dir, f"sharded_straight_{num_train}", lambda p: _train(p, num_train, 1))
+    assert torch.load(straight / "checkpoints/last.ckpt", weights_only=True)["global_step"] == STEPS
+    assert [e for e, _ in _epochs(straight)] == [0, 1, 2] and all(v for _, v in _epochs(straight))  # validated
+
+    _train(tmp_path / "stopped", num_train, procs, "trainer.max_steps=11")  # a limit, in epoch 1
+    stopped = tmp_path / "stopped/checkpoints/last.ckpt"
+    assert torch.load(stopped, weights_only=True)["global_step"] == 11
+    continued = _train(tmp_path / "continued", num_train, then, f"ckpt_path={stopped}")
+    last = tmp_path / "continued/checkpoints/last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == STEPS and continued["world_size"] == then
+    assert [e for e, _ in _epochs(tmp_path / "continued")] == [0, 1, 2]
+    tol = 1e-5  # promise 1's tolerance between world sizes (float reduction order)
+    assert max_diff(weights(last), weights(straight / "checkpoints/last.ckpt")) <= tol
+    for key in ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc"):
+        assert continued[key] == pytest.approx(metrics(straight)[key], abs=tol), key
