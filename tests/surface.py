@@ -121,6 +121,21 @@ SURFACE: tuple[Setting, ...] = (
         "val_check_interval, limit_train_batches and strategy=dp are refused",
     ),
     Setting(
+        "run setting",
+        "data.micro_batch_size=N|auto",
+        tested_by=(
+            "test_micro_batches.py::test_micro_batches_of_n_equal_the_unsplit_run",
+            "test_micro_batches.py::test_auto_splits_when_out_of_memory_keeps_the_split_and_equals_the_unsplit_run",
+            "test_micro_batches.py::test_a_stop_inside_a_split_step_continues_exactly",
+            "test_micro_batches.py::test_ddp_two_processes_split_equal_one_unsplit_process",
+            "test_micro_batches.py::test_what_cannot_keep_the_promises_is_one_line",
+        ),
+        runs=r"micro_batch_size",
+        note="each rank's share in micro-batches, one optimizer step; auto halves the split when any rank runs out "
+        "of memory (one all-reduce of the flag a step); BatchNorm, accumulate_grad_batches, gradient_clip_val and "
+        "strategy=dp are refused",
+    ),
+    Setting(
         "strategy",
         "strategy=auto",
         tested_by=("test_train.py::test_defaults_learn_and_write_metrics",),

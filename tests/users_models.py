@@ -111,3 +111,21 @@ class SplitData(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return DataLoader(self.test, batch_size=self.batch_size)
+
+
+class MemoryBoundMLP(MLPClassifier):
+    """Runs out of memory as a GPU would: a training forward of more than ``limits[global rank]`` samples raises
+    ``torch.OutOfMemoryError`` (the last limit serves the ranks after it). ``biggest``: the largest training
+    forward that ran."""
+
+    def __init__(self, limits: tuple[int, ...] | list[int] = (1 << 30,), **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.limits, self.biggest = list(limits), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            limit = self.limits[min(self.global_rank, len(self.limits) - 1)]
+            if len(x) > limit:
+                raise torch.OutOfMemoryError(f"out of memory: {len(x)} samples on rank {self.global_rank}")
+            self.biggest = max(self.biggest, len(x))
+        return super().forward(x)

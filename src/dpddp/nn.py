@@ -34,6 +34,7 @@ __all__ = [
     "sample_generator",
     "sample_keys",
     "sample_states",
+    "select_sample_part",
     "select_sample_row",
     "set_sample_keys",
 ]
@@ -139,19 +140,21 @@ def replica_ids(ids: torch.Tensor, rows: int, device: torch.device, devices: Seq
 @dataclass
 class SampleKeys:
     """One training batch's keys: ``ids`` int64 ``[b]`` (or ``[k, b]`` for an execution's ``k`` steps, ``row``
-    the current one), ``devices``: ``DataParallel``'s device ids when it scatters the batch, else ``None``."""
+    the current one; ``part``: the ``[start, stop)`` of the step's samples a micro-batch runs), ``devices``:
+    ``DataParallel``'s device ids when it scatters the batch, else ``None``."""
 
     seed: int
     epoch: int
     ids: torch.Tensor
     devices: tuple[int, ...] | None = None
     row: int | None = None
-    _states: dict[tuple[int | None, torch.device, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    part: tuple[int, int] | None = None
+    _states: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def states_for(self, x: torch.Tensor) -> torch.Tensor:
         """``sample_states`` of ``x``'s samples (dim 0) on its device, cached. Raises ValueError: ``[k, b]`` ids
         and no valid row, or no ids of ``x``'s length (``replica_ids``)."""
-        key = (self.row, x.device, x.shape[0])
+        key = (self.row, self.part, x.device, x.shape[0])
         found = self._states.get(key)
         if found is not None:
             return found
@@ -163,6 +166,8 @@ class SampleKeys:
                     "selected: call dpddp.nn.select_sample_row(i) before step i"
                 )
             ids = ids[self.row]
+        if self.part is not None:
+            ids = ids[self.part[0] : self.part[1]]
         ids = replica_ids(ids, x.shape[0], x.device, self.devices)
         found = self._states[key] = sample_states(self.seed, self.epoch, ids.to(x.device))
         return found
@@ -193,6 +198,14 @@ def select_sample_row(row: int) -> None:
     keys = _current[0]
     if keys is not None:
         keys.row = row
+
+
+def select_sample_part(part: tuple[int, int] | None) -> None:
+    """A micro-batch: the layers take samples ``[start, stop)`` of the step's ids (``None``: all; no-op without
+    keys)."""
+    keys = _current[0]
+    if keys is not None:
+        keys.part = part
 
 
 @contextmanager

@@ -155,6 +155,8 @@ class GlobalBatchSampler(DistributedSampler):
 class GlobalBatchDataModule(pl.LightningDataModule):
     """Serves ``dataset`` (or a subclass's ``make_dataset``/``make_splits``) in global batches of ``batch_size``,
     split by one permutation from ``seed`` into ``[train | val | test]`` (``rules.split_sizes``).
+    ``micro_batch_size``: ``None``, ``N`` or ``"auto"``, how the run splits each rank's share of a training step
+    (``dpddp.run.executions``); the batches served are the same.
 
     A batch is what the samples collate to: ``(inputs, target, ...)`` for tuple samples (``inputs`` first: what
     a model without a ``predict_step`` is given when predicting, ``dpddp.data.batches.batch_inputs``), or a dict.
@@ -175,9 +177,11 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         test_fraction: float = 0.1,
         seed: int = 0,
         num_workers: int = 0,
+        micro_batch_size: int | str | None = None,
     ) -> None:
         super().__init__()
         self.dataset, self.batch_size, self.seed, self.num_workers = dataset, batch_size, seed, num_workers
+        self.micro_batch_size = micro_batch_size
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.splits: dict[str, Dataset] = {}
 

@@ -35,8 +35,15 @@ class RandomTensorDataModule(GlobalBatchDataModule):
         label_noise: float = 0.0,
         seed: int = 0,
         streaming: bool = False,
+        micro_batch_size: int | str | None = None,
     ) -> None:
-        super().__init__(batch_size=batch_size, val_fraction=val_fraction, test_fraction=test_fraction, seed=seed)
+        super().__init__(
+            batch_size=batch_size,
+            val_fraction=val_fraction,
+            test_fraction=test_fraction,
+            seed=seed,
+            micro_batch_size=micro_batch_size,
+        )
         self.save_hyperparameters()
         self.num_samples, self.num_features, self.num_classes = num_samples, num_features, num_classes
         self.label_noise, self.streaming = label_noise, streaming

@@ -8,7 +8,14 @@ from typing import Any
 
 from dpddp.errors import ConfigError, checked_float, checked_int
 
-__all__ = ["check_divides", "check_random_tensors", "check_split_settings", "check_train_split", "split_sizes"]
+__all__ = [
+    "check_divides",
+    "check_micro_batch_size",
+    "check_random_tensors",
+    "check_split_settings",
+    "check_train_split",
+    "split_sizes",
+]
 
 
 def split_sizes(n: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
@@ -47,6 +54,12 @@ def check_divides(batch_size: Any, world_size: int) -> None:
             f"data.batch_size={batch_size} (global) does not divide by the world size {world_size} (devices x "
             f"num_nodes): use a multiple of {world_size}"
         )
+
+
+def check_micro_batch_size(value: Any) -> None:
+    """Raises: ConfigError: a ``data.micro_batch_size`` that is not ``null``, ``auto`` or a positive integer."""
+    if value is not None and value != "auto":
+        checked_int("data.micro_batch_size", value, 1, "use null, auto, or a positive number of samples")
 
 
 def check_random_tensors(data: Mapping, world_size: int) -> tuple[int, int, int]:

@@ -42,8 +42,9 @@ class TableDataModule(GlobalBatchDataModule):
         test_fraction: float = 0.1,
         seed: int = 0,
         num_workers: int = 0,
+        micro_batch_size: int | str | None = None,
     ) -> None:
-        super().__init__(None, batch_size, val_fraction, test_fraction, seed, num_workers)
+        super().__init__(None, batch_size, val_fraction, test_fraction, seed, num_workers, micro_batch_size)
         self.save_hyperparameters()
         self.name, self.num_features, self.num_classes = name, num_features, num_classes
 

@@ -111,6 +111,15 @@ class Classifier(pl.LightningModule):
         samples = local.new_tensor(float(self._train_samples + carried[1]), dtype=torch.float64)
         return torch.stack([local.to(torch.float64) + carried[0], samples])
 
+    def train_loss_mark(self) -> tuple[torch.Tensor | None, int]:
+        """This epoch's running train-loss sum and sample count so far (a copy), for ``rewind_train_loss``."""
+        total = self._train_loss_sum
+        return (None if total is None else total.clone(), self._train_samples)
+
+    def rewind_train_loss(self, mark: tuple[torch.Tensor | None, int]) -> None:
+        """Forget the train losses added since ``mark`` (a step retried on the same samples)."""
+        self._train_loss_sum, self._train_samples = mark
+
     def carry_train_loss(self, total: float, samples: int) -> None:
         """Take a restored ``(sum, samples)`` of the epoch before a mid-epoch checkpoint (global rank 0 only: the
         epoch-end sync of sums and counts then counts it once, on any world size)."""

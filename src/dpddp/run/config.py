@@ -22,7 +22,7 @@ from dpddp.continuity.io import checkpoint_problem
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.data.memory import check_memory, memory_bytes
 from dpddp.data.random_tensors import RandomTensorDataModule
-from dpddp.data.rules import check_divides, check_random_tensors
+from dpddp.data.rules import check_divides, check_micro_batch_size, check_random_tensors
 from dpddp.data.sharded import ShardedDataModule
 from dpddp.errors import ConfigError, checked_float, checked_int
 from dpddp.models.classifier import Classifier
@@ -177,6 +177,30 @@ def _check_executions(cfg: Mapping) -> None:
         )
 
 
+# Settings that cannot keep the promises with data.micro_batch_size: (setting, the values that can, why).
+MICRO_BATCH_LIMITS = (
+    ("trainer.accumulate_grad_batches", (None, 1), "a split step is one optimizer step per global batch"),
+    ("trainer.gradient_clip_val", (None, 0), "Lightning clips only under automatic optimization"),
+    ("strategy", ("auto", "ddp", "ddp_spawn"), "DataParallel splits each batch over its devices itself"),
+)
+
+
+def _check_micro_batches(cfg: Mapping) -> None:
+    """``data.micro_batch_size``: ``null``, ``auto`` or a positive integer; when set, the ``MICRO_BATCH_LIMITS``."""
+    micro = (cfg["data"] or {}).get("micro_batch_size")
+    check_micro_batch_size(micro)
+    if micro is None:
+        return
+    for name, ok, why in MICRO_BATCH_LIMITS:
+        section, _, key = name.rpartition(".")
+        value = (cfg[section] or {}).get(key) if section else cfg["strategy"]["name"]
+        if value not in ok:
+            raise ConfigError(
+                f"{name}={value!r} cannot be kept with data.micro_batch_size={micro} ({why}): remove it, or "
+                "data.micro_batch_size"
+            )
+
+
 MIXED = ("16", "bf16", "16-mixed", "bf16-mixed")
 """Mixed precision (Lightning's ``MixedPrecision``; ``16`` and ``bf16`` are its aliases): float32 weights and
 gradients, 16-bit autocast."""
@@ -225,6 +249,7 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
         check_divides(cfg["data"].get("batch_size"), procs)
     _check_sharding(cfg)
     _check_executions(cfg)
+    _check_micro_batches(cfg)
     if issubclass(target_class("model", cfg["model"]), Classifier):  # the built-in models
         _check_model(cfg["model"])
     for key in ("num_features", "num_classes"):  # linked settings: the model's sizes follow the data's

@@ -1,11 +1,15 @@
 """``steps_per_execution=K`` (as Keras's): one Lightning loop iteration carries ``K`` global batches and takes
 ``K`` optimizer steps through manual optimization; ``trainer.global_step`` counts optimizer steps. Every tensor
-of a training batch has a leading ``[k, b]`` (``GlobalBatchSampler``). See docs/design-notes.md (run.executions).
+of a training batch has a leading ``[k, b]`` (``GlobalBatchSampler``). ``data.micro_batch_size=N|auto``: each
+step's share runs in micro-batches whose gradients accumulate into its one optimizer step. See
+docs/design-notes.md (run.executions).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
+from contextlib import ExitStack
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,11 +20,14 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
-from dpddp._compat import counted_step
+from dpddp._compat import BatchNormBase, counted_step
 from dpddp.errors import ConfigError
-from dpddp.nn import select_sample_row
+from dpddp.models.classifier import Classifier
+from dpddp.nn import select_sample_part, select_sample_row
 
 __all__ = ["STEP_HOOKS", "StepsPerExecution", "lean_steps"]
+
+log = logging.getLogger(__name__)
 
 STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
 """The hooks Lightning calls inside each optimizer step (callbacks and the module; the module's ``backward`` too)."""
@@ -38,22 +45,41 @@ def lean_steps(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
 
 class StepsPerExecution(pl.Callback):
     """Runs ``module``'s ``training_step`` (one global batch ``[b, ...]``, returning its loss) for each of the
-    ``k`` rows of an execution batch ``[k, b, ...]``, each followed by ``zero_grad``, backward and ``step``, so the
-    weights equal ``K=1``'s. ``steps``: ``K`` (>= 2); ``module``'s ``training_step`` is replaced on the instance.
-    An execution stops at ``trainer.max_steps`` and sets ``cut``.
+    ``k`` rows of an execution batch ``[k, b, ...]`` (``steps`` >= 2; with 1, the batch is one global batch),
+    each followed by ``zero_grad``, backward and ``step``, so the weights equal ``K=1``'s; ``module``'s
+    ``training_step`` is replaced on the instance. An execution stops at ``trainer.max_steps`` and sets ``cut``.
 
-    Raises ``ConfigError``: a module with manual optimization (at construction); more than one optimizer or an LR
-    scheduler (``on_train_start``); a ``training_step`` that returned ``None``.
+    ``micro``: ``None``, a sample count ``N``, or ``"auto"``. With it each step runs this rank's share ``n`` in
+    micro-batches of at most ``N`` samples, each loss (a mean over its batch) backpropagated with weight
+    ``len / n`` and no gradient sync, then the gradients averaged over the ranks once (32-bit), then ``step``.
+    ``"auto"`` starts from the whole share; when ``torch.OutOfMemoryError`` is raised on any rank, every rank
+    learns it from one all-reduce of the flag per step, discards the step's gradients and retries it with half
+    the micro-batch size, which it keeps (``micro_size``; logged).
+
+    Raises ``ConfigError``: a module with manual optimization, or with BatchNorm and ``micro`` (at construction);
+    more than one optimizer or an LR scheduler (``on_train_start``); a ``training_step`` that returned ``None``.
+    ``torch.OutOfMemoryError``: ``"auto"`` out of memory with micro-batches of one sample.
     """
 
-    def __init__(self, module: pl.LightningModule, steps: int) -> None:
+    def __init__(self, module: pl.LightningModule, steps: int, micro: int | str | None = None) -> None:
+        setting = f"steps_per_execution={steps}" if steps > 1 else f"data.micro_batch_size={micro}"
+        self.fix = "use steps_per_execution=1" if steps > 1 else "remove data.micro_batch_size"
         if not module.automatic_optimization:
             raise ConfigError(
-                f"steps_per_execution={steps} needs a model with automatic optimization ({type(module).__name__} "
-                "steps its optimizers itself): use steps_per_execution=1"
+                f"{setting} needs a model with automatic optimization ({type(module).__name__} steps its "
+                f"optimizers itself): {self.fix}"
             )
-        self.steps, self.module, self.cut, self.lean = steps, module, False, False
+        norms = [n for n, m in module.named_modules() if isinstance(m, BatchNormBase)]
+        if micro is not None and norms:
+            raise ConfigError(
+                f"data.micro_batch_size={micro} with BatchNorm (model.{norms[0]}): a micro-batch's statistics are "
+                "not the share's, so the weights would depend on the split: remove data.micro_batch_size, or lower "
+                "data.batch_size"
+            )
+        self.steps, self.module, self.cut, self.lean, self.setting = steps, module, False, False, setting
+        self.micro, self.micro_size = micro, micro if isinstance(micro, int) else None
         self._step = module.training_step
+        self._no_sync = ExitStack()
         module.automatic_optimization = False
         module.training_step = self.training_step  # type: ignore[method-assign]
 
@@ -61,19 +87,20 @@ class StepsPerExecution(pl.Callback):
         """One execution: ``k`` optimizer steps on the ``k`` global batches of ``batch`` (``[k, b, ...]``)."""
         module = self.module
         trainer, optimizer = module.trainer, module.optimizers()
-        rows = extract_batch_size(batch)
+        rows = extract_batch_size(batch) if self.steps > 1 else 1
         left = trainer.max_steps - trainer.global_step if trainer.max_steps >= 0 else rows
         self.cut = left < rows
         for i in range(min(rows, left)):
-            select_sample_row(i)  # the sample keys of global batch i
-            out = self._step(apply_to_collection(batch, torch.Tensor, lambda t: t[i]), batch_idx)  # noqa: B023
-            loss = out["loss"] if isinstance(out, Mapping) else out
-            if loss is None:
-                raise ConfigError(
-                    f"steps_per_execution={self.steps}: {type(module).__name__}.training_step returned None (a "
-                    "skipped step): use steps_per_execution=1"
-                )
+            one = batch
+            if self.steps > 1:
+                select_sample_row(i)  # the sample keys of global batch i
+                one = apply_to_collection(batch, torch.Tensor, lambda t: t[i])  # noqa: B023
             optimizer.zero_grad()  # type: ignore[union-attr]
+            if self.micro is not None:
+                self._split_step(one, batch_idx)
+                optimizer.step()  # type: ignore[union-attr]
+                continue
+            loss = self._loss(one, batch_idx)
             if self.lean:
                 trainer.strategy.pre_backward(loss)
                 loss.backward()
@@ -83,13 +110,80 @@ class StepsPerExecution(pl.Callback):
                 module.manual_backward(loss)
                 optimizer.step()  # type: ignore[union-attr]
 
+    def _loss(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        out = self._step(batch, batch_idx)
+        loss = out["loss"] if isinstance(out, Mapping) else out
+        if loss is None:
+            raise ConfigError(
+                f"{self.setting}: {type(self.module).__name__}.training_step returned None (a skipped step): {self.fix}"
+            )
+        return loss
+
+    def _split_step(self, batch: Any, batch_idx: int) -> None:
+        """This rank's share ``batch`` in micro-batches, gradients accumulated (see the class); retried smaller
+        under ``"auto"`` when any rank ran out of memory."""
+        module, trainer, n = self.module, self.module.trainer, extract_batch_size(batch)
+        if self.micro_size is None:  # auto: the whole share first
+            self.micro_size = n
+        while True:
+            size = min(self.micro_size, n)
+            mark = module.train_loss_mark() if isinstance(module, Classifier) else None
+            failed = False
+            try:
+                for start in range(0, n, size):
+                    part = (start, min(n, start + size))
+                    select_sample_part(part)
+                    micro = apply_to_collection(batch, torch.Tensor, lambda t: t[part[0] : part[1]])  # noqa: B023
+                    module.manual_backward(self._loss(micro, batch_idx) * ((part[1] - part[0]) / n))
+            except torch.OutOfMemoryError:
+                if self.micro != "auto" or size == 1:
+                    raise
+                failed = True  # the traceback, and the step's tensors with it, are freed here
+            finally:
+                select_sample_part(None)
+            if self.micro != "auto" or not trainer.strategy.reduce_boolean_decision(failed, all=False):
+                break
+            module.zero_grad(set_to_none=True)
+            if isinstance(module, Classifier) and mark is not None:
+                module.rewind_train_loss(mark)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.micro_size = -(-size // 2)
+            if trainer.is_global_zero:
+                log.warning(
+                    f"data.micro_batch_size=auto: out of memory on a rank with micro-batches of {size} samples; "
+                    f"every rank now runs its share of {n} in micro-batches of {self.micro_size} (kept)"
+                )
+        self._average_gradients()
+
+    def _average_gradients(self) -> None:
+        """The mean over the ranks of every parameter's gradient, in one all-reduce of their dtype (32-bit)."""
+        strategy = self.module.trainer.strategy
+        if self.module.trainer.world_size == 1:
+            return
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = strategy.reduce(torch.cat([g.reshape(-1) for g in grads]), reduce_op="mean")
+        for p, g in zip(params, flat.split([g.numel() for g in grads]), strict=True):
+            p.grad = g.view_as(p)
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         name = type(pl_module).__name__
         if len(trainer.optimizers) != 1 or trainer.lr_scheduler_configs:
             raise ConfigError(
-                f"steps_per_execution={self.steps}: {name} has {len(trainer.optimizers)} optimizer(s) and "
+                f"{self.setting}: {name} has {len(trainer.optimizers)} optimizer(s) and "
                 f"{len(trainer.lr_scheduler_configs)} LR scheduler(s); it needs one optimizer and no scheduler: "
-                "use steps_per_execution=1"
+                f"{self.fix}"
             )
         self.lean = lean_steps(trainer, pl_module)
+        if self.micro is not None and trainer.world_size > 1:  # gradients are averaged once a step, after the split
+            self._no_sync.enter_context(trainer.strategy.block_backward_sync())  # type: ignore[attr-defined]
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._no_sync.close()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._no_sync.close()

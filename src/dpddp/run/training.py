@@ -74,8 +74,8 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         forward = bool(cfg.predict or stage == "predict") and check_predictable(model)
         if forward:
             predict_forward(model)
-        steps = cfg.get("steps_per_execution", 1)
-        executions = StepsPerExecution(model, steps) if steps > 1 and stage == "fit" else None
+        steps, micro = cfg.get("steps_per_execution", 1), getattr(datamodule, "micro_batch_size", None)
+        executions = StepsPerExecution(model, steps, micro) if (steps > 1 or micro) and stage == "fit" else None
         if executions is not None:
             datamodule.steps_per_execution = steps
         job = RankJob(entry=f"{__name__}:train_rank", config=_resolved(cfg, stage), output_dir=str(output_dir))
@@ -96,6 +96,7 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
         precision=str(trainer.precision),  # Lightning's resolved flag: 16-mixed becomes bf16-mixed on CPU
+        micro_batch_size=executions.micro_size if executions is not None and executions.micro else None,
         wall_time_s=time.perf_counter() - start,
         **(
             {"allreduce_share": metrics.get(Costs.SHARE_KEY, math.nan)}

@@ -1,0 +1,175 @@
+"""``data.micro_batch_size=N|auto`` (``dpddp.run.executions``): each rank's share of a step runs in micro-batches
+whose gradients accumulate into one optimizer step, so the weights equal the unsplit run's (1e-5) with the same
+global step, SampleDropout's masks included; ``auto`` halves the split when any rank runs out of memory (a model
+that raises torch's ``OutOfMemoryError`` above a sample count), every rank agreeing, and records its choice; a stop
+inside a split step continues exactly; BatchNorm and what cannot keep the promises are refused in one line."""
+
+import logging
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, metrics
+from omegaconf import OmegaConf
+
+from dpddp.errors import ConfigError, Preempted
+from dpddp.run.training import train
+
+# 1005 samples: 805 train = 16 global batches of 48 an epoch (48 steps in 3 epochs); shares of 24 on 2 processes.
+BASE = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "data.batch_size=48", "logger=none", "model=mlp"]
+BASE += ["model.hidden=[32]", "model.optimizer=adam", "model.lr=0.01", "trainer.max_epochs=3"]
+OOM = "model._target_=users_models.MemoryBoundMLP"
+DROPOUT = "model.dropout=0.5"
+
+
+def _state(run) -> dict[str, torch.Tensor]:
+    return torch.load(run / "checkpoints/last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+
+
+def _same(a, b, tol):
+    ca, cb = (torch.load(r / "checkpoints/last.ckpt", weights_only=True) for r in (a, b))
+    assert ca["global_step"] == cb["global_step"]
+    sa, sb = ca["state_dict"], cb["state_dict"]
+    diff = max((sa[k] - sb[k]).abs().max().item() for k in sa)
+    assert diff <= tol, diff
+    return diff
+
+
+@pytest.fixture(scope="module")
+def unsplit(tmp_path_factory):
+    """One process, no split, without and with SampleDropout: run directories by name."""
+    root = tmp_path_factory.mktemp("unsplit")
+    for name, extra in (("plain", []), ("dropout", [DROPOUT])):
+        train(compose_cfg(*BASE, OOM, *extra), root / name)
+    return root
+
+
+@pytest.mark.parametrize("extra", [[], [DROPOUT]], ids=["plain", "dropout"])
+@pytest.mark.parametrize("micro", [8, 10, 48])  # 10: micro-batches of 10, 10, 10, 10 and 8
+def test_micro_batches_of_n_equal_the_unsplit_run(tmp_path, unsplit, micro, extra):
+    run = train(compose_cfg(*BASE, OOM, *extra, f"data.micro_batch_size={micro}"), tmp_path / "split")
+    _same(tmp_path / "split", unsplit / ("dropout" if extra else "plain"), 1e-5)
+    assert run["micro_batch_size"] == micro and metrics(tmp_path / "split")["micro_batch_size"] == micro
+    assert run["train/loss"] == pytest.approx(metrics(unsplit / ("dropout" if extra else "plain"))["train/loss"])
+
+
+@pytest.mark.parametrize("extra", [[], [DROPOUT]], ids=["plain", "dropout"])
+def test_auto_splits_when_out_of_memory_keeps_the_split_and_equals_the_unsplit_run(tmp_path, unsplit, extra, caplog):
+    caplog.set_level(logging.WARNING, logger="dpddp.run.executions")
+    run = train(compose_cfg(*BASE, OOM, *extra, "+model.limits=[20]", "data.micro_batch_size=auto"), tmp_path / "a")
+    _same(tmp_path / "a", unsplit / ("dropout" if extra else "plain"), 1e-5)
+    assert run["micro_batch_size"] == 12  # 48 and 24 ran out of memory
+    lines = [r.getMessage() for r in caplog.records if "micro_batch_size=auto" in r.getMessage()]
+    assert len(lines) == 2 and "micro-batches of 12 (kept)" in lines[-1]  # the first step only: the split is kept
+    assert run["train/loss"] == pytest.approx(metrics(unsplit / ("dropout" if extra else "plain"))["train/loss"])
+
+
+def test_auto_without_memory_trouble_runs_the_whole_share(tmp_path, unsplit):
+    run = train(compose_cfg(*BASE, OOM, "data.micro_batch_size=auto"), tmp_path / "a")
+    assert run["micro_batch_size"] == 48
+    _same(tmp_path / "a", unsplit / "plain", 1e-6)
+
+
+def test_out_of_memory_at_one_sample_or_with_a_fixed_split_is_raised(tmp_path):
+    with pytest.raises(torch.OutOfMemoryError, match="out of memory: 1 samples"):
+        train(compose_cfg(*BASE, OOM, "+model.limits=[0]", "data.micro_batch_size=auto"), tmp_path / "a")
+    with pytest.raises(torch.OutOfMemoryError, match="out of memory: 8 samples"):
+        train(compose_cfg(*BASE, OOM, "+model.limits=[5]", "data.micro_batch_size=8"), tmp_path / "b")
+
+
+class SigtermInBackward(pl.Callback):
+    """Test helper: SIGTERM to this process before the ``at``-th backward of the run (inside a split step)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, 0
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.seen += 1
+        if self.seen == self.at:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_stop_inside_a_split_step_continues_exactly(tmp_path, unsplit):
+    """SIGTERM at the 2nd micro-batch of step 21 (auto, split 48 -> 12 after running out of memory); the continued
+    run splits afresh and ends with the straight run's weights."""
+    args = [*BASE, OOM, DROPOUT, "+model.limits=[20]", "data.micro_batch_size=auto"]
+    train(compose_cfg(*args), tmp_path / "straight")
+    kill = ["+callbacks.kill._target_=test_micro_batches.SigtermInBackward", f"+callbacks.kill.at={20 * 4 + 2}"]
+    with pytest.raises(Preempted) as stop:
+        train(compose_cfg(*args, *kill), tmp_path / "run")
+    assert stop.value.step == 21  # the step it arrived in ended whole
+    resumed = train(compose_cfg(*args, f"ckpt_path={tmp_path}/run/checkpoints/last.ckpt"), tmp_path / "resumed")
+    _same(tmp_path / "resumed", tmp_path / "straight", 1e-6)
+    assert resumed["micro_batch_size"] == 12
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (["data.micro_batch_size=0"], "data.micro_batch_size=0 is invalid: use null, auto, or a positive number"),
+        (["data.micro_batch_size=big"], "data.micro_batch_size='big' is not an integer: use null, auto"),
+        (
+            ["data.micro_batch_size=8", "trainer.accumulate_grad_batches=2"],
+            "trainer.accumulate_grad_batches=2 cannot be kept with data.micro_batch_size=8",
+        ),
+        (
+            ["data.micro_batch_size=auto", "trainer.gradient_clip_val=0.5"],
+            "trainer.gradient_clip_val=0.5 cannot be kept with data.micro_batch_size=auto",
+        ),
+        (["data.micro_batch_size=8", "strategy=dp"], "strategy='dp' cannot be kept with data.micro_batch_size=8"),
+        (
+            ["data.micro_batch_size=8", "model._target_=users_models.BatchNormMLP"],
+            "data.micro_batch_size=8 with BatchNorm (model.net.1): a micro-batch's statistics are not the share's",
+        ),
+    ],
+)
+def test_what_cannot_keep_the_promises_is_one_line(tmp_path, overrides, line):
+    with pytest.raises(ConfigError) as err:
+        train(compose_cfg(*BASE, *overrides), tmp_path / "run")
+    assert str(err.value).startswith(line) and "\n" not in str(err.value)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+JOBS = {  # name: overrides of a ddp(2) job; each equals the one-process unsplit run of its model
+    "unsplit": [],
+    "n8": ["data.micro_batch_size=8"],
+    "auto": ["+model.limits=[30,10]", "data.micro_batch_size=auto"],  # rank 1 alone runs out: 24 -> 12 -> 6
+    "auto_dropout": [DROPOUT, "+model.limits=[30,10]", "data.micro_batch_size=auto"],
+    "n8_executions": ["data.micro_batch_size=8", "steps_per_execution=4"],
+}
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_split_equal_one_unsplit_process(tmp_path, unsplit):
+    rows = tmp_path / "conf" / "micro"
+    rows.mkdir(parents=True)
+    for name, job in JOBS.items():
+        values = OmegaConf.from_dotlist([o.lstrip("+") for o in job])
+        (rows / f"{name}.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(values))
+    args = ["-m", *BASE, OOM, "strategy=ddp", "devices=2", f"hydra.searchpath=[file://{tmp_path}/conf]"]
+    args += [f"+micro={','.join(JOBS)}", f"hydra.sweep.dir={tmp_path}/sweep"]
+    env, tag = child_env(PYTHONPATH=str(ROOT / "tests"))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert leftover(tag) == []
+    for i, (name, job) in enumerate(JOBS.items()):
+        run = tmp_path / f"sweep/{i}"
+        one = unsplit / ("dropout" if DROPOUT in job else "plain")
+        print(name, _same(run, one, 1e-5))
+        assert metrics(run)["world_size"] == 2
+        expected = {"unsplit": None, "n8": 8, "n8_executions": 8}.get(name, 6)
+        assert metrics(run)["micro_batch_size"] == expected, name
+    log = (tmp_path / "sweep/2/train.log").read_text()
+    assert "micro-batches of 12 (kept)" in log and "micro-batches of 6 (kept)" in log
