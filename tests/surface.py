@@ -206,6 +206,19 @@ SURFACE: tuple[Setting, ...] = (
         runs=r"TORCHRUN|SLURM|kubeflow",
     ),
     Setting(
+        "entry point",
+        "num_nodes=auto (torchrun --nnodes=MIN:MAX, SLURM, a PyTorchJob)",
+        tested_by=(
+            "test_elastic.py::test_node_leaving_gracefully_stops_every_rank_at_one_step_and_the_other_continues",
+            "test_elastic.py::test_node_killed_the_other_continues_from_last_ckpt",
+            "test_elastic.py::test_node_joining_continues_on_the_larger_world_size",
+            "test_elastic_rules.py::test_auto_takes_the_slurm_task_count",
+        ),
+        runs=r"_node\(|num_nodes=auto",
+        note="the launcher's world size; every (re)start of the job continues from its last.ckpt, on any number of "
+        "nodes (torchrun: --rdzv-id, and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for a node that joins)",
+    ),
+    Setting(
         "sweeper/launcher",
         "basic",
         tested_by=(

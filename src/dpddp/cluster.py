@@ -4,6 +4,7 @@ The resolvers keep ``.hydra/`` and ``train.log`` to global rank 0 (others log to
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 
@@ -13,6 +14,7 @@ __all__ = [
     "LAUNCHED_ENV",
     "cluster_world_size",
     "env_rank",
+    "launch_id",
     "loopback_interface",
     "process_name",
     "register_resolvers",
@@ -40,8 +42,9 @@ def process_name() -> str:
 
 def run_name() -> str:
     """A run directory name every process of one run computes alike: ``slurm-<SLURM_JOB_ID>``,
-    ``torchrun-<run id>``, ``torchrun-<date>-port<MASTER_PORT>``, ``job-<date>-port<MASTER_PORT>`` (``RANK`` set),
-    else ``<YYYY-MM-DD>/<HH-MM-SS>``."""
+    ``torchrun-<run id>``, ``torchrun-<date>-port<MASTER_PORT>``, ``job-<MASTER_ADDR>-port<MASTER_PORT>`` (``RANK``
+    set: a PyTorchJob, whose master's address names the job, so a restarted pod finds the run), else
+    ``<YYYY-MM-DD>/<HH-MM-SS>``."""
     if "SLURM_JOB_ID" in os.environ and "SLURM_NTASKS" in os.environ:
         return f"slurm-{os.environ['SLURM_JOB_ID']}"
     day = time.strftime("%Y-%m-%d")
@@ -49,8 +52,24 @@ def run_name() -> str:
     if run_id is not None:
         return f"torchrun-{run_id}" if run_id != "none" else f"torchrun-{day}-port{os.environ.get('MASTER_PORT')}"
     if "RANK" in os.environ and "MASTER_PORT" in os.environ:
-        return f"job-{day}-port{os.environ['MASTER_PORT']}"
+        address = re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("MASTER_ADDR", "localhost"))
+        return f"job-{address}-port{os.environ['MASTER_PORT']}"
     return time.strftime("%Y-%m-%d/%H-%M-%S")
+
+
+def launch_id() -> str | None:
+    """The job a launcher started this process for, alike on all its processes and every (re)start of it, or
+    ``None`` (no launcher, dpddp's own, or torchrun without ``--rdzv-id``): ``slurm:<SLURM_JOB_ID>`` (a requeue
+    keeps it), ``torchrun:<run id>`` (``--rdzv-id``; ``--standalone`` makes one per command),
+    ``job:<MASTER_ADDR>:<MASTER_PORT>`` (``RANK`` set: a PyTorchJob's master service)."""
+    env = os.environ
+    if "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env:
+        return f"slurm:{env['SLURM_JOB_ID']}"
+    if "TORCHELASTIC_RUN_ID" in env:
+        return f"torchrun:{env['TORCHELASTIC_RUN_ID']}" if env["TORCHELASTIC_RUN_ID"] != "none" else None
+    if "RANK" in env and "MASTER_PORT" in env and not env.get(LAUNCHED_ENV):
+        return f"job:{env.get('MASTER_ADDR', 'localhost')}:{env['MASTER_PORT']}"
+    return None
 
 
 def register_resolvers() -> None:

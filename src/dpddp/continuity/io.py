@@ -13,7 +13,7 @@ from typing_extensions import override
 from dpddp._compat import processed_epochs
 from dpddp.errors import WriteFailed
 
-__all__ = ["AtomicCheckpointIO", "checkpoint_problem"]
+__all__ = ["AtomicCheckpointIO", "checkpoint_launch", "checkpoint_problem"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -41,6 +41,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             tmp.unlink(missing_ok=True)
             raise WriteFailed(f"cannot write {path.name} in {str(path.parent)!r}: {err.strerror or err}") from err
         self.saved_steps[path.name] = int(checkpoint.get("global_step", -1))
+
+
+def checkpoint_launch(path: str | Path) -> str | None:
+    """The launcher's job id of the run that wrote the checkpoint at ``path`` (``dpddp.cluster.launch_id``, kept
+    by ``ResumableState``), or ``None``: none recorded, or the file cannot be read (the config check says why)."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None
+    entry = ckpt.get("dpddp") if isinstance(ckpt, dict) else None
+    return entry.get("launch") if isinstance(entry, dict) else None
 
 
 def checkpoint_problem(

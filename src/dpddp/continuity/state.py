@@ -77,7 +77,8 @@ def set_random_state(state: dict[str, Any]) -> None:
 
 class ResumableState(pl.Callback):
     """Saves and loads ``checkpoint["dpddp"]`` (throughput counts, epoch table, train-loss sums, every rank's random
-    state, due plateau values, ``steps_per_execution``) and edits the checkpoint's loop counters, on every rank.
+    state, due plateau values, ``steps_per_execution``, ``launch``: the launcher's job id) and edits the
+    checkpoint's loop counters, on every rank.
     Collective at save (a sum and a gather). The order of save and load: docs/design-notes.md (continuity.state).
 
     Raises ``ConfigError`` at load: a checkpoint of another ``steps_per_execution``.
@@ -90,8 +91,9 @@ class ResumableState(pl.Callback):
         seed: int = 0,
         steps_per_execution: int = 1,
         uncounted: Callable[[], bool] = lambda: False,
+        launch: str | None = None,
     ) -> None:
-        self.throughput, self.epochs, self.seed = throughput, epochs, seed
+        self.throughput, self.epochs, self.seed, self.launch = throughput, epochs, seed, launch
         self.steps_per_execution, self.uncounted = steps_per_execution, uncounted
         self._random: dict[str, Any] | None = None  # this rank's restored state, until set
         self._mid_epoch = False
@@ -120,6 +122,7 @@ class ResumableState(pl.Callback):
             "mid_epoch": not finished,
             "plateau": due_plateau_values(trainer) if fitting and finished and self._in_loop else {},
             "steps_per_execution": self.steps_per_execution,
+            "launch": self.launch,
         }
         checkpoint[KEY] = entry
 

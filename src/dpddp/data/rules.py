@@ -47,12 +47,13 @@ def check_train_split(batch_size: int, num_train: int, more: str) -> None:
         )
 
 
-def check_divides(batch_size: Any, world_size: int) -> None:
-    """Raises: ConfigError: an integer global batch that the ``world_size`` processes cannot share evenly."""
+def check_divides(batch_size: Any, world_size: int, source: str = "devices x num_nodes") -> None:
+    """Raises: ConfigError: an integer global batch that the ``world_size`` processes cannot share evenly
+    (``source``: where the world size came from, e.g. ``"torchrun WORLD_SIZE=3"``)."""
     if isinstance(batch_size, int) and batch_size % world_size:
         raise ConfigError(
-            f"data.batch_size={batch_size} (global) does not divide by the world size {world_size} (devices x "
-            f"num_nodes): use a multiple of {world_size}"
+            f"data.batch_size={batch_size} (global) does not divide by the world size {world_size} ({source}): use "
+            f"a multiple of {world_size}"
         )
 
 
@@ -62,7 +63,7 @@ def check_micro_batch_size(value: Any) -> None:
         checked_int("data.micro_batch_size", value, 1, "use null, auto, or a positive number of samples")
 
 
-def check_random_tensors(data: Mapping, world_size: int) -> tuple[int, int, int]:
+def check_random_tensors(data: Mapping, world_size: int, source: str = "devices x num_nodes") -> tuple[int, int, int]:
     """The ``(train, val, test)`` sample counts of the built-in data's settings (``RandomTensorDataModule``'s), from
     the values alone. Raises: ConfigError: a value out of range, an empty split, no full global batch to train, or
     one that does not divide by ``world_size``."""
@@ -82,5 +83,5 @@ def check_random_tensors(data: Mapping, world_size: int) -> tuple[int, int, int]
                 f"data.num_samples={n}: raise data.num_samples or data.{split}_fraction"
             )
     check_train_split(data["batch_size"], sizes[0], "raise data.num_samples")
-    check_divides(data["batch_size"], world_size)
+    check_divides(data["batch_size"], world_size, source)
     return sizes

@@ -23,8 +23,9 @@ from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dpddp._compat import hydra_mode_unset
-from dpddp.cluster import register_resolvers, run_name
+from dpddp.cluster import launch_id, register_resolvers, run_name
 from dpddp.continuity import stop as sweep_stop
+from dpddp.continuity.io import checkpoint_launch
 from dpddp.errors import (
     KNOWN,
     Preempted,
@@ -153,9 +154,12 @@ def run_job(cfg: DictConfig) -> float:
     with open_dict(cfg):
         if cfg.get("ckpt_path"):
             cfg.ckpt_path = to_absolute_path(str(cfg.ckpt_path))
-        # torchrun --max-restarts: a restarted worker continues its run (same directory: cluster.run_name)
-        restarted = torchrun_restarted()
-        resume = multirun or cfg.get("resume") or restarted
+        last = output_dir / "checkpoints" / "last.ckpt"
+        # A (re)start of a launcher's job continues its run (same directory: cluster.run_name): torchrun
+        # --max-restarts, a membership change, a SLURM requeue, a pod restart; its last.ckpt names the job.
+        job = launch_id()
+        own = job is not None and last.is_file() and checkpoint_launch(last) == job
+        resume = multirun or cfg.get("resume") or own or torchrun_restarted()
         done = completed_metrics(output_dir) if resume else None
         if done is not None and done.get("overrides") == overrides:
             log.info(f"already complete with the same overrides, skipping: {output_dir / 'metrics.json'}")
@@ -169,7 +173,6 @@ def run_job(cfg: DictConfig) -> float:
                 return math.nan
         if multirun:
             (output_dir / "error.txt").unlink(missing_ok=True)  # an earlier try's failure, run again now
-        last = output_dir / "checkpoints" / "last.ckpt"
         held = [p.name for p in (last, output_dir / "metrics.json") if p.is_file()]
         if held and not resume and cfg.get("ckpt_path") != str(last):  # never overwrite another run
             fail(

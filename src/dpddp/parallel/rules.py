@@ -18,8 +18,10 @@ __all__ = [
     "STRATEGIES",
     "check_devices",
     "check_strategy_options",
+    "nodes",
     "resolve_accelerator",
     "world_size",
+    "world_size_source",
 ]
 
 STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn")
@@ -36,15 +38,39 @@ def resolve_accelerator(accelerator: str) -> str:
     return "gpu" if accelerator == "cuda" else accelerator
 
 
+def _devices(cfg: Mapping) -> int:
+    return cfg["devices"] if cfg["devices"] != -1 else torch.cuda.device_count()
+
+
+def nodes(cfg: Mapping) -> int:
+    """The run's node count: ``num_nodes``, or for ``num_nodes=auto`` the launcher's world size over ``devices``
+    (torchrun's ``WORLD_SIZE``, ``SLURM_NTASKS``, a PyTorchJob's ``WORLD_SIZE``; rounded down: ``check_devices``
+    refuses a remainder), 1 outside a launcher or for one-process strategies."""
+    if cfg["num_nodes"] != "auto":
+        return cfg["num_nodes"]
+    cluster = cluster_world_size(cfg["cluster"])
+    if cluster is None or cfg["strategy"]["name"] not in ("ddp", "ddp_spawn"):
+        return 1
+    return max(cluster[0] // max(_devices(cfg), 1), 1)
+
+
 def world_size(cfg: Mapping) -> int:
-    """Processes the run will have: ``devices * num_nodes`` for DDP, 1 for ``auto`` and ``dp`` (one process).
+    """Processes the run will have: ``devices * nodes(cfg)`` for DDP, 1 for ``auto`` and ``dp`` (one process).
 
     ``devices=-1`` counts the visible GPUs.
     """
     if cfg["strategy"]["name"] not in ("ddp", "ddp_spawn"):
         return 1
-    devices = cfg["devices"] if cfg["devices"] != -1 else torch.cuda.device_count()
-    return devices * cfg["num_nodes"]
+    return _devices(cfg) * nodes(cfg)
+
+
+def world_size_source(cfg: Mapping) -> str:
+    """Where the run's world size comes from, for a message: ``"torchrun WORLD_SIZE=3"`` (any launcher's
+    variable) under a launcher with ``num_nodes=auto``, else ``"devices x num_nodes"``."""
+    cluster = cluster_world_size(cfg["cluster"])
+    if cfg["num_nodes"] == "auto" and cluster is not None and cfg["strategy"]["name"] in ("ddp", "ddp_spawn"):
+        return f"{cluster[1]}={cluster[0]}"
+    return "devices x num_nodes"
 
 
 def replicas(cfg: Mapping) -> int:
@@ -69,7 +95,8 @@ def check_devices(cfg: Mapping) -> None:
         raise ConfigError(f"accelerator={cfg['accelerator']!r} is unknown: choose one of {', '.join(ACCELERATORS)}")
     if devices != -1:
         checked_int("devices", devices, 1, "use a positive number of devices per node, or -1 for all GPUs")
-    checked_int("num_nodes", num_nodes, 1, "use a positive number of nodes")
+    if num_nodes != "auto":
+        checked_int("num_nodes", num_nodes, 1, "use a positive number of nodes, or auto (the launcher's)")
     accelerator = resolve_accelerator(cfg["accelerator"])
     if accelerator == "gpu" and not torch.cuda.is_available():
         raise ConfigError(f"accelerator={cfg['accelerator']} but CUDA is not available: use accelerator=cpu")
@@ -85,16 +112,18 @@ def check_devices(cfg: Mapping) -> None:
             f"strategy=dp with devices={devices} on CPU: DataParallel replicates over CUDA GPUs in one process; "
             f"for several CPU processes use strategy=ddp devices={devices}"
         )
-    if strategy in ("auto", "dp") and num_nodes > 1:
+    if strategy in ("auto", "dp") and num_nodes != "auto" and num_nodes > 1:
         raise ConfigError(f"num_nodes={num_nodes} needs one process per device: use strategy=ddp")
     if strategy == "auto" and devices != 1:
         raise ConfigError(f"strategy=auto runs on one device, not devices={devices}: use strategy=ddp (or dp on GPUs)")
     if cfg["cluster"] not in CLUSTERS:
         raise ConfigError(f"cluster={cfg['cluster']!r} is unknown: choose one of {', '.join(CLUSTERS)}")
     check_strategy_options(cfg["strategy"])
-    if problem := stray_rank_variables(cfg["cluster"], num_nodes):
+    if problem := stray_rank_variables(cfg["cluster"], nodes(cfg)):
         raise ConfigError(problem)
     cluster = cluster_world_size(cfg["cluster"])
+    if cluster and num_nodes == "auto" and strategy in ("ddp", "ddp_spawn"):
+        _check_elastic(cluster, _devices(cfg))
     if cluster and strategy not in ("ddp", "ddp_spawn") and cluster[0] > 1:  # each process would train alone
         raise ConfigError(
             f"the cluster started {cluster[0]} processes ({cluster[1]}={cluster[0]}) but strategy={strategy} runs "
@@ -105,6 +134,32 @@ def check_devices(cfg: Mapping) -> None:
         raise ConfigError(
             f"devices={devices} x num_nodes={num_nodes} = {world_size(cfg)} processes, but the cluster started "
             f"{cluster[0]} ({cluster[1]}={cluster[0]}): make devices x num_nodes match the cluster's tasks"
+        )
+
+
+def _check_elastic(cluster: tuple[int, str], devices: int) -> None:
+    """``num_nodes=auto`` under a launcher: ``devices`` processes on each node, the same run id on every start.
+
+    Raises:
+        ConfigError: a world size ``devices`` does not divide, another local world size than ``devices``
+            (torchrun's ``--nproc_per_node``), or torchrun without ``--rdzv-id`` (no run directory to return to).
+    """
+    size, name = cluster
+    local = os.environ.get("LOCAL_WORLD_SIZE") if "TORCHELASTIC_RUN_ID" in os.environ else None
+    if local is not None and local.isdigit() and int(local) != devices:
+        raise ConfigError(
+            f"devices={devices} but torchrun started {local} processes on this node (LOCAL_WORLD_SIZE={local}): "
+            f"set devices={local}, or torchrun --nproc_per_node={devices}"
+        )
+    if size % devices:
+        raise ConfigError(
+            f"num_nodes=auto: the cluster started {size} processes ({name}={size}), which devices={devices} per "
+            f"node does not divide: set devices to the processes per node"
+        )
+    if os.environ.get("TORCHELASTIC_RUN_ID") == "none":
+        raise ConfigError(
+            "num_nodes=auto under torchrun without --rdzv-id: every start of an elastic job finds its run directory "
+            "and last.ckpt by the job's id: add torchrun --rdzv-id=<job id>"
         )
 
 

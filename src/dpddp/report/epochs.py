@@ -21,18 +21,20 @@ __all__ = ["EPOCH_COLUMNS", "EpochRecord", "EpochTable"]
 log = logging.getLogger(__name__)
 
 EPOCH_COLUMNS: tuple[str, ...] = ("stage", "epoch", "step", "train/loss", "val/loss", "val/acc", "test/loss")
-EPOCH_COLUMNS += ("test/acc", "epoch_s", "samples_per_sec", "peak_mem_mib", "allreduce_share")
-"""The columns of ``metrics.csv``, fixed whatever was logged: one ``fit`` row per epoch, one ``test`` row."""
+EPOCH_COLUMNS += ("test/acc", "epoch_s", "samples_per_sec", "peak_mem_mib", "allreduce_share", "world_size")
+"""The columns of ``metrics.csv``, fixed whatever was logged: one ``fit`` row per epoch, one ``test`` row;
+``world_size``: the processes that ran the epoch's last step (or the test)."""
 
 
 @dataclass
 class EpochTable:
     """The resumable part of the record: the ``fit`` rows of epochs ``0..``, the training seconds of the
-    segments before the running one, and the number of segments (fits that took a step)."""
+    segments before the running one, the number of segments (fits that took a step) and each one's world size."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     train_time_s: float = 0.0
     segments: int = 0
+    world_sizes: list[int] = field(default_factory=list)
 
 
 class EpochRecord(pl.Callback):
@@ -85,6 +87,7 @@ class EpochRecord(pl.Callback):
         if not self._counted:
             self._counted = True
             self.table.segments += 1
+            self.table.world_sizes.append(trainer.world_size)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -96,6 +99,7 @@ class EpochRecord(pl.Callback):
             "step": trainer.global_step,
             "epoch_s": seconds,
             "samples_per_sec": samples / seconds if seconds > 0 else float("nan"),
+            "world_size": trainer.world_size,
             "validated": self.tally.epoch_validated,
             **(self.costs.epoch if self.costs is not None else {}),
         }
@@ -127,11 +131,13 @@ class EpochRecord(pl.Callback):
         metrics = trainer.callback_metrics
         row: dict[str, Any] = {k: float(metrics[k]) for k in ("test/loss", "test/acc") if k in metrics}
         epoch = self.table.rows[-1]["epoch"] if self.table.rows else ""
+        row["world_size"] = trainer.world_size
         self._write([{"stage": "test", "epoch": epoch, "step": trainer.global_step, **row}], "a")
 
     def snapshot(self) -> EpochTable:
         """The table as a checkpoint taken now holds it: the running segment's seconds included."""
-        return EpochTable([dict(r) for r in self.table.rows], self.train_time_s, self.table.segments)
+        table = self.table
+        return EpochTable([dict(r) for r in table.rows], self.train_time_s, table.segments, list(table.world_sizes))
 
     def flush(self, trainer: pl.Trainer) -> None:
         """Complete the pending row with the epoch's metrics; write it and log its line (rank 0)."""

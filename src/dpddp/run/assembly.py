@@ -19,7 +19,7 @@ from torch import nn
 from typing_extensions import override
 
 from dpddp._compat import skip_empty_batch_hooks
-from dpddp.cluster import LAUNCHED_ENV, env_rank
+from dpddp.cluster import LAUNCHED_ENV, env_rank, launch_id
 from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.continuity.state import ResumableState
 from dpddp.continuity.stop import StepBoundaryStop
@@ -128,6 +128,7 @@ def _build_callbacks(
         seed=cfg.seed,
         steps_per_execution=cfg.get("steps_per_execution", 1),
         uncounted=(lambda: executions.cut) if executions is not None else (lambda: False),
+        launch=launch_id(),
     )
     stop = StepBoundaryStop(output_dir / "checkpoints")
     callbacks: list[pl.Callback] = [tally, throughput, costs, epochs, state, stop]

@@ -27,7 +27,7 @@ from dpddp.data.sharded import ShardedDataModule
 from dpddp.errors import ConfigError, checked_float, checked_int
 from dpddp.models.classifier import Classifier
 from dpddp.models.linear import OPTIMIZERS, LinearClassifier
-from dpddp.parallel.rules import DDP_OPTIONS, check_devices, replicas, world_size
+from dpddp.parallel.rules import DDP_OPTIONS, check_devices, nodes, replicas, world_size, world_size_source
 
 __all__ = ["allowed_keys", "check_config", "target_class"]
 
@@ -242,11 +242,11 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     checked_int("seed", cfg["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
     procs = world_size(cfg)  # after the devices: the world size needs them valid
     if target_class("data", cfg["data"]) is RandomTensorDataModule:
-        num_train = check_random_tensors(cfg["data"], procs)[0]
+        num_train = check_random_tensors(cfg["data"], procs, world_size_source(cfg))[0]
         _check_val_interval(cfg["trainer"] or {}, num_train // cfg["data"]["batch_size"])
-        check_memory(cfg["data"], procs // cfg["num_nodes"] if procs > 1 else 1, memory_bytes())
+        check_memory(cfg["data"], procs // nodes(cfg) if procs > 1 else 1, memory_bytes())
     else:
-        check_divides(cfg["data"].get("batch_size"), procs)
+        check_divides(cfg["data"].get("batch_size"), procs, world_size_source(cfg))
     _check_sharding(cfg)
     _check_executions(cfg)
     _check_micro_batches(cfg)

@@ -25,7 +25,7 @@ from dpddp.continuity.stop import RunScope, run_stops, starting_up
 from dpddp.errors import ConfigError, Preempted, RankFailed, first_line
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.parallel.rules import resolve_accelerator
+from dpddp.parallel.rules import nodes, resolve_accelerator, world_size, world_size_source
 from dpddp.report.costs import Costs, peak_memory_mib
 from dpddp.report.epochs import EpochRecord
 from dpddp.report.metrics import METRIC_KEYS, write_metrics
@@ -66,6 +66,9 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
     start = time.perf_counter()
     with starting_up(running):
         check_config(cfg, stage)
+        elastic, source = cfg.num_nodes == "auto", world_size_source(cfg)
+        cfg.num_nodes = nodes(cfg)  # num_nodes=auto: the launcher's, for this start
+        _log_world(cfg, elastic, source)
         if cfg.get("print_config") and env_rank() == 0 and not os.environ.get(LAUNCHED_ENV):  # once per run
             log.info("config:\n" + OmegaConf.to_yaml(cfg, resolve=True))
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -90,6 +93,7 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         first_step_unix_s=metrics.get(Throughput.FIRST_STEP_KEY),
         train_time_s=metrics.get(EpochRecord.TIME_KEY, math.nan),
         segments=int(metrics[EpochRecord.SEGMENTS_KEY]) if EpochRecord.SEGMENTS_KEY in metrics else 0,
+        segment_world_sizes=_segment_world_sizes(trainer),
         world_size=trainer.world_size,
         strategy=cfg.strategy.name,
         accelerator=resolve_accelerator(cfg.accelerator),
@@ -153,6 +157,32 @@ def objective(cfg: DictConfig) -> str:
     """The metric a sweep optimises and the run returns (``objective``, by default the best checkpoint's
     ``callbacks.model_checkpoint.monitor``), ``val/loss`` when neither is set."""
     return str(cfg.get("objective") or "val/loss")
+
+
+def _log_world(cfg: DictConfig, elastic: bool, source: str) -> None:
+    """Log the world size and node count of this start under DDP (once per node: launched ranks say nothing);
+    with ``elastic`` (``num_nodes=auto``) under torchrun sharing its rendezvous store with the workers, warn that
+    a node joining at a restart cannot start (torch 2.13 writes the workers' store address for the first round
+    only: the new node's agent waits for it until its timeout)."""
+    if cfg.strategy.name not in ("ddp", "ddp_spawn") or os.environ.get(LAUNCHED_ENV):
+        return
+    size, count = world_size(cfg), cfg.num_nodes
+    per = size // count
+    log.info(
+        f"world size {size}: {count} node{'s' if count > 1 else ''} x {per} process{'es' if per > 1 else ''} ({source})"
+    )
+    if elastic and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env_rank() == 0:
+        log.warning(
+            "torchrun shares its rendezvous store with the workers, so a node that joins at a restart cannot start "
+            "(torch keeps the store's address for the first round only): start torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment on every node"
+        )
+
+
+def _segment_world_sizes(trainer: pl.Trainer) -> list[int]:
+    """The world size of each segment of the run so far (each fit that took a step), from its epoch record."""
+    records = [cb for cb in trainer.callbacks if isinstance(cb, EpochRecord)]  # type: ignore[attr-defined]
+    return list(records[0].table.world_sizes) if records else []
 
 
 def train_rank(job: RankJob) -> None:

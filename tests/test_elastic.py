@@ -1,0 +1,149 @@
+"""Elastic training under torchrun (c10d rendezvous, ``--nnodes=1:2``, ``num_nodes=auto``), one node per network
+namespace (``scripts/netns_bed.py``): a node that leaves gracefully or abruptly, and one that joins. Each run
+must end with the weights and global step of an uninterrupted one-process run, in one run directory, with
+nothing left running; and a world size the global batch does not divide is one line before any collective."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import QUIET, ROOT, child_env, compose_cfg, max_diff, metrics, weights
+from netns import bed_fixture, pids_in, run_in
+
+from dpddp.run.training import train
+
+pytestmark = pytest.mark.slow
+bed2 = bed_fixture(2)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+RDZV_PORT = 29400  # every namespace has its own ports
+# 410 training samples: 25 steps an epoch, 50 in all.
+ARGS = ["accelerator=cpu", "data.num_samples=512", "data.batch_size=16", "trainer.max_epochs=2", *QUIET]
+
+
+def _node(bed, node: int, cwd: Path, *extra: str) -> subprocess.Popen:
+    """Start node ``node``'s torchrun agent: c10d rendezvous on node 0, 1 to 2 nodes of one process, restarts."""
+    conf = f"is_host={int(node == 0)},last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+    rdzv = [
+        "--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={bed.master_addr}:{RDZV_PORT}",
+        f"--rdzv-conf={conf}", f"--local-addr={bed.addresses[node]}", "--rdzv-id=elastic", "--max-restarts=2",
+        "--monitor-interval=0.2",
+    ]  # fmt: skip
+    cmd = [*TORCHRUN, *rdzv, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=auto", *ARGS, *extra]
+    env, _ = child_env(PYTHONPATH=str(ROOT / "tests"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env.pop(var, None)
+    out = open(cwd / f"node{node}.out", "w")
+    return run_in(bed.nodes[node], cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _outputs(cwd: Path) -> str:
+    return "\n".join((cwd / f"node{i}.out").read_text()[-4000:] for i in (0, 1))
+
+
+def _single(tmp_path: Path) -> Path:
+    single = tmp_path / "single"
+    train(compose_cfg(*ARGS, "logger=none"), single)
+    return single
+
+
+def _check(bed, tmp_path: Path, sizes: list[int]) -> tuple[Path, float]:
+    """One run directory, segments of ``sizes`` processes, the one-process run's step and weights (1e-5), nothing
+    left running; returns the run directory and the weight difference."""
+    runs = [p.parent for p in tmp_path.glob("outputs/*/metrics.json")]
+    assert [r.name for r in runs] == ["torchrun-elastic"], _outputs(tmp_path)
+    (run_dir,) = runs
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["torchrun-elastic"]
+    result = metrics(run_dir)
+    assert result["segment_world_sizes"] == sizes, result
+    single = _single(tmp_path)
+    assert result["world_size"] == sizes[-1] and result["num_nodes"] == sizes[-1]
+    diff = max_diff(weights(run_dir / "checkpoints/last.ckpt"), weights(single / "checkpoints/last.ckpt"))
+    assert diff <= 1e-5
+    assert result["segments"] == len(sizes) and metrics(single)["segments"] == 1
+    steps = [torch.load(d / "checkpoints/last.ckpt", weights_only=True)["global_step"] for d in (run_dir, single)]
+    assert steps == [50, 50]
+    time.sleep(0.5)
+    assert pids_in(bed.nodes[0]) == [] and pids_in(bed.nodes[1]) == []
+    return run_dir, diff
+
+
+def _figures(tmp_path: Path, run_dir: Path, since: str) -> float:
+    """Seconds from the mark ``since`` (the loss, or the join) to the first step of the last start."""
+    return metrics(run_dir)["first_step_unix_s"] - float((tmp_path / since).read_text())
+
+
+def test_node_leaving_gracefully_stops_every_rank_at_one_step_and_the_other_continues(bed2, tmp_path):
+    """SIGTERM to node 1's agent at step 10 (mid-epoch 0): both ranks stop at step 11 with last.ckpt there, node
+    1's agent ends, node 0's restarts its worker alone (world size 1) from step 11 to the end: nothing retrained."""
+    term = ["+callbacks.term._target_=elastic_kill.TermAgentAt", "+callbacks.term.step=10"]
+    procs = [_node(bed2, node, tmp_path, *term) for node in (0, 1)]
+    codes = [p.wait(timeout=240) for p in procs]
+    out = _outputs(tmp_path)
+    assert codes[0] == 0 and codes[1] != 0, out
+    run_dir, diff = _check(bed2, tmp_path, [2, 1])
+    for node in (0, 1):  # every rank stopped at the same step, with last.ckpt there
+        assert "error: stopped by SIGTERM after step 11; checkpoint: " in (tmp_path / f"node{node}.out").read_text()
+    log = (run_dir / "train.log").read_text()
+    assert "world size 2: 2 nodes x 1 process (torchrun WORLD_SIZE=2)" in log, log[-3000:]
+    assert "resuming interrupted job from" in log and "world size 1: 1 node x 1 process" in log
+    print(f"graceful: continued {_figures(tmp_path, run_dir, 'lost'):.1f} s after the SIGTERM, 0 steps retrained, "
+          f"weight difference {diff:.1e}")  # fmt: skip
+
+
+def test_node_killed_the_other_continues_from_last_ckpt(bed2, tmp_path):
+    """node 1's agent and worker SIGKILLed at step 40 (mid-epoch 1): node 0's rank ends (the lost node named),
+    its agent restarts it alone from last.ckpt (step 25, epoch 0's end) and steps 26-40 are trained again."""
+    kill = ["+callbacks.kill._target_=elastic_kill.KillNodeAt", "+callbacks.kill.step=40", "strategy.timeout_s=30"]
+    procs = [_node(bed2, node, tmp_path, *kill) for node in (0, 1)]
+    codes = [p.wait(timeout=240) for p in procs]
+    out = _outputs(tmp_path)
+    assert codes[0] == 0 and codes[1] == -9, out
+    assert "error: node 1 (rank 1) lost" in out, out
+    run_dir, diff = _check(bed2, tmp_path, [2, 1])
+    log = (run_dir / "train.log").read_text()
+    assert "resuming interrupted job from" in log, log[-3000:]
+    rows = (run_dir / "metrics.csv").read_text().splitlines()
+    assert [r.split(",")[-1] for r in rows[1:]] == ["2", "1", "1"]  # epoch 0 on 2 processes, epoch 1 and test on 1
+    print(f"abrupt: continued {_figures(tmp_path, run_dir, 'lost'):.1f} s after the SIGKILL, 15 steps retrained, "
+          f"weight difference {diff:.1e}")  # fmt: skip
+
+
+def test_node_joining_continues_on_the_larger_world_size(bed2, tmp_path):
+    """node 0 starts alone and holds at step 30; node 1 starts; node 0's agent stops its worker (SIGTERM: step 31,
+    last.ckpt there) and both continue on world size 2 from it: nothing retrained."""
+    hold = ["+callbacks.hold._target_=elastic_kill.HoldAlone", "+callbacks.hold.step=30"]
+    first = _node(bed2, 0, tmp_path, *hold)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "held").exists() and time.monotonic() < deadline:
+        assert first.poll() is None, _outputs(tmp_path) if (tmp_path / "node1.out").exists() else ""
+        time.sleep(0.2)
+    (tmp_path / "joined").write_text(f"{time.time()}\n")
+    second = _node(bed2, 1, tmp_path, *hold)
+    codes = [p.wait(timeout=240) for p in (first, second)]
+    assert codes == [0, 0], _outputs(tmp_path)
+    run_dir, diff = _check(bed2, tmp_path, [1, 2])
+    assert "error: stopped by SIGTERM after step 31; checkpoint: " in (tmp_path / "node0.out").read_text()
+    log = (run_dir / "train.log").read_text()
+    assert "world size 1: 1 node x 1 process" in log and "world size 2: 2 nodes x 1 process" in log, log[-3000:]
+    print(f"join: continued on 2 nodes {_figures(tmp_path, run_dir, 'joined'):.1f} s after node 1 started, 0 steps "
+          f"retrained, weight difference {diff:.1e}")  # fmt: skip
+
+
+def test_world_size_the_global_batch_does_not_divide_is_one_line(tmp_path):
+    """A launcher's WORLD_SIZE of 3 with data.batch_size=64, num_nodes=auto: one line naming both, exit 2, before
+    any collective (the rendezvous address answers nothing)."""
+    env, _ = child_env(
+        TORCHELASTIC_RUN_ID="job", WORLD_SIZE="3", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+        GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="9", TORCHELASTIC_RESTART_COUNT="0",
+    )  # fmt: skip
+    cmd = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=auto", *QUIET]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert errors == [
+        "error: data.batch_size=64 (global) does not divide by the world size 3 (torchrun WORLD_SIZE=3): use a "
+        "multiple of 3"
+    ], proc.stderr[-3000:]
