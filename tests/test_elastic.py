@@ -3,6 +3,7 @@ namespace (``scripts/netns_bed.py``): a node that leaves gracefully or abruptly,
 must end with the weights and global step of an uninterrupted one-process run, in one run directory, with
 nothing left running; and a world size the global batch does not divide is one line before any collective."""
 
+import socket
 import subprocess
 import sys
 import time
@@ -147,3 +148,33 @@ def test_world_size_the_global_batch_does_not_divide_is_one_line(tmp_path):
         "error: data.batch_size=64 (global) does not divide by the world size 3 (torchrun WORLD_SIZE=3): use a "
         "multiple of 3"
     ], proc.stderr[-3000:]
+
+
+def test_a_requeued_slurm_job_continues_its_run_and_another_job_is_refused_there(tmp_path):
+    """A SLURM job (simulated, one task) killed at step 31 is requeued under its job id: the same command continues
+    its outputs/slurm-<id> from last.ckpt without resume=true, to the weights of a straight run; a job with another
+    id pointed at that directory is refused in one line."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    slurm = dict(SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1", SLURM_NNODES="1", SLURM_JOB_NAME="train")
+    slurm.update(SLURM_NODEID="0", SLURM_NODELIST="127.0.0.1", SLURM_PROCID="0", SLURM_LOCALID="0")
+    slurm.update(MASTER_PORT=str(port), PYTHONPATH=str(ROOT / "tests"))
+    cmd = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=auto", *ARGS]
+    kill = ["+callbacks.kill._target_=conftest.SigkillAt", "+callbacks.kill.at=30"]
+
+    def job(job_id: str, *extra: str) -> subprocess.CompletedProcess:
+        env, _ = child_env(**slurm, SLURM_JOB_ID=job_id)
+        return subprocess.run([*cmd, *extra], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+
+    assert job("71", *kill).returncode == -9
+    run_dir = tmp_path / "outputs" / "slurm-71"
+    requeued = job("71", *kill)  # the same script again: it resumes at step 25, so the kill's batch never comes
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert "resuming interrupted job from" in (run_dir / "train.log").read_text()
+    assert metrics(run_dir)["segment_world_sizes"] == [1, 1]
+    single = _single(tmp_path)
+    assert max_diff(weights(run_dir / "checkpoints/last.ckpt"), weights(single / "checkpoints/last.ckpt")) <= 1e-6
+    other = job("72", f"hydra.run.dir={run_dir}")
+    errors = [line for line in other.stderr.splitlines() if line.startswith("error:")]
+    assert other.returncode == 2 and len(errors) == 1 and "holds another run" in errors[0], other.stderr[-3000:]
