@@ -8,6 +8,7 @@ from dpddp.cluster import launch_id, run_name
 from dpddp.errors import ConfigError
 from dpddp.parallel.rules import nodes, world_size, world_size_source
 from dpddp.run.config import check_config
+from dpddp.run.training import _log_world
 
 TORCHRUN = dict(TORCHELASTIC_RUN_ID="job7", RANK="0", LOCAL_RANK="0", GROUP_RANK="0", MASTER_ADDR="10.9.9.9")
 
@@ -81,3 +82,19 @@ def test_launch_ids_and_run_names_are_alike_on_every_start(monkeypatch):
         monkeypatch.delenv(key)
     monkeypatch.setenv("MASTER_ADDR", "myjob-master-0")  # a PyTorchJob: the master's service names the job
     assert (launch_id(), run_name()) == ("job:myjob-master-0:41234", "job-myjob-master-0-port41234")
+
+
+@pytest.mark.parametrize(("shared", "warned"), [("True", True), ("False", False)])
+def test_each_start_logs_its_world_and_warns_when_a_joining_node_could_not_start(monkeypatch, caplog, shared, warned):
+    """torchrun sharing its store with the workers (TORCHELASTIC_USE_AGENT_STORE=True) cannot take a node that joins
+    later (torch 2.13): under num_nodes=auto rank 0 says so, with the variable that fixes it."""
+    _env(monkeypatch, **TORCHRUN, WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_PORT="29500")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared)
+    cfg = compose_cfg("strategy=ddp", "devices=2", "num_nodes=auto", "accelerator=cpu")
+    check_config(cfg)
+    source, cfg.num_nodes = world_size_source(cfg), nodes(cfg)
+    with caplog.at_level("INFO", logger="dpddp.run.training"):
+        _log_world(cfg, True, source)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "world size 4: 2 nodes x 2 processes (torchrun WORLD_SIZE=4)"
+    assert any("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line for line in lines[1:]) == warned
