@@ -426,6 +426,64 @@ def test_logged_metric_kinds_reads_lightnings_result_collection(world_of_one):
     assert _compat.logged_metric_kinds(trainer) == {}
 
 
+def test_logged_tensor_states_are_put_back_so_a_batch_adds_nothing():
+    """``logged_tensor_states`` and ``restore_logged_tensors`` read and write ``_ResultMetric``'s ``value`` and
+    ``cumulated_batch_size`` in ``Trainer._results``: batch 1's values, put back after it, are not in the epoch's
+    mean, max or sum, and a name first logged in it holds nothing (a mean over no samples: nan)."""
+
+    class Logs(BoringModel):
+        def validation_step(self, batch, batch_idx):
+            value = torch.tensor(float(10**batch_idx))  # 1, 10, 100
+            self.log("mean", value, batch_size=2)
+            self.log("max", value, reduce_fx="max")
+            self.log("sum", value, reduce_fx="sum")
+            if batch_idx == 1:
+                self.log("late", value, batch_size=2)
+
+    class Undo(pl.Callback):
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            self.saved = _compat.logged_tensor_states(trainer) if batch_idx == 1 else None
+
+        def on_validation_batch_end(self, trainer, *args):
+            if self.saved is not None:
+                _compat.restore_logged_tensors(trainer, self.saved)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, limit_val_batches=3, callbacks=[Undo()], **QUIET_TRAINER)
+    trainer.validate(Logs(), verbose=False)
+    got = {k: v.item() for k, v in trainer.callback_metrics.items()}
+    assert got["mean"] == 50.5 and got["max"] == 100.0 and got["sum"] == 101.0  # batches 0 and 2 only
+    assert math.isnan(got["late"])
+
+
+def test_float_batch_counts_makes_the_logged_means_sample_counts_float(world_of_one):
+    """``float_batch_counts`` turns ``_ResultMetric.cumulated_batch_size`` (int64 in Lightning 2.6.6, whose gloo
+    mean over ranks floors it) float64, later updates keep it so, and the epoch's mean is unchanged: 1 and 10 over
+    2 and 3 samples under DDP (a process group of one)."""
+    counts = []
+
+    class Logs(BoringModel):
+        def validation_step(self, batch, batch_idx):
+            self.log("mean", torch.tensor(float(10**batch_idx)), batch_size=2 + batch_idx, sync_dist=True)
+
+    class Floats(pl.Callback):
+        def on_validation_batch_end(self, trainer, *args):
+            _compat.float_batch_counts(trainer)
+
+        def on_validation_epoch_end(self, trainer, pl_module):
+            counts.extend(v.cumulated_batch_size for v in trainer._results.values())
+
+    _compat.init_process_group(
+        world_of_one, "gloo", timedelta(seconds=10), torch.device("cpu"), torch.distributed.HashStore()
+    )
+    trainer = pl.Trainer(
+        strategy=LightningDDPStrategy(), accelerator="cpu", devices=1, limit_val_batches=2, callbacks=[Floats()],
+        **QUIET_TRAINER,
+    )  # fmt: skip
+    trainer.validate(Logs(), verbose=False)
+    assert [(c.dtype, c.item()) for c in counts] == [(torch.float64, 5.0)]
+    assert trainer.callback_metrics["mean"].item() == pytest.approx((2 * 1 + 3 * 10) / 5)
+
+
 def test_the_optuna_plugin_launches_trials_through_the_launcher_the_recording_sweeper_wraps(tmp_path, monkeypatch):
     """``RecordingOptunaSweeper`` replaces ``OptunaSweeper.sweeper.launcher`` after the plugin's setup
     (hydra-optuna-sweeper 1.3.0): every trial goes through it, and with the packaged ``max_failure_rate`` a trial

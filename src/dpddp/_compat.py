@@ -6,6 +6,7 @@ Each entry names what it relies on, the version checked (``CHECKED``) and what b
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections.abc import Iterable, Iterator
@@ -41,15 +42,19 @@ __all__ = [
     "data_position",
     "epoch_finished_in",
     "fit_restarting",
+    "float_batch_counts",
     "init_process_group",
     "keep_unfinished_epoch",
     "logged_metric_kinds",
+    "logged_tensor_states",
     "processed_epochs",
     "rank0_store",
     "resolve_process_group_backend",
+    "restore_logged_tensors",
     "restore_sigterm_broadcast",
     "set_num_threads_if_needed",
     "skip_empty_batch_hooks",
+    "softmax_per_sample",
     "uncount_last_batch",
     "counted_step",
 ]
@@ -215,6 +220,81 @@ def logged_metric_kinds(trainer: pl.Trainer) -> dict[str, tuple[bool, bool]]:
         if meta is not None:
             found[meta.name] = (not value.is_tensor, bool(meta.sync.should))
     return found
+
+
+def logged_tensor_states(trainer: pl.Trainer) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """``{key: (accumulated value, accumulated batch size or None)}`` of the plain tensors logged in the running
+    loop so far, from ``trainer._results`` (Lightning 2.6.6's ``_ResultMetric`` states ``value`` and
+    ``cumulated_batch_size``), for ``restore_logged_tensors``."""
+    found: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for key, value in (trainer._results or {}).items():
+        if getattr(value, "is_tensor", False):
+            count = getattr(value, "cumulated_batch_size", None)
+            found[key] = (value.value.clone(), count.clone() if count is not None else None)
+    return found
+
+
+def restore_logged_tensors(trainer: pl.Trainer, states: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """Put the logged plain tensors back to ``states`` (``logged_tensor_states``); one first logged since then
+    goes back to holding nothing: 0 (a mean's or sum's), or -inf/inf (a max's/min's), over 0 samples."""
+    for key, value in (trainer._results or {}).items():
+        if not getattr(value, "is_tensor", False):
+            continue
+        if key in states:
+            value.value, count = states[key][0].clone(), states[key][1]
+        else:
+            meta = value.meta
+            empty = -math.inf if meta.is_max_reduction else math.inf if meta.is_min_reduction else 0.0
+            value.value, count = torch.full_like(value.value, empty), None
+        if getattr(value, "cumulated_batch_size", None) is not None:
+            value.cumulated_batch_size = (
+                count.clone() if count is not None else torch.zeros_like(value.cumulated_batch_size)
+            )
+
+
+def float_batch_counts(trainer: pl.Trainer) -> None:
+    """Make the accumulated batch sizes of the plain tensors logged in the running loop float64
+    (``_ResultMetric.cumulated_batch_size``, an int64 state; later updates keep it float), before the epoch's
+    ``compute`` (after the loop's last batch, before ``on_*_epoch_end``): its ``sync_dist``
+    mean over ranks (Lightning 2.6.6 ``_sync_ddp``, on gloo a sum divided by the world size and copied back into
+    the int64 tensor) would otherwise be floored, and a mean over uneven chunks divided by too few samples."""
+    for value in (trainer._results or {}).values():
+        count = getattr(value, "cumulated_batch_size", None)
+        if getattr(value, "is_tensor", False) and count is not None and not torch.is_floating_point(count):
+            value.cumulated_batch_size = count.to(torch.float64)
+
+
+TORCHMETRICS_SOFTMAX_MODULES = (
+    "torchmetrics.functional.classification.precision_recall_curve",  # AUROC, AveragePrecision, ROC, ...
+    "torchmetrics.functional.classification.calibration_error",
+    "torchmetrics.functional.classification.hinge",
+)
+"""The torchmetrics 1.9 modules whose multiclass formats call ``normalize_logits_if_needed(preds, "softmax")``."""
+
+
+def _softmax_per_sample(tensor: torch.Tensor, normalization: Any, original: Any) -> torch.Tensor:
+    if normalization != "softmax" or tensor.dim() < 2:
+        return original(tensor, normalization)
+    in_range = ((tensor >= 0) & (tensor <= 1)).all(dim=1, keepdim=True)
+    sums_to_one = (tensor.sum(dim=1, keepdim=True) - 1).abs() <= 1e-4
+    return torch.where(in_range & sums_to_one, tensor, tensor.softmax(dim=1))
+
+
+def softmax_per_sample() -> None:
+    """Make torchmetrics' multiclass metrics that take logits or probabilities (AUROC, average precision, ROC,
+    calibration error, hinge) decide it for each sample, not for each update: torchmetrics 1.9's
+    ``normalize_logits_if_needed`` applies softmax unless every value of the update lies in [0, 1], so a rank's
+    small chunk of logits passes for probabilities and the value depends on how the batch is chunked. Here a
+    sample's scores are probabilities when they lie in [0, 1] and sum to 1 (within 1e-4), else logits. Replaces
+    the name in ``TORCHMETRICS_SOFTMAX_MODULES`` (the sigmoid uses are left as they are); idempotent."""
+    import importlib
+    from functools import partial
+
+    for name in TORCHMETRICS_SOFTMAX_MODULES:
+        module = importlib.import_module(name)
+        current = module.normalize_logits_if_needed
+        if not isinstance(current, partial):
+            module.normalize_logits_if_needed = partial(_softmax_per_sample, original=current)  # type: ignore[attr-defined]
 
 
 PER_BATCH_HOOKS = (

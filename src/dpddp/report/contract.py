@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import difflib
 import logging
+from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from dpddp._compat import logged_metric_kinds
+from dpddp._compat import float_batch_counts, logged_metric_kinds, logged_tensor_states, restore_logged_tensors
 from dpddp.errors import ConfigError
 from dpddp.report.tally import FitTally
 
-__all__ = ["REQUIRED", "MetricContract"]
+__all__ = ["REQUIRED", "LoggedTensors", "MetricContract"]
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +26,9 @@ REQUIRED = {"fit": ("train/loss", "val/loss", "val/acc"), "test": ("test/loss", 
 
 class MetricContract(pl.Callback):
     """Warns, once per name, when the model breaks the metric contract: a name of ``REQUIRED`` not logged
-    (``metrics.json`` has ``null``), or, under more than one process, a ``val/*`` or ``test/*`` value logged as a
-    plain tensor instead of a torchmetrics ``Metric`` (not the mean over every sample once)."""
+    (``metrics.json`` has ``null``), or, under more than one process, a name it reads (``REQUIRED``, a monitor)
+    logged as a plain tensor instead of a torchmetrics ``Metric`` (what the value then is: ``_check_exact``).
+    A monitor the model does not log is refused at the end of the first validation (``_check_monitors``)."""
 
     def __init__(self, tally: FitTally | None = None) -> None:
         self.warned: set[str] = set()
@@ -46,17 +49,28 @@ class MetricContract(pl.Callback):
             self.warned.add(name)
             rank_zero_warn(f"metric contract: {what}")
 
-    def _check_exact(self, trainer: pl.Trainer, prefix: str) -> None:
+    def _check_exact(self, trainer: pl.Trainer) -> None:
+        """Under more than one process, a name the contract reads (``REQUIRED``, a callback's ``monitor``) that the
+        running loop logs as a plain tensor: one warning saying what the value is."""
         if trainer.world_size < 2:
             return
+        read = {n for names in REQUIRED.values() for n in names}
+        read |= {cb.monitor for cb in trainer.callbacks if isinstance(getattr(cb, "monitor", None), str)}  # type: ignore[attr-defined]
         for name, (is_metric, synced) in logged_metric_kinds(trainer).items():
-            if name.startswith(prefix) and not is_metric:
-                how = "averaged per rank then over ranks" if synced else "rank 0's alone (no sync_dist)"
-                self._warn(
-                    name,
-                    f"{name} is logged as a tensor, so it is {how}, not exact over every sample: "
-                    "log a torchmetrics Metric (synced sums and counts) instead",
+            if name not in read or is_metric:
+                continue
+            if synced:  # Lightning's sync_dist: sum over ranks of value x inferred batch size, over the samples
+                what = (
+                    "each step's value weighted by its chunk's samples over every rank (sync_dist): exact for a mean "
+                    "over the chunk's samples (a loss, an accuracy), not for a metric that is not one (AUROC, F1)"
                 )
+            else:
+                what = "rank 0's steps alone (no sync_dist): the other ranks' samples are not in it"
+            self._warn(
+                name,
+                f"{name} is logged as a tensor with {trainer.world_size} processes, so it is {what}: log a "
+                "torchmetrics Metric (synced sums and counts) to count every sample once",
+            )
 
     def _check_names(self, trainer: pl.Trainer, stage: str) -> None:
         missing = [n for n in REQUIRED[stage] if n not in trainer.callback_metrics]
@@ -98,16 +112,62 @@ class MetricContract(pl.Callback):
         if not trainer.sanity_checking:
             if not self.monitors_checked:
                 self._check_monitors(trainer)
-            self._check_exact(trainer, "val/")
+            self._check_exact(trainer)
 
     @override
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._check_exact(trainer, "test/")
+        self._check_exact(trainer)
         self._check_names(trainer, "test")
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_exact(trainer)  # what training logged (train/loss), in its steps and its epoch-end hooks
         if (
             trainer.current_epoch > 0 and self.tally is not None and self.tally.stepped
         ):  # at least one whole epoch, and a step in this fit (a run
             self._check_names(trainer, "fit")  # that EarlyStopping ended, continued, logs nothing)
+
+
+def _rows(batch: Any) -> int | None:
+    """The samples in ``batch``: the length of its first tensor (as Lightning infers a batch size)."""
+    if isinstance(batch, torch.Tensor):
+        return len(batch) if batch.dim() else None
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+    return next((n for n in map(_rows, items) if n is not None), None)
+
+
+class LoggedTensors(pl.Callback):
+    """Under more than one process, a value the model logs as a plain tensor with ``sync_dist`` is the mean over
+    every sample once, as Lightning means it (each step's value weighted by its chunk's samples, summed over the
+    ranks): an evaluation step on an empty chunk (a split's last batch with fewer samples than processes) adds
+    nothing (its mean over no samples is nan, which Lightning would weigh by 0 and still add: nan * 0 = nan), the
+    states logged before it are put back after it (``dpddp._compat.restore_logged_tensors``); and the sample
+    counts are summed over the ranks as floats (``dpddp._compat.float_batch_counts``), not floored."""
+
+    def __init__(self) -> None:
+        self.saved: dict[str, Any] | None = None
+
+    def _start(self, trainer: pl.Trainer, batch: Any) -> None:
+        self.saved = logged_tensor_states(trainer) if _rows(batch) == 0 else None
+
+    def _end(self, trainer: pl.Trainer) -> None:
+        if self.saved is not None:
+            restore_logged_tensors(trainer, self.saved)
+            self.saved = None
+        float_batch_counts(trainer)  # (Lightning computes the epoch's values right after the last batch)
+
+    @override
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any):
+        self._start(trainer, batch)
+
+    @override
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._end(trainer)
+
+    @override
+    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any):
+        self._start(trainer, batch)
+
+    @override
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._end(trainer)

@@ -14,11 +14,12 @@ from typing import Any
 import lightning.pytorch as pl
 from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import KubeflowEnvironment
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from typing_extensions import override
 
-from dpddp._compat import skip_empty_batch_hooks
+from dpddp._compat import skip_empty_batch_hooks, softmax_per_sample
 from dpddp.cluster import LAUNCHED_ENV, env_rank, launch_id
 from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.continuity.state import ResumableState
@@ -32,7 +33,7 @@ from dpddp.parallel.dp import DataParallelStrategy
 from dpddp.parallel.launcher import RankJob
 from dpddp.parallel.rules import replicas, resolve_accelerator
 from dpddp.report.bars import RichBar, TQDMBar
-from dpddp.report.contract import MetricContract
+from dpddp.report.contract import LoggedTensors, MetricContract
 from dpddp.report.costs import Costs
 from dpddp.report.epochs import EpochRecord
 from dpddp.report.predictions import PredictionWriter
@@ -132,6 +133,8 @@ def _build_callbacks(
     )
     stop = StepBoundaryStop(output_dir / "checkpoints")
     callbacks: list[pl.Callback] = [tally, throughput, costs, epochs, state, stop]
+    if cfg.strategy.name in ("ddp", "ddp_spawn"):  # plain tensors logged with sync_dist over processes: exact
+        callbacks.append(LoggedTensors())
     if executions is not None:
         callbacks.append(executions)
     if cfg.predict:  # every callback costs each hook of each step, even one it does not override
@@ -141,12 +144,31 @@ def _build_callbacks(
     for key, spec in (cfg.callbacks or {}).items():
         if spec is None:
             continue
-        extra = {"dirpath": str(output_dir / "checkpoints")} if spec.get("dirpath", False) is None else {}
-        callbacks.append(instantiate(spec, **extra))
-        settings[id(callbacks[-1])] = f"callbacks.{key}"
+        callback = instantiate(spec)
+        if isinstance(callback, ModelCheckpoint):
+            _own_checkpoint(callback, f"callbacks.{key}", output_dir / "checkpoints", callbacks)
+        callbacks.append(callback)
+        settings[id(callback)] = f"callbacks.{key}"
+    last = [cb for cb in callbacks if settings.get(id(cb)) == "callbacks.last_checkpoint"]
+    if last:  # written after every other checkpoint callback's epoch end, so that last.ckpt has their states
+        callbacks.remove(last[0])
+        callbacks.append(last[0])
     for contract in (cb for cb in callbacks if isinstance(cb, MetricContract)):
         contract.settings = settings  # its messages name the setting of a callback's monitor
     return callbacks
+
+
+def _own_checkpoint(callback: ModelCheckpoint, setting: str, dirpath: Path, others: list[pl.Callback]) -> None:
+    """A configured ``ModelCheckpoint`` beside the others: without a ``dirpath`` it writes into the run's
+    ``checkpoints/`` (Lightning's default is the logger's ``version_N/``, another one at each resume, which splits
+    its top-k), and one whose Lightning state key (monitor, mode, intervals) equals another's gets its setting's
+    name in its key (two such callbacks cannot both be in a checkpoint), stable across a resume."""
+    if callback.dirpath is None:
+        callback.dirpath = os.path.realpath(dirpath)
+    if any(cb.state_key == callback.state_key for cb in others):
+        base = type(callback)
+        key = f"{callback.state_key}[{setting}]"
+        callback.__class__ = type(base.__name__, (base,), {"state_key": property(lambda self: key)})
 
 
 def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
@@ -212,6 +234,7 @@ def build_trainer(
     Raises:
         ConfigError: Lightning refused a flag; the message names it.
     """
+    softmax_per_sample()  # a torchmetrics metric fed logits: the same value however a batch is chunked
     bar, bar_callbacks = _progress_bar(cfg)
     flags = {k: v for k, v in (cfg.trainer or {}).items() if k != "enable_progress_bar"}
     batchnorm = batchnorm_plugins(cfg, model)  # before the Trainer: its refusals are dpddp's own lines
