@@ -1,5 +1,8 @@
-"""dpddp on one GPU machine: one GPU, ``strategy=dp`` over all GPUs and ``strategy=ddp`` over all GPUs, against
-plain PyTorch; writes the README's "DP or DDP" table, measured.
+"""dpddp on one GPU machine: first the checks of its promises one lent machine can show (``bench/gpu_checks.py``:
+one GPU against CPU, dp on one device, ddp with 2 ranks sharing one GPU over gloo, bf16-mixed and 16-mixed within
+the 16-bit tolerance, a 16-mixed stop continued exactly, peak GPU memory per process; with 2 or more GPUs dp and
+ddp over NCCL), then one GPU, ``strategy=dp`` over all GPUs and ``strategy=ddp`` over all GPUs against plain
+PyTorch: the README's "DP or DDP" table, measured.
 
 Each run is a fresh subprocess measured like ``bench/run.py`` does (samples/s in steady state, whole wall time
 and start to first step in s, peak RSS of one process in MiB): the project lean (``python train.py
@@ -12,12 +15,17 @@ rounds are done or ``--budget-s`` seconds have passed (no run starts after that;
 ``--run-timeout-s``): under 5 minutes in all. A run that fails leaves its cells empty and the others go on
 (its log tail is in ``gpu.json``).
 
-``--dry-run``: the same code path on CPU at tiny sizes (``accelerator=cpu``: one process, dp on one device, ddp
-on 2 processes; plain's dp needs CUDA and is left out), for ``tests/test_bench.py``.
+Every run lists the checks first, with the GPUs each needs; a check this machine cannot run is reported as not
+run. ``--checks-only`` skips the throughput table. Exit status 1 when a check fails.
+
+``--dry-run``: the checks on CPU, then the same throughput code path on CPU at tiny sizes (``accelerator=cpu``:
+one process, dp on one device, ddp on 2 processes; plain's dp needs CUDA and is left out), for
+``tests/test_bench.py``.
 
 Writes ``GPU.md`` (the table) and ``gpu.json`` (every run) into ``--out`` (default ``bench/``).
 
-Usage: ``python bench/gpu.py [--reps 2] [--budget-s 200] [--run-timeout-s 90] [--dry-run] [--out DIR]``
+Usage: ``python bench/gpu.py [--reps 2] [--budget-s 200] [--run-timeout-s 90] [--checks-only] [--dry-run]
+[--out DIR]``
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import gpu_checks
 import run as bench  # bench/run.py: this script's own directory is on sys.path
 
 SIZES = (262144, 1024, 10, 1024)  # W2: (num_samples, num_features, num_classes, global batch up to)
@@ -151,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=200, help="no run starts after this many seconds")
     parser.add_argument("--run-timeout-s", type=float, default=90, help="a run is killed after this many seconds")
     parser.add_argument("--dry-run", action="store_true", help="the same code path on CPU at tiny sizes, 1 round")
+    parser.add_argument("--checks-only", action="store_true", help="the checks, not the throughput table")
     parser.add_argument("--out", type=Path, default=bench.ROOT / "bench", help="output directory (default bench/)")
     args = parser.parse_args(argv)
     found = {"gpus": 0, "name": None, "torch": importlib.metadata.version("torch"), "cuda": None}
@@ -165,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         args.sizes = (*SIZES[:3], SIZES[3] // gpus * gpus)
     command = " ".join(["python bench/gpu.py", *(sys.argv[1:] if argv is None else argv)])
     start = time.monotonic()
-    runs, failed = run_all(args, gpus)
+    print("\n".join(gpu_checks.listing()), flush=True)
+    checks = gpu_checks.run_checks(gpus, args.dry_run)
+    print("\n".join(gpu_checks.report(checks, args.dry_run)), flush=True)
+    runs, failed = run_all(args, gpus) if not args.checks_only else ([], [])
     rounds = len({r["rep"] for r in runs if r["rep"] >= 0})
     num_samples, num_features, num_classes, batch = args.sizes
     where = "CPU (dry run)" if args.dry_run else f"{gpus} x {found['name']}, CUDA {found['cuda']}"
@@ -183,13 +196,15 @@ def main(argv: list[str] | None = None) -> int:
         *([f"Failed runs: {len(failed)} (see gpu.json)."] if failed else []),
         "",
         *table(runs, plan(gpus, args.dry_run)),
+        "",
+        *gpu_checks.report(checks, args.dry_run),
     ]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "GPU.md").write_text("\n".join(lines) + "\n")
-    record = {"command": command, "machine": found, "runs": runs, "failed": failed}
+    record = {"command": command, "machine": found, "checks": checks, "runs": runs, "failed": failed}
     (args.out / "gpu.json").write_text(json.dumps(record, indent=1) + "\n")
     print("\n".join(lines))
-    return 0
+    return 1 if any(c.get("ok") is False for c in checks) else 0
 
 
 if __name__ == "__main__":

@@ -59,13 +59,26 @@ def test_bench_quick(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_gpu_dry_run(tmp_path: Path) -> None:
-    """``bench/gpu.py --dry-run`` takes the GPU script's code path on CPU (one process, dp on one device, ddp on
-    2 processes) and writes a well-formed table with positive numbers."""
+    """``bench/gpu.py --dry-run`` lists every check with the GPUs it needs, runs each on CPU (where each holds),
+    then takes the throughput code path on CPU (one process, dp on one device, ddp on 2 processes) and writes a
+    well-formed table with positive numbers."""
     env, _ = child_env()
     cmd = [sys.executable, "bench/gpu.py", "--dry-run", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads((tmp_path / "gpu.json").read_text())
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_checks import CHECKS, EXTRA_NEEDS
+
+    for check in CHECKS:
+        assert f"[{check.gpus} GPU{'s' if check.gpus > 1 else ''}] {check.name}: " in proc.stdout, check.name
+    assert all(f"] {what}" in proc.stdout for what, _ in EXTRA_NEEDS)
+    checks, peaks = record["checks"][:-1], record["checks"][-1]["peaks"]
+    assert [c["name"] for c in checks] == [c.name for c in CHECKS]
+    assert all(c["ok"] is True and c["measured"] <= c["bound"] for c in checks), checks
+    assert all(c["cost"] > 1e-5 for c in checks if "cost" in c)  # 16 bits rounded: the tolerance is not vacuous
+    assert peaks and all(mib > 0 and kind == "rss" for mib, kind, _ in peaks.values())
+    assert "## Checks" in (tmp_path / "GPU.md").read_text() and "dry run on CPU" in (tmp_path / "GPU.md").read_text()
     assert record["failed"] == []
     assert len(record["runs"]) == 5  # project x 3 strategies, plain x 2 (its dp needs CUDA)
     assert all(r[key] > 0 for r in record["runs"] for key in KEYS if key != "steps_per_sec")
