@@ -20,6 +20,7 @@ from torch.utils.data import Subset, TensorDataset
 
 from dpddp.data.batches import Batches, TensorBatches, batch_inputs, dataset_rows
 from dpddp.data.global_batch import GlobalBatchDataModule
+from dpddp.data.sharded import ShardedDataModule
 from dpddp.errors import ConfigError
 from dpddp.models.linear import LinearClassifier
 from dpddp.report.predictions import PredictFailed
@@ -164,3 +165,33 @@ def test_a_failed_predict_in_a_sweep_keeps_the_jobs_metrics_and_says_predict_fai
     again = _run(project, *sweep)  # the same command runs it again: a failed predict is not a complete job
     assert again.returncode == 1 and "already complete" not in again.stderr + again.stdout
     assert json.loads((project / "sweep/0/metrics.json").read_text())["predict_error"]
+
+
+class _Rank:
+    """What the data modules read of a Trainer: the rank and the world size."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.global_rank, self.world_size = rank, world_size
+
+
+class OwnLoaders(pl.LightningDataModule):
+    """A user's data module with its own DataLoaders; its predict loader reads rows 10..49 of a 50-row table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = TensorDataset(torch.arange(50.0)[:, None], torch.arange(50) % 3)
+
+    def predict_dataloader(self):
+        return torch.utils.data.DataLoader(Subset(self.table, range(10, 50)), batch_size=7)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_a_sharded_data_modules_predict_batches_carry_their_rows(world_size):
+    dm = ShardedDataModule(OwnLoaders())
+    seen = []
+    for rank in range(world_size):
+        dm.trainer = _Rank(rank, world_size)  # type: ignore[assignment]
+        for x, y, rows in dm.predict_dataloader():
+            assert torch.equal(x[:, 0], rows.float()) and torch.equal(y, rows % 3)  # its samples' rows
+            seen += rows.tolist()
+    assert sorted(seen) == list(range(10, 50))  # every sample once over the ranks, by its row in the table

@@ -9,11 +9,19 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 from typing_extensions import override
 
 from dpddp._compat import data_position
-from dpddp.data.batches import empty_batch
+from dpddp.data.batches import dataset_rows, empty_batch
 from dpddp.errors import ConfigError
 
 __all__ = ["ShardedBatchSampler", "ShardedDataModule", "epoch_order", "shard_loader"]
@@ -117,9 +125,40 @@ class _CollateOrEmpty:
         return self.collate(samples) if len(samples) else empty_batch(self.collate([self.dataset[0]]))
 
 
-def shard_loader(loader: Any, rank: int, world_size: int, train: bool, seed: int = 0) -> DataLoader:
+class _WithRows(Dataset):
+    """A map-style data set whose samples come with their index: ``(dataset[i], i)``."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        return self.dataset[i], i
+
+
+class _CollateWithRows:
+    """``collate`` of the samples of ``_WithRows``, their rows in the whole data set appended (``(*batch, rows)``,
+    a dict's ``"index"``; ``dpddp.data.batches.dataset_rows``: through a ``Subset``'s indices)."""
+
+    def __init__(self, collate: Any, dataset: Any) -> None:
+        self.collate, self.dataset = collate, dataset
+
+    def __call__(self, samples: list) -> Any:
+        batch = self.collate([sample for sample, _ in samples])
+        rows = dataset_rows(self.dataset, torch.tensor([i for _, i in samples], dtype=torch.long))
+        if isinstance(batch, dict):
+            return {**batch, "index": rows}
+        return (*batch, rows) if isinstance(batch, (tuple, list)) else (batch, rows)
+
+
+def shard_loader(
+    loader: Any, rank: int, world_size: int, train: bool, seed: int = 0, with_rows: bool = False
+) -> DataLoader:
     """``loader`` (a plain ``torch.utils.data.DataLoader`` over a map-style data set, batched by a sampler)
-    rebuilt with a ``ShardedBatchSampler``: its batch size becomes the global batch.
+    rebuilt with a ``ShardedBatchSampler``: its batch size becomes the global batch. ``with_rows``: each batch
+    followed by its samples' rows in the loader's data set (for ``predictions.csv``).
 
     Raises:
         ConfigError: a loader that cannot be sharded this way (another class, an iterable data set, no batch
@@ -147,11 +186,12 @@ def shard_loader(loader: Any, rank: int, world_size: int, train: bool, seed: int
             f"{batches.batch_size}: no step would train; use a smaller batch_size or more data"
         )
     workers = loader.num_workers
+    collate = _CollateOrEmpty(loader.collate_fn, loader.dataset)
     return DataLoader(
-        loader.dataset,
+        _WithRows(loader.dataset) if with_rows else loader.dataset,
         batch_sampler=batches,
         num_workers=workers,
-        collate_fn=_CollateOrEmpty(loader.collate_fn, loader.dataset),
+        collate_fn=_CollateWithRows(collate, loader.dataset) if with_rows else collate,
         pin_memory=loader.pin_memory,
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
@@ -198,9 +238,9 @@ class ShardedDataModule(pl.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.module.load_state_dict(state_dict)
 
-    def _shard(self, loader: Any, train: bool) -> DataLoader:
+    def _shard(self, loader: Any, train: bool, with_rows: bool = False) -> DataLoader:
         rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-        return shard_loader(loader, rank, world_size, train, self.seed)
+        return shard_loader(loader, rank, world_size, train, self.seed, with_rows)
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -221,4 +261,5 @@ class ShardedDataModule(pl.LightningDataModule):
 
     @override
     def predict_dataloader(self) -> DataLoader:
-        return self._shard(self.module.predict_dataloader(), train=False)
+        """The module's predict loader, sharded, each batch followed by its samples' rows in its data set."""
+        return self._shard(self.module.predict_dataloader(), train=False, with_rows=True)
