@@ -701,3 +701,17 @@ def test_batchnorm_base_is_the_base_of_torchs_batchnorms():
 
 
 _QUIET_BAR = {"enable_progress_bar": False, "enable_model_summary": False}
+
+
+def test_hydra_command_line_is_what_hydra_main_parses(monkeypatch):
+    """``hydra_command_line``: Hydra's own parser (the one ``hydra.main`` runs on ``sys.argv``) gives the modes and
+    overrides; ``--version`` (which prints and exits) and a value the parser refuses are left to Hydra."""
+    from hydra._internal import utils as hydra_utils
+
+    args = _compat.hydra_command_line(["-m", "--cfg", "job", "seed=0,1", "--resolve"])
+    assert args is not None and args.multirun and args.cfg == "job" and args.resolve
+    assert args.overrides == ["seed=0,1"] and args.info is None and not args.run and not args.shell_completion
+    assert _compat.hydra_command_line(["--info"]).info == "all"
+    assert _compat.hydra_command_line(["--version"]) is None
+    assert _compat.hydra_command_line(["--cfg", "nope"]) is None
+    assert sys.modules["hydra.main"].get_args_parser is hydra_utils.get_args_parser  # what hydra.main parses with

@@ -82,7 +82,10 @@ def test_a_failed_checkpoint_write_leaves_the_earlier_file_whole(tmp_path, monke
     monkeypatch.setattr(TorchCheckpointIO, "save_checkpoint", full)
     with pytest.raises(WriteFailed) as err:
         io.save_checkpoint({"global_step": 2, "state_dict": {}}, path)
-    assert str(err.value) == f"cannot write last.ckpt in {str(tmp_path)!r}: No space left on device"
+    assert str(err.value) == (
+        f"cannot write last.ckpt in {str(tmp_path)!r}: No space left on device: free space or make it writable, then "
+        "resume (the earlier last.ckpt is whole)"
+    )
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     assert io.saved_steps == {"last.ckpt": 1}
 

@@ -6,6 +6,7 @@ Each entry names what it relies on, the version checked (``CHECKED``) and what b
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import socket
@@ -38,6 +39,7 @@ __all__ = [
     "SubprocessScriptLauncher",
     "agent_store",
     "disable_sigterm_broadcast",
+    "hydra_command_line",
     "hydra_mode_unset",
     "data_position",
     "epoch_finished_in",
@@ -322,6 +324,22 @@ def skip_empty_batch_hooks(callbacks: Iterable[pl.Callback]) -> None:
         for name in PER_BATCH_HOOKS:
             if getattr(type(callback), name, None) is getattr(pl.Callback, name):
                 callback.__dict__[name] = None
+
+
+def hydra_command_line(argv: list[str]) -> argparse.Namespace | None:
+    """``argv`` as ``hydra.main`` reads it, by Hydra's own parser (``hydra._internal.utils.get_args_parser``,
+    hydra-core 1.3.8: ``run``, ``multirun``, ``cfg``, ``info``, ``shell_completion``, ``resolve``, ``help``...);
+    ``None`` where the parser refuses it or would act on it (``--version`` prints and exits): Hydra then answers."""
+    from hydra._internal.utils import get_args_parser
+
+    if "--version" in argv:
+        return None
+    parser = get_args_parser()
+    parser.exit_on_error = False
+    try:
+        return parser.parse_known_args(argv)[0]
+    except argparse.ArgumentError:
+        return None
 
 
 @contextmanager

@@ -3,7 +3,7 @@
 | error | exit status | what the user sees |
 | --- | --- | --- |
 | ``ConfigError`` | 2 | ``error: <setting>=<value> ...: <fix>``, before anything starts |
-| ``WriteFailed`` | 1 | ``error: cannot write last.ckpt in '<dir>': No space left on device`` |
+| ``WriteFailed`` | 1 | ``error: cannot write last.ckpt in '<dir>': No space left on device: <fix>`` |
 | ``RankFailed`` | 1 | ``error: rank 1 (pid N) was killed by SIGKILL; ending the run (...)`` |
 | ``Preempted`` | 143 (128 + SIGTERM, as a shell reports it) | ``error: stopped by SIGTERM ...`` |
 | any other exception | 1 | its traceback |
@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shlex
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -43,6 +45,7 @@ __all__ = [
     "log_to",
     "rank_status",
     "resume_command",
+    "unwritable",
 ]
 
 EXIT_CRASH = 1
@@ -170,3 +173,18 @@ def log_to(path: Path, fmt: str) -> None:
     (replacing any handlers set before: a forked rank inherits its parent's)."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr), logging.FileHandler(path)]
     logging.basicConfig(level=logging.INFO, format=fmt, handlers=handlers, force=True)
+
+
+def unwritable(directory: str | Path) -> str | None:
+    """Why files cannot be written in ``directory`` (the system's reason: ``"Read-only file system"``,
+    ``"Not a directory"``), or ``None``. Makes the directory (with its parents) and writes one unnamed file in it
+    (``O_TMPFILE`` where the system has it: nothing is left behind, even by a kill)."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return "Not a directory"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as err:
+        return err.strerror or str(err)
+    return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, tmp, storage_options)
             os.replace(tmp, path)
         except OSError as err:
-            tmp.unlink(missing_ok=True)
-            raise WriteFailed(f"cannot write {path.name} in {str(path.parent)!r}: {err.strerror or err}") from err
+            with contextlib.suppress(OSError):  # a read-only directory refuses the clean-up too: report the write
+                tmp.unlink(missing_ok=True)
+            why = err.strerror or str(err)
+            raise WriteFailed(
+                f"cannot write {path.name} in {str(path.parent)!r}: {why}: free space or make it writable, then "
+                f"resume (the earlier {path.name} is whole)"
+            ) from err
         self.saved_steps[path.name] = int(checkpoint.get("global_step", -1))
 
 

@@ -13,21 +13,25 @@ import re
 import sys
 from contextlib import nullcontext
 from functools import partial
-from importlib.resources import files
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback as HydraCallback
 from hydra.types import RunMode
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf, open_dict
+from typing_extensions import override
 
 from dpddp._compat import hydra_mode_unset
 from dpddp.cluster import launch_id, register_resolvers, run_name
 from dpddp.continuity import stop as sweep_stop
 from dpddp.continuity.io import checkpoint_launch
+from dpddp.entry.command_line import mode_conflict, unknown_option, unreadable_override
 from dpddp.errors import (
     KNOWN,
+    ConfigError,
     Preempted,
     RankFailed,
     exit_on,
@@ -36,11 +40,14 @@ from dpddp.errors import (
     invocation_name,
     invocations,
     resume_command,
+    unwritable,
 )
 from dpddp.parallel.rendezvous import torchrun_restarted
+from dpddp.run.config import check_resolvable
 from dpddp.run.training import METRIC_KEYS, isolated_job, objective, train
 
-__all__ = ["config_dirs", "config_subdir", "hydra_value", "main", "run_job", "sets_no_mode", "sweep_resume_command"]
+__all__ = ["StartChecks", "config_dirs", "config_subdir", "hydra_value", "main", "run_job", "sets_no_mode"]
+__all__ += ["sweep_resume_command", "unknown_option"]
 
 log = logging.getLogger(__name__)
 register_resolvers()
@@ -144,7 +151,14 @@ def run_job(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    overrides = list(hydra_cfg.overrides.task)
+    overrides = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)  # as typed: ${...} kept
+    assert isinstance(overrides, list)
+    try:
+        check_resolvable(cfg)
+    except ConfigError as err:
+        if not multirun:
+            fail(str(err))
+        return _job_failed(hydra_cfg.job.num, output_dir, str(err))
     named = any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra) or "/" not in run_name()
     if cfg.get("resume") and not multirun and not named:  # a cluster job's own name has no "/"
         fail(
@@ -215,9 +229,49 @@ def run_job(cfg: DictConfig) -> float:
             raise
         log.exception("job failed")
         line = first_line(err)
-    print(f"job {hydra_cfg.job.num} failed: {line}", file=sys.stderr)
+    return _job_failed(hydra_cfg.job.num, output_dir, line)
+
+
+def _job_failed(num: int, output_dir: Path, line: str) -> float:
+    """A sweep job's failure: said on stderr, recorded in its ``error.txt`` (the summary's row); ``nan``."""
+    print(f"job {num} failed: {line}", file=sys.stderr)
     (output_dir / "error.txt").write_text(line + "\n")
     return math.nan
+
+
+class StartChecks(HydraCallback):
+    """Before Hydra makes or writes anything (a Hydra callback of the packaged ``hydra/`` config): the run's
+    directory (``hydra.run.dir``) or the sweep's (``hydra.sweep.dir``) resolves and can be written, and (one run)
+    every interpolation of the job's config resolves; else one ``error:`` line, exit 2. A sweep job's own
+    interpolations are checked in its job (``run_job``): a bad one fails that job only."""
+
+    @override
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            check_resolvable(config)
+        except ConfigError as err:
+            fail(str(err))
+        _check_directory(config, "run")
+
+    @override
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_directory(config, "sweep")
+
+
+def _check_directory(config: DictConfig, mode: str) -> None:
+    """``hydra.<mode>.dir`` resolves and can be written (``dpddp.errors.unwritable``: it is made here, as Hydra
+    would make it next); else ``fail``."""
+    HydraConfig.instance().set_config(config)  # what Hydra does next: ${hydra:...} resolves as in the job
+    section = OmegaConf.to_container(config.hydra[mode], resolve=False)
+    typed = section.get("dir") if isinstance(section, dict) else None
+    try:
+        directory = str(config.hydra[mode].dir)
+    except Exception as err:
+        reason = (str(err).splitlines() or [type(err).__name__])[0]
+        fail(f"hydra.{mode}.dir={typed!r} cannot be resolved ({reason}): give a directory (hydra.{mode}.dir=runs/a)")
+    if why := unwritable(directory):
+        given = f"hydra.{mode}.dir={hydra_value(directory)}"
+        fail(f"{given} cannot be written ({why}): give a directory you can write (hydra.{mode}.dir=<directory>)")
 
 
 def _log_invocation(output_dir: Path) -> None:
@@ -228,36 +282,6 @@ def _log_invocation(output_dir: Path) -> None:
 
 
 _hydra_main = hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(run_job)
-
-
-GROUPS = ("strategy", "data", "model", "trainer", "logger", "callbacks", "experiment", "debug", "hparams_search")
-"""The packaged config groups whose options ``unknown_option`` checks before Hydra composes."""
-
-
-def unknown_option(argv: list[str]) -> str | None:
-    """One line naming the first ``group=option`` override (sweep lists included) for which no config directory
-    has ``<group>/<option>.yaml``, with the options there are; ``None`` when all exist. The directories are the
-    packaged ``conf/`` and a ``--config-dir``/``-cd`` given; with ``hydra.searchpath`` overridden, or a sweep
-    function (``choice(...)``, ``glob(...)``), Hydra's own check answers instead. Hydra would accept an unknown
-    ``experiment=``/``debug=`` preset silently (optional groups) or print a many-line error instead."""
-    dirs = [Path(str(files("dpddp.conf")))]
-    for i, arg in enumerate(argv):
-        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
-            dirs.append(Path(argv[i + 1]))
-        elif arg.startswith("--config-dir="):
-            dirs.append(Path(arg.split("=", 1)[1]))
-        elif "hydra.searchpath" in arg:
-            return None
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        key = key.lstrip("+~")
-        if not sep or key not in GROUPS or "(" in value:
-            continue
-        for option in value.split(","):
-            if option not in ("", "null") and not any((d / key / f"{option}.yaml").is_file() for d in dirs):
-                known = sorted({p.stem for d in dirs for p in (d / key).glob("*.yaml")})
-                return f"{key}={option} is unknown: choose one of {', '.join(known)}"
-    return None
 
 
 MODE_GROUPS = ("hparams_search",)
@@ -283,7 +307,8 @@ def main() -> None:
     """``python train.py [key=value ...]`` or ``dpddp-train ...``: Hydra composes the packaged ``conf/`` with the
     overrides (``--config-dir`` adds a user's own) and calls ``run_job``. An unknown config option is one line,
     exit 2, before Hydra starts."""
-    if problem := unknown_option(sys.argv[1:]):
+    argv = sys.argv[1:]
+    if problem := mode_conflict(argv) or unreadable_override(argv) or unknown_option(argv):
         fail(problem)
     # What is imported by now lives as long as the process: keep it out of the collector's sight (and collection
     # on again if train.py turned it off for the imports).

@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from dpddp.cluster import run_name
 from dpddp.data.random_tensors import RandomTensorDataModule
-from dpddp.errors import KNOWN, ConfigError, exit_on, invocation_name, invocations, log_to, resume_command
+from dpddp.errors import KNOWN, ConfigError, exit_on, invocation_name, invocations, log_to, resume_command, unwritable
 from dpddp.models.linear import LinearClassifier
 from dpddp.run.training import STAGES, isolated_job, train
 
@@ -209,7 +209,11 @@ def main(args: list[str] | None = None) -> None:
         output_dir, cfg.ckpt_path = _output_dir(root, stage, cfg.ckpt_path)
         cfg.predict = stage == "predict"  # predictions.csv in the run directory
         if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
-            output_dir.mkdir(parents=True, exist_ok=True)
+            if why := unwritable(output_dir):  # makes it
+                raise ConfigError(
+                    f"--trainer.default_root_dir={str(root)!r}: {str(output_dir)!r} cannot be written ({why}): give "
+                    "a directory you can write"
+                )
             n = len(invocations(output_dir, CONFIG)) + 1  # config.yaml, then config-1.yaml, ... (as .hydra/)
             cli.parser.save(cli.config, str(output_dir / invocation_name(CONFIG, n)), **KEEP_NONE)
             log_to(output_dir / "train.log", LOG_FORMAT)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import get_class
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from dpddp.continuity.io import checkpoint_problem
 from dpddp.data.global_batch import GlobalBatchDataModule
@@ -24,12 +25,12 @@ from dpddp.data.memory import check_memory, memory_bytes
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.data.rules import check_divides, check_micro_batch_size, check_random_tensors
 from dpddp.data.sharded import ShardedDataModule
-from dpddp.errors import ConfigError, checked_float, checked_int
+from dpddp.errors import ConfigError, checked_float, checked_int, unwritable
 from dpddp.models.classifier import Classifier
 from dpddp.models.linear import OPTIMIZERS, LinearClassifier
 from dpddp.parallel.rules import DDP_OPTIONS, check_devices, nodes, replicas, world_size, world_size_source
 
-__all__ = ["allowed_keys", "check_config", "target_class"]
+__all__ = ["allowed_keys", "check_config", "check_output_dir", "check_resolvable", "target_class"]
 
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
 TOP_LEVEL_RUN = ("steps_per_execution",)  # how training runs (dpddp.run.executions)
@@ -224,6 +225,48 @@ def _check_precision(cfg: Mapping) -> None:
         )
 
 
+def _interpolations(node: Any, path: tuple = ()) -> Iterable[tuple[tuple, str]]:
+    """``(path, value)`` of every string holding an interpolation in the unresolved container ``node``."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        if isinstance(value, str) and "${" in value:
+            yield (*path, key), value
+        else:
+            yield from _interpolations(value, (*path, key))
+
+
+def _dotted(path: tuple) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f"{'.' if i else ''}{p}" for i, p in enumerate(path))
+
+
+def check_resolvable(cfg: DictConfig, skip: tuple[str, ...] = ("hydra",)) -> None:
+    """Every interpolation in ``cfg`` (``${data.num_features}``, ``${oc.env:VAR}``) outside the top-level keys
+    ``skip`` resolves.
+
+    Raises:
+        ConfigError: ``<key>='<value as typed>' cannot be resolved (<OmegaConf's reason>): <fix>``, for the first
+            one that does not.
+    """
+    unresolved = OmegaConf.to_container(cfg, resolve=False)
+    for path, value in _interpolations(unresolved):
+        if path[0] in skip:
+            continue
+        try:
+            node: Any = cfg
+            for key in path:
+                node = node[key]
+        except Exception as err:  # OmegaConf's resolution errors, or a resolver's own
+            reason = (str(err).splitlines() or [type(err).__name__])[0]
+            reason = re.sub(r"^\w+ raised while resolving interpolation: ", "", reason).strip('"')
+            env = re.search(r"\$\{oc\.env:([^,}]+)", value)
+            fix = (
+                f"set {env.group(1)} in the environment, or give a default: ${{oc.env:{env.group(1)},<default>}}"
+                if env
+                else "give a value, or interpolate a key that exists (e.g. ${data.num_features})"
+            )
+            raise ConfigError(f"{_dotted(path)}={value!r} cannot be resolved ({reason}): {fix}") from err
+
+
 def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     """Check a composed config (see ``conf/``) for ``stage``; return nothing, or raise one ``ConfigError`` line.
 
@@ -234,6 +277,8 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
             epochs than ``trainer.max_epochs``, or (``resume=true``) was trained with other data settings, or (a fit)
             with another ``steps_per_execution``.
     """
+    if isinstance(cfg, DictConfig):
+        check_resolvable(cfg)
     _check_keys("", [str(k) for k in cfg.keys()], [*TOP_LEVEL, *TOP_LEVEL_RUN, *TOP_LEVEL_OUTPUT, *GROUPS])
     keys = allowed_keys(cfg)
     for section in ("data", "model", "trainer", "strategy"):
@@ -287,3 +332,19 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     k = cfg.get("steps_per_execution", 1) if stage == "fit" else None
     if ckpt is not None and (problem := checkpoint_problem(ckpt, max_epochs, data, k)):
         raise ConfigError(f"ckpt_path={str(ckpt)!r} {problem}")
+
+
+def check_output_dir(output_dir: Path) -> None:
+    """The run directory (its ``checkpoints/`` once it has one) can be written, before anything trains: a
+    read-only one would fail at the first checkpoint.
+
+    Raises:
+        ConfigError: ``'<dir>' cannot be written (<the system's reason>): <fix>``; a run that has a ``last.ckpt``
+            is told to continue it into another directory.
+    """
+    checkpoints = output_dir / "checkpoints"
+    directory = checkpoints if checkpoints.is_dir() else output_dir
+    if why := unwritable(directory):
+        last = checkpoints / "last.ckpt"
+        elsewhere = f", or continue it in another run directory with ckpt_path={last}" if last.is_file() else ""
+        raise ConfigError(f"{str(directory)!r} cannot be written ({why}): make it writable{elsewhere}")

@@ -33,7 +33,7 @@ from dpddp.report.predictions import PredictFailed, check_predictable, predict_f
 from dpddp.report.tally import FitTally
 from dpddp.report.throughput import Throughput
 from dpddp.run.assembly import build_trainer
-from dpddp.run.config import check_config
+from dpddp.run.config import check_config, check_output_dir
 from dpddp.run.executions import StepsPerExecution
 
 __all__ = ["METRIC_KEYS", "STAGES", "isolated_job", "objective", "train", "train_rank"]
@@ -69,7 +69,10 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         elastic, source = cfg.num_nodes == "auto", world_size_source(cfg)
         cfg.num_nodes = nodes(cfg)  # num_nodes=auto: the launcher's, for this start
         _log_world(cfg, elastic, source)
-        if cfg.get("print_config") and env_rank() == 0 and not os.environ.get(LAUNCHED_ENV):  # once per run
+        writer = env_rank() == 0 and not os.environ.get(LAUNCHED_ENV)  # global rank 0, the one that writes
+        if writer:
+            check_output_dir(output_dir)
+        if cfg.get("print_config") and writer:  # once per run
             log.info("config:\n" + OmegaConf.to_yaml(cfg, resolve=True))
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule = instantiate(cfg.data, _convert_="all")

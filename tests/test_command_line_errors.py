@@ -1,0 +1,286 @@
+"""Errors in the command line and the file system end in one ``error:`` line, exit 2, nothing lost: an interpolation
+that does not resolve (in an override or a config), Hydra modes that cannot be combined, a run or sweep directory
+that cannot be written, and a checkpoint that cannot be written (the earlier one stays whole). A sweep records a
+bad job and goes on; ``metrics.json`` keeps the overrides as typed."""
+
+import csv
+import errno
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import QUIET, ROOT, child_env, compose_cfg, metrics, run_train
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from omegaconf import OmegaConf, open_dict
+
+from dpddp.continuity.io import AtomicCheckpointIO
+from dpddp.entry.command_line import mode_conflict, unreadable_override
+from dpddp.errors import ConfigError, WriteFailed, unwritable
+from dpddp.run.config import check_output_dir, check_resolvable
+
+ONE = ["accelerator=cpu", "data.num_samples=606", "trainer.max_epochs=1"]
+READ_ONLY = ("Read-only file system", "Permission denied")  # a read-only mount (root), or a mode without w
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+# -- interpolations ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        (
+            "model.lr=${nope}",
+            "model.lr='${nope}' cannot be resolved (Interpolation key 'nope' not found): give a value, or interpolate "
+            "a key that exists (e.g. ${data.num_features})",
+        ),
+        (
+            "data.batch_size=${oc.env:DPDDP_NOPE_UNSET}",
+            "data.batch_size='${oc.env:DPDDP_NOPE_UNSET}' cannot be resolved (Environment variable "
+            "'DPDDP_NOPE_UNSET' not found): set DPDDP_NOPE_UNSET in the environment, or give a default: "
+            "${oc.env:DPDDP_NOPE_UNSET,<default>}",
+        ),
+        (
+            "trainer.max_epochs=x${data.nope}",
+            "trainer.max_epochs='x${data.nope}' cannot be resolved (Interpolation key 'data.nope' not found): give a "
+            "value, or interpolate a key that exists (e.g. ${data.num_features})",
+        ),
+    ],
+)
+def test_an_interpolation_that_does_not_resolve_is_one_line_naming_the_key_as_typed(override, line):
+    cfg = compose_cfg("accelerator=cpu", override)
+    with pytest.raises(ConfigError) as err:
+        check_resolvable(cfg)
+    assert str(err.value) == line
+
+
+def test_interpolations_that_resolve_pass_and_a_list_item_is_named_by_its_index(monkeypatch):
+    monkeypatch.setenv("DPDDP_TEST_LR", "0.05")
+    check_resolvable(compose_cfg("accelerator=cpu", "model.lr=${oc.env:DPDDP_TEST_LR}"))  # packaged ones too
+    cfg = compose_cfg("accelerator=cpu")
+    with open_dict(cfg):
+        cfg.callbacks.x = OmegaConf.create({"items": [1, "${oc.env:DPDDP_NOPE_UNSET}"]})
+    with pytest.raises(ConfigError, match=r"^callbacks\.x\.items\[1\]='\$\{oc\.env:DPDDP_NOPE_UNSET\}' cannot be"):
+        check_resolvable(cfg)
+
+
+# -- Hydra's modes -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (
+            ["-m", "--cfg", "job", "seed=0,1"],
+            "--multirun (-m) and --cfg (-c) cannot be given together: Hydra runs one of them; keep one (--cfg job "
+            "prints a run's config: give one value per setting, not a sweep list)",
+        ),
+        (["--cfg=hydra", "--info"], "--cfg (-c) and --info (-i) cannot be given together"),
+        (["-r", "-m"], "--run (-r) and --multirun (-m) cannot be given together"),
+        (["-mc", "all"], "--multirun (-m) and --cfg (-c) cannot be given together"),
+        (["--resolve", "seed=1"], "--resolve works only with --cfg: add --cfg job (or hydra, all), or drop --resolve"),
+    ],
+)
+def test_hydra_modes_that_cannot_be_combined_are_one_line(argv, line):
+    assert mode_conflict(argv).startswith(line)
+
+
+@pytest.mark.parametrize("argv", [[], ["-m", "seed=0,1"], ["--cfg", "job", "--resolve"], ["--info"], ["-r", "a=1"]])
+def test_a_command_line_hydra_runs_as_given_is_not_refused(argv):
+    assert mode_conflict(argv) is None and unreadable_override(argv) is None
+
+
+@pytest.mark.parametrize(
+    "override,reason",
+    [
+        ("model.lr=[", "no viable alternative at input '['"),
+        ("model.lr=${a:${b}}", "extraneous input '}' expecting <EOF>"),
+        ("seed=choice(1,2", "no viable alternative at input 'choice(1,2'"),
+    ],
+)
+def test_an_override_hydra_cannot_read_is_one_line(override, reason):
+    assert unreadable_override(["-m", "seed=0,1", override]) == (
+        f"{override!r} cannot be read as an override ({reason}): write key=value, quoting a value with special "
+        "characters (key='a,b'); see https://hydra.cc/docs/advanced/override_grammar/basic/"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,start",
+    [
+        (["model.lr=${nope}"], "error: model.lr='${nope}' cannot be resolved (Interpolation key 'nope' not found)"),
+        (["data.batch_size=${oc.env:DPDDP_NOPE_UNSET}"], "error: data.batch_size='${oc.env:DPDDP_NOPE_UNSET}' cannot"),
+        (["hydra.run.dir=${nope}"], "error: hydra.run.dir='${nope}' cannot be resolved (Interpolation key 'nope'"),
+        (["-m", "--cfg", "job", "seed=0,1"], "error: --multirun (-m) and --cfg (-c) cannot be given together"),
+        (["--resolve"], "error: --resolve works only with --cfg"),
+        (["model.lr=["], "error: 'model.lr=[' cannot be read as an override (no viable alternative at input '[')"),
+    ],
+)
+def test_train_py_ends_a_command_line_error_in_one_line_before_writing_anything(tmp_path, args, start):
+    proc = run_train(*args, *ONE, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert _error_lines(proc.stderr) == [_error_lines(proc.stderr)[0]] and proc.stderr.startswith(start)
+    assert list(tmp_path.iterdir()) == []  # no run directory, no log
+
+
+@pytest.mark.slow
+def test_a_sweep_records_a_job_whose_interpolation_fails_and_goes_on(tmp_path):
+    proc = run_train("-m", "model.lr=0.05,${nope}", *ONE, "hydra.sweep.dir=sweep", cwd=tmp_path, timeout=180)
+    assert proc.returncode == 1, proc.stderr[-2000:]  # a failed job: the sweep's usual status
+    sweep = tmp_path / "sweep"
+    assert metrics(sweep / "0")["world_size"] == 1
+    assert (sweep / "1" / "error.txt").read_text().startswith("model.lr='${nope}' cannot be resolved")
+    rows = list(csv.DictReader(open(sweep / "summary.csv")))
+    assert [r["status"][:6] for r in rows] == ["ok", "failed"]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_metrics_json_keeps_the_overrides_as_typed(tmp_path):
+    """An interpolation in an override that resolves: ``overrides`` has it as typed, not its value."""
+    typed = "model.optimizer=${oc.env:DPDDP_TEST_OPTIMIZER}"
+    proc = run_train(typed, *ONE, "hydra.run.dir=run", cwd=tmp_path, env={"DPDDP_TEST_OPTIMIZER": "adam"}, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert metrics(tmp_path / "run")["overrides"] == [typed, *ONE, *QUIET]
+
+
+# -- the file system -----------------------------------------------------------------------------------------
+
+
+def _read_only(path: Path, cmd: list[str]) -> list[str]:
+    """``cmd`` run with ``path`` read-only: a read-only bind mount in a mount namespace of its own for root (whom
+    file modes do not stop), else ``path``'s mode without write permission (the caller restores it)."""
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        return cmd
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode != 0:
+        pytest.skip("root without a mount namespace: no way to make a read-only directory here")
+    script = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"'
+    return ["unshare", "-m", "sh", "-c", script, "sh", str(path), *cmd]
+
+
+def _run_read_only(path: Path, args: list[str], cwd: Path, prog: list[str] | None = None):
+    env, _ = child_env()
+    cmd = _read_only(path, [sys.executable, *(prog or [str(ROOT / "train.py")]), *args])
+    try:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+    finally:
+        path.chmod(0o755)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["run", "sweep"])
+def test_a_run_or_sweep_directory_that_cannot_be_written_is_one_line(tmp_path, mode):
+    (tmp_path / "ro").mkdir()
+    args = [*(["-m"] if mode == "sweep" else []), *ONE, *QUIET, f"hydra.{mode}.dir=ro/run"]
+    proc = _run_read_only(tmp_path / "ro", args, tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = _error_lines(proc.stderr)
+    assert any(
+        line == f"error: hydra.{mode}.dir=ro/run cannot be written ({why}): give a directory you can write "
+        f"(hydra.{mode}.dir=<directory>)"
+        for why in READ_ONLY
+    ), line
+
+
+@pytest.mark.slow
+def test_a_run_directory_under_a_file_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    proc = run_train(*ONE, "hydra.run.dir=file/run", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert _error_lines(proc.stderr) == [
+        "error: hydra.run.dir=file/run cannot be written (Not a directory): give a directory you can write "
+        "(hydra.run.dir=<directory>)"
+    ]
+
+
+@pytest.mark.slow
+def test_resuming_a_run_whose_checkpoints_cannot_be_written_is_one_line_and_keeps_the_checkpoint(tmp_path):
+    first = run_train(*ONE, "hydra.run.dir=run", cwd=tmp_path, timeout=180)
+    assert first.returncode == 0, first.stderr[-2000:]
+    ckpts = tmp_path / "run" / "checkpoints"
+    before = (ckpts / "last.ckpt").read_bytes()
+    proc = _run_read_only(ckpts, [*ONE, "trainer.max_epochs=2", "resume=true", "hydra.run.dir=run"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert any(
+        lines[0] == f"error: {str(ckpts)!r} cannot be written ({why}): make it writable, or continue it in another "
+        f"run directory with ckpt_path={ckpts / 'last.ckpt'}"
+        for why in READ_ONLY
+    ), lines[0]
+    assert (ckpts / "last.ckpt").read_bytes() == before and sorted(p.name for p in ckpts.iterdir()) == [
+        "best.ckpt",
+        "last.ckpt",
+    ]
+
+
+@pytest.mark.slow
+def test_the_cli_says_a_root_directory_that_cannot_be_written_in_one_line(tmp_path):
+    (tmp_path / "ro").mkdir()
+    args = ["fit", "--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.default_root_dir=ro/x"]
+    proc = _run_read_only(tmp_path / "ro", args, tmp_path, prog=["-m", "dpddp.cli"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert any(
+        lines[0] == f"error: --trainer.default_root_dir='ro/x': 'ro/x/lightning_logs/version_0' cannot be written "
+        f"({why}): give a directory you can write"
+        for why in READ_ONLY
+    ), lines[0]
+
+
+WRITE_ON_READ_ONLY = """
+import sys
+from dpddp.continuity.io import AtomicCheckpointIO
+from dpddp.errors import WriteFailed
+try:
+    AtomicCheckpointIO().save_checkpoint({"global_step": 2, "state_dict": {}}, sys.argv[1])
+except WriteFailed as err:
+    print(err)
+"""
+
+
+def test_a_checkpoint_write_on_a_read_only_directory_is_write_failed_and_the_earlier_file_whole(tmp_path):
+    """The write and its clean-up both meet the read-only directory: the write's error is the one reported."""
+    (tmp_path / "ckpts").mkdir()
+    last = tmp_path / "ckpts" / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"global_step": 1, "state_dict": {}}, last)
+    before = last.read_bytes()
+    proc = _run_read_only(tmp_path / "ckpts", [str(last)], tmp_path, prog=["-c", WRITE_ON_READ_ONLY])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert any(
+        proc.stdout.strip() == f"cannot write last.ckpt in {str(last.parent)!r}: {why}: free space or make it "
+        "writable, then resume (the earlier last.ckpt is whole)"
+        for why in READ_ONLY
+    ), proc.stdout
+    assert last.read_bytes() == before and [p.name for p in last.parent.iterdir()] == ["last.ckpt"]
+    assert torch.load(last, weights_only=True)["global_step"] == 1
+
+
+def test_a_clean_up_that_fails_does_not_hide_the_write_error(tmp_path, monkeypatch):
+    def refused(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(TorchCheckpointIO, "save_checkpoint", refused)
+    monkeypatch.setattr(Path, "unlink", refused)
+    with pytest.raises(WriteFailed, match="Read-only file system: free space or make it writable"):
+        AtomicCheckpointIO().save_checkpoint({"global_step": 1, "state_dict": {}}, tmp_path / "last.ckpt")
+
+
+def test_a_directory_is_writable_or_says_why(tmp_path):
+    assert unwritable(tmp_path / "a" / "b") is None and (tmp_path / "a" / "b").is_dir()
+    assert list((tmp_path / "a" / "b").iterdir()) == []  # the probe leaves nothing
+    (tmp_path / "f").write_text("")
+    assert unwritable(tmp_path / "f" / "x") == "Not a directory"
+    check_output_dir(tmp_path / "a")
+    with pytest.raises(ConfigError, match=r"cannot be written \(Not a directory\): make it writable$"):
+        check_output_dir(tmp_path / "f")
