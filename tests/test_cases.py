@@ -75,11 +75,70 @@ def test_stray_rank_variables_are_refused_naming_them(monkeypatch, env, named):
 
 
 def test_rank_variables_of_a_real_launcher_are_trusted(monkeypatch):
-    monkeypatch.setenv("NODE_RANK", "1")  # Lightning's multi-node launch by hand
+    for key, value in {"NODE_RANK": "1", "MASTER_ADDR": "198.18.255.1", "MASTER_PORT": "29555"}.items():
+        monkeypatch.setenv(key, value)  # Lightning's multi-node launch by hand, on node 1
     check_config(compose_cfg("strategy=ddp", "devices=2", "num_nodes=2", "accelerator=cpu"))
     for key, value in {"TORCHELASTIC_RUN_ID": "r", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
     check_config(compose_cfg("strategy=ddp", "devices=1", "num_nodes=2", "accelerator=cpu"))
+
+
+NODES = "num_nodes=2 without a launcher, but"
+FAR = "198.18.255.1"  # an address no interface here holds
+ONE_MACHINE = (
+    "but a one-machine run (num_nodes=1) starts every rank here: unset MASTER_ADDR (env -u MASTER_ADDR python "
+    "train.py ...), or run under a launcher (torchrun, SLURM) to use several machines"
+)
+BY_HAND = (
+    "set MASTER_ADDR (node 0's address) and MASTER_PORT alike on every node and NODE_RANK on each, or start the "
+    "nodes with torchrun"
+)
+
+
+@pytest.mark.parametrize(
+    "env,nodes,line",
+    [
+        ({"MASTER_ADDR": FAR}, 1, f"MASTER_ADDR={FAR} (environment) is not an address of this machine, {ONE_MACHINE}"),
+        ({"MASTER_ADDR": FAR, "MASTER_PORT": "29555"}, 1, f"MASTER_ADDR={FAR} (environment) is not an address of"),
+        ({"MASTER_ADDR": "x.invalid"}, 1, f"MASTER_ADDR=x.invalid (environment) does not resolve to an address"
+         f", {ONE_MACHINE}"),
+        ({"NODE_RANK": "1", "MASTER_PORT": "29555"}, 2, f"{NODES} MASTER_ADDR not set: {BY_HAND}"),
+        ({"NODE_RANK": "1", "MASTER_ADDR": FAR}, 2, f"{NODES} MASTER_PORT not set: {BY_HAND}"),
+        ({}, 2, f"{NODES} MASTER_ADDR and MASTER_PORT not set: {BY_HAND}"),
+        (
+            {"MASTER_ADDR": FAR, "MASTER_PORT": "29555"},
+            2,
+            "MASTER_ADDR=198.18.255.1 (environment) is not an address of this machine, but this is node 0 (NODE_RANK "
+            "unset or 0), which serves the rendezvous: give every node this machine's address as MASTER_ADDR, or set "
+            "NODE_RANK to this node's rank",
+        ),
+    ],
+)  # fmt: skip
+def test_stray_or_partial_address_variables_are_named_for_what_they_are(monkeypatch, env, nodes, line):
+    """An address left in the shell that is not this machine's (blamed on the port before), one that does not
+    resolve, and a multi-node run by hand missing one of the pair: one line naming the variable and advice that
+    works, before any rank starts."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_cfg("strategy=ddp", f"devices={3 - nodes}", f"num_nodes={nodes}", "accelerator=cpu"))
+    assert str(err.value).startswith(line)
+
+
+@pytest.mark.parametrize(
+    "env,settings",
+    [
+        ({"MASTER_ADDR": "127.0.0.1"}, ["strategy=ddp", "devices=2"]),
+        ({"MASTER_ADDR": "localhost", "MASTER_PORT": "29555"}, ["strategy=ddp", "devices=2"]),
+        ({"MASTER_PORT": "29555"}, ["strategy=ddp", "devices=2"]),  # a port chosen for the run: rank 0's store takes it
+        ({"MASTER_ADDR": FAR}, ["strategy=auto"]),  # one process: no rendezvous
+        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}, ["strategy=ddp", "devices=1", "num_nodes=2"]),
+    ],
+)
+def test_address_variables_a_run_can_use_are_accepted(monkeypatch, env, settings):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    check_config(compose_cfg(*settings, "accelerator=cpu"))
 
 
 def test_partial_kubeflow_rank_variables_are_refused_naming_the_missing_ones(monkeypatch):

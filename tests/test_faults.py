@@ -254,3 +254,20 @@ def test_a_rank_killed_in_one_sweep_job_does_not_end_the_sweep(tmp_path):
     assert metrics(tmp_path / "sweep/1")["world_size"] == 2
     assert "failed" in (tmp_path / "sweep/summary.md").read_text()
     assert leftover(proc.tag) == []
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_master_addr_that_is_not_this_machines_is_named_not_the_port(tmp_path, entry):
+    """An address variable left in the shell: one line naming MASTER_ADDR (not MASTER_PORT), exit 2, no rank
+    started, no process left."""
+    args, _ = _args(entry, "run", strategy="ddp", devices=2, **{"trainer.max_epochs": 1})
+    proc = _start(tmp_path, *args, MASTER_ADDR="198.18.255.1")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-2000:]
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert lines == [
+        "error: MASTER_ADDR=198.18.255.1 (environment) is not an address of this machine, but a one-machine run "
+        "(num_nodes=1) starts every rank here: unset MASTER_ADDR (env -u MASTER_ADDR python train.py ...), or run "
+        "under a launcher (torchrun, SLURM) to use several machines"
+    ]
+    assert "MASTER_PORT" not in err and leftover(proc.tag) == []

@@ -94,3 +94,11 @@ def test_route_inside_a_namespace(bed2):
     assert outside is None
     assert env == {"GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": f"={IFNAME}"}
     assert why == f"GLOO_SOCKET_IFNAME={IFNAME} (routes to MASTER_ADDR={bed2.addresses[0]} from {bed2.addresses[1]})"
+
+
+def test_is_local_address_is_whether_a_socket_binds_to_it():
+    from dpddp.network import is_local_address
+
+    assert is_local_address("127.0.0.1") and is_local_address("localhost")
+    assert is_local_address("198.18.255.1") is False  # no interface here holds it
+    assert is_local_address("x.invalid") is None

@@ -10,6 +10,8 @@ import time
 
 from omegaconf import OmegaConf
 
+from dpddp.network import is_local_address
+
 __all__ = [
     "LAUNCHED_ENV",
     "cluster_world_size",
@@ -19,6 +21,7 @@ __all__ = [
     "process_name",
     "register_resolvers",
     "run_name",
+    "stray_address_variables",
     "stray_rank_variables",
 ]
 
@@ -132,6 +135,50 @@ def stray_rank_variables(cluster: str, num_nodes: int) -> str | None:
     return (
         f"{names} set in the environment, but no launcher (torchrun, SLURM, a PyTorchJob with cluster=kubeflow) "
         f"started this process: unset {' '.join(stray)} (e.g. env -u {' -u '.join(stray)} python train.py ...)"
+    )
+
+
+def _launched() -> bool:
+    """Whether a launcher that sets the rendezvous variables started this process (torchrun, SLURM, dpddp's)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return bool(os.environ.get(LAUNCHED_ENV)) or "TORCHELASTIC_RUN_ID" in os.environ or SLURMEnvironment.detect()
+
+
+def stray_address_variables(cluster: str, num_nodes: int) -> str | None:
+    """Why ``MASTER_ADDR``/``MASTER_PORT`` cannot serve a DDP run started without a launcher (one line, ending with
+    what to do), or ``None``. Node 0 (every node of a one-machine run) serves the rendezvous, so its
+    ``MASTER_ADDR`` must be one of this machine's; several nodes started by hand need both variables on each.
+    Not checked under torchrun, SLURM, dpddp's launcher or ``cluster=kubeflow``, which set them."""
+    env = os.environ
+    if cluster == "kubeflow" or _launched():
+        return None
+    if num_nodes > 1:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+        if missing:
+            return (
+                f"num_nodes={num_nodes} without a launcher, but {' and '.join(missing)} not set: set MASTER_ADDR (node "
+                "0's address) and MASTER_PORT alike on every node and NODE_RANK on each, or start the nodes with "
+                "torchrun"
+            )
+        if env.get("NODE_RANK", env.get("GROUP_RANK", "0")) not in ("", "0"):
+            return None  # node 0's address, reached from here
+    address = env.get("MASTER_ADDR")
+    if address is None:
+        return None
+    local = is_local_address(address)
+    if local:
+        return None
+    what = "does not resolve to an address" if local is None else "is not an address of this machine"
+    if num_nodes == 1:
+        return (
+            f"MASTER_ADDR={address} (environment) {what}, but a one-machine run (num_nodes=1) starts every rank here: "
+            "unset MASTER_ADDR (env -u MASTER_ADDR python train.py ...), or run under a launcher (torchrun, SLURM) "
+            "to use several machines"
+        )
+    return (
+        f"MASTER_ADDR={address} (environment) {what}, but this is node 0 (NODE_RANK unset or 0), which serves the "
+        "rendezvous: give every node this machine's address as MASTER_ADDR, or set NODE_RANK to this node's rank"
     )
 
 

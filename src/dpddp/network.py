@@ -10,7 +10,8 @@ import socket
 import struct
 from collections.abc import Mapping
 
-__all__ = ["IFNAME_VARS", "choose_interface", "interface_address", "interface_for_address", "route_interface"]
+__all__ = ["IFNAME_VARS", "choose_interface", "interface_address", "interface_for_address", "is_local_address"]
+__all__ += ["route_interface"]
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 """The variables ``choose_interface`` sets; a user's value of either one leaves both untouched."""
@@ -63,6 +64,23 @@ def interface_for_address(address: str) -> str | None:
     except OSError:
         return None
     return next((name for name in names if interface_address(name) == str(ip)), None)
+
+
+def is_local_address(address: str) -> bool | None:
+    """Whether ``address`` (a host name or IP) is one of this machine's, as a socket bound to it would be (any
+    address it resolves to binds); ``None`` when it does not resolve. Never raises ``OSError``."""
+    try:
+        infos = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return None
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.bind(sockaddr)
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def route_interface(address: str, port: int = 9) -> tuple[str, str] | None:

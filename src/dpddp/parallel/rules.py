@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from dpddp.cluster import cluster_world_size, stray_rank_variables
+from dpddp.cluster import cluster_world_size, stray_address_variables, stray_rank_variables
 from dpddp.errors import ConfigError, checked_float, checked_int
 
 __all__ = [
@@ -120,6 +120,8 @@ def check_devices(cfg: Mapping) -> None:
         raise ConfigError(f"cluster={cfg['cluster']!r} is unknown: choose one of {', '.join(CLUSTERS)}")
     check_strategy_options(cfg["strategy"])
     if problem := stray_rank_variables(cfg["cluster"], nodes(cfg)):
+        raise ConfigError(problem)
+    if strategy in ("ddp", "ddp_spawn") and (problem := stray_address_variables(cfg["cluster"], num_nodes)):
         raise ConfigError(problem)
     cluster = cluster_world_size(cfg["cluster"])
     if cluster and num_nodes == "auto" and strategy in ("ddp", "ddp_spawn"):
