@@ -31,35 +31,13 @@ from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_3
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-__all__ = [
-    "AGENT_STORE_ENV",
-    "CHECKED",
-    "HOOK_NAME_ATTRIBUTE",
-    "Launcher",
-    "SubprocessScriptLauncher",
-    "agent_store",
-    "disable_sigterm_broadcast",
-    "hydra_command_line",
-    "hydra_mode_unset",
-    "data_position",
-    "epoch_finished_in",
-    "fit_restarting",
-    "float_batch_counts",
-    "init_process_group",
-    "keep_unfinished_epoch",
-    "logged_metric_kinds",
-    "logged_tensor_states",
-    "processed_epochs",
-    "rank0_store",
-    "resolve_process_group_backend",
-    "restore_logged_tensors",
-    "restore_sigterm_broadcast",
-    "set_num_threads_if_needed",
-    "skip_empty_batch_hooks",
-    "softmax_per_sample",
-    "uncount_last_batch",
-    "counted_step",
-]
+__all__ = ["AGENT_STORE_ENV", "CHECKED", "HOOK_NAME_ATTRIBUTE", "Launcher", "SubprocessScriptLauncher", "agent_store"]
+__all__ += ["disable_sigterm_broadcast", "hydra_command_line", "hydra_mode_unset", "data_position"]
+__all__ += ["epoch_finished_in", "fit_restarting", "float_batch_counts", "init_process_group"]
+__all__ += ["keep_unfinished_epoch", "logged_metric_kinds", "logged_tensor_states", "processed_epochs", "rank0_store"]
+__all__ += ["resolve_process_group_backend", "restore_logged_tensors", "restore_sigterm_broadcast"]
+__all__ += ["set_num_threads_if_needed", "skip_empty_batch_hooks", "softmax_per_sample", "uncount_last_batch"]
+__all__ += ["counted_step"]
 
 CHECKED = {"lightning": "2.6.6", "torch": "2.13.0", "hydra-core": "1.3.8"}
 """The versions every entry below was read in and tested against."""
