@@ -149,6 +149,18 @@ class SigtermAt(pl.Callback):
         self.seen += 1
 
 
+class SigtermAtStep(pl.Callback):
+    """Test helper: sends this process SIGTERM before the training batch that takes global step ``step + 1``, so a
+    run continued past it (by a printed resume command that keeps this callback) is not stopped again."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class SigkillAt(SigtermAt):
     """Test helper: this process SIGKILLs itself at the end of training batch ``at`` (counted over the run)."""
 

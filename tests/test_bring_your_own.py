@@ -195,15 +195,61 @@ def test_the_installed_command_trains_from_any_directory(tmp_path):
     assert metrics(tmp_path / "run")["val/acc"] > 0.5 and (tmp_path / "run/checkpoints/last.ckpt").is_file()
 
 
-def test_a_users_model_stopped_by_sigterm_mid_epoch_resumes_to_the_uninterrupted_weights(project, one_process):
-    """815 training samples / 32 = 25 batches an epoch; SIGTERM after batch 37, in epoch 1."""
-    env, tag = child_env(PYTHONPATH=os.pathsep.join([str(project), str(ROOT / "tests")]))  # conftest.SigtermAt
-    kill = ["+callbacks.kill._target_=conftest.SigtermAt", "+callbacks.kill.at=37"]
-    cmd = [sys.executable, "train.py", *USER_ARGS, "hydra.run.dir=run"]
-    proc = subprocess.run([*cmd, *kill], cwd=project, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 143 and "error: stopped by SIGTERM after step" in proc.stderr, proc.stderr[-2000:]
+BIN = Path(sys.executable).parent  # dpddp-train and dpddp, installed next to this Python
+KILL = ["+callbacks.kill._target_=conftest.SigtermAtStep", "+callbacks.kill.step=37"]  # in epoch 1 of 3
+
+
+def _stopped_then_pasted(cwd: Path, command: list[str], stop_line: str) -> str:
+    """Run ``command`` in ``cwd`` (a SIGTERM stops it: exit 143), then the command its one ``stop_line`` prints
+    after ``resume with``, pasted into a shell as it is (the same environment: PATH and PYTHONPATH); return it."""
+    env, tag = child_env(PYTHONPATH=os.pathsep.join([str(cwd), str(ROOT / "tests")]))  # conftest.SigtermAtStep
+    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
+    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith(stop_line)]
     assert leftover(tag) == []
-    step = torch.load(project / "run/checkpoints/last.ckpt", weights_only=True)["global_step"]
-    assert 25 < step < 50  # mid-epoch 1
-    _run(project, *USER_ARGS, "hydra.run.dir=run", "resume=true")
-    assert _close(_weights(project / "run", "net."), _weights(one_process, "net."), 1e-6)  # the straight run
+    pasted = line.split("resume with ", 1)[1]
+    resumed = subprocess.run(pasted, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, pasted + "\n" + resumed.stderr[-3000:]
+    assert leftover(tag) == []
+    return pasted
+
+
+@pytest.fixture
+def bare_project(tmp_path: Path) -> Path:
+    """The user's project as the README has it, without a train.py: ``mine.py`` and ``conf/model/my_net.yaml``."""
+    _project(tmp_path)
+    (tmp_path / "train.py").unlink()
+    return tmp_path
+
+
+def test_the_printed_resume_command_of_the_installed_command_continues_to_the_straight_run(bare_project, one_process):
+    """``dpddp-train --config-dir conf model=my_net ...`` stopped by SIGTERM mid-epoch (815 training samples / 32
+    = 25 batches an epoch; step 38 is in epoch 1) in a project without train.py: the printed line, pasted, runs
+    and ends with the uninterrupted run's weights."""
+    pasted = _stopped_then_pasted(
+        bare_project, ["dpddp-train", *USER_ARGS, *KILL, "hydra.run.dir=run"], "error: stopped by SIGTERM after step"
+    )
+    assert pasted.startswith("dpddp-train --config-dir conf model=my_net ")
+    assert _close(_weights(bare_project / "run", "net."), _weights(one_process, "net."), 1e-6)
+
+
+def test_the_printed_resume_command_of_a_sweep_continues_its_job_to_the_straight_run(bare_project, one_process):
+    """The same for a sweep of the installed command (``-m``; its job 0 is ``one_process``'s run, seed 0)."""
+    kill = ["+callbacks.stop._target_=conftest.SigtermSweepAt", "+callbacks.stop.step=37"]
+    command = ["dpddp-train", "-m", *USER_ARGS, *kill, "seed=0", "hydra.sweep.dir=sweep"]
+    pasted = _stopped_then_pasted(bare_project, command, "error: the sweep was stopped by SIGTERM")
+    assert pasted.startswith("dpddp-train -m --config-dir conf model=my_net ")
+    assert _close(_weights(bare_project / "sweep/0", "net."), _weights(one_process, "net."), 1e-6)
+
+
+def test_the_printed_resume_command_of_the_lightning_cli_continues_to_the_straight_run(bare_project, one_process):
+    """The same for ``dpddp fit --model=mine.TwoLayerNet --data=mine.BlobsData`` on one process."""
+    command = ["dpddp", "fit", "--model=mine.TwoLayerNet", "--data=mine.BlobsData", "--data.batch_size=32"]
+    command += ["--trainer.max_epochs=3", "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false"]
+    command += ["--trainer.callbacks+=conftest.SigtermAtStep", "--trainer.callbacks.step=37"]
+    pasted = _stopped_then_pasted(bare_project, command, "error: stopped by SIGTERM after step")
+    assert pasted.startswith("dpddp fit --model=mine.TwoLayerNet ") and pasted.endswith("--ckpt_path=last")
+    run = bare_project / "lightning_logs/version_0"
+    assert [p.name for p in sorted(run.glob("config*.yaml"))] == ["config-1.yaml", "config.yaml"]  # one run
+    assert _close(_weights(run, "net."), _weights(one_process, "net."), 1e-6)

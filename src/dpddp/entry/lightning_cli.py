@@ -27,7 +27,7 @@ from hydra import compose, initialize_config_module
 from hydra.utils import get_class
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from typing_extensions import override
 
 from dpddp.cluster import run_name
@@ -146,8 +146,9 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
         merged.logger = None
     elif logger not in (None, True):
         merged.logger = _spec(logger)
-    for i, callback in enumerate(callbacks):
-        merged.callbacks[f"cli_{i}"] = _spec(callback)
+    with open_dict(merged.callbacks):  # --trainer.callbacks+=pkg.Callback: beside the built-in ones
+        for i, callback in enumerate(callbacks):
+            merged.callbacks[f"cli_{i}"] = _spec(callback)
     return merged
 
 
