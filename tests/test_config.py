@@ -3,6 +3,7 @@ import re
 
 import lightning.pytorch as pl
 import pytest
+import torch
 import yaml
 from conftest import CONF, QUIET, compose_cfg
 from hydra.utils import instantiate
@@ -58,6 +59,26 @@ def test_defaults_are_valid():
     cfg = compose_cfg()
     check_config(cfg)
     assert OmegaConf.select(cfg, "model.num_features") == cfg.data.num_features
+
+
+class SizesOnly(torch.nn.Module):
+    """A user's model taking the sizes and ``lr`` of ``model/default.yaml``, not its ``optimizer``."""
+
+    def __init__(self, num_features: int = 8, num_classes: int = 3, lr: float = 0.05) -> None:
+        super().__init__()
+
+
+def test_a_target_lacking_a_key_of_the_packaged_config_is_told_the_fix():
+    """Found by the fresh-user trial: ``model._target_=X`` on ``model/default.yaml`` named the key, not the fix."""
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_cfg("model._target_=test_config.SizesOnly"))
+    assert str(err.value) == (
+        "unknown setting model.optimizer: test_config.SizesOnly takes no optimizer, a key of the packaged model "
+        "config: give model a yaml of its own (conf/model/<name>.yaml with its _target_ and keys, then --config-dir "
+        "conf model=<name>), or drop the key with ~model.optimizer"
+    )
+    dropped = ("~model.optimizer", "~model.momentum", "~model.weight_decay")  # the fix, for each key it lacks
+    check_config(compose_cfg("model._target_=test_config.SizesOnly", *dropped))
 
 
 BAD = [

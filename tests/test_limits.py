@@ -144,12 +144,20 @@ ES = [
 ]
 
 
-def test_a_run_ended_by_early_stopping_stays_ended_when_continued(tmp_path):
-    """Found by the fresh-user trial: continued to a later max_epochs, it trained on; a straight run does not."""
-    first = train(compose_cfg(*BASE, *ES, "trainer.max_epochs=10"), tmp_path / "first")
+def test_a_run_ended_by_early_stopping_stays_ended_when_continued(tmp_path, caplog):
+    """Found by the fresh-user trial: continued to a later max_epochs, it trained on; a straight run does not. The
+    stop is one log line, with the epoch (from 0, as metrics.csv numbers it) and Lightning's reason."""
+    with caplog.at_level("INFO", logger="dpddp.report.epochs"):
+        first = train(compose_cfg(*BASE, *ES, "trainer.max_epochs=10"), tmp_path / "first")
     ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
     stopped = _step(tmp_path / "first")
-    assert stopped < 10 * 12  # EarlyStopping ended it
+    assert stopped < 10 * 12 and stopped % 12 == 0  # EarlyStopping ended it, at an epoch's end
+    (line,) = [r.getMessage() for r in caplog.records if "EarlyStopping" in r.getMessage()]
+    assert line.startswith(
+        f"EarlyStopping ended the run after epoch {stopped // 12 - 1}: Monitored metric val/loss did not improve in "
+        "the last 1 records. Best score: "
+    )
+    assert "Signaling" not in line
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         continued = train(compose_cfg(*BASE, *ES, "trainer.max_epochs=20", f"ckpt_path={ckpt}"), tmp_path / "continued")

@@ -22,7 +22,7 @@ from dpddp.run.training import train
 SMALL = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none"]
 # A line a warning prints: Python's "file.py:123: SomeWarning: ..." or any line that names a warning.
 WARNING_LINE = re.compile(r"\.py:\d+: |warn", re.IGNORECASE)
-EPOCH_LINE = r"epoch (\d+)/10: train/loss=\S+ val/loss=\S+ val/acc=\S+ \(\S+ s, [\d,]+ samples/s, peak [\d,]+ MiB\)"
+EPOCH_LINE = r"epoch (\d+)/9: train/loss=\S+ val/loss=\S+ val/acc=\S+ \(\S+ s, [\d,]+ samples/s, peak [\d,]+ MiB\)"
 
 
 def _table(run_dir):
@@ -132,7 +132,7 @@ def test_the_quickstart_run_redirected_learns_prints_epoch_lines_and_no_warning(
     assert m["val/acc"] >= 0.9 and m["world_size"] == 1 and (run / ".hydra/config.yaml").is_file()
     train_log = (run / "train.log").read_text()
     for text in (output, train_log):
-        assert re.findall(EPOCH_LINE, text) == [str(e) for e in range(1, 11)]
+        assert re.findall(EPOCH_LINE, text) == [str(e) for e in range(10)]  # from 0, as metrics.csv
     assert [line for line in output.splitlines() if WARNING_LINE.search(line)] == []
     assert "Tip:" not in output and "v_num" not in output
     (metrics_line,) = [line for line in output.splitlines() if "metrics: " in line]
@@ -172,3 +172,43 @@ def test_continued_run_keeps_both_configs_one_table_and_the_time(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dpddp.plot", str(run)], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     _png_ok(run / "curves.png")
+
+
+def _fake_job(sweep, num, overrides, losses):
+    job = sweep / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra/overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    rows = [",".join(["stage", *EPOCH_COLUMNS[1:]])]
+    rows += [f"fit,{e},{10 * (e + 1)},{loss},{loss},0.5,,,0.1,1000" for e, loss in enumerate(losses)]
+    (job / "metrics.csv").write_text("\n".join(rows) + "\n")
+    (job / "metrics.json").write_text(json.dumps({"val/loss": losses[-1], "overrides": overrides}))
+
+
+def test_a_sweeps_summary_and_plot_name_only_what_differs_between_jobs(tmp_path, capsys):
+    """Found by the fresh-user trial: every row and legend entry repeated the overrides common to all jobs, and
+    the legend ran off the PNG. Now the common ones are one line above the table, the legend names each job by
+    what differs, and the PNG grows under the plots to hold it."""
+    from dpddp.entry.summary import write_summary
+    from dpddp.report.curves import curves
+
+    common = ["accelerator=cpu", "trainer.max_epochs=3", "+callbacks.early_stopping.monitor=val/loss"]
+    varied = [["model.lr=0.1", "data.batch_size=32"], ["model.lr=0.01", "data.batch_size=32"], ["model.lr=0.1"]]
+    for num, extra in enumerate(varied):
+        _fake_job(tmp_path, num, [*common[:1], *extra, *common[1:]], [1.0 / (num + 1), 0.5 / (num + 1), 0.2])
+    write_summary(tmp_path)
+    lines = (tmp_path / "summary.md").read_text().splitlines()
+    assert lines[0] == f"overrides of every job: {' '.join(common)}"
+    assert [row.split(" | ")[:2] for row in lines[4:]] == [
+        ["| 0", "model.lr=0.1 data.batch_size=32"],
+        ["| 1", "model.lr=0.01 data.batch_size=32"],
+        ["| 2", "model.lr=0.1"],
+    ]
+    assert lines[0] in capsys.readouterr().out
+    assert list(curves(tmp_path)) == [
+        "0 model.lr=0.1 data.batch_size=32",
+        "1 model.lr=0.01 data.batch_size=32",
+        "2 model.lr=0.1",
+    ]
+    one = write_plot(tmp_path / "0", tmp_path / "one.png")  # one run: no legend, the figure's own size
+    assert Image.open(tmp_path / "curves.png").size[1] > Image.open(one).size[1]  # the legend's rows below
+    _png_ok(tmp_path / "curves.png")

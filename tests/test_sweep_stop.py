@@ -53,8 +53,8 @@ def test_a_stopped_sweep_ends_with_its_summary_and_one_line_that_resumes_it(
     assert exit.value.code == 143
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        "error: the sweep was stopped by SIGTERM (1 of 4 jobs finished; stopped with a checkpoint: 1; "
-        "not started: 2; failed: 3): resume with python train.py -m seed=0,1,2,3 "
+        "error: the sweep was stopped by SIGTERM (1 of 4 jobs finished; stopped with a checkpoint: job 1; "
+        "not started: job 2; failed: job 3): resume with python train.py -m seed=0,1,2,3 "
     )
     command = shlex.split(lines[0].split("resume with ", 1)[1])
     assert command[:4] == ["python", "train.py", "-m", "seed=0,1,2,3"] and len(command) == 5

@@ -21,7 +21,7 @@ def test_mixed_strategies_with_a_failing_job_then_resume(tmp_path):
     args = ["-m", "strategy=auto,ddp", "devices=1,2", *SMALL, "hydra.sweep.dir=sweep"]
     proc = run_train(*args, cwd=tmp_path)
     assert proc.returncode == 1  # job 1 (auto on 2 devices) failed; the others ran
-    assert "error: 1 of 4 jobs failed: 1" in proc.stderr
+    assert "error: 1 of 4 jobs failed: job 1" in proc.stderr
     assert leftover(proc.tag) == []
     sweep = tmp_path / "sweep"
     with open(sweep / "summary.csv") as f:
@@ -96,7 +96,7 @@ def test_optuna_search_records_a_failed_trial_and_goes_on(tmp_path):
     args += ["hydra.sweeper.sampler.seed=5", *SMALL[:2]]
     proc = run_train(*args, "hydra.sweep.dir=opt", cwd=tmp_path)  # seed 5: trial 0 gets lr=-1.0, 1 and 2 get 0.1
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "error: 1 of 3 jobs failed: 0" in proc.stderr and "Traceback" not in proc.stderr
+    assert "error: 1 of 3 jobs failed: job 0" in proc.stderr and "Traceback" not in proc.stderr
     assert (tmp_path / "opt/0/error.txt").read_text().startswith("model.lr=-1.0")
     rows = list(csv.DictReader(open(tmp_path / "opt/summary.csv")))
     assert [r["status"][:7] for r in rows] == ["failed:", "ok", "ok"]
@@ -182,7 +182,7 @@ def test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resum
     if launcher:
         assert any("popen_loky" in p.seen_cmdline or "submitit" in p.seen_cmdline for p in seen)  # the workers
     lines = [x for x in proc.err.splitlines() if x.startswith("error:")]
-    assert len(lines) == 1 and "stopped by SIGTERM (1 of 2 jobs finished; stopped with a checkpoint: 1)" in lines[0]
+    assert len(lines) == 1 and "stopped by SIGTERM (1 of 2 jobs finished; stopped with a checkpoint: job 1)" in lines[0]
     sweep = tmp_path / "sweep"
     rows = list(csv.DictReader(open(sweep / "summary.csv")))
     assert [r["status"].split(":")[0] for r in rows] == ["ok", "incomplete"]

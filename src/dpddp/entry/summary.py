@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback as HydraCallback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from typing_extensions import override
 
 from dpddp._compat import HYDRA_BASIC_LAUNCHER
 from dpddp.continuity import stop as sweep_stop
 from dpddp.entry.hydra import sweep_resume_command
 from dpddp.errors import EXIT_CRASH, EXIT_PREEMPTED, fail
-from dpddp.report.curves import can_plot, write_plot
+from dpddp.report.curves import can_plot, job_overrides, varying, write_plot
 
 __all__ = ["LOCAL_LAUNCHERS", "SUMMARY_COLUMNS", "SweepSummary", "end_sweep", "write_summary"]
 
@@ -35,9 +35,7 @@ SUMMARY_COLUMNS += ("samples_per_sec", "world_size", "wall_time_s", "train_time_
 def _job_row(job_dir: Path) -> dict[str, Any]:
     """One summary row from a job directory: its ``metrics.json`` (and its objective, when that is a metric of
     the user's own name), or its ``error.txt`` line."""
-    overrides_file = job_dir / ".hydra" / "overrides.yaml"
-    overrides: Any = OmegaConf.load(overrides_file) if overrides_file.is_file() else []
-    row: dict[str, Any] = {"job": job_dir.name, "overrides": " ".join(str(o) for o in overrides)}
+    row: dict[str, Any] = {"job": job_dir.name, "overrides": job_overrides(job_dir)}
     metrics_file, error_file = job_dir / "metrics.json", job_dir / "error.txt"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else None
     if error_file.is_file():
@@ -53,7 +51,7 @@ def _job_row(job_dir: Path) -> dict[str, Any]:
         if metrics.get("objective"):  # a name of the user's (callbacks.model_checkpoint.monitor=val_loss)
             row[metrics["objective"]] = metrics.get(metrics["objective"])
         if metrics.get("overrides") is not None:  # the invocation that wrote the metrics, not the first one
-            row["overrides"] = " ".join(metrics["overrides"])
+            row["overrides"] = list(metrics["overrides"])
     return row
 
 
@@ -65,9 +63,14 @@ def _cell(value: Any) -> str:
 
 def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
     """Write ``summary.csv`` and ``summary.md`` at ``sweep_dir``, one row per job directory (see
-    ``SweepSummary``), print the table, draw ``curves.png`` when matplotlib is installed; return the rows."""
+    ``SweepSummary``) with the overrides that differ between jobs (those of every job: one line above the table in
+    ``summary.md`` and the printout), print the table, draw ``curves.png`` when matplotlib is installed; return
+    the rows."""
     job_dirs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     rows = [_job_row(p) for p in job_dirs]
+    given, common = varying([row["overrides"] for row in rows])
+    for row, job in zip(rows, given, strict=True):
+        row["overrides"] = " ".join(job)
     columns = [*SUMMARY_COLUMNS, *dict.fromkeys(k for row in rows for k in row if k not in SUMMARY_COLUMNS)]
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
@@ -75,6 +78,8 @@ def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
         writer.writerows(rows)
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    if common:
+        lines = [f"overrides of every job: {' '.join(common)}", "", *lines]
     table = "\n".join(lines) + "\n"
     (sweep_dir / "summary.md").write_text(table)
     print(f"\nsweep summary ({sweep_dir / 'summary.md'}):\n{table}")
@@ -98,12 +103,17 @@ def end_sweep(sweep_dir: Path, cut_short: bool = False) -> None:
             jobs.setdefault(row["status"].split(":")[0], []).append(row["job"])
         kinds = (("incomplete", "stopped with a checkpoint"), ("not started", "not started"), ("failed", "failed"))
         parts = [f"{len(jobs.get('ok', []))} of {len(rows)} jobs finished"]
-        parts += [f"{what}: {', '.join(jobs[key])}" for key, what in kinds if key in jobs]
+        parts += [f"{what}: {_jobs(jobs[key])}" for key, what in kinds if key in jobs]
         command = sweep_resume_command(sweep_dir)
         fail(f"the sweep was stopped by SIGTERM ({'; '.join(parts)}): resume with {command}", EXIT_PREEMPTED)
     failed = [row["job"] for row in rows if row["status"] != "ok"]
     if failed:
-        fail(f"{len(failed)} of {len(rows)} jobs failed: {', '.join(failed)}", EXIT_CRASH)
+        fail(f"{len(failed)} of {len(rows)} jobs failed: {_jobs(failed)}", EXIT_CRASH)
+
+
+def _jobs(names: list[str]) -> str:
+    """``job 3`` or ``jobs 1, 2``: job numbers that do not read as counts."""
+    return f"job {names[0]}" if len(names) == 1 else f"jobs {', '.join(names)}"
 
 
 class SweepSummary(HydraCallback):

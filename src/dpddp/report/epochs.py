@@ -11,12 +11,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 from typing_extensions import override
 
 from dpddp.report.costs import Costs
 from dpddp.report.tally import FitTally
 
-__all__ = ["EPOCH_COLUMNS", "EpochRecord", "EpochTable"]
+__all__ = ["EPOCH_COLUMNS", "EpochRecord", "EpochTable", "early_stops"]
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +38,26 @@ class EpochTable:
     world_sizes: list[int] = field(default_factory=list)
 
 
+def early_stops(trainer: pl.Trainer) -> list[str]:
+    """One line per ``EarlyStopping`` of ``trainer`` that has stopped the run: the epoch (from 0) and Lightning's
+    own reason (``stopping_reason_message``, Lightning >= 2.6)."""
+    lines = []
+    for callback in trainer.early_stopping_callbacks:
+        if callback.stopping_reason is EarlyStoppingReason.NOT_STOPPED:
+            continue
+        reason = (callback.stopping_reason_message or callback.stopping_reason.value).strip()
+        reason = reason.removesuffix("Signaling Trainer to stop.").strip()
+        lines.append(f"EarlyStopping ended the run after epoch {callback.stopped_epoch}: {reason}")
+    return lines
+
+
 class EpochRecord(pl.Callback):
     """One ``fit`` row per finished epoch in ``<output_dir>/metrics.csv`` (rank 0; ``EPOCH_COLUMNS``), with
-    ``lines=True`` one log line each (``epoch 3/10: train/loss=... (0.21 s, 24,300 samples/s)``), and a ``test``
-    row after a test. ``epoch_s`` (seconds) includes validation; ``train_time_s`` sums the segments. A resumed
-    run extends the checkpoint's rows. A row is completed at ``flush``, the next epoch's start or the fit's end.
+    ``lines=True`` one log line each (``epoch 3/9: train/loss=... (0.21 s, 24,300 samples/s)``: epochs from 0,
+    as in ``metrics.csv``, the plot and Lightning's progress bar, out of the last, ``max_epochs - 1``), and a
+    ``test`` row after a test. An ``EarlyStopping`` that ended the fit says so in one log line (rank 0).
+    ``epoch_s`` (seconds) includes validation; ``train_time_s`` sums the segments. A resumed run extends the
+    checkpoint's rows. A row is completed at ``flush``, the next epoch's start or the fit's end.
     """
 
     TIME_KEY = "perf/train_time_s"
@@ -107,6 +123,9 @@ class EpochRecord(pl.Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.flush(trainer)
+        if trainer.is_global_zero:
+            for line in early_stops(trainer):
+                log.info(line)
         if self.tally.stepped:
             self.table.train_time_s = self.train_time_s
         self._segment_start = None
@@ -155,14 +174,14 @@ class EpochRecord(pl.Callback):
 
     @staticmethod
     def _line(row: dict[str, Any], max_epochs: int | None) -> str:
-        total = f"/{max_epochs}" if max_epochs not in (None, -1) else ""
+        total = f"/{max_epochs - 1}" if max_epochs not in (None, -1) else ""
         values = " ".join(f"{k}={row[k]:.4f}" for k in ("train/loss", "val/loss", "val/acc") if k in row)
         speed = f"{row['epoch_s']:.2f} s, {row['samples_per_sec']:,.0f} samples/s"
         if "peak_mem_mib" in row:
             speed += f", peak {row['peak_mem_mib']:,.0f} MiB"
         if "allreduce_share" in row:
             speed += f", all-reduce {row['allreduce_share']:.0%} of step time"
-        return f"epoch {row['epoch'] + 1}{total}: {values} ({speed})"
+        return f"epoch {row['epoch']}{total}: {values} ({speed})"
 
     def _write(self, rows: list[dict[str, Any]], mode: str) -> None:
         """Write ``rows`` (``mode="w"``: the whole table; ``"a"``: appended, with the header if the file is new)."""

@@ -94,11 +94,21 @@ def allowed_keys(cfg: Mapping | None = None) -> dict[str, list[str]]:
     }
 
 
-def _check_keys(section: str, keys: Iterable[str], allowed: list[str]) -> None:
+def _check_keys(section: str, keys: Iterable[str], allowed: list[str], spec: Mapping | None = None) -> None:
+    """Raises ``ConfigError`` for the first of ``keys`` not in ``allowed``: the closest valid key, or all of them.
+    A ``model``/``data`` key that the built-in class takes but the ``_target_`` of ``spec`` does not came from
+    the group's packaged yaml (``model._target_=mine.Net`` on ``model/default.yaml``): the line names the fix."""
     prefix = f"{section}." if section else ""
+    builtin = allowed_keys()[section] if spec is not None else []
     for key in keys:
         if section == "trainer" and key in TRAINER_OWNED:
             raise ConfigError(f"trainer.{key} is not set in the trainer group: {TRAINER_OWNED[key]}")
+        if key not in allowed and key in builtin:
+            raise ConfigError(
+                f"unknown setting {prefix}{key}: {spec['_target_']} takes no {key}, a key of the packaged "  # type: ignore[index]
+                f"{section} config: give {section} a yaml of its own (conf/{section}/<name>.yaml with its _target_ "
+                f"and keys, then --config-dir conf {section}=<name>), or drop the key with ~{prefix}{key}"
+            )
         if key not in allowed:
             near = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
             hint = f"did you mean {prefix}{near[0]}?" if near else f"valid keys: {', '.join(sorted(allowed))}"
@@ -282,7 +292,8 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     _check_keys("", [str(k) for k in cfg.keys()], [*TOP_LEVEL, *TOP_LEVEL_RUN, *TOP_LEVEL_OUTPUT, *GROUPS])
     keys = allowed_keys(cfg)
     for section in ("data", "model", "trainer", "strategy"):
-        _check_keys(section, (cfg[section] or {}).keys(), keys[section])
+        spec = cfg[section] if section in ("data", "model") else None
+        _check_keys(section, (cfg[section] or {}).keys(), keys[section], spec)
     check_devices(cfg)
     checked_int("seed", cfg["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
     procs = world_size(cfg)  # after the devices: the world size needs them valid
