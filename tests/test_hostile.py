@@ -107,7 +107,7 @@ OWNED = {
     "devices": "set it at the top level: devices=2",
     "num_nodes": "set it at the top level: num_nodes=2",
     "use_distributed_sampler": "dpddp shards each global batch itself; remove it",
-    "logger": "choose a logger group: logger=csv|tensorboard|none",
+    "logger": "choose a logger group: logger=csv|tensorboard|mlflow|wandb|none",
     "callbacks": "use the callbacks group",
     "default_root_dir": "the run directory is Hydra's: set hydra.run.dir",
 }

@@ -39,6 +39,7 @@ from dpddp.report.epochs import EpochRecord
 from dpddp.report.predictions import PredictionWriter
 from dpddp.report.tally import FitTally
 from dpddp.report.throughput import Throughput
+from dpddp.report.trackers import TrackerRuns, is_tracker, opens_runs, tracker_options
 from dpddp.run.executions import StepsPerExecution
 
 __all__ = ["build_strategy", "build_trainer", "epoch_lines"]
@@ -137,6 +138,8 @@ def _build_callbacks(
         callbacks.append(LoggedTensors())
     if executions is not None:
         callbacks.append(executions)
+    if any(is_tracker(spec) for spec in _logger_specs(cfg)):
+        callbacks.append(TrackerRuns(cfg, output_dir))
     if cfg.predict:  # every callback costs each hook of each step, even one it does not override
         scores = "out" if predicts_forward else "prob"
         callbacks.append(PredictionWriter(output_dir, scores=scores, forward=predicts_forward))
@@ -171,14 +174,26 @@ def _own_checkpoint(callback: ModelCheckpoint, setting: str, dirpath: Path, othe
         callback.__class__ = type(base.__name__, (base,), {"state_key": property(lambda self: key)})
 
 
+def _logger_specs(cfg: DictConfig) -> list[DictConfig]:
+    if not cfg.logger:
+        return []
+    return [cfg.logger] if "_target_" in cfg.logger else [spec for spec in cfg.logger.values() if spec]
+
+
 def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
     """The ``logger`` group: ``False`` (none), one logger (a ``_target_`` spec), or a list of them (a mapping of
-    named specs, e.g. ``logger=csv_tensorboard``), each writing under the run directory."""
-    if not cfg.logger:
-        return False
-    if "_target_" in cfg.logger:
-        return instantiate(cfg.logger, save_dir=str(output_dir))
-    return [instantiate(spec, save_dir=str(output_dir)) for spec in cfg.logger.values() if spec]
+    named specs, e.g. ``logger=csv_tensorboard``), each writing under the run directory. A tracker (MLflow, W&B)
+    only on the process that opens the run (``dpddp.report.trackers``), with its kept id."""
+    loggers = []
+    for spec in _logger_specs(cfg):
+        kind = is_tracker(spec)
+        if kind is None:
+            loggers.append(instantiate(spec, save_dir=str(output_dir)))
+        elif importlib.util.find_spec(kind) is None:
+            raise ConfigError(f"logger {spec._target_} needs {kind}: pip install {kind} (or dpddp's extra [{kind}])")
+        elif opens_runs():
+            loggers.append(instantiate(spec, save_dir=str(output_dir), **tracker_options(kind, spec, output_dir)))
+    return loggers or False
 
 
 TRAINER_ERRORS = (ValueError, TypeError, pl.utilities.exceptions.MisconfigurationException)
@@ -241,6 +256,7 @@ def build_trainer(
     sample_keys = sample_key_callbacks(model) if model is not None else []
     if model is not None:
         _warn_global_rng(model, cfg)
+    logger = _build_logger(cfg, output_dir)  # before the Trainer: a missing tracker package is its own line
     try:
         trainer = pl.Trainer(
             **{**flags, "sync_batchnorm": False},  # BatchNorm: batchnorm_plugins below, on any backend
@@ -249,7 +265,7 @@ def build_trainer(
             accelerator=resolve_accelerator(cfg.accelerator),
             devices=cfg.devices,
             num_nodes=cfg.num_nodes,
-            logger=_build_logger(cfg, output_dir),
+            logger=logger,
             callbacks=[*_build_callbacks(cfg, output_dir, executions, predicts_forward), *sample_keys, *bar_callbacks],
             default_root_dir=str(output_dir),
             use_distributed_sampler=False,

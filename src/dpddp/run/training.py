@@ -32,6 +32,7 @@ from dpddp.report.metrics import METRIC_KEYS, write_metrics
 from dpddp.report.predictions import PredictFailed, check_predictable, predict_forward
 from dpddp.report.tally import FitTally
 from dpddp.report.throughput import Throughput
+from dpddp.report.trackers import close_trackers
 from dpddp.run.assembly import build_trainer
 from dpddp.run.config import check_config, check_output_dir
 from dpddp.run.executions import StepsPerExecution
@@ -237,6 +238,8 @@ def _run_stages(
             raise named from err
         raise
     finally:
+        if trainer.is_global_zero:
+            close_trackers(trainer)
         # Stop watching this job's ranks before the next job of a sweep starts; a failed job's are killed.
         if isinstance(trainer.strategy, DDPStrategy) and trainer.strategy.supervisor is not None:
             trainer.strategy.supervisor.join(timeout_s=60.0 if finished else 5.0)

@@ -1,0 +1,141 @@
+"""Experiment trackers (Lightning's ``MLFlowLogger`` and ``WandbLogger``) done right under DDP and sweeps: one
+tracker run per dpddp run, opened by global rank 0 only; its id kept in ``<run dir>/trackers.json``, so that a
+resume, a ``ckpt_path`` inside the run directory and a sweep's resume continue the same tracker run; a sweep's
+jobs in one experiment (W&B: one group), each named and tagged with its job number and overrides; the resolved
+config logged once, as parameters, when the tracker run is new."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
+
+from dpddp.cluster import LAUNCHED_ENV, env_rank
+
+__all__ = ["IDS_FILE", "TrackerRuns", "close_trackers", "is_tracker", "opens_runs", "tracker_options"]
+
+log = logging.getLogger(__name__)
+
+IDS_FILE = "trackers.json"
+"""``<run dir>/trackers.json``: ``{"mlflow": {"run_id": ..., "experiment_id": ...}, "wandb": {"id": ...}}``."""
+KINDS = {"MLFlowLogger": "mlflow", "WandbLogger": "wandb"}
+
+
+def is_tracker(spec: Any) -> str | None:
+    """``"mlflow"`` or ``"wandb"`` for a logger spec whose ``_target_`` is Lightning's tracker logger, else ``None``."""
+    target = str(spec.get("_target_", "")) if hasattr(spec, "get") else ""
+    return KINDS.get(target.rsplit(".", 1)[-1]) if target.startswith("lightning.pytorch.loggers") else None
+
+
+def opens_runs() -> bool:
+    """Whether this process is global rank 0 of its run, the one process that opens a tracker run (a rank that
+    dpddp's launcher started, or a torchrun/SLURM rank other than 0, builds no tracker logger)."""
+    return env_rank() == 0 and not os.environ.get(LAUNCHED_ENV)
+
+
+def kept_ids(output_dir: Path) -> dict[str, dict[str, Any]]:
+    """The tracker ids kept in ``output_dir`` (empty when none)."""
+    try:
+        return json.loads((output_dir / IDS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _identity(output_dir: Path) -> tuple[str, str, dict[str, str]]:
+    """Experiment (a sweep: one per sweep directory), run name and tags, from Hydra's job when there is one."""
+    if not HydraConfig.initialized():
+        return "dpddp", output_dir.name, {"dpddp.run_dir": str(output_dir)}
+    hydra = HydraConfig.get()
+    overrides = " ".join(hydra.overrides.task)
+    tags = {"dpddp.run_dir": str(output_dir), "dpddp.overrides": overrides}
+    if hydra.mode == RunMode.MULTIRUN:
+        sweep = str(Path(hydra.sweep.dir))
+        tags.update({"dpddp.job": str(hydra.job.num), "dpddp.sweep_dir": sweep})
+        return f"dpddp sweep {sweep}", f"job {hydra.job.num}: {overrides}".strip(), tags
+    return "dpddp", str(Path(hydra.run.dir)), tags
+
+
+def _outputs_root() -> Path:
+    cwd = Path(HydraConfig.get().runtime.cwd) if HydraConfig.initialized() else Path.cwd()
+    return cwd / "outputs"
+
+
+def tracker_options(kind: str, spec: DictConfig, output_dir: Path) -> dict[str, Any]:
+    """Keyword arguments to instantiate the tracker logger ``spec`` with (a setting of the spec wins): the run id
+    kept in ``output_dir``; MLflow: a SQLite store ``outputs/mlflow.db`` under where the command ran, W&B:
+    offline unless ``WANDB_MODE`` is set, its files under the run directory."""
+    experiment, name, tags = _identity(output_dir)
+    kept = kept_ids(output_dir).get(kind, {})
+    if kind == "mlflow":
+        root = _outputs_root()
+        root.mkdir(parents=True, exist_ok=True)
+        options: dict[str, Any] = {
+            "tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
+            "experiment_name": experiment,
+            "run_name": name,
+            "tags": tags,
+            "run_id": kept.get("run_id"),
+        }
+    else:
+        options = {
+            "offline": "WANDB_MODE" not in os.environ,
+            "project": "dpddp",
+            "group": experiment,
+            "name": name,
+            "tags": [f"{k}={v}"[:64] for k, v in tags.items() if k != "dpddp.run_dir"],
+            "id": kept.get("id") or uuid.uuid4().hex[:12],  # known before the run opens: kept at setup
+        }
+    return {k: v for k, v in options.items() if spec.get(k) is None}
+
+
+def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(config, dict):
+        return {k: v for key, value in config.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: config}
+
+
+class TrackerRuns(pl.Callback):
+    """On global rank 0 at ``setup``: opens (or, with a kept id, continues) each tracker logger's run, keeps its id
+    in ``<run dir>/trackers.json`` and, for a new run, logs ``cfg`` resolved and flattened as parameters."""
+
+    def __init__(self, cfg: DictConfig, output_dir: Path) -> None:
+        self.cfg, self.output_dir = cfg, output_dir
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not trainer.is_global_zero:
+            return
+        kept = kept_ids(self.output_dir)
+        new = dict(kept)
+        for logger in trainer.loggers:
+            kind = KINDS.get(type(logger).__name__)
+            if kind == "mlflow":
+                new["mlflow"] = {"run_id": logger.run_id, "experiment_id": logger.experiment_id}  # type: ignore[attr-defined]
+            elif kind == "wandb":
+                new["wandb"] = {"id": logger.experiment.id}  # type: ignore[attr-defined]
+            else:
+                continue
+            if kind not in kept:
+                config = OmegaConf.to_container(self.cfg, resolve=True)
+                logger.log_hyperparams(_flat(config))
+        if new != kept:
+            (self.output_dir / IDS_FILE).write_text(json.dumps(new, indent=2) + "\n")
+
+
+def close_trackers(trainer: pl.Trainer) -> None:
+    """Finish this process's W&B run at the end of a dpddp run (Lightning leaves it open, and the next job of a
+    sweep would log into it); MLflow's runs are finished by Lightning's ``finalize``."""
+    if any(KINDS.get(type(logger).__name__) == "wandb" for logger in trainer.loggers):
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()

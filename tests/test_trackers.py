@@ -1,0 +1,128 @@
+"""MLflow and W&B under DDP and sweeps: one tracker run per dpddp run (global rank 0 opens it), the same run
+continued by resume=true and by a sweep's resume with each epoch logged once, a sweep's jobs in one experiment
+(one W&B group), named and tagged with the job number and overrides, the config as parameters. MLflow is read
+with its own client from the default SQLite store, W&B from its offline run files."""
+
+from __future__ import annotations
+
+import csv
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from conftest import leftover, run_train
+
+mlflow = pytest.importorskip("mlflow")
+pytest.importorskip("wandb")
+from mlflow.tracking import MlflowClient  # noqa: E402
+from wandb.proto import wandb_internal_pb2  # noqa: E402
+
+ARGS = ["accelerator=cpu", "data.num_samples=1005"]
+
+
+def _client(cwd: Path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{cwd / 'outputs' / 'mlflow.db'}")
+
+
+def _runs(client: MlflowClient) -> dict[str, list]:
+    """The runs by experiment name (experiments with runs only)."""
+    found = {e.name: client.search_runs([e.experiment_id]) for e in client.search_experiments()}
+    return {name: runs for name, runs in found.items() if runs}
+
+
+def _val_acc(run_dir: Path) -> list[float]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [float(r["val/acc"]) for r in csv.DictReader(f) if r["stage"] == "fit"]
+
+
+def _wandb_records(path: Path):
+    """The records of a W&B ``.wandb`` file: a 7-byte header, then LevelDB log blocks of protobuf ``Record``s."""
+    data, pos, block, buf = path.read_bytes(), 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7]) if left >= 7 else (0, 0)
+        if kind == 0:  # the zero padding at a block's end
+            pos += left
+            continue
+        buf += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or a record's last fragment
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(buf)
+            buf = b""
+            yield record
+
+
+def _wandb_runs(run_dir: Path) -> tuple[set[str], set[str], list[tuple[int, float]]]:
+    """Ids and groups of the offline W&B runs under ``run_dir``, and their (epoch, val/acc) history, in order."""
+    ids, groups, history = set(), set(), []
+    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        for record in _wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                ids.add(record.run.run_id)
+                groups.add(record.run.run_group)
+            elif kind == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                if "val/acc" in items:
+                    history.append((int(items["epoch"]), items["val/acc"]))
+    return ids, groups, history
+
+
+@pytest.mark.slow
+def test_mlflow_and_wandb_on_ddp_give_one_run_each_continued_by_resume(tmp_path):
+    """ddp(2), 2 epochs, then resume=true to 3: one MLflow run (in experiment dpddp, named by the run directory),
+    its val/acc the epoch table's, epochs 0..2 once each, the config as parameters; one W&B id across the two
+    invocations' offline files, epochs 0..2 once each; no process left."""
+    run = ["logger=mlflow_wandb", "strategy=ddp", "devices=2", "hydra.run.dir=outputs/run"]
+    first = run_train(*ARGS, *run, "trainer.max_epochs=2", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run_train(*ARGS, *run, "trainer.max_epochs=3", "resume=true", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert leftover(first.tag) == [] and leftover(again.tag) == []
+    run_dir = tmp_path / "outputs/run"
+    client = _client(tmp_path)
+    runs = _runs(client)
+    assert list(runs) == ["dpddp"] and len(runs["dpddp"]) == 1
+    (tracked,) = runs["dpddp"]
+    history = client.get_metric_history(tracked.info.run_id, "val/acc")
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(_val_acc(run_dir), abs=1e-7)
+    assert len(history) == 3 == len({m.step for m in history})
+    assert tracked.info.run_name == "outputs/run" and tracked.data.tags["dpddp.run_dir"] == str(run_dir)
+    assert tracked.data.params["strategy.name"] == "ddp" and tracked.data.params["devices"] == "2"
+    assert tracked.data.params["trainer.max_epochs"] == "2"  # the config of the invocation that opened it
+    kept = json.loads((run_dir / "trackers.json").read_text())
+    assert kept["mlflow"]["run_id"] == tracked.info.run_id
+    ids, groups, wandb_history = _wandb_runs(run_dir)
+    assert ids == {kept["wandb"]["id"]} and groups == {"dpddp"}
+    assert len(list(run_dir.glob("wandb/offline-run-*"))) == 2  # one per invocation, the same run id
+    assert [e for e, _ in wandb_history] == [0, 1, 2]
+    assert [v for _, v in wandb_history] == pytest.approx(_val_acc(run_dir), abs=1e-7)
+
+
+@pytest.mark.slow
+def test_a_sweep_gives_one_run_per_job_in_one_experiment_and_its_resume_continues_them(tmp_path):
+    """A 2-job sweep (seed=0,1) with MLflow and W&B, then the same sweep to 2 epochs: 2 MLflow runs in one
+    experiment named for the sweep, named and tagged with the job number and overrides, each with val/acc for
+    epochs 0 and 1 once; 2 W&B ids in one group."""
+    sweep = ["-m", "logger=mlflow_wandb", "seed=0,1", "hydra.sweep.dir=multirun/s"]
+    for epochs in (1, 2):
+        proc = run_train(*sweep, *ARGS, f"trainer.max_epochs={epochs}", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert leftover(proc.tag) == []
+    client = _client(tmp_path)
+    runs = _runs(client)
+    assert list(runs) == ["dpddp sweep multirun/s"]
+    by_job = {r.data.tags["dpddp.job"]: r for r in runs["dpddp sweep multirun/s"]}
+    assert sorted(by_job) == ["0", "1"]
+    for job, tracked in by_job.items():
+        assert tracked.info.run_name.startswith(f"job {job}: ") and f"seed={job}" in tracked.info.run_name
+        assert f"seed={job}" in tracked.data.tags["dpddp.overrides"] and tracked.data.params["seed"] == job
+        history = client.get_metric_history(tracked.info.run_id, "val/acc")
+        job_dir = tmp_path / "multirun/s" / job
+        assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(_val_acc(job_dir), abs=1e-7)
+        assert len(history) == 2
+    found = [_wandb_runs(tmp_path / "multirun/s" / job) for job in ("0", "1")]
+    assert len(found[0][0] | found[1][0]) == 2 and found[0][1] == found[1][1] == {"dpddp sweep multirun/s"}
+    assert [[e for e, _ in history] for _, _, history in found] == [[0, 1], [0, 1]]
