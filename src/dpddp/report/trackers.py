@@ -56,11 +56,12 @@ def _identity(output_dir: Path) -> tuple[str, str, dict[str, str]]:
         return "dpddp", output_dir.name, {"dpddp.run_dir": str(output_dir)}
     hydra = HydraConfig.get()
     overrides = " ".join(hydra.overrides.task)
+    shown = " ".join(o for o in hydra.overrides.task if not o.startswith("logger"))  # the same in every job
     tags = {"dpddp.run_dir": str(output_dir), "dpddp.overrides": overrides}
     if hydra.mode == RunMode.MULTIRUN:
         sweep = str(Path(hydra.sweep.dir))
         tags.update({"dpddp.job": str(hydra.job.num), "dpddp.sweep_dir": sweep})
-        return f"dpddp sweep {sweep}", f"job {hydra.job.num}: {overrides}".strip(), tags
+        return f"dpddp sweep {sweep}", f"job {hydra.job.num}: {shown}".strip(), tags
     return "dpddp", str(Path(hydra.run.dir)), tags
 
 
