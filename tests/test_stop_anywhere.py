@@ -94,3 +94,52 @@ def test_a_sigterm_while_testing_under_a_sweeps_handler_is_preempted_not_a_silen
     assert calls == [signal.SIGTERM]
     assert stop.value.step == 24 and stop.value.path == tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+class SigtermRankAt(pl.Callback):
+    """Sends this process SIGTERM at the end of training batch ``at`` (counted over the run) on global rank ``rank``
+    only: with ``at`` the fit's last batch, the signal lands after the last agreement the ranks would have made."""
+
+    def __init__(self, at: int, rank: int) -> None:
+        self.at, self.rank, self.seen = at, rank, 0
+
+    def on_train_batch_end(self, trainer, *args):
+        if self.seen == self.at and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.seen += 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,devices,rank", [("auto", 1, 0), ("ddp", 2, 0), ("ddp", 2, 1), ("ddp", 3, 2)])
+def test_a_sigterm_in_the_last_steps_of_fit_stops_with_the_final_checkpoint_on_any_strategy(
+    tmp_path, strategy, devices, rank
+):
+    """A signal between the ranks' last agreement and the fit's end (its last batch) is agreed on when the fit
+    ends: every rank stops with ``last.ckpt`` at the final step, exit 143 and the one line, before the test; the
+    printed command continues to whole outputs without training again."""
+    import shlex
+
+    import torch
+    from conftest import ROOT, leftover, run_train
+
+    settings = [f"strategy={strategy}", f"devices={devices}", "accelerator=cpu", "data.num_samples=1005"]
+    settings += ["data.batch_size=60", "trainer.max_epochs=2", "model.optimizer=adam"]
+    steps = 2 * (1005 - 2 * round(1005 * 0.1)) // 60  # the fit's steps: two epochs of whole global batches
+    kill = ["+callbacks.kill._target_=test_stop_anywhere.SigtermRankAt", f"+callbacks.kill.at={steps - 1}"]
+    kill.append(f"+callbacks.kill.rank={rank}")
+    env = {"PYTHONPATH": str(ROOT / "tests")}
+    proc = run_train(*settings, *kill, "hydra.run.dir=run", cwd=tmp_path, env=env, timeout=240)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error: stopped by SIGTERM after step")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    step = torch.load(last, weights_only=True)["global_step"]
+    assert lines[0].startswith(f"error: stopped by SIGTERM after step {step}; checkpoint: {last}: resume with ")
+    assert not (tmp_path / "run" / "metrics.json").exists() and leftover(proc.tag) == []
+    stopped = weights(last)
+    command = shlex.split(lines[0].split("resume with ", 1)[1])[2:]
+    resumed = run_train(*command, cwd=tmp_path, env=env, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert torch.load(last, weights_only=True)["global_step"] == step  # nothing left to train: the fit had ended
+    assert max_diff(weights(last), stopped) == 0
+    assert metrics(tmp_path / "run")["test/acc"] is not None

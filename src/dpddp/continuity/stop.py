@@ -214,10 +214,22 @@ class StepBoundaryStop(pl.Callback):
             trainer.save_checkpoint(path, weights_only=False)  # explicit: Lightning logs a line when it is unset
             raise Preempted(path, trainer.global_step)
 
-    def _agree(self, trainer: pl.Trainer) -> bool:
-        """Whether any rank got SIGTERM, agreed every ``n`` steps; ``False`` in between."""
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The fit ended between two agreements (its last steps, its last validation): agree once more, every rank.
+        self._agreed = self._agreed or self._agree(trainer, at_once=True)
+
+    def stop_after_fit(self, trainer: pl.Trainer) -> None:
+        """After a fit that ended with a SIGTERM agreed at its end, once ``last.ckpt`` holds the final weights:
+        raise ``Preempted`` (on every rank: they agreed)."""
+        if self._agreed:
+            last = self.dirpath / "last.ckpt"
+            raise Preempted(last if last.is_file() else None, trainer.global_step)
+
+    def _agree(self, trainer: pl.Trainer, at_once: bool = False) -> bool:
+        """Whether any rank got SIGTERM, agreed every ``n`` steps (``at_once``: now); ``False`` in between."""
         self._steps += 1
-        if self._steps < self._every:
+        if self._steps < self._every and not at_once:
             return False
         if not self.requested and time.perf_counter() - self._sweep_checked >= 0.25:  # a stat, not every step
             self._sweep_checked = time.perf_counter()

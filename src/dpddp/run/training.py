@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpddp.cluster import LAUNCHED_ENV, env_rank
 from dpddp.continuity.state import save_final_checkpoint
-from dpddp.continuity.stop import RunScope, run_stops, starting_up
+from dpddp.continuity.stop import RunScope, StepBoundaryStop, run_stops, starting_up
 from dpddp.errors import ConfigError, Preempted, RankFailed, first_line
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import RankJob
@@ -263,6 +263,9 @@ def _final_weights(
     if trainer.fast_dev_run:  # type: ignore[attr-defined]  # no checkpoint, no more validation (Lightning)
         return {}
     save_final_checkpoint(trainer)
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, StepBoundaryStop):
+            callback.stop_after_fit(trainer)  # a SIGTERM at the fit's end: stop with the final checkpoint
     step = trainer.global_step
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
     validated = next((cb.validated_step for cb in callbacks if isinstance(cb, FitTally)), step)
