@@ -9,6 +9,7 @@ one process each, both on GPU 0), over gloo, which carries CUDA tensors (NCCL re
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -177,6 +178,13 @@ def run_checks(gpus: int, dry_run: bool, timeout_s: float = 240) -> list[dict[st
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.setdefault("OMP_NUM_THREADS", "1")
     out = Path(tempfile.mkdtemp(prefix="dpddp-gpu-checks-"))
+    try:
+        return _checks(gpus, dry_run, where, env, out, timeout_s)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _checks(gpus: int, dry_run: bool, where: str, env: dict[str, str], out: Path, timeout_s: float) -> list[dict]:
     done: dict[str, Path | str] = {}
 
     def get(name: str) -> Path:
