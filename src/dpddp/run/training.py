@@ -119,6 +119,8 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
     if predict_error is not None:
         result["predict_error"] = first_line(predict_error)
     reasons, unshown = _missing(trainer, metrics, stage, ran)
+    if stage != "fit":  # a stage run alone: its line shows only what it measured
+        unshown += tuple(k for k, v in result.items() if k == "objective" or (isinstance(v, float) and math.isnan(v)))
     if trainer.is_global_zero:
         write_metrics(output_dir, result, reasons, unshown)
     if predict_error is not None:
