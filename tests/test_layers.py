@@ -110,31 +110,15 @@ def test_no_import_cycle_and_no_dpddp_import_inside_a_function():
             visit(module, [])
 
 
-def _cumulative_us(report: str, module: str) -> int:
-    """``python -X importtime``'s cumulative microseconds for ``module``: the largest of its lines (the outermost
-    import statement naming it, which includes importing its parent packages)."""
-    found = [
-        int(m.group(1))
-        for line in report.splitlines()
-        if (m := re.match(r"import time:\s+\d+ \|\s+(\d+) \|\s*(\S+)$", line)) and m.group(2) == module
-    ]
-    assert found, f"{module} not in the import report"
-    return max(found)
-
-
-def test_import_dpddp_costs_at_most_lightning_plus_0_3_s():
-    """Measured in one process: ``import dpddp`` imports ``lightning.pytorch`` (to register ``dp``); what it
-    adds on top is dpddp's own cost, at most 0.3 s. No other module of the project is imported."""
+def test_import_dpddp_loads_only_the_dp_registration():
+    """``import dpddp`` imports ``lightning.pytorch`` (to register ``dp``) and no other module of the project, so
+    a user's import stays cheap (its time is measured by ``bench/startup.py``, not here)."""
     env, _ = child_env()
     code = "import sys, dpddp; print(sorted(m for m in sys.modules if m.startswith('dpddp')))"
-    proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    own = _cumulative_us(proc.stderr, "dpddp") - _cumulative_us(proc.stderr, "lightning.pytorch")
-    assert own <= 300_000, f"import dpddp adds {own / 1e6:.2f} s to import lightning.pytorch"
     loaded = set(ast.literal_eval(proc.stdout.strip()))
-    assert loaded <= {"dpddp", "dpddp.parallel", "dpddp.parallel.dp"}, loaded
+    assert loaded == {"dpddp", "dpddp.parallel", "dpddp.parallel.dp"}, loaded
 
 
 def _sources() -> dict[str, str]:
