@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import compose_cfg
+from omegaconf import open_dict
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from dpddp.data.global_batch import Batches, GlobalBatchDataModule, GlobalBatchSampler
@@ -174,10 +175,13 @@ def test_a_loader_that_cannot_be_sharded_is_refused_in_one_line():
 def test_a_users_data_module_under_ddp_is_refused_unless_sharded():
     user = "lightning.pytorch.demos.boring_classes.BoringDataModule"
     ddp = ["strategy=ddp", "devices=2", "accelerator=cpu", "model.num_features=32", "model.num_classes=2"]
+    cfg = compose_cfg(*ddp, f"data._target_={user}", "~data.num_samples", "~data.num_features", "~data.num_classes",
+                      "~data.batch_size", "~data.val_fraction", "~data.test_fraction", "~data.label_noise",
+                      "~data.seed", "~data.streaming")  # fmt: skip
+    with open_dict(cfg):
+        del cfg.data.micro_batch_size  # null: Hydra's ~ cannot drop it
     with pytest.raises(ConfigError, match="data=sharded") as err:
-        check_config(compose_cfg(*ddp, f"data._target_={user}", "~data.num_samples", "~data.num_features",
-                                 "~data.num_classes", "~data.batch_size", "~data.val_fraction", "~data.test_fraction",
-                                 "~data.label_noise", "~data.seed", "~data.streaming"))  # fmt: skip
+        check_config(cfg)
     assert "\n" not in str(err.value)
     check_config(compose_cfg(*ddp, "data=sharded", f"+data.module._target_={user}"))
     assert isinstance(ShardedDataModule(module=None), ShardedDataModule)  # type: ignore[arg-type]

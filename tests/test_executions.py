@@ -148,7 +148,8 @@ def test_what_cannot_keep_the_promises_is_one_line(tmp_path, override, line):
     args = [*BASE, "steps_per_execution=4", override]
     if override == "data=sharded":  # a user's own loaders, sharded by dpddp
         args = [a for a in args if not a.startswith("data.")]
-        args.append("+data.module._target_=lightning.pytorch.demos.boring_classes.BoringDataModule")
+        args += ["+data.module._target_=lightning.pytorch.demos.boring_classes.BoringDataModule"]
+        args += ["model.num_features=32", "model.num_classes=2"]  # sizes of its own: nothing to follow
     with pytest.raises(ConfigError) as err:
         train(compose_cfg(*args), tmp_path / "run")
     assert str(err.value).startswith(line) and "\n" not in str(err.value)

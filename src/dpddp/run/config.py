@@ -36,6 +36,7 @@ TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed
 TOP_LEVEL_RUN = ("steps_per_execution",)  # how training runs (dpddp.run.executions)
 TOP_LEVEL_OUTPUT = ("epoch_lines", "print_config", "objective")  # how a run reports progress, its config, its result
 GROUPS = ("data", "model", "trainer", "logger", "callbacks")
+FIX = "{t} takes no {k}, a key of the packaged config: give {s} a yaml of its own (conf/{s}/<name>.yaml){d}"
 # Trainer flags owned elsewhere: the top-level knobs, and what the global-batch contract and the run dir need.
 TRAINER_OWNED = {
     "strategy": "set it at the top level: strategy=ddp",
@@ -95,23 +96,15 @@ def allowed_keys(cfg: Mapping | None = None) -> dict[str, list[str]]:
 
 
 def _check_keys(section: str, keys: Iterable[str], allowed: list[str], spec: Mapping | None = None) -> None:
-    """Raises ``ConfigError`` for the first of ``keys`` not in ``allowed``: the closest valid key, or all of them.
-    A ``model``/``data`` key that the built-in class takes but the ``_target_`` of ``spec`` does not came from
-    the group's packaged yaml (``model._target_=mine.Net`` on ``model/default.yaml``): the line names the fix."""
-    prefix = f"{section}." if section else ""
-    builtin = allowed_keys()[section] if spec is not None else []
+    prefix, builtin = f"{section}." if section else "", allowed_keys()[section] if spec is not None else []
     for key in keys:
         if section == "trainer" and key in TRAINER_OWNED:
             raise ConfigError(f"trainer.{key} is not set in the trainer group: {TRAINER_OWNED[key]}")
-        if key not in allowed and key in builtin:
-            raise ConfigError(
-                f"unknown setting {prefix}{key}: {spec['_target_']} takes no {key}, a key of the packaged "  # type: ignore[index]
-                f"{section} config: give {section} a yaml of its own (conf/{section}/<name>.yaml with its _target_ "
-                f"and keys, then --config-dir conf {section}=<name>), or drop the key with ~{prefix}{key}"
-            )
         if key not in allowed:
             near = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
             hint = f"did you mean {prefix}{near[0]}?" if near else f"valid keys: {', '.join(sorted(allowed))}"
+            drop = f", or drop it with ~{prefix}{key}" if (spec or {}).get(key) is not None else ""  # Hydra keeps null
+            hint = FIX.format(t=(spec or {}).get("_target_"), k=key, s=section, d=drop) if key in builtin else hint
             raise ConfigError(f"unknown setting {prefix}{key}: {hint}")
 
 
@@ -145,16 +138,13 @@ def _check_model(model: Mapping) -> None:
 
 
 def _check_sharding(cfg: Mapping) -> None:
-    """Over several processes the data must be global-batch data or sharded: a user's data module with its own
-    loaders would run every epoch whole on every rank."""
-    data = target_class("data", cfg["data"])
+    """Several processes need global-batch or sharded data: a user's own loaders would run whole on every rank."""
     n_procs = world_size(cfg)
-    if n_procs > 1 and not issubclass(data, (GlobalBatchDataModule, ShardedDataModule)):
+    if n_procs > 1 and not issubclass(target_class("data", cfg["data"]), (GlobalBatchDataModule, ShardedDataModule)):
         raise ConfigError(
-            f"data._target_={cfg['data']['_target_']} would give each of the {n_procs} processes every batch of its "
-            "loaders: shard them with data=sharded +data.module._target_=<that class> (the Lightning CLI: "
-            "--data=dpddp.data.sharded.ShardedDataModule --data.module=<that class>; its batch_size becomes the global "
-            "batch), or build it on dpddp.data.global_batch.GlobalBatchDataModule"
+            f"data._target_={cfg['data']['_target_']} would give each of {n_procs} processes every batch: shard it "
+            "with data=sharded +data.module._target_=<it> (dpddp fit: --data=dpddp.data.sharded.ShardedDataModule "
+            "--data.module=<it>; its batch_size is the global batch), or base it on GlobalBatchDataModule"
         )
 
 
@@ -292,8 +282,7 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     _check_keys("", [str(k) for k in cfg.keys()], [*TOP_LEVEL, *TOP_LEVEL_RUN, *TOP_LEVEL_OUTPUT, *GROUPS])
     keys = allowed_keys(cfg)
     for section in ("data", "model", "trainer", "strategy"):
-        spec = cfg[section] if section in ("data", "model") else None
-        _check_keys(section, (cfg[section] or {}).keys(), keys[section], spec)
+        _check_keys(section, (cfg[section] or {}).keys(), keys[section], cfg[section] or {})
     check_devices(cfg)
     checked_int("seed", cfg["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
     procs = world_size(cfg)  # after the devices: the world size needs them valid
