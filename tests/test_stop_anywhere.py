@@ -143,3 +143,34 @@ def test_a_sigterm_in_the_last_steps_of_fit_stops_with_the_final_checkpoint_on_a
     assert torch.load(last, weights_only=True)["global_step"] == step  # nothing left to train: the fit had ended
     assert max_diff(weights(last), stopped) == 0
     assert metrics(tmp_path / "run")["test/acc"] is not None
+
+
+class SigtermRankOnTest(pl.Callback):
+    """Sends this process SIGTERM at the start of the test after the fit, on global rank ``rank`` only."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_test_start(self, trainer, pl_module):
+        if trainer.global_rank == self.rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0])
+def test_a_sigterm_to_rank_0_while_testing_under_ddp_stops_the_run_with_143(tmp_path, rank):
+    """Outside the training loop rank 0 stops alone: the run ends with 143, its checkpoint and the one line, and
+    no rank is left."""
+    import torch
+    from conftest import ROOT, leftover, run_train
+
+    settings = ["strategy=ddp", "devices=2", "accelerator=cpu", "data.num_samples=1005", "trainer.max_epochs=2"]
+    kill = ["+callbacks.kill._target_=test_stop_anywhere.SigtermRankOnTest", f"+callbacks.kill.rank={rank}"]
+    proc = run_train(*settings, *kill, "hydra.run.dir=run", cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "tests")})
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    step = torch.load(last, weights_only=True)["global_step"]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error: stopped by SIGTERM")]
+    assert len(lines) == 1 and lines[0].startswith(f"error: stopped by SIGTERM after step {step}; checkpoint: {last}")
+    assert "resume with " in lines[0] and not (tmp_path / "run" / "metrics.json").exists()
+    assert leftover(proc.tag) == []
