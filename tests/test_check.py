@@ -82,7 +82,8 @@ def test_a_model_drawing_from_the_global_stream_fails_the_check_in_one_line():
     assert len(lines) == 1, proc.stderr[-3000:]
     assert re.fullmatch(
         r"error: promise 1 does not hold for this model: ddp\(2\) ends \S+ from one process's weights \(tolerance "
-        r"1e-05\); model\.drop draws from the global random stream: use dpddp\.nn\.SampleDropout",
+        r"1e-05; the largest in net\.\d+\.(weight|bias)\); model\.drop draws from the global random stream: "
+        r"use dpddp\.nn\.SampleDropout",
         lines[0],
     )
     assert float(_rows(proc.stdout)["ddp(2)"][-1]) > 1e-3

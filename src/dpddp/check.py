@@ -102,10 +102,13 @@ def _weights(run_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
     return state, int(ckpt["global_step"])
 
 
-def _difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+def _difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest absolute difference of two state dicts, and the entry it is in (``inf`` when keys differ)."""
     if a.keys() != b.keys():
-        return float("inf")
-    return max(((a[k].float() - b[k].float()).abs().max().item() for k in a), default=0.0)
+        return float("inf"), "the state dict's keys"
+    diffs = {k: (a[k].float() - b[k].float()).abs().max().item() for k in a}
+    worst = max(diffs, key=diffs.__getitem__, default="")
+    return diffs.get(worst, 0.0), worst
 
 
 def _runs(gpus: int) -> list[tuple[str, int, list[str]]]:
@@ -175,7 +178,7 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> int:
     print(f"{'max |w - w1|':>13}")
     failed = []
     for row in rows:
-        diff = _difference(row["weights"], rows[0]["weights"])
+        diff, where = _difference(row["weights"], rows[0]["weights"])
         share = f"{row['allreduce_share']:.0%}" if row["allreduce_share"] is not None else "-"
         scaling = row["samples_per_sec"] / (row["replicas"] * rows[0]["samples_per_sec"])
         print(
@@ -183,13 +186,13 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> int:
             f"{share:>10} {row['step']:>6} {diff:>13.1e}"
         )
         if diff > TOLERANCE or row["step"] != rows[0]["step"]:
-            failed.append((row, diff))
+            failed.append((row, diff, where))
     print(f"promise 1 (ddp and dp end with one process's weights to {TOLERANCE:.0e} and its step): ", end="")
     print("holds" if not failed else "does NOT hold")
     print(_advice(rows))
     if not failed:
         return 0
-    row, diff = failed[0]
+    row, diff, where = failed[0]
     layers = _global_rng_layers(_compose(overrides, config_dir))
     why = (
         f"; {', '.join(layers)} draw{'s' if len(layers) == 1 else ''} from the global random stream: use "
@@ -200,7 +203,7 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> int:
     steps = f" and step {row['step']} against {rows[0]['step']}" if row["step"] != rows[0]["step"] else ""
     print(
         f"error: promise 1 does not hold for this model: {row['name']} ends {diff:.1e} from one process's weights "
-        f"(tolerance {TOLERANCE:.0e}){steps}{why}",
+        f"(tolerance {TOLERANCE:.0e}; the largest in {where}){steps}{why}",
         file=sys.stderr,
     )
     return 1
