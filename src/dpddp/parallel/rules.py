@@ -121,7 +121,7 @@ def check_devices(cfg: Mapping) -> None:
     check_strategy_options(cfg["strategy"])
     if problem := stray_rank_variables(cfg["cluster"], nodes(cfg)):
         raise ConfigError(problem)
-    if strategy in ("ddp", "ddp_spawn") and (problem := stray_address_variables(cfg["cluster"], num_nodes)):
+    if strategy in ("ddp", "ddp_spawn") and (problem := stray_address_variables(cfg["cluster"], nodes(cfg))):
         raise ConfigError(problem)
     cluster = cluster_world_size(cfg["cluster"])
     if cluster and num_nodes == "auto" and strategy in ("ddp", "ddp_spawn"):

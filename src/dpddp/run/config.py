@@ -335,16 +335,15 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
 
 
 def check_output_dir(output_dir: Path) -> None:
-    """The run directory (its ``checkpoints/`` once it has one) can be written, before anything trains: a
-    read-only one would fail at the first checkpoint.
+    """The run directory (its ``checkpoints/`` once it has one) can be written, before anything trains.
 
-    Raises:
-        ConfigError: ``'<dir>' cannot be written (<the system's reason>): <fix>``; a run that has a ``last.ckpt``
-            is told to continue it into another directory.
-    """
+    Raises ``ConfigError``: ``'<dir>' cannot be written (<the system's reason>): <fix>``; a run that has a
+    ``last.ckpt`` is told to continue it into another directory."""
     checkpoints = output_dir / "checkpoints"
-    directory = checkpoints if checkpoints.is_dir() else output_dir
-    if why := unwritable(directory):
+    directory = probe = checkpoints if checkpoints.is_dir() else output_dir
+    while not probe.exists() and probe != probe.parent:  # a new run directory: where it would be made; none made
+        probe = probe.parent
+    if why := unwritable(probe):
         last = checkpoints / "last.ckpt"
         elsewhere = f", or continue it in another run directory with ckpt_path={last}" if last.is_file() else ""
         raise ConfigError(f"{str(directory)!r} cannot be written ({why}): make it writable{elsewhere}")
