@@ -65,8 +65,8 @@ def test_the_timing_hook_passes_the_gradients_through_unchanged(tmp_path):
 @pytest.mark.slow
 def test_ddp_reports_the_all_reduce_share_and_the_largest_peak_over_ranks(tmp_path):
     """ddp(2) with a model that holds 1 GiB more on rank 1: metrics.json's peak is rank 1's (at least 256 MiB
-    above a one-process run of the same model, whose base is larger than a launched rank's); the share is in (0, 1) in metrics.json, each metrics.csv row and
-    each epoch line."""
+    above a one-process run of the same model, whose base is larger than a launched rank's); the share is in
+    (0, 1) in metrics.json, each metrics.csv row and each epoch line."""
     model = ["model=mlp", "model._target_=users_models.RankOneBallastMLP", "epoch_lines=true"]
     args = [*SMALL, *model, "trainer.max_epochs=2"]
     env = {"PYTHONPATH": str(ROOT / "tests")}
