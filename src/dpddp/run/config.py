@@ -158,19 +158,22 @@ EXECUTION_LIMITS = (
 )
 
 
+def _check_limits(cfg: Mapping, limits: tuple, setting: str, fix: str) -> None:
+    """Raises ``ConfigError`` for the first of ``limits`` (setting, the values that can, why) that ``cfg`` breaks
+    while ``setting`` is given; ``fix`` is the line's last choice."""
+    for name, ok, why in limits:
+        section, _, key = name.rpartition(".")
+        value = (cfg[section] or {}).get(key) if section else cfg["strategy"]["name"]
+        if value not in ok:
+            raise ConfigError(f"{name}={value!r} cannot be kept with {setting} ({why}): remove it, or {fix}")
+
+
 def _check_executions(cfg: Mapping) -> None:
     """``steps_per_execution``: a positive integer; above 1, the ``EXECUTION_LIMITS`` and the data checked."""
     k = checked_int("steps_per_execution", cfg.get("steps_per_execution", 1), 1, "use a positive number, e.g. 16")
     if k == 1:
         return
-    for name, ok, why in EXECUTION_LIMITS:
-        section, _, key = name.rpartition(".")
-        value = (cfg[section] or {}).get(key) if section else cfg["strategy"]["name"]
-        if value not in ok:
-            raise ConfigError(
-                f"{name}={value!r} cannot be kept with steps_per_execution={k} ({why}): remove it, or use "
-                "steps_per_execution=1"
-            )
+    _check_limits(cfg, EXECUTION_LIMITS, f"steps_per_execution={k}", "use steps_per_execution=1")
     if not issubclass(target_class("data", cfg["data"]), GlobalBatchDataModule):
         raise ConfigError(
             f"steps_per_execution={k} needs global-batch data (data._target_={cfg['data']['_target_']} is not a "
@@ -192,14 +195,7 @@ def _check_micro_batches(cfg: Mapping) -> None:
     check_micro_batch_size(micro)
     if micro is None:
         return
-    for name, ok, why in MICRO_BATCH_LIMITS:
-        section, _, key = name.rpartition(".")
-        value = (cfg[section] or {}).get(key) if section else cfg["strategy"]["name"]
-        if value not in ok:
-            raise ConfigError(
-                f"{name}={value!r} cannot be kept with data.micro_batch_size={micro} ({why}): remove it, or "
-                "data.micro_batch_size"
-            )
+    _check_limits(cfg, MICRO_BATCH_LIMITS, f"data.micro_batch_size={micro}", "data.micro_batch_size")
 
 
 MIXED = ("16", "bf16", "16-mixed", "bf16-mixed")
