@@ -31,6 +31,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,10 +122,15 @@ class Timer(pl.Callback):
         return self.global_batch / self.fallback_s if self.fallback_s else float("nan")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the command line, fit and test, write the JSON on global rank 0; return the exit status."""
+Build = Callable[[argparse.Namespace], tuple[pl.LightningModule, pl.LightningDataModule, dict[str, Any]]]
+"""The parsed command line -> the model, the data module and extra ``Trainer`` arguments."""
+
+
+def run_peer(doc: str, build: Build, argv: list[str] | None = None) -> int:
+    """The command line of a stock-Lightning peer (``doc``: its module docstring): seed, ``build`` the model
+    and data, fit and test under a lean ``Trainer``, write the JSON on global rank 0; return the exit status."""
     start = time.perf_counter()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("mode", choices=["single", "ddp"])
     parser.add_argument("world_size", type=int, help="processes (ddp); 1 for single")
     parser.add_argument("num_samples", type=int, help="samples in train + val + test")
@@ -137,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_size % args.world_size:
         raise SystemExit(f"error: batch_size {args.batch_size} does not divide by world_size {args.world_size}")
     pl.seed_everything(SEED, verbose=False)
-    model = LinearModel(args.num_features, args.num_classes)
-    data = TensorDataModule(args.num_samples, args.num_features, args.num_classes, args.batch_size // args.world_size)
+    model, data, extra = build(args)
     timer = Timer(args.batch_size)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -151,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_progress_bar=False,
         num_sanity_val_steps=0,
         enable_model_summary=False,
+        **extra,
     )
     trainer.fit(model, datamodule=data)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
@@ -169,6 +175,17 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(text + "\n")
         print(text)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, fit and test, write the JSON on global rank 0; return the exit status."""
+
+    def build(args: argparse.Namespace) -> tuple[pl.LightningModule, pl.LightningDataModule, dict[str, Any]]:
+        sizes = (args.num_samples, args.num_features, args.num_classes)
+        per_device = args.batch_size // args.world_size
+        return LinearModel(args.num_features, args.num_classes), TensorDataModule(*sizes, per_device), {}
+
+    return run_peer(__doc__, build, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Tests of the benchmark: ``bench/run.py --quick`` runs and records stock Lightning; ``bench/gpu.py --dry-run``
+"""Tests of the benchmark: ``bench/run.py --quick`` runs and records the three peers, the strong stock-Lightning
+one doing plain PyTorch's job; ``bench/gpu.py --dry-run``
 runs the project and plain PyTorch and writes its table; the report generator on made-up runs. No speed is
 asserted."""
 
@@ -34,27 +35,36 @@ def number(cell: str) -> float:
 
 @pytest.mark.slow
 def test_bench_quick(tmp_path: Path) -> None:
-    """``bench/run.py --quick`` end to end on the new peer: stock Lightning at the seed's size under its own ddp
-    (the subprocess launcher re-running ``bench/stock.py``), one real run with positive measurements, and
-    RESULTS.md with its rows. The project and plain PyTorch run through the same ``measure`` in
-    ``test_gpu_dry_run``; the ratios and targets are checked in ``test_results_report``: one run keeps this short."""
+    """``bench/run.py --quick`` end to end on the strongest peers at the seed's size under ddp: plain DDP and the
+    strong stock-Lightning program under Lightning's own ddp (the subprocess launcher re-running the script), one
+    real run each with positive measurements, RESULTS.md with their rows, and the strong stock program doing
+    plain's job: the same test loss to float rounding. The naive stock program shares its command line and
+    ``Trainer`` (``stock.run_peer``); the project
+    runs through the same ``measure`` in ``test_gpu_dry_run``; the ratios and targets are checked in
+    ``test_results_report``."""
     env, _ = child_env()
-    cmd = [sys.executable, "bench/run.py", "--quick", "--workloads", "W1", "--strategies", "ddp", "--impls", "stock"]
+    cmd = [sys.executable, "bench/run.py", "--quick", "--workloads", "W1", "--strategies", "ddp"]
+    cmd += ["--impls", "plain,stock-strong"]
     proc = subprocess.run(
         [*cmd, "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
-    assert (run["impl"], run["strategy"], run["workload"]) == ("stock", "ddp(2)", "W1")
-    assert all(run[key] > 0 for key in KEYS), run
-    assert 0 < run["test_loss"] < 10, run
+    runs = {run["impl"]: run for run in json.loads((tmp_path / "results.json").read_text())["runs"]}
+    assert sorted(runs) == ["plain", "stock-strong"]
+    for run in runs.values():
+        assert (run["strategy"], run["workload"]) == ("ddp(2)", "W1")
+        assert all(run[key] > 0 for key in KEYS), run
+        assert 0 < run["test_loss"] < 10, run
+    assert abs(runs["stock-strong"]["test_loss"] - runs["plain"]["test_loss"]) < 1e-6, runs
     results = (tmp_path / "RESULTS.md").read_text()
-    assert "| strategy | metric | project | stock | plain | project/stock | project/plain |" in results
+    header = "| strategy | metric | dpddp | plain | strong stock | naive stock | dpddp/plain | dpddp/strong stock |"
+    assert header + " dpddp/naive stock |" in results
     for _, label, _ in load_bench().METRICS:
         row = next(line for line in results.splitlines() if line.startswith(f"| ddp(2) | {label} |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[2] == "-" and number(cells[3]) > 0 and cells[4:] == ["-"] * 3, row
-    assert "| W1 ddp(2) whole wall time (s), dpddp/stock | <= 1 | - | not measured |" in results
+        assert cells[2] == "-" and all(number(c) > 0 for c in cells[3:5]) and cells[5:] == ["-"] * 4, row
+    assert "| W1 ddp(2) whole wall time (s), dpddp/strong stock | <= 1 | - | not measured |" in results
+    assert "Check, the same job: max |test/loss strong stock - plain| over the rounds = " in results
 
 
 @pytest.mark.slow
@@ -97,15 +107,17 @@ def test_gpu_dry_run(tmp_path: Path) -> None:
 
 
 def test_results_report(tmp_path: Path) -> None:
-    """The RESULTS.md generator on made-up runs of every workload, the K variant included: each issue-15 target
-    with its bound, measured value and verdict; both ratios per workload and strategy; the W4 lines."""
+    """The RESULTS.md generator on made-up runs of every workload, the K variant included: each target with its
+    bound, measured value and verdict; the ratio to each peer per workload and strategy; the W4 lines."""
     bench = load_bench()
     runs = []
     for workload in ("W1", "W2", "W3", "W4"):
         for strategy, mode in (("single", "single"), ("ddp(2)", "ddp")):
             for rep in (0, 1):
                 for impl in bench.impls_for(workload, mode, True):
-                    speed = {"project": 900.0, "stock": 1000.0, "plain": 2000.0}.get(impl, 1800.0)
+                    speed = {"project": 900.0, "stock": 1000.0, "stock-strong": 1200.0, "plain": 2000.0}.get(
+                        impl, 1800.0
+                    )
                     record = dict.fromkeys(KEYS, 1.0) | {"samples_per_sec": speed, "test_loss": 0.5}
                     record |= {"start_to_first_step_s": 4.0 if impl == "project" else 3.8, "wall_s": 5.0}
                     runs.append(record | {"workload": workload, "strategy": strategy, "impl": impl, "rep": rep})
@@ -118,16 +130,22 @@ def test_results_report(tmp_path: Path) -> None:
     (tmp_path / "RESULTS.md").unlink()
     bench.render(tmp_path)  # --render: the same report from results.json alone
     assert (tmp_path / "RESULTS.md").read_text() == text
-    assert "| W2 single samples/s (steady state), dpddp/stock | >= 1 | 0.9 [0.9-0.9] | no |" in text
-    assert "| W1 ddp(2) start to first step (s), dpddp - stock | <= 0.3 | 0.2 [0.2-0.2] | yes |" in text
-    assert "| W3 single K=16 samples/s (steady state), dpddp/plain | >= 0.8 | 0.9 [0.9-0.9] | yes |" in text
+    assert "| W2 single samples/s (steady state), dpddp/plain | >= 0.95 | 0.45 [0.45-0.45] | no |" in text
+    assert "| W2 single samples/s (steady state), dpddp/strong stock | >= 1 | 0.75 [0.75-0.75] | no |" in text
+    assert "| W3 ddp(2) samples/s (steady state), dpddp/strong stock | >= 0.95 | 0.75 [0.75-0.75] | no |" in text
+    assert "| W1 ddp(2) start to first step (s), dpddp - strong stock | <= 0.3 | 0.2 [0.2-0.2] | yes |" in text
+    assert "| W3 single K=16 samples/s (steady state), dpddp/plain | >= 0.9 | 0.9 [0.9-0.9] | yes |" in text
+    assert "| W2 ddp(2) K=16 samples/s (steady state), dpddp/plain | >= 0.9 | 0.9 [0.9-0.9] | yes |" in text
     assert "| W2 single samples/s (steady state), defaults on/off | >= 0.95 | 2 [2-2] | yes |" in text
     assert text.count("| target |") == 1 and "not measured" not in text
-    assert "- W3 ddp(2) samples/s: dpddp/stock **0.9 [0.9-0.9]**, dpddp/plain **0.45 [0.45-0.45]**" in text
-    assert "- W3 ddp(2) K=16 samples/s: dpddp/stock **1.8 [1.8-1.8]**" in text
+    ratios = "dpddp/plain **0.45 [0.45-0.45]**, dpddp/strong stock **0.75 [0.75-0.75]**, dpddp/naive stock **0.9"
+    assert f"- W3 ddp(2) samples/s: {ratios} [0.9-0.9]**" in text
+    ratios = "dpddp/plain **0.9 [0.9-0.9]**, dpddp/strong stock **1.5 [1.5-1.5]**, dpddp/naive stock **1.8 [1.8-1.8]**"
+    assert f"- W3 ddp(2) K=16 samples/s: {ratios}" in text
     assert "| ddp(2) K=16 | samples/s (steady state) |" in text
     assert "- W4 ddp(2) samples/s, streaming/in-memory: **2 [2-2]**" in text
-    assert "max |test/loss project - plain| over the rounds = 0" in text
+    assert "max |test/loss dpddp - plain| over the rounds = 0" in text
+    assert "max |test/loss strong stock - plain| over the rounds = 0" in text
 
 
 def test_the_readme_performance_numbers_are_the_committed_results() -> None:
