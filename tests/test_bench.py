@@ -193,3 +193,40 @@ def test_startup_runs(tmp_path: Path) -> None:
         assert number(rows[phase][0].strip()) > 0, (phase, rows[phase])
     assert rows["Hydra composition"][1].strip() == "-" and number(rows["import lightning"][1].strip()) > 0
     assert number(rows["**start to first step**"][0].strip()) > number(rows["**after import lightning**"][0].strip())
+
+
+def test_step_profile_report() -> None:
+    """``PROFILE.md`` on made-up runs: a column per program, the step's median microseconds, and per bucket the
+    median microseconds and share of the step."""
+    profile = load_bench("step_profile")
+    runs = []
+    for impl, step in (("plain", 100.0), ("project", 400.0), ("project-k16", 200.0)):
+        for scale in (1.0, 1.2, 0.9):
+            us = {"loop and hooks": 0.4 * step, "gather": 0.1 * step, "forward": 0.1 * step}
+            us |= {"backward": 0.2 * step, "optimizer": 0.2 * step}
+            record = {"step_us": step * scale, "us": {k: v * scale for k, v in us.items()}, "steps": 9}
+            runs.append(record | {"impl": impl, "workload": "W3", "rep": 0})
+    text = profile.report(runs, "cmd", profile.WORKLOADS, "meta")
+    assert "## W3: 65536 samples x 10 features -> 2 classes, global batch 32, one process" in text
+    assert "| per step | plain PyTorch | dpddp K=1 | dpddp K=16 |" in text
+    assert "| **step (us)** | **100.0** | **400.0** | **200.0** |" in text
+    assert "| loop and hooks | 40.0 (40%) | 160.0 (40%) | 80.0 (40%) |" in text
+    assert "| backward | 20.0 (20%) | 80.0 (20%) | 40.0 (20%) |" in text
+
+
+@pytest.mark.slow
+def test_step_profile_runs(tmp_path: Path) -> None:
+    """``bench/step_profile.py --quick --workloads W3``: one real run of plain PyTorch, dpddp K=1 and K=16, each
+    bucket's wrappers catching the calls of both programs (gather, forward, backward and optimizer time in each;
+    K=16 gathers once per execution, also counted), the rows summing to the step."""
+    env, _ = child_env()
+    cmd = [sys.executable, "bench/step_profile.py", "--quick", "--workloads", "W3", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads((tmp_path / "profile.json").read_text())["runs"]
+    assert sorted(r["impl"] for r in runs) == ["plain", "project", "project-k16"]
+    for run in runs:
+        assert run["steps"] == 2048 * 8 // 10 // 32 - 1, run  # the steps after the first
+        assert all(run["us"][bucket] > 0 for bucket in ("gather", "forward", "backward", "optimizer")), run
+        assert abs(sum(run["us"].values()) - run["step_us"]) < 1e-6 * run["step_us"], run
+    assert "| per step | plain PyTorch | dpddp K=1 | dpddp K=16 |" in (tmp_path / "PROFILE.md").read_text()
