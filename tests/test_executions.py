@@ -12,7 +12,9 @@ from conftest import QUIET, compose_cfg, max_diff, metrics, run_train, weights
 from torch import nn
 
 from dpddp.data.global_batch import GlobalBatchSampler
+from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import ConfigError, Preempted
+from dpddp.models.linear import LinearClassifier
 from dpddp.run.training import train
 
 # 1005 samples: 804 train = 12 global batches of 64 an epoch; K=5 makes executions of 5, 5 and 2 steps.
@@ -226,3 +228,69 @@ def test_the_train_loss_of_an_epoch_a_limit_cut_is_whole_when_continued(tmp_path
     continued = train(compose_cfg(*args, f"ckpt_path={tmp_path}/first/checkpoints/last.ckpt"), tmp_path / "continued")
     _same_run(tmp_path / "continued", straight[0])
     assert continued["train/loss"] == pytest.approx(straight[1]["train/loss"], abs=1e-6)
+
+
+class BatchKinds(pl.Callback):
+    """Records what each training batch's inputs are: ``DeferredRows`` or a gathered tensor."""
+
+    kinds: list = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        BatchKinds.kinds.append(type(batch[0]).__name__)
+
+
+# 4 executions of 4 steps of 128 x 1024 features (2 MiB of rows each): above DEFER_BYTES, gathered step by step.
+WIDE = [*QUIET, "accelerator=cpu", "logger=none", "data.num_samples=2560", "data.num_features=1024"]
+WIDE += ["data.batch_size=128", "trainer.max_epochs=1", "+callbacks.kinds._target_=test_executions.BatchKinds"]
+
+
+def test_wide_rows_are_gathered_step_by_step_and_equal_one_step_per_iteration(tmp_path):
+    BatchKinds.kinds = []
+    one = train(compose_cfg(*WIDE), tmp_path / "one")
+    assert BatchKinds.kinds == ["Tensor"] * 16
+    BatchKinds.kinds = []
+    fused = train(compose_cfg(*WIDE, "steps_per_execution=4"), tmp_path / "fused")
+    assert BatchKinds.kinds == ["DeferredRows"] * 4
+    _same_run(tmp_path / "one", tmp_path / "fused", tol=0.0)
+    assert [fused[key] for key in KEYS] == [one[key] for key in KEYS]
+
+
+def test_wide_rows_are_gathered_whole_where_a_worker_or_a_batch_hook_would_see_them(tmp_path):
+    BatchKinds.kinds = []
+    workers = ["data._target_=test_executions.OneWorkerTensors", "steps_per_execution=4"]
+    train(compose_cfg(*WIDE, *workers), tmp_path / "workers")
+    assert BatchKinds.kinds == ["Tensor"] * 4
+    BatchKinds.kinds = []
+    hooked = ["model._target_=test_executions.TransferHookLinear", "steps_per_execution=4"]
+    train(compose_cfg(*WIDE, *hooked), tmp_path / "hooked")
+    assert BatchKinds.kinds == ["Tensor"] * 4
+
+
+class OneWorkerTensors(RandomTensorDataModule):
+    """The built-in random tensors, fetched by one DataLoader worker."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.num_workers = 1
+
+
+class TransferHookLinear(LinearClassifier):
+    """The built-in linear model with an ``on_after_batch_transfer`` of its own (the identity)."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return batch
+
+
+def test_deferred_rows_gather_one_step_on_its_device_and_count_the_steps():
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    from dpddp.data.batches import DEFER_BYTES, DeferredRows, rows_of
+
+    x, ids = torch.randn(50, 3), torch.randint(0, 50, (4, 6))
+    assert isinstance(rows_of(x, ids, defer=True), torch.Tensor)  # 288 bytes: under DEFER_BYTES
+    wide = torch.randn(50, DEFER_BYTES // (4 * 24) + 1)
+    rows = rows_of(wide, ids, defer=True)
+    assert isinstance(rows, DeferredRows) and isinstance(rows_of(wide, ids, defer=False), torch.Tensor)
+    moved = rows.to("cpu")
+    assert moved.device == torch.device("cpu") and torch.equal(moved[2], wide[ids[2]])
+    assert extract_batch_size((rows, ids)) == 4

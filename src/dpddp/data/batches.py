@@ -4,6 +4,8 @@ allows. ``GlobalBatchDataModule`` (``dpddp.data.global_batch``) serves its split
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,6 +13,11 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 __all__ = ["Batches", "TensorBatches", "batch_indexable", "batch_inputs", "dataset_rows", "empty_batch", "gather"]
+__all__ += ["DEFER_BYTES", "DeferredRows", "defer_rows", "rows_of"]
+
+DEFER_BYTES = 2**20
+"""An execution's rows of one tensor above this many bytes are gathered step by step (``DeferredRows``): about a
+core's L2 cache, which the whole ``[k, b, ...]`` would leave."""
 
 
 def gather(tensor: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -20,6 +27,48 @@ def gather(tensor: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return tensor.index_select(0, idx)
     rows = tensor.index_select(0, idx.reshape(-1))
     return rows.view(*idx.shape, *tensor.shape[1:])
+
+
+@dataclass(init=False)
+class DeferredRows:
+    """The rows ``ids`` (int64 ``[k, b]``) of ``source`` (``[n, ...]``) for the ``k`` steps of one execution, not
+    gathered yet: ``rows[i]`` gathers step ``i``'s ``[b, ...]`` (on ``device``) as the step runs, so each step reads
+    rows it has just written (in cache) rather than a ``[k, b, ...]`` written out beforehand. Lightning's batch
+    transfer calls ``to``; its batch-size inference reads the one field, ``ids``: ``k``, as from gathered rows."""
+
+    ids: torch.Tensor
+
+    def __init__(self, ids: torch.Tensor, source: torch.Tensor, device: torch.device | None = None) -> None:
+        self.ids, self.source, self.device = ids, source, device
+
+    def to(self, device: Any, *args: Any, **kwargs: Any) -> DeferredRows:
+        """The same rows, to be gathered onto ``device``."""
+        return DeferredRows(self.ids, self.source, torch.device(device))
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        rows = self.source.index_select(0, self.ids[i])
+        return rows if self.device is None else rows.to(self.device, non_blocking=True)
+
+
+def rows_of(tensor: torch.Tensor, idx: torch.Tensor, defer: bool) -> torch.Tensor | DeferredRows:
+    """``gather(tensor, idx)``; with ``defer``, an ``idx`` of ``[k, b]`` whose rows take more than ``DEFER_BYTES``
+    gives ``DeferredRows`` instead."""
+    if defer and idx.dim() == 2 and idx.numel() * math.prod(tensor.shape[1:]) * tensor.element_size() > DEFER_BYTES:
+        return DeferredRows(idx, tensor)
+    return gather(tensor, idx)
+
+
+def defer_rows(dataset: Any) -> bool:
+    """Let ``dataset`` (a ``TensorBatches``, or a ``Batches`` and the ``Batches`` or ``TensorBatches`` it wraps) give
+    ``DeferredRows`` for ``[k, b]`` ids; whether it can (another data set gathers every row itself)."""
+    if isinstance(dataset, Batches):
+        dataset.defer = True
+        inner = dataset.dataset
+        return isinstance(inner, TensorDataset) or (batch_indexable(inner) and defer_rows(inner))
+    if isinstance(dataset, TensorBatches):
+        dataset.defer = True
+        return True
+    return False
 
 
 def batch_indexable(dataset: Any) -> bool:
@@ -57,9 +106,11 @@ class TensorBatches(Dataset):
     ``(x[idx], y[idx])`` in one gather (``gather``), shapes ``[b, num_features]`` and ``[b]`` (no per-sample
     collate; an ``idx`` of ``[k, b]`` gives ``[k, b, num_features]`` and ``[k, b]``); with ``with_index=True``
     also ``idx`` itself (for predictions in dataset order). ``first_row``: the row of the whole data set that
-    position 0 holds (a contiguous split), for ``rows``."""
+    position 0 holds (a contiguous split), for ``rows``. ``defer``: ``[k, b]`` ids may give ``DeferredRows``
+    (``rows_of``)."""
 
     batch_indexable = True
+    defer = False
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, with_index: bool = False, first_row: int = 0) -> None:
         self.x, self.y, self.with_index, self.first_row = x, y, with_index, first_row
@@ -71,8 +122,8 @@ class TensorBatches(Dataset):
         """The whole data set's rows at ``positions`` of this split."""
         return positions + self.first_row
 
-    def __getitem__(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        x, y = gather(self.x, idx), gather(self.y, idx)
+    def __getitem__(self, idx: torch.Tensor) -> tuple[torch.Tensor | DeferredRows, ...]:
+        x, y = rows_of(self.x, idx, self.defer), rows_of(self.y, idx, self.defer)
         return (x, y, idx) if self.with_index else (x, y)
 
 
@@ -87,9 +138,11 @@ class Batches(Dataset):
     (``batch_indexable``), one ``__getitems__`` call, or one ``dataset[i]`` per sample collated by ``collate``.
     An ``idx`` of ``[k, b]`` gives every tensor a leading ``[k, b]``; an empty one, 0 rows of a real batch's
     structure. ``with_index=True`` appends the data set's own rows of the batch (``rows``; an ``"index"`` key
-    for a dict batch)."""
+    for a dict batch). ``defer``: a ``TensorDataset``'s (or a batch-indexable data set's) ``[k, b]`` rows may be
+    ``DeferredRows`` (``rows_of``)."""
 
     batch_indexable = True
+    defer = False
 
     def __init__(self, dataset: Any, ids: torch.Tensor | None = None, collate: Any = None, with_index: bool = False):
         self.dataset, self.ids, self.with_index = dataset, ids, with_index
@@ -104,7 +157,7 @@ class Batches(Dataset):
 
     def _fetch(self, ids: torch.Tensor) -> Any:
         if isinstance(self.dataset, TensorDataset):
-            return tuple(gather(t, ids) for t in self.dataset.tensors)
+            return tuple(rows_of(t, ids, self.defer) for t in self.dataset.tensors)
         if batch_indexable(self.dataset):
             return self.dataset[ids]
         if ids.dim() > 1:  # one fetch of all the execution's samples, then [k * b, ...] -> [k, b, ...]

@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from dpddp._compat import data_position
 from dpddp.data import rules
-from dpddp.data.batches import Batches, batch_indexable
+from dpddp.data.batches import Batches, batch_indexable, defer_rows
 from dpddp.errors import ConfigError
 
 __all__ = ["GlobalBatchDataModule", "GlobalBatchSampler", "step_position"]
@@ -216,6 +216,11 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         splits = self.make_splits()
         self.splits = {k: ds if batch_indexable(ds) else Batches(ds) for k, ds in splits.items()}
         rules.check_train_split(self.batch_size, len(self.splits["train"]), "give more data")  # type: ignore[arg-type]
+
+    def defer_training_rows(self) -> bool:
+        """Let each execution of the training split gather a step's rows as the step runs (``DeferredRows``);
+        whether it will: only with ``num_workers=0``, since a worker would send the whole source with each batch."""
+        return self.num_workers == 0 and "train" in self.splits and defer_rows(self.splits["train"])
 
     def _loader(self, split: str, with_index: bool = False) -> DataLoader:
         rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)

@@ -21,6 +21,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from dpddp._compat import BatchNormBase, counted_step
+from dpddp.data.batches import DeferredRows
+from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.errors import ConfigError
 from dpddp.models.classifier import Classifier
 from dpddp.nn import select_sample_part, select_sample_row
@@ -31,6 +33,8 @@ log = logging.getLogger(__name__)
 
 STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
 """The hooks Lightning calls inside each optimizer step (callbacks and the module; the module's ``backward`` too)."""
+TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+"""The batch hooks of a module or data module, which would see an execution's ``DeferredRows``."""
 
 
 def lean_steps(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
@@ -87,14 +91,14 @@ class StepsPerExecution(pl.Callback):
         """One execution: ``k`` optimizer steps on the ``k`` global batches of ``batch`` (``[k, b, ...]``)."""
         module = self.module
         trainer, optimizer = module.trainer, module.optimizers()
-        rows = extract_batch_size(batch) if self.steps > 1 else 1
+        rows = extract_batch_size(batch) if self.steps > 1 else 1  # DeferredRows: its ids' k
         left = trainer.max_steps - trainer.global_step if trainer.max_steps >= 0 else rows
         self.cut = left < rows
         for i in range(min(rows, left)):
             one = batch
             if self.steps > 1:
                 select_sample_row(i)  # the sample keys of global batch i
-                one = apply_to_collection(batch, torch.Tensor, lambda t: t[i])  # noqa: B023
+                one = apply_to_collection(batch, (torch.Tensor, DeferredRows), lambda t: t[i])  # noqa: B023
             optimizer.zero_grad()  # type: ignore[union-attr]
             if self.micro is not None:
                 self._split_step(one, batch_idx)
@@ -177,6 +181,14 @@ class StepsPerExecution(pl.Callback):
                 f"{self.fix}"
             )
         self.lean = lean_steps(trainer, pl_module)
+        data = trainer.datamodule  # type: ignore[attr-defined]
+        if self.steps > 1 and self.lean and isinstance(data, GlobalBatchDataModule):
+            hooked = any(
+                is_overridden(hook, pl_module, pl.LightningModule) or is_overridden(hook, data, pl.LightningDataModule)
+                for hook in TRANSFER_HOOKS
+            )
+            if not hooked:
+                data.defer_training_rows()
         if self.micro is not None and trainer.world_size > 1:  # gradients are averaged once a step, after the split
             self._no_sync.enter_context(trainer.strategy.block_backward_sync())  # type: ignore[attr-defined]
 
