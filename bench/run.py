@@ -457,6 +457,8 @@ def write_results(runs: list[dict], args: argparse.Namespace, command: str) -> N
     ]
     if (args.out / "STARTUP.md").is_file():
         lines += ["", "Where the start-up goes, phase by phase: `STARTUP.md` (`python bench/startup.py`)."]
+    if (args.out / "PROFILE.md").is_file():
+        lines += ["", "Where a step's time goes, bucket by bucket: `PROFILE.md` (`python bench/step_profile.py`)."]
     for workload in args.workloads:
         num_samples, num_features, num_classes, batch_size = sizes_of[workload]
         lines += [
