@@ -47,6 +47,14 @@ def lean_steps(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
     return not any(is_overridden(hook, cb, pl.Callback) for cb in trainer.callbacks for hook in STEP_HOOKS)  # type: ignore[attr-defined]
 
 
+def _step_rows(batch: Any, i: int) -> Any:
+    """Global batch ``i`` of an execution batch: row ``i`` of every tensor (a ``DeferredRows`` gathers it); a plain
+    tuple or list of them without ``apply_to_collection``'s walk, microseconds a step on tiny steps."""
+    if type(batch) in (tuple, list) and all(isinstance(t, (torch.Tensor, DeferredRows)) for t in batch):
+        return type(batch)(t[i] for t in batch)
+    return apply_to_collection(batch, (torch.Tensor, DeferredRows), lambda t: t[i])
+
+
 class StepsPerExecution(pl.Callback):
     """Runs ``module``'s ``training_step`` (one global batch ``[b, ...]``, returning its loss) for each of the
     ``k`` rows of an execution batch ``[k, b, ...]`` (``steps`` >= 2; with 1, the batch is one global batch),
@@ -91,6 +99,7 @@ class StepsPerExecution(pl.Callback):
         """One execution: ``k`` optimizer steps on the ``k`` global batches of ``batch`` (``[k, b, ...]``)."""
         module = self.module
         trainer, optimizer = module.trainer, module.optimizers()
+        strategy = trainer.strategy
         rows = extract_batch_size(batch) if self.steps > 1 else 1  # DeferredRows: its ids' k
         left = trainer.max_steps - trainer.global_step if trainer.max_steps >= 0 else rows
         self.cut = left < rows
@@ -98,7 +107,7 @@ class StepsPerExecution(pl.Callback):
             one = batch
             if self.steps > 1:
                 select_sample_row(i)  # the sample keys of global batch i
-                one = apply_to_collection(batch, (torch.Tensor, DeferredRows), lambda t: t[i])  # noqa: B023
+                one = _step_rows(batch, i)
             optimizer.zero_grad()  # type: ignore[union-attr]
             if self.micro is not None:
                 self._split_step(one, batch_idx)
@@ -106,9 +115,9 @@ class StepsPerExecution(pl.Callback):
                 continue
             loss = self._loss(one, batch_idx)
             if self.lean:
-                trainer.strategy.pre_backward(loss)
+                strategy.pre_backward(loss)
                 loss.backward()
-                trainer.strategy.post_backward(loss)
+                strategy.post_backward(loss)
                 counted_step(optimizer)
             else:
                 module.manual_backward(loss)
