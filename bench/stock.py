@@ -1,5 +1,5 @@
-"""The stock-Lightning peer of dpddp's job, for the benchmark (``bench/run.py``): the minimal program a user would
-write with Lightning alone instead of dpddp.
+"""The naive stock-Lightning peer of dpddp's job, for the benchmark (``bench/run.py``): the minimal program most
+users would write with Lightning alone instead of dpddp (``stock_strong.py`` is what a knowledgeable user writes).
 
 A ``LightningModule`` with one ``nn.Linear``, cross-entropy and SGD (lr 0.1, momentum 0.9) under automatic
 optimization; a ``LightningDataModule`` over the project's tensors (``plain.load_splits``: the same
