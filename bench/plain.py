@@ -9,11 +9,11 @@ a test at the end.
 
 It is the fastest eager loop known for the job (``fit``): no DataLoader, each step's ids a view of the epoch's
 permutation, rows gathered into buffers allocated once, nothing else per step but forward, backward and the
-default SGD update. Measured side by side in one process, ``index_select`` beats ``x[idx]`` (advanced indexing) by
-about 1.1x (W3) to 1.25x (W2); ``foreach=True``, ``zero_grad(set_to_none=False)`` and ``inference_mode`` over
-``no_grad`` for evaluation made no difference beyond the noise; ``fused=True`` changes the weights' rounding
-(1e-7 to 3e-6: no longer the project's job); ``torch.compile`` is not eager, and compiling costs more than these
-one-epoch runs.
+default SGD update. Measured side by side in one process (``bench/plain_variants.py``): ``index_select`` beats
+``x[idx]`` (advanced indexing) by 1.2-1.4x on W2 (into reused buffers a few percent more) and by a few percent on
+W3; ``foreach=True``, ``zero_grad(set_to_none=False)`` and ``inference_mode`` over ``no_grad`` for evaluation made
+no difference beyond the noise; ``fused=True`` changes the weights' rounding (1e-7 to 3e-6: no longer the
+project's job); ``torch.compile`` is not eager, and compiling costs more than these one-epoch runs.
 
 Modes:
     single: one process.
