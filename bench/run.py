@@ -433,7 +433,7 @@ def write_results(runs: list[dict], args: argparse.Namespace, command: str) -> N
     counted = counted_runs(runs)
     sizes_of = QUICK_WORKLOADS if args.quick else WORKLOADS
     versions = {name: importlib.metadata.version(name) for name in ("torch", "lightning")}
-    threads = args.threads or os.environ.get("OMP_NUM_THREADS", "unset")
+    threads = args.threads or "unset"
     nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     lines = [
         "# dpddp vs plain PyTorch and stock Lightning",
@@ -625,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python bench/run.py", *(sys.argv[1:] if argv is None else argv)])
     load_start = os.getloadavg()[0]
     args.date = datetime.date.today().isoformat()
+    args.threads = args.threads or os.environ.get("OMP_NUM_THREADS")  # the session's, kept for --render
     runs = run_all(args)
     args.load = (load_start, os.getloadavg()[0])
     args.out.mkdir(parents=True, exist_ok=True)  # the runs first: a report that fails to render loses nothing
