@@ -715,3 +715,31 @@ def test_hydra_command_line_is_what_hydra_main_parses(monkeypatch):
     assert _compat.hydra_command_line(["--version"]) is None
     assert _compat.hydra_command_line(["--cfg", "nope"]) is None
     assert sys.modules["hydra.main"].get_args_parser is hydra_utils.get_args_parser  # what hydra.main parses with
+
+
+class _SigtermOnTestStart(pl.Callback):
+    def on_test_start(self, trainer, pl_module):  # after the stage's register_signal_handlers
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_lightning_notes_a_sigterm_and_ends_the_stage_alone_until_disable_sigterm_broadcast():
+    """Lightning's handler at each stage's start (``_SignalConnector._sigterm_notifier_fn`` first, then the one it
+    found) sets ``received_sigterm``, on which the evaluation loop ends the stage with ``SIGTERMException`` on this
+    rank alone; ``disable_sigterm_broadcast`` turns the notifier off for one Trainer: the test runs all its batches
+    and only the handler found (the run's) is called."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    calls: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    try:
+        loud = pl.Trainer(callbacks=[_SigtermOnTestStart()], limit_test_batches=4, **QUIET_TRAINER)
+        with pytest.raises(SIGTERMException):
+            loud.test(BoringModel(), verbose=False)
+        assert loud.received_sigterm and calls == [signal.SIGTERM]
+        quiet = pl.Trainer(callbacks=[_SigtermOnTestStart()], limit_test_batches=4, **QUIET_TRAINER)
+        _compat.disable_sigterm_broadcast(quiet)
+        quiet.test(BoringModel(), verbose=False)
+        assert not quiet.received_sigterm and quiet.test_loop.batch_progress.total.completed == 4
+        assert calls == [signal.SIGTERM] * 2
+    finally:
+        signal.signal(signal.SIGTERM, before)

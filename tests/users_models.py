@@ -1,8 +1,11 @@
 """Models a user writes by subclassing the built-in MLP (``model=mlp model._target_=users_models.X``, with
 ``tests/`` on the import path): randomness from the global RNG, LR schedulers Lightning steps, BatchNorm; and a
-data set with per-sample augmentation; a data module with its own loaders (``data=sharded``)."""
+data set with per-sample augmentation; a data module with its own loaders (``data=sharded``); an evaluation that
+takes time."""
 
 from __future__ import annotations
+
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -129,3 +132,24 @@ class MemoryBoundMLP(MLPClassifier):
                 raise torch.OutOfMemoryError(f"out of memory: {len(x)} samples on rank {self.global_rank}")
             self.biggest = max(self.biggest, len(x))
         return super().forward(x)
+
+
+class SlowEvalMLP(MLPClassifier):
+    """Sleeps ``eval_sleep_s`` seconds in every validation, test and predict step (an evaluation that takes time, so
+    a signal can land in it); its training and outputs are the MLP's."""
+
+    def __init__(self, eval_sleep_s: float = 0.05, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.eval_sleep_s = eval_sleep_s
+
+    def validation_step(self, batch, batch_idx):
+        time.sleep(self.eval_sleep_s)
+        return super().validation_step(batch, batch_idx)
+
+    def test_step(self, batch, batch_idx):
+        time.sleep(self.eval_sleep_s)
+        return super().test_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx):
+        time.sleep(self.eval_sleep_s)
+        return super().predict_step(batch, batch_idx)

@@ -108,16 +108,20 @@ def agent_store(address: str, port: int, timeout: timedelta) -> torch.distribute
 
 
 def disable_sigterm_broadcast(trainer: pl.Trainer) -> None:
-    """Turn off ``_TrainingEpochLoop._broadcast_sigterm_tensor`` (Lightning 2.5-2.6.6), a per-step collective
-    whose flag ``Preemption`` no longer sets. Raises ``RuntimeError`` if it moved; test_compat fails."""
-    loop = trainer.fit_loop.epoch_loop
-    if not callable(getattr(type(loop), "_broadcast_sigterm_tensor", None)):
-        raise RuntimeError("lightning moved _TrainingEpochLoop._broadcast_sigterm_tensor: update dpddp._compat")
+    """Turn off Lightning's SIGTERM collectives for one Trainer (2.6.6): ``_TrainingEpochLoop._broadcast_sigterm_
+    tensor`` (per step; ``Preemption`` no longer sets its flag) and ``_SignalConnector._sigterm_notifier_fn``, first
+    in the handler each stage installs (on a rank other than 0 its broadcast waits for the group's timeout; its
+    ``received_sigterm`` ends a stage on that rank alone). Raises ``RuntimeError`` if one moved; test_compat."""
+    loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
+    for owner, name in ((loop, "_broadcast_sigterm_tensor"), (connector, "_sigterm_notifier_fn")):
+        if not callable(getattr(type(owner), name, None)):
+            raise RuntimeError(f"lightning moved {type(owner).__name__}.{name}: update dpddp._compat")
     loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
+    connector._sigterm_notifier_fn = lambda signum, _: None  # type: ignore[method-assign]
 
 
 def restore_sigterm_broadcast(trainer: pl.Trainer) -> None:
-    """Undo ``disable_sigterm_broadcast``."""
+    """Undo ``disable_sigterm_broadcast``'s per-step broadcast (the notifier stays quiet)."""
     trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
 
 

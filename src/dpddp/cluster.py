@@ -17,6 +17,7 @@ __all__ = [
     "cluster_world_size",
     "env_rank",
     "launch_id",
+    "launched",
     "loopback_interface",
     "process_name",
     "register_resolvers",
@@ -138,7 +139,7 @@ def stray_rank_variables(cluster: str, num_nodes: int) -> str | None:
     )
 
 
-def _launched() -> bool:
+def launched() -> bool:
     """Whether a launcher that sets the rendezvous variables started this process (torchrun, SLURM, dpddp's)."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
@@ -151,7 +152,7 @@ def stray_address_variables(cluster: str, num_nodes: int) -> str | None:
     ``MASTER_ADDR`` must be one of this machine's; several nodes started by hand need both variables on each.
     Not checked under torchrun, SLURM, dpddp's launcher or ``cluster=kubeflow``, which set them."""
     env = os.environ
-    if cluster == "kubeflow" or _launched():
+    if cluster == "kubeflow" or launched():
         return None
     if num_nodes > 1:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from dpddp._compat import disable_sigterm_broadcast, restore_sigterm_broadcast
+from dpddp.cluster import launched
 from dpddp.errors import Preempted
 
 __all__ = ["ENV", "STOP_FILE", "StepBoundaryStop", "active", "clear", "request", "requested", "run_stops"]
@@ -104,25 +105,44 @@ def clear() -> None:
 @dataclass
 class RunScope:
     """A run's SIGTERM scope: its trainer once built; during ``starting_up`` a SIGTERM is held to the end of it
-    (raised inside an import or an ``instantiate`` it would be reported as that step's failure)."""
+    (raised inside an import or an ``instantiate`` it would be reported as that step's failure); while ``stop``
+    is set (``own``: from the trainer's build to the end of its last stage) a SIGTERM is a request the ranks
+    agree on at batch boundaries (``StepBoundaryStop``)."""
 
     output_dir: Path
     trainer: pl.Trainer | None = None
     starting: bool = False
     held: bool = False
+    stop: StepBoundaryStop | None = None
 
     def preempted(self) -> Preempted:
         last = self.output_dir / "checkpoints" / "last.ckpt"
         step = self.trainer.global_step if self.trainer is not None else 0
         return Preempted(last if last.is_file() else None, step)
 
+    def own(self, trainer: pl.Trainer) -> None:
+        """From now to ``finish``, every stage of ``trainer`` leaves SIGTERM to its ``StepBoundaryStop``
+        (Lightning's notifier and per-step broadcast off)."""
+        self.trainer = trainer
+        self.stop = next(cb for cb in trainer.callbacks if isinstance(cb, StepBoundaryStop))  # type: ignore[attr-defined]
+        disable_sigterm_broadcast(trainer)
+
+    def finish(self) -> None:
+        """After the run's last stage, on every rank: the ranks agree once more (a SIGTERM since the last
+        agreement raises ``Preempted`` on every rank); from then on a SIGTERM raises it where it lands."""
+        stop, self.stop = self.stop, None
+        if stop is not None and self.trainer is not None:
+            restore_sigterm_broadcast(self.trainer)
+            if stop.agree(self.trainer):
+                raise self.preempted()
+
 
 @contextmanager
 def run_stops(output_dir: Path) -> Iterator[RunScope]:
     """A run's scope: a SIGTERM raises ``Preempted`` with ``<output_dir>/checkpoints/last.ckpt`` (if written)
-    and the global step; a handler found here (a sweep's) takes the signal instead, and Lightning's evaluation
-    loop then ends its stage with ``SIGTERMException`` (a ``SystemExit`` of status 0), which becomes
-    ``Preempted`` too."""
+    and the global step, or, while the scope ``own``s a trainer, asks its ``StepBoundaryStop`` to stop every rank
+    together; a handler found here (a sweep's) is called first, and then takes the signal instead of the
+    raise."""
     scope = RunScope(output_dir)
     if not _on_main_thread():
         yield scope
@@ -131,9 +151,11 @@ def run_stops(output_dir: Path) -> Iterator[RunScope]:
     def on_sigterm(signum: int, frame: Any) -> None:
         if callable(previous):
             previous(signum, frame)
-        elif scope.starting:
+        if scope.starting:
             scope.held = True
-        else:
+        elif scope.stop is not None:
+            scope.stop.request()
+        elif not callable(previous):
             raise scope.preempted()
 
     previous = _install(on_sigterm)
@@ -148,101 +170,162 @@ def run_stops(output_dir: Path) -> Iterator[RunScope]:
 @contextmanager
 def starting_up(scope: RunScope) -> Iterator[None]:
     """The run's start-up (the check, building the model, data and trainer): a SIGTERM in it raises
-    ``Preempted`` when it ends."""
+    ``Preempted`` when it ends; in a rank whose peers start by themselves (a launched rank, torchrun, SLURM) it
+    is the first agreement's instead, so every rank stops together."""
     scope.starting = True
     try:
         yield
     finally:
         scope.starting = False
     if scope.held:
-        raise scope.preempted()
+        if scope.stop is None or not launched():
+            raise scope.preempted()
+        scope.stop.request()
 
 
 # -- the training loop -------------------------------------------------------------------------------------
 
 
+class _Pace:
+    """When a loop's ranks agree: every ``every`` batches, ``every`` set from the slowest rank's batch time so
+    that agreements fall about ``interval_s`` apart (1 to 1000 batches)."""
+
+    def __init__(self) -> None:
+        self.every, self.batches, self.since = 1, 0, time.perf_counter()
+
+    def due(self) -> bool:
+        self.batches += 1
+        return self.batches >= self.every
+
+    def batch_s(self) -> float:
+        return (time.perf_counter() - self.since) / max(self.batches, 1)
+
+    def agreed(self, interval_s: float, batch_s: float) -> None:
+        self.every = int(min(max(interval_s / max(batch_s, 1e-9), 1), 1000))
+        self.batches, self.since = 0, time.perf_counter()
+
+
 class StepBoundaryStop(pl.Callback):
-    """Stops the fit on SIGTERM to any rank within about ``interval_s`` seconds, on every rank, at an optimizer-step
-    boundary: writes ``last.ckpt`` under ``dirpath`` and raises ``Preempted``. Under DDP, one ``all_reduce(MAX)``
-    every 1 to 1000 steps (docs/design-notes.md, continuity.stop).
+    """Stops every stage on SIGTERM to any rank within about ``interval_s`` seconds, on every rank together: the
+    ranks agree at batch boundaries (one ``all_reduce(MAX)`` every 1 to 1000 batches of each loop: training,
+    validation, test, predict) and at each stage's end. In a fit, at an optimizer-step boundary, it writes
+    ``last.ckpt`` under ``dirpath``; then it raises ``Preempted`` (docs/design-notes.md, continuity.stop). The
+    run's scope (``RunScope.own``) sends it the signal (``request``).
     """
 
     def __init__(self, dirpath: str | Path, interval_s: float = 1.0) -> None:
         self.dirpath, self.interval_s = Path(dirpath), interval_s
         self.requested = False
-        self._before_fit: Any = None  # the handler before Lightning's, put back after the fit
-        self._replaced = False
-        self._every, self._steps, self._since = 1, 0, 0.0
+        self._train, self._eval = _Pace(), _Pace()
         self._sweep_checked = 0.0
         self._agreed = False
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
+    def request(self) -> None:
+        """A SIGTERM reached this rank: the next agreement stops every rank."""
         self.requested = True
         if active():
             request()  # the sweep's other jobs stop now, not after this one's checkpoint
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and _on_main_thread():  # before Lightning installs its handler
-            self._before_fit = signal.getsignal(signal.SIGTERM)
-
-    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if _on_main_thread():  # after Lightning installed its handler
-            _install(self._on_sigterm)
-            self._replaced = True
-            disable_sigterm_broadcast(trainer)
-        self._every, self._steps, self._since, self._agreed = 1, 0, time.perf_counter(), False
+        self._train, self._agreed = _Pace(), False
         self.requested = self.requested or requested()  # the sweep stopped while this job was starting
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # The handler from before the fit, not Lightning's: one left behind would only log a later SIGTERM.
-        if self._replaced:
-            _put_back(self._before_fit)
-            self._replaced = False
-        restore_sigterm_broadcast(trainer)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if not self._agreed:
-            self._agreed = self._agree(trainer)
+            self._agreed = self.agree(trainer, self._train)
         batch_idx = args[-1]  # every rank sees the same one
         window_closed = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
         if self._agreed and (window_closed or batch_idx + 1 >= trainer.num_training_batches):
-            path = self.dirpath / "last.ckpt"
-            trainer.save_checkpoint(path, weights_only=False)  # explicit: Lightning logs a line when it is unset
-            raise Preempted(path, trainer.global_step)
+            self._save_and_stop(trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The fit ended between two agreements (its last steps, its last validation): agree once more, every rank.
-        self._agreed = self._agreed or self._agree(trainer, at_once=True)
+        self._agreed = self._agreed or self.agree(trainer)
 
     def stop_after_fit(self, trainer: pl.Trainer) -> None:
         """After a fit that ended with a SIGTERM agreed at its end, once ``last.ckpt`` holds the final weights:
         raise ``Preempted`` (on every rank: they agreed)."""
         if self._agreed:
-            last = self.dirpath / "last.ckpt"
-            raise Preempted(last if last.is_file() else None, trainer.global_step)
+            raise self._preempted(trainer)
 
-    def _agree(self, trainer: pl.Trainer, at_once: bool = False) -> bool:
-        """Whether any rank got SIGTERM, agreed every ``n`` steps (``at_once``: now); ``False`` in between."""
-        self._steps += 1
-        if self._steps < self._every and not at_once:
+    # Evaluation (validation in a fit or alone, its sanity check, test, predict): the same agreement per batch.
+    @override
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval = _Pace()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval = _Pace()
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval = _Pace()
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval = _Pace()
+
+    @override
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._evaluated(trainer, at_end=False)
+
+    @override
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._evaluated(trainer, at_end=False)
+
+    @override
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._evaluated(trainer, at_end=False)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluated(trainer, at_end=True)
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluated(trainer, at_end=True)
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluated(trainer, at_end=True)
+
+    def _evaluated(self, trainer: pl.Trainer, at_end: bool) -> None:
+        """After an evaluation batch (``at_end``: the loop's end): if the ranks agree on a SIGTERM, stop. Inside a
+        fit past its sanity check, with ``last.ckpt`` at this step (a step boundary: validation takes none)."""
+        if self._agreed or not self.agree(trainer, None if at_end else self._eval):
+            return
+        self._agreed = True
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._save_and_stop(trainer)
+        raise self._preempted(trainer)
+
+    def _save_and_stop(self, trainer: pl.Trainer) -> None:
+        path = self.dirpath / "last.ckpt"
+        trainer.save_checkpoint(path, weights_only=False)  # explicit: Lightning logs a line when it is unset
+        raise Preempted(path, trainer.global_step)
+
+    def _preempted(self, trainer: pl.Trainer) -> Preempted:
+        last = self.dirpath / "last.ckpt"
+        return Preempted(last if last.is_file() else None, trainer.global_step)
+
+    def agree(self, trainer: pl.Trainer, pace: _Pace | None = None) -> bool:
+        """Whether any rank got SIGTERM (or its sweep is stopping), agreed by every rank: now, or with ``pace``
+        at its due batches only (``False`` in between, no collective)."""
+        if pace is not None and not pace.due():
             return False
-        if not self.requested and time.perf_counter() - self._sweep_checked >= 0.25:  # a stat, not every step
+        if not self.requested and time.perf_counter() - self._sweep_checked >= 0.25:  # a stat, not every batch
             self._sweep_checked = time.perf_counter()
             self.requested = requested()
         flag = self.requested
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            now = time.perf_counter()
-            flags = torch.tensor([float(flag), (now - self._since) / self._steps], dtype=torch.float64)
-            flags = flags.to(trainer.strategy.root_device)
+            batch_s = pace.batch_s() if pace is not None else 0.0
+            flags = torch.tensor([float(flag), batch_s], dtype=torch.float64).to(trainer.strategy.root_device)
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-            reduced, step_s = flags.tolist()
+            reduced, batch_s = flags.tolist()
             flag = bool(reduced)
-            self._every = int(min(max(self.interval_s / max(step_s, 1e-9), 1), 1000))
-            self._since = now
-        self._steps = 0
+            if pace is not None:
+                pace.agreed(self.interval_s, batch_s)
         return flag

@@ -87,8 +87,8 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
             datamodule.steps_per_execution = steps
         job = RankJob(entry=f"{__name__}:train_rank", config=_resolved(cfg, stage), output_dir=str(output_dir))
         trainer = build_trainer(cfg, output_dir, job, executions, model=model, predicts_forward=forward)
-        running.trainer = trainer
-    metrics, ran, predict_error = _run_stages(trainer, model, datamodule, cfg, stage)
+        running.own(trainer)
+    metrics, ran, predict_error = _run_stages(trainer, model, datamodule, cfg, stage, running)
     result: dict[str, Any] = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(
         samples_per_sec=metrics.get(Throughput.KEY, math.nan),
@@ -205,10 +205,16 @@ def _resolved(cfg: DictConfig, stage: str) -> dict[str, Any]:
 
 
 def _run_stages(
-    trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule, cfg: DictConfig, stage: str
+    trainer: pl.Trainer,
+    model: pl.LightningModule,
+    datamodule: pl.LightningDataModule,
+    cfg: DictConfig,
+    stage: str,
+    running: RunScope,
 ) -> tuple[dict[str, float], set[str], Exception | None]:
     """Run ``stage`` (see ``train``); return the callback metrics as floats, the stages run, and the error of a
-    predict after a fit that failed (the fit's and test's metrics stand). A launched rank's death is named."""
+    predict after a fit that failed (the fit's and test's metrics stand). A launched rank's death is named; a
+    SIGTERM since the last stage's last agreement raises ``Preempted`` on every rank (``RunScope.finish``)."""
     finished, predict_error, ran = False, None, {stage}
     try:
         if stage == "fit":
@@ -232,6 +238,7 @@ def _run_stages(
                 if stage == "predict" or isinstance(err, (ConfigError, Preempted)) or _named(trainer, err) is not err:
                     raise
                 predict_error = err
+        running.finish()
         finished = predict_error is None
         return metrics, ran, predict_error
     except Exception as err:
