@@ -34,6 +34,7 @@ WINDOW_S = {
     "fit_end": 6 * SLEEP_S,  # between fit and test, the test (predict follows)
     "test": 4 * SLEEP_S,  # the test (predict follows)
     "predict": 3 * SLEEP_S,  # predict, the run's last stage
+    "predict_teardown": 0.0,  # at once (here): after predict's last agreement, before the run's last one
 }
 
 
@@ -56,6 +57,9 @@ class SigtermAfter(pl.Callback):
     def _arm(self, trainer: pl.Trainer, hook: str) -> None:
         if hook == self.hook and trainer.global_rank == self.rank and _first(self.once):
             pid = os.getpid()
+            if self.delay_s == 0:
+                os.kill(pid, signal.SIGTERM)
+                return
             threading.Timer(self.delay_s, lambda: os.kill(pid, signal.SIGTERM)).start()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -74,6 +78,10 @@ class SigtermAfter(pl.Callback):
 
     def on_predict_start(self, trainer, pl_module):
         self._arm(trainer, "predict")
+
+    def teardown(self, trainer, pl_module, stage):
+        if stage == "predict":
+            self._arm(trainer, "predict_teardown")
 
 
 class SigtermRankInInit(RandomTensorDataModule):
@@ -136,6 +144,7 @@ CASES = [  # (strategy, devices, hook, rank)
     ("ddp", 2, "fit_end", 0),
     ("ddp", 2, "test", 1),
     ("ddp", 2, "predict", 0),
+    ("ddp", 2, "predict_teardown", 1),
     ("ddp", 3, "validation", 2),
     ("ddp", 3, "fit_end", 1),
     ("auto", 1, "validation", 0),
