@@ -146,9 +146,7 @@ CASES = [  # (strategy, devices, hook, rank)
     ("ddp", 2, "predict", 0),
     ("ddp", 2, "predict_teardown", 1),
     ("ddp", 3, "validation", 2),
-    ("ddp", 3, "fit_end", 1),
     ("auto", 1, "validation", 0),
-    ("auto", 1, "predict", 0),
 ]
 
 
