@@ -18,9 +18,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import ROOT, leftover, made_once, run_train
+from conftest import QUIET, ROOT, compose_cfg, leftover, made_once, run_train
 
 from dpddp.data.random_tensors import RandomTensorDataModule
+from dpddp.errors import Preempted
+from dpddp.run.training import train
 
 SLEEP_S = 0.1  # per evaluation step; 4 steps per rank or more in each of validation, test and predict below
 SETTINGS = ["accelerator=cpu", "data.num_samples=1005", "data.batch_size=30", "trainer.max_epochs=2", "model=mlp"]
@@ -170,3 +172,38 @@ def test_a_sigterm_in_a_launched_ranks_start_up_stops_every_rank_at_the_first_ag
     agreement, at the sanity check's first batch, stops every rank before any checkpoint."""
     data = ["data._target_=test_sigterm_any_moment.SigtermRankInInit", "+data.rank=1", f"+data.once={tmp_path}/sent"]
     _stops_then_continues(tmp_path, shared_dir, "ddp", 2, data, first_checkpoint=True)
+
+
+class SigtermInValidation(pl.Callback):
+    """This process gets SIGTERM at the start of validation batch 1 of epoch ``epoch`` (mid-fit), once per file
+    ``once``."""
+
+    def __init__(self, epoch: int, once: str) -> None:
+        self.epoch, self.once = epoch, once
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        fitting = trainer.state.fn == "fit" and not trainer.sanity_checking
+        if fitting and trainer.current_epoch == self.epoch and batch_idx == 1 and _first(self.once):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_a_sigterm_mid_validation_lets_a_plateau_scheduler_see_the_whole_validation_before_the_stop(tmp_path, epoch):
+    """The validation inside the fit runs to its end before the stop, so ``ReduceLROnPlateau`` on ``val/loss``
+    (users_models.PlateauMLP) steps on the whole epoch's value: the continued run ends with the straight run's
+    weights exactly (stopped at validation batch 1 and continued from there, they differed by up to 0.052)."""
+    settings = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "trainer.max_epochs=3"]
+    settings += ["model=mlp", "model._target_=users_models.PlateauMLP", "data.batch_size=30"]
+    kill = ["+callbacks.kill._target_=test_sigterm_any_moment.SigtermInValidation", f"+callbacks.kill.epoch={epoch}"]
+    kill.append(f"+callbacks.kill.once={tmp_path}/sent")
+    with pytest.raises(Preempted) as stop:
+        train(compose_cfg(*settings, *kill), tmp_path / "run")
+    assert stop.value.step == 26 * (epoch + 1)  # the epoch's last step: 805 training samples / 30 a step
+    resumed = train(compose_cfg(*settings, *kill, f"ckpt_path={stop.value.path}"), tmp_path / "resumed")
+    straight = train(compose_cfg(*settings), tmp_path / "straight")
+    ended, expected = (
+        _state(tmp_path / "resumed/checkpoints/last.ckpt"),
+        _state(tmp_path / "straight/checkpoints/last.ckpt"),
+    )
+    assert max((ended[k] - expected[k]).abs().max().item() for k in expected) == 0
+    assert resumed["val/loss"] == pytest.approx(straight["val/loss"], abs=1e-6)

@@ -293,12 +293,15 @@ class StepBoundaryStop(pl.Callback):
         self._evaluated(trainer, at_end=True)
 
     def _evaluated(self, trainer: pl.Trainer, at_end: bool) -> None:
-        """After an evaluation batch (``at_end``: the loop's end): if the ranks agree on a SIGTERM, stop. Inside a
-        fit past its sanity check, with ``last.ckpt`` at this step (a step boundary: validation takes none)."""
-        if self._agreed or not self.agree(trainer, None if at_end else self._eval):
+        """After an evaluation batch (``at_end``: the loop's end): once the ranks agree on a SIGTERM, stop. A
+        validation inside a fit runs to its end first, so that what its metrics decide (a plateau scheduler, the
+        checkpoints) is the straight run's, then ``last.ckpt`` is written at this step (no step is taken in it)."""
+        in_fit = trainer.state.fn == "fit" and not trainer.sanity_checking
+        if not self._agreed:
+            self._agreed = self.agree(trainer, None if at_end else self._eval)
+        if not self._agreed or (in_fit and not at_end):
             return
-        self._agreed = True
-        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+        if in_fit:
             self._save_and_stop(trainer)
         raise self._preempted(trainer)
 
