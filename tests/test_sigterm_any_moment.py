@@ -189,16 +189,17 @@ class SigtermInValidation(pl.Callback):
 
 @pytest.mark.parametrize("epoch", [0, 1])
 def test_a_sigterm_mid_validation_lets_a_plateau_scheduler_see_the_whole_validation_before_the_stop(tmp_path, epoch):
-    """The validation inside the fit runs to its end before the stop, so ``ReduceLROnPlateau`` on ``val/loss``
-    (users_models.PlateauMLP) steps on the whole epoch's value: the continued run ends with the straight run's
-    weights exactly (stopped at validation batch 1 and continued from there, they differed by up to 0.052)."""
+    """The validation inside the fit runs to its end, and the epoch too, before the stop at the next step, so
+    ``ReduceLROnPlateau`` on ``val/loss`` (users_models.PlateauMLP) steps on the whole epoch's value: the
+    continued run ends with the straight run's weights exactly (stopped at validation batch 1 and continued from
+    there, they differed by up to 0.052)."""
     settings = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "trainer.max_epochs=3"]
     settings += ["model=mlp", "model._target_=users_models.PlateauMLP", "data.batch_size=30"]
     kill = ["+callbacks.kill._target_=test_sigterm_any_moment.SigtermInValidation", f"+callbacks.kill.epoch={epoch}"]
     kill.append(f"+callbacks.kill.once={tmp_path}/sent")
     with pytest.raises(Preempted) as stop:
         train(compose_cfg(*settings, *kill), tmp_path / "run")
-    assert stop.value.step == 26 * (epoch + 1)  # the epoch's last step: 805 training samples / 30 a step
+    assert stop.value.step == 26 * (epoch + 1) + 1  # the next step: 805 training samples / 30 a step
     resumed = train(compose_cfg(*settings, *kill, f"ckpt_path={stop.value.path}"), tmp_path / "resumed")
     straight = train(compose_cfg(*settings), tmp_path / "straight")
     ended, expected = (

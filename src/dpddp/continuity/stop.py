@@ -293,17 +293,14 @@ class StepBoundaryStop(pl.Callback):
         self._evaluated(trainer, at_end=True)
 
     def _evaluated(self, trainer: pl.Trainer, at_end: bool) -> None:
-        """After an evaluation batch (``at_end``: the loop's end): once the ranks agree on a SIGTERM, stop. A
-        validation inside a fit runs to its end first, so that what its metrics decide (a plateau scheduler, the
-        checkpoints) is the straight run's, then ``last.ckpt`` is written at this step (no step is taken in it)."""
-        in_fit = trainer.state.fn == "fit" and not trainer.sanity_checking
+        """After an evaluation batch (``at_end``: the loop's end): once the ranks agree on a SIGTERM, stop; in a
+        validation inside a fit, at the next step boundary (``on_train_batch_end``) or the fit's end, so that the
+        validation, the epoch's end and what they decide (a plateau scheduler, checkpoints, the epoch's row) are
+        the straight run's."""
         if not self._agreed:
             self._agreed = self.agree(trainer, None if at_end else self._eval)
-        if not self._agreed or (in_fit and not at_end):
-            return
-        if in_fit:
-            self._save_and_stop(trainer)
-        raise self._preempted(trainer)
+        if self._agreed and not (trainer.state.fn == "fit" and not trainer.sanity_checking):
+            raise self._preempted(trainer)
 
     def _save_and_stop(self, trainer: pl.Trainer) -> None:
         path = self.dirpath / "last.ckpt"
