@@ -116,6 +116,51 @@ class SplitData(pl.LightningDataModule):
         return DataLoader(self.test, batch_size=self.batch_size)
 
 
+class WorkerData(SplitData):
+    """``SplitData`` with ``num_workers`` DataLoader worker processes in every loader (``persistent_workers`` as
+    given), as users write it; ``hang=True``: each worker's first item blocks for an hour (a stuck worker), with
+    the loaders' own ``timeout`` seconds."""
+
+    def __init__(self, num_workers: int = 2, persistent_workers: bool = True, hang: bool = False, timeout: float = 0,
+                 **kwargs) -> None:  # fmt: skip
+        super().__init__(**kwargs)
+        self.workers = {"num_workers": num_workers, "persistent_workers": persistent_workers, "timeout": timeout}
+        self.hang = hang
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.hang:
+            self.train = Subset(_HangInWorker(self.train.dataset), self.train.indices)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, generator=generator, **self.workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val, batch_size=self.batch_size, **self.workers)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.test, batch_size=self.batch_size, **self.workers)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self.test_dataloader()
+
+
+class _HangInWorker(Dataset):
+    """``dataset``, whose items block for an hour in a DataLoader worker process (not in the main process)."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        if torch.utils.data.get_worker_info() is not None:
+            time.sleep(3600)
+        return self.dataset[i]
+
+
 class MemoryBoundMLP(MLPClassifier):
     """Runs out of memory as a GPU would: a training forward of more than ``limits[global rank]`` samples raises
     ``torch.OutOfMemoryError`` (the last limit serves the ranks after it). ``biggest``: the largest training

@@ -5,6 +5,7 @@
 | ``ConfigError`` | 2 | ``error: <setting>=<value> ...: <fix>``, before anything starts |
 | ``WriteFailed`` | 1 | ``error: cannot write last.ckpt in '<dir>': No space left on device: <fix>`` |
 | ``RankFailed`` | 1 | ``error: rank 1 (pid N) was killed by SIGKILL; ending the run (...)`` |
+| ``LoaderFailed`` | 1 | ``error: rank 1: a DataLoader worker sent no batch for 60 s (data.num_workers > 0): <fix>`` |
 | ``Preempted`` | 143 (128 + SIGTERM, as a shell reports it) | ``error: stopped by SIGTERM ...`` |
 | any other exception | 1 | its traceback |
 
@@ -31,6 +32,7 @@ __all__ = [
     "EXIT_PREEMPTED",
     "KNOWN",
     "ConfigError",
+    "LoaderFailed",
     "Preempted",
     "RankFailed",
     "WriteFailed",
@@ -60,6 +62,11 @@ class ConfigError(ValueError):
 class RankFailed(RuntimeError):
     """A launched rank ended with a non-zero status, and rank 0's run failed with it (the message says which
     rank, its pid and status, and rank 0's own error)."""
+
+
+class LoaderFailed(RuntimeError):
+    """A DataLoader worker process was stuck (no batch within the loader's timeout) or died; the message names
+    the rank, what torch saw, the setting (``data.num_workers``) and what to do."""
 
 
 class Preempted(RuntimeError):
@@ -114,7 +121,7 @@ def checked_float(name: str, value: Any, low: float, high: float, fix: str) -> f
 
 # The errors an entry point reports in one line; any other is raised on and shows its traceback (under train.py
 # Hydra's short one, the full one with HYDRA_FULL_ERROR=1).
-KNOWN = (ConfigError, RankFailed, Preempted, WriteFailed)
+KNOWN = (ConfigError, RankFailed, Preempted, WriteFailed, LoaderFailed)
 
 
 def fail(line: str, status: int = EXIT_CONFIG, log: logging.Logger | None = None) -> NoReturn:
@@ -135,9 +142,10 @@ def exit_on(err: BaseException, resume: Callable[[], str] | None = None, log: lo
 
 
 def rank_status(err: BaseException, log: logging.Logger) -> int:
-    """In a launched rank: log ``err`` (a ``ConfigError`` as ``error: <message>``, a ``Preempted`` as its message:
-    rank 0 says the resume line; anything else with its traceback) and return its exit status."""
-    if isinstance(err, ConfigError):
+    """In a launched rank: log ``err`` (a ``ConfigError`` or ``LoaderFailed`` as ``error: <message>``, a
+    ``Preempted`` as its message: rank 0 says the resume line; anything else with its traceback) and return its
+    exit status."""
+    if isinstance(err, (ConfigError, LoaderFailed)):
         log.error(f"error: {err}")
     elif isinstance(err, Preempted):
         log.error(str(err))

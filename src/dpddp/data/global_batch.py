@@ -19,6 +19,7 @@ from dpddp._compat import data_position
 from dpddp.data import rules
 from dpddp.data.batches import Batches, batch_indexable, defer_rows
 from dpddp.errors import ConfigError
+from dpddp.parallel.workers import start_workers_safely
 
 __all__ = ["GlobalBatchDataModule", "GlobalBatchSampler", "step_position"]
 
@@ -231,7 +232,8 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         steps = self.steps_per_execution if train else 1
         sampler = GlobalBatchSampler(size, self.batch_size, rank, world_size, train, self.seed, self.block_size, steps)
         # batch_size=None: the sampler yields whole index batches and the dataset gathers them in one index.
-        return DataLoader(ds, sampler=sampler, batch_size=None, num_workers=self.num_workers)
+        loader = DataLoader(ds, sampler=sampler, batch_size=None, num_workers=self.num_workers)
+        return start_workers_safely(loader, rank)  # type: ignore[return-value]
 
     @override
     def train_dataloader(self) -> DataLoader:

@@ -23,6 +23,7 @@ from typing_extensions import override
 from dpddp._compat import data_position
 from dpddp.data.batches import dataset_rows, empty_batch
 from dpddp.errors import ConfigError
+from dpddp.parallel.workers import start_workers_safely
 
 __all__ = ["ShardedBatchSampler", "ShardedDataModule", "epoch_order", "shard_loader"]
 
@@ -158,7 +159,8 @@ def shard_loader(
 ) -> DataLoader:
     """``loader`` (a plain ``torch.utils.data.DataLoader`` over a map-style data set, batched by a sampler)
     rebuilt with a ``ShardedBatchSampler``: its batch size becomes the global batch. ``with_rows``: each batch
-    followed by its samples' rows in the loader's data set (for ``predictions.csv``).
+    followed by its samples' rows in the loader's data set (for ``predictions.csv``). Its workers start safely
+    (``dpddp.parallel.workers.start_workers_safely``).
 
     Raises:
         ConfigError: a loader that cannot be sharded this way (another class, an iterable data set, no batch
@@ -187,7 +189,7 @@ def shard_loader(
         )
     workers = loader.num_workers
     collate = _CollateOrEmpty(loader.collate_fn, loader.dataset)
-    return DataLoader(
+    sharded = DataLoader(
         _WithRows(loader.dataset) if with_rows else loader.dataset,
         batch_sampler=batches,
         num_workers=workers,
@@ -200,6 +202,7 @@ def shard_loader(
         prefetch_factor=loader.prefetch_factor if workers else None,
         persistent_workers=loader.persistent_workers,
     )
+    return start_workers_safely(sharded, rank)  # type: ignore[return-value]
 
 
 class ShardedDataModule(pl.LightningDataModule):

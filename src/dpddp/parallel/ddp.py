@@ -23,6 +23,7 @@ from dpddp.parallel.launcher import JobLauncher, RankJob, Supervisor
 from dpddp.parallel.peers import PeerWatch
 from dpddp.parallel.rank import run_rank
 from dpddp.parallel.rendezvous import join_start
+from dpddp.parallel.workers import start_workers_safely
 
 __all__ = ["DDPStrategy", "apply_interface"]
 
@@ -157,6 +158,11 @@ class DDPStrategy(LightningDDPStrategy):
         watch.report(line or f"rank {self.global_rank} (node {self.node_rank}) failed: {first_line(err)}")
         watch.stop(clean=False)
         return line
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Every loader of every stage, the user's own too: workers started safely (``start_workers_safely``)."""
+        return start_workers_safely(dataloader, self.global_rank)
 
     @override
     def teardown(self) -> None:

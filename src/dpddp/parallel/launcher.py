@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import json
 import logging
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -32,7 +33,8 @@ from dpddp.cluster import LAUNCHED_ENV
 from dpddp.errors import ConfigError, RankFailed, first_line
 from dpddp.network import route_interface
 
-__all__ = ["JobLauncher", "RankJob", "Supervisor", "bind_store_socket", "die_with_parent", "rank_ended"]
+__all__ = ["JobLauncher", "RankJob", "Supervisor", "bind_store_socket", "die_with_parent", "forget_forkserver"]
+__all__ += ["rank_ended"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,22 @@ def die_with_parent() -> None:
     """In a launched rank: get SIGKILL when the launching process dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+def forget_forkserver() -> None:
+    """In a process just forked from one that may have started ``multiprocessing``'s fork server: forget that
+    server (close this copy of its keep-alive pipe, so it still ends with its own process; a new one starts on
+    first use here). ``multiprocessing.forkserver._forkserver``'s fields, CPython 3.10-3.13: the module's
+    functions are bound to that one instance, so it is reset in place; tests/test_loader_workers.py fails if
+    they move."""
+    server: Any = multiprocessing.forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        try:
+            os.close(server._forkserver_alive_fd)
+        except OSError:
+            pass
+    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+    server._lock = threading.Lock()  # another thread of the parent may have held it at the fork
 
 
 def rank_ended(rank: int, proc: Any) -> str:
@@ -249,6 +267,7 @@ class JobLauncher(SubprocessScriptLauncher):
             if os.getppid() == parent:  # else the launcher died before prctl took effect
                 if self.listen_socket is not None:
                     self.listen_socket.close()  # rank 0's store socket: only rank 0 keeps it
+                forget_forkserver()  # a fork server of an earlier job is rank 0's: this rank's workers get their own
                 os.environ.update(LOCAL_RANK=str(local_rank), **{LAUNCHED_ENV: "1"})
                 code = self.run_forked(self.job)
         finally:

@@ -26,6 +26,7 @@ from dpddp.errors import ConfigError, Preempted, RankFailed, first_line
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import RankJob
 from dpddp.parallel.rules import nodes, resolve_accelerator, world_size, world_size_source
+from dpddp.parallel.workers import loader_failed
 from dpddp.report.costs import Costs, peak_memory_mib
 from dpddp.report.epochs import EpochRecord
 from dpddp.report.metrics import METRIC_KEYS, write_metrics
@@ -213,8 +214,9 @@ def _run_stages(
     running: RunScope,
 ) -> tuple[dict[str, float], set[str], Exception | None]:
     """Run ``stage`` (see ``train``); return the callback metrics as floats, the stages run, and the error of a
-    predict after a fit that failed (the fit's and test's metrics stand). A launched rank's death is named; a
-    SIGTERM since the last stage's last agreement raises ``Preempted`` on every rank (``RunScope.finish``)."""
+    predict after a fit that failed (the fit's and test's metrics stand). A launched rank's death is named, as is
+    a stuck or dead loader worker (``LoaderFailed``); a SIGTERM since the last stage's last agreement raises
+    ``Preempted`` on every rank (``RunScope.finish``)."""
     finished, predict_error, ran = False, None, {stage}
     try:
         if stage == "fit":
@@ -242,6 +244,9 @@ def _run_stages(
         finished = predict_error is None
         return metrics, ran, predict_error
     except Exception as err:
+        failed = loader_failed(err, trainer.global_rank)  # this rank's loader worker is stuck or dead: the cause
+        if failed is not None:
+            raise failed from err
         named = _named(trainer, err)
         if named is not err:
             raise named from err

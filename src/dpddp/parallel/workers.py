@@ -1,0 +1,136 @@
+"""DataLoader worker processes that end with their rank: started from a fork server (a single-threaded process),
+never forked from a rank that runs threads; killed when their parent dies; one that is stuck or dies ends the
+run with one line. See docs/design-notes.md (parallel.workers).
+"""
+
+from __future__ import annotations
+
+import builtins
+import multiprocessing
+import os
+import re
+import sys
+from collections.abc import Callable
+from functools import partial
+from types import FunctionType, ModuleType
+
+from lightning.fabric.utilities.seed import pl_worker_init_function
+from torch.utils.data import DataLoader
+
+from dpddp.errors import LoaderFailed
+from dpddp.parallel.launcher import die_with_parent, forget_forkserver
+
+__all__ = ["START_METHOD", "WORKER_TIMEOUT_S", "WorkerStart", "loader_failed", "loader_worker_failure"]
+__all__ += ["start_workers_safely"]
+
+START_METHOD = "forkserver"
+"""How a loader without a ``multiprocessing_context`` of its own starts its workers: forked from a fork server
+that runs no thread (a fork of a rank that runs threads can deadlock in the child before any of its code runs)."""
+
+WORKER_TIMEOUT_S = 60.0
+"""Seconds a rank waits for its workers' next batch, for a loader without a ``timeout`` of its own."""
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not, on Linux)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if sys.platform.startswith("linux"):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().rpartition(")")[2].split()[0] != "Z"
+        except OSError:
+            return False
+    return True
+
+
+class WorkerStart:
+    """A loader's ``worker_init_fn`` in each worker: SIGKILL when its parent dies (``die_with_parent``; the parent
+    is the fork server, which ends when the rank closes its keep-alive pipe, so the worker drops its own copy of
+    that pipe, ``forget_forkserver``), exit at once if the rank ``rank_pid`` is gone already, then
+    ``then(worker_id)`` (the loader's own ``worker_init_fn``, or Lightning's worker seeding). Picklable."""
+
+    def __init__(self, rank_pid: int, then: Callable[[int], None] | None = None) -> None:
+        self.rank_pid, self.then = rank_pid, then
+
+    def __call__(self, worker_id: int) -> None:
+        die_with_parent()
+        forget_forkserver()  # the server sent this worker the rank's end of its keep-alive pipe: it would keep the
+        # server (and so this worker) alive after the rank is gone
+        if not _alive(self.rank_pid):  # the rank died before the signal was armed: nothing would send it
+            os._exit(1)
+        if self.then is not None:
+            self.then(worker_id)
+
+
+_preloaded: set[str] = {"torch", __name__}
+
+
+def _modules_of(*objects: object) -> set[str]:
+    """The importable modules that define ``objects`` (a module, or a class or function's ``__module__``)."""
+    names = {o.__name__ if isinstance(o, ModuleType) else getattr(o, "__module__", None) for o in objects}
+    names |= {getattr(type(o), "__module__", None) for o in objects if not isinstance(o, (ModuleType, type))}
+    return {n for n in names if isinstance(n, str) and n not in ("__main__", "__mp_main__", "builtins")}
+
+
+def _preload(loader: DataLoader) -> None:
+    """Name what the fork server imports once, before it forks a worker (it starts on the first worker): torch,
+    this module, the modules of the loader's data set and collate_fn and of what the main module imported (each
+    worker runs the main module again; CPython 3.11's fork server does not preload it, whatever it is told)."""
+    main = vars(sys.modules["__main__"]).values() if "__main__" in sys.modules else ()
+    imported = [v for v in main if isinstance(v, (ModuleType, type, FunctionType)) and v is not builtins]
+    found = _modules_of(loader.dataset, loader.collate_fn, *imported)
+    if not found <= _preloaded:
+        _preloaded.update(found)
+        multiprocessing.set_forkserver_preload(sorted(_preloaded))
+
+
+def start_workers_safely(loader: object, rank: int) -> object:
+    """``loader``, changed in place when it is a ``DataLoader`` with workers: a ``multiprocessing_context`` of
+    ``START_METHOD`` unless it has its own, a ``WorkerStart`` around its ``worker_init_fn`` (Lightning's seeding of
+    global rank ``rank`` where it has none and ``seed_everything(workers=True)`` ran, as Lightning would add it) and a
+    ``timeout`` of ``WORKER_TIMEOUT_S`` unless it has its own. Any other object is returned as it is."""
+    if not isinstance(loader, DataLoader) or not loader.num_workers or isinstance(loader.worker_init_fn, WorkerStart):
+        return loader
+    if loader.multiprocessing_context is None and START_METHOD in multiprocessing.get_all_start_methods():
+        loader.multiprocessing_context = START_METHOD
+        _preload(loader)
+    then = loader.worker_init_fn
+    if then is None and int(os.environ.get("PL_SEED_WORKERS", 0)):
+        then = partial(pl_worker_init_function, rank=rank)
+    loader.worker_init_fn = WorkerStart(os.getpid(), then)
+    if not loader.timeout:
+        loader.timeout = WORKER_TIMEOUT_S
+    return loader
+
+
+def loader_worker_failure(err: BaseException) -> str | None:
+    """What torch's ``RuntimeError`` ``err`` says of a stuck or dead DataLoader worker, as a phrase (``"a
+    DataLoader worker sent no batch for 60.0 s"``, ``"a DataLoader worker (pid(s) 42) exited unexpectedly"``,
+    ``"a DataLoader worker (pid 42) is killed by signal: Killed."``), else ``None``. Its wording, torch 2.13
+    (``torch/utils/data/dataloader.py`` and its C++ SIGCHLD handler); tests/test_loader_workers.py fails if it
+    changes (the run then ends with torch's traceback instead of the one line)."""
+    if not isinstance(err, RuntimeError):
+        return None
+    text = (str(err).splitlines() or [""])[0]
+    timed_out = re.fullmatch(r"DataLoader timed out after (\S+) seconds", text)
+    if timed_out:
+        return f"a DataLoader worker sent no batch for {timed_out[1]} s"
+    return f"a {text}" if text.startswith("DataLoader worker (pid") else None
+
+
+def loader_failed(err: BaseException, rank: int) -> LoaderFailed | None:
+    """The one-line error for ``err`` when it is torch's report of a stuck or dead DataLoader worker, else
+    ``None``: ``"rank 1: a DataLoader worker sent no batch for 60 s ... (data.num_workers): ..."``."""
+    what = loader_worker_failure(err)
+    if what is None:
+        return None
+    return LoaderFailed(
+        f"rank {rank}: {what} (data.num_workers > 0): its data set's __getitem__ or the collate_fn hangs or crashed "
+        "in a worker process; set data.num_workers=0 to load in the rank and see where, or give the DataLoader a "
+        "timeout=SECONDS of its own if a batch takes longer"
+    )

@@ -1,0 +1,359 @@
+"""DataLoader worker processes end with their run: every loader's workers, the user's own too, start from a fork
+server (a process without threads), never forked from a rank that runs threads; they die with their rank; a
+stuck worker ends the run with one line; and repeated stop-and-continue cycles with persistent workers on ddp(2)
+leave no process behind and end with the straight run's weights."""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver as server_module
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from functools import partial
+from pathlib import Path
+
+import lightning.pytorch as pl
+import psutil
+import pytest
+import torch
+from conftest import QUIET, ROOT, child_env, made_once, max_diff, run_train, tagged, weights
+from lightning.fabric.utilities.seed import pl_worker_init_function
+from torch.utils.data import DataLoader, TensorDataset
+
+from dpddp.continuity.stop import StepBoundaryStop
+from dpddp.parallel.launcher import forget_forkserver
+from dpddp.parallel.workers import (
+    START_METHOD,
+    WORKER_TIMEOUT_S,
+    WorkerStart,
+    loader_worker_failure,
+    start_workers_safely,
+)
+
+
+def _own_init(worker_id: int) -> None:
+    pass
+
+
+def test_a_loader_with_workers_gets_a_fork_server_a_timeout_and_a_worker_start_around_its_own_init(monkeypatch):
+    data = TensorDataset(torch.arange(8.0))
+    plain = start_workers_safely(DataLoader(data, num_workers=2, worker_init_fn=_own_init), rank=1)
+    assert plain.multiprocessing_context.get_start_method() == START_METHOD == "forkserver"
+    assert plain.timeout == WORKER_TIMEOUT_S == 60.0
+    assert isinstance(plain.worker_init_fn, WorkerStart) and plain.worker_init_fn.then is _own_init
+    assert plain.worker_init_fn.rank_pid == os.getpid()
+    assert start_workers_safely(plain, rank=1).worker_init_fn.then is _own_init  # once, not wrapped twice
+
+    own = start_workers_safely(DataLoader(data, num_workers=1, multiprocessing_context="spawn", timeout=5), 0)
+    assert own.multiprocessing_context.get_start_method() == "spawn" and own.timeout == 5  # the user's choices
+
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")  # seed_everything(workers=True): Lightning's seeding, kept
+    seeded = start_workers_safely(DataLoader(data, num_workers=1), rank=3).worker_init_fn.then
+    assert isinstance(seeded, partial) and seeded.func is pl_worker_init_function and seeded.keywords == {"rank": 3}
+
+    none = DataLoader(data)
+    assert start_workers_safely(none, 0) is none and none.worker_init_fn is None and none.timeout == 0
+    assert start_workers_safely([1, 2], 0) == [1, 2]
+
+
+def test_a_worker_whose_rank_is_gone_exits_before_running_anything():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process
+    calls = []
+    pid = os.fork()
+    if pid == 0:
+        WorkerStart(gone.pid, then=calls.append)(0)
+        os._exit(0 if not calls else 3)  # not reached: WorkerStart exits 1
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 1
+    WorkerStart(os.getpid(), then=calls.append)(7)  # a live rank: the loader's own init runs
+    assert calls == [7]
+
+
+class _StuckOrDead(torch.utils.data.Dataset):
+    """In a DataLoader worker, item 0 blocks (``stuck``) or the worker exits (``dead``)."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        if self.how == "stuck":
+            time.sleep(600)
+        os._exit(9)
+
+
+@pytest.mark.parametrize("how", ["stuck", "dead"])
+def test_loader_worker_failure_reads_torchs_errors_for_a_stuck_and_a_dead_worker(how):
+    loader = torch.utils.data.DataLoader(_StuckOrDead(how), num_workers=1, timeout=1 if how == "stuck" else 0,
+                                         multiprocessing_context="fork")  # fmt: skip
+    with pytest.raises(RuntimeError) as err:
+        next(iter(loader))
+    what = loader_worker_failure(err.value)
+    if how == "stuck":
+        assert what == "a DataLoader worker sent no batch for 1 s"
+    else:
+        assert what is not None and re.fullmatch(r"a DataLoader worker \(pid\(s\) \d+\) exited unexpectedly", what)
+    assert loader_worker_failure(RuntimeError("another error")) is None
+    assert loader_worker_failure(ValueError("DataLoader timed out after 1 seconds")) is None
+
+
+def test_forget_forkserver_gives_a_forked_process_a_fork_server_of_its_own():
+    """A process forked after its parent started the fork server reuses the parent's server (and holds its
+    keep-alive pipe) unless it forgets it; then its first worker starts a server of its own."""
+    server_module.ensure_running()
+    parent_server = server_module._forkserver._forkserver_pid
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            forget_forkserver()
+            assert server_module._forkserver._forkserver_pid is None
+            server_module.ensure_running()
+            own = server_module._forkserver._forkserver_pid
+            os.write(write, str(own).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    child_server = int(os.read(read, 64).decode() or 0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert parent_server is not None and child_server not in (0, parent_server)
+
+
+# -- real runs ------------------------------------------------------------------------------------------------
+
+BATCH, STEPS = 12, 30 * 8  # users_models.WorkerData: 101 training samples, 8 batches an epoch, 30 epochs
+DATA = ["data=sharded", "+data.module._target_=users_models.WorkerData", f"+data.module.batch_size={BATCH}"]
+# Long enough that a SIGTERM, agreed about once a second, stops the fit before its end.
+RUN = ["accelerator=cpu", "trainer.max_epochs=30", "model.num_features=4", "model.num_classes=3", "logger=none"]
+
+
+class PauseAtStep(pl.Callback):
+    """Test helper: on global rank 0, after the training batch that takes global step ``step``, touches ``flag``
+    and waits (up to 2 minutes) until this process has a SIGTERM to stop on, so a test can see every process of the
+    run and then signal it at a known place."""
+
+    def __init__(self, step: int, flag: str) -> None:
+        self.step, self.flag = step, flag
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step != self.step or trainer.global_rank != 0:
+            return
+        Path(self.flag).touch()
+        deadline = time.monotonic() + 120
+        stop = next(cb for cb in trainer.callbacks if isinstance(cb, StepBoundaryStop))
+        while not stop.requested and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _gone(procs: list[psutil.Process], wait_s: float = 30.0) -> list[int]:
+    """The pids of ``procs`` still running after up to ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p.pid)
+            except psutil.NoSuchProcess:
+                continue
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _server_born(p: psutil.Process) -> bool:
+    """Whether ``p`` runs from multiprocessing's fork server (the server itself, or a process it forked)."""
+    try:
+        return "multiprocessing.forkserver" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _straight(run: Path) -> None:
+    serial = ["+data.module.num_workers=0", "+data.module.persistent_workers=false"]
+    proc = run_train(*RUN, *DATA, *serial, f"hydra.run.dir={run}", cwd=run.parent,
+                     env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_stop_and_continue_cycles_with_persistent_workers_leave_no_process_and_end_as_the_straight_run(
+    tmp_path, shared_dir
+):
+    """3 SIGTERMs to rank 0 of ddp(2), each at a seeded step of a segment continued from the last one's
+    checkpoint, every loader with 2 persistent workers: each ends 143 at a step boundary; while it ran, every
+    rank's workers were forked by a fork server, not by the rank; after it, no process of its tree runs; the last
+    segment ends with the weights of a straight run on one process without workers (1e-5)."""
+    straight = made_once(shared_dir, "workers_straight_30", _straight)
+    rng, ckpt, stopped_at = random.Random(42), None, 0
+    env, tag = child_env(PYTHONPATH=str(ROOT / "tests"))
+    for cycle in range(4):
+        run, flag = tmp_path / f"segment{cycle}", tmp_path / f"paused{cycle}"
+        pause = stopped_at + rng.randint(5, 30)
+        more = [] if cycle == 3 else ["+callbacks.pause._target_=test_loader_workers.PauseAtStep",
+                                      f"+callbacks.pause.step={pause}", f"+callbacks.pause.flag={flag}"]  # fmt: skip
+        resume = [f"ckpt_path={ckpt}"] if ckpt else []
+        cmd = [sys.executable, str(ROOT / "train.py"), *RUN, *DATA, "strategy=ddp", "devices=2", *resume, *more,
+               *QUIET, f"hydra.run.dir={run}"]  # fmt: skip
+        log = open(tmp_path / f"{run.name}.log", "w")  # a file: a pipe not read while it runs would fill and block
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        if cycle < 3:
+            deadline = time.monotonic() + 240
+            while not flag.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert proc.poll() is None, (tmp_path / f"{run.name}.log").read_text()[-3000:]
+            tree = _tree(proc.pid)
+            born = [p for p in tree if _server_born(p)]
+            workers = [p for p in born if p.ppid() in {s.pid for s in born}]
+            ranks = [p for p in tree if p.ppid() == proc.pid and not _server_born(p) and "resource_tracker" not in
+                     " ".join(p.cmdline())]  # fmt: skip
+            assert len(ranks) == 1 and len(born) - len(workers) == 2, [p.cmdline()[:3] for p in tree]  # a server each
+            assert len(workers) >= 4  # the training loader's 2 persistent workers on each rank, at least
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=240)
+        log.close()
+        out = (tmp_path / f"{run.name}.log").read_text()
+        assert proc.returncode == (143 if cycle < 3 else 0), out[-3000:]
+        assert _gone(tree if cycle < 3 else tagged(tag)) == [], out[-3000:]  # the tree seen while it ran: all gone
+        ckpt = run / "checkpoints" / "last.ckpt"
+        step = torch.load(ckpt, weights_only=True)["global_step"]
+        assert (step >= pause if cycle < 3 else step == STEPS) and step > stopped_at, (step, pause)
+        stopped_at = step
+    assert max_diff(weights(ckpt), weights(straight / "checkpoints/last.ckpt")) <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_stuck_worker_ends_the_run_with_one_line_naming_the_setting(tmp_path):
+    """Every training worker of ddp(2) blocks in its first item, with the loaders' own timeout of 3 s: the run
+    ends with exit 1, its last line the one ``error:`` line naming data.num_workers, and no process left."""
+    hang = ["+data.module.hang=true", "+data.module.timeout=3"]
+    env = {"PYTHONPATH": str(ROOT / "tests")}
+    ddp = ["strategy=ddp", "devices=2"]
+    proc = run_train(*RUN, *DATA, *ddp, *hang, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line.split("error: ", 1)[1] for line in proc.stderr.splitlines() if "error: " in line]
+    assert errors, proc.stderr[-3000:]
+    last = errors[-1]  # rank 0's, the run's last word
+    assert "a DataLoader worker sent no batch for 3 s (data.num_workers > 0)" in last, last
+    assert "set data.num_workers=0" in last and last.startswith("rank "), last
+    assert _gone(tagged(proc.tag)) == []
+
+
+class StageMark(pl.Callback):
+    """Test helper: on global rank 0, writes the stage running now into the file ``path`` (``fit``, ``validate``,
+    ``test``, ``predict``; ``done`` once predict has ended)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def _mark(self, trainer, what: str) -> None:
+        if trainer.global_rank == 0:
+            self.path.write_text(what)
+
+    def on_train_start(self, trainer, *args) -> None:
+        self._mark(trainer, "fit")
+
+    def on_validation_start(self, trainer, *args) -> None:
+        self._mark(trainer, "validate")
+
+    def on_validation_end(self, trainer, *args) -> None:
+        if trainer.training or trainer.state.fn == "fit":
+            self._mark(trainer, "fit")
+
+    def on_test_start(self, trainer, *args) -> None:
+        self._mark(trainer, "test")
+
+    def on_predict_start(self, trainer, *args) -> None:
+        self._mark(trainer, "predict")
+
+    def on_predict_end(self, trainer, *args) -> None:
+        self._mark(trainer, "done")
+
+
+def _stage(mark: Path) -> str:
+    try:
+        return mark.read_text() or "start-up"
+    except FileNotFoundError:
+        return "start-up"
+
+
+def _signal(proc: subprocess.Popen, rank: int, signum: int) -> int:
+    """Send ``signum`` to global rank ``rank`` of the run ``proc`` (rank 0 is ``proc``); the pid signalled."""
+    target = proc.pid
+    if rank:
+        ranks = [p for p in psutil.Process(proc.pid).children() if not _server_born(p)]
+        ranks = [p for p in ranks if "resource_tracker" not in " ".join(p.cmdline())]
+        target = ranks[0].pid
+    os.kill(target, signum)
+    return target
+
+
+@pytest.mark.slow
+def test_soak_seeded_sigterms_and_sigkills_at_random_moments_on_ddp_with_workers(tmp_path, shared_dir):
+    """10 seeded signals (SIGTERM or SIGKILL, to rank 0 or rank 1) at a random moment of a random stage on
+    ddp(2) with 2 persistent workers per loader, through fit, validation, test and predict, each run continuing
+    the last checkpoint: a SIGTERM ends 143 with the stop line, a SIGKILL of rank 1 ends 1 with the line naming it
+    (of rank 0: its ranks die with it); within a minute, no process of the run left; each chain of continues that
+    finishes ends with the straight run's weights (1e-5). The counts are printed."""
+    straight = made_once(shared_dir, "workers_straight_30", _straight)
+    rng, ckpt, env = random.Random(7), None, child_env(PYTHONPATH=str(ROOT / "tests"))[0]
+    landed: Counter[str] = Counter()
+    finished, lags = 0, []
+    for i in range(11):
+        env["DPDDP_TEST_TAG"] = tag = f"soak{i}-{os.getpid()}"
+        run, mark = tmp_path / f"run{i}", tmp_path / f"stage{i}"
+        signum = signal.SIGKILL if rng.random() < 0.3 else signal.SIGTERM
+        rank, target, delay = rng.randint(0, 1), rng.choice(["fit", "validate", "test", "predict"]), rng.uniform(0, 0.5)
+        resume = [f"ckpt_path={ckpt}"] if ckpt else []
+        cmd = [sys.executable, str(ROOT / "train.py"), *RUN, *DATA, "strategy=ddp", "devices=2", "predict=true",
+               "+callbacks.mark._target_=test_loader_workers.StageMark", f"+callbacks.mark.path={mark}", *resume,
+               *QUIET, f"hydra.run.dir={run}"]  # fmt: skip
+        log = open(tmp_path / f"{run.name}.log", "w")  # a file: a pipe not read while it runs would fill and block
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        if i < 10:
+            deadline = time.monotonic() + 240
+            while _stage(mark) != target and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(delay if target == "fit" else delay / 10)  # a moment in the stage (a validation is short)
+            stage = _stage(mark)
+            sent = time.monotonic()
+            if proc.poll() is None:
+                _signal(proc, rank, signum)
+            landed[f"{stage}/{signum.name}/rank {rank}"] += 1
+        proc.wait(timeout=120)
+        log.close()
+        out = (tmp_path / f"{run.name}.log").read_text()
+        if i < 10:
+            lags.append(time.monotonic() - sent)
+        lines = [line for line in out.splitlines() if "error: " in line]
+        assert _gone(tagged(tag), wait_s=60) == [], (i, out[-3000:])
+        if proc.returncode == 0:  # the run ended before the signal (or no signal): a finished chain
+            finished += 1
+            last = run / "checkpoints" / "last.ckpt"
+            assert max_diff(weights(last), weights(straight / "checkpoints/last.ckpt")) <= 1e-5, i
+            ckpt = None
+            continue
+        if signum == signal.SIGTERM:
+            assert proc.returncode == 143 and "stopped by SIGTERM" in lines[-1], (i, stage, out[-3000:])
+        elif rank == 1:
+            assert proc.returncode == 1 and "was killed by SIGKILL" in lines[-1], (i, stage, out[-3000:])
+        else:
+            assert proc.returncode == -signal.SIGKILL, (i, stage, out[-3000:])
+        last = run / "checkpoints" / "last.ckpt"
+        ckpt = last if last.exists() else ckpt
+    assert finished >= 1  # the last run continues to the end
+    print(f"soak: {dict(sorted(landed.items()))}; finished chains {finished}; exit within {max(lags):.1f} s")
