@@ -222,6 +222,22 @@ def test_the_data_position_comes_from_the_batches_completed_in_all():
     assert trainer.num_training_batches == 12 and _compat.data_position(trainer) == (2, 7)
 
 
+def test_the_data_position_read_before_lightning_counts_the_batches_takes_the_loaders_length():
+    """A loader with workers fetches ahead inside ``iter``, which ``fit_loop.setup_data`` calls before it sets
+    ``num_training_batches`` and before the epoch loop's reset completes a batch saved in ``on_train_batch_end``:
+    the position then comes from the loader's length, cut by the limit, and the processed batches."""
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False)
+    progress = trainer.fit_loop.epoch_loop.batch_progress.total
+    progress.processed, progress.completed = 33, 32  # restored from a save in on_train_batch_end: one batch into
+    trainer.fit_loop.epoch_progress.current.completed = 4  # epoch 4 of 8, which the epoch loop's reset completes
+    assert trainer.num_training_batches == float("inf")
+    assert _compat.data_position(trainer) == (4, 0)  # no length: only the epoch is known
+    assert _compat.data_position(trainer, 8) == (4, 1)
+    limited = pl.Trainer(logger=False, enable_checkpointing=False, limit_train_batches=5)
+    limited.fit_loop.epoch_loop.batch_progress.total.processed = 33
+    assert _compat.data_position(limited, 8) == (6, 3)  # 5 batches an epoch, as Lightning's own count
+
+
 def test_an_unfinished_epoch_is_recorded_as_such():
     trainer = pl.Trainer(logger=False, enable_checkpointing=False)
     trainer.fit_loop.max_batches = 12

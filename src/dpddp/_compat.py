@@ -125,14 +125,26 @@ def restore_sigterm_broadcast(trainer: pl.Trainer) -> None:
     trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
 
 
-def data_position(trainer: pl.Trainer) -> tuple[int, int]:
-    """``(epoch, batches of it already trained)`` from ``fit_loop.epoch_loop.batch_progress.total.completed``
-    and ``trainer.num_training_batches``: the global-batch sampler's position (docs/design-notes.md).
-    Lightning 2.6.6; test_compat and the resume tests fail if it moves."""
+def data_position(trainer: pl.Trainer, length: int | None = None) -> tuple[int, int]:
+    """``(epoch, batches of it already trained)`` from ``fit_loop.epoch_loop.batch_progress.total`` (``completed``,
+    or ``processed`` where a checkpoint saved in ``on_train_batch_end`` left it ahead) and
+    ``trainer.num_training_batches``: the global-batch sampler's position (docs/design-notes.md). ``length``:
+    the loader's batches per epoch, for a read before Lightning knows its count (a loader with workers fetches
+    ahead in ``iter``, which ``fit_loop.setup_data`` calls before it sets ``num_training_batches``), cut by
+    ``limit_train_batches`` as Lightning's ``_parse_num_batches`` does. Lightning 2.6.6; test_compat and the
+    resume tests fail if it moves."""
+    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    from lightning.pytorch.trainer.states import RunningStage
+
     per_epoch = trainer.num_training_batches
+    if (not per_epoch or per_epoch == float("inf")) and length:
+        per_epoch = _parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches)
     if not per_epoch or per_epoch == float("inf"):
         return trainer.current_epoch, 0
-    done = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+    total = trainer.fit_loop.epoch_loop.batch_progress.total
+    # A checkpoint saved in on_train_batch_end has the batch processed, not completed; the epoch loop's reset
+    # (after setup_data, which may read this first) counts it completed: so do we.
+    done = max(total.completed, total.processed)
     epoch, skip = divmod(int(done), int(per_epoch))
     return epoch, skip
 

@@ -247,7 +247,8 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         if self.trainer is not None:
             assert isinstance(sampler, GlobalBatchSampler)
             by_steps = partial(step_position, self.trainer, sampler.steps_per_epoch)
-            sampler.position = by_steps if sampler.steps_per_execution > 1 else partial(data_position, self.trainer)
+            by_batches = partial(data_position, self.trainer, sampler.steps_per_epoch)
+            sampler.position = by_steps if sampler.steps_per_execution > 1 else by_batches
         return loader
 
     @override

@@ -251,7 +251,7 @@ class ShardedDataModule(pl.LightningDataModule):
         assert isinstance(loader.batch_sampler, ShardedBatchSampler)
         self.batch_size = loader.batch_sampler.batch_size
         if self.trainer is not None:
-            loader.batch_sampler.position = partial(data_position, self.trainer)
+            loader.batch_sampler.position = partial(data_position, self.trainer, len(loader.batch_sampler))
         return loader
 
     @override
