@@ -144,7 +144,7 @@ def data_position(trainer: pl.Trainer, length: int | None = None) -> tuple[int, 
     total = trainer.fit_loop.epoch_loop.batch_progress.total
     # A checkpoint saved in on_train_batch_end has the batch processed, not completed; the epoch loop's reset
     # (after setup_data, which may read this first) counts it completed: so do we.
-    done = max(total.completed, total.processed)
+    done = max(total.completed, getattr(total, "processed", 0))  # a _ProcessedTracker, typed as its base
     epoch, skip = divmod(int(done), int(per_epoch))
     return epoch, skip
 
