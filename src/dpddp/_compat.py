@@ -137,7 +137,7 @@ def data_position(trainer: pl.Trainer, length: int | None = None) -> tuple[int, 
     from lightning.pytorch.trainer.states import RunningStage
 
     per_epoch = trainer.num_training_batches
-    if (not per_epoch or per_epoch == float("inf")) and length:
+    if per_epoch == float("inf") and length:  # Lightning has not counted them yet
         per_epoch = _parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches)
     if not per_epoch or per_epoch == float("inf"):
         return trainer.current_epoch, 0
