@@ -30,6 +30,8 @@ from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_3
 # launcher of this type on Ctrl-C (isinstance check), so JobLauncher subclasses it.
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.trainer.states import RunningStage
 
 __all__ = ["AGENT_STORE_ENV", "CHECKED", "HOOK_NAME_ATTRIBUTE", "Launcher", "SubprocessScriptLauncher", "agent_store"]
 __all__ += ["disable_sigterm_broadcast", "hydra_command_line", "hydra_mode_unset", "data_position"]
@@ -108,16 +110,14 @@ def agent_store(address: str, port: int, timeout: timedelta) -> torch.distribute
 
 
 def disable_sigterm_broadcast(trainer: pl.Trainer) -> None:
-    """Turn off Lightning's SIGTERM collectives for one Trainer (2.6.6): ``_TrainingEpochLoop._broadcast_sigterm_
-    tensor`` (per step; ``Preemption`` no longer sets its flag) and ``_SignalConnector._sigterm_notifier_fn``, first
-    in the handler each stage installs (on a rank other than 0 its broadcast waits for the group's timeout; its
-    ``received_sigterm`` ends a stage on that rank alone). Raises ``RuntimeError`` if one moved; test_compat."""
+    """Turn off Lightning's SIGTERM collectives for one Trainer (2.6.6; docs/design-notes.md, continuity.stop):
+    ``_TrainingEpochLoop._broadcast_sigterm_tensor`` and ``_SignalConnector._sigterm_notifier_fn`` (on a rank
+    other than 0 it waits for the group's timeout). Raises ``RuntimeError`` if one moved; test_compat."""
     loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
     for owner, name in ((loop, "_broadcast_sigterm_tensor"), (connector, "_sigterm_notifier_fn")):
         if not callable(getattr(type(owner), name, None)):
             raise RuntimeError(f"lightning moved {type(owner).__name__}.{name}: update dpddp._compat")
-    loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
-    connector._sigterm_notifier_fn = lambda signum, _: None  # type: ignore[method-assign]
+    loop._broadcast_sigterm_tensor, connector._sigterm_notifier_fn = lambda: None, lambda signum, _: None  # type: ignore[method-assign]
 
 
 def restore_sigterm_broadcast(trainer: pl.Trainer) -> None:
@@ -126,27 +126,17 @@ def restore_sigterm_broadcast(trainer: pl.Trainer) -> None:
 
 
 def data_position(trainer: pl.Trainer, length: int | None = None) -> tuple[int, int]:
-    """``(epoch, batches of it already trained)`` from ``fit_loop.epoch_loop.batch_progress.total`` (``completed``,
-    or ``processed`` where a checkpoint saved in ``on_train_batch_end`` left it ahead) and
-    ``trainer.num_training_batches``: the global-batch sampler's position (docs/design-notes.md). ``length``:
-    the loader's batches per epoch, for a read before Lightning knows its count (a loader with workers fetches
-    ahead in ``iter``, which ``fit_loop.setup_data`` calls before it sets ``num_training_batches``), cut by
-    ``limit_train_batches`` as Lightning's ``_parse_num_batches`` does. Lightning 2.6.6; test_compat and the
-    resume tests fail if it moves."""
-    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
-    from lightning.pytorch.trainer.states import RunningStage
-
+    """``(epoch, batches of it trained)`` from ``fit_loop.epoch_loop.batch_progress.total`` (``processed`` counts: a
+    save in ``on_train_batch_end``) and ``num_training_batches``, or, before Lightning counts them, ``length`` cut as
+    ``_parse_num_batches`` does (docs/design-notes.md). Lightning 2.6.6; test_compat fails if it moves."""
     per_epoch = trainer.num_training_batches
-    if per_epoch == float("inf") and length:  # Lightning has not counted them yet
+    if per_epoch == float("inf") and length:
         per_epoch = _parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches)
     if not per_epoch or per_epoch == float("inf"):
         return trainer.current_epoch, 0
     total = trainer.fit_loop.epoch_loop.batch_progress.total
-    # A checkpoint saved in on_train_batch_end has the batch processed, not completed; the epoch loop's reset
-    # (after setup_data, which may read this first) counts it completed: so do we.
     done = max(total.completed, getattr(total, "processed", 0))  # a _ProcessedTracker, typed as its base
-    epoch, skip = divmod(int(done), int(per_epoch))
-    return epoch, skip
+    return divmod(int(done), int(per_epoch))
 
 
 def keep_unfinished_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
