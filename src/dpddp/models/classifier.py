@@ -29,6 +29,7 @@ class Classifier(pl.LightningModule):
 
     # Set around every hook call (dpddp._compat.HOOK_NAME_ATTRIBUTE): skip nn.Module.__setattr__'s checks.
     _PLAIN_ATTRIBUTES = frozenset({HOOK_NAME_ATTRIBUTE})
+    _FOLD_EVERY = 256  # step losses kept before they are summed into the float64 total
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()
@@ -38,6 +39,7 @@ class Classifier(pl.LightningModule):
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
         self._train_loss_sum: torch.Tensor | None = None  # this epoch: sum of per-sample losses on this rank
         self._train_samples = 0
+        self._step_losses: list[tuple[torch.Tensor, int]] = []  # (mean loss, samples) of steps not yet summed
         self._carried = (0.0, 0)  # (loss sum, samples) of this epoch before a mid-epoch checkpoint (rank 0 only)
 
     @override
@@ -61,11 +63,21 @@ class Classifier(pl.LightningModule):
         size, never 0 in training)."""
         x, y = batch
         loss = F.cross_entropy(self(x), y)
-        if self._train_loss_sum is None:
-            self._train_loss_sum = torch.zeros((), dtype=torch.float64, device=loss.device)
-        self._train_loss_sum.add_(loss.detach(), alpha=len(y))
-        self._train_samples += len(y)
+        self._step_losses.append((loss.detach(), len(y)))  # summed in float64 every _FOLD_EVERY steps, not each step
+        if len(self._step_losses) >= self._FOLD_EVERY:
+            self._fold_train_losses()
         return loss
+
+    def _fold_train_losses(self) -> None:
+        """Add the kept step losses (each a mean over its samples) to this epoch's float64 sum and sample count."""
+        if not self._step_losses:
+            return
+        losses, counts = zip(*self._step_losses, strict=True)
+        self._step_losses.clear()
+        stacked = torch.stack(losses).to(torch.float64)
+        total = (stacked * torch.tensor(counts, dtype=torch.float64, device=stacked.device)).sum()
+        self._train_loss_sum = total if self._train_loss_sum is None else self._train_loss_sum + total
+        self._train_samples += sum(counts)
 
     @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -94,9 +106,11 @@ class Classifier(pl.LightningModule):
         # epoch-end hooks, and its checkpoint, written after them, must carry the sums (train_loss_sums).
         # A fit restored mid-epoch gets no epoch start for that epoch, so what it loaded is kept.
         self._train_loss_sum, self._train_samples, self._carried = None, 0, (0.0, 0)
+        self._step_losses.clear()
 
     @override
     def on_train_epoch_end(self) -> None:
+        self._fold_train_losses()
         if self._train_samples or self._carried[1]:  # the epoch's mean, weight = samples: sums and counts sync
             total = self._train_loss_sum if self._train_loss_sum is not None else torch.zeros((), dtype=torch.float64)
             samples = self._train_samples + self._carried[1]
@@ -106,6 +120,7 @@ class Classifier(pl.LightningModule):
     def train_loss_sums(self) -> torch.Tensor:
         """``[2]`` float64: this rank's sum of per-sample train losses and its sample count this epoch (rank 0
         adds what a mid-epoch checkpoint carried), for the resumable state."""
+        self._fold_train_losses()
         local = self._train_loss_sum if self._train_loss_sum is not None else torch.zeros((), dtype=torch.float64)
         carried = self._carried if self.global_rank == 0 else (0.0, 0)
         samples = local.new_tensor(float(self._train_samples + carried[1]), dtype=torch.float64)
@@ -113,12 +128,14 @@ class Classifier(pl.LightningModule):
 
     def train_loss_mark(self) -> tuple[torch.Tensor | None, int]:
         """This epoch's running train-loss sum and sample count so far (a copy), for ``rewind_train_loss``."""
+        self._fold_train_losses()
         total = self._train_loss_sum
         return (None if total is None else total.clone(), self._train_samples)
 
     def rewind_train_loss(self, mark: tuple[torch.Tensor | None, int]) -> None:
         """Forget the train losses added since ``mark`` (a step retried on the same samples)."""
         self._train_loss_sum, self._train_samples = mark
+        self._step_losses.clear()
 
     def carry_train_loss(self, total: float, samples: int) -> None:
         """Take a restored ``(sum, samples)`` of the epoch before a mid-epoch checkpoint (global rank 0 only: the
