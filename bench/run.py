@@ -33,16 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from workloads import QUICK_WORKLOADS, ROOT, WORKLOADS, train_overrides  # bench/ is on sys.path
 
-ROOT = Path(__file__).resolve().parents[1]
-# (num_samples, num_features, num_classes, global batch size); one epoch each.
-WORKLOADS = {
-    "W1": (100, 10, 2, 32),  # the seed's size: start-up dominates, whole wall time matters
-    "W2": (262144, 1024, 10, 1024),  # compute-heavy steps
-    "W3": (65536, 10, 2, 32),  # many small steps: steps/s
-    "W4": (50_000_000, 10, 2, 256),  # scale: the project in memory vs streaming (no plain side)
-}
-QUICK_WORKLOADS = {"W1": (100, 10, 2, 32), "W2": (4096, 64, 10, 256), "W3": (2048, 10, 2, 32), "W4": (20000, 10, 2, 64)}
 WORKLOAD_TEXT = {
     "W1": "the seed's size, whole wall time matters",
     "W2": "compute-heavy",
@@ -70,13 +62,6 @@ K_WORKLOADS = ("W2", "W3")
 VARIANTS = {"project-streaming": ["data.streaming=true"], "project-k16": [f"steps_per_execution={STEPS_PER_EXECUTION}"]}
 # Variables that would make a child think a cluster launched it.
 RANK_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
-QUIET = [
-    "logger=none",
-    "callbacks.model_checkpoint=null",
-    "callbacks.last_checkpoint=null",
-    "trainer.enable_checkpointing=false",  # else Lightning adds its own ModelCheckpoint (epoch=0-step=N.ckpt)
-    "trainer.enable_progress_bar=false",
-]
 # (key in a run record, label, unit scale): the rows of each table.
 METRICS = [
     ("samples_per_sec", "samples/s (steady state)", 1.0),
@@ -158,12 +143,9 @@ def project_cmd(
 ) -> list[str]:
     """``python train.py`` for one epoch of the workload plus ``extra`` overrides; ``defaults``: progress bar,
     CSV logger and checkpoints left on; ``accelerator`` (default: ``gpu`` for dp, else ``cpu``)."""
-    num_samples, num_features, num_classes, batch_size = sizes
     accelerator = accelerator or ("gpu" if mode == "dp" else "cpu")
-    cmd = [sys.executable, "train.py", f"accelerator={accelerator}", f"data.num_samples={num_samples}"]
-    cmd += [f"data.num_features={num_features}", f"data.num_classes={num_classes}", f"data.batch_size={batch_size}"]
-    cmd += ["trainer.max_epochs=1", f"hydra.run.dir={run_dir}", "trainer.num_sanity_val_steps=0"]
-    cmd += [] if defaults else QUIET
+    cmd = [sys.executable, "train.py", *train_overrides(sizes, lean=not defaults, accelerator=accelerator)]
+    cmd += [f"hydra.run.dir={run_dir}"]
     cmd += ["strategy=auto"] if mode == "single" else [f"strategy={mode}", f"devices={world_size}"]
     return cmd + extra
 
@@ -491,9 +473,8 @@ def write_results(runs: list[dict], args: argparse.Namespace, command: str) -> N
             lines += ["", f"Check, {what}: max |test/loss {label} - plain| over the rounds = {max(losses):.2g}."]
     lines += [
         "",
-        "Project command: `python train.py accelerator=cpu data.num_samples=N data.num_features=F "
-        "data.num_classes=C data.batch_size=B trainer.max_epochs=1 hydra.run.dir=<tmp dir> "
-        f"{' '.join(QUIET)} trainer.num_sanity_val_steps=0` plus `strategy=auto` or `strategy=ddp devices=2` "
+        f"Project command: `python train.py {' '.join(train_overrides(('N', 'F', 'C', 'B')))} "
+        "hydra.run.dir=<tmp dir>` plus `strategy=auto` or `strategy=ddp devices=2` "
         "(defaults variant: without the logger, checkpoint and progress bar overrides; K variant: plus "
         f"`{VARIANTS['project-k16'][0]}`). Peer commands: `python bench/{{plain,stock_strong,stock}}.py MODE "
         "WORLD_SIZE N F C B 1 OUT`.",

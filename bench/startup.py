@@ -1,7 +1,8 @@
-"""Where start-up goes, dpddp against stock Lightning: ``python bench/startup.py [--runs 5] [--out bench/]``.
+"""Where start-up goes, dpddp against strong stock Lightning: ``python bench/startup.py [--runs 5] [--out bench/]``.
 
 Each run is a fresh process of ``python train.py`` (the seed's size W1, one CPU process, the lean overrides of
-``bench/run.py``) or of ``bench/stock.py`` (the same job in stock Lightning), alternating, started through this
+``bench/workloads.py``) or of ``bench/stock_strong.py`` (the same job in stock Lightning as a knowledgeable user
+writes it, the peer of ``bench/run.py``'s start-up target), alternating, started through this
 script's ``--child`` mode, which imports torch and Lightning itself before handing over to the program, timing
 each phase with ``time.time()`` from the process's creation (``psutil``):
 
@@ -34,16 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SIZES = ("100", "10", "2", "32")  # W1 of bench/run.py: samples, features, classes, global batch
-LEAN = [
-    "logger=none",
-    "callbacks.model_checkpoint=null",
-    "callbacks.last_checkpoint=null",
-    "trainer.enable_checkpointing=false",
-    "trainer.enable_progress_bar=false",
-    "trainer.num_sanity_val_steps=0",
-]
+from workloads import ROOT, WORKLOADS, train_overrides  # bench/ is on sys.path
+
 PHASES = {
     "project": [
         "python up",
@@ -76,9 +69,10 @@ def child(program: str, run_dir: Path) -> None:
     marks["import lightning"] = time.time()
     if program == "stock":
         sys.path.insert(0, str(ROOT / "bench"))
-        sys.argv = ["stock.py", "single", "1", *SIZES, "1", str(run_dir / "out.json")]
+        sizes = map(str, WORKLOADS["W1"])
+        sys.argv = ["stock_strong.py", "single", "1", *sizes, "1", str(run_dir / "out.json")]
         try:
-            runpy.run_path(str(ROOT / "bench" / "stock.py"), run_name="__main__")
+            runpy.run_path(str(ROOT / "bench" / "stock_strong.py"), run_name="__main__")
         except SystemExit as end:  # its sys.exit(main())
             if end.code:
                 raise
@@ -107,10 +101,7 @@ def _project(run_dir: Path) -> dict[str, float]:
             marks["Hydra composition"] = time.time()
 
     Hydra.compose_config = timed  # type: ignore[method-assign]
-    sizes = dict(zip(("num_samples", "num_features", "num_classes", "batch_size"), SIZES, strict=True))
-    overrides = [f"data.{key}={value}" for key, value in sizes.items()]
-    sys.argv = ["train.py", "accelerator=cpu", "strategy=auto", "trainer.max_epochs=1", *overrides, *LEAN]
-    sys.argv.append(f"hydra.run.dir={run_dir}")
+    sys.argv = ["train.py", *train_overrides(WORKLOADS["W1"]), "strategy=auto", f"hydra.run.dir={run_dir}"]
     entry.main()
     found = JOB_LINE.search((run_dir / "train.log").read_text())
     assert found, "no job log line in train.log"
@@ -142,12 +133,12 @@ def report(runs: dict[str, list[dict[str, float]]], command: str) -> str:
     """``STARTUP.md``: a row per phase, a column per program (median [min-max] s), and the rows "after import
     lightning" (the sum of each run's later phases) and "start to first step" (the sum of all)."""
     lines = [
-        "# Start-up: dpddp vs stock Lightning (W1, one CPU process, lean)",
+        "# Start-up: dpddp vs strong stock Lightning (W1, one CPU process, lean)",
         "",
         f"Command: `{command}`; {len(runs['project'])} runs of each, alternating, each a fresh process. Cells: "
         "median [min-max] seconds of each phase (see `bench/startup.py`).",
         "",
-        "| phase | dpddp | stock Lightning |",
+        "| phase | dpddp | strong stock Lightning |",
         "| --- | --- | --- |",
     ]
     for phase in PHASES["project"]:

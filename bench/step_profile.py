@@ -3,8 +3,8 @@
 
 Each run is a fresh process of this script's ``--child`` mode, which wraps a few functions with timers and then
 runs the program as its own command line would (``runpy``): plain PyTorch (``bench/plain.py single``) and dpddp
-(``python train.py`` with the lean overrides of ``bench/run.py``, ``steps_per_execution`` 1 and 16), one epoch
-of the workload's sizes (``bench/run.py``'s). The buckets, each the time spent in the wrapped calls less the
+(``python train.py`` with the lean overrides of ``bench/workloads.py``, ``steps_per_execution`` 1 and 16), one
+epoch of the workload's sizes (``bench/workloads.py``'s). The buckets, each the time spent in the wrapped calls less the
 wrapped calls nested in them, counted while gradients are enabled (training, not evaluation) and after the end
 of the first optimizer step up to the end of the last (the steady state of ``bench/run.py``'s samples/s):
 
@@ -37,23 +37,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+import workloads  # bench/ is on sys.path
+from workloads import ROOT, train_overrides
+
 BUCKETS = ("gather", "forward", "backward", "optimizer")
 ROWS = ("loop and hooks", *BUCKETS)
-# (num_samples, num_features, num_classes, global batch size) of bench/run.py's workloads.
-WORKLOADS = {"W2": (262144, 1024, 10, 1024), "W3": (65536, 10, 2, 32)}
-QUICK_WORKLOADS = {"W2": (4096, 64, 10, 256), "W3": (2048, 10, 2, 32)}
-LEAN = [
-    "logger=none",
-    "callbacks.model_checkpoint=null",
-    "callbacks.last_checkpoint=null",
-    "trainer.enable_checkpointing=false",
-    "trainer.enable_progress_bar=false",
-    "trainer.num_sanity_val_steps=0",
-    "strategy=auto",
-    "accelerator=cpu",
-    "trainer.max_epochs=1",
-]
+# bench/run.py's workloads with steps to profile.
+WORKLOADS = {name: workloads.WORKLOADS[name] for name in ("W2", "W3")}
+QUICK_WORKLOADS = {name: workloads.QUICK_WORKLOADS[name] for name in WORKLOADS}
 IMPLS = {"plain": "plain PyTorch", "project": "dpddp K=1", "project-k16": "dpddp K=16"}
 
 
@@ -126,7 +117,6 @@ def child(impl: str, sizes: list[int], out: Path) -> None:
     """Run ``impl`` on ``sizes`` in this process under a ``Clock``; write its ``result`` as JSON to ``out``."""
     clock = Clock()
     clock.install()
-    num_samples, num_features, num_classes, batch_size = sizes
     with tempfile.TemporaryDirectory(prefix="dpddp-profile-") as tmp:
         if impl == "plain":
             script = ROOT / "bench" / "plain.py"
@@ -134,9 +124,8 @@ def child(impl: str, sizes: list[int], out: Path) -> None:
             sys.path.insert(0, str(script.parent))
         else:
             script = ROOT / "train.py"
-            sys.argv = [str(script), f"data.num_samples={num_samples}", f"data.num_features={num_features}"]
-            sys.argv += [f"data.num_classes={num_classes}", f"data.batch_size={batch_size}", *LEAN]
-            sys.argv += [f"hydra.run.dir={tmp}/run", f"steps_per_execution={16 if impl == 'project-k16' else 1}"]
+            sys.argv = [str(script), *train_overrides(tuple(sizes)), "strategy=auto", f"hydra.run.dir={tmp}/run"]
+            sys.argv.append(f"steps_per_execution={16 if impl == 'project-k16' else 1}")
         try:
             runpy.run_path(str(script), run_name="__main__")
         except SystemExit as exit_:

@@ -16,12 +16,16 @@ import pytest
 from conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
 KEYS = ("samples_per_sec", "steps_per_sec", "wall_s", "start_to_first_step_s", "peak_rss_bytes")
 
 
 def load_bench(name: str = "run"):
-    """``bench/<name>.py`` as a module."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    """``bench/<name>.py`` as a module, with ``bench/`` on ``sys.path`` for its own imports (``workloads``), as
+    when it runs as a script."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -77,7 +81,8 @@ def test_gpu_dry_run(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads((tmp_path / "gpu.json").read_text())
-    sys.path.insert(0, str(ROOT / "bench"))
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
     from gpu_checks import CHECKS, EXTRA_NEEDS
 
     for check in CHECKS:
