@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from workloads import QUICK_WORKLOADS, ROOT, WORKLOADS, train_overrides  # bench/ is on sys.path
+from workloads import QUICK_WORKLOADS, ROOT, WORKLOADS, compile_bytecode, train_overrides  # bench/ is on sys.path
 
 WORKLOAD_TEXT = {
     "W1": "the seed's size, whole wall time matters",
@@ -245,6 +245,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every run of the session, in order: per workload and strategy, a warm-up round and ``args.reps`` rounds
     of ``impls_for`` the workload (project, the peers, then the project's variants)."""
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    compile_bytecode()  # every program starts as installed, whatever PYTHONDONTWRITEBYTECODE says
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     sizes_of = QUICK_WORKLOADS if args.quick else WORKLOADS

@@ -15,8 +15,9 @@ each phase with ``time.time()`` from the process's creation (``psutil``):
 - ``to the first step``: the job (config check, model, data, ``Trainer``, fit set-up), or for stock Lightning
   everything after its imports, until the end of the first optimizer step (``first_step_unix_s``).
 
-Writes ``STARTUP.md`` (per phase: median [min-max] seconds over the runs, and the sum of the phases after
-``import lightning``: what the project costs on its own) into ``--out`` and prints it. Needs ``psutil``
+The bytecode of ``src/`` and ``bench/`` is written first (``workloads.compile_bytecode``), as an installed
+package has it. Writes ``STARTUP.md`` (per phase: median [min-max] seconds over the runs, and the sum of the
+phases after ``import lightning``: what the project costs on its own) into ``--out`` and prints it. Needs ``psutil``
 (``bench/requirements.txt``). No speed is asserted anywhere: this is a profile, for ``RESULTS.md``'s start-up rows.
 """
 
@@ -35,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from workloads import ROOT, WORKLOADS, train_overrides  # bench/ is on sys.path
+from workloads import ROOT, WORKLOADS, compile_bytecode, train_overrides  # bench/ is on sys.path
 
 PHASES = {
     "project": [
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         child(args.child[0], Path(args.child[1]))
         return 0
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    compile_bytecode()
     runs: dict[str, list[dict[str, float]]] = {"project": [], "stock": []}
     for i in range(args.runs):
         for program in runs:

@@ -5,6 +5,7 @@ run as ``python bench/<script>.py``)."""
 
 from __future__ import annotations
 
+import compileall
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,3 +38,11 @@ def train_overrides(sizes: tuple[int, ...], lean: bool = True, accelerator: str 
     overrides = [f"accelerator={accelerator}", *(f"data.{key}={value}" for key, value in data.items())]
     overrides += ["trainer.max_epochs=1", "trainer.num_sanity_val_steps=0"]
     return overrides + (QUIET if lean else [])
+
+
+def compile_bytecode() -> None:
+    """Write the bytecode of the project's and the bench's sources (``src/``, ``bench/``), as ``pip install``
+    does for an installed package, so that every measured process loads compiled modules like torch's and
+    Lightning's, also where ``PYTHONDONTWRITEBYTECODE`` keeps Python from writing it on import."""
+    for folder in ("src", "bench"):
+        compileall.compile_dir(ROOT / folder, quiet=1)

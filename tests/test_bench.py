@@ -184,7 +184,7 @@ def test_startup_report() -> None:
 @pytest.mark.slow
 def test_startup_runs(tmp_path: Path) -> None:
     """``bench/startup.py --runs 1``: one real run of each program, every phase timed (positive, summing to a
-    start no longer than the whole run), and STARTUP.md written."""
+    start no longer than the whole run), STARTUP.md written, and the sources' bytecode there to load."""
     env, _ = child_env()
     cmd = [sys.executable, "bench/startup.py", "--runs", "1", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -198,6 +198,8 @@ def test_startup_runs(tmp_path: Path) -> None:
         assert number(rows[phase][0].strip()) > 0, (phase, rows[phase])
     assert rows["Hydra composition"][1].strip() == "-" and number(rows["import lightning"][1].strip()) > 0
     assert number(rows["**start to first step**"][0].strip()) > number(rows["**after import lightning**"][0].strip())
+    for source in (ROOT / "src" / "dpddp" / "entry" / "hydra.py", BENCH / "stock_strong.py"):  # as installed
+        assert Path(importlib.util.cache_from_source(str(source))).is_file(), source
 
 
 def test_step_profile_report() -> None:
