@@ -1,8 +1,10 @@
 import re
+import zlib
 
 import pytest
 import torch
 
+from dpddp.data import synthetic
 from dpddp.data.global_batch import GlobalBatchSampler
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.data.rules import check_random_tensors
@@ -20,6 +22,23 @@ def test_tensors_are_a_pure_function_of_seed_and_sizes():
     x, y = a
     assert x.shape == (300, 5) and x.dtype == torch.float32
     assert y.shape == (300,) and y.dtype == torch.int64 and 0 <= y.min() and y.max() < 3
+
+
+def test_checksum_of_a_large_tensor_reads_evenly_spaced_rows(monkeypatch):
+    """Over ``CHECKSUM_BYTES`` a tensor counts by that many bytes of its rows, first and last included: the CRC of
+    those rows, changed by a change in any of them; under it, by all its bytes."""
+    monkeypatch.setattr(synthetic, "CHECKSUM_BYTES", 64)  # 4 rows of 4 float32
+    x, y = make_tensors(0, 100, 4, 3)
+    picked = x[[0, 33, 66, 99]]
+    assert checksum(x) == f"{zlib.crc32(picked.numpy().tobytes()):08x}"
+    assert checksum(x[:4]) == f"{zlib.crc32(x[:4].numpy().tobytes()):08x}"  # 64 bytes: all of it
+    labels = y[[0, 14, 28, 42, 56, 70, 84, 99]]  # 8 rows of one int64
+    assert checksum(x, y) == f"{zlib.crc32(labels.numpy().tobytes(), zlib.crc32(picked.numpy().tobytes())):08x}"
+    for row in (0, 33, 99):
+        changed = x.clone()
+        changed[row, 2] += 1
+        assert checksum(changed) != checksum(x), row
+    assert checksum(make_tensors(1, 100, 4, 3)[0]) != checksum(x)
 
 
 def test_label_noise_flips_about_that_fraction():
