@@ -1,6 +1,7 @@
 """A SIGTERM at a seeded random moment around each stage boundary (the fit's last step and its epoch-end
-validation, a validation mid-fit, between fit and test, the test, predict, a launched rank's start-up), to rank 0
-or another rank, on ddp(2), ddp(3) and one process: the run ends with 143, ``last.ckpt`` and the one stop line,
+validation, a validation mid-fit, between fit and test, the test, predict, a launched rank's start-up, after the
+last agreement, after the job's end), to rank 0 or another rank, on ddp(2), ddp(3) and one process: the run ends
+with 143, ``last.ckpt`` and the one stop line,
 and the printed resume command ends with the straight run's weights. The evaluation steps sleep (users_models.
 SlowEvalMLP), so each stage lasts at least as long as its steps' sleeps: a delay shorter than the sleeps left
 after the hook lands before the run's end. Timing places the signal only; no assertion depends on it."""
@@ -19,7 +20,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import QUIET, ROOT, compose_cfg, leftover, made_once, run_train
+from hydra.experimental.callback import Callback
 
+from dpddp.continuity.stop import RunScope
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import Preempted
 from dpddp.run.training import train
@@ -113,11 +116,18 @@ def _state(ckpt) -> dict[str, torch.Tensor]:
 
 
 def _stops_then_continues(
-    tmp_path, shared_dir, strategy: str, devices: int, kill: list[str], first_checkpoint: bool = False
+    tmp_path,
+    shared_dir,
+    strategy: str,
+    devices: int,
+    kill: list[str],
+    first_checkpoint: bool = False,
+    whole: bool = False,
 ) -> float:
     """Run with ``kill``; assert the stop (143, the line, ``last.ckpt`` at its step, or none before the
-    ``first_checkpoint``, no process left), paste the printed command and assert it ends with the straight run's
-    weights. Returns the stopped run's wall time."""
+    ``first_checkpoint``, no process left; ``metrics.json`` written only if the run was ``whole``), paste the
+    printed command and assert it ends with the straight run's weights (from a ``whole`` run: without a step
+    more). Returns the stopped run's wall time."""
     started = time.monotonic()
     proc = run_train(*_world(strategy, devices), *SETTINGS, *kill, "hydra.run.dir=run", cwd=tmp_path, env=ENV)
     elapsed = time.monotonic() - started
@@ -130,10 +140,13 @@ def _stops_then_continues(
     else:
         step = torch.load(last, weights_only=True)["global_step"]
         assert lines[0].startswith(f"error: stopped by SIGTERM after step {step}; checkpoint: {last}: resume with ")
-    assert not (tmp_path / "run" / "metrics.json").exists() and leftover(proc.tag) == []
+    assert (tmp_path / "run" / "metrics.json").exists() == whole and leftover(proc.tag) == []
+    step = None if first_checkpoint else torch.load(last, weights_only=True)["global_step"]
     command = shlex.split(lines[0].split("resume with ", 1)[1])[2:]  # after "python train.py"
     resumed = run_train(*command, cwd=tmp_path, env=ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    if whole:
+        assert torch.load(last, weights_only=True)["global_step"] == step
     straight, ended = _state(_straight(shared_dir, strategy, devices)), _state(last)
     assert straight.keys() == ended.keys()
     assert max((straight[k] - ended[k]).abs().max().item() for k in straight) <= 1e-5
@@ -208,3 +221,60 @@ def test_a_sigterm_mid_validation_lets_a_plateau_scheduler_see_the_whole_validat
     )
     assert max((ended[k] - expected[k]).abs().max().item() for k in expected) == 0
     assert resumed["val/loss"] == pytest.approx(straight["val/loss"], abs=1e-6)
+
+
+class SigtermAfterTheRun(pl.Callback):
+    """On global rank ``rank``, once its run's last agreement has passed (``RunScope.finish`` returned, at the end
+    of its last stage), this process gets SIGTERM ``delay_s`` seconds later, while the run's tail waits
+    ``wait_s`` (longer): the signal lands after every agreement; once per file ``once``."""
+
+    def __init__(self, rank: int, delay_s: float, wait_s: float, once: str) -> None:
+        self.rank, self.delay_s, self.wait_s, self.once = rank, delay_s, wait_s, once
+
+    def teardown(self, trainer, pl_module, stage):
+        if stage != "predict" or trainer.global_rank != self.rank or not _first(self.once):
+            return
+        finish, pid = RunScope.finish, os.getpid()
+
+        def finish_then_sigterm(scope):
+            finish(scope)
+            threading.Timer(self.delay_s, lambda: os.kill(pid, signal.SIGTERM)).start()
+            time.sleep(self.wait_s)
+
+        RunScope.finish = finish_then_sigterm
+
+
+class SigtermAfterTheJob(Callback):
+    """A Hydra callback: ``delay_s`` seconds after the job's end (``train`` returned, its outputs written), this
+    process gets SIGTERM while the callback waits ``wait_s`` (longer): Hydra ends the job, then the command."""
+
+    def __init__(self, delay_s: float, wait_s: float) -> None:
+        self.delay_s, self.wait_s = delay_s, wait_s
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        pid = os.getpid()
+        threading.Timer(self.delay_s, lambda: os.kill(pid, signal.SIGTERM)).start()
+        time.sleep(self.wait_s)
+
+
+AFTER = [("ddp", 2, 1, "run"), ("ddp", 3, 2, "run"), ("auto", 1, 0, "job")]  # (strategy, devices, rank, after)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,devices,rank,after", AFTER)
+def test_a_sigterm_after_the_last_agreement_still_stops_with_143_and_the_line(
+    tmp_path, shared_dir, strategy, devices, rank, after
+):
+    """After the ranks' last agreement, to a launched rank (rank 0 maps its stop when it joins it: the run's
+    outputs are not written, the command continues to them), or after the job's end (``train`` returned, the
+    outputs written and kept: the command ends without a step more); at a seeded random moment of a wait."""
+    delay = random.Random(f"after{strategy}{devices}{rank}").uniform(0, 0.4)
+    if after == "run":
+        kill = ["+callbacks.kill._target_=test_sigterm_any_moment.SigtermAfterTheRun", f"+callbacks.kill.rank={rank}"]
+        kill += [f"+callbacks.kill.delay_s={delay:.3f}", "+callbacks.kill.wait_s=0.5"]
+        kill.append(f"+callbacks.kill.once={tmp_path}/sent")
+    else:
+        kill = ["+hydra.callbacks.kill._target_=test_sigterm_any_moment.SigtermAfterTheJob"]
+        kill += [f"+hydra.callbacks.kill.delay_s={delay:.3f}", "+hydra.callbacks.kill.wait_s=0.5"]
+    elapsed = _stops_then_continues(tmp_path, shared_dir, strategy, devices, kill, whole=after == "job")
+    assert elapsed < 120

@@ -1,7 +1,7 @@
 """The one owner of SIGTERM: every handler dpddp installs is installed here, composing with the one it finds and
 putting it back when its scope ends. Scopes, innermost first: the training loop (``StepBoundaryStop``), a run
-(``run_stops``), a sweep (``start``, ``watch``: the stop file ``<sweep dir>/.stop``). See docs/design-notes.md
-(continuity.stop).
+(``run_stops``), an entry point's command (``command``), a sweep (``start``, ``watch``: the stop file
+``<sweep dir>/.stop``). See docs/design-notes.md (continuity.stop).
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from dpddp._compat import disable_sigterm_broadcast, restore_sigterm_broadcast
-from dpddp.cluster import launched
+from dpddp.cluster import LAUNCHED_ENV, launched
+from dpddp.continuity.sweep_file import ENV, STOP_FILE, active, clear, request, requested
 from dpddp.errors import Preempted
 
 __all__ = ["ENV", "STOP_FILE", "StepBoundaryStop", "active", "clear", "request", "requested", "run_stops"]
-__all__ += ["RunScope", "start", "starting_up", "watch"]
+__all__ += ["RunScope", "command", "start", "starting_up", "watch"]
 
-ENV = "DPDDP_SWEEP_STOP"
-"""The environment variable naming the stop file of the sweep this process belongs to."""
-STOP_FILE = ".stop"
-
-_requested = False
 _watching = False
+_command = False  # inside ``command``: a SIGTERM after a run's end is that command's stop
+_ended: RunScope | None = None  # the run that ended last in this command, while a SIGTERM would be late
+_late = False  # a SIGTERM came after that run's end
+_forked = False  # a SIGTERM came in a forked rank before its run's own scope
 
 
 def _on_main_thread() -> bool:
@@ -61,11 +61,6 @@ def start(sweep_dir: str | Path) -> None:
     watch()
 
 
-def active() -> bool:
-    """Whether this process belongs to a sweep that stops as one (its process called ``start``)."""
-    return ENV in os.environ
-
-
 def watch() -> None:
     """From now on, for this process's life, a SIGTERM stops the sweep (``request``) instead of ending the
     process; the inner scopes compose with this handler."""
@@ -73,30 +68,6 @@ def watch() -> None:
     if not _watching and _on_main_thread():
         _install(lambda signum, frame: request())
         _watching = True
-
-
-def request() -> None:
-    """Stop the sweep: this process starts no more jobs, and the stop file tells every other one."""
-    global _requested
-    _requested = True
-    if path := os.environ.get(ENV):
-        try:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).touch()
-        except OSError:
-            pass  # an unwritable sweep directory: this process still stops
-
-
-def requested() -> bool:
-    """Whether this process's sweep is stopping (``False`` outside a sweep that stops as one)."""
-    path = os.environ.get(ENV)
-    return path is not None and (_requested or os.path.exists(path))
-
-
-def clear() -> None:
-    """In the sweep's own process, when it ends: remove the stop file (the summary records the stop)."""
-    if path := os.environ.get(ENV):
-        Path(path).unlink(missing_ok=True)
 
 
 # -- the run -----------------------------------------------------------------------------------------------
@@ -107,12 +78,14 @@ class RunScope:
     """A run's SIGTERM scope: its trainer once built; during ``starting_up`` a SIGTERM is held to the end of it
     (raised inside an import or an ``instantiate`` it would be reported as that step's failure); while ``stop``
     is set (``own``: from the trainer's build to the end of its last stage) a SIGTERM is a request the ranks
-    agree on at batch boundaries (``StepBoundaryStop``)."""
+    agree on at batch boundaries (``StepBoundaryStop``); in the ``tail`` (from the last agreement, ``finish``, to
+    the run's end: its outputs written, its ranks joined) it is held to the run's end."""
 
     output_dir: Path
     trainer: pl.Trainer | None = None
     starting: bool = False
     held: bool = False
+    tail: bool = False
     stop: StepBoundaryStop | None = None
 
     def preempted(self) -> Preempted:
@@ -129,8 +102,9 @@ class RunScope:
 
     def finish(self) -> None:
         """After the run's last stage, on every rank: the ranks agree once more (a SIGTERM since the last
-        agreement raises ``Preempted`` on every rank); from then on a SIGTERM raises it where it lands."""
-        stop, self.stop = self.stop, None
+        agreement raises ``Preempted`` on every rank); a later one raises it at the end of the run of the rank it
+        reached (rank 0 maps a launched rank's when it joins it)."""
+        stop, self.stop, self.tail = self.stop, None, True
         if stop is not None and self.trainer is not None:
             restore_sigterm_broadcast(self.trainer)
             if stop.agree(self.trainer):
@@ -140,31 +114,74 @@ class RunScope:
 @contextmanager
 def run_stops(output_dir: Path) -> Iterator[RunScope]:
     """A run's scope: a SIGTERM raises ``Preempted`` with ``<output_dir>/checkpoints/last.ckpt`` (if written)
-    and the global step, or, while the scope ``own``s a trainer, asks its ``StepBoundaryStop`` to stop every rank
-    together; a handler found here (a sweep's) is called first, and then takes the signal instead of the
-    raise."""
+    and the global step, or is held, or is a request to the ``StepBoundaryStop`` (``RunScope``); a handler found
+    here (a sweep's) is called first, then takes the signal instead of the raise. A forked rank's copy of its
+    launcher's handler is not its own: a SIGTERM it took is this run's start-up's."""
+    global _forked, _ended, _late
     scope = RunScope(output_dir)
     if not _on_main_thread():
         yield scope
         return
+    pid = os.getpid()
 
     def on_sigterm(signum: int, frame: Any) -> None:
+        global _forked
+        if os.getpid() != pid:  # a copy in a forked rank, before the rank's own scope
+            _forked = True
+            return
         if callable(previous):
             previous(signum, frame)
-        if scope.starting:
+        if scope.starting or scope.tail:
             scope.held = True
         elif scope.stop is not None:
             scope.stop.request()
         elif not callable(previous):
             raise scope.preempted()
 
+    on_sigterm.dpddp_pid = pid  # type: ignore[attr-defined]
     previous = _install(on_sigterm)
+    if getattr(previous, "dpddp_pid", pid) != pid or previous is _on_late:
+        previous = signal.SIG_DFL  # inherited from the launcher (a forked rank), or a late stop's: not this run's
+    scope.held, _forked = _forked, False
     try:
         yield scope
     except SIGTERMException as err:
         raise scope.preempted() from err
+    finally:  # in a ``command`` (not in a launched rank: rank 0 maps its stop), a SIGTERM from now is late
+        if callable(previous) or not _command or os.environ.get(LAUNCHED_ENV):
+            _put_back(previous)
+        else:
+            _ended, _late = scope, False
+            _install(_on_late)
+    if scope.held:
+        raise scope.preempted()
+
+
+def _on_late(signum: int, frame: Any) -> None:
+    global _late
+    _late = True
+
+
+@contextmanager
+def command() -> Iterator[None]:
+    """An entry point's command (``train.py``, the Lightning CLI): a SIGTERM after its run's end raises
+    ``Preempted`` (the run's ``last.ckpt`` and step; its outputs stand) when the scope ends; from then on SIGTERM
+    ends the process (the default)."""
+    global _command, _ended, _late
+    _command = True
+    try:
+        yield
     finally:
-        _put_back(previous)
+        _command = False
+    scope, _ended = _ended, None
+    if scope is None:
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # no signal between the check and the default
+    if _late or signal.SIGTERM in signal.sigpending():
+        _late = False
+        raise scope.preempted()  # SIGTERM stays blocked: the process ends with this stop
+    _put_back(signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 @contextmanager
@@ -180,6 +197,7 @@ def starting_up(scope: RunScope) -> Iterator[None]:
     if scope.held:
         if scope.stop is None or not launched():
             raise scope.preempted()
+        scope.held = False
         scope.stop.request()
 
 

@@ -11,6 +11,7 @@ import logging
 import math
 import re
 import sys
+from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -209,6 +210,8 @@ def run_job(cfg: DictConfig) -> float:
                 cfg.ckpt_path = str(last)
             elif cfg.get("resume"):
                 log.info(f"resume=true but there is no {last}: starting fresh")
+    global _late_resume
+    _late_resume = partial(_resume_command, overrides, output_dir, multirun)  # for a SIGTERM after the run's end
     try:
         with isolated_job():
             value = train(cfg, output_dir, extra={"overrides": overrides})[objective(cfg)]
@@ -281,6 +284,8 @@ def _log_invocation(output_dir: Path) -> None:
         log.info(f"invocation {len(dirs)} into this run directory: config and overrides in {dirs[-1].name}/")
 
 
+_late_resume: Callable[[], str] | None = None
+"""The resume command of this process's last job (``run_job``), for a SIGTERM after its end (``main``)."""
 _hydra_main = hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(run_job)
 
 
@@ -316,5 +321,8 @@ def main() -> None:
     gc.enable()
     # No full collections over what the run built, at exit.
     atexit.register(gc.freeze)
-    with hydra_mode_unset() if sets_no_mode(sys.argv[1:]) else nullcontext():
-        _hydra_main()
+    try:
+        with sweep_stop.command(), hydra_mode_unset() if sets_no_mode(sys.argv[1:]) else nullcontext():
+            _hydra_main()
+    except Preempted as err:  # a SIGTERM after the run's end: its outputs stand, the resume command ends at once
+        exit_on(err, _late_resume)

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from typing_extensions import override
 
 from dpddp.cluster import run_name
+from dpddp.continuity import stop
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import KNOWN, ConfigError, exit_on, invocation_name, invocations, log_to, resume_command, unwritable
 from dpddp.models.linear import LinearClassifier
@@ -205,24 +206,25 @@ def main(args: list[str] | None = None) -> None:
     )
     output_dir = Path()
     try:
-        cfg = run_config(cli.config, cli.parser.get_defaults())
-        root = Path(cli.config.trainer.default_root_dir or os.getcwd())
-        output_dir, cfg.ckpt_path = _output_dir(root, stage, cfg.ckpt_path)
-        cfg.predict = stage == "predict"  # predictions.csv in the run directory
-        if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
-            if why := unwritable(output_dir):  # makes it
-                raise ConfigError(
-                    f"--trainer.default_root_dir={str(root)!r}: {str(output_dir)!r} cannot be written ({why}): give "
-                    "a directory you can write"
+        with stop.command():  # a SIGTERM after the run's end: Preempted as the scope ends, outputs kept
+            cfg = run_config(cli.config, cli.parser.get_defaults())
+            root = Path(cli.config.trainer.default_root_dir or os.getcwd())
+            output_dir, cfg.ckpt_path = _output_dir(root, stage, cfg.ckpt_path)
+            cfg.predict = stage == "predict"  # predictions.csv in the run directory
+            if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
+                if why := unwritable(output_dir):  # makes it
+                    raise ConfigError(
+                        f"--trainer.default_root_dir={str(root)!r}: {str(output_dir)!r} cannot be written ({why}): "
+                        "give a directory you can write"
+                    )
+                n = len(invocations(output_dir, CONFIG)) + 1  # config.yaml, then config-1.yaml, ... (as .hydra/)
+                cli.parser.save(cli.config, str(output_dir / invocation_name(CONFIG, n)), **KEEP_NONE)
+                log_to(output_dir / "train.log", LOG_FORMAT)
+                logging.getLogger(__name__).info(
+                    f"invocation {n} into this run directory ({stage}): {invocation_name(CONFIG, n)}"
                 )
-            n = len(invocations(output_dir, CONFIG)) + 1  # config.yaml, then config-1.yaml, ... (as .hydra/)
-            cli.parser.save(cli.config, str(output_dir / invocation_name(CONFIG, n)), **KEEP_NONE)
-            log_to(output_dir / "train.log", LOG_FORMAT)
-            logging.getLogger(__name__).info(
-                f"invocation {n} into this run directory ({stage}): {invocation_name(CONFIG, n)}"
-            )
-        with isolated_job():
-            train(cfg, output_dir, stage=stage)
+            with isolated_job():
+                train(cfg, output_dir, stage=stage)
     except KNOWN as err:
         exit_on(err, lambda: _resume_command(stage, rest, output_dir))
 

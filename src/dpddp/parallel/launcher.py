@@ -30,11 +30,11 @@ from typing_extensions import override
 
 from dpddp._compat import SubprocessScriptLauncher, set_num_threads_if_needed
 from dpddp.cluster import LAUNCHED_ENV
-from dpddp.errors import ConfigError, RankFailed, first_line
+from dpddp.errors import EXIT_PREEMPTED, ConfigError, RankFailed, first_line
 from dpddp.network import route_interface
 
 __all__ = ["JobLauncher", "RankJob", "Supervisor", "bind_store_socket", "die_with_parent", "forget_forkserver"]
-__all__ += ["rank_ended"]
+__all__ += ["STOPPED", "rank_ended"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,10 @@ class Supervisor(Protocol):
         """Wait up to ``timeout_s`` seconds for launched ranks to exit, then kill any left."""
         ...
 
+    def stopped(self) -> bool:
+        """Whether a launched rank that has ended was stopped by SIGTERM (exit 143, or killed by it)."""
+        ...
+
 
 def die_with_parent() -> None:
     """In a launched rank: get SIGKILL when the launching process dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
@@ -104,6 +108,10 @@ def forget_forkserver() -> None:
     server._lock = threading.Lock()  # another thread of the parent may have held it at the fork
 
 
+STOPPED = (EXIT_PREEMPTED, -signal.SIGTERM)
+"""A rank's exit status when SIGTERM stopped it: ``Preempted``'s, or killed by the signal."""
+
+
 def rank_ended(rank: int, proc: Any) -> str:
     """``"rank 1 (pid 4242) was killed by SIGKILL"`` or ``"... exited with code 1"`` for an ended rank."""
     code = proc.returncode
@@ -113,7 +121,8 @@ def rank_ended(rank: int, proc: Any) -> str:
 
 class _RankWatcher(threading.Thread):
     """When a launched rank exits non-zero, kills the others and, unless rank 0 fails within ``grace_s``
-    seconds, ends it with exit status 1."""
+    seconds, ends it with exit status 1. A rank stopped by SIGTERM (``STOPPED``) is given ``grace_s`` first,
+    quietly: rank 0 stops with it at the same agreement, or maps its stop when it joins it (a late signal)."""
 
     def __init__(self, procs: list[Any], grace_s: float = 10.0) -> None:
         super().__init__(daemon=True, name="dpddp-rank-watcher")
@@ -125,6 +134,8 @@ class _RankWatcher(threading.Thread):
             failed = [(r, p) for r, p in enumerate(self.procs, 1) if p.poll() not in (None, 0)]
             if failed:
                 rank, proc = failed[0]
+                if proc.poll() in STOPPED and self.done.wait(self.grace_s):
+                    return
                 log.error(f"{rank_ended(rank, proc)}; ending the run")
                 for p in self.procs:
                     if p.poll() is None:
@@ -289,6 +300,10 @@ class JobLauncher(SubprocessScriptLauncher):
             if code:
                 failed.append(rank_ended(rank, proc))
         return failed
+
+    def stopped(self) -> bool:
+        """Whether a launched rank that has ended was stopped by SIGTERM (``STOPPED``)."""
+        return any(proc.poll() in STOPPED for proc in self.procs)
 
     def join(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` seconds for launched ranks to exit, then kill any left."""

@@ -216,7 +216,8 @@ def _run_stages(
     """Run ``stage`` (see ``train``); return the callback metrics as floats, the stages run, and the error of a
     predict after a fit that failed (the fit's and test's metrics stand). A launched rank's death is named, as is
     a stuck or dead loader worker (``LoaderFailed``); a SIGTERM since the last stage's last agreement raises
-    ``Preempted`` on every rank (``RunScope.finish``)."""
+    ``Preempted`` on every rank (``RunScope.finish``), and one to a launched rank after it, on rank 0 when it
+    joins that rank."""
     finished, predict_error, ran = False, None, {stage}
     try:
         if stage == "fit":
@@ -257,6 +258,8 @@ def _run_stages(
         # Stop watching this job's ranks before the next job of a sweep starts; a failed job's are killed.
         if isinstance(trainer.strategy, DDPStrategy) and trainer.strategy.supervisor is not None:
             trainer.strategy.supervisor.join(timeout_s=60.0 if finished else 5.0)
+            if finished and trainer.strategy.supervisor.stopped():
+                raise running.preempted()  # a SIGTERM reached a launched rank after the last agreement
 
 
 def _named(trainer: pl.Trainer, err: Exception) -> Exception:
