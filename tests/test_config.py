@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import ConfigError
 from dpddp.models.linear import LinearClassifier
+from dpddp.parallel.single import OneProcessStrategy
 from dpddp.run.assembly import build_strategy
 from dpddp.run.config import check_config
 
@@ -27,7 +28,7 @@ def test_every_option_composes_validates_and_builds(strategy, logger, tmp_path):
     cfg = compose_cfg(f"strategy={strategy}", f"logger={logger}", "accelerator=cpu", f"devices={devices}")
     check_config(cfg)
     built = build_strategy(cfg, None)
-    assert built == "auto" if strategy == "auto" else isinstance(built, pl.strategies.Strategy)
+    assert isinstance(built, OneProcessStrategy if strategy == "auto" else pl.strategies.Strategy)
     if cfg.logger:
         assert instantiate(cfg.logger, save_dir=str(tmp_path)).save_dir == str(tmp_path)
     for spec in cfg.callbacks.values():

@@ -5,6 +5,7 @@ leave no process behind and end with the straight run's weights."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing.forkserver as server_module
 import os
 import random
@@ -24,15 +25,18 @@ import torch
 from conftest import QUIET, ROOT, child_env, made_once, max_diff, run_train, tagged, weights
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader, TensorDataset
+from users_models import _Mapped, open_shard
 
 from dpddp.continuity.stop import StepBoundaryStop
 from dpddp.parallel.launcher import forget_forkserver
 from dpddp.parallel.workers import (
     START_METHOD,
     WORKER_TIMEOUT_S,
+    WorkerInitFailed,
     WorkerStart,
     loader_worker_failure,
     start_workers_safely,
+    worker_start_failure,
 )
 
 
@@ -130,10 +134,12 @@ def test_forget_forkserver_gives_a_forked_process_a_fork_server_of_its_own():
 
 # -- real runs ------------------------------------------------------------------------------------------------
 
-BATCH, STEPS = 12, 30 * 8  # users_models.WorkerData: 101 training samples, 8 batches an epoch, 30 epochs
+EPOCHS, BATCH = 12, 12
+STEPS = EPOCHS * 8  # users_models.WorkerData: 101 training samples, 8 batches an epoch
 DATA = ["data=sharded", "+data.module._target_=users_models.WorkerData", f"+data.module.batch_size={BATCH}"]
-# Long enough that a SIGTERM, agreed about once a second, stops the fit before its end.
-RUN = ["accelerator=cpu", "trainer.max_epochs=30", "model.num_features=4", "model.num_classes=3", "logger=none"]
+# Long enough that 3 SIGTERMs, each agreed within about a second, stop the fit before its end.
+RUN = ["accelerator=cpu", f"trainer.max_epochs={EPOCHS}", "model.num_features=4", "model.num_classes=3", "logger=none"]
+STRAIGHT = f"workers_straight_{EPOCHS}"  # made once for both tests that compare to it
 
 
 class PauseAtStep(pl.Callback):
@@ -198,12 +204,12 @@ def test_stop_and_continue_cycles_with_persistent_workers_leave_no_process_and_e
     checkpoint, every loader with 2 persistent workers: each ends 143 at a step boundary; while it ran, every
     rank's workers were forked by a fork server, not by the rank; after it, no process of its tree runs; the last
     segment ends with the weights of a straight run on one process without workers (1e-5)."""
-    straight = made_once(shared_dir, "workers_straight_30", _straight)
+    straight = made_once(shared_dir, STRAIGHT, _straight)
     rng, ckpt, stopped_at = random.Random(42), None, 0
     env, tag = child_env(PYTHONPATH=str(ROOT / "tests"))
     for cycle in range(4):
         run, flag = tmp_path / f"segment{cycle}", tmp_path / f"paused{cycle}"
-        pause = stopped_at + rng.randint(5, 30)
+        pause = stopped_at + rng.randint(3, 8)
         more = [] if cycle == 3 else ["+callbacks.pause._target_=test_loader_workers.PauseAtStep",
                                       f"+callbacks.pause.step={pause}", f"+callbacks.pause.flag={flag}"]  # fmt: skip
         resume = [f"ckpt_path={ckpt}"] if ckpt else []
@@ -309,7 +315,7 @@ def test_soak_seeded_sigterms_and_sigkills_at_random_moments_on_ddp_with_workers
     the last checkpoint: a SIGTERM ends 143 with the stop line, a SIGKILL of rank 1 ends 1 with the line naming it
     (of rank 0: its ranks die with it); within a minute, no process of the run left; each chain of continues that
     finishes ends with the straight run's weights (1e-5). The counts are printed."""
-    straight = made_once(shared_dir, "workers_straight_30", _straight)
+    straight = made_once(shared_dir, STRAIGHT, _straight)
     rng, ckpt, env = random.Random(7), None, child_env(PYTHONPATH=str(ROOT / "tests"))[0]
     landed: Counter[str] = Counter()
     finished, lags = 0, []
@@ -357,3 +363,103 @@ def test_soak_seeded_sigterms_and_sigkills_at_random_moments_on_ddp_with_workers
         ckpt = last if last.exists() else ckpt
     assert finished >= 1  # the last run continues to the end
     print(f"soak: {dict(sorted(landed.items()))}; finished chains {finished}; exit within {max(lags):.1f} s")
+
+
+class WorkerCensus(pl.Callback):
+    """Test helper: after the training batch that takes global step ``step``, writes into ``path`` (JSON) the
+    training loader's start method, timeout and ``worker_init_fn`` class, and for each process under this one
+    whether multiprocessing's fork server runs it (``server``) and its parent's pid."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, Path(path)
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step != self.step:
+            return
+        loader = trainer.train_dataloader
+        under = [{"pid": p.pid, "ppid": p.ppid(), "server": _server_born(p), "cmd": " ".join(p.cmdline())}
+                 for p in psutil.Process().children(recursive=True)]  # fmt: skip
+        census = {
+            "context": loader.multiprocessing_context.get_start_method() if loader.multiprocessing_context else None,
+            "timeout": loader.timeout,
+            "init": type(loader.worker_init_fn).__name__,
+            "me": os.getpid(),
+            "under": under,
+        }
+        self.path.write_text(json.dumps(census))
+
+
+@pytest.mark.slow
+def test_the_lightning_cli_on_one_process_starts_a_users_loader_workers_from_a_fork_server(tmp_path):
+    """``dpddp fit`` on one process (no ddp) with a user's LightningDataModule whose loaders have 2 workers: its
+    training loader gets the fork server, the 60 s timeout and the ``WorkerStart``; every process under the run
+    while it trains is the fork server, a worker it forked or multiprocessing's resource tracker (none forked by
+    the training process); after the run, none is left; the weights equal a ``num_workers=0`` run's. (Not
+    persistent: torch draws a persistent iterator's worker seed from the loader's generator once, not each epoch,
+    so its ``shuffle=True`` order differs from the second epoch on.)"""
+    base = ["fit", "--data=users_models.WorkerData", "--data.persistent_workers=false", "--model.num_features=4",
+            "--model.num_classes=3", "--trainer.accelerator=cpu", "--trainer.max_epochs=2", "--trainer.logger=false",
+            "--trainer.enable_progress_bar=false"]  # fmt: skip
+    census = tmp_path / "census.json"
+    watch = ["--trainer.callbacks+=test_loader_workers.WorkerCensus", "--trainer.callbacks.step=3",
+             f"--trainer.callbacks.path={census}"]  # fmt: skip
+    ends = {}
+    for name, more in [("workers", watch), ("serial", ["--data.num_workers=0"])]:
+        env, tag = child_env(PYTHONPATH=str(ROOT / "tests"))
+        cmd = [sys.executable, "-m", "dpddp.cli", *base, *more, f"--trainer.default_root_dir={name}"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert _gone(tagged(tag)) == [], name
+        (ends[name],) = (tmp_path / name).glob("lightning_logs/version_*/checkpoints/last.ckpt")
+    seen = json.loads(census.read_text())
+    assert (seen["context"], seen["timeout"], seen["init"]) == ("forkserver", WORKER_TIMEOUT_S, "WorkerStart"), seen
+    servers = {p["pid"] for p in seen["under"] if p["server"] and p["ppid"] == seen["me"]}
+    workers = [p for p in seen["under"] if p["ppid"] in servers]
+    assert len(servers) == 1 and len(workers) >= 2, seen["under"]  # the training loader's 2 workers, at least
+    others = [p["cmd"] for p in seen["under"] if not p["server"]]
+    assert all("multiprocessing.resource_tracker" in cmd for cmd in others), others
+    assert max_diff(weights(ends["workers"]), weights(ends["serial"])) <= 1e-6
+
+
+def test_worker_start_failure_reads_a_failed_worker_init_and_a_loader_the_fork_server_cannot_get():
+    """A loader's own worker_init_fn that raises in the worker comes back from torch as ``WorkerInitFailed``,
+    read as its one phrase; a data set holding a lambda fails to pickle while its worker starts, read as such;
+    any other error is not a failed start."""
+    data = TensorDataset(torch.arange(8.0))
+    failing = DataLoader(data, num_workers=1, worker_init_fn=open_shard, multiprocessing_context="fork")
+    with pytest.raises(WorkerInitFailed) as err:
+        next(iter(start_workers_safely(failing, 0)))
+    assert worker_start_failure(err.value) == (
+        "its worker_init_fn open_shard raised FileNotFoundError: shard-0.bin: no such file; fix it (it runs first "
+        "in each worker process), or set data.num_workers=0 to load in the rank"
+    )
+    lambdas = start_workers_safely(DataLoader(_Mapped(data, lambda item: item), num_workers=1), 0)
+    with pytest.raises(Exception) as err:
+        next(iter(lambdas))
+    what = worker_start_failure(err.value)
+    assert what is not None and what.startswith("the DataLoader cannot be pickled (")
+    assert "lambda" in what and what.endswith("or set data.num_workers=0"), what
+    assert worker_start_failure(RuntimeError("Can't pickle this")) is None  # not raised while pickling
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["init_fails", "lambda_transform"])
+def test_a_worker_that_cannot_start_ends_the_run_with_one_line_naming_the_setting(tmp_path, how):
+    """ddp(2) with 2 workers per loader that cannot start: the loaders' own worker_init_fn raises in every worker
+    (``init_fails``), or the data sets hold a lambda, which cannot be pickled for the fork server
+    (``lambda_transform``): the run ends with exit 1, no traceback, its last error line rank 0's one line naming
+    data.num_workers and the cause, and no process left."""
+    env = {"PYTHONPATH": str(ROOT / "tests")}
+    proc = run_train(*RUN, *DATA, "strategy=ddp", "devices=2", f"+data.module.{how}=true",
+                     f"hydra.run.dir={tmp_path}/run", cwd=tmp_path, env=env)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line.split("error: ", 1)[1] for line in proc.stderr.splitlines() if "error: " in line]
+    assert errors and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = errors[-1]
+    cause = {
+        "init_fails": "its worker_init_fn open_shard raised FileNotFoundError: shard-0.bin: no such file; fix it",
+        "lambda_transform": "the DataLoader cannot be pickled (",
+    }[how]
+    assert last.startswith(f"rank 0: a DataLoader worker could not start (data.num_workers > 0): {cause}"), last
+    assert "set data.num_workers=0" in last, last
+    assert _gone(tagged(proc.tag)) == []

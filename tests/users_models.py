@@ -119,18 +119,23 @@ class SplitData(pl.LightningDataModule):
 class WorkerData(SplitData):
     """``SplitData`` with ``num_workers`` DataLoader worker processes in every loader (``persistent_workers`` as
     given), as users write it; ``hang=True``: each worker's first item blocks for an hour (a stuck worker), with
-    the loaders' own ``timeout`` seconds."""
+    the loaders' own ``timeout`` seconds; ``init_fails=True``: every loader's ``worker_init_fn`` raises;
+    ``lambda_transform=True``: every split's items pass through a lambda (a data set a fork server cannot get)."""
 
     def __init__(self, num_workers: int = 2, persistent_workers: bool = True, hang: bool = False, timeout: float = 0,
-                 **kwargs) -> None:  # fmt: skip
+                 init_fails: bool = False, lambda_transform: bool = False, **kwargs) -> None:  # fmt: skip
         super().__init__(**kwargs)
         self.workers = {"num_workers": num_workers, "persistent_workers": persistent_workers, "timeout": timeout}
-        self.hang = hang
+        if init_fails:
+            self.workers["worker_init_fn"] = open_shard
+        self.hang, self.lambda_transform = hang, lambda_transform
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if self.hang:
             self.train = Subset(_HangInWorker(self.train.dataset), self.train.indices)
+        if self.lambda_transform:
+            self.train, self.val, self.test = (_Mapped(s, lambda item: item) for s in (self.train, self.val, self.test))
 
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
@@ -144,6 +149,24 @@ class WorkerData(SplitData):
 
     def predict_dataloader(self) -> DataLoader:
         return self.test_dataloader()
+
+
+def open_shard(worker_id: int) -> None:
+    """A user's ``worker_init_fn`` that cannot open its worker's shard."""
+    raise FileNotFoundError(f"shard-{worker_id}.bin: no such file")
+
+
+class _Mapped(Dataset):
+    """``dataset``'s items through ``fn``."""
+
+    def __init__(self, dataset, fn) -> None:
+        self.dataset, self.fn = dataset, fn
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self.fn(self.dataset[i])
 
 
 class _HangInWorker(Dataset):

@@ -17,11 +17,11 @@ from types import FunctionType, ModuleType
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader
 
-from dpddp.errors import LoaderFailed
+from dpddp.errors import LoaderFailed, first_line
 from dpddp.parallel.launcher import die_with_parent, forget_forkserver
 
-__all__ = ["START_METHOD", "WORKER_TIMEOUT_S", "WorkerStart", "loader_failed", "loader_worker_failure"]
-__all__ += ["start_workers_safely"]
+__all__ = ["START_METHOD", "WORKER_TIMEOUT_S", "WorkerInitFailed", "WorkerStart", "loader_failed"]
+__all__ += ["loader_worker_failure", "start_workers_safely", "worker_start_failure"]
 
 START_METHOD = "forkserver"
 """How a loader without a ``multiprocessing_context`` of its own starts its workers: forked from a fork server
@@ -48,6 +48,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class WorkerInitFailed(RuntimeError):
+    """Raised in a DataLoader worker whose loader's own ``worker_init_fn`` raised; torch re-raises it in the rank,
+    its message then torch's ``Caught WorkerInitFailed in DataLoader worker process N`` and the worker's
+    traceback, whose last line is ``...WorkerInitFailed: <this message>``."""
+
+
 class WorkerStart:
     """A loader's ``worker_init_fn`` in each worker: SIGKILL when its parent dies (``die_with_parent``; the parent
     is the fork server, which ends when the rank closes its keep-alive pipe, so the worker drops its own copy of
@@ -64,7 +70,11 @@ class WorkerStart:
         if not _alive(self.rank_pid):  # the rank died before the signal was armed: nothing would send it
             os._exit(1)
         if self.then is not None:
-            self.then(worker_id)
+            try:
+                self.then(worker_id)
+            except Exception as err:
+                name = getattr(self.then, "__qualname__", type(self.then).__qualname__)
+                raise WorkerInitFailed(f"its worker_init_fn {name} raised {first_line(err)}") from err
 
 
 _preloaded: set[str] = {"torch", __name__}
@@ -123,9 +133,42 @@ def loader_worker_failure(err: BaseException) -> str | None:
     return f"a {text}" if text.startswith("DataLoader worker (pid") else None
 
 
+def _pickling(err: BaseException) -> bool:
+    """Whether ``err`` was raised while multiprocessing pickled a process to start (``reduction.dump``)."""
+    tb = err.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "dump" and code.co_filename.endswith(os.path.join("multiprocessing", "reduction.py")):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def worker_start_failure(err: BaseException) -> str | None:
+    """What ``err`` says of a DataLoader worker that could not start, with what to do, else ``None``: the loader
+    could not be pickled for the fork server (raised in the rank while starting the worker), or its own
+    ``worker_init_fn`` raised in the worker (``WorkerInitFailed``, re-raised in the rank by torch)."""
+    if isinstance(err, WorkerInitFailed):
+        said = str(err).rstrip().splitlines()[-1]
+        said = said.split(f"{WorkerInitFailed.__name__}: ", 1)[-1]
+        return f"{said}; fix it (it runs first in each worker process), or set data.num_workers=0 to load in the rank"
+    if _pickling(err):
+        return (
+            f"the DataLoader cannot be pickled ({first_line(err)}): its "
+            "workers start from a fork server, which gets the data set, sampler, collate_fn and worker_init_fn "
+            "pickled; define them at a module's top level, without lambdas, local classes, open files or "
+            "generators, or set data.num_workers=0"
+        )
+    return None
+
+
 def loader_failed(err: BaseException, rank: int) -> LoaderFailed | None:
-    """The one-line error for ``err`` when it is torch's report of a stuck or dead DataLoader worker, else
-    ``None``: ``"rank 1: a DataLoader worker sent no batch for 60 s ... (data.num_workers): ..."``."""
+    """The one-line error for ``err`` when it is torch's report of a stuck or dead DataLoader worker or a worker
+    that could not start (``worker_start_failure``), else ``None``: ``"rank 1: a DataLoader worker sent no batch
+    for 60 s ... (data.num_workers > 0): ..."``."""
+    start = worker_start_failure(err)
+    if start is not None:
+        return LoaderFailed(f"rank {rank}: a DataLoader worker could not start (data.num_workers > 0): {start}")
     what = loader_worker_failure(err)
     if what is None:
         return None

@@ -32,6 +32,7 @@ from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy
 from dpddp.parallel.launcher import RankJob
 from dpddp.parallel.rules import replicas, resolve_accelerator
+from dpddp.parallel.single import OneProcessStrategy
 from dpddp.report.bars import RichBar, TQDMBar
 from dpddp.report.contract import LoggedTensors, MetricContract
 from dpddp.report.costs import Costs
@@ -98,11 +99,11 @@ def _progress_bar(cfg: DictConfig) -> tuple[bool, list[pl.Callback]]:
     return True, [RichBar() if importlib.util.find_spec("rich") else TQDMBar()]
 
 
-def build_strategy(cfg: DictConfig, job: RankJob | None) -> str | pl.strategies.Strategy:
-    """The Trainer's strategy from the ``strategy`` group: ``"auto"``, our ``dp``, or our ``DDPStrategy`` whose
-    launcher starts ranks from ``job``. ``ddp_spawn`` is that launcher with every rank in a fresh interpreter
-    (``launch="exec"``), not Lightning's ``torch.multiprocessing`` spawn: a spawn parent trains nothing, so a
-    SIGTERM to it ended the run with no checkpoint and left its ranks training, orphaned."""
+def build_strategy(cfg: DictConfig, job: RankJob | None) -> pl.strategies.Strategy:
+    """The Trainer's strategy from the ``strategy`` group: our ``OneProcessStrategy`` (``auto``), ``dp``, or our
+    ``DDPStrategy`` whose launcher starts ranks from ``job``. ``ddp_spawn`` is that launcher with every rank in a
+    fresh interpreter (``launch="exec"``), not Lightning's ``torch.multiprocessing`` spawn: a spawn parent trains
+    nothing, so a SIGTERM to it ended the run with no checkpoint and left its ranks training, orphaned."""
     container = OmegaConf.to_container(cfg.strategy)
     assert isinstance(container, dict)
     options = {str(k): v for k, v in container.items() if k != "name"}
@@ -113,7 +114,7 @@ def build_strategy(cfg: DictConfig, job: RankJob | None) -> str | pl.strategies.
         return DDPStrategy(job=job, **options)
     if name == "ddp_spawn":
         return DDPStrategy(job=job, **{**options, "launch": "exec", "start_method": "popen"})
-    return "auto"
+    return OneProcessStrategy()
 
 
 def _build_callbacks(
