@@ -12,6 +12,8 @@ import os
 import random
 import shlex
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import QUIET, ROOT, compose_cfg, leftover, made_once, run_train
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, made_once, run_train
 from hydra.experimental.callback import Callback
 
 from dpddp.continuity.stop import RunScope
@@ -153,12 +155,10 @@ def _stops_then_continues(
     return elapsed
 
 
-CASES = [  # (strategy, devices, hook, rank)
+CASES = [  # (strategy, devices, hook, rank); rank 0 of ddp(2) at fit_end and predict: the entry points' cases
     ("ddp", 2, "last_train_batch", 1),
     ("ddp", 2, "validation", 1),
-    ("ddp", 2, "fit_end", 0),
     ("ddp", 2, "test", 1),
-    ("ddp", 2, "predict", 0),
     ("ddp", 2, "predict_teardown", 1),
     ("ddp", 3, "validation", 2),
     ("auto", 1, "validation", 0),
@@ -257,7 +257,7 @@ class SigtermAfterTheJob(Callback):
         time.sleep(self.wait_s)
 
 
-AFTER = [("ddp", 2, 1, "run"), ("ddp", 3, 2, "run"), ("auto", 1, 0, "job")]  # (strategy, devices, rank, after)
+AFTER = [("ddp", 2, 1, "run"), ("auto", 1, 0, "job")]  # (strategy, devices, rank, after)
 
 
 @pytest.mark.slow
@@ -278,3 +278,71 @@ def test_a_sigterm_after_the_last_agreement_still_stops_with_143_and_the_line(
         kill += [f"+hydra.callbacks.kill.delay_s={delay:.3f}", "+hydra.callbacks.kill.wait_s=0.5"]
     elapsed = _stops_then_continues(tmp_path, shared_dir, strategy, devices, kill, whole=after == "job")
     assert elapsed < 120
+
+
+def _cli(args: list[str]) -> list[str]:
+    """``SETTINGS`` (and ``+callbacks.kill.*``) in the Lightning CLI's spelling; the CLI's fit does not predict."""
+    out = ["fit", "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.accelerator=cpu"]
+    out += ["--model=users_models.SlowEvalMLP", f"--model.eval_sleep_s={SLEEP_S}", "--model.num_features=16"]
+    out += ["--model.num_classes=4", "--data.num_samples=1005"]
+    out += ["--data.batch_size=30", "--trainer.max_epochs=2", "--trainer.enable_progress_bar=false"]
+    out.append("--trainer.callbacks+=test_sigterm_any_moment.SigtermAfter")
+    out += [
+        f"--trainer.callbacks.{a.split('.', 2)[2]}"
+        for a in args
+        if a.startswith("+callbacks.kill.") and "_target_" not in a
+    ]
+    return [*out, "--trainer.default_root_dir=run"]
+
+
+ENTRY_POINTS = {  # entry -> (the command before the settings, its exit status on a stop)
+    "ddp_spawn": ([str(ROOT / "train.py"), "strategy=ddp_spawn", "devices=2"], 143),
+    # torchrun's own status when a worker fails (exit 143): elastic_launch raises ChildFailedError, which its
+    # @record main re-raises (torch/distributed/run.py, elastic/multiprocessing/errors)
+    "torchrun": (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(ROOT / "train.py")]
+        + ["strategy=ddp", "devices=2"],
+        1,
+    ),
+    "cli": (["-m", "dpddp.cli"], 143),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_a_sigterm_at_a_random_moment_stops_every_entry_point_and_continues_to_the_straight_weights(
+    tmp_path, shared_dir, entry
+):
+    """ddp_spawn, torchrun and the Lightning CLI: a seeded random stage and rank (the CLI's fit does not predict),
+    143 (torchrun: its own 1, its workers' 143 in its report), the one line, no process left, and the printed
+    command (run as printed: under torchrun, dpddp's own launcher) ends with the straight ddp(2) run's weights."""
+    rng = random.Random(entry)
+    hook = rng.choice([h for h in WINDOW_S if entry != "cli" or not h.startswith("predict")])
+    rank, delay = rng.randrange(2), rng.uniform(0, WINDOW_S[hook])
+    kill = ["+callbacks.kill._target_=test_sigterm_any_moment.SigtermAfter", f"+callbacks.kill.hook={hook}"]
+    kill += [
+        f"+callbacks.kill.delay_s={delay:.3f}",
+        f"+callbacks.kill.rank={rank}",
+        f"+callbacks.kill.once={tmp_path}/sent",
+    ]
+    prefix, status = ENTRY_POINTS[entry]
+    args = _cli(kill) if entry == "cli" else [*SETTINGS, *kill, *QUIET, "hydra.run.dir=run"]
+    full_env, tag = child_env(**ENV)
+    cmd = [sys.executable, *prefix, *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == status, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error: stopped by SIGTERM")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    last = tmp_path / "run" / ("lightning_logs/version_0/" if entry == "cli" else "") / "checkpoints" / "last.ckpt"
+    step = torch.load(last, weights_only=True)["global_step"]
+    where, command = lines[0].split(": resume with ", 1)
+    assert where.startswith(f"error: stopped by SIGTERM after step {step}; checkpoint: ")
+    assert (tmp_path / where.split("checkpoint: ", 1)[1]).resolve() == last.resolve() and leftover(tag) == []
+    printed = shlex.split(command)
+    resumed_cmd = (
+        [sys.executable, "-m", "dpddp.cli", *printed[1:]] if entry == "cli" else [sys.executable, *printed[1:]]
+    )
+    resumed = subprocess.run(resumed_cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight, ended = _state(_straight(shared_dir, "ddp", 2)), _state(last)
+    assert max((straight[k] - ended[k]).abs().max().item() for k in straight) <= 1e-5

@@ -9,6 +9,7 @@ import gc
 import json
 import logging
 import math
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from dpddp.errors import (
     Preempted,
     RankFailed,
     exit_on,
+    exit_status,
     fail,
     first_line,
     invocation_name,
@@ -223,6 +225,9 @@ def run_job(cfg: DictConfig) -> float:
             sweep_stop.request()  # every job stops; the sweep's process prints the line that resumes them
             log.warning(f"{err}: the sweep stops; resuming it continues this job")
             return math.nan
+        if isinstance(err, Preempted) and _local_rank():  # a cluster's rank (torchrun's): each node's first says it
+            log.info(str(err))
+            sys.exit(exit_status(err))
         if isinstance(err, Preempted) or not multirun:  # a preempted sweep stops too: the scheduler wants the node
             command = partial(_resume_command, overrides, output_dir, multirun)
             exit_on(err, command, log if isinstance(err, RankFailed) else None)  # a lost rank: into train.log too
@@ -233,6 +238,11 @@ def run_job(cfg: DictConfig) -> float:
         log.exception("job failed")
         line = first_line(err)
     return _job_failed(hydra_cfg.job.num, output_dir, line)
+
+
+def _local_rank() -> int:
+    """This process's local rank from its launcher (``LOCAL_RANK``: torchrun; ``SLURM_LOCALID``), else 0."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
 
 
 def _job_failed(num: int, output_dir: Path, line: str) -> float:
