@@ -443,23 +443,19 @@ def test_worker_start_failure_reads_a_failed_worker_init_and_a_loader_the_fork_s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["init_fails", "lambda_transform"])
-def test_a_worker_that_cannot_start_ends_the_run_with_one_line_naming_the_setting(tmp_path, how):
-    """ddp(2) with 2 workers per loader that cannot start: the loaders' own worker_init_fn raises in every worker
-    (``init_fails``), or the data sets hold a lambda, which cannot be pickled for the fork server
-    (``lambda_transform``): the run ends with exit 1, no traceback, its last error line rank 0's one line naming
-    data.num_workers and the cause, and no process left."""
+def test_a_worker_that_cannot_start_ends_the_run_with_one_line_naming_the_setting(tmp_path):
+    """ddp(2) with 2 workers per loader that cannot start: the data sets hold a lambda, which cannot be pickled
+    for the fork server: the run ends with exit 1, no traceback, its last error line rank 0's one line naming
+    data.num_workers and the cause, and no process left. (A worker_init_fn that raises in the worker ends the
+    run through the same line: its reading is tested above, without a run, to keep CI short.)"""
     env = {"PYTHONPATH": str(ROOT / "tests")}
-    proc = run_train(*RUN, *DATA, "strategy=ddp", "devices=2", f"+data.module.{how}=true",
+    proc = run_train(*RUN, *DATA, "strategy=ddp", "devices=2", "+data.module.lambda_transform=true",
                      f"hydra.run.dir={tmp_path}/run", cwd=tmp_path, env=env)  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [line.split("error: ", 1)[1] for line in proc.stderr.splitlines() if "error: " in line]
     assert errors and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = errors[-1]
-    cause = {
-        "init_fails": "its worker_init_fn open_shard raised FileNotFoundError: shard-0.bin: no such file; fix it",
-        "lambda_transform": "the DataLoader cannot be pickled (",
-    }[how]
-    assert last.startswith(f"rank 0: a DataLoader worker could not start (data.num_workers > 0): {cause}"), last
+    start = "rank 0: a DataLoader worker could not start (data.num_workers > 0): the DataLoader cannot be pickled ("
+    assert last.startswith(start) and "lambda" in last, last
     assert "set data.num_workers=0" in last, last
     assert _gone(tagged(proc.tag)) == []

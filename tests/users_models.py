@@ -119,15 +119,13 @@ class SplitData(pl.LightningDataModule):
 class WorkerData(SplitData):
     """``SplitData`` with ``num_workers`` DataLoader worker processes in every loader (``persistent_workers`` as
     given), as users write it; ``hang=True``: each worker's first item blocks for an hour (a stuck worker), with
-    the loaders' own ``timeout`` seconds; ``init_fails=True``: every loader's ``worker_init_fn`` raises;
-    ``lambda_transform=True``: every split's items pass through a lambda (a data set a fork server cannot get)."""
+    the loaders' own ``timeout`` seconds; ``lambda_transform=True``: every split's items pass through a lambda (a
+    data set a fork server cannot get)."""
 
     def __init__(self, num_workers: int = 2, persistent_workers: bool = True, hang: bool = False, timeout: float = 0,
-                 init_fails: bool = False, lambda_transform: bool = False, **kwargs) -> None:  # fmt: skip
+                 lambda_transform: bool = False, **kwargs) -> None:  # fmt: skip
         super().__init__(**kwargs)
         self.workers = {"num_workers": num_workers, "persistent_workers": persistent_workers, "timeout": timeout}
-        if init_fails:
-            self.workers["worker_init_fn"] = open_shard
         self.hang, self.lambda_transform = hang, lambda_transform
 
     def setup(self, stage: str) -> None:
