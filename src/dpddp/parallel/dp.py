@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from torch import nn
 from typing_extensions import override
 
-__all__ = ["DataParallelStrategy", "replicate_forward", "restore_forward"]
+__all__ = ["ConnectorDevices", "DataParallelStrategy", "replicate_forward", "restore_forward"]
 
 
 class _Forward(nn.Module):
@@ -43,7 +43,34 @@ def restore_forward(module: pl.LightningModule) -> None:
     module.__dict__.pop("forward", None)
 
 
-class DataParallelStrategy(SingleDeviceStrategy):
+class ConnectorDevices(SingleDeviceStrategy):
+    """One process whose root device is the first of the devices Lightning's accelerator connector puts in
+    ``parallel_devices`` (from ``accelerator`` and ``devices``; CPU before it does); ``check_devices`` may refuse
+    them (raising there, at Trainer construction)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(device="cpu", **kwargs)
+        self._parallel_devices: list[torch.device] = []  # empty: Lightning's connector fills it from `devices`
+
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        self._parallel_devices = self.check_devices(devices or [torch.device("cpu")])
+
+    def check_devices(self, devices: list[torch.device]) -> list[torch.device]:
+        """``devices``, or raises ``ValueError`` when this strategy cannot run on them (here: any)."""
+        return devices
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self._parallel_devices[0] if self._parallel_devices else torch.device("cpu")
+
+
+class DataParallelStrategy(ConnectorDevices):
     """Single-process data parallelism over several GPUs with ``torch.nn.DataParallel``: the whole global batch
     ``[B, ...]`` is split along dim 0 over the GPUs (any size) and the outputs gathered on the first. Checkpoints
     hold the plain module's weights, loadable under any strategy; one device runs the module unwrapped.
@@ -55,28 +82,17 @@ class DataParallelStrategy(SingleDeviceStrategy):
     strategy_name = "dp"
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(device="cpu", **kwargs)
-        self._parallel_devices: list[torch.device] = []  # empty: Lightning's connector fills it from `devices`
+        super().__init__(**kwargs)
         self._replicated: nn.DataParallel | None = None
 
-    @property
-    def parallel_devices(self) -> list[torch.device]:
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        devices = devices or [torch.device("cpu")]
+    @override
+    def check_devices(self, devices: list[torch.device]) -> list[torch.device]:
         if len(devices) > 1 and devices[0].type != "cuda":
             raise ValueError(
                 f"strategy=dp with devices={len(devices)} on {devices[0].type}: DataParallel replicates over "
                 f"CUDA GPUs in one process; for several CPU processes use strategy=ddp devices={len(devices)}"
             )
-        self._parallel_devices = devices
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        return self._parallel_devices[0] if self._parallel_devices else torch.device("cpu")
+        return devices
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
