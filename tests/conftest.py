@@ -128,12 +128,15 @@ def metrics(run_dir: Path) -> dict:
 
 
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every entry of the checkpoint's ``state_dict``: parameters and buffers (BatchNorm's running statistics and
+    batch count included), as float64."""
     state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
-    return {k: v for k, v in state.items() if k.startswith("linear.")}
+    return {k: v.double() for k, v in state.items()}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
+    """The largest absolute difference over the entries of two ``weights``; their keys must be the same."""
+    assert a and a.keys() == b.keys(), (sorted(a), sorted(b))
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
