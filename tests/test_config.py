@@ -8,6 +8,7 @@ import yaml
 from conftest import CONF, QUIET, compose_cfg
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch.utils.data import DataLoader, TensorDataset
 
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import ConfigError
@@ -29,6 +30,8 @@ def test_every_option_composes_validates_and_builds(strategy, logger, tmp_path):
     check_config(cfg)
     built = build_strategy(cfg, None)
     assert isinstance(built, OneProcessStrategy if strategy == "auto" else pl.strategies.Strategy)
+    loader = built.process_dataloader(DataLoader(TensorDataset(torch.arange(4.0)), num_workers=1))
+    assert loader.multiprocessing_context.get_start_method() == "forkserver", strategy  # every strategy's loaders
     if cfg.logger:
         assert instantiate(cfg.logger, save_dir=str(tmp_path)).save_dir == str(tmp_path)
     for spec in cfg.callbacks.values():

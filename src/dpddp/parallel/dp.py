@@ -5,6 +5,7 @@ Lightning's accelerator connector filling ``parallel_devices`` (Lightning 2.6.6;
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -46,11 +47,17 @@ def restore_forward(module: pl.LightningModule) -> None:
 class ConnectorDevices(SingleDeviceStrategy):
     """One process whose root device is the first of the devices Lightning's accelerator connector puts in
     ``parallel_devices`` (from ``accelerator`` and ``devices``; CPU before it does); ``check_devices`` may refuse
-    them (raising there, at Trainer construction)."""
+    them (raising there, at Trainer construction). ``start_workers(loader, global_rank)``, when given, returns each
+    loader of every stage as it is to run (``dpddp.parallel.workers.start_workers_safely``)."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, start_workers: Callable[[Any, int], Any] | None = None, **kwargs: Any) -> None:
         super().__init__(device="cpu", **kwargs)
         self._parallel_devices: list[torch.device] = []  # empty: Lightning's connector fills it from `devices`
+        self._start_workers = start_workers
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return dataloader if self._start_workers is None else self._start_workers(dataloader, self.global_rank)
 
     @property
     def parallel_devices(self) -> list[torch.device]:

@@ -4,7 +4,7 @@ workers safely, on the device Lightning's accelerator connector fills in (``Conn
 
 from __future__ import annotations
 
-from typing_extensions import override
+from typing import Any
 
 from dpddp.parallel.dp import ConnectorDevices
 from dpddp.parallel.workers import start_workers_safely
@@ -17,6 +17,5 @@ class OneProcessStrategy(ConnectorDevices):
     Lightning's connector puts in ``parallel_devices`` (from ``accelerator`` and ``devices``), whose every loader of
     every stage, the user's own too, starts its workers safely (``start_workers_safely``), as under ddp."""
 
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        return start_workers_safely(dataloader, self.global_rank)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(start_workers=start_workers_safely, **kwargs)

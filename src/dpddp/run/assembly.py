@@ -33,6 +33,7 @@ from dpddp.parallel.dp import DataParallelStrategy
 from dpddp.parallel.launcher import RankJob
 from dpddp.parallel.rules import replicas, resolve_accelerator
 from dpddp.parallel.single import OneProcessStrategy
+from dpddp.parallel.workers import start_workers_safely
 from dpddp.report.bars import RichBar, TQDMBar
 from dpddp.report.contract import LoggedTensors, MetricContract
 from dpddp.report.costs import Costs
@@ -109,7 +110,7 @@ def build_strategy(cfg: DictConfig, job: RankJob | None) -> pl.strategies.Strate
     options = {str(k): v for k, v in container.items() if k != "name"}
     name = cfg.strategy.name
     if name == "dp":
-        return DataParallelStrategy()
+        return DataParallelStrategy(start_workers=start_workers_safely)
     if name == "ddp":
         return DDPStrategy(job=job, **options)
     if name == "ddp_spawn":
