@@ -8,6 +8,7 @@ after the hook lands before the run's end. Timing places the signal only; no ass
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import shlex
@@ -346,3 +347,80 @@ def test_a_sigterm_at_a_random_moment_stops_every_entry_point_and_continues_to_t
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     straight, ended = _state(_straight(shared_dir, "ddp", 2)), _state(last)
     assert max((straight[k] - ended[k]).abs().max().item() for k in straight) <= 1e-5
+
+
+def _held(pid: int) -> bool:
+    """Whether process ``pid`` answers SIGTERM: it blocks it (held from its first line) or has a handler for it."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    masks = dict(line.split(":\t") for line in status.splitlines() if line.startswith(("SigBlk", "SigCgt")))
+    return any(int(masks[key], 16) >> (signal.SIGTERM - 1) & 1 for key in ("SigBlk", "SigCgt"))
+
+
+EARLY = {  # entry -> the command (the settings in its spelling), the program its printed command starts with
+    "train.py": ([sys.executable, str(ROOT / "train.py"), "accelerator=cpu", *QUIET, "hydra.run.dir=run"], "python"),
+    "train.py ddp(2)": (
+        [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=2", "accelerator=cpu", *QUIET]
+        + ["hydra.run.dir=run"],
+        "python",
+    ),
+    "dpddp fit": (
+        [str(Path(sys.executable).with_name("dpddp")), "fit", "--trainer.accelerator=cpu"]
+        + ["--trainer.enable_progress_bar=false", "--trainer.default_root_dir=run"],
+        "dpddp",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", list(EARLY))
+def test_a_sigterm_in_the_first_seconds_of_every_entry_point_stops_with_143_and_the_line(tmp_path, entry):
+    """A SIGTERM at a seeded random moment of the first seconds (imports, Hydra's composition or the CLI's parse,
+    start-up), once the process is past its first line: 143, exactly one stop line (none at a rank's ERROR level),
+    its command the given one (or, after a checkpoint, the resume command), no process left."""
+    cmd, program = EARLY[entry]
+    full_env, tag = child_env()
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    while not _held(proc.pid):
+        time.sleep(0.01)
+    time.sleep(random.Random(entry).uniform(0, 3.0))
+    proc.send_signal(signal.SIGTERM)
+    stderr = proc.communicate(timeout=240)[1].decode()
+    assert proc.returncode == 143, stderr[-3000:]
+    lines = [x for x in stderr.splitlines() if "stopped by SIGTERM" in x and (x.startswith("error:") or "ERROR" in x)]
+    assert len(lines) == 1 and lines[0].startswith("error: stopped by SIGTERM "), stderr[-3000:]
+    where, command = lines[0].split(": resume with ", 1)
+    assert where == "error: stopped by SIGTERM before its first checkpoint" or " after step " in where, where
+    given = [a for a in cmd[2 if program == "python" else 1 :] if not a.startswith(("hydra.run.dir=", "--trainer.def"))]
+    assert shlex.split(command)[0] == program and set(given) <= set(shlex.split(command)), command
+    assert leftover(tag) == []
+
+
+class SigtermAtExit(pl.Callback):
+    """At the run's end, registers an exit function that sends this process SIGTERM and waits ``wait_s`` in it:
+    the signal lands while the interpreter exits, after the command has ended (``atexit`` runs it first)."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+
+    def teardown(self, trainer, pl_module, stage):
+        def sigterm_then_wait() -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(self.wait_s)
+
+        if stage == "fit" and trainer.is_global_zero:
+            atexit.register(sigterm_then_wait)
+
+
+def test_a_sigterm_while_the_interpreter_exits_after_the_run_stops_with_143_and_the_line(tmp_path):
+    """After ``main`` returned (the run whole, ``metrics.json`` written): 143 and the one line naming the run's
+    last checkpoint, not an end by the signal (-15)."""
+    kill = ["+callbacks.kill._target_=test_sigterm_any_moment.SigtermAtExit", "+callbacks.kill.wait_s=5"]
+    proc = run_train(
+        "accelerator=cpu", "trainer.max_epochs=1", "logger=none", *kill, "hydra.run.dir=run", env=ENV, cwd=tmp_path
+    )
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if "stopped by SIGTERM" in x]
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    step = torch.load(last, weights_only=True)["global_step"]
+    assert len(lines) == 1 and lines[0].startswith(f"error: stopped by SIGTERM after step {step}; checkpoint: "), lines
+    assert (tmp_path / "run" / "metrics.json").is_file() and " resume=true hydra.run.dir=" in lines[0]

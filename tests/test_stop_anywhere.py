@@ -2,6 +2,7 @@
 last checkpoint and step, which every entry point prints as one line with the resume command (exit 143), not a
 silent exit; the resumed run ends with the straight run's weights and a whole ``metrics.json``."""
 
+import logging
 import os
 import signal
 
@@ -11,7 +12,7 @@ from conftest import QUIET, compose_cfg, max_diff, metrics, weights
 
 from dpddp.continuity.stop import run_stops, starting_up
 from dpddp.data.random_tensors import RandomTensorDataModule
-from dpddp.errors import Preempted
+from dpddp.errors import Preempted, exit_on, rank_status
 from dpddp.run.training import train
 
 BASE = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "trainer.max_epochs=2"]
@@ -174,3 +175,25 @@ def test_a_sigterm_to_rank_0_while_testing_under_ddp_stops_the_run_with_143(tmp_
     assert len(lines) == 1 and lines[0].startswith(f"error: stopped by SIGTERM after step {step}; checkpoint: {last}")
     assert "resume with " in lines[0] and not (tmp_path / "run" / "metrics.json").exists()
     assert leftover(proc.tag) == []
+
+
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_a_stop_line_is_said_once_per_node_and_a_launched_ranks_stop_is_not_an_error(
+    monkeypatch, capsys, caplog, local_rank
+):
+    """Under torchrun (``LOCAL_RANK``) each node's first process says the stop line, the others log the stop at
+    INFO and exit 143 too (every entry point ends through ``exit_on``); a launched rank logs it at INFO
+    (``rank_status``): the one ``error:`` line is rank 0's."""
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    stop = Preempted(None, 0)
+    caplog.set_level(logging.INFO)
+    with pytest.raises(SystemExit) as exit_:
+        exit_on(stop, lambda: "python train.py")
+    said = "error: stopped by SIGTERM before its first checkpoint: resume with python train.py\n"
+    assert exit_.value.code == 143 and capsys.readouterr().err == (said if local_rank == "0" else "")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == (
+        [] if local_rank == "0" else [("INFO", str(stop))]
+    )
+    caplog.clear()
+    assert rank_status(stop, logging.getLogger("rank")) == 143
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("INFO", str(stop))]

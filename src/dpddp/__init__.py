@@ -7,6 +7,15 @@ and ``--trainer.strategy=dp`` then work) and does nothing else. The layers, from
 ``entry`` (Hydra and the Lightning CLI). Imports run one way, down.
 """
 
-from dpddp.parallel.dp import DataParallelStrategy
+import signal
+import sys
+from pathlib import Path
+
+if Path(sys.argv[0]).name in ("dpddp", "dpddp-train") or sys.orig_argv[1:3] == ["-m", "dpddp.cli"]:
+    # dpddp's own commands (the console scripts, python -m dpddp.cli), as train.py: a SIGTERM from here on is held
+    # until dpddp.continuity.stop.command takes it (the imports below take seconds).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+from dpddp.parallel.dp import DataParallelStrategy  # noqa: E402
 
 __all__ = ["DataParallelStrategy"]

@@ -117,7 +117,8 @@ def disable_sigterm_broadcast(trainer: pl.Trainer) -> None:
     for owner, name in ((loop, "_broadcast_sigterm_tensor"), (connector, "_sigterm_notifier_fn")):
         if not callable(getattr(type(owner), name, None)):
             raise RuntimeError(f"lightning moved {type(owner).__name__}.{name}: update dpddp._compat")
-    loop._broadcast_sigterm_tensor, connector._sigterm_notifier_fn = lambda: None, lambda signum, _: None  # type: ignore[method-assign]
+    loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
+    connector._sigterm_notifier_fn = lambda signum, _: None  # type: ignore[method-assign]
 
 
 def restore_sigterm_broadcast(trainer: pl.Trainer) -> None:
@@ -142,8 +143,7 @@ def data_position(trainer: pl.Trainer, length: int | None = None) -> tuple[int, 
 def keep_unfinished_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
     """Mark an epoch that fit left before its last batch as unfinished in ``checkpoint``
     (``["loops"]["fit_loop"]["epoch_progress"]`` ``processed``/``completed``), so a continued run restores
-    mid-epoch (docs/design-notes.md). Lightning 2.6.6; test_compat and the limit-resume tests fail if it moves.
-    """
+    mid-epoch (docs/design-notes.md). Lightning 2.6.6; test_compat and the limit-resume tests fail if it moves."""
     if trainer.fit_loop.epoch_loop.batch_progress.current.processed >= trainer.num_training_batches:  # type: ignore[attr-defined]
         return
     _unfinish_epoch(checkpoint)

@@ -44,9 +44,11 @@ __all__ = [
     "first_line",
     "invocation_name",
     "invocations",
+    "local_rank",
     "log_to",
     "rank_status",
     "resume_command",
+    "stop_line",
     "unwritable",
 ]
 
@@ -134,21 +136,36 @@ def fail(line: str, status: int = EXIT_CONFIG, log: logging.Logger | None = None
     sys.exit(status)
 
 
+def local_rank() -> int:
+    """This process's local rank from its launcher (``LOCAL_RANK``: torchrun; ``SLURM_LOCALID``), else 0."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+
+
+def stop_line(err: Preempted, resume: Callable[[], str] | None) -> str:
+    """A stop's line after ``error: ``: ``err``'s message, ending with ``: resume with <resume()>`` when ``resume``
+    is given."""
+    return f"{err}: resume with {resume()}" if resume is not None else str(err)
+
+
 def exit_on(err: BaseException, resume: Callable[[], str] | None = None, log: logging.Logger | None = None) -> NoReturn:
     """``fail`` with ``err``'s message and exit status (the module's table); a ``Preempted`` line ends with
-    ``: resume with <resume()>`` when ``resume`` is given."""
-    line = f"{err}: resume with {resume()}" if isinstance(err, Preempted) and resume is not None else str(err)
+    ``: resume with <resume()>`` when ``resume`` is given, and is said once per node: under a cluster's launcher
+    (torchrun, SLURM) a process of local rank other than 0 logs it (INFO) and exits with its status."""
+    if isinstance(err, Preempted) and local_rank():
+        (log or logging.getLogger(__name__)).info(str(err))
+        sys.exit(EXIT_PREEMPTED)
+    line = stop_line(err, resume) if isinstance(err, Preempted) else str(err)
     fail(line, exit_status(err), log)
 
 
 def rank_status(err: BaseException, log: logging.Logger) -> int:
     """In a launched rank: log ``err`` (a ``ConfigError`` or ``LoaderFailed`` as ``error: <message>``, a
-    ``Preempted`` as its message: rank 0 says the resume line; anything else with its traceback) and return its
-    exit status."""
+    ``Preempted`` as its message at INFO: a stop, not an error, whose line rank 0 says; anything else with its
+    traceback) and return its exit status."""
     if isinstance(err, (ConfigError, LoaderFailed)):
         log.error(f"error: {err}")
     elif isinstance(err, Preempted):
-        log.error(str(err))
+        log.info(str(err))
     else:
         log.exception("rank failed")
     return exit_status(err)

@@ -1,8 +1,7 @@
 """The one owner of SIGTERM: every handler dpddp installs is installed here, composing with the one it finds and
 putting it back when its scope ends. Scopes, innermost first: the training loop (``StepBoundaryStop``), a run
 (``run_stops``), an entry point's command (``command``), a sweep (``start``, ``watch``: the stop file
-``<sweep dir>/.stop``). See docs/design-notes.md (continuity.stop).
-"""
+``<sweep dir>/.stop``). See docs/design-notes.md (continuity.stop)."""
 
 from __future__ import annotations
 
@@ -17,23 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from dpddp._compat import disable_sigterm_broadcast, restore_sigterm_broadcast
 from dpddp.cluster import LAUNCHED_ENV, launched
+from dpddp.continuity.pace import Pace, agreed
 from dpddp.continuity.sweep_file import ENV, STOP_FILE, active, clear, request, requested
-from dpddp.errors import Preempted
+from dpddp.errors import Preempted, local_rank, stop_line
 
 __all__ = ["ENV", "STOP_FILE", "StepBoundaryStop", "active", "clear", "request", "requested", "run_stops"]
 __all__ += ["RunScope", "command", "start", "starting_up", "watch"]
 
 _watching = False
-_command = False  # inside ``command``: a SIGTERM after a run's end is that command's stop
-_ended: RunScope | None = None  # the run that ended last in this command, while a SIGTERM would be late
-_late = False  # a SIGTERM came after that run's end
-_forked = False  # a SIGTERM came in a forked rank before its run's own scope
 
 
 def _on_main_thread() -> bool:
@@ -68,6 +63,8 @@ def watch() -> None:
     if not _watching and _on_main_thread():
         _install(lambda signum, frame: request())
         _watching = True
+        if _outside.take():  # the command's, before the sweep started
+            request()
 
 
 # -- the run -----------------------------------------------------------------------------------------------
@@ -117,7 +114,6 @@ def run_stops(output_dir: Path) -> Iterator[RunScope]:
     and the global step, or is held, or is a request to the ``StepBoundaryStop`` (``RunScope``); a handler found
     here (a sweep's) is called first, then takes the signal instead of the raise. A forked rank's copy of its
     launcher's handler is not its own: a SIGTERM it took is this run's start-up's."""
-    global _forked, _ended, _late
     scope = RunScope(output_dir)
     if not _on_main_thread():
         yield scope
@@ -125,9 +121,8 @@ def run_stops(output_dir: Path) -> Iterator[RunScope]:
     pid = os.getpid()
 
     def on_sigterm(signum: int, frame: Any) -> None:
-        global _forked
         if os.getpid() != pid:  # a copy in a forked rank, before the rank's own scope
-            _forked = True
+            _outside.came = True
             return
         if callable(previous):
             previous(signum, frame)
@@ -140,47 +135,78 @@ def run_stops(output_dir: Path) -> Iterator[RunScope]:
 
     on_sigterm.dpddp_pid = pid  # type: ignore[attr-defined]
     previous = _install(on_sigterm)
-    if getattr(previous, "dpddp_pid", pid) != pid or previous is _on_late:
-        previous = signal.SIG_DFL  # inherited from the launcher (a forked rank), or a late stop's: not this run's
-    scope.held, _forked = _forked, False
+    if getattr(previous, "dpddp_pid", pid) != pid or previous in (_record, _at_exit):
+        previous = signal.SIG_DFL  # inherited from the launcher (a forked rank), or the command's: not this run's
+    scope.held = _outside.take()
     try:
         yield scope
     except SIGTERMException as err:
         raise scope.preempted() from err
     finally:  # in a ``command`` (not in a launched rank: rank 0 maps its stop), a SIGTERM from now is late
-        if callable(previous) or not _command or os.environ.get(LAUNCHED_ENV):
+        if callable(previous) or not _outside.command or os.environ.get(LAUNCHED_ENV):
             _put_back(previous)
         else:
-            _ended, _late = scope, False
-            _install(_on_late)
+            _outside.ended = scope
+            _install(_record)
     if scope.held:
         raise scope.preempted()
 
 
-def _on_late(signum: int, frame: Any) -> None:
-    global _late
-    _late = True
+@dataclass
+class _Outside:
+    """SIGTERM outside a run's own scope (``_outside``, set up by ``command``): ``came``, one that no scope has
+    answered (in a command before its run or after its end; in a forked rank before its run's scope); ``command``,
+    inside ``command``; ``ended``, the run that ended last in it; ``resume``, the command's resume command."""
+
+    command: bool = False
+    came: bool = False
+    ended: RunScope | None = None
+    resume: Callable[[], str] | None = None
+
+    def take(self) -> bool:
+        came, self.came = self.came, False
+        return came
+
+    def preempted(self) -> Preempted:
+        return self.ended.preempted() if self.ended is not None else Preempted(None, 0)
+
+
+_outside = _Outside()
+
+
+def _record(signum: int, frame: Any) -> None:
+    _outside.came = True
+
+
+def _at_exit(signum: int, frame: Any) -> None:
+    """While the process exits after its command: the stop line (each node's first process), 143 at once."""
+    if local_rank() == 0:
+        os.write(2, f"error: {stop_line(_outside.preempted(), _outside.resume)}\n".encode())
+    os._exit(128 + signal.SIGTERM)
 
 
 @contextmanager
-def command() -> Iterator[None]:
-    """An entry point's command (``train.py``, the Lightning CLI): a SIGTERM after its run's end raises
-    ``Preempted`` (the run's ``last.ckpt`` and step; its outputs stand) when the scope ends; from then on SIGTERM
-    ends the process (the default)."""
-    global _command, _ended, _late
-    _command = True
+def command(resume: Callable[[], str]) -> Iterator[None]:
+    """An entry point's command (``train.py``, the Lightning CLI; SIGTERM blocked from its first line): a SIGTERM
+    before its run (the run takes it as its start-up's) or after its end raises ``Preempted`` as the scope ends
+    (the run's ``last.ckpt`` and step, its outputs standing; no run: none, step 0); after a run, one while the
+    process then exits ends it with 143 and the line (``resume``: the command's resume command)."""
+    _outside.command, _outside.came, _outside.ended, _outside.resume = True, False, None, resume
+    _install(_record)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one held since the first line comes now
     try:
         yield
-    finally:
-        _command = False
-    scope, _ended = _ended, None
-    if scope is None:
-        return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # no signal between the check and the default
-    if _late or signal.SIGTERM in signal.sigpending():
-        _late = False
-        raise scope.preempted()  # SIGTERM stays blocked: the process ends with this stop
-    _put_back(signal.SIG_DFL)
+    except BaseException as err:
+        _outside.command = False
+        _put_back(signal.SIG_DFL)  # a failed or stopped command ends by the signal while it exits
+        if isinstance(err, SystemExit) and err.code in (0, None) and _outside.take():  # --help, --print_config
+            raise _outside.preempted() from None
+        raise
+    _outside.command = False
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # no signal between the check and the exit's handler
+    if _outside.take() or signal.SIGTERM in signal.sigpending():
+        raise _outside.preempted()  # SIGTERM stays blocked: the process ends with this stop
+    _install(_at_exit if _outside.ended is not None else signal.SIG_DFL)  # no run, nothing to say: the default
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
@@ -204,37 +230,17 @@ def starting_up(scope: RunScope) -> Iterator[None]:
 # -- the training loop -------------------------------------------------------------------------------------
 
 
-class _Pace:
-    """When a loop's ranks agree: every ``every`` batches, ``every`` set from the slowest rank's batch time so
-    that agreements fall about ``interval_s`` apart (1 to 1000 batches)."""
-
-    def __init__(self) -> None:
-        self.every, self.batches, self.since = 1, 0, time.perf_counter()
-
-    def due(self) -> bool:
-        self.batches += 1
-        return self.batches >= self.every
-
-    def batch_s(self) -> float:
-        return (time.perf_counter() - self.since) / max(self.batches, 1)
-
-    def agreed(self, interval_s: float, batch_s: float) -> None:
-        self.every = int(min(max(interval_s / max(batch_s, 1e-9), 1), 1000))
-        self.batches, self.since = 0, time.perf_counter()
-
-
 class StepBoundaryStop(pl.Callback):
     """Stops every stage on SIGTERM to any rank within about ``interval_s`` seconds, on every rank together: the
     ranks agree at batch boundaries (one ``all_reduce(MAX)`` every 1 to 1000 batches of each loop: training,
     validation, test, predict) and at each stage's end. In a fit, at an optimizer-step boundary, it writes
     ``last.ckpt`` under ``dirpath``; then it raises ``Preempted`` (docs/design-notes.md, continuity.stop). The
-    run's scope (``RunScope.own``) sends it the signal (``request``).
-    """
+    run's scope (``RunScope.own``) sends it the signal (``request``)."""
 
     def __init__(self, dirpath: str | Path, interval_s: float = 1.0) -> None:
         self.dirpath, self.interval_s = Path(dirpath), interval_s
         self.requested = False
-        self._train, self._eval = _Pace(), _Pace()
+        self._train, self._eval = Pace(), Pace()
         self._sweep_checked = 0.0
         self._agreed = False
 
@@ -246,7 +252,7 @@ class StepBoundaryStop(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._train, self._agreed = _Pace(), False
+        self._train, self._agreed = Pace(), False
         self.requested = self.requested or requested()  # the sweep stopped while this job was starting
 
     @override
@@ -272,19 +278,19 @@ class StepBoundaryStop(pl.Callback):
     # Evaluation (validation in a fit or alone, its sanity check, test, predict): the same agreement per batch.
     @override
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval = _Pace()
+        self._eval = Pace()
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval = _Pace()
+        self._eval = Pace()
 
     @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval = _Pace()
+        self._eval = Pace()
 
     @override
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval = _Pace()
+        self._eval = Pace()
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -329,7 +335,7 @@ class StepBoundaryStop(pl.Callback):
         last = self.dirpath / "last.ckpt"
         return Preempted(last if last.is_file() else None, trainer.global_step)
 
-    def agree(self, trainer: pl.Trainer, pace: _Pace | None = None) -> bool:
+    def agree(self, trainer: pl.Trainer, pace: Pace | None = None) -> bool:
         """Whether any rank got SIGTERM (or its sweep is stopping), agreed by every rank: now, or with ``pace``
         at its due batches only (``False`` in between, no collective)."""
         if pace is not None and not pace.due():
@@ -337,13 +343,4 @@ class StepBoundaryStop(pl.Callback):
         if not self.requested and time.perf_counter() - self._sweep_checked >= 0.25:  # a stat, not every batch
             self._sweep_checked = time.perf_counter()
             self.requested = requested()
-        flag = self.requested
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            batch_s = pace.batch_s() if pace is not None else 0.0
-            flags = torch.tensor([float(flag), batch_s], dtype=torch.float64).to(trainer.strategy.root_device)
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-            reduced, batch_s = flags.tolist()
-            flag = bool(reduced)
-            if pace is not None:
-                pace.agreed(self.interval_s, batch_s)
-        return flag
+        return agreed(self.requested, trainer.strategy.root_device, pace, self.interval_s)

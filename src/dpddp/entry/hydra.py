@@ -9,7 +9,6 @@ import gc
 import json
 import logging
 import math
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -37,7 +36,6 @@ from dpddp.errors import (
     Preempted,
     RankFailed,
     exit_on,
-    exit_status,
     fail,
     first_line,
     invocation_name,
@@ -225,9 +223,6 @@ def run_job(cfg: DictConfig) -> float:
             sweep_stop.request()  # every job stops; the sweep's process prints the line that resumes them
             log.warning(f"{err}: the sweep stops; resuming it continues this job")
             return math.nan
-        if isinstance(err, Preempted) and _local_rank():  # a cluster's rank (torchrun's): each node's first says it
-            log.info(str(err))
-            sys.exit(exit_status(err))
         if isinstance(err, Preempted) or not multirun:  # a preempted sweep stops too: the scheduler wants the node
             command = partial(_resume_command, overrides, output_dir, multirun)
             exit_on(err, command, log if isinstance(err, RankFailed) else None)  # a lost rank: into train.log too
@@ -238,11 +233,6 @@ def run_job(cfg: DictConfig) -> float:
         log.exception("job failed")
         line = first_line(err)
     return _job_failed(hydra_cfg.job.num, output_dir, line)
-
-
-def _local_rank() -> int:
-    """This process's local rank from its launcher (``LOCAL_RANK``: torchrun; ``SLURM_LOCALID``), else 0."""
-    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
 
 
 def _job_failed(num: int, output_dir: Path, line: str) -> float:
@@ -318,21 +308,27 @@ def sets_no_mode(argv: list[str]) -> bool:
     return True
 
 
+def _again() -> str:
+    """The command that continues this process's last job (``run_job``), or, before one, this command as given."""
+    return _late_resume() if _late_resume is not None else resume_command(_program(), sys.argv[1:], (), [])
+
+
 def main() -> None:
     """``python train.py [key=value ...]`` or ``dpddp-train ...``: Hydra composes the packaged ``conf/`` with the
     overrides (``--config-dir`` adds a user's own) and calls ``run_job``. An unknown config option is one line,
     exit 2, before Hydra starts."""
     argv = sys.argv[1:]
-    if problem := mode_conflict(argv) or unreadable_override(argv) or unknown_option(argv):
-        fail(problem)
-    # What is imported by now lives as long as the process: keep it out of the collector's sight (and collection
-    # on again if train.py turned it off for the imports).
-    gc.freeze()
-    gc.enable()
-    # No full collections over what the run built, at exit.
-    atexit.register(gc.freeze)
     try:
-        with sweep_stop.command(), hydra_mode_unset() if sets_no_mode(sys.argv[1:]) else nullcontext():
-            _hydra_main()
-    except Preempted as err:  # a SIGTERM after the run's end: its outputs stand, the resume command ends at once
-        exit_on(err, _late_resume)
+        with sweep_stop.command(_again):
+            if problem := mode_conflict(argv) or unreadable_override(argv) or unknown_option(argv):
+                fail(problem)
+            # What is imported by now lives as long as the process: keep it out of the collector's sight (and
+            # collection on again if train.py turned it off for the imports).
+            gc.freeze()
+            gc.enable()
+            # No full collections over what the run built, at exit.
+            atexit.register(gc.freeze)
+            with hydra_mode_unset() if sets_no_mode(argv) else nullcontext():
+                _hydra_main()
+    except Preempted as err:  # a SIGTERM before the job or after its end (its outputs stand)
+        exit_on(err, _again)

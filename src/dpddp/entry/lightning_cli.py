@@ -186,10 +186,30 @@ def main(args: list[str] | None = None) -> None:
     (``dpddp.errors.exit_on``)."""
     atexit.register(gc.freeze)  # no full collections over what the run built, at exit
     args = list(sys.argv[1:] if args is None else args)
-    if not args or args[0] not in STAGES:
-        print(f"usage: dpddp {{{','.join(STAGES)}}} [--help] [--config FILE] [--print_config] [ARGS]", file=sys.stderr)
-        sys.exit(2)
-    stage, rest = args[0], args[1:]
+    stage, rest = (args or [""])[0], args[1:]
+    output_dir: Path | None = None
+
+    def resume() -> str:  # from the run's last.ckpt, or before one this command as given
+        if output_dir is None or not (output_dir / "checkpoints" / "last.ckpt").is_file():
+            return resume_command(["dpddp", stage], rest, (), [])
+        return _resume_command(stage, rest, output_dir)
+
+    try:
+        with stop.command(resume):  # a SIGTERM before the run or after its end: Preempted as the scope ends
+            if stage not in STAGES:
+                usage = f"usage: dpddp {{{','.join(STAGES)}}} [--help] [--config FILE] [--print_config] [ARGS]"
+                print(usage, file=sys.stderr)
+                sys.exit(2)
+            cfg, output_dir = _parsed(stage, rest)
+            with isolated_job():
+                train(cfg, output_dir, stage=stage)
+    except KNOWN as err:
+        exit_on(err, resume)
+
+
+def _parsed(stage: str, rest: list[str]) -> tuple[DictConfig, Path]:
+    """The run config and run directory of ``stage`` with arguments ``rest``; on rank 0 the directory is made and
+    the invocation's config saved in it."""
     # Harmless: the subcommand is taken off sys.argv here, so LightningCLI gets the rest of the same command line.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     help_only = any(a in ("-h", "--help") for a in rest)
@@ -204,29 +224,23 @@ def main(args: list[str] | None = None) -> None:
         run=False,
         parser_kwargs={"prog": f"dpddp {stage}", "description": HELP},
     )
-    output_dir = Path()
-    try:
-        with stop.command():  # a SIGTERM after the run's end: Preempted as the scope ends, outputs kept
-            cfg = run_config(cli.config, cli.parser.get_defaults())
-            root = Path(cli.config.trainer.default_root_dir or os.getcwd())
-            output_dir, cfg.ckpt_path = _output_dir(root, stage, cfg.ckpt_path)
-            cfg.predict = stage == "predict"  # predictions.csv in the run directory
-            if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
-                if why := unwritable(output_dir):  # makes it
-                    raise ConfigError(
-                        f"--trainer.default_root_dir={str(root)!r}: {str(output_dir)!r} cannot be written ({why}): "
-                        "give a directory you can write"
-                    )
-                n = len(invocations(output_dir, CONFIG)) + 1  # config.yaml, then config-1.yaml, ... (as .hydra/)
-                cli.parser.save(cli.config, str(output_dir / invocation_name(CONFIG, n)), **KEEP_NONE)
-                log_to(output_dir / "train.log", LOG_FORMAT)
-                logging.getLogger(__name__).info(
-                    f"invocation {n} into this run directory ({stage}): {invocation_name(CONFIG, n)}"
-                )
-            with isolated_job():
-                train(cfg, output_dir, stage=stage)
-    except KNOWN as err:
-        exit_on(err, lambda: _resume_command(stage, rest, output_dir))
+    cfg = run_config(cli.config, cli.parser.get_defaults())
+    root = Path(cli.config.trainer.default_root_dir or os.getcwd())
+    output_dir, cfg.ckpt_path = _output_dir(root, stage, cfg.ckpt_path)
+    cfg.predict = stage == "predict"  # predictions.csv in the run directory
+    if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
+        if why := unwritable(output_dir):  # makes it
+            raise ConfigError(
+                f"--trainer.default_root_dir={str(root)!r}: {str(output_dir)!r} cannot be written ({why}): "
+                "give a directory you can write"
+            )
+        n = len(invocations(output_dir, CONFIG)) + 1  # config.yaml, then config-1.yaml, ... (as .hydra/)
+        cli.parser.save(cli.config, str(output_dir / invocation_name(CONFIG, n)), **KEEP_NONE)
+        log_to(output_dir / "train.log", LOG_FORMAT)
+        logging.getLogger(__name__).info(
+            f"invocation {n} into this run directory ({stage}): {invocation_name(CONFIG, n)}"
+        )
+    return cfg, output_dir
 
 
 def _resume_command(stage: str, rest: list[str], output_dir: Path) -> str:
