@@ -206,7 +206,7 @@ def command(resume: Callable[[], str]) -> Iterator[None]:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # no signal between the check and the exit's handler
     if _outside.take() or signal.SIGTERM in signal.sigpending():
         raise _outside.preempted()  # SIGTERM stays blocked: the process ends with this stop
-    _install(_at_exit if _outside.ended is not None else signal.SIG_DFL)  # no run, nothing to say: the default
+    _put_back(_at_exit if _outside.ended is not None else None)  # no run, nothing to say: the default
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
