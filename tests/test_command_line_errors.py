@@ -1,7 +1,8 @@
 """Errors in the command line and the file system end in one ``error:`` line, exit 2, nothing lost: an interpolation
-that does not resolve (in an override or a config), Hydra modes that cannot be combined, a run or sweep directory
-that cannot be written, and a checkpoint that cannot be written (the earlier one stays whole). A sweep records a
-bad job and goes on; ``metrics.json`` keeps the overrides as typed."""
+that does not resolve (in an override or a config), an override the composed config refuses (a misspelled or
+absent key without ``+``, in one run or one job of a sweep), Hydra modes that cannot be combined, a run or sweep
+directory that cannot be written, and a checkpoint that cannot be written (the earlier one stays whole). A sweep
+records a bad job and goes on; ``metrics.json`` keeps the overrides as typed."""
 
 import csv
 import errno
@@ -13,12 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, compose_cfg, metrics, run_train
+from conftest import CONF, QUIET, ROOT, child_env, compose_cfg, metrics, run_train
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.types import RunMode
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import OmegaConf, open_dict
 
+from dpddp._compat import hydra_override_refused
 from dpddp.continuity.io import AtomicCheckpointIO
-from dpddp.entry.command_line import mode_conflict, unreadable_override
+from dpddp.entry.command_line import mode_conflict, refused_override, sweep_variants, unreadable_override
 from dpddp.errors import ConfigError, WriteFailed, unwritable
 from dpddp.run.config import check_output_dir, check_resolvable
 
@@ -69,6 +74,83 @@ def test_interpolations_that_resolve_pass_and_a_list_item_is_named_by_its_index(
         cfg.callbacks.x = OmegaConf.create({"items": [1, "${oc.env:DPDDP_NOPE_UNSET}"]})
     with pytest.raises(ConfigError, match=r"^callbacks\.x\.items\[1\]='\$\{oc\.env:DPDDP_NOPE_UNSET\}' cannot be"):
         check_resolvable(cfg)
+
+
+# -- overrides the composed config refuses ------------------------------------------------------------------
+
+
+class Refused(Exception):
+    """The line ``refused_override`` made, raised out of Hydra's composition."""
+
+
+def _refused_line(*overrides: str) -> str | None:
+    """The line for the first of ``overrides`` the composed config refuses, or ``None`` when it composes."""
+
+    def refuse(override, cfg, err):
+        raise Refused(refused_override(override, cfg, err))
+
+    try:
+        with hydra_override_refused(refuse):
+            compose_cfg(*overrides)
+    except Refused as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize(
+    "overrides,line",
+    [
+        (
+            ["devises=2"],
+            "devises=2: the config has no key devises (nearest: devices): give a key it has, or add a new one with "
+            "+devises=2",
+        ),
+        (
+            ["data.num_workers=2"],  # a key of another option of the group
+            "data.num_workers=2: the config has no key data.num_workers (the chosen data config has none; "
+            "data=dataset has one): give a key it has, or add a new one with +data.num_workers=2",
+        ),
+        (
+            ["data=digits", "trainr.max_epochs=1"],
+            "trainr.max_epochs=1: the config has no key trainr.max_epochs (nearest: trainer.max_epochs): give a key "
+            "it has, or add a new one with +trainr.max_epochs=1",
+        ),
+        (["nothing_like_it=1"], "nothing_like_it=1: the config has no key nothing_like_it: give a key it has, or add"),
+        (["~nope"], "~nope: the config has no nope to delete: drop it, or give a key it has"),
+        (["~seed=3"], "~seed=3: seed is 0, not 3: write ~seed to delete it whatever its value"),
+        (["+seed=3"], "+seed=3: the config already has seed: set it with seed=3 (or ++seed=3: add or set)"),
+        (
+            ["hydra.job.chdir=abc"],
+            "hydra.job.chdir=abc cannot be applied (Value 'abc' is not a valid bool (type str)): give "
+            "hydra.job.chdir a value it takes",
+        ),
+    ],
+)
+def test_an_override_the_composed_config_refuses_is_one_line_naming_it_the_nearest_key_and_the_fix(overrides, line):
+    assert _refused_line(*overrides).startswith(line)
+
+
+def test_overrides_hydra_accepts_are_not_refused_and_plus_plus_adds_silently_as_in_hydra():
+    assert _refused_line("++devises=2", "+extra=1", "~seed", "data=dataset", "data.num_workers=2") is None
+    assert compose_cfg("++devises=2").devises == 2
+
+
+@pytest.mark.parametrize(
+    "overrides,variants",
+    [
+        (
+            ["data=default,digits", "seed=0,1", "model.lr=0.5"],
+            [["data=default", "seed=0", "model.lr=0.5"], ["data=digits", "seed=0", "model.lr=0.5"]],
+        ),
+        (["seed=0,1", "seed=2,3"], [["seed=2"]]),  # a key given twice: its last values, as Hydra's sweeper
+        (["seed=1"], []),  # one job: the sweep's own composition applied its overrides
+        (["hparams_search=optuna", "seed=0,1"], []),  # Optuna's own trials
+    ],
+)
+def test_a_sweep_checks_its_first_job_of_each_group_option_before_it_starts(overrides, variants):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = GlobalHydra.instance().config_loader().load_configuration("config", overrides, RunMode.MULTIRUN)
+        assert sweep_variants(cfg) == variants
 
 
 # -- Hydra's modes -------------------------------------------------------------------------------------------
@@ -122,6 +204,9 @@ def test_an_override_hydra_cannot_read_is_one_line(override, reason):
         (["-m", "--cfg", "job", "seed=0,1"], "error: --multirun (-m) and --cfg (-c) cannot be given together"),
         (["--resolve"], "error: --resolve works only with --cfg"),
         (["model.lr=["], "error: 'model.lr=[' cannot be read as an override (no viable alternative at input '[')"),
+        (["devises=2"], "error: devises=2: the config has no key devises (nearest: devices): give a key it has"),
+        # a key one job of the sweep lacks: no sweep directory, no multirun.yaml
+        (["-m", "data=default,digits", "data.label_noise=0.1"], "error: data.label_noise=0.1: the config has no key"),
     ],
 )
 def test_train_py_ends_a_command_line_error_in_one_line_before_writing_anything(tmp_path, args, start):

@@ -670,6 +670,47 @@ def test_hydras_basic_launcher_is_the_target_the_sweep_summary_names():
     assert issubclass(get_class(_compat.HYDRA_BASIC_LAUNCHER), Launcher)
 
 
+def test_hydra_override_refused_sees_each_override_hydra_refuses_and_hydra_still_raises(tmp_path):
+    """``hydra_override_refused``: Hydra's composition calls it with the override it cannot apply (an absent key,
+    ``+`` on a present one, ``~`` of an absent one) and the config composed so far, then raises its own error;
+    the overrides it accepts compose as without the block, and the block restores Hydra's function."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.errors import ConfigCompositionException
+
+    (tmp_path / "config.yaml").write_text("x: 1\ny: {z: 2}\n")
+    seen = []
+    apply = ConfigLoaderImpl.__dict__["_apply_overrides_to_config"]
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        with _compat.hydra_override_refused(lambda o, cfg, err: seen.append((o.input_line, cfg.y.z, type(err)))):
+            for bad in (["y.z=3", "w=1"], ["+x=2"], ["~v"]):
+                with pytest.raises(ConfigCompositionException):
+                    compose(config_name="config", overrides=bad)
+            cfg = compose(config_name="config", overrides=["x=5", "+y.q=1", "~y.z", "++n=4"])
+    assert seen == [("w=1", 3, ConfigCompositionException), ("+x=2", 2, ConfigCompositionException)] + [
+        ("~v", 2, ConfigCompositionException)
+    ]
+    assert OmegaConf.to_container(cfg) == {"x": 5, "y": {"q": 1}, "n": 4}
+    assert ConfigLoaderImpl.__dict__["_apply_overrides_to_config"] is apply
+
+
+def test_hydra_sweep_jobs_are_the_basic_sweepers_jobs_in_its_order():
+    """``hydra_sweep_jobs``: the jobs Hydra's basic sweeper launches (its ``_target_`` is ``HYDRA_BASIC_SWEEPER``,
+    the packaged default), the product of the sweep lists in the order given."""
+    from hydra.utils import get_class
+
+    with initialize_config_dir(config_dir=str(files("dpddp.conf")), version_base="1.3"):
+        cfg = compose(config_name="config", return_hydra_config=True)
+        assert cfg.hydra.sweeper._target_ == _compat.HYDRA_BASIC_SWEEPER
+        assert get_class(_compat.HYDRA_BASIC_SWEEPER).__name__ == "BasicSweeper"
+        jobs = _compat.hydra_sweep_jobs(["data=default,digits", "seed=0", "model.lr=range(1,3)"])
+    assert jobs == [
+        ["data=default", "seed=0", "model.lr=1"],
+        ["data=default", "seed=0", "model.lr=2"],
+        ["data=digits", "seed=0", "model.lr=1"],
+        ["data=digits", "seed=0", "model.lr=2"],
+    ]
+
+
 def test_processed_epochs_reads_a_real_checkpoints_fit_loop(tmp_path):
     """``processed_epochs`` on the checkpoint Lightning writes after 2 whole epochs; ``None`` without loops."""
     trainer = pl.Trainer(

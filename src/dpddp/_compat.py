@@ -10,7 +10,7 @@ import argparse
 import math
 import os
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -26,8 +26,7 @@ from lightning.fabric.utilities.distributed import _init_dist_connection, _set_n
 # Lightning's guard of the `device_id` argument of init_process_group (torch >= 2.3); the copied code keeps it.
 from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_3
 
-# The base of the project's DDP launcher. Lightning's `_call_and_handle_interrupt` kills the children of a
-# launcher of this type on Ctrl-C (isinstance check), so JobLauncher subclasses it.
+# JobLauncher's base: Lightning's `_call_and_handle_interrupt` kills the children of this type of launcher on Ctrl-C.
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
@@ -35,11 +34,10 @@ from lightning.pytorch.trainer.states import RunningStage
 
 __all__ = ["AGENT_STORE_ENV", "CHECKED", "HOOK_NAME_ATTRIBUTE", "Launcher", "SubprocessScriptLauncher", "agent_store"]
 __all__ += ["disable_sigterm_broadcast", "hydra_command_line", "hydra_mode_unset", "data_position"]
-__all__ += ["epoch_finished_in", "fit_restarting", "float_batch_counts", "init_process_group"]
+__all__ += ["epoch_finished_in", "fit_restarting", "float_batch_counts", "init_process_group", "hydra_override_refused"]
 __all__ += ["keep_unfinished_epoch", "logged_metric_kinds", "logged_tensor_states", "processed_epochs", "rank0_store"]
-__all__ += ["resolve_process_group_backend", "restore_logged_tensors", "restore_sigterm_broadcast"]
+__all__ += ["resolve_process_group_backend", "restore_logged_tensors", "restore_sigterm_broadcast", "counted_step"]
 __all__ += ["set_num_threads_if_needed", "skip_empty_batch_hooks", "softmax_per_sample", "uncount_last_batch"]
-__all__ += ["counted_step"]
 
 CHECKED = {"lightning": "2.6.6", "torch": "2.13.0", "hydra-core": "1.3.8"}
 """The versions every entry below was read in and tested against."""
@@ -80,11 +78,9 @@ def init_process_group(
 
 
 def rank0_store(sock: socket.socket, world_size: int, timeout: timedelta) -> torch.distributed.Store:
-    """Rank 0's rendezvous store on the bound, listening ``sock``, under ``PrefixStore("default_pg", ...)``.
-
-    Relies on ``TCPStore(master_listen_fd=..., use_libuv=False)`` and on ``env://`` ranks using the
-    ``"default_pg"`` prefix (torch 2.13). If either changes, single-node ddp ranks cannot meet (``test_runs``).
-    """
+    """Rank 0's rendezvous store on the bound, listening ``sock``, under ``PrefixStore("default_pg", ...)``: relies
+    on ``TCPStore(master_listen_fd=..., use_libuv=False)`` and that prefix of ``env://`` ranks (torch 2.13; design
+    notes). If either changes, single-node ddp ranks cannot meet (``test_runs``)."""
     address, port = sock.getsockname()[:2]
     store = torch.distributed.TCPStore(
         address, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
@@ -99,11 +95,8 @@ agent's own store (torch 2.13)."""
 
 
 def agent_store(address: str, port: int, timeout: timedelta) -> torch.distributed.Store | None:
-    """A client of torchrun's agent store when this worker was handed one (``AGENT_STORE_ENV``), else ``None``.
-
-    Relies on the agent keeping that store across ``--max-restarts`` without a per-attempt prefix (torch 2.13);
-    ``dpddp.parallel.rendezvous.join_start`` adds one. See docs/design-notes.md (_compat).
-    """
+    """A client of torchrun's agent store when this worker was handed one (``AGENT_STORE_ENV``), else ``None``;
+    the agent keeps it across ``--max-restarts`` with no per-attempt prefix (torch 2.13; design notes, _compat)."""
     if os.environ.get(AGENT_STORE_ENV) != str(True):
         return None
     return torch.distributed.TCPStore(address, port, is_master=False, timeout=timeout)
@@ -232,18 +225,14 @@ def restore_logged_tensors(trainer: pl.Trainer, states: dict[str, tuple[torch.Te
             meta = value.meta
             empty = -math.inf if meta.is_max_reduction else math.inf if meta.is_min_reduction else 0.0
             value.value, count = torch.full_like(value.value, empty), None
-        if getattr(value, "cumulated_batch_size", None) is not None:
-            value.cumulated_batch_size = (
-                count.clone() if count is not None else torch.zeros_like(value.cumulated_batch_size)
-            )
+        if (before := getattr(value, "cumulated_batch_size", None)) is not None:
+            value.cumulated_batch_size = count.clone() if count is not None else torch.zeros_like(before)
 
 
 def float_batch_counts(trainer: pl.Trainer) -> None:
     """Make the accumulated batch sizes of the plain tensors logged in the running loop float64
-    (``_ResultMetric.cumulated_batch_size``, an int64 state; later updates keep it float), before the epoch's
-    ``compute`` (after the loop's last batch, before ``on_*_epoch_end``): its ``sync_dist``
-    mean over ranks (Lightning 2.6.6 ``_sync_ddp``, on gloo a sum divided by the world size and copied back into
-    the int64 tensor) would otherwise be floored, and a mean over uneven chunks divided by too few samples."""
+    (``_ResultMetric.cumulated_batch_size``, int64) before the epoch's ``compute``, so that their ``sync_dist``
+    mean over ranks is not floored (Lightning 2.6.6 ``_sync_ddp``; design notes, _compat)."""
     for value in (trainer._results or {}).values():
         count = getattr(value, "cumulated_batch_size", None)
         if getattr(value, "is_tensor", False) and count is not None and not torch.is_floating_point(count):
@@ -267,12 +256,9 @@ def _softmax_per_sample(tensor: torch.Tensor, normalization: Any, original: Any)
 
 
 def softmax_per_sample() -> None:
-    """Make torchmetrics' multiclass metrics that take logits or probabilities (AUROC, average precision, ROC,
-    calibration error, hinge) decide it for each sample, not for each update: torchmetrics 1.9's
-    ``normalize_logits_if_needed`` applies softmax unless every value of the update lies in [0, 1], so a rank's
-    small chunk of logits passes for probabilities and the value depends on how the batch is chunked. Here a
-    sample's scores are probabilities when they lie in [0, 1] and sum to 1 (within 1e-4), else logits. Replaces
-    the name in ``TORCHMETRICS_SOFTMAX_MODULES`` (the sigmoid uses are left as they are); idempotent."""
+    """Make torchmetrics 1.9's multiclass metrics that take logits or probabilities decide it for each sample (in
+    [0, 1] summing to 1 within 1e-4: probabilities), not each update (design notes, _compat): replaces
+    ``normalize_logits_if_needed`` in ``TORCHMETRICS_SOFTMAX_MODULES`` (its sigmoid uses kept); idempotent."""
     import importlib
     from functools import partial
 
@@ -284,19 +270,10 @@ def softmax_per_sample() -> None:
 
 
 PER_BATCH_HOOKS = (
-    "on_train_batch_start",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "on_before_zero_grad",
-    "on_train_batch_end",
-    "on_validation_batch_start",
-    "on_validation_batch_end",
-    "on_test_batch_start",
-    "on_test_batch_end",
-    "on_predict_batch_start",
-    "on_predict_batch_end",
-)
+    "on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+    "on_before_zero_grad", "on_train_batch_end", "on_validation_batch_start", "on_validation_batch_end",
+    "on_test_batch_start", "on_test_batch_end", "on_predict_batch_start", "on_predict_batch_end",
+)  # fmt: skip
 """The callback hooks Lightning calls for every batch, only through ``trainer.call._call_callback_hooks`` (2.6.6)."""
 
 
@@ -338,6 +315,29 @@ def hydra_mode_unset() -> Iterator[None]:
         yield
     finally:
         Hydra.get_mode = get_mode  # type: ignore[method-assign]
+
+
+@contextmanager
+def hydra_override_refused(refused: Callable[[Any, Any, Exception], None]) -> Iterator[None]:
+    """Hydra's ``ConfigLoaderImpl._apply_overrides_to_config`` (1.3.8) calls ``refused(override, cfg, err)`` first."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.errors import ConfigCompositionException
+
+    apply = ConfigLoaderImpl.__dict__["_apply_overrides_to_config"]
+
+    def one_at_a_time(overrides: list[Any], cfg: Any) -> None:
+        for override in overrides:
+            try:
+                apply.__func__([override], cfg)
+            except ConfigCompositionException as err:
+                refused(override, cfg, err)
+                raise
+
+    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(one_at_a_time)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ConfigLoaderImpl._apply_overrides_to_config = apply  # type: ignore[method-assign]
 
 
 BatchNormBase = torch.nn.modules.batchnorm._BatchNorm

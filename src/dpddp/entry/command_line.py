@@ -1,18 +1,32 @@
 """The command line of ``train.py`` checked before Hydra reads it: each problem Hydra would end in a traceback or
-many lines (modes that cannot be combined, an override its grammar cannot read, an unknown config option) is one
-line for ``dpddp.errors.fail``."""
+many lines (modes that cannot be combined, an override its grammar cannot read, an unknown config option, an
+override of a key the composed config lacks) is one line for ``dpddp.errors.fail``."""
 
 from __future__ import annotations
 
+import difflib
+import itertools
 from importlib.resources import files
 from pathlib import Path
+from typing import Any
 
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from dpddp._compat import hydra_command_line
 
-__all__ = ["GROUPS", "MODES", "mode_conflict", "unknown_option", "unreadable_override"]
+__all__ = [
+    "GROUPS",
+    "MODES",
+    "dotted_keys",
+    "mode_conflict",
+    "refused_override",
+    "unknown_option",
+    "unreadable_override",
+]
 
 
 GROUPS = ("strategy", "data", "model", "trainer", "logger", "callbacks", "experiment", "debug", "hparams_search")
@@ -85,3 +99,90 @@ def unreadable_override(argv: list[str]) -> str | None:
                 "special characters (key='a,b'); see https://hydra.cc/docs/advanced/override_grammar/basic/"
             )
     return None
+
+
+def dotted_keys(cfg: DictConfig) -> list[str]:
+    """Every key of ``cfg`` at any depth, dotted (``data.batch_size``); a list's items are not named. Nothing is
+    resolved."""
+    found: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        for key, value in node.items():
+            found.append(f"{prefix}{key}")
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return found
+
+
+def _hints(key: str, cfg: DictConfig) -> str:
+    """What to say of ``key``, a key ``cfg`` lacks: ``" (nearest: <key>)"`` for its nearest key (difflib; keys
+    under ``hydra.`` only for a ``hydra.`` key) and, for a key under a config group (``data.num_workers``), the
+    packaged options of the group that have it: ``" (the chosen data config has none; data=dataset, sharded have
+    one)"``; ``""`` when there is neither."""
+    keys = [k for k in dotted_keys(cfg) if key.startswith("hydra.") or not k.startswith("hydra")]
+    said = [f"nearest: {near[0]}"] if (near := difflib.get_close_matches(key, keys, n=1, cutoff=0.8)) else []
+    group, _, rest = key.partition(".")
+    if group in GROUPS and rest and group in cfg:
+        first = rest.split(".")[0]
+        options = sorted(Path(str(files("dpddp.conf"))).joinpath(group).glob("*.yaml"))
+        having = [p.stem for p in options if first in OmegaConf.load(p)]
+        if having:
+            verb = "has" if len(having) == 1 else "have"
+            said.append(f"the chosen {group} config has none; {group}={', '.join(having)} {verb} one")
+    return f" ({'; '.join(said)})" if said else ""
+
+
+def refused_override(override: Any, cfg: DictConfig, err: Exception) -> str:
+    """One line for an override Hydra refused to apply to the composed config ``cfg`` (``err``, its
+    ``ConfigCompositionException``; ``override``, Hydra's parsed ``Override``): the override as typed, what the
+    config has, the nearest key it has, and what to write instead (``+key=value`` adds a key, ``++`` adds or
+    sets, ``~key`` deletes one). Hydra's own text takes 7 lines."""
+    line, key = override.input_line, override.key_or_group
+    if override.package is not None:
+        return f"{line}: there is no config group {key} for @ to place: give a config group, or a key without @"
+    if override.is_delete():
+        if OmegaConf.select(cfg, key, throw_on_missing=False) is None:
+            return f"{line}: the config has no {key} to delete{_hints(key, cfg)}: drop it, or give a key it has"
+        value = OmegaConf.select(cfg, key, throw_on_missing=False)
+        return f"{line}: {key} is {value!r}, not {override.value()!r}: write ~{key} to delete it whatever its value"
+    if override.is_add():
+        return f"{line}: the config already has {key}: set it with {line[1:]} (or ++{line[1:]}: add or set)"
+    cause = err.__cause__
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        return (
+            f"{line}: the config has no key {key}{_hints(key, cfg)}: give a key it has, or add a new one with +{line}"
+        )
+    reason = (str(cause or err).splitlines() or [type(err).__name__])[0]
+    return f"{line} cannot be applied ({reason}): give {key} a value it takes"
+
+
+def sweep_variants(config: DictConfig) -> list[list[str]]:
+    """For a sweep under Hydra's basic sweeper (``config``, the sweep's own), the overrides of its first job for
+    each combination of config-group options it takes (``data=default,digits``: two jobs), so that composing them
+    finds a key one of them lacks before Hydra writes the sweep's directory and ``multirun.yaml`` (Hydra checks
+    every job only after). ``[]`` with one job (the sweep's composition applied its overrides), or under another
+    sweeper (Optuna's trials set keys of the packaged search space)."""
+    choices = config.hydra.runtime.choices
+    if choices.get("hydra/sweeper") != "basic":
+        return []
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    loader = GlobalHydra.instance().config_loader() if GlobalHydra.instance().is_initialized() else None
+    lists: dict[str, list[str]] = {}  # Hydra's basic sweeper: a key given twice keeps its last values
+    for override in OverridesParser.create(config_loader=loader).parse_overrides(
+        [*params, *config.hydra.overrides.task]
+    ):
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            lists[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            lists[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            return []  # a range the basic sweeper refuses itself
+    jobs = [list(job) for job in itertools.product(*lists.values())]
+    firsts: dict[tuple[str, ...], list[str]] = {}
+    for job in jobs if len(jobs) > 1 else []:
+        groups = tuple(o for o in job if o.partition("=")[0].lstrip("+~").partition("@")[0] in choices)
+        firsts.setdefault(groups, job)
+    return list(firsts.values())

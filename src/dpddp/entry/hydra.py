@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback as HydraCallback
 from hydra.types import RunMode
@@ -25,11 +26,17 @@ from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf, open_dict
 from typing_extensions import override
 
-from dpddp._compat import hydra_mode_unset
+from dpddp._compat import hydra_mode_unset, hydra_override_refused
 from dpddp.cluster import launch_id, register_resolvers, run_name
 from dpddp.continuity import stop as sweep_stop
 from dpddp.continuity.io import checkpoint_launch
-from dpddp.entry.command_line import mode_conflict, unknown_option, unreadable_override
+from dpddp.entry.command_line import (
+    mode_conflict,
+    refused_override,
+    sweep_variants,
+    unknown_option,
+    unreadable_override,
+)
 from dpddp.errors import (
     KNOWN,
     ConfigError,
@@ -258,6 +265,8 @@ class StartChecks(HydraCallback):
 
     @override
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        for job in sweep_variants(config):  # a key one job lacks: main's one line, before the sweep's directory
+            GlobalHydra.instance().config_loader().load_sweep_config(config, job)
         _check_directory(config, "sweep")
 
 
@@ -316,7 +325,8 @@ def _again() -> str:
 def main() -> None:
     """``python train.py [key=value ...]`` or ``dpddp-train ...``: Hydra composes the packaged ``conf/`` with the
     overrides (``--config-dir`` adds a user's own) and calls ``run_job``. An unknown config option is one line,
-    exit 2, before Hydra starts."""
+    exit 2, before Hydra starts; an override the composed config refuses (``devises=2``), one line, exit 2, as
+    Hydra composes (``refused_override``)."""
     argv = sys.argv[1:]
     try:
         with sweep_stop.command(_again):
@@ -328,7 +338,11 @@ def main() -> None:
             gc.enable()
             # No full collections over what the run built, at exit.
             atexit.register(gc.freeze)
-            with hydra_mode_unset() if sets_no_mode(argv) else nullcontext():
+            with hydra_mode_unset() if sets_no_mode(argv) else nullcontext(), hydra_override_refused(_refused):
                 _hydra_main()
     except Preempted as err:  # a SIGTERM before the job or after its end (its outputs stand)
         exit_on(err, _again)
+
+
+def _refused(override: Any, cfg: DictConfig, err: Exception) -> None:
+    fail(refused_override(override, cfg, err))
