@@ -131,8 +131,80 @@ def test_the_cli_applies_the_checks_of_train_py(tmp_path, cli_status, args, line
     exit 2, nothing written."""
     code, err = cli_status("fit", *FAST, *args)
     assert code == 2
-    assert [x for x in err.splitlines() if x.startswith("error:")] == [line]
-    assert not list(tmp_path.rglob("*.ckpt"))
+    assert err.splitlines() == [line]  # no "Seed set" or invocation line before it
+    assert list(tmp_path.iterdir()) == []  # no run directory made
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (
+            ["fit", "--trainer.devises=2"],
+            "--trainer.devises=2: no such option (nearest: --trainer.devices): see dpddp fit --help",
+        ),
+        (
+            ["fit", "--trainer.devises", "2"],
+            "--trainer.devises 2: no such option (nearest: --trainer.devices): see dpddp fit --help",
+        ),
+        (
+            ["fit", "--data.num_workers=2"],  # an option of other data modules
+            "--data.num_workers=2: dpddp.data.random_tensors.RandomTensorDataModule takes no num_workers (its "
+            "options: num_samples, num_features, num_classes, batch_size, val_fraction, test_fraction, label_noise, "
+            "seed, streaming, micro_batch_size): give one of its options, or another --data=pkg.Class",
+        ),
+        (
+            ["test", "--model.lrr=0.1"],
+            "--model.lrr=0.1: dpddp.models.linear.LinearClassifier takes no lrr (did you mean --model.lr?): give one "
+            "of its options, or another --model=pkg.Class",
+        ),
+        (
+            ["fit", "--trainer.max_epochs=abc"],
+            "--trainer.max_epochs=abc is invalid (expected int): give a value of that type, see dpddp fit --help",
+        ),
+        (
+            ["fit", "--model=nope.Nope"],
+            "--model=nope.Nope: nope.Nope cannot be used (No module named 'nope'): give an importable class, e.g. "
+            "--model=pkg.Class",
+        ),
+        (["fit", "--trainer.max_epochs"], "argument --trainer.max_epochs: expected one argument: see dpddp fit --help"),
+        (
+            ["fti", "--trainer.max_epochs=1"],
+            "'fti' is not a subcommand (did you mean fit?): dpddp {fit,validate,test,predict} [--help] [--config FILE] "
+            "[--print_config] [ARGS]",
+        ),
+    ],
+)
+def test_an_option_the_cli_does_not_take_is_one_line_naming_it_and_the_nearest(tmp_path, cli_status, args, line):
+    """jsonargparse's refusal (a usage of about 50 lines) and an unknown subcommand: one line, exit 2, nothing
+    written; ``--help`` still prints the usage and exits 0."""
+    code, err = cli_status(*args)
+    assert (code, err.splitlines()) == (2, [f"error: {line}"])
+    assert list(tmp_path.iterdir()) == []
+    assert cli_status("fit", "--help")[0] == 0
+
+
+def test_the_cli_prints_the_trainer_defaults_that_run_and_keeps_a_value_equal_to_lightnings_default(cli_status):
+    """``--print_config`` shows the packaged trainer defaults (``sync_batchnorm: true``: BatchNorm over the global
+    batch, the run's ``null``; ``enable_model_summary: false``), and a value given equal to Lightning's own default
+    reaches the run: ``--trainer.sync_batchnorm=false`` keeps each process's statistics (it was taken for the
+    default, and synced), ``--trainer.enable_model_summary=true`` prints the summary."""
+    from dpddp.entry.lightning_cli import DPDDPCLI, run_config, trainer_defaults, with_default_classes
+
+    code, printed = cli_status("fit", "--print_config")
+    assert code == 0 and "  sync_batchnorm: true\n" in printed and "  enable_model_summary: false\n" in printed
+    assert "  max_epochs: 10\n" in printed and "  use_distributed_sampler: false\n" in printed
+
+    def run_trainer(*args):
+        cli = DPDDPCLI(
+            None, None, args=with_default_classes(list(args)), trainer_defaults=trainer_defaults(),
+            seed_everything_default=0, save_config_callback=None, auto_configure_optimizers=False, run=False,
+        )  # fmt: skip
+        return run_config(cli.config, cli.parser.get_defaults()).trainer
+
+    default = run_trainer("--trainer.strategy=ddp")
+    assert default.sync_batchnorm is None and default.enable_model_summary is False  # train.py's: global BatchNorm
+    given = run_trainer("--trainer.sync_batchnorm=false", "--trainer.enable_model_summary=true")
+    assert given.sync_batchnorm is False and given.enable_model_summary is True
 
 
 def test_ckpt_path_last_continues_the_newest_run_in_its_directory(tmp_path, cli_status):

@@ -1,11 +1,14 @@
-"""The command line of ``train.py`` checked before Hydra reads it: each problem Hydra would end in a traceback or
-many lines (modes that cannot be combined, an override its grammar cannot read, an unknown config option, an
-override of a key the composed config lacks) is one line for ``dpddp.errors.fail``."""
+"""The command line of ``train.py`` checked before Hydra reads it, and of ``dpddp`` (LightningCLI) as jsonargparse
+refuses it: each problem Hydra or jsonargparse would end in a traceback or many lines (modes that cannot be
+combined, an override its grammar cannot read, an unknown config option, an override of a key the composed config
+lacks, an option the CLI does not take) is one line for ``dpddp.errors.fail``."""
 
 from __future__ import annotations
 
 import difflib
+import inspect
 import itertools
+import re
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,7 @@ from typing import Any
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
@@ -186,3 +190,56 @@ def sweep_variants(config: DictConfig) -> list[list[str]]:
         groups = tuple(o for o in job if o.partition("=")[0].lstrip("+~").partition("@")[0] in choices)
         firsts.setdefault(groups, job)
     return list(firsts.values())
+
+
+BOILERPLATE = ("Does not validate against", "Subtypes:", "Errors:", "Given value", "Expected a <class 'NoneType'>")
+"""Lines of a jsonargparse error that say nothing of the option given."""
+
+
+def argument_error(message: str, args: list[str], options: list[str], prog: str) -> str:
+    """One line for jsonargparse's refusal ``message`` (its ``ArgumentError``, many lines) of the arguments
+    ``args`` of ``prog`` (``dpddp fit``), whose options are ``options`` (dotted, without ``--``): the argument as
+    given, what is wrong (an unknown option, with the nearest; an option the class does not take, with the nearest
+    of its parameters; a value of the wrong type; a class that cannot be used) and ``--help``."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    head, see = (lines or [message])[0], f"see {prog} --help"
+    if head.startswith("unrecognized arguments: "):
+        given = head.removeprefix("unrecognized arguments: ")
+        near = difflib.get_close_matches(given.split()[0].split("=")[0].lstrip("-"), options, n=1, cutoff=0.8)
+        return f"{given}: no such option{f' (nearest: --{near[0]})' if near else ''}: {see}"
+    parsed = re.match(r'Parser key "(.+?)":\s*(.*)', head)
+    if parsed is None:
+        return f"{head}: {see}"
+    key, reason = parsed.groups()
+    name = key.split(".")[0]
+    typed = [a for a in args if re.match(rf"--{re.escape(key)}(\.|\+?=|$)", a)]
+    given = typed[-1] if typed else f"--{key}"  # from a --config file: the key
+    inner = [line.lstrip("- ") for line in lines[1:] if not line.lstrip("- ").startswith(BOILERPLATE)]
+    option = next((m.group(1) for line in inner if (m := re.match(r"Option '(.+)' is not accepted", line))), None)
+    cls = next((m.group(1) for line in inner if (m := re.match(r"Problem with given class_path '(.+)'", line))), None)
+    if option is not None and cls is not None:
+        params = [p for p in inspect.signature(get_class(cls)).parameters if p not in ("self", "args", "kwargs")]
+        near = difflib.get_close_matches(option, params, n=1, cutoff=0.8)
+        hint = f"did you mean --{name}.{near[0]}?" if near else f"its options: {', '.join(params)}"
+        return f"{given}: {cls} takes no {option} ({hint}): give one of its options, or another --{name}=pkg.Class"
+    expected = [m.group(1) for line in inner if (m := re.match(r"Expected a <class '(.+)'>", line))]
+    if expected:
+        return f"{given} is invalid (expected {' or '.join(expected)}): give a value of that type, {see}"
+    detail = reason or next((line for line in inner if not line.startswith("Problem with")), "")
+    if cls is not None:
+        cause = next((line for line in inner if not line.startswith(("Problem with", "Expected a path"))), detail)
+        return f"{given}: {cls} cannot be used ({cause}): give an importable class, e.g. --{key}=pkg.Class"
+    return f"{given}: {detail or head}: {see}"
+
+
+def cli_usage(stages: tuple[str, ...]) -> str:
+    """The ``dpddp`` command's usage: its subcommands ``stages`` and common options."""
+    return f"dpddp {{{','.join(stages)}}} [--help] [--config FILE] [--print_config] [ARGS]"
+
+
+def unknown_stage(stage: str, stages: tuple[str, ...]) -> str:
+    """One line for a ``dpddp`` command line whose first word ``stage`` is none of ``stages`` (``""``: none)."""
+    near = difflib.get_close_matches(stage, stages, n=1, cutoff=0.5)
+    if not stage:
+        return f"give a subcommand: {cli_usage(stages)}"
+    return f"{stage!r} is not a subcommand{f' (did you mean {near[0]}?)' if near else ''}: {cli_usage(stages)}"

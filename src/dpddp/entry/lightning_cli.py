@@ -20,11 +20,13 @@ import os
 import sys
 import warnings
 from importlib.metadata import version
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_module
 from hydra.utils import get_class
+from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -33,8 +35,20 @@ from typing_extensions import override
 from dpddp.cluster import run_name
 from dpddp.continuity import stop
 from dpddp.data.random_tensors import RandomTensorDataModule
-from dpddp.errors import KNOWN, ConfigError, exit_on, invocation_name, invocations, log_to, resume_command, unwritable
+from dpddp.entry.command_line import argument_error, cli_usage, unknown_stage
+from dpddp.errors import (
+    KNOWN,
+    ConfigError,
+    exit_on,
+    fail,
+    invocation_name,
+    invocations,
+    log_to,
+    resume_command,
+    unwritable,
+)
 from dpddp.models.linear import LinearClassifier
+from dpddp.run.config import check_config
 from dpddp.run.training import STAGES, isolated_job, train
 
 __all__ = ["DPDDPCLI", "main", "run_config"]
@@ -66,6 +80,16 @@ CONFIG = "config.yaml"  # the first invocation's config; dpddp.errors.invocation
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job-logging format, as train.py's
 
 
+def trainer_defaults() -> dict[str, Any]:
+    """The CLI's Trainer defaults: the packaged ``trainer/default.yaml``'s set values (``max_epochs: 10``,
+    ``enable_model_summary: false``), so that ``--print_config`` shows what runs and a value given equal to
+    Lightning's default is not taken for the default (``run_config`` keeps the values that differ);
+    ``sync_batchnorm`` as ``true``, the CLI's bool for its ``null`` (BatchNorm over the global batch)."""
+    packaged = OmegaConf.load(str(files("dpddp.conf").joinpath("trainer/default.yaml")))
+    own = {str(k): v for k, v in packaged.items() if v is not None}
+    return {**own, "sync_batchnorm": True, "use_distributed_sampler": False}
+
+
 class DPDDPCLI(LightningCLI):
     """``LightningCLI`` that parses only: ``--ckpt_path`` and ``--steps_per_execution`` added, and no class
     instantiated (``dpddp.run.training.train`` builds everything, as for ``train.py``)."""
@@ -76,6 +100,15 @@ class DPDDPCLI(LightningCLI):
         parser.add_argument(
             "--steps_per_execution", type=int, default=1, help="optimizer steps per Lightning loop iteration"
         )
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """LightningCLI's parse; jsonargparse's refusal (an ``ArgumentError``: the parser is built with
+        ``exit_on_error=False``, instead of its usage in 50 lines) is one line, exit 2 (``argument_error``)."""
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            fail(argument_error(str(err), list(args or []), list(parser.get_defaults().keys()), parser.prog))
 
     @override
     def instantiate_classes(self) -> None:
@@ -196,10 +229,11 @@ def main(args: list[str] | None = None) -> None:
 
     try:
         with stop.command(resume):  # a SIGTERM before the run or after its end: Preempted as the scope ends
+            if stage in ("-h", "--help"):
+                print(f"usage: {cli_usage(STAGES)}")
+                sys.exit(0)
             if stage not in STAGES:
-                usage = f"usage: dpddp {{{','.join(STAGES)}}} [--help] [--config FILE] [--print_config] [ARGS]"
-                print(usage, file=sys.stderr)
-                sys.exit(2)
+                fail(unknown_stage(stage, STAGES))
             cfg, output_dir = _parsed(stage, rest)
             with isolated_job():
                 train(cfg, output_dir, stage=stage)
@@ -213,21 +247,28 @@ def _parsed(stage: str, rest: list[str]) -> tuple[DictConfig, Path]:
     # Harmless: the subcommand is taken off sys.argv here, so LightningCLI gets the rest of the same command line.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     help_only = any(a in ("-h", "--help") for a in rest)
-    cli = DPDDPCLI(
-        None,  # any LightningModule and LightningDataModule (LightningCLI's subclass mode)
-        None,
-        args=rest if help_only else with_default_classes(rest),
-        trainer_defaults={"use_distributed_sampler": False, "max_epochs": 10},  # as train.py
-        seed_everything_default=0,
-        save_config_callback=None,
-        auto_configure_optimizers=False,  # the model's own configure_optimizers (train builds the model)
-        run=False,
-        parser_kwargs={"prog": f"dpddp {stage}", "description": HELP},
-    )
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")  # train seeds: no "Seed set" line here
+    level = seed_log.level
+    seed_log.setLevel(logging.WARNING)
+    try:
+        cli = DPDDPCLI(
+            None,  # any LightningModule and LightningDataModule (LightningCLI's subclass mode)
+            None,
+            args=rest if help_only else with_default_classes(rest),
+            trainer_defaults=trainer_defaults(),
+            seed_everything_default=0,
+            save_config_callback=None,
+            auto_configure_optimizers=False,  # the model's own configure_optimizers (train builds the model)
+            run=False,
+            parser_kwargs={"prog": f"dpddp {stage}", "description": HELP, "exit_on_error": False},
+        )
+    finally:
+        seed_log.setLevel(level)
     cfg = run_config(cli.config, cli.parser.get_defaults())
     root = Path(cli.config.trainer.default_root_dir or os.getcwd())
     output_dir, cfg.ckpt_path = _output_dir(root, stage, cfg.ckpt_path)
     cfg.predict = stage == "predict"  # predictions.csv in the run directory
+    check_config(cfg, stage)  # before the run directory is made: a bad setting's line is the only one
     if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
         if why := unwritable(output_dir):  # makes it
             raise ConfigError(

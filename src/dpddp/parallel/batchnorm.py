@@ -226,7 +226,8 @@ class BatchNormSync(LayerSync):
             _warn(
                 f"trainer.sync_batchnorm=false with {self.processes} processes: {_names(names)} normalise each "
                 "process's own share of the global batch, so ddp no longer trains as one process (weights and "
-                "running statistics differ); set trainer.sync_batchnorm=null to take them over the global batch"
+                "running statistics differ); set trainer.sync_batchnorm=null (true under dpddp fit) to take them "
+                "over the global batch"
             )
         return model
 
