@@ -24,6 +24,7 @@ from omegaconf import OmegaConf, open_dict
 from dpddp._compat import hydra_override_refused
 from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.entry.command_line import mode_conflict, refused_override, sweep_variants, unreadable_override
+from dpddp.entry.hydra import StartChecks
 from dpddp.errors import ConfigError, WriteFailed, unwritable
 from dpddp.run.config import check_output_dir, check_resolvable
 
@@ -56,6 +57,12 @@ def _error_lines(stderr: str) -> list[str]:
             "trainer.max_epochs=x${data.nope}",
             "trainer.max_epochs='x${data.nope}' cannot be resolved (Interpolation key 'data.nope' not found): give a "
             "value, or interpolate a key that exists (e.g. ${data.num_features})",
+        ),
+        (
+            "data=dataset",  # a data config without the sizes the default model follows
+            "model.num_features='${data.num_features}' cannot be resolved (Interpolation key 'data.num_features' not "
+            "found): the data has no num_features to follow: give the model's sizes (model.num_features=<features "
+            "per sample> model.num_classes=<classes>)",
         ),
     ],
 )
@@ -151,6 +158,26 @@ def test_a_sweep_checks_its_first_job_of_each_group_option_before_it_starts(over
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = GlobalHydra.instance().config_loader().load_configuration("config", overrides, RunMode.MULTIRUN)
         assert sweep_variants(cfg) == variants
+
+
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        ("devices=0", "devices=0 is invalid: use a positive number of devices per node, or -1 for all GPUs"),
+        ("model.lr=-1", "model.lr=-1 is invalid: use a positive learning rate, e.g. model.lr=0.1"),
+        ("+data.nope=1", "unknown setting data.nope: valid keys: "),
+    ],
+)
+def test_a_bad_setting_ends_train_py_before_hydra_makes_the_run_directory_and_is_the_only_line(
+    tmp_path, capsys, override, line
+):
+    """``StartChecks.on_run_start`` (before Hydra writes ``.hydra/`` and ``train.log`` and logs the invocation)
+    runs the run's config check: its line is all that is said."""
+    cfg = compose_cfg("accelerator=cpu", override, f"hydra.run.dir={tmp_path / 'run'}")
+    with pytest.raises(SystemExit) as stop:
+        StartChecks().on_run_start(cfg)
+    (said,) = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 2 and said.startswith(f"error: {line}") and list(tmp_path.iterdir()) == []
 
 
 # -- Hydra's modes -------------------------------------------------------------------------------------------

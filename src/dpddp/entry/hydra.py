@@ -51,7 +51,7 @@ from dpddp.errors import (
     unwritable,
 )
 from dpddp.parallel.rendezvous import torchrun_restarted
-from dpddp.run.config import check_resolvable
+from dpddp.run.config import check_config, check_resolvable
 from dpddp.run.training import METRIC_KEYS, isolated_job, objective, train
 
 __all__ = ["StartChecks", "config_dirs", "config_subdir", "hydra_value", "main", "run_job", "sets_no_mode"]
@@ -252,13 +252,13 @@ def _job_failed(num: int, output_dir: Path, line: str) -> float:
 class StartChecks(HydraCallback):
     """Before Hydra makes or writes anything (a Hydra callback of the packaged ``hydra/`` config): the run's
     directory (``hydra.run.dir``) or the sweep's (``hydra.sweep.dir``) resolves and can be written, and (one run)
-    every interpolation of the job's config resolves; else one ``error:`` line, exit 2. A sweep job's own
-    interpolations are checked in its job (``run_job``): a bad one fails that job only."""
+    the job's config passes ``check_config`` (interpolations, values); else one ``error:`` line, exit 2, and no
+    other line before it. A sweep job's own config is checked in its job (``run_job``): a bad one fails it only."""
 
     @override
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
-            check_resolvable(config)
+            check_config(OmegaConf.masked_copy(config, [str(k) for k in config if k != "hydra"]))
         except ConfigError as err:
             fail(str(err))
         _check_directory(config, "run")

@@ -36,6 +36,7 @@ TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed
 TOP_LEVEL_RUN = ("steps_per_execution",)  # how training runs (dpddp.run.executions)
 TOP_LEVEL_OUTPUT = ("epoch_lines", "print_config", "objective")  # how a run reports progress, its config, its result
 GROUPS = ("data", "model", "trainer", "logger", "callbacks")
+SIZES_FIX = "model.num_features=<features per sample> model.num_classes=<classes>"
 FIX = "{t} takes no {k}, a key of the packaged config: give {s} a yaml of its own (conf/{s}/<name>.yaml){d}"
 # Trainer flags owned elsewhere: the top-level knobs, and what the global-batch contract and the run dir need.
 TRAINER_OWNED = {
@@ -260,6 +261,8 @@ def check_resolvable(cfg: DictConfig, skip: tuple[str, ...] = ("hydra",)) -> Non
                 if env
                 else "give a value, or interpolate a key that exists (e.g. ${data.num_features})"
             )
+            if path[0] == "model" and value == f"${{data.{path[-1]}}}":  # the model's sizes follow the data's
+                fix = f"the data has no {path[-1]} to follow: give the model's sizes ({SIZES_FIX})"
             raise ConfigError(f"{_dotted(path)}={value!r} cannot be resolved ({reason}): {fix}") from err
 
 
