@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import inspect
 import math
+import multiprocessing
+import multiprocessing.forkserver as server_module
 import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 from collections import Counter
 from datetime import timedelta
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import hydra
 import lightning.pytorch as pl
+import psutil
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -35,6 +39,7 @@ from packaging.version import Version
 from torchmetrics import MeanMetric
 
 from dpddp import DataParallelStrategy, _compat
+from dpddp._compat import processes
 from dpddp.entry import hydra as hydra_entry
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import JobLauncher, RankJob
@@ -800,3 +805,77 @@ def test_lightning_notes_a_sigterm_and_ends_the_stage_alone_until_disable_sigter
         assert calls == [signal.SIGTERM] * 2
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_forget_forkserver_gives_a_forked_process_a_fork_server_of_its_own():
+    """A process forked after its parent started the fork server reuses the parent's server (and holds its
+    keep-alive pipe) unless it forgets it; then its first worker starts a server of its own."""
+    server_module.ensure_running()
+    parent_server = server_module._forkserver._forkserver_pid
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            processes.forget_forkserver()
+            assert server_module._forkserver._forkserver_pid is None
+            server_module.ensure_running()
+            own = server_module._forkserver._forkserver_pid
+            os.write(write, str(own).encode())
+            processes.stop_worker_servers()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    child_server = int(os.read(read, 64).decode() or 0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert parent_server is not None and child_server not in (0, parent_server)
+    assert not psutil.pid_exists(child_server)  # the child stopped and reaped its own
+
+
+_EXIT_SCRIPT = """
+import multiprocessing, multiprocessing.forkserver as server, multiprocessing.resource_tracker as tracker, os, time
+import multiprocessing.util
+from dpddp._compat import processes
+context = multiprocessing.get_context("forkserver")
+lock = context.Lock()  # a semaphore the tracker knows: multiprocessing unlinks and unregisters it at exit
+child = context.Process(target=time.sleep, args=(60,), daemon=True)  # joined at exit, after a SIGTERM
+child.start()
+pids = [server._forkserver._forkserver_pid, tracker._resource_tracker._pid, child.pid]
+processes.at_multiprocessing_exit(processes.stop_worker_servers)
+def after():  # runs after the finalizer under test, before this process exits
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            print(pid, "left")
+        except ProcessLookupError:
+            pass
+    print("tracker after:", tracker._resource_tracker._pid, flush=True)
+multiprocessing.util.Finalize(None, after, exitpriority=-200)
+print(*pids, flush=True)
+"""
+
+
+def test_stop_worker_servers_at_multiprocessing_exit_reaps_the_server_tracker_and_worker_before_the_exit():
+    """A process that started a fork server (with a worker alive) and the resource tracker, and has
+    ``stop_worker_servers`` at multiprocessing's exit: before it exits, all three have ended and been reaped (none
+    is left to init), and the tracker was not started again by the semaphore's own clean-up (which runs first)."""
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, *left, last = proc.stdout.splitlines()
+    assert len(first.split()) == 3 and left == [] and last == "tracker after: None", proc.stdout
+
+
+def test_raised_pickling_a_process_is_true_for_a_process_multiprocessing_cannot_pickle_only():
+    """A process whose target cannot be pickled (a lambda) fails to start under the fork server and spawn start
+    methods with an error raised from ``multiprocessing.reduction.dump``; any other error is not."""
+    for method in ("forkserver", "spawn"):
+        process = multiprocessing.get_context(method).Process(target=lambda: None)
+        with pytest.raises(Exception) as err:
+            process.start()
+        assert processes.raised_pickling_a_process(err.value), (method, err.value)
+    try:
+        raise RuntimeError("Can't pickle this")
+    except RuntimeError as other:
+        assert not processes.raised_pickling_a_process(other)

@@ -11,7 +11,6 @@ import dataclasses
 import importlib
 import json
 import logging
-import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -29,11 +28,12 @@ from lightning.fabric.plugins import ClusterEnvironment
 from typing_extensions import override
 
 from dpddp._compat import SubprocessScriptLauncher, set_num_threads_if_needed
+from dpddp._compat.processes import forget_forkserver, stop_worker_servers
 from dpddp.cluster import LAUNCHED_ENV
 from dpddp.errors import EXIT_PREEMPTED, ConfigError, RankFailed, first_line
 from dpddp.network import route_interface
 
-__all__ = ["JobLauncher", "RankJob", "Supervisor", "bind_store_socket", "die_with_parent", "forget_forkserver"]
+__all__ = ["JobLauncher", "RankJob", "Supervisor", "bind_store_socket", "die_with_parent"]
 __all__ += ["STOPPED", "rank_ended"]
 
 log = logging.getLogger(__name__)
@@ -90,22 +90,6 @@ def die_with_parent() -> None:
     """In a launched rank: get SIGKILL when the launching process dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-
-
-def forget_forkserver() -> None:
-    """In a process just forked from one that may have started ``multiprocessing``'s fork server: forget that
-    server (close this copy of its keep-alive pipe, so it still ends with its own process; a new one starts on
-    first use here). ``multiprocessing.forkserver._forkserver``'s fields, CPython 3.10-3.13: the module's
-    functions are bound to that one instance, so it is reset in place; tests/test_loader_workers.py fails if
-    they move."""
-    server: Any = multiprocessing.forkserver._forkserver
-    if server._forkserver_alive_fd is not None:
-        try:
-            os.close(server._forkserver_alive_fd)
-        except OSError:
-            pass
-    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
-    server._lock = threading.Lock()  # another thread of the parent may have held it at the fork
 
 
 STOPPED = (EXIT_PREEMPTED, -signal.SIGTERM)
@@ -282,6 +266,7 @@ class JobLauncher(SubprocessScriptLauncher):
                 os.environ.update(LOCAL_RANK=str(local_rank), **{LAUNCHED_ENV: "1"})
                 code = self.run_forked(self.job)
         finally:
+            stop_worker_servers()  # os._exit runs no exit handler: its fork server and tracker end with it here
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()

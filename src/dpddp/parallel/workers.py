@@ -17,8 +17,14 @@ from types import FunctionType, ModuleType
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader
 
+from dpddp._compat.processes import (
+    at_multiprocessing_exit,
+    forget_forkserver,
+    raised_pickling_a_process,
+    stop_worker_servers,
+)
 from dpddp.errors import LoaderFailed, first_line
-from dpddp.parallel.launcher import die_with_parent, forget_forkserver
+from dpddp.parallel.launcher import die_with_parent
 
 __all__ = ["START_METHOD", "WORKER_TIMEOUT_S", "WorkerInitFailed", "WorkerStart", "loader_failed"]
 __all__ += ["loader_worker_failure", "start_workers_safely", "worker_start_failure"]
@@ -78,6 +84,16 @@ class WorkerStart:
 
 
 _preloaded: set[str] = {"torch", __name__}
+_servers_end_in: list[int] = []  # the pid whose exit stops its fork server and tracker (once per process)
+
+
+def _end_servers_at_exit() -> None:
+    """Have this process stop and reap its fork server and resource tracker when it exits (``stop_worker_servers``,
+    after multiprocessing's own exit work), so that none outlives the run; once per process (a forked rank, which
+    ends with ``os._exit``, stops them itself: ``JobLauncher``)."""
+    if _servers_end_in != [os.getpid()]:
+        _servers_end_in[:] = [os.getpid()]
+        at_multiprocessing_exit(stop_worker_servers)
 
 
 def _modules_of(*objects: object) -> set[str]:
@@ -109,6 +125,7 @@ def start_workers_safely(loader: object, rank: int) -> object:
     if loader.multiprocessing_context is None and START_METHOD in multiprocessing.get_all_start_methods():
         loader.multiprocessing_context = START_METHOD
         _preload(loader)
+    _end_servers_at_exit()
     then = loader.worker_init_fn
     if then is None and int(os.environ.get("PL_SEED_WORKERS", 0)):
         then = partial(pl_worker_init_function, rank=rank)
@@ -133,17 +150,6 @@ def loader_worker_failure(err: BaseException) -> str | None:
     return f"a {text}" if text.startswith("DataLoader worker (pid") else None
 
 
-def _pickling(err: BaseException) -> bool:
-    """Whether ``err`` was raised while multiprocessing pickled a process to start (``reduction.dump``)."""
-    tb = err.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_name == "dump" and code.co_filename.endswith(os.path.join("multiprocessing", "reduction.py")):
-            return True
-        tb = tb.tb_next
-    return False
-
-
 def worker_start_failure(err: BaseException) -> str | None:
     """What ``err`` says of a DataLoader worker that could not start, with what to do, else ``None``: the loader
     could not be pickled for the fork server (raised in the rank while starting the worker), or its own
@@ -152,7 +158,7 @@ def worker_start_failure(err: BaseException) -> str | None:
         said = str(err).rstrip().splitlines()[-1]
         said = said.split(f"{WorkerInitFailed.__name__}: ", 1)[-1]
         return f"{said}; fix it (it runs first in each worker process), or set data.num_workers=0 to load in the rank"
-    if _pickling(err):
+    if raised_pickling_a_process(err):
         return (
             f"the DataLoader cannot be pickled ({first_line(err)}): its "
             "workers start from a fork server, which gets the data set, sampler, collate_fn and worker_init_fn "

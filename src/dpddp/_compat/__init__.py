@@ -1,4 +1,4 @@
-"""Every private Lightning, torch and Hydra name and behaviour dpddp relies on, and only here.
+"""Every private Lightning, torch and Hydra name and behaviour dpddp relies on; CPython's are in ``processes``.
 
 Each entry names what it relies on, the version checked (``CHECKED``) and what breaks if it moves;
 ``tests/test_compat.py`` fails when one moves. See docs/design-notes.md (_compat).
