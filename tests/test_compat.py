@@ -879,3 +879,10 @@ def test_raised_pickling_a_process_is_true_for_a_process_multiprocessing_cannot_
         raise RuntimeError("Can't pickle this")
     except RuntimeError as other:
         assert not processes.raised_pickling_a_process(other)
+
+
+def test_the_fork_server_runs_python_c_with_fork_server_command_and_this_process_is_not_it():
+    """``in_fork_server`` knows the server by the command ``ForkServer.ensure_running`` starts it with."""
+    source = inspect.getsource(server_module.ForkServer.ensure_running)
+    assert f"cmd = ('{processes.FORK_SERVER_COMMAND}; ' +" in source and "args += ['-c', cmd]" in source
+    assert not processes.in_fork_server()

@@ -10,15 +10,26 @@ import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
 
 __all__ = ["CHECKED", "at_multiprocessing_exit", "forget_forkserver", "raised_pickling_a_process"]
-__all__ += ["stop_worker_servers"]
+__all__ += ["FORK_SERVER_COMMAND", "in_fork_server", "stop_worker_servers"]
 
 CHECKED = "3.11.7"
 """The CPython version every entry below was read in and tested against."""
+
+FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"
+"""How the fork server's command (``python -c <command>``) begins: ``ForkServer.ensure_running``'s, CPython 3.11.7;
+test_compat reads it there."""
+
+
+def in_fork_server() -> bool:
+    """Whether this process is multiprocessing's fork server (``python -c`` with ``FORK_SERVER_COMMAND``), the
+    workers it forks too; true while the server imports its preload modules."""
+    return sys.orig_argv[-2:-1] == ["-c"] and sys.orig_argv[-1].startswith(FORK_SERVER_COMMAND)
 
 
 def forget_forkserver() -> None:

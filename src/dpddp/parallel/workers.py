@@ -5,6 +5,7 @@ run with one line. See docs/design-notes.md (parallel.workers).
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import multiprocessing
 import os
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader
 from dpddp._compat.processes import (
     at_multiprocessing_exit,
     forget_forkserver,
+    in_fork_server,
     raised_pickling_a_process,
     stop_worker_servers,
 )
@@ -83,6 +85,15 @@ class WorkerStart:
                 raise WorkerInitFailed(f"its worker_init_fn {name} raised {first_line(err)}") from err
 
 
+def _end_fork_server_at_once() -> None:
+    """In the fork server, which imports this module among its preload modules: exit at once when it exits (its
+    rank's keep-alive pipe closed: the rank ended, SIGKILLed too), without finalizing torch and the rest it
+    imported (seconds, while its workers, which die with it, run on). It has nothing to flush or remove."""
+    if in_fork_server():
+        atexit.register(os._exit, 0)  # the last registered runs first
+
+
+_end_fork_server_at_once()
 _preloaded: set[str] = {"torch", __name__}
 _servers_end_in: list[int] = []  # the pid whose exit stops its fork server and tracker (once per process)
 
