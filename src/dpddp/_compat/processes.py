@@ -57,7 +57,10 @@ def _stop_forkserver() -> None:
         pid, fd, address = server._forkserver_pid, server._forkserver_alive_fd, server._forkserver_address
         server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
     if fd is not None:
-        os.close(fd)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     if pid is not None:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -81,7 +84,10 @@ def _stop_resource_tracker(wait_s: float) -> None:
         fd, pid = tracker._fd, tracker._pid
         tracker._fd = tracker._pid = None
     if fd is not None:
-        os.close(fd)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     deadline = time.monotonic() + wait_s
     while pid is not None:
         try:

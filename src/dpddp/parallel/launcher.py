@@ -266,11 +266,13 @@ class JobLauncher(SubprocessScriptLauncher):
                 os.environ.update(LOCAL_RANK=str(local_rank), **{LAUNCHED_ENV: "1"})
                 code = self.run_forked(self.job)
         finally:
-            stop_worker_servers()  # os._exit runs no exit handler: its fork server and tracker end with it here
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            try:  # whatever fails here, this process ends here (never returns into the launcher's code)
+                stop_worker_servers()  # os._exit runs no exit handler: its fork server and tracker end with it here
+                logging.shutdown()
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
 
     def failed_ranks(self, wait_s: float) -> list[str]:
         """Launched ranks that ended non-zero, waiting up to ``wait_s`` seconds in all, e.g.
