@@ -166,6 +166,10 @@ def test_the_cli_applies_the_checks_of_train_py(tmp_path, cli_status, args, line
             "--model=nope.Nope: nope.Nope cannot be used (No module named 'nope'): give an importable class, e.g. "
             "--model=pkg.Class",
         ),
+        (
+            ["fit", "--trainer.strategy=ddpp"],  # a strategy with no packaged config: no traceback from composing
+            "--trainer.strategy=ddpp is unknown: choose one of auto, ddp, ddp_spawn, dp",
+        ),
         (["fit", "--trainer.max_epochs"], "argument --trainer.max_epochs: expected one argument: see dpddp fit --help"),
         (
             ["fti", "--trainer.max_epochs=1"],

@@ -35,7 +35,7 @@ from typing_extensions import override
 from dpddp.cluster import run_name
 from dpddp.continuity import stop
 from dpddp.data.random_tensors import RandomTensorDataModule
-from dpddp.entry.command_line import argument_error, cli_usage, unknown_stage
+from dpddp.entry.command_line import argument_error, cli_usage, unknown_option, unknown_stage
 from dpddp.errors import (
     KNOWN,
     ConfigError,
@@ -148,7 +148,8 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
     ``defaults``).
 
     Raises:
-        ConfigError: a trainer value the run cannot take (a strategy or accelerator object).
+        ConfigError: a trainer value the run cannot take (a strategy or accelerator object, or a strategy name
+            with no packaged ``strategy/`` config: ``command_line.unknown_option``, checked before composing).
     """
     given, default = _plain(parsed), _plain(defaults)
     trainer = {k: v for k, v in given["trainer"].items() if v != default["trainer"].get(k)}
@@ -158,7 +159,9 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
     for key in ("strategy", "accelerator"):
         if key in top and not isinstance(top[key], str):
             raise ConfigError(f"trainer.{key}: give a name (e.g. --trainer.{key}=ddp), not a class")
-    overrides = [f"strategy={top.pop('strategy', 'auto')}"]
+    overrides = [f"strategy={top.pop('strategy', 'auto')}"]  # the only group option the CLI chooses
+    if problem := unknown_option(overrides):
+        raise ConfigError(f"--trainer.{problem}")
     with initialize_config_module("dpddp.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     trainer.pop("default_root_dir", None)
