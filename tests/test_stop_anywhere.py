@@ -2,9 +2,11 @@
 last checkpoint and step, which every entry point prints as one line with the resume command (exit 143), not a
 silent exit; the resumed run ends with the straight run's weights and a whole ``metrics.json``."""
 
+import io
 import logging
 import os
 import signal
+import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -178,22 +180,30 @@ def test_a_sigterm_to_rank_0_while_testing_under_ddp_stops_the_run_with_143(tmp_
 
 
 @pytest.mark.parametrize("local_rank", ["0", "1"])
-def test_a_stop_line_is_said_once_per_node_and_a_launched_ranks_stop_is_not_an_error(
-    monkeypatch, capsys, caplog, local_rank
+def test_a_stop_line_is_said_once_per_node_and_a_launched_ranks_stop_goes_to_its_log_file_only(
+    tmp_path, monkeypatch, capsys, local_rank
 ):
-    """Under torchrun (``LOCAL_RANK``) each node's first process says the stop line, the others log the stop at
-    INFO and exit 143 too (every entry point ends through ``exit_on``); a launched rank logs it at INFO
-    (``rank_status``): the one ``error:`` line is rank 0's."""
+    """Under torchrun (``LOCAL_RANK``) each node's first process says the stop line, the others exit 143 too
+    (every entry point ends through ``exit_on``) and, as a launched rank (``rank_status``), write the stop at INFO
+    into their log file, not the console (a console handler and a file handler, as ``log_to`` sets up): the one
+    line on the console is the node's first process's. With no log file, the stop is at DEBUG."""
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     stop = Preempted(None, 0)
-    caplog.set_level(logging.INFO)
+    log = logging.getLogger("dpddp.test.rank")
+    log.propagate, log.handlers = False, [logging.StreamHandler(sys.stderr), logging.FileHandler(tmp_path / "r.log")]
+    log.setLevel(logging.INFO)
     with pytest.raises(SystemExit) as exit_:
-        exit_on(stop, lambda: "python train.py")
+        exit_on(stop, lambda: "python train.py", log if local_rank == "1" else None)
     said = "error: stopped by SIGTERM before its first checkpoint: resume with python train.py\n"
     assert exit_.value.code == 143 and capsys.readouterr().err == (said if local_rank == "0" else "")
-    assert [(r.levelname, r.getMessage()) for r in caplog.records] == (
-        [] if local_rank == "0" else [("INFO", str(stop))]
-    )
-    caplog.clear()
-    assert rank_status(stop, logging.getLogger("rank")) == 143
-    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("INFO", str(stop))]
+    assert rank_status(stop, log) == 143
+    console = capsys.readouterr()
+    assert console.err + console.out == ""
+    logged = (tmp_path / "r.log").read_text().splitlines()
+    assert logged == [str(stop)] * (2 if local_rank == "1" else 1)
+    log.handlers = [logging.StreamHandler(shown := io.StringIO())]
+    log.handlers[0].setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    log.setLevel(logging.DEBUG)
+    assert rank_status(stop, log) == 143
+    log.handlers, log.propagate = [], True
+    assert shown.getvalue() == f"DEBUG {stop}\n"

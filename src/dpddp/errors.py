@@ -45,6 +45,7 @@ __all__ = [
     "invocation_name",
     "invocations",
     "local_rank",
+    "log_quietly",
     "log_to",
     "rank_status",
     "resume_command",
@@ -150,22 +151,38 @@ def stop_line(err: Preempted, resume: Callable[[], str] | None) -> str:
 def exit_on(err: BaseException, resume: Callable[[], str] | None = None, log: logging.Logger | None = None) -> NoReturn:
     """``fail`` with ``err``'s message and exit status (the module's table); a ``Preempted`` line ends with
     ``: resume with <resume()>`` when ``resume`` is given, and is said once per node: under a cluster's launcher
-    (torchrun, SLURM) a process of local rank other than 0 logs it (INFO) and exits with its status."""
+    (torchrun, SLURM) a process of local rank other than 0 logs it (``log_quietly``) and exits with its status."""
     if isinstance(err, Preempted) and local_rank():
-        (log or logging.getLogger(__name__)).info(str(err))
+        log_quietly(log or logging.getLogger(__name__), str(err))
         sys.exit(EXIT_PREEMPTED)
     line = stop_line(err, resume) if isinstance(err, Preempted) else str(err)
     fail(line, exit_status(err), log)
 
 
+def log_quietly(log: logging.Logger, message: str) -> None:
+    """``message`` at INFO into the log files of ``log`` (the ``FileHandler``s it and its ancestors send to:
+    a rank's ``rank<N>.log``, a run's ``train.log``), not to the console; at DEBUG where there is none."""
+    files: list[logging.Handler] = []
+    logger: logging.Logger | None = log
+    while logger is not None:
+        files += [h for h in logger.handlers if isinstance(h, logging.FileHandler) and h.level <= logging.INFO]
+        logger = logger.parent if logger.propagate else None
+    if not files or not log.isEnabledFor(logging.INFO):
+        log.debug(message)
+        return
+    record = log.makeRecord(log.name, logging.INFO, __file__, 0, message, None, None)
+    for handler in files:
+        handler.handle(record)
+
+
 def rank_status(err: BaseException, log: logging.Logger) -> int:
     """In a launched rank: log ``err`` (a ``ConfigError`` or ``LoaderFailed`` as ``error: <message>``, a
-    ``Preempted`` as its message at INFO: a stop, not an error, whose line rank 0 says; anything else with its
-    traceback) and return its exit status."""
+    ``Preempted`` as its message into the log file only (``log_quietly``): a stop, not an error, whose one line
+    rank 0 says; anything else with its traceback) and return its exit status."""
     if isinstance(err, (ConfigError, LoaderFailed)):
         log.error(f"error: {err}")
     elif isinstance(err, Preempted):
-        log.info(str(err))
+        log_quietly(log, str(err))
     else:
         log.exception("rank failed")
     return exit_status(err)
