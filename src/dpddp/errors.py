@@ -170,7 +170,7 @@ def log_quietly(log: logging.Logger, message: str) -> None:
     if not files or not log.isEnabledFor(logging.INFO):
         log.debug(message)
         return
-    record = log.makeRecord(log.name, logging.INFO, __file__, 0, message, None, None)
+    record = log.makeRecord(log.name, logging.INFO, __file__, 0, message, (), None)
     for handler in files:
         handler.handle(record)
 
