@@ -391,7 +391,8 @@ EARLY = {  # entry -> the command (the settings in its spelling), the program it
 def test_a_sigterm_in_the_first_seconds_of_every_entry_point_stops_with_143_and_the_line(tmp_path, entry):
     """A SIGTERM at a seeded random moment of the first seconds (imports, Hydra's composition or the CLI's parse,
     start-up), once the process is past its first line: 143, exactly one stop line (none at a rank's ERROR level),
-    its command the given one (or, after a checkpoint, the resume command), no process left."""
+    its command the given one (or, after a checkpoint, the resume command), no process left; the CLI leaves no
+    version directory before its first checkpoint (the given command run again makes it)."""
     cmd, program = EARLY[entry]
     full_env, tag = child_env()
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -407,6 +408,10 @@ def test_a_sigterm_in_the_first_seconds_of_every_entry_point_stops_with_143_and_
     assert where == "error: stopped by SIGTERM before its first checkpoint" or " after step " in where, where
     given = [a for a in cmd[2 if program == "python" else 1 :] if not a.startswith(("hydra.run.dir=", "--trainer.def"))]
     assert shlex.split(command)[0] == program and set(given) <= set(shlex.split(command)), command
+    if program == "dpddp":  # the CLI: no version directory without a checkpoint (the command makes it anew)
+        versions = list((tmp_path / "run" / "lightning_logs").glob("version_*"))
+        checkpointed = [v / "checkpoints" / "last.ckpt" for v in versions if " after step " in where]
+        assert len(versions) == len(checkpointed) <= 1 and all(c.is_file() for c in checkpointed), versions
     assert leftover(tag) == []
 
 

@@ -17,6 +17,7 @@ import gc
 import inspect
 import logging
 import os
+import shutil
 import sys
 import warnings
 from importlib.metadata import version
@@ -39,6 +40,7 @@ from dpddp.entry.command_line import argument_error, cli_usage, unknown_option, 
 from dpddp.errors import (
     KNOWN,
     ConfigError,
+    Preempted,
     exit_on,
     fail,
     invocation_name,
@@ -224,6 +226,7 @@ def main(args: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if args is None else args)
     stage, rest = (args or [""])[0], args[1:]
     output_dir: Path | None = None
+    made = False  # this invocation made the run directory (rank 0)
 
     def resume() -> str:  # from the run's last.ckpt, or before one this command as given
         if output_dir is None or not (output_dir / "checkpoints" / "last.ckpt").is_file():
@@ -237,16 +240,20 @@ def main(args: list[str] | None = None) -> None:
                 sys.exit(0)
             if stage not in STAGES:
                 fail(unknown_stage(stage, STAGES))
-            cfg, output_dir = _parsed(stage, rest)
+            cfg, output_dir, made = _parsed(stage, rest)
             with isolated_job():
                 train(cfg, output_dir, stage=stage)
     except KNOWN as err:
+        if isinstance(err, Preempted) and err.path is None and made and output_dir is not None:
+            # Stopped before its first checkpoint: nothing to continue from (--ckpt_path=last takes the newest
+            # version with a last.ckpt), so the given command, run again, makes this version anew.
+            shutil.rmtree(output_dir, ignore_errors=True)
         exit_on(err, resume)
 
 
-def _parsed(stage: str, rest: list[str]) -> tuple[DictConfig, Path]:
-    """The run config and run directory of ``stage`` with arguments ``rest``; on rank 0 the directory is made and
-    the invocation's config saved in it."""
+def _parsed(stage: str, rest: list[str]) -> tuple[DictConfig, Path, bool]:
+    """The run config and run directory of ``stage`` with arguments ``rest``, and whether this call made the
+    directory; on rank 0 the directory is made and the invocation's config saved in it."""
     # Harmless: the subcommand is taken off sys.argv here, so LightningCLI gets the rest of the same command line.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     help_only = any(a in ("-h", "--help") for a in rest)
@@ -272,7 +279,9 @@ def _parsed(stage: str, rest: list[str]) -> tuple[DictConfig, Path]:
     output_dir, cfg.ckpt_path = _output_dir(root, stage, cfg.ckpt_path)
     cfg.predict = stage == "predict"  # predictions.csv in the run directory
     check_config(cfg, stage)  # before the run directory is made: a bad setting's line is the only one
+    made = False
     if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
+        made = not output_dir.exists()
         if why := unwritable(output_dir):  # makes it
             raise ConfigError(
                 f"--trainer.default_root_dir={str(root)!r}: {str(output_dir)!r} cannot be written ({why}): "
@@ -284,7 +293,7 @@ def _parsed(stage: str, rest: list[str]) -> tuple[DictConfig, Path]:
         logging.getLogger(__name__).info(
             f"invocation {n} into this run directory ({stage}): {invocation_name(CONFIG, n)}"
         )
-    return cfg, output_dir
+    return cfg, output_dir, made
 
 
 def _resume_command(stage: str, rest: list[str], output_dir: Path) -> str:
