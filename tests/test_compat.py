@@ -698,24 +698,6 @@ def test_hydra_override_refused_sees_each_override_hydra_refuses_and_hydra_still
     assert ConfigLoaderImpl.__dict__["_apply_overrides_to_config"] is apply
 
 
-def test_hydra_sweep_jobs_are_the_basic_sweepers_jobs_in_its_order():
-    """``hydra_sweep_jobs``: the jobs Hydra's basic sweeper launches (its ``_target_`` is ``HYDRA_BASIC_SWEEPER``,
-    the packaged default), the product of the sweep lists in the order given."""
-    from hydra.utils import get_class
-
-    with initialize_config_dir(config_dir=str(files("dpddp.conf")), version_base="1.3"):
-        cfg = compose(config_name="config", return_hydra_config=True)
-        assert cfg.hydra.sweeper._target_ == _compat.HYDRA_BASIC_SWEEPER
-        assert get_class(_compat.HYDRA_BASIC_SWEEPER).__name__ == "BasicSweeper"
-        jobs = _compat.hydra_sweep_jobs(["data=default,digits", "seed=0", "model.lr=range(1,3)"])
-    assert jobs == [
-        ["data=default", "seed=0", "model.lr=1"],
-        ["data=default", "seed=0", "model.lr=2"],
-        ["data=digits", "seed=0", "model.lr=1"],
-        ["data=digits", "seed=0", "model.lr=2"],
-    ]
-
-
 def test_processed_epochs_reads_a_real_checkpoints_fit_loop(tmp_path):
     """``processed_epochs`` on the checkpoint Lightning writes after 2 whole epochs; ``None`` without loops."""
     trainer = pl.Trainer(
