@@ -26,7 +26,7 @@ from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.entry.command_line import mode_conflict, refused_override, sweep_variants, unreadable_override
 from dpddp.entry.hydra import StartChecks
 from dpddp.errors import ConfigError, WriteFailed, unwritable
-from dpddp.run.config import check_output_dir, check_resolvable
+from dpddp.run.config import check_config, check_output_dir, check_resolvable
 
 ONE = ["accelerator=cpu", "data.num_samples=606", "trainer.max_epochs=1"]
 READ_ONLY = ("Read-only file system", "Permission denied")  # a read-only mount (root), or a mode without w
@@ -107,22 +107,33 @@ def _refused_line(*overrides: str) -> str | None:
 @pytest.mark.parametrize(
     "overrides,line",
     [
-        (
-            ["devises=2"],
-            "devises=2: the config has no key devises (nearest: devices): give a key it has, or add a new one with "
-            "+devises=2",
-        ),
+        (["devises=2"], "devises=2: the config has no key devises: did you mean devices?"),
+        # where the run's key check would refuse +key=value too, its advice instead (one hop, one source)
         (
             ["data.num_workers=2"],  # a key of another option of the group
             "data.num_workers=2: the config has no key data.num_workers (the chosen data config has none; "
-            "data=dataset has one): give a key it has, or add a new one with +data.num_workers=2",
+            "data=dataset has one): did you mean data.num_features?",
+        ),
+        (
+            ["trainer.max_epoch=2"],
+            "trainer.max_epoch=2: the config has no key trainer.max_epoch: did you mean trainer.max_epochs?",
+        ),
+        (
+            ["trainer.accelerator=cpu"],
+            "trainer.accelerator=cpu: the config has no key trainer.accelerator: set it at the top level: "
+            "accelerator=cpu",
         ),
         (
             ["data=digits", "trainr.max_epochs=1"],
-            "trainr.max_epochs=1: the config has no key trainr.max_epochs (nearest: trainer.max_epochs): give a key "
-            "it has, or add a new one with +trainr.max_epochs=1",
+            "trainr.max_epochs=1: the config has no key trainr.max_epochs (nearest: trainer.max_epochs): did you "
+            "mean trainer?",
         ),
-        (["nothing_like_it=1"], "nothing_like_it=1: the config has no key nothing_like_it: give a key it has, or add"),
+        (["nothing_like_it=1"], "nothing_like_it=1: the config has no key nothing_like_it: valid keys: accelerator,"),
+        # a section the key check leaves alone: the addition is taken, so it is the advice
+        (
+            ["logger.foo=1"],
+            "logger.foo=1: the config has no key logger.foo: give a key it has, or add a new one with +logger.foo=1",
+        ),
         (["~nope"], "~nope: the config has no nope to delete: drop it, or give a key it has"),
         (["~seed=3"], "~seed=3: seed is 0, not 3: write ~seed to delete it whatever its value"),
         (["+seed=3"], "+seed=3: the config already has seed: set it with seed=3 (or ++seed=3: add or set)"),
@@ -134,7 +145,15 @@ def _refused_line(*overrides: str) -> str | None:
     ],
 )
 def test_an_override_the_composed_config_refuses_is_one_line_naming_it_the_nearest_key_and_the_fix(overrides, line):
-    assert _refused_line(*overrides).startswith(line)
+    said = _refused_line(*overrides)
+    assert said.startswith(line)
+    if overrides[-1] in ("data.num_workers=2", "trainer.max_epoch=2", "trainer.accelerator=cpu"):
+        assert said == line  # the whole line: the advice the run's key check gives, and no other
+    if (
+        "has no key" in said and "add a new one with +" not in said
+    ):  # the addition is refused by the run's key check: never suggested
+        with pytest.raises(ConfigError):
+            check_config(compose_cfg(*overrides[:-1], f"+{overrides[-1]}", "accelerator=cpu"))
 
 
 def test_overrides_hydra_accepts_are_not_refused_and_plus_plus_adds_silently_as_in_hydra():
@@ -231,7 +250,7 @@ def test_an_override_hydra_cannot_read_is_one_line(override, reason):
         (["-m", "--cfg", "job", "seed=0,1"], "error: --multirun (-m) and --cfg (-c) cannot be given together"),
         (["--resolve"], "error: --resolve works only with --cfg"),
         (["model.lr=["], "error: 'model.lr=[' cannot be read as an override (no viable alternative at input '[')"),
-        (["devises=2"], "error: devises=2: the config has no key devises (nearest: devices): give a key it has"),
+        (["devises=2"], "error: devises=2: the config has no key devises: did you mean devices?"),
         # a key one job of the sweep lacks: no sweep directory, no multirun.yaml
         (["-m", "data=default,digits", "data.label_noise=0.1"], "error: data.label_noise=0.1: the config has no key"),
     ],

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from dpddp._compat import hydra_command_line
+from dpddp.run.config import key_hint
 
 __all__ = [
     "GROUPS",
@@ -120,13 +121,15 @@ def dotted_keys(cfg: DictConfig) -> list[str]:
     return found
 
 
-def _hints(key: str, cfg: DictConfig) -> str:
+def _hints(key: str, cfg: DictConfig, instead: str = "") -> str:
     """What to say of ``key``, a key ``cfg`` lacks: ``" (nearest: <key>)"`` for its nearest key (difflib; keys
     under ``hydra.`` only for a ``hydra.`` key) and, for a key under a config group (``data.num_workers``), the
     packaged options of the group that have it: ``" (the chosen data config has none; data=dataset, sharded have
-    one)"``; ``""`` when there is neither."""
+    one)"``; ``""`` when there is neither. The nearest key is left out where ``instead``, the advice
+    that follows, names it already."""
     keys = [k for k in dotted_keys(cfg) if key.startswith("hydra.") or not k.startswith("hydra")]
-    said = [f"nearest: {near[0]}"] if (near := difflib.get_close_matches(key, keys, n=1, cutoff=0.8)) else []
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.8)
+    said = [f"nearest: {near[0]}"] if near and near[0] not in instead else []
     group, _, rest = key.partition(".")
     if group in GROUPS and rest and group in cfg:
         first = rest.split(".")[0]
@@ -142,7 +145,8 @@ def refused_override(override: Any, cfg: DictConfig, err: Exception) -> str:
     """One line for an override Hydra refused to apply to the composed config ``cfg`` (``err``, its
     ``ConfigCompositionException``; ``override``, Hydra's parsed ``Override``): the override as typed, what the
     config has, the nearest key it has, and what to write instead (``+key=value`` adds a key, ``++`` adds or
-    sets, ``~key`` deletes one). Hydra's own text takes 7 lines."""
+    sets, ``~key`` deletes one), or, where ``check_config`` would refuse that addition, what it says instead
+    (``dpddp.run.config.key_hint``). Hydra's own text takes 7 lines."""
     line, key = override.input_line, override.key_or_group
     if override.package is not None:
         return f"{line}: there is no config group {key} for @ to place: give a config group, or a key without @"
@@ -155,6 +159,8 @@ def refused_override(override: Any, cfg: DictConfig, err: Exception) -> str:
         return f"{line}: the config already has {key}: set it with {line[1:]} (or ++{line[1:]}: add or set)"
     cause = err.__cause__
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        if (instead := key_hint(cfg, key)) is not None:  # +key=value would be refused next: say what works
+            return f"{line}: the config has no key {key}{_hints(key, cfg, instead)}: {instead}"
         return (
             f"{line}: the config has no key {key}{_hints(key, cfg)}: give a key it has, or add a new one with +{line}"
         )

@@ -30,7 +30,7 @@ from dpddp.models.classifier import Classifier
 from dpddp.models.linear import OPTIMIZERS, LinearClassifier
 from dpddp.parallel.rules import DDP_OPTIONS, check_devices, nodes, replicas, world_size, world_size_source
 
-__all__ = ["allowed_keys", "check_config", "check_output_dir", "check_resolvable", "target_class"]
+__all__ = ["allowed_keys", "check_config", "check_output_dir", "check_resolvable", "key_hint", "target_class"]
 
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
 TOP_LEVEL_RUN = ("steps_per_execution",)  # how training runs (dpddp.run.executions)
@@ -96,17 +96,50 @@ def allowed_keys(cfg: Mapping | None = None) -> dict[str, list[str]]:
     }
 
 
-def _check_keys(section: str, keys: Iterable[str], allowed: list[str], spec: Mapping | None = None) -> None:
+CHECKED = ("", "data", "model", "trainer", "strategy")
+"""The sections whose keys ``check_config`` checks (``""``: the top level)."""
+
+
+def _key_problem(section: str, key: str, allowed: list[str], spec: Mapping | None = None) -> tuple[str, str] | None:
+    """What the key check says of ``key`` of ``section``: ``(what is wrong, what to do instead)``, ``None`` when
+    ``allowed`` has it (``spec``: the section as given, for the packaged keys a user's class lacks)."""
     prefix, builtin = f"{section}." if section else "", allowed_keys()[section] if spec is not None else []
+    if section == "trainer" and key in TRAINER_OWNED:
+        return f"trainer.{key} is not set in the trainer group", TRAINER_OWNED[key]
+    if key in allowed:
+        return None
+    near = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
+    hint = f"did you mean {prefix}{near[0]}?" if near else f"valid keys: {', '.join(sorted(allowed))}"
+    drop = f", or drop it with ~{prefix}{key}" if (spec or {}).get(key) is not None else ""  # Hydra keeps null
+    hint = FIX.format(t=(spec or {}).get("_target_"), k=key, s=section, d=drop) if key in builtin else hint
+    return f"unknown setting {prefix}{key}", hint
+
+
+def _check_keys(section: str, keys: Iterable[str], allowed: list[str], spec: Mapping | None = None) -> None:
     for key in keys:
-        if section == "trainer" and key in TRAINER_OWNED:
-            raise ConfigError(f"trainer.{key} is not set in the trainer group: {TRAINER_OWNED[key]}")
-        if key not in allowed:
-            near = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
-            hint = f"did you mean {prefix}{near[0]}?" if near else f"valid keys: {', '.join(sorted(allowed))}"
-            drop = f", or drop it with ~{prefix}{key}" if (spec or {}).get(key) is not None else ""  # Hydra keeps null
-            hint = FIX.format(t=(spec or {}).get("_target_"), k=key, s=section, d=drop) if key in builtin else hint
-            raise ConfigError(f"unknown setting {prefix}{key}: {hint}")
+        if problem := _key_problem(section, key, allowed, spec):
+            raise ConfigError(": ".join(problem))
+
+
+def key_hint(cfg: Mapping, key: str) -> str | None:
+    """What ``check_config`` would say to do instead of the dotted ``key`` added to the composed ``cfg``
+    (``+trainer.max_epoch=2``: ``did you mean trainer.max_epochs?``; ``+trainer.accelerator=cpu``: ``set it at
+    the top level: accelerator=cpu``), so that a refused override's line never suggests an addition the check
+    refuses next; ``None`` when the check would take it (an unchecked section, a key the class takes, a class
+    that cannot be imported: its own line comes later)."""
+    section, _, rest = key.partition(".")
+    if section == "hydra":
+        return None
+    if problem := _key_problem("", section, allowed_keys()[""]):
+        return problem[1]
+    if not rest or section not in CHECKED:
+        return None
+    try:
+        allowed = allowed_keys(cfg)[section]
+    except ConfigError:
+        return None
+    problem = _key_problem(section, rest.split(".")[0], allowed, cfg.get(section) or {})
+    return problem[1] if problem else None
 
 
 def _check_val_interval(trainer: Mapping, batches: int) -> None:
