@@ -12,7 +12,8 @@ from omegaconf.errors import GrammarParseError
 
 from dpddp.errors import ConfigError
 from dpddp.run.assembly import build_trainer
-from dpddp.run.config import allowed_keys, check_config
+from dpddp.run.config import check_config
+from dpddp.run.keys import allowed_keys
 
 BASE = compose_cfg("accelerator=cpu")
 junk = st.one_of(st.text(max_size=12), st.lists(st.integers(), max_size=2), st.just(None), st.booleans())

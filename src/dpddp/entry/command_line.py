@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from dpddp._compat import hydra_command_line
-from dpddp.run.config import key_hint
+from dpddp.run.keys import key_hint
 
 __all__ = [
     "GROUPS",
@@ -146,7 +146,7 @@ def refused_override(override: Any, cfg: DictConfig, err: Exception) -> str:
     ``ConfigCompositionException``; ``override``, Hydra's parsed ``Override``): the override as typed, what the
     config has, the nearest key it has, and what to write instead (``+key=value`` adds a key, ``++`` adds or
     sets, ``~key`` deletes one), or, where ``check_config`` would refuse that addition, what it says instead
-    (``dpddp.run.config.key_hint``). Hydra's own text takes 7 lines."""
+    (``dpddp.run.keys.key_hint``). Hydra's own text takes 7 lines."""
     line, key = override.input_line, override.key_or_group
     if override.package is not None:
         return f"{line}: there is no config group {key} for @ to place: give a config group, or a key without @"

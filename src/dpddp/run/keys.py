@@ -1,0 +1,131 @@
+"""The keys a run config may have: per section, from the signatures of the classes the section feeds (one source
+of truth), and the closest valid key for an unknown one (``+devises=2``: ``did you mean devices?``)."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import get_class
+
+from dpddp.data.random_tensors import RandomTensorDataModule
+from dpddp.errors import ConfigError
+from dpddp.models.linear import LinearClassifier
+from dpddp.parallel.rules import DDP_OPTIONS
+
+__all__ = ["CHECKED", "TOP_LEVEL_KEYS", "allowed_keys", "check_keys", "key_hint", "target_class"]
+
+TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
+TOP_LEVEL_RUN = ("steps_per_execution",)  # how training runs (dpddp.run.executions)
+TOP_LEVEL_OUTPUT = ("epoch_lines", "print_config", "objective")  # how a run reports progress, its config, its result
+GROUPS = ("data", "model", "trainer", "logger", "callbacks")
+TOP_LEVEL_KEYS = (*TOP_LEVEL, *TOP_LEVEL_RUN, *TOP_LEVEL_OUTPUT, *GROUPS)
+FIX = "{t} takes no {k}, a key of the packaged config: give {s} a yaml of its own (conf/{s}/<name>.yaml){d}"
+# Trainer flags owned elsewhere: the top-level knobs, and what the global-batch contract and the run dir need.
+TRAINER_OWNED = {
+    "strategy": "set it at the top level: strategy=ddp",
+    "accelerator": "set it at the top level: accelerator=cpu",
+    "devices": "set it at the top level: devices=2",
+    "num_nodes": "set it at the top level: num_nodes=2",
+    "use_distributed_sampler": "dpddp shards each global batch itself; remove it",
+    "logger": "choose a logger group: logger=csv|tensorboard|mlflow|wandb|none",
+    "callbacks": "use the callbacks group",
+    "default_root_dir": "the run directory is Hydra's: set hydra.run.dir",
+}
+
+
+def _params(fn: Any) -> list[str]:
+    """The keyword names ``fn`` takes; a class's ``**kwargs`` passed on to its bases adds theirs (a user's
+    subclass of a built-in model)."""
+    params = inspect.signature(fn).parameters.values()
+    names = [p.name for p in params if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if isinstance(fn, type) and any(p.kind is p.VAR_KEYWORD for p in params):
+        for base in fn.__mro__[1:]:
+            if "__init__" in vars(base) and base is not object:
+                names += [n for n in _params(base) if n not in names]
+                break
+    return names
+
+
+def target_class(section: str, spec: Mapping) -> type:
+    """The class a ``model`` or ``data`` section builds (its ``_target_``).
+
+    Raises:
+        ConfigError: no ``_target_``, or one that cannot be imported.
+    """
+    target = spec.get("_target_")
+    if not target:
+        raise ConfigError(f"{section}._target_ is missing: name the class to build, e.g. {section}._target_=pkg.Class")
+    try:
+        return get_class(str(target))
+    except Exception as err:
+        line = (str(err).splitlines() or [""])[0]
+        raise ConfigError(f"{section}._target_={target!r} cannot be imported ({line}): check the name") from err
+
+
+def allowed_keys(cfg: Mapping | None = None) -> dict[str, list[str]]:
+    """Valid keys per section, from the signatures of the classes each section configures (``model`` and
+    ``data``: their ``_target_``, the built-in classes when ``cfg`` is not given)."""
+    ddp = list(DDP_OPTIONS) + _params(torch.nn.parallel.DistributedDataParallel.__init__)[1:]
+    trainer = [k for k in _params(pl.Trainer.__init__) if k not in TRAINER_OWNED]
+    model = target_class("model", cfg["model"]) if cfg else LinearClassifier
+    data = target_class("data", cfg["data"]) if cfg else RandomTensorDataModule
+    return {
+        "": list(TOP_LEVEL_KEYS),
+        "data": ["_target_", *_params(data)],
+        "model": ["_target_", *_params(model)],
+        "trainer": trainer,
+        "strategy": ["name"] + ddp,
+    }
+
+
+CHECKED = ("", "data", "model", "trainer", "strategy")
+"""The sections whose keys ``check_config`` checks (``""``: the top level)."""
+
+
+def _key_problem(section: str, key: str, allowed: list[str], spec: Mapping | None = None) -> tuple[str, str] | None:
+    """What the key check says of ``key`` of ``section``: ``(what is wrong, what to do instead)``, ``None`` when
+    ``allowed`` has it (``spec``: the section as given, for the packaged keys a user's class lacks)."""
+    prefix, builtin = f"{section}." if section else "", allowed_keys()[section] if spec is not None else []
+    if section == "trainer" and key in TRAINER_OWNED:
+        return f"trainer.{key} is not set in the trainer group", TRAINER_OWNED[key]
+    if key in allowed:
+        return None
+    near = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
+    hint = f"did you mean {prefix}{near[0]}?" if near else f"valid keys: {', '.join(sorted(allowed))}"
+    drop = f", or drop it with ~{prefix}{key}" if (spec or {}).get(key) is not None else ""  # Hydra keeps null
+    hint = FIX.format(t=(spec or {}).get("_target_"), k=key, s=section, d=drop) if key in builtin else hint
+    return f"unknown setting {prefix}{key}", hint
+
+
+def check_keys(section: str, keys: Iterable[str], allowed: list[str], spec: Mapping | None = None) -> None:
+    """Raises ``ConfigError``: ``unknown setting <section>.<key>: <closest key, or what to do instead>``, for the
+    first of ``keys`` that ``allowed`` lacks."""
+    for key in keys:
+        if problem := _key_problem(section, key, allowed, spec):
+            raise ConfigError(": ".join(problem))
+
+
+def key_hint(cfg: Mapping, key: str) -> str | None:
+    """What ``check_config`` would say to do instead of the dotted ``key`` added to the composed ``cfg``
+    (``+trainer.max_epoch=2``: ``did you mean trainer.max_epochs?``; ``+trainer.accelerator=cpu``: ``set it at
+    the top level: accelerator=cpu``), so that a refused override's line never suggests an addition the check
+    refuses next; ``None`` when the check would take it (an unchecked section, a key the class takes, a class
+    that cannot be imported: its own line comes later)."""
+    section, _, rest = key.partition(".")
+    if section == "hydra":
+        return None
+    if problem := _key_problem("", section, allowed_keys()[""]):
+        return problem[1]
+    if not rest or section not in CHECKED:
+        return None
+    try:
+        allowed = allowed_keys(cfg)[section]
+    except ConfigError:
+        return None
+    problem = _key_problem(section, rest.split(".")[0], allowed, cfg.get(section) or {})
+    return problem[1] if problem else None
