@@ -185,6 +185,25 @@ def test_a_sweep_checks_its_first_job_of_each_group_option_before_it_starts(over
         ("devices=0", "devices=0 is invalid: use a positive number of devices per node, or -1 for all GPUs"),
         ("model.lr=-1", "model.lr=-1 is invalid: use a positive learning rate, e.g. model.lr=0.1"),
         ("+data.nope=1", "unknown setting data.nope: valid keys: "),
+        ("resume=maybe", "resume='maybe' is not a switch: use resume=true or resume=false"),
+        ("predict=1", "predict=1 is not a switch: use predict=true or predict=false"),
+        ("epoch_lines=sometimes", "epoch_lines='sometimes' is invalid: use auto (if stdout is not a tty), true or"),
+        # values only Lightning's Trainer knows to be wrong: its own rule, before anything is made
+        ("trainer.precision=17", "trainer.precision=17 is invalid: Precision 17 is invalid. Allowed precision values"),
+        (
+            "trainer.gradient_clip_algorithm=foo",
+            "trainer.gradient_clip_algorithm='foo' is invalid: `gradient_clip_algorithm` foo is invalid. Allowed "
+            "algorithms: ['value', 'norm'].",
+        ),
+        ("trainer.profiler=nope", "trainer.profiler='nope' is invalid: When passing string value for the `profiler`"),
+        ("trainer.limit_val_batches=-2", "trainer.limit_val_batches=-2 is invalid: You have passed invalid value -2"),
+        (
+            "trainer.enable_checkpointing=false",
+            "trainer.enable_checkpointing=False cannot be kept with callbacks.model_checkpoint, "
+            "callbacks.last_checkpoint (ModelCheckpoint callbacks): drop them too for a run that saves no checkpoint "
+            "and cannot be continued (callbacks.model_checkpoint=null callbacks.last_checkpoint=null), or remove "
+            "trainer.enable_checkpointing",
+        ),
     ],
 )
 def test_a_bad_setting_ends_train_py_before_hydra_makes_the_run_directory_and_is_the_only_line(
@@ -197,6 +216,25 @@ def test_a_bad_setting_ends_train_py_before_hydra_makes_the_run_directory_and_is
         StartChecks().on_run_start(cfg)
     (said,) = capsys.readouterr().err.splitlines()
     assert stop.value.code == 2 and said.startswith(f"error: {line}") and list(tmp_path.iterdir()) == []
+
+
+def test_lightnings_check_of_valid_trainer_flags_says_nothing_and_no_checkpointing_is_a_run_without_one(
+    tmp_path, capfd
+):
+    """The bare Trainer that checks the flags is silent (the run's own Trainer says its lines); the advised
+    ``trainer.enable_checkpointing=false`` with the ModelCheckpoints dropped passes and builds no
+    ModelCheckpoint."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from dpddp.run.assembly import build_trainer
+
+    check_config(compose_cfg("accelerator=cpu", "trainer.precision=16-mixed", "trainer.gradient_clip_val=1.0"))
+    assert capfd.readouterr() == ("", "")
+    off = ["trainer.enable_checkpointing=false", "callbacks.model_checkpoint=null", "callbacks.last_checkpoint=null"]
+    cfg = compose_cfg("accelerator=cpu", *off)
+    check_config(cfg)
+    trainer = build_trainer(cfg, tmp_path)
+    assert not any(isinstance(cb, ModelCheckpoint) for cb in trainer.callbacks)  # type: ignore[attr-defined]
 
 
 # -- Hydra's modes -------------------------------------------------------------------------------------------

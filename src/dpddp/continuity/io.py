@@ -64,7 +64,8 @@ def checkpoint_problem(
     path: str | Path, max_epochs: int | None = None, data: dict | None = None, steps_per_execution: int | None = None
 ) -> str | None:
     """Why ``path`` cannot be resumed from (one line, ending with what to do), or ``None``. Loads it with
-    ``weights_only=True`` (no code runs from the file), as ``Trainer.fit(weights_only=True)`` will.
+    ``weights_only=True`` (no code runs from the file), as ``Trainer.fit(weights_only=True)`` will, and
+    ``mmap=True``: the tensors are mapped, not read, so the check costs little for any size of model.
 
     Args:
         max_epochs: the run's ``trainer.max_epochs``: refused if the checkpoint has finished more epochs
@@ -75,7 +76,7 @@ def checkpoint_problem(
             batch count mean other things under each: ``dpddp.run.executions``); ``None``: not a fit.
     """
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # a truncated zip, a pickle, not a checkpoint at all: all one answer to the user
         detail = (str(err).splitlines() or [""])[0][:120]
         what = f"{type(err).__name__}{': ' + detail if detail else ''}"

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import logging
 import os
 import sys
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.continuity.state import ResumableState
 from dpddp.continuity.stop import StepBoundaryStop
 from dpddp.data.keys import sample_key_callbacks
-from dpddp.errors import ConfigError
+from dpddp.errors import ConfigError, first_line
 from dpddp.nn import SampleDropout
 from dpddp.parallel.batchnorm import batchnorm_plugins
 from dpddp.parallel.ddp import DDPStrategy
@@ -43,6 +43,7 @@ from dpddp.report.tally import FitTally
 from dpddp.report.throughput import Throughput
 from dpddp.report.trackers import TrackerRuns, is_tracker, opens_runs, tracker_options
 from dpddp.run.executions import StepsPerExecution
+from dpddp.run.trainer_flags import TRAINER_ERRORS, refused_flag
 
 __all__ = ["build_strategy", "build_trainer", "epoch_lines"]
 
@@ -77,7 +78,7 @@ warnings.filterwarnings("ignore", message="The dirpath has changed from")
 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
 
-def epoch_lines(cfg: DictConfig) -> bool:
+def epoch_lines(cfg: Mapping) -> bool:
     """Whether the run logs a line per epoch: ``epoch_lines=auto`` when stdout is not a terminal (a batch job,
     ``nohup``, a redirect), ``true`` always, ``false`` never.
 
@@ -198,23 +199,6 @@ def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
     return loggers or False
 
 
-TRAINER_ERRORS = (ValueError, TypeError, pl.utilities.exceptions.MisconfigurationException)
-
-
-def _trainer_flag_error(cfg: DictConfig, err: Exception) -> ConfigError:
-    """Name the ``trainer.*`` flag Lightning refused: try each flag that differs from Lightning's default alone."""
-    line = (str(err).splitlines() or [type(err).__name__])[0]
-    defaults = inspect.signature(pl.Trainer.__init__).parameters
-    for key, value in (cfg.trainer or {}).items():
-        if key in defaults and value == defaults[key].default:
-            continue
-        try:
-            pl.Trainer(**{key: value}, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-        except TRAINER_ERRORS as alone:
-            return ConfigError(f"trainer.{key}={value!r} is invalid: {(str(alone).splitlines() or [''])[0]}")
-    return ConfigError(f"trainer: {line}")
-
-
 GLOBAL_RNG_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
@@ -278,7 +262,7 @@ def build_trainer(
                 *batchnorm,
             ],
         )
-    except TRAINER_ERRORS as err:
-        raise _trainer_flag_error(cfg, err) from err
+    except TRAINER_ERRORS as err:  # a flag's value: check_config has said it; a pair of them: Lightning's line
+        raise ConfigError(refused_flag(cfg.trainer or {}) or f"trainer: {first_line(err)}") from err
     skip_empty_batch_hooks(trainer.callbacks)  # type: ignore[attr-defined]  # Lightning's default ones included
     return trainer

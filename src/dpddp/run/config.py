@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from dpddp.continuity.io import checkpoint_problem
@@ -23,7 +24,9 @@ from dpddp.errors import ConfigError, checked_float, checked_int, unwritable
 from dpddp.models.classifier import Classifier
 from dpddp.models.linear import OPTIMIZERS
 from dpddp.parallel.rules import check_devices, nodes, replicas, world_size, world_size_source
+from dpddp.run.assembly import epoch_lines
 from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, target_class
+from dpddp.run.trainer_flags import refused_flag
 
 __all__ = ["check_config", "check_output_dir", "check_resolvable"]
 
@@ -143,6 +146,38 @@ def _check_precision(cfg: Mapping) -> None:
         )
 
 
+SWITCHES = ("resume", "predict", "print_config")
+
+
+def _check_switches(cfg: Mapping) -> None:
+    """The top-level switches are booleans (``resume=maybe`` would train from scratch, as false), and
+    ``epoch_lines`` is one or ``auto``."""
+    for key in SWITCHES:
+        value = cfg.get(key, False)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not a switch: use {key}=true or {key}=false")
+    epoch_lines(cfg)
+
+
+def _check_checkpointing(cfg: Mapping) -> None:
+    """``trainer.enable_checkpointing=false`` with a ``ModelCheckpoint`` among the callbacks: Lightning refuses
+    the pair; a run that saves no checkpoint drops them too."""
+    if (cfg["trainer"] or {}).get("enable_checkpointing") is not False:
+        return
+    found = [
+        f"callbacks.{key}"
+        for key, spec in (cfg.get("callbacks") or {}).items()
+        if spec and issubclass(target_class(f"callbacks.{key}", spec), ModelCheckpoint)
+    ]
+    if found:
+        drop = " ".join(f"{key}=null" for key in found)
+        raise ConfigError(
+            f"trainer.enable_checkpointing=False cannot be kept with {', '.join(found)} (ModelCheckpoint callbacks): "
+            f"drop them too for a run that saves no checkpoint and cannot be continued ({drop}), or remove "
+            "trainer.enable_checkpointing"
+        )
+
+
 def _interpolations(node: Any, path: tuple = ()) -> Iterable[tuple[tuple, str]]:
     """``(path, value)`` of every string holding an interpolation in the unresolved container ``node``."""
     items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
@@ -230,6 +265,10 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
             f"use trainer.limit_train_batches={overfit!r} trainer.limit_val_batches={overfit!r} instead"
         )
     _check_precision(cfg)
+    if problem := refused_flag(cfg["trainer"] or {}):
+        raise ConfigError(problem)
+    _check_checkpointing(cfg)
+    _check_switches(cfg)
     accumulate = (cfg["trainer"] or {}).get("accumulate_grad_batches")
     if accumulate is not None:
         checked_int(
