@@ -8,6 +8,7 @@ import csv
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from omegaconf import OmegaConf, open_dict
 
 from dpddp._compat import hydra_override_refused
 from dpddp.continuity.io import AtomicCheckpointIO
+from dpddp.entry import hydra as hydra_entry
 from dpddp.entry.command_line import mode_conflict, refused_override, sweep_variants, unreadable_override
 from dpddp.entry.hydra import StartChecks
 from dpddp.errors import ConfigError, WriteFailed, unwritable
@@ -261,6 +263,58 @@ def test_hydra_modes_that_cannot_be_combined_are_one_line(argv, line):
 @pytest.mark.parametrize("argv", [[], ["-m", "seed=0,1"], ["--cfg", "job", "--resolve"], ["--info"], ["-r", "a=1"]])
 def test_a_command_line_hydra_runs_as_given_is_not_refused(argv):
     assert mode_conflict(argv) is None and unreadable_override(argv) is None
+
+
+LAUNCHERS = "basic, joblib, slurm, submitit_local, submitit_slurm"
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (["hydra/launcher=nope"], f"hydra/launcher=nope is unknown: choose one of {LAUNCHERS}"),
+        (["-m", "hydra/launcher=joblibb", "seed=0,1"], f"hydra/launcher=joblibb is unknown: choose one of {LAUNCHERS}"),
+        (["+hydra/launcher=[basic,nope]"], f"hydra/launcher=nope is unknown: choose one of {LAUNCHERS}"),
+        (
+            ["--config-name", "nope"],
+            "--config-name nope: no config nope.yaml in pkg://hydra.conf, pkg://dpddp.conf, structured://: choose one "
+            "of config, or add your configs' directory with --config-dir <dir>",
+        ),
+        (
+            ["--config-dir", "nowhere"],
+            "--config-dir nowhere cannot be used (Additional config directory '{cwd}/nowhere' not found): give a "
+            "directory of configs, or drop --config-dir",
+        ),
+        (
+            ["-cp", "/nonexistent"],
+            "--config-path /nonexistent cannot be used (Primary config directory not found): give a directory of "
+            "configs, or drop --config-path",
+        ),
+        (["--cfg", "jobb"], "--cfg jobb is not a choice of --cfg: give one of job, hydra, all (--cfg job)"),
+        (
+            ["--info", "plugin"],
+            "--info plugin is not a choice of --info: give one of all, config, defaults, defaults-tree, plugins, "
+            "searchpath (--info all)",
+        ),
+        (["--nope"], "unrecognized arguments: --nope: see python train.py --help"),
+    ],
+)
+def test_a_config_hydra_cannot_find_or_an_option_its_parser_refuses_is_one_line_and_nothing_is_made(
+    tmp_path, monkeypatch, capsys, argv, line
+):
+    """``train.py``'s main in this process: Hydra's many-line report of a missing config group option, primary
+    config or config directory (its ``MissingConfigException`` and ``SearchPathException``, exit 1), or its
+    parser's usage, is one line, exit 2, before a run or sweep directory is made."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv, "accelerator=cpu", "hydra.run.dir=run"])
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            hydra_entry.main()
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {line.format(cwd=tmp_path)}"]
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

@@ -868,3 +868,57 @@ def test_the_fork_server_runs_python_c_with_fork_server_command_and_this_process
     source = inspect.getsource(server_module.ForkServer.ensure_running)
     assert f"cmd = ('{processes.FORK_SERVER_COMMAND}; ' +" in source and "args += ['-c', cmd]" in source
     assert not processes.in_fork_server()
+
+
+def test_hydra_main_reports_through_run_and_report_and_hydra_reported_sees_it_first(tmp_path, monkeypatch):
+    """``hydra_reported``: ``hydra.main`` reports a missing config group option (a ``MissingConfigException`` with
+    its options) through ``hydra._internal.utils.run_and_report``, exit 1; inside the block ``report`` gets it
+    first, and after it Hydra's own function is back."""
+    from hydra._internal import utils
+    from hydra.errors import MissingConfigException
+
+    from dpddp._compat.hydra_main import hydra_reported
+
+    (tmp_path / "conf" / "g").mkdir(parents=True)
+    (tmp_path / "conf" / "config.yaml").write_text("defaults:\n  - g: a\n")
+    (tmp_path / "conf" / "g" / "a.yaml").write_text("x: 1\n")
+
+    @hydra.main(config_path=str(tmp_path / "conf"), config_name="config", version_base="1.3")
+    def app(cfg: DictConfig) -> None:
+        raise AssertionError("composed")
+
+    monkeypatch.setattr(sys, "argv", ["app", "g=b", f"hydra.run.dir={tmp_path / 'run'}"])
+    seen: list[Exception] = []
+    run_and_report = utils.run_and_report
+    with hydra_reported(seen.append, (MissingConfigException,)), pytest.raises(SystemExit) as stop:
+        app()
+    assert stop.value.code == 1 and utils.run_and_report is run_and_report
+    (err,) = seen
+    assert isinstance(err, MissingConfigException) and err.missing_cfg_file == "g/b" and list(err.options) == ["a"]
+
+
+def test_hydras_parser_refusal_is_its_message_and_a_command_line_it_reads_is_none():
+    """``hydra_argument_error``: what ``hydra.main``'s parser says (argparse's message, as in its usage's last
+    line) of a value not among an option's choices, an option without its value and an unknown option."""
+    from dpddp._compat.hydra_main import hydra_argument_error
+
+    assert hydra_argument_error(["--cfg", "jobb"]) == (
+        "argument --cfg/-c: invalid choice: 'jobb' (choose from 'job', 'hydra', 'all')"
+    )
+    assert hydra_argument_error(["--config-name"]) == "argument --config-name/-cn: expected one argument"
+    assert hydra_argument_error(["--nope", "a=1"]) == "unrecognized arguments: --nope"
+    for argv in ([], ["--cfg", "job", "a=1"], ["-m", "a=1,2"], ["--info"], ["--version"], ["--help"]):
+        assert hydra_argument_error(argv) is None, argv
+
+
+def test_locate_is_what_instantiate_builds_and_raises_import_error_for_a_missing_name():
+    """``locate`` (Hydra's ``_locate``): a class by dotted path, a module's missing attribute an ``ImportError``."""
+    from hydra.utils import instantiate
+
+    from dpddp._compat.hydra_main import locate
+
+    assert locate("lightning.pytorch.callbacks.ModelCheckpoint") is type(
+        instantiate({"_target_": "lightning.pytorch.callbacks.ModelCheckpoint"})
+    )
+    with pytest.raises(ImportError, match="Error loading 'dpddp.errors.Nope'"):
+        locate("dpddp.errors.Nope")

@@ -15,20 +15,26 @@ from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import OverrideParseException
+from hydra.errors import MissingConfigException, OverrideParseException, SearchPathException
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from dpddp._compat import hydra_command_line
+from dpddp._compat.hydra_main import hydra_argument_error
 from dpddp.run.keys import key_hint
 
 __all__ = [
     "GROUPS",
+    "HYDRA_FAILURES",
     "MODES",
+    "MODE_GROUPS",
     "dotted_keys",
+    "hydra_failure",
     "mode_conflict",
+    "refused_arguments",
     "refused_override",
+    "sets_no_mode",
     "unknown_option",
     "unreadable_override",
 ]
@@ -85,6 +91,76 @@ def mode_conflict(argv: list[str]) -> str | None:
     if args.resolve and args.cfg is None:
         return "--resolve works only with --cfg: add --cfg job (or hydra, all), or drop --resolve"
     return None
+
+
+MODE_GROUPS = ("hparams_search",)
+"""The packaged config groups whose options may set ``hydra.mode`` (``hparams_search=optuna`` sweeps without
+``-m``); no other packaged config sets it (tests/test_compat.py composes each option)."""
+
+
+def sets_no_mode(argv: list[str]) -> bool:
+    """Whether the config of this command line surely sets no ``hydra.mode``: packaged configs only (no
+    ``--config-dir``, ``--config-path`` or ``--config-name``, no ``hydra.searchpath``), no option of
+    ``MODE_GROUPS`` chosen and no ``hydra.mode`` override. Hydra's first composition, which only reads that mode,
+    is then skipped (``dpddp._compat.hydra_mode_unset``)."""
+    for arg in argv:
+        key = arg.partition("=")[0].lstrip("+~")
+        if key in MODE_GROUPS or "hydra.mode" in arg or "hydra.searchpath" in arg:
+            return False
+        if arg.startswith(("--config", "-cd", "-cp", "-cn")):
+            return False
+    return True
+
+
+def refused_arguments(argv: list[str], prog: str) -> str | None:
+    """One line for a command line Hydra's own parser refuses (``hydra.main`` would print its 8-line usage): an
+    option's value that is not one of its choices (``--cfg jobb``), an option without its value, an unknown option;
+    ``None`` when the parser takes it (``dpddp._compat.hydra_main.hydra_argument_error``). ``prog``: the command
+    (``python train.py``), for its ``--help``."""
+    message = hydra_argument_error(argv)
+    if message is None:
+        return None
+    choice = re.match(r"argument (\S+?)(?:/\S+)?: invalid choice: '(.*?)' \(choose from (.*)\)$", message)
+    if choice is not None:
+        option, value, options = choice.groups()
+        known = [o.strip(" '") for o in options.split(",")]
+        return f"{option} {value} is not a choice of {option}: give one of {', '.join(known)} ({option} {known[0]})"
+    return f"{message.removeprefix('argument ')}: see {prog} --help"
+
+
+HYDRA_FAILURES = (MissingConfigException, SearchPathException)
+"""Hydra's errors of the search path and of a config file or config group option it cannot find: each is one line
+(``hydra_failure``) where Hydra prints several."""
+
+
+def hydra_failure(err: Exception, argv: list[str]) -> str:
+    """One line for ``err``, one of ``HYDRA_FAILURES`` that Hydra raised for ``argv`` (as ``main`` reads it): a
+    ``--config-dir`` or ``--config-path`` that is not a directory, a ``--config-name`` no config directory has (with
+    those there are), a config group option none has, chosen by an override or a defaults list (with Hydra's list of
+    the options there are)."""
+    args = hydra_command_line(argv)
+    first = (str(err).splitlines() or [type(err).__name__])[0]
+    hydra = GlobalHydra.instance()
+    loader = hydra.config_loader() if hydra.is_initialized() else None
+    missing = getattr(err, "missing_cfg_file", None)
+    if isinstance(err, SearchPathException) or missing is None:
+        option = "--config-dir" if isinstance(err, SearchPathException) else "--config-path"
+        given = getattr(args, option[2:].replace("-", "_"), None) if args is not None else None
+        return f"{option} {given} cannot be used ({first.rstrip('.')}): give a directory of configs, or drop {option}"
+    name = (args.config_name if args is not None else None) or "config"
+    if missing == name and first.startswith("Cannot find primary config"):
+        known = [o for o in (loader.get_group_options("") if loader else []) if not o.startswith("_")]
+        where = ", ".join(s.full_path() for s in loader.get_sources()) if loader else "the config search path"
+        return (
+            f"--config-name {name}: no config {name}.yaml in {where}: choose one of {', '.join(known)}, or add your "
+            "configs' directory with --config-dir <dir>"
+        )
+    group, _, option = missing.rpartition("/")
+    known = list(getattr(err, "options", None) or (loader.get_group_options(group) if loader else []))
+    typed = any(a.partition("=")[0].lstrip("+~").partition("@")[0] == group for a in getattr(args, "overrides", []))
+    parent = re.match(r"In '(.+?)':", first)
+    where = "" if typed or parent is None else f" (in the defaults list of {parent.group(1)})"
+    return f"{group}={option} is unknown{where}: choose one of {', '.join(known)}"
 
 
 def unreadable_override(argv: list[str]) -> str | None:

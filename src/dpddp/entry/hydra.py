@@ -27,12 +27,18 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from typing_extensions import override
 
 from dpddp._compat import hydra_mode_unset, hydra_override_refused
+from dpddp._compat.hydra_main import hydra_reported
 from dpddp.cluster import launch_id, register_resolvers, run_name
 from dpddp.continuity import stop as sweep_stop
 from dpddp.continuity.io import checkpoint_launch
 from dpddp.entry.command_line import (
+    HYDRA_FAILURES,
+    MODE_GROUPS,
+    hydra_failure,
     mode_conflict,
+    refused_arguments,
     refused_override,
+    sets_no_mode,
     sweep_variants,
     unknown_option,
     unreadable_override,
@@ -54,8 +60,8 @@ from dpddp.parallel.rendezvous import torchrun_restarted
 from dpddp.run.config import check_config, check_resolvable
 from dpddp.run.training import METRIC_KEYS, isolated_job, objective, train
 
-__all__ = ["StartChecks", "config_dirs", "config_subdir", "hydra_value", "main", "run_job", "sets_no_mode"]
-__all__ += ["sweep_resume_command", "unknown_option"]
+__all__ = ["MODE_GROUPS", "StartChecks", "config_dirs", "config_subdir", "hydra_value", "main", "run_job"]
+__all__ += ["sets_no_mode", "sweep_resume_command", "unknown_option"]
 
 log = logging.getLogger(__name__)
 register_resolvers()
@@ -298,25 +304,6 @@ _late_resume: Callable[[], str] | None = None
 _hydra_main = hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(run_job)
 
 
-MODE_GROUPS = ("hparams_search",)
-"""The packaged config groups whose options may set ``hydra.mode`` (``hparams_search=optuna`` sweeps without
-``-m``); no other packaged config sets it (tests/test_compat.py composes each option)."""
-
-
-def sets_no_mode(argv: list[str]) -> bool:
-    """Whether the config of this command line surely sets no ``hydra.mode``: packaged configs only (no
-    ``--config-dir``, ``--config-path`` or ``--config-name``, no ``hydra.searchpath``), no option of
-    ``MODE_GROUPS`` chosen and no ``hydra.mode`` override. Hydra's first composition, which only reads that mode,
-    is then skipped (``dpddp._compat.hydra_mode_unset``)."""
-    for arg in argv:
-        key = arg.partition("=")[0].lstrip("+~")
-        if key in MODE_GROUPS or "hydra.mode" in arg or "hydra.searchpath" in arg:
-            return False
-        if arg.startswith(("--config", "-cd", "-cp", "-cn")):
-            return False
-    return True
-
-
 def _again() -> str:
     """The command that continues this process's last job (``run_job``), or, before one, this command as given."""
     return _late_resume() if _late_resume is not None else resume_command(_program(), sys.argv[1:], (), [])
@@ -330,7 +317,9 @@ def main() -> None:
     argv = sys.argv[1:]
     try:
         with sweep_stop.command(_again):
-            if problem := mode_conflict(argv) or unreadable_override(argv) or unknown_option(argv):
+            if problem := refused_arguments(argv, " ".join(_program())) or mode_conflict(argv):
+                fail(problem)
+            if problem := unreadable_override(argv) or unknown_option(argv):
                 fail(problem)
             # What is imported by now lives as long as the process: keep it out of the collector's sight (and
             # collection on again if train.py turned it off for the imports).
@@ -339,9 +328,12 @@ def main() -> None:
             # No full collections over what the run built, at exit.
             atexit.register(gc.freeze)
             with hydra_mode_unset() if sets_no_mode(argv) else nullcontext(), hydra_override_refused(_refused):
-                _hydra_main()
+                with hydra_reported(lambda err: fail(hydra_failure(err, argv)), HYDRA_FAILURES):
+                    _hydra_main()
     except Preempted as err:  # a SIGTERM before the job or after its end (its outputs stand)
         exit_on(err, _again)
+    except HYDRA_FAILURES as err:  # --info's, which Hydra does not report
+        fail(hydra_failure(err, argv))
 
 
 def _refused(override: Any, cfg: DictConfig, err: Exception) -> None:
