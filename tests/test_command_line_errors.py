@@ -28,7 +28,9 @@ from dpddp.entry import hydra as hydra_entry
 from dpddp.entry.command_line import mode_conflict, refused_override, sweep_variants, unreadable_override
 from dpddp.entry.hydra import StartChecks
 from dpddp.errors import ConfigError, WriteFailed, unwritable
+from dpddp.run.build import build
 from dpddp.run.config import check_config, check_output_dir, check_resolvable
+from dpddp.run.training import train
 
 ONE = ["accelerator=cpu", "data.num_samples=606", "trainer.max_epochs=1"]
 READ_ONLY = ("Read-only file system", "Permission denied")  # a read-only mount (root), or a mode without w
@@ -237,6 +239,109 @@ def test_lightnings_check_of_valid_trainer_flags_says_nothing_and_no_checkpointi
     check_config(cfg)
     trainer = build_trainer(cfg, tmp_path)
     assert not any(isinstance(cb, ModelCheckpoint) for cb in trainer.callbacks)  # type: ignore[attr-defined]
+
+
+SIZES = ("model.num_features=16", "model.num_classes=4")
+BLOBS = ("data=dataset", "+data.dataset._target_=users_models.NoisyBlobs", *SIZES)
+
+
+@pytest.mark.parametrize(
+    "overrides,line",
+    [
+        (
+            ["+callbacks.mine._target_=nope.Nope"],
+            "callbacks.mine._target_='nope.Nope' cannot be imported (no module named nope: is it installed, or on "
+            "PYTHONPATH?): check the name",
+        ),
+        (
+            ["model._target_=mine.TwoLayerNett"],
+            "model._target_='mine.TwoLayerNett' cannot be imported (mine has no TwoLayerNett (did you mean "
+            "mine.TwoLayerNet?)): check the name",
+        ),
+        (
+            ["model._target_=mine.broken.Net"],
+            "model._target_='mine.broken.Net' cannot be imported (importing mine.broken failed: ZeroDivisionError: "
+            "division by zero): check the name",
+        ),
+        (
+            ["data=dataset", "+data.dataset._target_=users_models.NoisyBlobz", *SIZES],
+            "data.dataset._target_='users_models.NoisyBlobz' cannot be imported (users_models has no NoisyBlobz (did "
+            "you mean users_models.NoisyBlobs?)): check the name",
+        ),
+        (["model._target_=mine"], "model._target_='mine' is not a class: name the class to build"),
+    ],
+)
+def test_a_target_that_cannot_be_imported_is_one_line_with_its_cause_before_the_run_directory(
+    tmp_path, monkeypatch, capsys, overrides, line
+):
+    """Any ``_target_`` of the data (its data set too), the model, a callback or a logger is imported by the
+    config check (``StartChecks``, before Hydra makes anything): the line names the key, the target and why
+    (no module, a module that fails to import, a name its module lacks with the nearest), and nothing else is
+    said (no ``[HYDRA]`` log lines)."""
+    (tmp_path / "mods" / "mine").mkdir(parents=True)
+    (tmp_path / "mods" / "mine" / "__init__.py").write_text(
+        "import torch\n\n\nclass TwoLayerNet(torch.nn.Module):\n    pass\n"
+    )
+    (tmp_path / "mods" / "mine" / "broken.py").write_text("1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    cfg = compose_cfg("accelerator=cpu", *overrides, f"hydra.run.dir={tmp_path / 'run'}")
+    with pytest.raises(SystemExit) as stop:
+        StartChecks().on_run_start(cfg)
+    assert stop.value.code == 2 and capsys.readouterr().err.splitlines() == [f"error: {line}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mods"]
+
+
+@pytest.mark.parametrize(
+    "key,overrides,line",
+    [
+        (
+            "callbacks.model_checkpoint",
+            ["callbacks.model_checkpoint.mode=bad"],
+            "callbacks.model_checkpoint.mode='bad' is refused by lightning.pytorch.callbacks.ModelCheckpoint "
+            "(MisconfigurationException: `mode` can be min, max but got bad): give a value it takes",
+        ),
+        (
+            "data",
+            [*BLOBS, "+data.dataset.num_sample=60"],
+            "data.dataset.num_sample=60: users_models.NoisyBlobs takes no num_sample (did you mean "
+            "data.dataset.num_samples?): drop it with ~data.dataset.num_sample, or give an argument it takes",
+        ),
+        (
+            "data",
+            [*BLOBS, "+data.dataset.num_samples=-3"],
+            "data.dataset (users_models.NoisyBlobs) cannot be built (RuntimeError: Trying to create tensor with "
+            "negative dimension -3: [-3]): give it arguments its class takes",
+        ),
+        (
+            "logger",
+            ["logger=csv", "+logger.nope=1"],
+            "logger.nope=1: lightning.pytorch.loggers.CSVLogger takes no nope (its arguments: save_dir, name, "
+            "version, prefix, flush_logs_every_n_steps): drop it with ~logger.nope, or give an argument it takes",
+        ),
+    ],
+)
+def test_a_config_node_its_class_refuses_to_build_is_one_line_naming_the_key(key, overrides, line):
+    """``dpddp.run.build.build``, how a run builds its data, model, callbacks and loggers: the class's refusal
+    (Hydra's ``InstantiationException``, several lines) is one ``ConfigError`` naming the key of the node that
+    failed (a data set inside the data), its ``_target_`` as given and the cause; the setting where the cause
+    names one of the node's keys, the nearest argument for one the class does not take."""
+    cfg = compose_cfg("accelerator=cpu", *overrides)
+    with pytest.raises(ConfigError) as err:
+        build(OmegaConf.select(cfg, key), key, _convert_="all")
+    assert str(err.value) == line
+
+
+def test_a_callback_its_class_refuses_ends_the_run_in_one_line_before_training(tmp_path):
+    """In the run (after ``.hydra/`` and ``train.log``, before any step): the callback's line, not the Trainer
+    flag check's, and no checkpoint."""
+    cfg = compose_cfg("accelerator=cpu", "callbacks.model_checkpoint.save_top_k=-5", "logger=none")
+    with pytest.raises(ConfigError) as err:
+        train(cfg, tmp_path / "run")
+    assert str(err.value) == (
+        "callbacks.model_checkpoint.save_top_k=-5 is refused by lightning.pytorch.callbacks.ModelCheckpoint "
+        "(MisconfigurationException: Invalid value for save_top_k=-5. Must be >= -1): give a value it takes"
+    )
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 # -- Hydra's modes -------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import KubeflowEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
@@ -42,6 +41,7 @@ from dpddp.report.predictions import PredictionWriter
 from dpddp.report.tally import FitTally
 from dpddp.report.throughput import Throughput
 from dpddp.report.trackers import TrackerRuns, is_tracker, opens_runs, tracker_options
+from dpddp.run.build import build
 from dpddp.run.executions import StepsPerExecution
 from dpddp.run.trainer_flags import TRAINER_ERRORS, refused_flag
 
@@ -141,7 +141,7 @@ def _build_callbacks(
         callbacks.append(LoggedTensors())
     if executions is not None:
         callbacks.append(executions)
-    if any(is_tracker(spec) for spec in _logger_specs(cfg)):
+    if any(is_tracker(spec) for _, spec in _logger_specs(cfg)):
         callbacks.append(TrackerRuns(cfg, output_dir))
     if cfg.predict:  # every callback costs each hook of each step, even one it does not override
         scores = "out" if predicts_forward else "prob"
@@ -150,7 +150,7 @@ def _build_callbacks(
     for key, spec in (cfg.callbacks or {}).items():
         if spec is None:
             continue
-        callback = instantiate(spec)
+        callback = build(spec, f"callbacks.{key}")
         if isinstance(callback, ModelCheckpoint):
             _own_checkpoint(callback, f"callbacks.{key}", output_dir / "checkpoints", callbacks)
         callbacks.append(callback)
@@ -177,10 +177,13 @@ def _own_checkpoint(callback: ModelCheckpoint, setting: str, dirpath: Path, othe
         callback.__class__ = type(base.__name__, (base,), {"state_key": property(lambda self: key)})
 
 
-def _logger_specs(cfg: DictConfig) -> list[DictConfig]:
+def _logger_specs(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
+    """``(its config key, its spec)`` of each logger of the ``logger`` group."""
     if not cfg.logger:
         return []
-    return [cfg.logger] if "_target_" in cfg.logger else [spec for spec in cfg.logger.values() if spec]
+    if "_target_" in cfg.logger:
+        return [("logger", cfg.logger)]
+    return [(f"logger.{name}", spec) for name, spec in cfg.logger.items() if spec]
 
 
 def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
@@ -188,14 +191,14 @@ def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
     named specs, e.g. ``logger=csv_tensorboard``), each writing under the run directory. A tracker (MLflow, W&B)
     only on the process that opens the run (``dpddp.report.trackers``), with its kept id."""
     loggers = []
-    for spec in _logger_specs(cfg):
+    for key, spec in _logger_specs(cfg):
         kind = is_tracker(spec)
         if kind is None:
-            loggers.append(instantiate(spec, save_dir=str(output_dir)))
+            loggers.append(build(spec, key, save_dir=str(output_dir)))
         elif importlib.util.find_spec(kind) is None:
             raise ConfigError(f"logger {spec._target_} needs {kind}: pip install {kind} (or dpddp's extra [{kind}])")
         elif opens_runs():
-            loggers.append(instantiate(spec, save_dir=str(output_dir), **tracker_options(kind, spec, output_dir)))
+            loggers.append(build(spec, key, save_dir=str(output_dir), **tracker_options(kind, spec, output_dir)))
     return loggers or False
 
 
@@ -243,6 +246,7 @@ def build_trainer(
     if model is not None:
         _warn_global_rng(model, cfg)
     logger = _build_logger(cfg, output_dir)  # before the Trainer: a missing tracker package is its own line
+    callbacks = _build_callbacks(cfg, output_dir, executions, predicts_forward)  # a ConfigError of its own
     try:
         trainer = pl.Trainer(
             **{**flags, "sync_batchnorm": False},  # BatchNorm: batchnorm_plugins below, on any backend
@@ -252,7 +256,7 @@ def build_trainer(
             devices=cfg.devices,
             num_nodes=cfg.num_nodes,
             logger=logger,
-            callbacks=[*_build_callbacks(cfg, output_dir, executions, predicts_forward), *sample_keys, *bar_callbacks],
+            callbacks=[*callbacks, *sample_keys, *bar_callbacks],
             default_root_dir=str(output_dir),
             use_distributed_sampler=False,
             # Lightning no longer auto-detects Kubeflow's PyTorchJob; the others (torchrun, SLURM) it does.

@@ -25,7 +25,7 @@ from dpddp.models.classifier import Classifier
 from dpddp.models.linear import OPTIMIZERS
 from dpddp.parallel.rules import check_devices, nodes, replicas, world_size, world_size_source
 from dpddp.run.assembly import epoch_lines
-from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, target_class
+from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, check_targets, target_class
 from dpddp.run.trainer_flags import refused_flag
 
 __all__ = ["check_config", "check_output_dir", "check_resolvable"]
@@ -238,6 +238,7 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     keys = allowed_keys(cfg)
     for section in ("data", "model", "trainer", "strategy"):
         check_keys(section, (cfg[section] or {}).keys(), keys[section], cfg[section] or {})
+    check_targets(cfg)
     check_devices(cfg)
     checked_int("seed", cfg["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
     procs = world_size(cfg)  # after the devices: the world size needs them valid

@@ -4,20 +4,22 @@ of truth), and the closest valid key for an unknown one (``+devises=2``: ``did y
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from hydra.utils import get_class
 
+from dpddp._compat.hydra_main import locate
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import ConfigError
 from dpddp.models.linear import LinearClassifier
 from dpddp.parallel.rules import DDP_OPTIONS
 
-__all__ = ["CHECKED", "TOP_LEVEL_KEYS", "allowed_keys", "check_keys", "key_hint", "target_class"]
+__all__ = ["CHECKED", "TOP_LEVEL_KEYS", "allowed_keys", "check_keys", "check_targets", "import_problem", "key_hint"]
+__all__ += ["target_class"]
 
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
 TOP_LEVEL_RUN = ("steps_per_execution",)  # how training runs (dpddp.run.executions)
@@ -51,20 +53,75 @@ def _params(fn: Any) -> list[str]:
     return names
 
 
+def import_problem(target: str) -> str | None:
+    """Why the ``_target_`` ``target`` cannot be imported, in one line: no such module (``is it installed, or on
+    PYTHONPATH?``), a module that fails to import (its error), or a name its module or class lacks (with the
+    nearest of its names: ``mine has no TwoLayerNett (did you mean TwoLayerNet?)``); ``None`` when it imports."""
+    try:
+        locate(target)
+        return None
+    except Exception as err:
+        located = err
+    parts, module, i = target.split("."), None, 0
+    for i in range(1, len(parts) + 1):  # the longest importable module: then attributes
+        name = ".".join(parts[:i])
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:  # a module it imports is missing
+                return f"importing {name} failed: {err}"
+            i -= 1
+            break
+        except Exception as err:
+            return f"importing {name} failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+    if module is None:
+        return f"no module named {parts[0]}: is it installed, or on PYTHONPATH?"
+    obj: Any = module
+    for j in range(i, len(parts)):
+        if not hasattr(obj, parts[j]):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            near = difflib.get_close_matches(parts[j], names, n=1, cutoff=0.6)
+            hint = f" (did you mean {'.'.join(parts[:j])}.{near[0]}?)" if near else ""
+            return f"{'.'.join(parts[:j])} has no {parts[j]}{hint}"
+        obj = getattr(obj, parts[j])
+    return (str(located).splitlines() or [type(located).__name__])[0]
+
+
 def target_class(section: str, spec: Mapping) -> type:
-    """The class a ``model`` or ``data`` section builds (its ``_target_``).
+    """The class a config node ``section`` (``model``, ``data``, ``callbacks.<name>``) builds (its ``_target_``).
 
     Raises:
-        ConfigError: no ``_target_``, or one that cannot be imported.
+        ConfigError: no ``_target_``, one that cannot be imported (``import_problem``), or not a class.
     """
     target = spec.get("_target_")
     if not target:
         raise ConfigError(f"{section}._target_ is missing: name the class to build, e.g. {section}._target_=pkg.Class")
-    try:
-        return get_class(str(target))
-    except Exception as err:
-        line = (str(err).splitlines() or [""])[0]
-        raise ConfigError(f"{section}._target_={target!r} cannot be imported ({line}): check the name") from err
+    if problem := import_problem(str(target)):
+        raise ConfigError(f"{section}._target_={target!r} cannot be imported ({problem}): check the name")
+    found = locate(str(target))
+    if not isinstance(found, type):
+        raise ConfigError(f"{section}._target_={target!r} is not a class: name the class to build")
+    return found
+
+
+def check_targets(cfg: Mapping, sections: tuple[str, ...] = ("data", "model", "callbacks", "logger")) -> None:
+    """Every ``_target_`` under ``sections`` of ``cfg`` (``data.dataset``, ``callbacks.<name>``, a logger's) can
+    be imported, before Hydra makes the run directory (``hydra.utils.instantiate`` would fail only in the run).
+
+    Raises:
+        ConfigError: ``<key>._target_='<target>' cannot be imported (<import_problem>): check the name``.
+    """
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, Mapping):
+            target = node.get("_target_")
+            if isinstance(target, str) and (problem := import_problem(target)):
+                raise ConfigError(f"{key}._target_={target!r} cannot be imported ({problem}): check the name")
+            for name, value in node.items():
+                walk(value, f"{key}.{name}")
+
+    for section in sections:
+        walk(cfg.get(section), section)
 
 
 def allowed_keys(cfg: Mapping | None = None) -> dict[str, list[str]]:

@@ -15,7 +15,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from hydra.utils import instantiate
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
@@ -35,6 +34,7 @@ from dpddp.report.tally import FitTally
 from dpddp.report.throughput import Throughput
 from dpddp.report.trackers import close_trackers
 from dpddp.run.assembly import build_trainer
+from dpddp.run.build import build
 from dpddp.run.config import check_config, check_output_dir
 from dpddp.run.executions import StepsPerExecution
 
@@ -77,8 +77,8 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         if cfg.get("print_config") and writer:  # once per run
             log.info("config:\n" + OmegaConf.to_yaml(cfg, resolve=True))
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
-        datamodule = instantiate(cfg.data, _convert_="all")
-        model = instantiate(cfg.model, _convert_="all")
+        datamodule = build(cfg.data, "data", _convert_="all")
+        model = build(cfg.model, "model", _convert_="all")
         forward = bool(cfg.predict or stage == "predict") and check_predictable(model)
         if forward:
             predict_forward(model)

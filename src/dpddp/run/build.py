@@ -1,0 +1,74 @@
+"""Building a config node (``hydra.utils.instantiate``): the data, the model, each callback and logger. A class
+that refuses its arguments is one ``ConfigError`` line naming the config key, not Hydra's several lines."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import re
+from typing import Any
+
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from dpddp._compat.hydra_main import locate
+from dpddp.errors import ConfigError
+from dpddp.run.keys import import_problem
+
+__all__ = ["build", "build_error"]
+
+
+def build(node: DictConfig, key: str, **kwargs: Any) -> Any:
+    """``instantiate(node, **kwargs)`` of the config node at ``key`` (``data``, ``callbacks.model_checkpoint``).
+
+    Raises:
+        ConfigError: Hydra could not build it or a node inside it (``build_error``).
+    """
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        raise build_error(node, key, err) from err
+
+
+def build_error(node: DictConfig, key: str, err: InstantiationException) -> ConfigError:
+    """One line for Hydra's ``err`` building ``node`` (at ``key``): the key of the node that failed (Hydra's
+    ``full_key``: ``data.dataset`` inside ``data``), its ``_target_`` and the cause: a ``_target_`` that cannot be
+    imported (``dpddp.run.keys.import_problem``), an argument the class does not take (with the nearest it takes),
+    or the class's own refusal, naming the setting where the cause names one of the node's keys
+    (``callbacks.model_checkpoint.mode='bad'``: ``mode can be min, max but got bad``)."""
+    text = str(err)
+    found = re.search(r"full_key: (\S+)\s*$", text)
+    full_key = found.group(1) if found else key
+    inner = node if full_key == key else OmegaConf.select(node, full_key.removeprefix(f"{key}."), default=None)
+    spec = OmegaConf.to_container(inner, resolve=False) if isinstance(inner, DictConfig) else {}
+    assert isinstance(spec, dict)
+    named = re.search(r"target '([^']+)'", text)
+    target = str(spec.get("_target_") or (named.group(1) if named else "?"))  # as given
+    if text.startswith("Error locating target"):
+        problem = import_problem(target) or "it cannot be imported"
+        return ConfigError(f"{full_key}._target_={target!r} cannot be imported ({problem}): check the name")
+    cause = err.__cause__ or err
+    reason = (str(cause).splitlines() or [""])[0]
+    unexpected = re.search(r"unexpected keyword argument '(\w+)'", reason)
+    if unexpected is not None and isinstance(cause, TypeError):
+        given = unexpected.group(1)
+        try:
+            params = [p for p in inspect.signature(locate(target)).parameters if p not in ("self", "args", "kwargs")]
+        except (ImportError, ValueError, TypeError):
+            params = []
+        near = difflib.get_close_matches(given, params, n=1, cutoff=0.6)
+        hint = f"did you mean {full_key}.{near[0]}?" if near else f"its arguments: {', '.join(params)}"
+        return ConfigError(
+            f"{full_key}.{given}={spec.get(given)!r}: {target} takes no {given} ({hint}): drop it with "
+            f"~{full_key}.{given}, or give an argument it takes"
+        )
+    keys = [str(k) for k in spec if k != "_target_" and re.search(rf"\b{re.escape(str(k))}\b", reason)]
+    quoted = [k for k in keys if f"`{k}`" in reason or f"'{k}'" in reason]
+    setting = (quoted or keys)[0] if len(quoted or keys) == 1 else None
+    why = f"{type(cause).__name__}: {reason}" if reason else type(cause).__name__
+    if setting is not None:
+        return ConfigError(
+            f"{full_key}.{setting}={spec[setting]!r} is refused by {target} ({why}): give a value it takes"
+        )
+    return ConfigError(f"{full_key} ({target}) cannot be built ({why}): give it arguments its class takes")
