@@ -123,6 +123,11 @@ def _refused_line(*overrides: str) -> str | None:
             "trainer.max_epoch=2: the config has no key trainer.max_epoch: did you mean trainer.max_epochs?",
         ),
         (
+            ["data=dataset", "data.dataset._target_=x.Y"],  # the chosen option has the section, not the key
+            "data.dataset._target_=x.Y: the config has no key data.dataset._target_: give a key it has, or add a new "
+            "one with +data.dataset._target_=x.Y",
+        ),
+        (
             ["trainer.accelerator=cpu"],
             "trainer.accelerator=cpu: the config has no key trainer.accelerator: set it at the top level: "
             "accelerator=cpu",
@@ -355,8 +360,16 @@ def test_a_callback_its_class_refuses_ends_the_run_in_one_line_before_training(t
             "--multirun (-m) and --cfg (-c) cannot be given together: Hydra runs one of them; keep one (--cfg job "
             "prints a run's config: give one value per setting, not a sweep list)",
         ),
-        (["--cfg=hydra", "--info"], "--cfg (-c) and --info (-i) cannot be given together"),
-        (["-r", "-m"], "--run (-r) and --multirun (-m) cannot be given together"),
+        (
+            ["--cfg=hydra", "--info"],
+            "--cfg (-c) and --info (-i) cannot be given together: Hydra runs one of them; keep one (--cfg prints the "
+            "composed config; --info prints what Hydra composes it from)",
+        ),
+        (
+            ["-r", "-m"],
+            "--run (-r) and --multirun (-m) cannot be given together: Hydra runs one of them; keep one (--run runs "
+            "one job; --multirun runs a sweep)",
+        ),
         (["-mc", "all"], "--multirun (-m) and --cfg (-c) cannot be given together"),
         (["--resolve", "seed=1"], "--resolve works only with --cfg: add --cfg job (or hydra, all), or drop --resolve"),
     ],
@@ -399,6 +412,11 @@ LAUNCHERS = "basic, joblib, slurm, submitit_local, submitit_slurm"
             ["--info", "plugin"],
             "--info plugin is not a choice of --info: give one of all, config, defaults, defaults-tree, plugins, "
             "searchpath (--info all)",
+        ),
+        (
+            ["--info", "seed=1"],  # argparse takes an override after --info for its value
+            "--info seed=1 is not a choice of --info: give one of all, config, defaults, defaults-tree, plugins, "
+            "searchpath (--info all seed=1)",
         ),
         (["--nope"], "unrecognized arguments: --nope: see python train.py --help"),
     ],

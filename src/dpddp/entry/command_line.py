@@ -73,6 +73,9 @@ def unknown_option(argv: list[str]) -> str | None:
 MODES: tuple[tuple[str, str], ...] = (("run", "--run (-r)"), ("multirun", "--multirun (-m)"), ("cfg", "--cfg (-c)"))
 MODES += (("info", "--info (-i)"), ("shell_completion", "--shell-completion (-sc)"))
 """Hydra's command-line modes, of which a command takes one: the parsed flag, and its spellings."""
+MODE_USES = {"run": "runs one job", "multirun": "runs a sweep", "cfg": "prints the composed config"}
+MODE_USES |= {"info": "prints what Hydra composes it from", "shell_completion": "sets up shell completion"}
+"""What each of ``MODES`` does, for the line that asks to keep one."""
 
 
 def mode_conflict(argv: list[str]) -> str | None:
@@ -82,11 +85,16 @@ def mode_conflict(argv: list[str]) -> str | None:
     args = hydra_command_line(argv)
     if args is None or args.help or args.hydra_help:
         return None
-    given = [spelled for name, spelled in MODES if getattr(args, name) not in (None, False)]
+    given = [(name, spelled) for name, spelled in MODES if getattr(args, name) not in (None, False)]
     if len(given) > 1:
+        names = [name for name, _ in given]
+        if "multirun" in names and "cfg" in names:
+            advice = "--cfg job prints a run's config: give one value per setting, not a sweep list"
+        else:
+            advice = "; ".join(f"{spelled.split()[0]} {MODE_USES[name]}" for name, spelled in given)
         return (
-            f"{' and '.join(given)} cannot be given together: Hydra runs one of them; keep one (--cfg job prints a "
-            "run's config: give one value per setting, not a sweep list)"
+            f"{' and '.join(spelled for _, spelled in given)} cannot be given together: Hydra runs one of them; keep "
+            f"one ({advice})"
         )
     if args.resolve and args.cfg is None:
         return "--resolve works only with --cfg: add --cfg job (or hydra, all), or drop --resolve"
@@ -124,7 +132,8 @@ def refused_arguments(argv: list[str], prog: str) -> str | None:
     if choice is not None:
         option, value, options = choice.groups()
         known = [o.strip(" '") for o in options.split(",")]
-        return f"{option} {value} is not a choice of {option}: give one of {', '.join(known)} ({option} {known[0]})"
+        example = f"{option} {known[0]} {value}" if "=" in value else f"{option} {known[0]}"  # an override taken
+        return f"{option} {value} is not a choice of {option}: give one of {', '.join(known)} ({example})"
     return f"{message.removeprefix('argument ')}: see {prog} --help"
 
 
@@ -208,13 +217,22 @@ def _hints(key: str, cfg: DictConfig, instead: str = "") -> str:
     said = [f"nearest: {near[0]}"] if near and near[0] not in instead else []
     group, _, rest = key.partition(".")
     if group in GROUPS and rest and group in cfg:
-        first = rest.split(".")[0]
         options = sorted(Path(str(files("dpddp.conf"))).joinpath(group).glob("*.yaml"))
-        having = [p.stem for p in options if first in OmegaConf.load(p)]
+        having = [p.stem for p in options if _has(p, rest)]
         if having:
             verb = "has" if len(having) == 1 else "have"
             said.append(f"the chosen {group} config has none; {group}={', '.join(having)} {verb} one")
     return f" ({'; '.join(said)})" if said else ""
+
+
+def _has(path: Path, dotted: str) -> bool:
+    """Whether the config file ``path`` has the dotted key ``dotted`` (``dataset._target_``), unresolved."""
+    node: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def refused_override(override: Any, cfg: DictConfig, err: Exception) -> str:
