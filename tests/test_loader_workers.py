@@ -139,10 +139,10 @@ def _tree(pid: int) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
-def _gone(procs: list[psutil.Process], wait_s: float = 1.0) -> list[int]:
-    """The pids of ``procs`` still running after up to ``wait_s`` seconds: by default right after the run's command
-    returned (its ranks stopped and reaped their fork servers and resource trackers; a worker they killed may take
-    a moment to exit)."""
+def _gone(procs: list[psutil.Process], wait_s: float = 10.0) -> list[int]:
+    """The pids of ``procs`` still running after up to ``wait_s`` seconds, right after the run's command returned
+    (its ranks stopped and reaped their fork servers and resource trackers; a worker they killed may take a moment
+    to exit, longer on a loaded machine; one left behind lives on for minutes)."""
     deadline = time.monotonic() + wait_s
     while True:
         alive = []

@@ -15,12 +15,14 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from dpddp.run.keys import TRAINER_OWNED
+
 __all__ = ["TRAINER_ERRORS", "refused_flag"]
 
 TRAINER_ERRORS = (ValueError, TypeError, ImportError, MisconfigurationException)
 """What ``pl.Trainer`` raises for a flag it refuses (``ImportError``: a precision whose package is missing)."""
 _BARE = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "accelerator": "cpu"}
-_OWNED = ("strategy", "accelerator", "devices", "num_nodes", "logger", "callbacks", "default_root_dir", "plugins")
+_OWNED = (*TRAINER_OWNED, "plugins")  # what dpddp sets itself
 
 
 @contextlib.contextmanager
