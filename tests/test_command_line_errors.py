@@ -6,6 +6,7 @@ records a bad job and goes on; ``metrics.json`` keeps the overrides as typed."""
 
 import csv
 import errno
+import logging
 import os
 import shutil
 import signal
@@ -347,6 +348,35 @@ def test_a_callback_its_class_refuses_ends_the_run_in_one_line_before_training(t
         "(MisconfigurationException: Invalid value for save_top_k=-5. Must be >= -1): give a value it takes"
     )
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+TORCHRUN_RANK_1 = {"RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+TORCHRUN_RANK_1 |= {"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def test_under_a_cluster_launcher_a_bad_setting_is_said_by_local_rank_0_only(tmp_path, monkeypatch, capsys):
+    """torchrun or SLURM start every process of a node with the same command line: each refuses it with exit 2,
+    and only local rank 0 says the line (a node's other processes log it quietly), so a node says it once."""
+    cfg = compose_cfg("accelerator=cpu", "strategy=ddp", "devices=2", "model.lr=-1", f"hydra.run.dir={tmp_path}/run")
+    for name, value in TORCHRUN_RANK_1.items():  # local rank 1 of 2 on one node, as torchrun starts it
+        monkeypatch.setenv(name, value)
+    own_log = logging.FileHandler(tmp_path / "rank1.log")  # a rank's log file at INFO: where the line goes
+    logging.getLogger("dpddp.errors").addHandler(own_log)
+    monkeypatch.setattr(logging.getLogger("dpddp.errors"), "level", logging.INFO)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            StartChecks().on_run_start(cfg)
+    finally:
+        logging.getLogger("dpddp.errors").removeHandler(own_log)
+        own_log.close()
+    line = "error: model.lr=-1 is invalid: use a positive learning rate, e.g. model.lr=0.1"
+    assert stop.value.code == 2 and capsys.readouterr().err == ""
+    assert (tmp_path / "rank1.log").read_text().splitlines() == [line]
+    for name in TORCHRUN_RANK_1:  # no launcher: the process is local rank 0
+        monkeypatch.delenv(name)
+    with pytest.raises(SystemExit) as stop:
+        StartChecks().on_run_start(cfg)
+    assert stop.value.code == 2 and capsys.readouterr().err.splitlines() == [line]
 
 
 # -- Hydra's modes -------------------------------------------------------------------------------------------

@@ -129,8 +129,12 @@ KNOWN = (ConfigError, RankFailed, Preempted, WriteFailed, LoaderFailed)
 
 def fail(line: str, status: int = EXIT_CONFIG, log: logging.Logger | None = None) -> NoReturn:
     """End the process: ``error: <line>`` on stderr, or through ``log`` (its handlers: a run's ``train.log``
-    too), and exit with ``status``."""
-    if log is None:
+    too), and exit with ``status``. A bad setting (``EXIT_CONFIG``, no ``log``) is said once per node: under a
+    cluster's launcher (torchrun, SLURM) every process checks the same command line and config, and one of local
+    rank other than 0 only logs it (``log_quietly``)."""
+    if log is None and status == EXIT_CONFIG and local_rank():
+        log_quietly(logging.getLogger(__name__), f"error: {line}")
+    elif log is None:
         print(f"error: {line}", file=sys.stderr)
     else:
         log.error(f"error: {line}")
