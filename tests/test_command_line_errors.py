@@ -278,7 +278,7 @@ BLOBS = ("data=dataset", "+data.dataset._target_=users_models.NoisyBlobs", *SIZE
     ],
 )
 def test_a_target_that_cannot_be_imported_is_one_line_with_its_cause_before_the_run_directory(
-    tmp_path, monkeypatch, capsys, overrides, line
+    tmp_path, monkeypatch, capsys, caplog, overrides, line
 ):
     """Any ``_target_`` of the data (its data set too), the model, a callback or a logger is imported by the
     config check (``StartChecks``, before Hydra makes anything): the line names the key, the target and why
@@ -294,6 +294,7 @@ def test_a_target_that_cannot_be_imported_is_one_line_with_its_cause_before_the_
     with pytest.raises(SystemExit) as stop:
         StartChecks().on_run_start(cfg)
     assert stop.value.code == 2 and capsys.readouterr().err.splitlines() == [f"error: {line}"]
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("hydra")] == []  # no [HYDRA] lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mods"]
 
 
