@@ -320,6 +320,12 @@ def test_a_target_that_cannot_be_imported_is_one_line_with_its_cause_before_the_
             "negative dimension -3: [-3]): give it arguments its class takes",
         ),
         (
+            "callbacks.mine",  # where the config check did not run first (a class built by a user's own code)
+            ["+callbacks.mine._target_=nope.Nope"],
+            "callbacks.mine._target_='nope.Nope' cannot be imported (no module named nope: is it installed, or on "
+            "PYTHONPATH?): check the name",
+        ),
+        (
             "logger",
             ["logger=csv", "+logger.nope=1"],
             "logger.nope=1: lightning.pytorch.loggers.CSVLogger takes no nope (its arguments: save_dir, name, "
