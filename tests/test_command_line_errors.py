@@ -444,6 +444,10 @@ LAUNCHERS = "basic, joblib, slurm, submitit_local, submitit_slurm"
             "--config-path /nonexistent cannot be used (Primary config directory not found): give a directory of "
             "configs, or drop --config-path",
         ),
+        (
+            ["--info", "searchpath", "hydra/launcher=nope"],
+            f"hydra/launcher=nope is unknown: choose one of {LAUNCHERS}",
+        ),
         (["--cfg", "jobb"], "--cfg jobb is not a choice of --cfg: give one of job, hydra, all (--cfg job)"),
         (
             ["--info", "plugin"],

@@ -870,7 +870,7 @@ def test_the_fork_server_runs_python_c_with_fork_server_command_and_this_process
     assert not processes.in_fork_server()
 
 
-def test_hydra_main_reports_through_run_and_report_and_hydra_reported_sees_it_first(tmp_path, monkeypatch):
+def test_hydra_main_reports_through_run_and_report_and_hydra_reported_sees_it_first(tmp_path, monkeypatch, capsys):
     """``hydra_reported``: ``hydra.main`` reports a missing config group option (a ``MissingConfigException`` with
     its options) through ``hydra._internal.utils.run_and_report``, exit 1; inside the block ``report`` gets it
     first, and after it Hydra's own function is back."""
@@ -895,6 +895,16 @@ def test_hydra_main_reports_through_run_and_report_and_hydra_reported_sees_it_fi
     assert stop.value.code == 1 and utils.run_and_report is run_and_report
     (err,) = seen
     assert isinstance(err, MissingConfigException) and err.missing_cfg_file == "g/b" and list(err.options) == ["a"]
+    # --info (Hydra's show_info, not wrapped in run_and_report): composed first, reported before it prints
+    monkeypatch.setattr(sys, "argv", ["app", "--info", "searchpath", "g=b"])
+    capsys.readouterr()
+
+    def stop(err: Exception) -> None:
+        raise SystemExit(2)
+
+    with hydra_reported(stop, (MissingConfigException,)), pytest.raises(SystemExit) as stop_info:
+        app()
+    assert stop_info.value.code == 2 and capsys.readouterr().out == ""
 
 
 def test_hydras_parser_refusal_is_its_message_and_a_command_line_it_reads_is_none():

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from hydra.types import RunMode
+
 __all__ = ["hydra_argument_error", "hydra_reported", "locate"]
 
 
@@ -46,10 +48,22 @@ def hydra_reported(report: Callable[[Exception], None], kinds: tuple[type[Except
     """Inside the block, ``hydra._internal.utils.run_and_report`` (which ``hydra.main``'s ``_run_hydra`` calls on
     adding ``--config-dir``, on starting, and on each run, ``--cfg`` or sweep; it prints a failure in several lines
     and exits 1) calls ``report(err)`` first for an error of ``kinds``; ``report`` may end the process
-    (``SystemExit`` passes through), else Hydra reports it as before."""
+    (``SystemExit`` passes through), else Hydra reports it as before. ``--info`` (``Hydra.show_info``, which Hydra
+    does not wrap, and which prints its first sections before it composes) composes first, so that an error of
+    ``kinds`` is reported before anything is printed."""
     from hydra._internal import utils
+    from hydra._internal.hydra import Hydra
 
-    run_and_report = utils.run_and_report
+    run_and_report, show_info = utils.run_and_report, Hydra.show_info
+
+    def composed_first(self: Any, info: str, config_name: Any, overrides: list[str], *args: Any) -> None:
+        try:
+            self.compose_config(config_name, overrides, run_mode=RunMode.RUN, with_log_configuration=False)
+        except kinds as err:
+            report(err)
+        except Exception:
+            pass  # as without the block: Hydra's own --info says it
+        show_info(self, info, config_name, overrides, *args)
 
     def reported(func: Any) -> Any:
         def call() -> Any:
@@ -61,11 +75,11 @@ def hydra_reported(report: Callable[[Exception], None], kinds: tuple[type[Except
 
         return run_and_report(call)
 
-    utils.run_and_report = reported
+    utils.run_and_report, Hydra.show_info = reported, composed_first  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        utils.run_and_report = run_and_report
+        utils.run_and_report, Hydra.show_info = run_and_report, show_info  # type: ignore[method-assign]
 
 
 def locate(path: str) -> Any:
