@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CONF, QUIET, ROOT, child_env, compose_cfg, metrics, run_train
-from hydra import initialize_config_dir
+from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -226,6 +226,49 @@ def test_a_bad_setting_ends_train_py_before_hydra_makes_the_run_directory_and_is
         StartChecks().on_run_start(cfg)
     (said,) = capsys.readouterr().err.splitlines()
     assert stop.value.code == 2 and said.startswith(f"error: {line}") and list(tmp_path.iterdir()) == []
+
+
+def _hydra_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", ["accelerator=cpu", *overrides], return_hydra_config=True)
+
+
+@pytest.mark.parametrize(
+    "overrides,line",
+    [
+        (["resume=true"], "ckpt_path='{run}/checkpoints/last.ckpt' cannot be read as a checkpoint"),
+        (["seed=1"], "the run directory {run} holds another run (last.ckpt, metrics.json): continue it with resume"),
+        (["resume=true", "data.num_samples=2000"], "ckpt_path='{run}/checkpoints/last.ckpt' was trained with other"),
+    ],
+)
+def test_a_run_its_directory_refuses_is_one_line_and_writes_nothing_into_that_directory(
+    tmp_path, capsys, overrides, line
+):
+    """What the run directory holds is judged before Hydra writes ``.hydra-N/`` and ``train.log`` into it: a
+    resume's checkpoint (unreadable; trained with other data), another run's outputs."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    if "data.num_samples=2000" in overrides:
+        ckpt = {"state_dict": {}, "datamodule_hyper_parameters": {"num_samples": 4096}}
+        torch.save(ckpt, run / "checkpoints/last.ckpt")
+    else:
+        (run / "checkpoints/last.ckpt").write_bytes(b"")
+    (run / "metrics.json").write_text("{}")
+    before = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*"))
+    with pytest.raises(SystemExit) as stop:
+        StartChecks().on_run_start(_hydra_cfg(*overrides, f"hydra.run.dir={run}"))
+    (said,) = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 2 and said.startswith("error: " + line.format(run=run)), said
+    assert sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+
+
+def test_resume_without_the_run_directory_is_one_line_and_makes_none(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        StartChecks().on_run_start(_hydra_cfg("resume=true"))
+    (said,) = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 2 and said.startswith("error: resume=true needs the run to resume: add hydra.run.dir=")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_lightnings_check_of_valid_trainer_flags_says_nothing_and_no_checkpointing_is_a_run_without_one(

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import atexit
 import gc
-import json
 import logging
 import math
-import re
 import sys
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -28,9 +26,8 @@ from typing_extensions import override
 
 from dpddp._compat import hydra_mode_unset, hydra_override_refused
 from dpddp._compat.hydra_main import hydra_reported
-from dpddp.cluster import launch_id, register_resolvers, run_name
+from dpddp.cluster import register_resolvers, run_name
 from dpddp.continuity import stop as sweep_stop
-from dpddp.continuity.io import checkpoint_launch
 from dpddp.entry.command_line import (
     HYDRA_FAILURES,
     MODE_GROUPS,
@@ -43,6 +40,7 @@ from dpddp.entry.command_line import (
     unknown_option,
     unreadable_override,
 )
+from dpddp.entry.run_dir import completed_metrics, continues, directory_problem, hydra_value
 from dpddp.errors import (
     KNOWN,
     ConfigError,
@@ -56,9 +54,8 @@ from dpddp.errors import (
     resume_command,
     unwritable,
 )
-from dpddp.parallel.rendezvous import torchrun_restarted
 from dpddp.run.config import check_config, check_resolvable
-from dpddp.run.training import METRIC_KEYS, isolated_job, objective, train
+from dpddp.run.training import isolated_job, objective, train
 
 __all__ = ["MODE_GROUPS", "StartChecks", "config_dirs", "config_subdir", "hydra_value", "main", "run_job"]
 __all__ += ["sets_no_mode", "sweep_resume_command", "unknown_option"]
@@ -83,30 +80,6 @@ def config_subdir(output_dir: str) -> str:
 
 if not OmegaConf.has_resolver("dpddp.config_subdir"):
     OmegaConf.register_new_resolver("dpddp.config_subdir", config_subdir)
-
-
-def completed_metrics(output_dir: Path) -> dict | None:
-    """The job's ``metrics.json`` if it holds every metric key and its predict (if any) did not fail, else
-    ``None``."""
-    path = output_dir / "metrics.json"
-    try:
-        metrics = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return metrics if all(k in metrics for k in METRIC_KEYS) and not metrics.get("predict_error") else None
-
-
-def hydra_value(value: str) -> str:
-    """``value`` written so that Hydra's override parser reads it back unchanged, as a string: as it is when it
-    is a plain path (letters, digits, ``_ . / : + -`` and at least one ``/``), else single-quoted with its quotes
-    and the backslashes before them escaped (Hydra 1.3's grammar for quoted values). Shell quoting comes on top
-    (``shlex.join``)."""
-    if "/" in value and re.fullmatch(r"[A-Za-z0-9_./:+-]+", value):  # a path: never read as a number or a bool
-        return value
-    # backslashes before a quote, or before the closing quote, are doubled; each quote gets one
-    return (
-        "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), value) + "'"
-    )
 
 
 def sweep_resume_command(sweep_dir: Path) -> str:
@@ -173,21 +146,13 @@ def run_job(cfg: DictConfig) -> float:
         if not multirun:
             fail(str(err))
         return _job_failed(hydra_cfg.job.num, output_dir, str(err))
-    named = any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra) or "/" not in run_name()
-    if cfg.get("resume") and not multirun and not named:  # a cluster job's own name has no "/"
-        fail(
-            "resume=true needs the run to resume: add hydra.run.dir=<its directory> (e.g. "
-            "hydra.run.dir=outputs/2026-01-31/12-00-00)"
-        )
     with open_dict(cfg):
         if cfg.get("ckpt_path"):
             cfg.ckpt_path = to_absolute_path(str(cfg.ckpt_path))
         last = output_dir / "checkpoints" / "last.ckpt"
-        # A (re)start of a launcher's job continues its run (same directory: cluster.run_name): torchrun
-        # --max-restarts, a membership change, a SLURM requeue, a pod restart; its last.ckpt names the job.
-        job = launch_id()
-        own = job is not None and last.is_file() and checkpoint_launch(last) == job
-        resume = multirun or cfg.get("resume") or own or torchrun_restarted()
+        resume = continues(cfg, output_dir, multirun)
+        if problem := directory_problem(cfg, output_dir, resume, multirun or _named(hydra_cfg), cfg.ckpt_path):
+            fail(problem)
         done = completed_metrics(output_dir) if resume else None
         if done is not None and done.get("overrides") == overrides:
             log.info(f"already complete with the same overrides, skipping: {output_dir / 'metrics.json'}")
@@ -201,13 +166,6 @@ def run_job(cfg: DictConfig) -> float:
                 return math.nan
         if multirun:
             (output_dir / "error.txt").unlink(missing_ok=True)  # an earlier try's failure, run again now
-        held = [p.name for p in (last, output_dir / "metrics.json") if p.is_file()]
-        if held and not resume and cfg.get("ckpt_path") != str(last):  # never overwrite another run
-            fail(
-                f"the run directory {hydra_value(str(output_dir))} holds another run ({', '.join(held)}): "
-                "continue it with resume=true, or give this run its own directory (hydra.run.dir=..., or "
-                "torchrun --rdzv-id=<job id>)"
-            )
         _log_invocation(output_dir)
         if resume and cfg.get("ckpt_path") is None:
             if last.is_file() and done is not None:
@@ -263,30 +221,55 @@ class StartChecks(HydraCallback):
 
     @override
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        job = OmegaConf.masked_copy(config, [str(k) for k in config if k != "hydra"])
         try:
-            check_config(OmegaConf.masked_copy(config, [str(k) for k in config if k != "hydra"]))
+            check_config(job)
         except ConfigError as err:
             fail(str(err))
-        _check_directory(config, "run")
+        output_dir = Path(_directory(config, "run"))
+        ckpt = to_absolute_path(str(job.ckpt_path)) if job.get("ckpt_path") else None
+        resume = continues(job, output_dir, False)
+        if problem := directory_problem(job, output_dir, resume, _named(config.hydra), ckpt):
+            fail(problem)
+        last, done = output_dir / "checkpoints" / "last.ckpt", completed_metrics(output_dir)
+        typed = OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
+        if resume and ckpt is None and last.is_file() and not (done and done.get("overrides") == typed):
+            job.ckpt_path = str(last)  # what the job continues from: refused now, before .hydra-N/ and train.log
+            try:
+                check_config(job)
+            except ConfigError as err:
+                fail(str(err))
+        _check_writable(config, "run")
 
     @override
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         for job in sweep_variants(config):  # a key one job lacks: main's one line, before the sweep's directory
             GlobalHydra.instance().config_loader().load_sweep_config(config, job)
-        _check_directory(config, "sweep")
+        _check_writable(config, "sweep")
 
 
-def _check_directory(config: DictConfig, mode: str) -> None:
-    """``hydra.<mode>.dir`` resolves and can be written (``dpddp.errors.unwritable``: it is made here, as Hydra
-    would make it next); else ``fail``."""
+def _named(hydra_cfg: Any) -> bool:
+    """Whether the run's directory was named for it: ``hydra.run.dir`` given, or a cluster job's own name (no
+    ``/`` in ``cluster.run_name``), so that ``resume=true`` finds the run it continues."""
+    return any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra) or "/" not in run_name()
+
+
+def _directory(config: DictConfig, mode: str) -> str:
+    """``hydra.<mode>.dir`` resolved as in the job; else ``fail``."""
     HydraConfig.instance().set_config(config)  # what Hydra does next: ${hydra:...} resolves as in the job
     section = OmegaConf.to_container(config.hydra[mode], resolve=False)
     typed = section.get("dir") if isinstance(section, dict) else None
     try:
-        directory = str(config.hydra[mode].dir)
+        return str(config.hydra[mode].dir)
     except Exception as err:
         reason = (str(err).splitlines() or [type(err).__name__])[0]
         fail(f"hydra.{mode}.dir={typed!r} cannot be resolved ({reason}): give a directory (hydra.{mode}.dir=runs/a)")
+
+
+def _check_writable(config: DictConfig, mode: str) -> None:
+    """``hydra.<mode>.dir`` resolves and can be written (``dpddp.errors.unwritable``: it is made here, as Hydra
+    would make it next); else ``fail``."""
+    directory = _directory(config, mode)
     if why := unwritable(directory):
         given = f"hydra.{mode}.dir={hydra_value(directory)}"
         fail(f"{given} cannot be written ({why}): give a directory you can write (hydra.{mode}.dir=<directory>)")
