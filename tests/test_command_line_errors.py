@@ -199,7 +199,11 @@ def test_a_sweep_checks_its_first_job_of_each_group_option_before_it_starts(over
         ("predict=1", "predict=1 is not a switch: use predict=true or predict=false"),
         ("epoch_lines=sometimes", "epoch_lines='sometimes' is invalid: use auto (if stdout is not a tty), true or"),
         # values only Lightning's Trainer knows to be wrong: its own rule, before anything is made
-        ("trainer.precision=17", "trainer.precision=17 is invalid: Precision 17 is invalid. Allowed precision values"),
+        ("trainer.precision=17", "trainer.precision=17 is invalid: pl.Trainer takes 64, 32, 16, 'transformer-engine'"),
+        ("trainer.deterministic=maybe", "trainer.deterministic='maybe' is invalid: pl.Trainer takes bool, 'warn' or"),
+        ("trainer.num_sanity_val_steps=abc", "trainer.num_sanity_val_steps='abc' is invalid: pl.Trainer takes int"),
+        ("trainer.check_val_every_n_epoch=0", "trainer.check_val_every_n_epoch=0 is invalid: use a positive number of"),
+        ("trainer.max_time=garbage", "trainer.max_time='garbage' is invalid: `Timer(duration='garbage')` is not"),
         (
             "trainer.gradient_clip_algorithm=foo",
             "trainer.gradient_clip_algorithm='foo' is invalid: `gradient_clip_algorithm` foo is invalid. Allowed "

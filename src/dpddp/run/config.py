@@ -282,6 +282,10 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
         value = (cfg["trainer"] or {}).get(key)
         if value is not None and value != -1:
             checked_int(f"trainer.{key}", value, 1, "use a positive number, or -1 for no limit")
+    every = (cfg["trainer"] or {}).get("check_val_every_n_epoch")
+    if every is not None:  # Lightning divides by it, mid-fit
+        fix = "use a positive number of epochs, or null with an integer trainer.val_check_interval"
+        checked_int("trainer.check_val_every_n_epoch", every, 1, fix)
     ckpt = cfg["ckpt_path"]
     if ckpt is not None and not Path(str(ckpt)).is_file():
         raise ConfigError(

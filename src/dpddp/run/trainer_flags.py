@@ -6,14 +6,20 @@ directory."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
+import re
+import types
+import typing
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+from jsonargparse import ArgumentError, ArgumentParser
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from omegaconf import DictConfig, OmegaConf
 
 from dpddp.run.keys import TRAINER_OWNED
 
@@ -23,6 +29,7 @@ TRAINER_ERRORS = (ValueError, TypeError, ImportError, MisconfigurationException)
 """What ``pl.Trainer`` raises for a flag it refuses (``ImportError``: a precision whose package is missing)."""
 _BARE = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "accelerator": "cpu"}
 _OWNED = (*TRAINER_OWNED, "plugins")  # what dpddp sets itself
+_UNTYPED = ("sync_batchnorm",)  # dpddp's own values too (auto, null: dpddp.parallel.batchnorm checks them)
 
 
 @contextlib.contextmanager
@@ -42,15 +49,54 @@ def _quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
+@functools.cache
+def _signature() -> ArgumentParser:
+    """A jsonargparse parser of ``pl.Trainer``'s signature (what ``LightningCLI`` checks a flag's type with)."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(pl.Trainer, "trainer")
+    return parser
+
+
+def _accepts(hint: Any) -> str:
+    """A type hint in words: ``Optional[Union[bool, Literal['warn']]]`` is ``bool, 'warn' or null``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        parts = [_accepts(arg) for arg in typing.get_args(hint)]
+        return ", ".join(parts[:-1]) + " or " + parts[-1]
+    if typing.get_origin(hint) is typing.Literal:
+        return ", ".join(repr(arg) for arg in typing.get_args(hint))
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def _mistyped(flags: Mapping[str, Any]) -> str | None:
+    """The first flag whose value ``pl.Trainer``'s signature does not take (jsonargparse's check), in one line;
+    a null is Lightning's default, never checked."""
+    given = {k: v for k, v in flags.items() if v is not None and k not in _UNTYPED}
+    try:
+        _signature().parse_object({"trainer": given})
+    except ArgumentError as err:
+        found = re.search(r'key "trainer\.(\w+)"', str(err))
+        if found is None or found.group(1) not in given:
+            return f"trainer: {_line(err)}"
+        key = found.group(1)
+        hint = typing.get_type_hints(pl.Trainer.__init__)[key]
+        return f"trainer.{key}={given[key]!r} is invalid: pl.Trainer takes {_accepts(hint)} for {key}"
+    return None
+
+
 def _line(err: Exception) -> str:
     return (str(err).splitlines() or [type(err).__name__])[0]
 
 
 def refused_flag(trainer: Mapping[str, Any]) -> str | None:
-    """``trainer.<flag>=<value> is invalid: <Lightning's reason>`` for the first flag of the ``trainer`` section
-    that ``pl.Trainer`` refuses alone (the flags are tried together first: one Trainer when all are valid), else
-    ``None``. The top-level knobs and what dpddp sets itself (``strategy``, ``logger``, ...) are not tried."""
-    flags = {str(k): v for k, v in trainer.items() if k not in _OWNED}
+    """``trainer.<flag>=<value> is invalid: <why>`` for the first flag of the ``trainer`` section whose type
+    ``pl.Trainer``'s signature does not take, or that ``pl.Trainer`` refuses alone (the flags are tried together
+    first: one Trainer when all are valid), else ``None``. The top-level knobs and what dpddp sets itself
+    (``strategy``, ``logger``, ...) are not tried."""
+    given = OmegaConf.to_container(trainer, resolve=True) if isinstance(trainer, DictConfig) else trainer
+    assert isinstance(given, Mapping)
+    flags = {str(k): v for k, v in given.items() if k not in _OWNED}
+    if problem := _mistyped(flags):
+        return problem
     defaults = inspect.signature(pl.Trainer.__init__).parameters
     with _quiet():
         try:
