@@ -203,6 +203,20 @@ def test_bad_strategy_options(overrides, message):
         check_config(compose_cfg("accelerator=cpu", "devices=2", *overrides))
 
 
+@pytest.mark.parametrize("backend", ["mpi", "ucc", "nccl"])
+def test_a_process_group_backend_this_torch_lacks_is_refused_before_the_ranks_start(backend, monkeypatch):
+    """torch would refuse it in every started rank, after the run directory; checked by torch's own
+    ``is_<backend>_available``."""
+    import torch.distributed as dist
+
+    cfg = compose_cfg("accelerator=cpu", "devices=2", "strategy=ddp", f"strategy.process_group_backend={backend}")
+    monkeypatch.setattr(dist, f"is_{backend}_available", lambda: False)
+    with pytest.raises(ConfigError, match=rf"^strategy.process_group_backend='{backend}' is not built into this torch"):
+        check_config(cfg)
+    monkeypatch.setattr(dist, f"is_{backend}_available", lambda: True)
+    check_config(cfg)
+
+
 def test_bad_master_port_in_the_environment(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "abc")
     with pytest.raises(ConfigError, match=r"MASTER_PORT='abc' \(environment\) is not a port"):

@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 
 from dpddp.cluster import cluster_world_size, stray_address_variables, stray_rank_variables
 from dpddp.errors import ConfigError, checked_float, checked_int
@@ -177,6 +178,11 @@ def check_strategy_options(options: Mapping) -> None:
     backend = options.get("process_group_backend")
     if backend not in (None, "gloo", "nccl", "mpi", "ucc"):
         raise ConfigError(f"strategy.process_group_backend={backend!r} is unknown: use null (automatic), gloo or nccl")
+    built = {"nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available, "ucc": dist.is_ucc_available}
+    if backend in built and not built[backend]():
+        raise ConfigError(
+            f"strategy.process_group_backend={backend!r} is not built into this torch: use null (automatic) or gloo"
+        )
     if options.get("launch", "auto") not in ("auto", "fork", "exec"):
         raise ConfigError(f"strategy.launch={options['launch']!r} is unknown: use auto, fork (CPU) or exec")
     start = options.get("start_method")

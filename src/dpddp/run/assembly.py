@@ -147,7 +147,7 @@ def _build_callbacks(
         scores = "out" if predicts_forward else "prob"
         callbacks.append(PredictionWriter(output_dir, scores=scores, forward=predicts_forward))
     settings: dict[int, str] = {}
-    for key, spec in (cfg.callbacks or {}).items():
+    for key, spec in (cfg.get("callbacks") or {}).items():
         if spec is None:
             continue
         callback = build(spec, f"callbacks.{key}")
@@ -155,6 +155,12 @@ def _build_callbacks(
             _own_checkpoint(callback, f"callbacks.{key}", output_dir / "checkpoints", callbacks)
         callbacks.append(callback)
         settings[id(callback)] = f"callbacks.{key}"
+    keeps = (cfg.trainer or {}).get("enable_checkpointing") is not False  # false: no checkpoint wanted
+    if keeps and not any(_writes_last(cb, output_dir / "checkpoints") for cb in callbacks) and _says():
+        log.warning(
+            "no callback writes checkpoints/last.ckpt each epoch (callbacks.last_checkpoint is dropped): a run killed "
+            "(SIGKILL, out of memory) cannot be continued, resume=true starts it fresh; a SIGTERM still writes it"
+        )
     last = [cb for cb in callbacks if settings.get(id(cb)) == "callbacks.last_checkpoint"]
     if last:  # written after every other checkpoint callback's epoch end, so that last.ckpt has their states
         callbacks.remove(last[0])
@@ -162,6 +168,19 @@ def _build_callbacks(
     for contract in (cb for cb in callbacks if isinstance(cb, MetricContract)):
         contract.settings = settings  # its messages name the setting of a callback's monitor
     return callbacks
+
+
+def _says() -> bool:
+    """Whether this process says the run's start-up warnings: global rank 0 of the run, once."""
+    return env_rank() == 0 and not os.environ.get(LAUNCHED_ENV)
+
+
+def _writes_last(callback: pl.Callback, dirpath: Path) -> bool:
+    """Whether ``callback`` writes ``dirpath/last.ckpt``, what a resume continues from."""
+    if not isinstance(callback, ModelCheckpoint) or callback.dirpath is None:
+        return False
+    here = os.path.realpath(callback.dirpath) == os.path.realpath(dirpath)
+    return here and (callback.filename == "last" or bool(callback.save_last))
 
 
 def _own_checkpoint(callback: ModelCheckpoint, setting: str, dirpath: Path, others: list[pl.Callback]) -> None:
@@ -212,7 +231,7 @@ def _warn_global_rng(model: pl.LightningModule, cfg: DictConfig) -> None:
     found = model.named_modules()
     names = [n for n, m in found if isinstance(m, GLOBAL_RNG_LAYERS) and not isinstance(m, SampleDropout)]
     count = replicas(cfg)
-    if names and count > 1 and env_rank() == 0 and not os.environ.get(LAUNCHED_ENV):
+    if names and count > 1 and _says():
         shown = ", ".join(f"model.{n}" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         log.warning(
             f"{shown} draw from the global random stream: with {count} replicas the weights differ from one "
