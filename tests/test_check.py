@@ -93,5 +93,5 @@ def test_a_model_drawing_from_the_global_stream_fails_the_check_in_one_line():
 def test_a_bad_override_is_one_line_and_exit_2_before_training():
     proc = _check("--model", "nosuch")
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: In 'config': Could not find 'model/nosuch'"
+    assert proc.stderr.strip() == "error: In 'config': Could not find 'model/nosuch': choose one of default, mlp"
     assert "samples/s" not in proc.stdout

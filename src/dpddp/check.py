@@ -93,7 +93,9 @@ def _compose(overrides: list[str], config_dir: str | None) -> DictConfig:
         with initialize_config_dir(config_dir=str(Path(__file__).parent / "conf"), version_base="1.3"):
             return compose(config_name="config", overrides=[*TINY, *overrides, *extra])
     except HydraException as err:
-        raise ConfigError((str(err).splitlines() or [type(err).__name__])[0]) from err
+        line = (str(err).splitlines() or [type(err).__name__])[0]
+        known = getattr(err, "options", None)  # a group option none of the config directories has
+        raise ConfigError(f"{line}: choose one of {', '.join(known)}" if known else line) from err
 
 
 def _weights(run_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
