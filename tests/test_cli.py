@@ -159,7 +159,16 @@ def test_the_cli_applies_the_checks_of_train_py(tmp_path, cli_status, args, line
         ),
         (
             ["fit", "--trainer.max_epochs=abc"],
-            "--trainer.max_epochs=abc is invalid (expected int): give a value of that type, see dpddp fit --help",
+            "--trainer.max_epochs=abc is invalid: pl.Trainer takes int or null for max_epochs: see dpddp fit --help",
+        ),
+        (
+            ["fit", "--trainer.deterministic=maybe"],
+            "--trainer.deterministic=maybe is invalid: pl.Trainer takes bool, 'warn' or null for deterministic: see "
+            "dpddp fit --help",
+        ),
+        (
+            ["fit", "--model.lr=abc"],
+            "--model.lr=abc is invalid (expected float): give a value of that type, see dpddp fit --help",
         ),
         (
             ["fit", "--model=nope.Nope"],

@@ -23,6 +23,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 from dpddp._compat import hydra_command_line
 from dpddp._compat.hydra_main import hydra_argument_error
 from dpddp.run.keys import key_hint
+from dpddp.run.trainer_flags import takes
 
 __all__ = [
     "GROUPS",
@@ -323,6 +324,9 @@ def argument_error(message: str, args: list[str], options: list[str], prog: str)
         hint = f"did you mean --{name}.{near[0]}?" if near else f"its options: {', '.join(params)}"
         return f"{given}: {cls} takes no {option} ({hint}): give one of its options, or another --{name}=pkg.Class"
     expected = [m.group(1) for line in inner if (m := re.match(r"Expected a <class '(.+)'>", line))]
+    flag = key.removeprefix("trainer.")
+    if name == "trainer" and option is None and cls is None and (accepts := takes(flag)):
+        return f"{given} is invalid: pl.Trainer takes {accepts} for {flag}: {see}"
     if expected:
         return f"{given} is invalid (expected {' or '.join(expected)}): give a value of that type, {see}"
     detail = reason or next((line for line in inner if not line.startswith("Problem with")), "")

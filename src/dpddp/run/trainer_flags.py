@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpddp.run.keys import TRAINER_OWNED
 
-__all__ = ["TRAINER_ERRORS", "refused_flag"]
+__all__ = ["TRAINER_ERRORS", "refused_flag", "takes"]
 
 TRAINER_ERRORS = (ValueError, TypeError, ImportError, MisconfigurationException)
 """What ``pl.Trainer`` raises for a flag it refuses (``ImportError``: a precision whose package is missing)."""
@@ -67,6 +67,13 @@ def _accepts(hint: Any) -> str:
     return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 
+def takes(flag: str) -> str | None:
+    """What ``pl.Trainer``'s signature takes for ``flag``, in words (``bool, 'warn' or null``); ``None`` for a name
+    it lacks."""
+    hint = typing.get_type_hints(pl.Trainer.__init__).get(flag)
+    return None if hint is None else _accepts(hint)
+
+
 def _mistyped(flags: Mapping[str, Any]) -> str | None:
     """The first flag whose value ``pl.Trainer``'s signature does not take (jsonargparse's check), in one line;
     a null is Lightning's default, never checked."""
@@ -78,8 +85,7 @@ def _mistyped(flags: Mapping[str, Any]) -> str | None:
         if found is None or found.group(1) not in given:
             return f"trainer: {_line(err)}"
         key = found.group(1)
-        hint = typing.get_type_hints(pl.Trainer.__init__)[key]
-        return f"trainer.{key}={given[key]!r} is invalid: pl.Trainer takes {_accepts(hint)} for {key}"
+        return f"trainer.{key}={given[key]!r} is invalid: pl.Trainer takes {takes(key)} for {key}"
     return None
 
 
