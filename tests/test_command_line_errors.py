@@ -706,8 +706,22 @@ def test_a_clean_up_that_fails_does_not_hide_the_write_error(tmp_path, monkeypat
 
     monkeypatch.setattr(TorchCheckpointIO, "save_checkpoint", refused)
     monkeypatch.setattr(Path, "unlink", refused)
-    with pytest.raises(WriteFailed, match="Read-only file system: free space or make it writable"):
+    with pytest.raises(WriteFailed) as err:  # no earlier file: none is said to be whole
         AtomicCheckpointIO().save_checkpoint({"global_step": 1, "state_dict": {}}, tmp_path / "last.ckpt")
+    assert str(err.value).endswith("Read-only file system: free space or make it writable, then resume")
+
+
+def test_a_checkpoint_callbacks_dirpath_that_cannot_be_written_is_refused_before_the_fit(tmp_path):
+    """Its first save would fail after an epoch of training; nothing is made where it points."""
+    parent = tmp_path / "file"
+    parent.write_text("")
+    cfg = compose_cfg("accelerator=cpu", f"callbacks.model_checkpoint.dirpath={parent}/ckpts")
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    assert str(err.value).startswith(f"callbacks.model_checkpoint.dirpath='{parent}/ckpts' cannot be written (")
+    assert str(err.value).endswith("): give a directory you can write, or null for <run dir>/checkpoints")
+    check_config(compose_cfg("accelerator=cpu", f"callbacks.model_checkpoint.dirpath={tmp_path}/new/ckpts"))
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_directory_is_writable_or_says_why(tmp_path):

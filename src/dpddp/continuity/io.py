@@ -42,9 +42,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             with contextlib.suppress(OSError):  # a read-only directory refuses the clean-up too: report the write
                 tmp.unlink(missing_ok=True)
             why = err.strerror or str(err)
+            kept = f" (the earlier {path.name} is whole)" if path.is_file() else ""
             raise WriteFailed(
                 f"cannot write {path.name} in {str(path.parent)!r}: {why}: free space or make it writable, then "
-                f"resume (the earlier {path.name} is whole)"
+                f"resume{kept}"
             ) from err
         self.saved_steps[path.name] = int(checkpoint.get("global_step", -1))
 

@@ -269,6 +269,7 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     if problem := refused_flag(cfg["trainer"] or {}):
         raise ConfigError(problem)
     _check_checkpointing(cfg)
+    _check_checkpoint_dirs(cfg)
     _check_switches(cfg)
     accumulate = (cfg["trainer"] or {}).get("accumulate_grad_batches")
     if accumulate is not None:
@@ -298,16 +299,35 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
         raise ConfigError(f"ckpt_path={str(ckpt)!r} {problem}")
 
 
+def _unwritable_where(directory: Path) -> str | None:
+    """Why ``directory``, or the nearest existing directory above it where it would be made, cannot be written
+    (``dpddp.errors.unwritable``); nothing is made."""
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return unwritable(probe)
+
+
+def _check_checkpoint_dirs(cfg: Mapping) -> None:
+    """A callback's own ``dirpath`` (a ModelCheckpoint's) can be written: its first save would fail after an
+    epoch of training. A remote one (``s3://...``) is its file system's to check."""
+    for key, spec in (cfg.get("callbacks") or {}).items():
+        dirpath = spec.get("dirpath") if isinstance(spec, Mapping) else None
+        if dirpath and "://" not in str(dirpath) and (why := _unwritable_where(Path(str(dirpath)))):
+            raise ConfigError(
+                f"callbacks.{key}.dirpath={str(dirpath)!r} cannot be written ({why}): give a directory you can "
+                "write, or null for <run dir>/checkpoints"
+            )
+
+
 def check_output_dir(output_dir: Path) -> None:
     """The run directory (its ``checkpoints/`` once it has one) can be written, before anything trains.
 
     Raises ``ConfigError``: ``'<dir>' cannot be written (<the system's reason>): <fix>``; a run that has a
     ``last.ckpt`` is told to continue it into another directory."""
     checkpoints = output_dir / "checkpoints"
-    directory = probe = checkpoints if checkpoints.is_dir() else output_dir
-    while not probe.exists() and probe != probe.parent:  # a new run directory: where it would be made; none made
-        probe = probe.parent
-    if why := unwritable(probe):
+    directory = checkpoints if checkpoints.is_dir() else output_dir
+    if why := _unwritable_where(directory):
         last = checkpoints / "last.ckpt"
         elsewhere = f", or continue it in another run directory with ckpt_path={last}" if last.is_file() else ""
         raise ConfigError(f"{str(directory)!r} cannot be written ({why}): make it writable{elsewhere}")
