@@ -196,6 +196,13 @@ def test_an_option_the_cli_does_not_take_is_one_line_naming_it_and_the_nearest(t
     assert cli_status("fit", "--help")[0] == 0
 
 
+def test_a_misspelled_key_of_a_config_file_is_one_line_with_the_nearest(tmp_path, cli_status):
+    (tmp_path / "run.yaml").write_text("trainer:\n  devises: 2\n  max_epochs: 1\n")
+    code, err = cli_status("fit", "--config", str(tmp_path / "run.yaml"))
+    line = "trainer.devises (in a --config file): no such option (nearest: trainer.devices): see dpddp fit --help"
+    assert (code, err.splitlines()) == (2, [f"error: {line}"])
+
+
 def test_the_cli_prints_the_trainer_defaults_that_run_and_keeps_a_value_equal_to_lightnings_default(cli_status):
     """``--print_config`` shows the packaged trainer defaults (``sync_batchnorm: true``: BatchNorm over the global
     batch, the run's ``null``; ``enable_model_summary: false``), and a value given equal to Lightning's own default

@@ -308,6 +308,11 @@ def argument_error(message: str, args: list[str], options: list[str], prog: str)
         given = head.removeprefix("unrecognized arguments: ")
         near = difflib.get_close_matches(given.split()[0].split("=")[0].lstrip("-"), options, n=1, cutoff=0.8)
         return f"{given}: no such option{f' (nearest: --{near[0]})' if near else ''}: {see}"
+    grouped = re.match(r"Group '(.+)' does not accept option '(.+)'", head)  # a key of a --config file
+    if grouped is not None:
+        key = ".".join(grouped.groups())
+        near = difflib.get_close_matches(key, options, n=1, cutoff=0.8)
+        return f"{key} (in a --config file): no such option{f' (nearest: {near[0]})' if near else ''}: {see}"
     parsed = re.match(r'Parser key "(.+?)":\s*(.*)', head)
     if parsed is None:
         return f"{head}: {see}"
