@@ -338,8 +338,12 @@ def test_a_target_that_cannot_be_imported_is_one_line_with_its_cause_before_the_
     (tmp_path / "mods" / "mine" / "broken.py").write_text("1 / 0\n")
     monkeypatch.syspath_prepend(str(tmp_path / "mods"))
     cfg = compose_cfg("accelerator=cpu", *overrides, f"hydra.run.dir={tmp_path / 'run'}")
-    with pytest.raises(SystemExit) as stop:
-        StartChecks().on_run_start(cfg)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            StartChecks().on_run_start(cfg)
+    finally:  # this test's mine is not another test's (a user's module of that name, in the same process)
+        for name in [m for m in sys.modules if m == "mine" or m.startswith("mine.")]:
+            del sys.modules[name]
     assert stop.value.code == 2 and capsys.readouterr().err.splitlines() == [f"error: {line}"]
     assert [r.getMessage() for r in caplog.records if r.name.startswith("hydra")] == []  # no [HYDRA] lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mods"]

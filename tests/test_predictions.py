@@ -104,6 +104,7 @@ def test_a_failed_predict_keeps_the_fit_and_test_metrics(tmp_path):
 def _expected_rows(project: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The test split's rows of ``mine.Blobs()`` (as ``data=dataset`` cuts it, seed 0), and the data set's x, y."""
     sys.path.insert(0, str(project))
+    sys.modules.pop("mine", None)  # another test's module of that name
     try:
         import mine  # the user's module, as the run imports it
 
