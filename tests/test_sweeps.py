@@ -187,7 +187,9 @@ def test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resum
     rows = list(csv.DictReader(open(sweep / "summary.csv")))
     assert [r["status"].split(":")[0] for r in rows] == ["ok", "incomplete"]
     steps = _step(sweep / "0/checkpoints/last.ckpt")  # 2 epochs of 25
-    assert _step(sweep / "1/checkpoints/last.ckpt") == 1 < steps  # at the first check after the SIGTERM
+    # at a check after the SIGTERM, mid-fit: the first batch's on an idle machine, the next (ranks agree about once
+    # a second) when the stop reaches a rank after it; the resume below equals job 0 either way
+    assert 1 <= _step(sweep / "1/checkpoints/last.ckpt") < steps
     assert not (sweep / "1/metrics.json").exists() and not (sweep / ".stop").exists()
 
     command = shlex.split(lines[0].split("resume with ", 1)[1])

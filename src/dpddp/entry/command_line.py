@@ -339,16 +339,3 @@ def argument_error(message: str, args: list[str], options: list[str], prog: str)
         cause = next((line for line in inner if not line.startswith(("Problem with", "Expected a path"))), detail)
         return f"{given}: {cls} cannot be used ({cause}): give an importable class, e.g. --{key}=pkg.Class"
     return f"{given}: {detail or head}: {see}"
-
-
-def cli_usage(stages: tuple[str, ...]) -> str:
-    """The ``dpddp`` command's usage: its subcommands ``stages`` and common options."""
-    return f"dpddp {{{','.join(stages)}}} [--help] [--config FILE] [--print_config] [ARGS]"
-
-
-def unknown_stage(stage: str, stages: tuple[str, ...]) -> str:
-    """One line for a ``dpddp`` command line whose first word ``stage`` is none of ``stages`` (``""``: none)."""
-    near = difflib.get_close_matches(stage, stages, n=1, cutoff=0.5)
-    if not stage:
-        return f"give a subcommand: {cli_usage(stages)}"
-    return f"{stage!r} is not a subcommand{f' (did you mean {near[0]}?)' if near else ''}: {cli_usage(stages)}"

@@ -13,6 +13,7 @@ invocation's ``config.yaml``, ``config-1.yaml``, ... ``fit`` trains, then tests 
 from __future__ import annotations
 
 import atexit
+import difflib
 import gc
 import inspect
 import logging
@@ -36,7 +37,7 @@ from typing_extensions import override
 from dpddp.cluster import run_name
 from dpddp.continuity import stop
 from dpddp.data.random_tensors import RandomTensorDataModule
-from dpddp.entry.command_line import argument_error, cli_usage, unknown_option, unknown_stage
+from dpddp.entry.command_line import argument_error, unknown_option
 from dpddp.errors import (
     KNOWN,
     ConfigError,
@@ -304,3 +305,16 @@ def _resume_command(stage: str, rest: list[str], output_dir: Path) -> str:
 
 if __name__ == "__main__":
     main()
+
+
+def cli_usage(stages: tuple[str, ...]) -> str:
+    """The ``dpddp`` command's usage: its subcommands ``stages`` and common options."""
+    return f"dpddp {{{','.join(stages)}}} [--help] [--config FILE] [--print_config] [ARGS]"
+
+
+def unknown_stage(stage: str, stages: tuple[str, ...]) -> str:
+    """One line for a ``dpddp`` command line whose first word ``stage`` is none of ``stages`` (``""``: none)."""
+    near = difflib.get_close_matches(stage, stages, n=1, cutoff=0.5)
+    if not stage:
+        return f"give a subcommand: {cli_usage(stages)}"
+    return f"{stage!r} is not a subcommand{f' (did you mean {near[0]}?)' if near else ''}: {cli_usage(stages)}"
