@@ -222,23 +222,18 @@ class StartChecks(HydraCallback):
     @override
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         job = OmegaConf.masked_copy(config, [str(k) for k in config if k != "hydra"])
-        try:
-            check_config(job)
-        except ConfigError as err:
-            fail(str(err))
+        _checked(job)
         output_dir = Path(_directory(config, "run"))
         ckpt = to_absolute_path(str(job.ckpt_path)) if job.get("ckpt_path") else None
         resume = continues(job, output_dir, False)
         if problem := directory_problem(job, output_dir, resume, _named(config.hydra), ckpt):
             fail(problem)
-        last, done = output_dir / "checkpoints" / "last.ckpt", completed_metrics(output_dir)
-        typed = OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
-        if resume and ckpt is None and last.is_file() and not (done and done.get("overrides") == typed):
-            job.ckpt_path = str(last)  # what the job continues from: refused now, before .hydra-N/ and train.log
-            try:
-                check_config(job)
-            except ConfigError as err:
-                fail(str(err))
+        last = output_dir / "checkpoints" / "last.ckpt"
+        if resume and ckpt is None and last.is_file():
+            done = completed_metrics(output_dir)  # complete with the same overrides: the job skips it
+            if not (done and done.get("overrides") == OmegaConf.to_container(config.hydra.overrides.task)):
+                job.ckpt_path = str(last)  # what the job continues from: refused now, before .hydra-N/, train.log
+                _checked(job)
         _check_writable(config, "run")
 
     @override
@@ -246,6 +241,14 @@ class StartChecks(HydraCallback):
         for job in sweep_variants(config):  # a key one job lacks: main's one line, before the sweep's directory
             GlobalHydra.instance().config_loader().load_sweep_config(config, job)
         _check_writable(config, "sweep")
+
+
+def _checked(job: DictConfig) -> None:
+    """``check_config`` of the job's config, its refusal ended with ``fail``."""
+    try:
+        check_config(job)
+    except ConfigError as err:
+        fail(str(err))
 
 
 def _named(hydra_cfg: Any) -> bool:
