@@ -125,17 +125,57 @@ def _sources() -> dict[str, str]:
     return {str(path.relative_to(SRC)): path.read_text() for path in SRC.rglob("*.py")}
 
 
+def _trees() -> dict[str, ast.Module]:
+    return {name: ast.parse(text) for name, text in _sources().items()}
+
+
+def _calls_signal_signal(tree: ast.Module) -> bool:
+    """Whether the module calls ``signal.signal`` (as ``signal.signal(...)`` or a ``from signal import signal``)."""
+    direct = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "signal"
+        for alias in node.names
+        if alias.name == "signal"
+    }
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "signal" and isinstance(func.value, ast.Name):
+            if func.value.id == "signal":
+                return True
+        if isinstance(func, ast.Name) and func.id in direct:
+            return True
+    return False
+
+
 def test_one_module_installs_sigterm_handlers():
-    installers = sorted(name for name, text in _sources().items() if "signal.signal(" in text)
+    installers = sorted(name for name, tree in _trees().items() if _calls_signal_signal(tree))
     assert installers == ["continuity/stop.py"]
+
+
+def test_the_signal_walk_finds_both_spellings():
+    assert _calls_signal_signal(ast.parse("import signal\nsignal.signal(signal.SIGTERM, print)"))
+    assert _calls_signal_signal(ast.parse("from signal import signal as s\ns(15, print)"))
+    assert not _calls_signal_signal(ast.parse("import signal\nsignal.getsignal(signal.SIGTERM)"))
+
+
+CHECKPOINT_HOOKS = {"on_save_checkpoint", "on_load_checkpoint", "state_dict", "load_state_dict"}
 
 
 def test_one_owner_writes_the_checkpoints_entries():
     """Lightning's checkpoint hooks (``on_save_checkpoint``, ``state_dict``) are defined only by the resumable
     state's owner, and by the sharding wrapper, which hands a user's data module its own state: no reporter,
-    model or data module of dpddp adds entries of its own."""
-    hooks = re.compile(r"^\s+def (on_save_checkpoint|on_load_checkpoint|state_dict|load_state_dict)\(", re.M)
-    defined = sorted((name, m.group(1)) for name, text in _sources().items() for m in hooks.finditer(text))
+    model or data module of dpddp adds entries of its own (methods of any class, found by walking the AST)."""
+    defined = sorted(
+        (name, item.name)
+        for name, tree in _trees().items()
+        for cls in ast.walk(tree)
+        if isinstance(cls, ast.ClassDef)
+        for item in cls.body
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name in CHECKPOINT_HOOKS
+    )
     assert defined == [
         ("continuity/state.py", "on_load_checkpoint"),
         ("continuity/state.py", "on_save_checkpoint"),
@@ -144,9 +184,34 @@ def test_one_owner_writes_the_checkpoints_entries():
     ]
 
 
-def test_no_source_file_is_over_350_lines():
-    long = {name: text.count("\n") for name, text in _sources().items() if text.count("\n") > 350}
-    assert long == {}
+def _is_main_block(node: ast.stmt) -> bool:
+    test = getattr(node, "test", None)
+    return (
+        isinstance(node, ast.If)
+        and isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+    )
+
+
+def test_no_code_stands_after_the_main_block():
+    """A module's ``if __name__ == "__main__":`` block is its last statement: code below it is not defined when
+    the module runs as ``python -m``."""
+    after = sorted(
+        name
+        for name, tree in _trees().items()
+        for i, node in enumerate(tree.body)
+        if _is_main_block(node) and i != len(tree.body) - 1
+    )
+    assert after == []
+
+
+def test_the_lightning_cli_module_runs_as_a_module():
+    env, _ = child_env()
+    cmd = [sys.executable, "-m", "dpddp.entry.lightning_cli", "--help"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: dpddp {fit,validate,test,predict}")
 
 
 def test_the_code_points_at_nothing_outside_the_repository():
@@ -155,31 +220,33 @@ def test_the_code_points_at_nothing_outside_the_repository():
     assert found == []
 
 
-def _docstring_lines(tree: ast.AST) -> int:
-    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))]
-    nodes += [n for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef)]
-    total = 0
-    for node in nodes:
-        body = node.body
-        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-            if isinstance(body[0].value.value, str):
-                total += body[0].end_lineno - body[0].lineno + 1  # type: ignore[operator]
-    # attribute docstrings: a string statement right after an assignment
+def _docstrings(tree: ast.AST) -> list[str]:
+    """Every docstring of a module: of the module, its classes and functions, and attribute docstrings (a string
+    statement right after an assignment)."""
+    found = []
     for node in ast.walk(tree):
-        for block in (getattr(node, "body", None), getattr(node, "orelse", None)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                if isinstance(first.value.value, str):
+                    found.append(first.value.value)
+        for block in (body, getattr(node, "orelse", None)):
             if not isinstance(block, list):
                 continue
             for before, after in zip(block, block[1:], strict=False):
                 if isinstance(before, (ast.Assign, ast.AnnAssign)) and isinstance(after, ast.Expr):
                     if isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
-                        total += after.end_lineno - after.lineno + 1  # type: ignore[operator]
-    return total
+                        found.append(after.value.value)
+    return found
 
 
-def test_docstrings_are_at_most_22_percent_of_the_code_lines():
-    """The contract in a few lines; narratives and measured figures belong in ``docs/`` or ``bench/``."""
-    lines = docs = 0
+def test_docstrings_are_at_most_a_third_of_the_code_by_characters():
+    """The contract in a few lines; narratives and measured figures belong in ``docs/`` or ``bench/``. Measured in
+    characters (a line count rewards long lines): docstring characters over the characters of the non-blank
+    source lines, leading indentation left out."""
+    code = docs = 0
     for text in _sources().values():
-        lines += sum(1 for line in text.splitlines() if line.strip())
-        docs += _docstring_lines(ast.parse(text))
-    assert docs / lines <= 0.22, f"docstrings are {docs / lines:.1%} of {lines} code lines"
+        code += sum(len(line.strip()) for line in text.splitlines())
+        docs += sum(len(doc) for doc in _docstrings(ast.parse(text)))
+    assert docs / code <= 0.33, f"docstrings are {docs / code:.1%} of {code} characters of code"

@@ -303,10 +303,6 @@ def _resume_command(stage: str, rest: list[str], output_dir: Path) -> str:
     return resume_command(["dpddp", stage], rest, ("--ckpt_path", "--trainer.default_root_dir"), add)
 
 
-if __name__ == "__main__":
-    main()
-
-
 def cli_usage(stages: tuple[str, ...]) -> str:
     """The ``dpddp`` command's usage: its subcommands ``stages`` and common options."""
     return f"dpddp {{{','.join(stages)}}} [--help] [--config FILE] [--print_config] [ARGS]"
@@ -318,3 +314,7 @@ def unknown_stage(stage: str, stages: tuple[str, ...]) -> str:
     if not stage:
         return f"give a subcommand: {cli_usage(stages)}"
     return f"{stage!r} is not a subcommand{f' (did you mean {near[0]}?)' if near else ''}: {cli_usage(stages)}"
+
+
+if __name__ == "__main__":
+    main()
