@@ -17,7 +17,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from omegaconf import OmegaConf
 
 from dpddp.errors import ConfigError, Preempted
-from dpddp.run.config import _check_precision
+from dpddp.run.config import check_precision
 from dpddp.run.training import train
 
 # 1005 samples: 805 train = 16 global batches of 48 an epoch, 48 steps in 3 epochs; 48 divides by 2 and 3.
@@ -126,13 +126,32 @@ def test_16_bit_weights_over_replicas_are_refused_in_one_line(precision):
     """A config mapping (dp over GPUs needs none here): 16-bit weights sum 16-bit gradients."""
     line = f"^trainer.precision={precision} with 4 processes: the weights and the gradient all-reduce would be 16-bit"
     with pytest.raises(ConfigError, match=line):
-        _check_precision(_cfg(precision, "ddp_spawn", 4))
+        check_precision(_cfg(precision, "ddp_spawn", 4))
     with pytest.raises(ConfigError, match=f"^trainer.precision={precision} with 2 GPUs under strategy=dp: the weights"):
-        _check_precision(_cfg(precision, "dp", 2))
-    _check_precision(_cfg(precision, "auto", 1))
+        check_precision(_cfg(precision, "dp", 2))
+    check_precision(_cfg(precision, "auto", 1))
+
+
+REPLICAS = (("dp", 2), ("ddp", 3), ("ddp_spawn", 2), ("auto", 1))
+
+
+def _accepted(precision) -> list[tuple[str, int]]:
+    """The replica kinds of ``REPLICAS`` whose config ``check_precision`` lets through for ``precision``."""
+    accepted = []
+    for strategy, devices in REPLICAS:
+        try:
+            check_precision(_cfg(precision, strategy, devices))
+        except ConfigError:
+            continue
+        accepted.append((strategy, devices))
+    return accepted
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16", "16", "32-true", None])
 def test_mixed_precision_is_offered_on_every_kind_of_replica(precision):
-    for strategy, devices in (("dp", 2), ("ddp", 3), ("ddp_spawn", 2), ("auto", 1)):
-        _check_precision(_cfg(precision, strategy, devices))
+    assert _accepted(precision) == list(REPLICAS)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_16_bit_weights_are_offered_on_one_replica_only(precision):
+    assert _accepted(precision) == [("auto", 1)]

@@ -31,10 +31,21 @@ def _table(run_dir):
         return tuple(reader.fieldnames or ()), list(reader)
 
 
-def _png_ok(path):
+TAB10 = [(0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E), (0x2C, 0xA0, 0x2C)]  # matplotlib's C0, C1, C2
+
+
+def _png_ok(path, runs: int = 1):
+    """The PNG draws each of ``runs`` runs' curves, in its own colour (C0, C1, ...: at least 100 pixels of it,
+    within antialiasing's blend), and no curve of a run more."""
     image = Image.open(path).convert("RGB")
     assert image.size[0] >= 400 and image.size[1] >= 200
-    assert len(image.getcolors(1 << 24) or []) > 2  # lines and text, not a blank canvas
+    counts = {colour: n for n, colour in image.getcolors(1 << 24) or []}
+
+    def pixels(rgb) -> int:
+        return sum(n for c, n in counts.items() if max(abs(a - b) for a, b in zip(c, rgb, strict=True)) <= 24)
+
+    drawn = [pixels(rgb) for rgb in TAB10]
+    assert all(n >= 100 for n in drawn[:runs]) and all(n < 100 for n in drawn[runs:]), drawn
 
 
 def _train_py(*args, cwd, log):
@@ -91,7 +102,7 @@ def test_plot_of_a_run_and_of_a_sweep(tmp_path):
     _png_ok(tmp_path / "sweep/0/curves.png")  # written at the end of the run (matplotlib is in the dev extra)
     out = write_plot(tmp_path / "sweep")
     assert out == tmp_path / "sweep/curves.png"
-    _png_ok(out)
+    _png_ok(out, runs=2)
 
 
 @pytest.mark.parametrize("kind", ["rich", "tqdm"])

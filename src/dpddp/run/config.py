@@ -28,7 +28,7 @@ from dpddp.run.assembly import epoch_lines
 from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, check_targets, target_class
 from dpddp.run.trainer_flags import refused_flag
 
-__all__ = ["check_config", "check_output_dir", "check_resolvable"]
+__all__ = ["check_config", "check_output_dir", "check_precision", "check_resolvable"]
 
 SIZES_FIX = "model.num_features=<features per sample> model.num_classes=<classes>"
 
@@ -130,7 +130,7 @@ HALF_WEIGHTS = ("16-true", "bf16-true", "transformer-engine", "transformer-engin
 """Precisions that hold the weights, and so the gradient all-reduce, in 16 bits."""
 
 
-def _check_precision(cfg: Mapping) -> None:
+def check_precision(cfg: Mapping) -> None:
     """16 bits over several replicas (processes, or GPUs under dp): mixed precision keeps the weights and the
     gradient all-reduce in 32 bits, so what ddp adds stays within what 16 bits cost one process (the promise in
     16 bits, tests/surface.py). A precision with 16-bit weights sums 16-bit gradients: refused there."""
@@ -265,7 +265,7 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
             f"trainer.overfit_batches={overfit!r} is not offered: Lightning replaces the training sampler for it; "
             f"use trainer.limit_train_batches={overfit!r} trainer.limit_val_batches={overfit!r} instead"
         )
-    _check_precision(cfg)
+    check_precision(cfg)
     if problem := refused_flag(cfg["trainer"] or {}):
         raise ConfigError(problem)
     _check_checkpointing(cfg)
