@@ -92,6 +92,12 @@ SURFACE: tuple[Setting, ...] = (
         note="its state is in the checkpoint; a run it ended stays ended when continued",
     ),
     _flag(
+        "a callback that needs a logger (LearningRateMonitor, DeviceStatsMonitor) with logger=none",
+        "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
+        refused="callbacks.lr (LearningRateMonitor) needs a logger, and logger=none: use logger=csv",
+        note="with a logger (logger=csv, ...) it works",
+    ),
+    _flag(
         "trainer.overfit_batches=N",
         "trainer.overfit_batches=2",
         refused="trainer.overfit_batches=2 is not offered: Lightning replaces the training sampler for it",

@@ -218,6 +218,12 @@ def test_a_sweep_checks_its_first_job_of_each_group_option_before_it_starts(over
             "and cannot be continued (callbacks.model_checkpoint=null callbacks.last_checkpoint=null), or remove "
             "trainer.enable_checkpointing",
         ),
+        # a callback that needs a part the run does not have
+        (
+            "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
+            "callbacks.lr (LearningRateMonitor) needs a logger, and logger=none: use logger=csv (or tensorboard, "
+            "mlflow, wandb), or drop it with callbacks.lr=null",
+        ),
     ],
 )
 def test_a_bad_setting_ends_train_py_before_hydra_makes_the_run_directory_and_is_the_only_line(

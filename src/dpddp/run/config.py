@@ -5,12 +5,17 @@ Each message names the setting, the value and what to do instead; unknown keys a
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import math
 import re
+import textwrap
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
@@ -28,7 +33,7 @@ from dpddp.run.assembly import epoch_lines
 from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, check_targets, target_class
 from dpddp.run.trainer_flags import refused_flag
 
-__all__ = ["check_config", "check_output_dir", "check_precision", "check_resolvable"]
+__all__ = ["check_config", "check_output_dir", "check_precision", "check_resolvable", "needs_logger"]
 
 SIZES_FIX = "model.num_features=<features per sample> model.num_classes=<classes>"
 
@@ -178,6 +183,60 @@ def _check_checkpointing(cfg: Mapping) -> None:
         )
 
 
+def _refuses_without_logger(test: ast.expr) -> bool:
+    """Whether ``test`` is Lightning's own no-logger test: ``not <trainer>.loggers``, ``not <trainer>.logger`` or
+    ``<trainer>.logger is None``."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return isinstance(test.operand, ast.Attribute) and test.operand.attr in ("logger", "loggers")
+    if isinstance(test, ast.Compare) and isinstance(test.left, ast.Attribute) and test.left.attr == "logger":
+        return isinstance(test.ops[0], ast.Is) and isinstance(test.comparators[0], ast.Constant)
+    return False
+
+
+@functools.cache
+def needs_logger(cls: type) -> bool:
+    """Whether the callback class ``cls`` raises when the Trainer has no logger: one of its methods, or a base's
+    below ``pl.Callback``, has Lightning's own test (``if not trainer.loggers: raise ...``, as
+    ``LearningRateMonitor.on_train_start`` and ``DeviceStatsMonitor.setup`` do). Read from the source, so no
+    callback is built or run for it."""
+    for base in cls.__mro__:
+        if base in (pl.Callback, object):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+        except (OSError, TypeError, SyntaxError):  # no source (a C or a dynamic class): nothing to read
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and _refuses_without_logger(node.test):
+                if any(isinstance(n, ast.Raise) for stmt in node.body for n in ast.walk(stmt)):
+                    return True
+    return False
+
+
+def _has_logger(cfg: Mapping) -> bool:
+    """Whether the ``logger`` group gives the Trainer a logger: one spec, or a mapping with any spec not null."""
+    logger = cfg.get("logger")
+    if not logger:
+        return False
+    return "_target_" in logger or any(spec for spec in logger.values())
+
+
+def _check_callback_needs(cfg: Mapping) -> None:
+    """A callback that needs a part the run does not have: one that Lightning refuses without a logger
+    (``needs_logger``), with ``logger=none``; it would fail in every process after they started."""
+    if _has_logger(cfg):
+        return
+    for key, spec in (cfg.get("callbacks") or {}).items():
+        if not spec:
+            continue
+        cls = target_class(f"callbacks.{key}", spec)
+        if needs_logger(cls):
+            raise ConfigError(
+                f"callbacks.{key} ({cls.__name__}) needs a logger, and logger=none: use logger=csv (or tensorboard, "
+                f"mlflow, wandb), or drop it with callbacks.{key}=null"
+            )
+
+
 def _interpolations(node: Any, path: tuple = ()) -> Iterable[tuple[tuple, str]]:
     """``(path, value)`` of every string holding an interpolation in the unresolved container ``node``."""
     items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
@@ -269,6 +328,7 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     if problem := refused_flag(cfg["trainer"] or {}):
         raise ConfigError(problem)
     _check_checkpointing(cfg)
+    _check_callback_needs(cfg)
     _check_checkpoint_dirs(cfg)
     _check_switches(cfg)
     accumulate = (cfg["trainer"] or {}).get("accumulate_grad_batches")
