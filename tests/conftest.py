@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -61,14 +62,62 @@ def child_env(**extra: str) -> tuple[dict[str, str], str]:
     return env, env["DPDDP_TEST_TAG"]
 
 
-def run_train(*args: str, cwd: Path, timeout: float = 240, env: dict | None = None):
-    """Run ``train.py`` with one intra-op thread per process; return the CompletedProcess (``.tag`` marks its
-    process tree for ``leftover``)."""
+def run_train(
+    *args: str,
+    cwd: Path,
+    timeout: float = 240,
+    env: dict | None = None,
+    script: str | Path | None = None,
+    quiet: bool = True,
+    check: bool = False,
+):
+    """Run ``train.py`` (``script``: another entry script, relative to ``cwd`` or absolute) with one intra-op
+    thread per process and, with ``quiet``, no progress bar; return the CompletedProcess (``.tag`` marks its
+    process tree for ``leftover``). ``check``: assert exit 0 and no process of the run left."""
     full_env, tag = child_env(**(env or {}))
-    cmd = [sys.executable, str(ROOT / "train.py"), *args, *QUIET]
+    cmd = [sys.executable, str(script or ROOT / "train.py"), *args, *(QUIET if quiet else [])]
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     proc.tag = tag
+    if check:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert leftover(tag) == []
     return proc
+
+
+def run_project(
+    project: Path, *args: str, command: list[str] | None = None, pythonpath=(), check: bool = False, timeout=240
+):
+    """Run a user's project as its README says: ``python train.py ARGS`` (or ``command`` + ARGS) in ``project``,
+    with ``project`` (then ``pythonpath``) on ``PYTHONPATH``; assert no process of it is left (``check``: and exit 0);
+    return the CompletedProcess."""
+    env, tag = child_env(PYTHONPATH=os.pathsep.join([str(project), *map(str, pythonpath)]))
+    cmd = [*(command or [sys.executable, "train.py"]), *args]
+    proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
+    proc.tag = tag
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert leftover(tag) == []
+    return proc
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checkpoint(path: Path) -> dict:
+    """The checkpoint at ``path`` (a ``.ckpt`` file, or a run directory: its ``checkpoints/last.ckpt``), loaded on
+    the CPU with ``weights_only=True``."""
+    path = Path(path)
+    ckpt = path / "checkpoints" / "last.ckpt" if path.is_dir() else path
+    return torch.load(ckpt, map_location="cpu", weights_only=True)
+
+
+def global_step(path: Path) -> int:
+    """The ``global_step`` of ``checkpoint(path)``."""
+    return checkpoint(path)["global_step"]
 
 
 def tagged(tag: str) -> list[psutil.Process]:

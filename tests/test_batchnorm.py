@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_cfg
+from conftest import compose_cfg, free_port
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import nn
 
@@ -263,12 +262,6 @@ def test_sync_batchnorm_false_converts_nothing_and_warns_once_naming_the_modules
 # Several gloo processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -287,7 +280,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 def _gather(world: int, tmp_path: Path) -> dict[str, dict[str, list[torch.Tensor]]]:
     """Run ``_worker`` in ``world`` forked processes (nothing to import again); return each case's results with
     the chunks concatenated."""
-    port, context = _free_port(), multiprocessing.get_context("fork")
+    port, context = free_port(), multiprocessing.get_context("fork")
     procs = [
         context.Process(target=_worker, args=(rank, world, port, str(tmp_path / f"rank{rank}.pt")), daemon=True)
         for rank in range(world)
@@ -415,7 +408,7 @@ def test_without_running_statistics_evaluation_normalises_over_the_global_batch_
     x = torch.arange(24.0).view(8, 3) ** 1.5
     expected = torch.nn.BatchNorm1d(3, track_running_stats=False).eval()(x).detach()
     assert GlobalBatchNorm(3, track_running_stats=False).eval()(x).allclose(expected)  # one process: torch's own
-    port, context = _free_port(), multiprocessing.get_context("fork")
+    port, context = free_port(), multiprocessing.get_context("fork")
     outs = [str(tmp_path / f"{rank}.pt") for rank in range(2)]
     procs = [context.Process(target=_eval_without_running_stats, args=(r, 2, port, outs[r])) for r in range(2)]
     for proc in procs:

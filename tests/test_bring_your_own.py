@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, made_once, metrics
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, made_once, metrics, run_project
 
 from dpddp.run.training import train
 
@@ -131,17 +131,9 @@ def one_process(shared_dir: Path) -> Path:
 
     def make(path: Path) -> None:
         path.mkdir()
-        _run(_project(path), *USER_ARGS, "hydra.run.dir=one")
+        run_project(_project(path), *USER_ARGS, "hydra.run.dir=one", check=True)
 
     return made_once(shared_dir, "users_model_one_process", make) / "one"
-
-
-def _run(cwd: Path, *args: str, command: list[str] | None = None) -> None:
-    env, tag = child_env(PYTHONPATH=str(cwd))
-    cmd = command or [sys.executable, "train.py"]
-    proc = subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert leftover(tag) == []
 
 
 def _weights(run: Path, prefix: str) -> dict[str, torch.Tensor]:
@@ -154,7 +146,7 @@ def _close(a: dict, b: dict, tol: float) -> bool:
 
 
 def test_a_users_model_and_dataset_train_the_same_on_one_and_two_processes(project, one_process):
-    _run(project, *USER_ARGS, *DDP, "hydra.run.dir=two")
+    run_project(project, *USER_ARGS, *DDP, "hydra.run.dir=two", check=True)
     one, two = metrics(one_process), metrics(project / "two")
     assert two["world_size"] == 2 and one["val/acc"] > 0.9
     assert _close(_weights(one_process, "net."), _weights(project / "two", "net."), 1e-5)
@@ -169,7 +161,7 @@ def test_the_lightning_cli_takes_a_users_model_and_data_module_and_equals_the_hy
     command = [str(Path(sys.executable).parent / "dpddp"), "fit", "--model=mine.TwoLayerNet", "--data=mine.BlobsData"]
     args = ["--data.batch_size=32", "--trainer.max_epochs=3", "--trainer.accelerator=cpu"]
     args += ["--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.enable_progress_bar=false"]
-    _run(project, *args, "--trainer.default_root_dir=cli", command=command)
+    run_project(project, *args, "--trainer.default_root_dir=cli", command=command, check=True)
     run = project / "cli/lightning_logs/version_0"
     assert "class_path: mine.TwoLayerNet" in (run / "config.yaml").read_text()
     assert metrics(run)["world_size"] == 2
@@ -181,7 +173,9 @@ def test_the_lightning_cli_takes_a_users_model_and_data_module_and_equals_the_hy
 def test_digits_with_the_mlp_reaches_095_on_one_and_two_processes(tmp_path):
     args = ["data=digits", "model=mlp", "accelerator=cpu", *QUIET]
     train(compose_cfg(*args, "logger=none"), tmp_path / "one")  # what train.py runs, in process
-    _run(tmp_path, *args, *DDP, "hydra.run.dir=two", command=[sys.executable, str(ROOT / "train.py")])
+    run_project(
+        tmp_path, *args, *DDP, "hydra.run.dir=two", command=[sys.executable, str(ROOT / "train.py")], check=True
+    )
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert one["test/acc"] >= 0.95 and two["test/acc"] >= 0.95
     for key in ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc"):
@@ -191,7 +185,7 @@ def test_digits_with_the_mlp_reaches_095_on_one_and_two_processes(tmp_path):
 def test_the_installed_command_trains_from_any_directory(tmp_path):
     command = shutil.which("dpddp-train", path=str(Path(sys.executable).parent))
     assert command, "dpddp-train is not installed next to this Python"
-    _run(tmp_path, "trainer.max_epochs=1", "hydra.run.dir=run", *QUIET, command=[command])
+    run_project(tmp_path, "trainer.max_epochs=1", "hydra.run.dir=run", *QUIET, command=[command], check=True)
     assert metrics(tmp_path / "run")["val/acc"] > 0.5 and (tmp_path / "run/checkpoints/last.ckpt").is_file()
 
 

@@ -1,26 +1,19 @@
 """Processes started by a cluster: torchrun (2 nodes on loopback, standalone), simulated SLURM, mismatches."""
 
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import uuid
 
 import pytest
-from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, metrics
+from conftest import QUIET, ROOT, child_env, compose_cfg, free_port, leftover, metrics
 
 from dpddp.run.training import train
 
 pytestmark = pytest.mark.slow
 SMALL = ["accelerator=cpu", "data.num_samples=606", "trainer.max_epochs=2", *QUIET]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(cmd, cwd, tag, **env):
@@ -41,7 +34,7 @@ FAST_S = 75
 
 
 def _two_nodes(tmp_path, *args, timeout=180):
-    port, tag = _free_port(), uuid.uuid4().hex
+    port, tag = free_port(), uuid.uuid4().hex
     node = ["--nnodes=2", "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}"]
     procs = [
         _start([*TORCHRUN, *node, f"--node_rank={r}", str(ROOT / "train.py"), *args], tmp_path, tag) for r in (0, 1)
@@ -85,7 +78,7 @@ def test_standalone_torchrun_two_processes(tmp_path):
 
 
 def _slurm(tmp_path, ntasks, devices, job_id):
-    tag, port = uuid.uuid4().hex, _free_port()
+    tag, port = uuid.uuid4().hex, free_port()
     env = dict(SLURM_NTASKS=str(ntasks), SLURM_NTASKS_PER_NODE=str(ntasks), SLURM_NNODES="1", SLURM_JOB_NAME="train")
     env.update(SLURM_JOB_ID=job_id, SLURM_NODEID="0", SLURM_NODELIST="127.0.0.1", MASTER_PORT=str(port))
     cmd = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", f"devices={devices}", *SMALL]

@@ -24,6 +24,7 @@ import lightning.pytorch as pl
 import psutil
 import pytest
 import torch
+from conftest import free_port
 from hydra import compose, initialize_config_dir
 from hydra.types import RunMode
 from lightning.fabric.plugins.environments import LightningEnvironment
@@ -589,12 +590,6 @@ def test_counted_step_counts_in_global_step_under_manual_optimization():
     assert not torch.equal(model.layer.weight, before)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_torchrun_hands_its_workers_the_agents_static_store_and_says_so(tmp_path, monkeypatch):
     """The agent (``LocalElasticAgent._start_workers``) sets ``AGENT_STORE_ENV`` to ``"True"`` in every worker whose
     ``MASTER_ADDR``:``MASTER_PORT`` is the agent's own store: ``agent_store`` then reaches that store, which the
@@ -610,7 +605,7 @@ def test_torchrun_hands_its_workers_the_agents_static_store_and_says_so(tmp_path
             return {0: 0}
 
     monkeypatch.setattr(local_elastic_agent, "start_processes", lambda **kw: envs.update(kw["envs"]) or Started())
-    handler = StaticTCPRendezvous("127.0.0.1", _free_port(), 0, 1, "job", 10)
+    handler = StaticTCPRendezvous("127.0.0.1", free_port(), 0, 1, "job", 10)
     spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=handler, entrypoint="python", args=())
     agent = local_elastic_agent.LocalElasticAgent(spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)))
     agent._initialize_workers(agent._worker_group)
@@ -632,7 +627,7 @@ def test_the_c10d_rendezvous_hands_every_round_the_same_shared_store(monkeypatch
 
     monkeypatch.setattr(dynamic_rendezvous, "get_method_name", lambda depth=2: "")  # its event names walk the stack
     params = RendezvousParameters(
-        backend="c10d", endpoint=f"127.0.0.1:{_free_port()}", run_id="job", min_nodes=1, max_nodes=1, is_host=True
+        backend="c10d", endpoint=f"127.0.0.1:{free_port()}", run_id="job", min_nodes=1, max_nodes=1, is_host=True
     )
     handler = get_rendezvous_handler(params)
     try:
@@ -932,3 +927,28 @@ def test_locate_is_what_instantiate_builds_and_raises_import_error_for_a_missing
     )
     with pytest.raises(ImportError, match="Error loading 'dpddp.errors.Nope'"):
         locate("dpddp.errors.Nope")
+
+
+class _IteratorAgain(pl.Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        state = torch.get_rng_state()
+        _compat.restart_train_iterator(trainer)
+        after = torch.get_rng_state()
+        torch.set_rng_state(state)
+        torch.empty((), dtype=torch.int64).random_()  # what a DataLoader iterator draws for its base seed
+        self.one_draw = torch.equal(torch.get_rng_state(), after)
+
+
+class _NoFetcher:
+    fit_loop = object()
+
+
+def test_restart_train_iterator_makes_the_fits_loader_iterator_again_from_the_global_stream(tmp_path):
+    """At ``on_train_start`` the fit's first iterator exists (``setup_data``); making it again draws one base seed
+    from the global stream, as the epoch loop's iterator at a later epoch's start does."""
+    seen = _IteratorAgain()
+    trainer = pl.Trainer(max_steps=1, logger=False, callbacks=[seen], default_root_dir=tmp_path, **_QUIET_BAR)
+    trainer.fit(BoringModel())
+    assert seen.one_draw
+    with pytest.raises(RuntimeError, match="lightning moved _FitLoop._data_fetcher"):
+        _compat.restart_train_iterator(_NoFetcher())  # type: ignore[arg-type]

@@ -6,8 +6,7 @@ import json
 import warnings
 
 import pytest
-import torch
-from conftest import QUIET, compose_cfg, max_diff, weights
+from conftest import QUIET, compose_cfg, global_step, max_diff, weights
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from dpddp.continuity.io import AtomicCheckpointIO
@@ -16,10 +15,6 @@ from dpddp.run.training import train
 
 # 805 training samples / 64 = 12 global batches per epoch
 BASE = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "model.optimizer=adam", "model.lr=0.01"]
-
-
-def _step(run):
-    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
 
 
 @pytest.mark.parametrize(
@@ -37,7 +32,7 @@ def test_a_run_stopped_by_a_limit_and_continued_equals_a_straight_run(tmp_path, 
     ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
     train(compose_cfg(*BASE, "trainer.max_epochs=4", *then, f"ckpt_path={ckpt}"), tmp_path / "continued")
     train(compose_cfg(*BASE, "trainer.max_epochs=4", *then), tmp_path / "straight")
-    assert _step(tmp_path / "continued") == _step(tmp_path / "straight")
+    assert global_step(tmp_path / "continued") == global_step(tmp_path / "straight")
     diff = max_diff(
         weights(tmp_path / "continued/checkpoints/last.ckpt"), weights(tmp_path / "straight/checkpoints/last.ckpt")
     )
@@ -51,7 +46,7 @@ def test_last_ckpt_and_metrics_are_the_final_weights_whatever_the_validation_sch
     """``last.ckpt`` holds the final step; ``val/*`` in metrics.json are the final weights' (a validation of
     ``last.ckpt`` gives the same numbers)."""
     result = train(compose_cfg(*BASE, "trainer.max_epochs=2", limit), tmp_path / "run")
-    step = _step(tmp_path / "run")
+    step = global_step(tmp_path / "run")
     assert step == (5 if "max_steps" in limit else 24)
     again = train(compose_cfg(*BASE, f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}"), tmp_path / "v", "validate")
     assert again["val/loss"] == pytest.approx(result["val/loss"], abs=1e-7)
@@ -113,7 +108,7 @@ def test_flags_that_rebuild_or_cut_loaders_keep_exact_resume(tmp_path, flag):
     ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
     train(compose_cfg(*BASE, "trainer.max_epochs=3", flag, f"ckpt_path={ckpt}"), tmp_path / "continued")
     train(compose_cfg(*BASE, "trainer.max_epochs=3", flag), tmp_path / "straight")
-    assert _step(tmp_path / "continued") == _step(tmp_path / "straight")
+    assert global_step(tmp_path / "continued") == global_step(tmp_path / "straight")
     a, b = weights(tmp_path / "continued/checkpoints/last.ckpt"), weights(tmp_path / "straight/checkpoints/last.ckpt")
     assert max_diff(a, b) <= 1e-6
 
@@ -133,7 +128,7 @@ def test_sigterm_inside_an_accumulation_window_resumes_exactly(tmp_path, accumul
     train(compose_cfg(*args, f"ckpt_path={ckpt}"), tmp_path / "resumed")
     train(compose_cfg(*args), tmp_path / "straight")
     a, b = weights(tmp_path / "resumed/checkpoints/last.ckpt"), weights(tmp_path / "straight/checkpoints/last.ckpt")
-    assert _step(tmp_path / "resumed") == _step(tmp_path / "straight") and max_diff(a, b) <= 1e-6
+    assert global_step(tmp_path / "resumed") == global_step(tmp_path / "straight") and max_diff(a, b) <= 1e-6
 
 
 ES = [
@@ -150,7 +145,7 @@ def test_a_run_ended_by_early_stopping_stays_ended_when_continued(tmp_path, capl
     with caplog.at_level("INFO", logger="dpddp.report.epochs"):
         first = train(compose_cfg(*BASE, *ES, "trainer.max_epochs=10"), tmp_path / "first")
     ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
-    stopped = _step(tmp_path / "first")
+    stopped = global_step(tmp_path / "first")
     assert stopped < 10 * 12 and stopped % 12 == 0  # EarlyStopping ended it, at an epoch's end
     (line,) = [r.getMessage() for r in caplog.records if "EarlyStopping" in r.getMessage()]
     assert line.startswith(
@@ -165,7 +160,7 @@ def test_a_run_ended_by_early_stopping_stays_ended_when_continued(tmp_path, capl
     assert continued["segments"] == first["segments"] == 1 and continued["train_time_s"] <= first["train_time_s"]
     assert continued["train/loss"] == first["train/loss"]  # the final row's, not null
     train(compose_cfg(*BASE, *ES, "trainer.max_epochs=20"), tmp_path / "straight")
-    assert _step(tmp_path / "continued") == _step(tmp_path / "straight") == stopped
+    assert global_step(tmp_path / "continued") == global_step(tmp_path / "straight") == stopped
     a, b = weights(tmp_path / "continued/checkpoints/last.ckpt"), weights(tmp_path / "straight/checkpoints/last.ckpt")
     assert max_diff(a, b) == 0 and continued["val/loss"] == first["val/loss"]
 
@@ -177,7 +172,7 @@ def test_a_stop_by_max_steps_before_any_validation_warns_of_no_missing_metric(tm
         warnings.simplefilter("always")
         result = train(compose_cfg(*BASE, "trainer.max_steps=5"), tmp_path)
     assert not [str(w.message) for w in caught if "metric contract" in str(w.message)]
-    assert result["val/loss"] > 0 and result["val/acc"] > 0 and _step(tmp_path) == 5
+    assert result["val/loss"] > 0 and result["val/acc"] > 0 and global_step(tmp_path) == 5
 
 
 def test_fast_dev_run_writes_no_checkpoint(tmp_path):

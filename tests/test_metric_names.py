@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_env, leftover, metrics
+from conftest import metrics, run_project
 from omegaconf import OmegaConf
 from test_bring_your_own import MINE, USER_ARGS, _project
 
@@ -31,16 +29,9 @@ def _names_project(tmp_path: Path) -> Path:
     return project
 
 
-def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env, tag = child_env(PYTHONPATH=str(cwd))
-    proc = subprocess.run([sys.executable, "train.py", *args], cwd=cwd, env=env, capture_output=True, text=True)
-    assert leftover(tag) == []
-    return proc
-
-
 def test_a_model_logging_its_own_names_checkpoints_by_the_monitor_it_is_given(tmp_path):
     project = _names_project(tmp_path)
-    proc = _run(project, *USER_ARGS, *BY_NAME, "logger=csv", "hydra.run.dir=run")
+    proc = run_project(project, *USER_ARGS, *BY_NAME, "logger=csv", "hydra.run.dir=run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = project / "run"
     with open(run / "csv/version_0/metrics.csv") as f:
@@ -58,7 +49,7 @@ def test_a_sweep_optimises_the_monitor_a_model_logs(tmp_path):
     """Optuna minimises val_loss (the checkpoint's monitor); the summary shows it for each trial."""
     project = _names_project(tmp_path)
     search = ["hparams_search=optuna", "hydra.sweeper.n_trials=2", "hydra.sweep.dir=opt"]
-    proc = _run(project, *USER_ARGS, *BY_NAME[:1], "trainer.max_epochs=1", *search)
+    proc = run_project(project, *USER_ARGS, *BY_NAME[:1], "trainer.max_epochs=1", *search)
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = [json.loads((project / f"opt/{j}/metrics.json").read_text()) for j in (0, 1)]
     assert all(j["objective"] == "val_loss" and j["val/loss"] is None for j in jobs)  # logged under its own name
@@ -71,7 +62,7 @@ def test_a_sweep_optimises_the_monitor_a_model_logs(tmp_path):
 
 def test_a_monitored_name_the_model_does_not_log_is_one_line_without_a_traceback(tmp_path):
     project = _names_project(tmp_path)
-    proc = _run(project, *USER_ARGS, "trainer.max_epochs=3", "hydra.run.dir=run")
+    proc = run_project(project, *USER_ARGS, "trainer.max_epochs=3", "hydra.run.dir=run")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "MisconfigurationException" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (

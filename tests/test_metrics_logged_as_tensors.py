@@ -5,12 +5,8 @@ what such a value is; train/loss logged without sync_dist gets the same kind of 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from conftest import child_env, leftover, metrics
+from conftest import metrics, run_project
 from test_bring_your_own import USER_ARGS, _project
 
 pytestmark = pytest.mark.slow
@@ -36,14 +32,6 @@ class TensorLogged(TwoLayerNet):
 EVAL = ("val/loss", "val/acc", "test/loss", "test/acc")
 
 
-def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env, tag = child_env(PYTHONPATH=str(cwd))
-    proc = subprocess.run([sys.executable, "train.py", *args], cwd=cwd, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert leftover(tag) == []
-    return proc
-
-
 @pytest.mark.parametrize(
     ("devices", "num_samples", "batch_size"),
     [(2, 651, 32), (3, 621, 30)],
@@ -54,8 +42,8 @@ def test_tensor_metrics_with_sync_dist_equal_one_process_with_a_warning(tmp_path
     (project / "tensors.py").write_text(TENSORS)
     args = [*USER_ARGS, "model._target_=tensors.TensorLogged", f"+data.dataset.num_samples={num_samples}"]
     args += [f"data.batch_size={batch_size}", "trainer.max_epochs=1"]
-    _run(project, *args, "hydra.run.dir=one")
-    many = _run(project, *args, "strategy=ddp", f"devices={devices}", "hydra.run.dir=many")
+    run_project(project, *args, "hydra.run.dir=one", check=True)
+    many = run_project(project, *args, "strategy=ddp", f"devices={devices}", "hydra.run.dir=many", check=True)
     one, written = metrics(project / "one"), metrics(project / "many")
     for key in EVAL:  # the split's last batch leaves at least one rank an empty chunk
         assert written[key] is not None and written[key] == pytest.approx(one[key], abs=1e-5), key

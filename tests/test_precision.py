@@ -12,7 +12,7 @@ import sys
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, max_diff, metrics, weights
+from conftest import QUIET, ROOT, child_env, compose_cfg, global_step, leftover, max_diff, metrics, weights
 from lightning.pytorch.plugins.precision import MixedPrecision
 from omegaconf import OmegaConf
 
@@ -30,10 +30,6 @@ JOBS = [("plain", 2), ("plain", 3), ("accumulate", 2), ("executions", 2), ("accu
 
 def _w(run):
     return weights(run / "checkpoints/last.ckpt")
-
-
-def _step(run):
-    return torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"]
 
 
 @pytest.mark.slow
@@ -66,7 +62,7 @@ def test_16_bits_over_2_and_3_processes_add_at_most_three_times_what_16_bits_cos
         added = max_diff(_w(many), _w(one))
         print(f"{variant} ddp({devices}) {precision[i]}: ddp adds {added:.2e}, 16 bits cost one process {cost:.2e}")
         assert metrics(many)["world_size"] == devices and metrics(many)["precision"] == "bf16-mixed"
-        assert _step(many) == _step(one) == _step(f32) == (48 if variant != "accumulate" else 24)
+        assert global_step(many) == global_step(one) == global_step(f32) == (48 if variant != "accumulate" else 24)
         assert 1e-5 < cost < 1e-2  # 16 bits did round: the bound is not vacuous
         assert added <= 3 * max(1e-5, cost), (variant, devices)
 
@@ -79,7 +75,7 @@ def test_a_sigterm_in_bf16_then_continued_equals_the_straight_bf16_run(tmp_path)
         train(compose_cfg(*args, *kill), tmp_path / "run")
     assert stop.value.step == 22  # the stop check runs before the helper: the next step end, mid-epoch 2
     resumed = train(compose_cfg(*args, f"ckpt_path={tmp_path}/run/checkpoints/last.ckpt"), tmp_path / "resumed")
-    assert _step(tmp_path / "resumed") == _step(tmp_path / "straight") == 48
+    assert global_step(tmp_path / "resumed") == global_step(tmp_path / "straight") == 48
     assert max_diff(_w(tmp_path / "resumed"), _w(tmp_path / "straight")) <= 1e-6
     assert resumed["train/loss"] == pytest.approx(straight["train/loss"], abs=1e-6)
     assert straight["precision"] == metrics(tmp_path / "resumed")["precision"] == "bf16-mixed"
@@ -108,7 +104,7 @@ def test_the_gradient_scalers_state_travels_in_the_checkpoint_and_a_stop_continu
     assert first["scale"] != 2.0**20 and first["growth_interval"] == 4  # it backed off and grew: real state
     train(compose_cfg(*args, f"ckpt_path={tmp_path}/first/checkpoints/last.ckpt"), tmp_path / "continued")
     assert _scaler(tmp_path / "continued") == _scaler(tmp_path / "straight")
-    assert _step(tmp_path / "continued") == _step(tmp_path / "straight") == 48
+    assert global_step(tmp_path / "continued") == global_step(tmp_path / "straight") == 48
     assert max_diff(_w(tmp_path / "continued"), _w(tmp_path / "straight")) <= 1e-6
 
 

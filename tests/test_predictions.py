@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, metrics
+from conftest import QUIET, ROOT, compose_cfg, metrics, run_project
 from test_any_data import PerSample
 from test_bring_your_own import USER_ARGS, _project
 from torch.utils.data import Subset, TensorDataset
@@ -117,19 +116,20 @@ def _expected_rows(project: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return dm.splits["test"].ids, blobs.x, blobs.y  # type: ignore[attr-defined]
 
 
-def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env, tag = child_env(PYTHONPATH=f"{cwd}:{ROOT / 'tests'}")
-    proc = subprocess.run([sys.executable, "train.py", *args], cwd=cwd, env=env, capture_output=True, text=True)
-    assert leftover(tag) == []
-    return proc
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2])
 def test_the_readme_template_model_predicts_the_data_sets_rows(tmp_path, devices):
     project = _project(tmp_path)
     ddp = ["strategy=ddp", "devices=2"] if devices == 2 else []
-    proc = _run(project, *USER_ARGS, *ddp, "trainer.max_epochs=1", "predict=true", "hydra.run.dir=run")
+    proc = run_project(
+        project,
+        *USER_ARGS,
+        *ddp,
+        "trainer.max_epochs=1",
+        "predict=true",
+        "hydra.run.dir=run",
+        pythonpath=[ROOT / "tests"],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"predictions: {project / 'run/predictions.csv'} (101 rows)" in proc.stderr + proc.stdout
     rows = _rows(project / "run/predictions.csv")
@@ -153,7 +153,7 @@ def test_a_failed_predict_in_a_sweep_keeps_the_jobs_metrics_and_says_predict_fai
     project = _project(tmp_path)
     boom = ["+callbacks.boom._target_=conftest.PredictFails", "predict=true", "trainer.max_epochs=1"]
     sweep = ["-m", *USER_ARGS, *boom, "seed=0", "hydra.sweep.dir=sweep"]
-    proc = _run(project, *sweep)
+    proc = run_project(project, *sweep, pythonpath=[ROOT / "tests"])
     assert proc.returncode == 1, proc.stderr[-3000:]
     error = (project / "sweep/0/error.txt").read_text()
     said = "PredictFailed: predict failed (metrics.json of the fit and test is written): RuntimeError: injected"
@@ -163,7 +163,9 @@ def test_a_failed_predict_in_a_sweep_keeps_the_jobs_metrics_and_says_predict_fai
     (row,) = _rows(project / "sweep/summary.csv")
     assert row["status"] == f"failed: {error.strip()}"
     assert float(row["test/acc"]) == written["test/acc"] and float(row["val/loss"]) < 1  # the row keeps them
-    again = _run(project, *sweep)  # the same command runs it again: a failed predict is not a complete job
+    again = run_project(
+        project, *sweep, pythonpath=[ROOT / "tests"]
+    )  # the same command runs it again: a failed predict is not a complete job
     assert again.returncode == 1 and "already complete" not in again.stderr + again.stdout
     assert json.loads((project / "sweep/0/metrics.json").read_text())["predict_error"]
 
