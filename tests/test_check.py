@@ -1,21 +1,25 @@
-"""``python -m dpddp.check``: the report's parts, promise 1 measured on the user's model, and its exit status."""
+"""``python -m dpddp.check``: the report's parts, promise 1 measured on the user's model, and its exit status;
+``--stops``: promise 3 on the user's setup."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, child_env
 
-from dpddp.check import TOLERANCE, _compose, overrides_of
+from dpddp.check import STOPS_TOLERANCE, TOLERANCE, _compose, compare, overrides_of
 
 
-def _check(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env, _ = child_env(PYTHONPATH=str(ROOT / "tests"))
+def _check(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env, _ = child_env(PYTHONPATH=os.pathsep.join([str(cwd or ROOT), str(ROOT / "tests")]))
     return subprocess.run(
-        [sys.executable, "-m", "dpddp.check", *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "dpddp.check", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -95,3 +99,59 @@ def test_a_bad_override_is_one_line_and_exit_2_before_training():
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: In 'config': Could not find 'model/nosuch': choose one of default, mlp"
     assert "samples/s" not in proc.stdout
+
+
+def _last_ckpt(run_dir: Path, count: int, lr: float) -> Path:
+    """A run directory whose ``last.ckpt`` has a callback counting to ``count`` and an optimizer at ``lr``."""
+    (run_dir / "checkpoints").mkdir(parents=True)
+    ckpt = {
+        "global_step": 6,
+        "state_dict": {"net.weight": torch.ones(2, 3)},
+        "optimizer_states": [{"state": {}, "param_groups": [{"lr": lr, "params": [0]}]}],
+        "lr_schedulers": [],
+        "callbacks": {"Counter": {"count": count, "path": str(run_dir / "checkpoints" / "best.ckpt")}},
+        "dpddp": {"random": [{"torch": torch.arange(4, dtype=torch.uint8)}]},
+    }
+    torch.save(ckpt, run_dir / "checkpoints" / "last.ckpt")
+    torch.save({"epoch_starts": [3], "attributes": {"Counter": {"count": count}}}, run_dir / "check_stops.pt")
+    return run_dir
+
+
+def test_the_stops_comparison_names_the_first_piece_that_differs_and_by_how_much(tmp_path):
+    straight = _last_ckpt(tmp_path / "straight", count=6, lr=0.1)
+    assert compare(straight, _last_ckpt(tmp_path / "same", count=6, lr=0.1), "limit") == (0.0, None)  # paths: <run>
+    gap, line = compare(straight, _last_ckpt(tmp_path / "counter", count=3, lr=0.1), "SIGTERM")
+    assert (gap, line) == (3.0, "callbacks.Counter: count 3 apart after a SIGTERM continue")
+    gap, line = compare(straight, _last_ckpt(tmp_path / "both", count=3, lr=0.1 + 1e-3), "SIGKILL")
+    assert gap > STOPS_TOLERANCE and line == (
+        "optimizer: 0.param_groups.0.lr 0.001 apart after a SIGKILL continue; callbacks.Counter: its count is 3 apart "
+        "at the end, and its state_dict does not restore it: keep it in the callback's state_dict and load_state_dict"
+    )
+
+
+@pytest.mark.slow
+def test_a_callback_whose_state_dict_leaves_out_its_count_fails_the_stops_check_naming_it():
+    proc = _check("--stops", "data.num_samples=1000", "+callbacks.counter._target_=users_models.BatchCounter")
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    # 800 samples to train, 12 batches of 64 an epoch: 24 steps, the limit drawn at step 13 (seed 0)
+    assert re.fullmatch(
+        r"error: weights: linear\.(weight|bias) \S+ apart after a limit continue; callbacks\.BatchCounter: its count "
+        r"is 13 apart at the end, and its state_dict does not restore it: keep it in the callback's state_dict and "
+        r"load_state_dict",
+        lines[0],
+    )
+    assert "stops: the straight run takes 24 steps; a limit at step 13," in proc.stdout
+    assert "continued equals" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_stops_check_of_one_epoch_is_one_line_and_exit_2():
+    proc = _check("--stops", "trainer.max_epochs=1", "data.num_samples=500")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: --stops needs 2 epochs and 3 steps or more (this run: 6 steps in 1 epoch): set trainer.max_epochs=2 "
+        "or more"
+    )
+    assert "continued" not in proc.stdout

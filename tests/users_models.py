@@ -33,6 +33,25 @@ class GlobalDropoutMLP(MLPClassifier):
         return super().training_step((x + noise, y), batch_idx)
 
 
+class BatchCounter(pl.Callback):
+    """A user's callback that breaks promise 3: it counts the training batches and sets the learning rate by the
+    count (``lr / (1 + count / 10)``), but its ``state_dict`` holds only ``lr``, so a continued run counts from 0."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        self.lr, self.count = lr, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        for group in trainer.optimizers[0].param_groups:
+            group["lr"] = self.lr / (1 + self.count / 10)
+        self.count += 1
+
+    def state_dict(self) -> dict:
+        return {"lr": self.lr}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.lr = state_dict["lr"]
+
+
 class PlateauMLP(MLPClassifier):
     """SGD with ``ReduceLROnPlateau`` on ``val/loss`` (``patience=0``: a step at most every epoch)."""
 

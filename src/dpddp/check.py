@@ -1,22 +1,29 @@
 """``python -m dpddp.check``: is data parallelism working on this machine, and is it worth it? Prints the versions,
 the devices, the network interface and launcher variables, then trains one process against ``ddp`` with 2
 processes (and ``dp`` over the GPUs, where there are two or more) and compares their final weights with
-promise 1's tolerance. Exit 0 when it holds, 1 with one ``error:`` line when it does not, 2 for a bad setting."""
+promise 1's tolerance. Exit 0 when it holds, 1 with one ``error:`` line when it does not, 2 for a bad setting.
+``--stops``: promise 3 instead, the tiny run stopped three ways and continued (``check_stops``)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import platform
+import random
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
@@ -24,13 +31,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from dpddp.cluster import RANK_VARIABLES, register_resolvers
+from dpddp.entry.run_dir import hydra_value
 from dpddp.errors import ConfigError, first_line
 from dpddp.network import choose_interface
 from dpddp.nn import SampleDropout
 from dpddp.run.assembly import GLOBAL_RNG_LAYERS
 from dpddp.run.training import isolated_job, train
 
-__all__ = ["TOLERANCE", "main", "overrides_of"]
+__all__ = ["STOPS_TOLERANCE", "TOLERANCE", "StopAt", "check_stops", "compare", "main", "overrides_of"]
 
 TOLERANCE = 1e-5
 """Promise 1: ddp and dp end with the weights of one process to about this (largest absolute difference)."""
@@ -211,12 +219,215 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> int:
     return 1
 
 
+STOPS_TOLERANCE = 1e-6
+"""Promise 3: a continued run ends with the straight run's state to this (largest absolute difference)."""
+ONE_PROCESS = ["accelerator=cpu", "strategy=auto", "devices=1"]
+STOP_CALLBACK = "+callbacks.check_stop._target_=dpddp.check.StopAt"
+RECORD = "check_stops.pt"
+# train.py's program: SIGTERM held from the first line until the entry point takes it.
+PROGRAM = "import signal; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); "
+PROGRAM += "from dpddp.entry.hydra import main; main()"
+OWN_PACKAGES = ("lightning", "pytorch_lightning", "dpddp", "torch")
+
+
+class StopAt(pl.Callback):
+    """The ``--stops`` runs' callback: sends this process ``signal`` (``"SIGTERM"``, ``"SIGKILL"``; ``""``: none)
+    before the training batch that takes global step ``step + 1``. At the fit's end it writes ``check_stops.pt``
+    into the run directory: the global steps at which this fit's later epochs started, and the numbers and
+    tensors each of the user's callbacks holds as attributes (what its ``state_dict`` may leave out)."""
+
+    def __init__(self, signal: str = "", step: int = -1) -> None:
+        self.signal, self.step = signal, step
+        self.epoch_starts: list[int] = []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step:
+            self.epoch_starts.append(trainer.global_step)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.signal and trainer.global_step == self.step:
+            os.kill(os.getpid(), getattr(signal, self.signal))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        users = [cb for cb in callbacks if type(cb).__module__.split(".")[0] not in OWN_PACKAGES]
+        record = {"epoch_starts": self.epoch_starts, "attributes": {cb.state_key: _numbers(cb) for cb in users}}
+        torch.save(record, Path(trainer.default_root_dir) / RECORD)
+
+
+def _numbers(callback: pl.Callback) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for name, value in vars(callback).items():
+        if isinstance(value, (bool, int, float, torch.Tensor)):
+            found[name] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+    return found
+
+
+def _leaves(value: Any, name: str, run_dir: Path) -> dict[str, Any]:
+    """``value`` flattened to its leaves by dotted name; ``run_dir`` in a string or key reads ``<run>``."""
+    if isinstance(value, (dict, list, tuple)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        found: dict[str, Any] = {}
+        for key, item in items:
+            key = str(key).replace(str(run_dir), "<run>")
+            found.update(_leaves(item, f"{name}.{key}" if name else key, run_dir))
+        return found
+    return {name: value.replace(str(run_dir), "<run>") if isinstance(value, str) else value}
+
+
+def _gap(a: Any, b: Any) -> float:
+    """How far apart two leaves are: numbers and tensors by their largest absolute difference (equal values, NaN
+    and infinities included, are 0 apart); anything else 0 when equal, else ``inf``."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape:
+            return math.inf
+        x, y = a.double(), b.double()
+        gaps = torch.where((x == y) | (x.isnan() & y.isnan()), 0.0, (x - y).abs()).nan_to_num(math.inf)
+        return float(gaps.max()) if gaps.numel() else 0.0
+    numbers = (bool, int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers):
+        if a == b or (math.isnan(a) and math.isnan(b)):
+            return 0.0
+        apart = abs(float(a) - float(b))
+        return math.inf if math.isnan(apart) else apart
+    return 0.0 if type(a) is type(b) and a == b else math.inf
+
+
+def _pieces(ckpt: dict) -> dict[str, Any]:
+    """A checkpoint's state in the order ``--stops`` compares it."""
+    found = {"weights": ckpt.get("state_dict"), "optimizer": ckpt.get("optimizer_states")}
+    found["schedulers"] = ckpt.get("lr_schedulers")
+    found.update({f"callbacks.{key}": state for key, state in (ckpt.get("callbacks") or {}).items()})
+    found["random"] = (ckpt.get("dpddp") or {}).get("random")
+    return found
+
+
+def compare(straight: Path, continued: Path, kind: str) -> tuple[float, str | None]:
+    """Compare two run directories' ``last.ckpt``: the weights (``state_dict``), the optimizer and scheduler
+    states, each ``checkpoint["callbacks"]`` entry and the random states (``checkpoint["dpddp"]["random"]``),
+    in that order. Returns the largest difference, and the one line (no ``error:``) naming the first piece that
+    differs by more than ``STOPS_TOLERANCE`` and by how much (with a user's callback attribute that differs too,
+    from ``StopAt``'s record), or ``None``."""
+    ckpts = [
+        torch.load(d / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+        for d in (straight, continued)
+    ]
+    ours, theirs = (_pieces(c) for c in ckpts)
+    worst = 0.0
+    for name in [*ours, *(n for n in theirs if n not in ours)]:
+        if name not in ours or name not in theirs:
+            return (
+                math.inf,
+                f"{name}: in the {'straight' if name in ours else 'continued'} run only, after a {kind} continue",
+            )
+        left, right = _leaves(ours[name], "", straight), _leaves(theirs[name], "", continued)
+        if left.keys() != right.keys():
+            odd = next(k for k in [*left, *right] if k not in left or k not in right)
+            return math.inf, f"{name}: {odd} is in one run's state only, after a {kind} continue"
+        gaps = {k: _gap(left[k], right[k]) for k in left}
+        where = max(gaps, key=gaps.__getitem__, default="")
+        if gaps.get(where, 0.0) > STOPS_TOLERANCE:
+            steps = [int(c["global_step"]) for c in ckpts]
+            line = f"{name}: {where + ' ' if where else ''}{gaps[where]:.2g} apart after a {kind} continue"
+            line += f" (at step {steps[1]} against {steps[0]})" if steps[0] != steps[1] else ""
+            return gaps[where], line + ("" if name.startswith("callbacks.") else _attribute_cause(straight, continued))
+        worst = max(worst, gaps.get(where, 0.0))
+    return worst, None
+
+
+def _attribute_cause(straight: Path, continued: Path) -> str:
+    """``; callbacks.<key>: its <attribute> ...`` for the first user's callback attribute apart at the end."""
+    if not ((straight / RECORD).is_file() and (continued / RECORD).is_file()):
+        return ""
+    ours, theirs = (torch.load(d / RECORD, weights_only=True)["attributes"] for d in (straight, continued))
+    for key, numbers in ours.items():
+        for name, value in numbers.items():
+            if name in theirs.get(key, {}) and (apart := _gap(value, theirs[key][name])) > STOPS_TOLERANCE:
+                return (
+                    f"; callbacks.{key}: its {name} is {apart:.2g} apart at the end, and its state_dict does not "
+                    "restore it: keep it in the callback's state_dict and load_state_dict"
+                )
+    return ""
+
+
+def _entry_point(args: list[str], expect: int, what: str) -> None:
+    """Run the training entry point (train.py's) with ``args``. Raises ``RuntimeError`` with its last line unless
+    it exits ``expect``."""
+    proc = subprocess.run([sys.executable, "-c", PROGRAM, *args], capture_output=True, text=True)
+    if proc.returncode != expect:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the {what} run ended with exit {proc.returncode}, not {expect}: {last}")
+
+
+def check_stops(overrides: list[str], config_dir: str | None, work: Path) -> int:
+    """``--stops``: train the tiny run straight on one process, then stopped at seeded random steps (a limit, a
+    SIGTERM mid-epoch, a SIGKILL after an epoch's ``last.ckpt``) and continued; print one line per stop kind.
+    Returns the exit status: 0, every continued run ``compare``s equal; 1, one does not (one ``error:`` line).
+
+    Raises ``ConfigError`` (a setting; a run of fewer than 2 epochs or 3 steps) and ``RuntimeError`` (a stop or a
+    continue that did not end as it should)."""
+    base = [*overrides, *ONE_PROCESS, STOP_CALLBACK]
+    straight = work / "straight"
+    straight.mkdir()
+    cfg = _compose(base, config_dir)
+    _train(cfg, straight)
+    total = int(torch.load(straight / "checkpoints" / "last.ckpt", weights_only=True)["global_step"])
+    starts = torch.load(straight / RECORD, weights_only=True)["epoch_starts"]
+    if not starts or total < 3:
+        raise ConfigError(
+            f"--stops needs 2 epochs and 3 steps or more (this run: {total} steps in {len(starts) + 1} "
+            f"epoch{'s' if starts else ''}): set trainer.max_epochs=2 or more"
+        )
+    rng = random.Random(int(cfg.seed))
+    limit, kill = rng.randint(1, total - 1), rng.randint(starts[0], total - 1)
+    term = rng.choice([s for s in range(1, total - 1) if s not in starts] or [1])
+    print(f"stops: the straight run takes {total} steps; a limit at step {limit}, a SIGTERM before step {term + 1}, "
+          f"a SIGKILL before step {kill + 1}")  # fmt: skip
+    program = [*(["--config-dir", str(Path(config_dir).absolute())] if config_dir else []), *TINY, *base]
+
+    def continued(run_dir: Path) -> DictConfig:
+        again = _compose(base, config_dir)
+        again.ckpt_path = str(run_dir / "checkpoints" / "last.ckpt")
+        return again
+
+    def limit_stop(run_dir: Path) -> None:
+        run_dir.mkdir()
+        _train(_compose([*base, f"trainer.max_steps={limit}"], config_dir), run_dir)
+        _train(continued(run_dir), run_dir)
+
+    def sigterm_stop(run_dir: Path) -> None:
+        stop, where = ["+callbacks.check_stop.signal=SIGTERM", f"+callbacks.check_stop.step={term}"], _dir(run_dir)
+        _entry_point([*program, *stop, where], 128 + signal.SIGTERM, "SIGTERM-stopped")
+        _entry_point([*program, "resume=true", where], 0, "continued")
+
+    def sigkill_stop(run_dir: Path) -> None:
+        stop, where = ["+callbacks.check_stop.signal=SIGKILL", f"+callbacks.check_stop.step={kill}"], _dir(run_dir)
+        _entry_point([*program, *stop, where], -signal.SIGKILL, "SIGKILL-stopped")
+        _train(continued(run_dir), run_dir)
+
+    kinds: list[tuple[str, Callable[[Path], None]]] = [("limit", limit_stop), ("SIGTERM", sigterm_stop)]
+    for kind, stop_and_continue in [*kinds, ("SIGKILL", sigkill_stop)]:
+        run_dir = work / kind.lower()
+        stop_and_continue(run_dir)
+        gap, problem = compare(straight, run_dir, kind)
+        if problem is not None:
+            print(f"error: {problem}", file=sys.stderr)
+            return 1
+        print(f"stops: {kind} continued equals the straight run (max diff {gap:.2g})")
+    return 0
+
+
+def _dir(run_dir: Path) -> str:
+    return f"hydra.run.dir={hydra_value(str(run_dir))}"
+
+
 def main(argv: list[str] | None = None) -> None:
-    """``python -m dpddp.check [--model M ...] [--data D ...] [--config-dir DIR] [key=value ...]``."""
+    """``python -m dpddp.check [--stops] [--model M ...] [--data D ...] [--config-dir DIR] [key=value ...]``."""
     parser = argparse.ArgumentParser(prog="python -m dpddp.check", description=__doc__)
     parser.add_argument("--model", action="append", default=[], help="model option or key=value (repeatable)")
     parser.add_argument("--data", action="append", default=[], help="data option or key=value (repeatable)")
     parser.add_argument("--config-dir", help="a directory of your own configs (model/, data/), as dpddp-train's")
+    parser.add_argument("--stops", action="store_true", help="promise 3: the run stopped 3 ways and continued")
     parser.add_argument("overrides", nargs="*", help="other Hydra overrides (trainer.max_epochs=3, seed=1)")
     args = parser.parse_args(argv)
     overrides = [*overrides_of("model", args.model), *overrides_of("data", args.data), *args.overrides]
@@ -225,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     work = Path(tempfile.mkdtemp(prefix="dpddp-check-"))
     try:
-        status = check(overrides, args.config_dir, work)
+        status = (check_stops if args.stops else check)(overrides, args.config_dir, work)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         status = 2
