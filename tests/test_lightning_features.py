@@ -1,8 +1,10 @@
 """Lightning's own features, reached through dpddp: each is supported or refused in one line before anything is
-written, tested by kind: a callback that needs a part the run does not have (a logger)."""
+written, tested by kind: a callback that needs a part the run does not have (a logger), a checkpoint that cannot
+continue a run (weights only, another model's, truncated)."""
 
 import csv
 import inspect
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -10,6 +12,7 @@ from conftest import QUIET, compose_cfg
 from lightning.pytorch import callbacks as lightning_callbacks
 from lightning.pytorch.callbacks import LearningRateMonitor
 
+from dpddp.entry.hydra import StartChecks
 from dpddp.errors import ConfigError
 from dpddp.run.config import check_config, needs_logger
 from dpddp.run.training import train
@@ -70,3 +73,64 @@ def test_a_learning_rate_monitor_with_a_logger_logs_the_learning_rate(tmp_path):
     with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
         rows = [row for row in csv.DictReader(f) if row.get("lr-SGD")]
     assert [float(row["lr-SGD"]) for row in rows] == [0.05]
+
+
+# -- a checkpoint that cannot continue a run ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory) -> Path:
+    """A one-epoch run's directory: its checkpoints/last.ckpt, and wo.ckpt from a ModelCheckpoint that saves the
+    weights only."""
+    run = tmp_path_factory.mktemp("first")
+    wo = "+callbacks.wo._target_=lightning.pytorch.callbacks.ModelCheckpoint"
+    train(compose_cfg(*SMALL, wo, "+callbacks.wo.save_weights_only=true", "+callbacks.wo.filename=wo"), run)
+    return run
+
+
+def _refusal(*overrides: str, stage: str = "fit") -> str:
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_cfg(*SMALL, *overrides), stage)
+    return str(err.value)
+
+
+def test_a_weights_only_checkpoint_cannot_continue_a_fit_and_is_one_line(first_run, tmp_path, capsys):
+    wo = first_run / "checkpoints" / "wo.ckpt"
+    assert _refusal(f"ckpt_path={wo}", "trainer.max_epochs=4") == (
+        f"ckpt_path={str(wo)!r} holds the model's weights only (no optimizer_states or callback states: saved with "
+        "weights_only=True), so a fit cannot continue from it: continue from a full checkpoint (its run's "
+        "checkpoints/last.ckpt), or load the weights in the model yourself and start without ckpt_path"
+    )
+    check_config(compose_cfg(*SMALL, f"ckpt_path={wo}"), "test")  # testing the weights needs nothing more
+    with pytest.raises(SystemExit) as stop:  # train.py: before Hydra makes the run directory
+        StartChecks().on_run_start(compose_cfg(*SMALL, f"ckpt_path={wo}", f"hydra.run.dir={tmp_path / 'run'}"))
+    assert stop.value.code == 2 and capsys.readouterr().err.startswith(f"error: ckpt_path={str(wo)!r} holds the")
+    assert list(tmp_path.iterdir()) == []
+    check_config(compose_cfg(*SMALL, f"ckpt_path={first_run / 'checkpoints/last.ckpt'}", "trainer.max_epochs=4"))
+
+
+@pytest.mark.parametrize(
+    "overrides,other",
+    [
+        (["data.num_features=12"], "linear.weight is [4, 16] there, [4, 12] here"),
+        (["model=mlp"], "no net.0.weight, net.0.bias, net.2.weight; an unknown linear.weight, linear.bias"),
+    ],
+    ids=["other sizes", "another model"],
+)
+@pytest.mark.parametrize("stage", ["fit", "test"])
+def test_another_models_checkpoint_is_one_line_naming_what_differs(first_run, overrides, other, stage):
+    last = first_run / "checkpoints" / "last.ckpt"
+    assert _refusal(f"ckpt_path={last}", "trainer.max_epochs=4", *overrides, stage=stage) == (
+        f"ckpt_path={str(last)!r} holds another model's weights ({other}): give a checkpoint of this model, or the "
+        "model settings it was trained with"
+    )
+
+
+def test_a_truncated_checkpoint_is_one_line(first_run, tmp_path):
+    whole = (first_run / "checkpoints" / "last.ckpt").read_bytes()
+    cut = tmp_path / "last.ckpt"
+    cut.write_bytes(whole[: len(whole) // 2])
+    line = _refusal(f"ckpt_path={cut}", "trainer.max_epochs=4")
+    assert line.startswith(f"ckpt_path={str(cut)!r} cannot be read as a checkpoint (") and line.endswith(
+        "): give a last.ckpt or best.ckpt written by dpddp"
+    )

@@ -61,8 +61,30 @@ def checkpoint_launch(path: str | Path) -> str | None:
     return entry.get("launch") if isinstance(entry, dict) else None
 
 
+def _other_model(saved: dict, shapes: dict[str, tuple[int, ...]], strict: bool) -> str | None:
+    """How the checkpoint's ``state_dict`` ``saved`` differs from the configured model's (``shapes``: each entry's
+    shape), as Lightning's load would find it (``strict``: the model's ``strict_loading``; missing and unexpected
+    entries count only then); ``None`` when it loads."""
+    resized = [
+        f"{k} is {list(v.shape)} there, {list(shapes[k])} here"
+        for k, v in saved.items()
+        if k in shapes and hasattr(v, "shape") and tuple(v.shape) != shapes[k]
+    ]
+    missing = [k for k in shapes if k not in saved] if strict else []
+    unexpected = [k for k in saved if k not in shapes] if strict else []
+    found = [*resized[:2], *([f"no {', '.join(missing[:3])}"] if missing else [])]
+    found += [f"an unknown {', '.join(unexpected[:3])}"] if unexpected else []
+    return "; ".join(found) or None
+
+
 def checkpoint_problem(
-    path: str | Path, max_epochs: int | None = None, data: dict | None = None, steps_per_execution: int | None = None
+    path: str | Path,
+    max_epochs: int | None = None,
+    data: dict | None = None,
+    steps_per_execution: int | None = None,
+    *,
+    fit: bool = False,
+    model: tuple[dict[str, tuple[int, ...]], bool] | None = None,
 ) -> str | None:
     """Why ``path`` cannot be resumed from (one line, ending with what to do), or ``None``. Loads it with
     ``weights_only=True`` (no code runs from the file), as ``Trainer.fit(weights_only=True)`` will, and
@@ -75,6 +97,10 @@ def checkpoint_problem(
             from the checkpoint's (another data set or batch order would continue silently).
         steps_per_execution: the fit's: refused if the checkpoint's differs (``global_step`` and the loop's
             batch count mean other things under each: ``dpddp.run.executions``); ``None``: not a fit.
+        fit: the run continues a fit from it: refused if it holds the weights only (no ``optimizer_states``:
+            ``save_checkpoint(weights_only=True)``, a ``ModelCheckpoint(save_weights_only=True)``).
+        model: the configured model's ``state_dict`` shapes and its ``strict_loading``: refused if the
+            checkpoint's weights do not load into it (another model's, or other sizes).
     """
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -95,4 +121,15 @@ def checkpoint_problem(
     changed = [f"data.{k}={data[k]!r} (was {saved[k]!r})" for k in data if k in saved and saved[k] != data[k]]
     if changed:
         return f"was trained with other data: {', '.join(changed)}: resume with the run's own data settings"
+    if model is not None and (other := _other_model(ckpt["state_dict"], *model)):
+        return (
+            f"holds another model's weights ({other}): give a checkpoint of this model, or the model settings it "
+            "was trained with"
+        )
+    if fit and "optimizer_states" not in ckpt:
+        return (
+            "holds the model's weights only (no optimizer_states or callback states: saved with weights_only=True), "
+            "so a fit cannot continue from it: continue from a full checkpoint (its run's checkpoints/last.ckpt), or "
+            "load the weights in the model yourself and start without ckpt_path"
+        )
     return None

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
@@ -30,6 +31,7 @@ from dpddp.models.classifier import Classifier
 from dpddp.models.linear import OPTIMIZERS
 from dpddp.parallel.rules import check_devices, nodes, replicas, world_size, world_size_source
 from dpddp.run.assembly import epoch_lines
+from dpddp.run.build import build
 from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, check_targets, target_class
 from dpddp.run.trainer_flags import refused_flag
 
@@ -355,8 +357,23 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     max_epochs = (cfg["trainer"] or {}).get("max_epochs")
     data = dict(cfg["data"]) if cfg.get("resume") else None  # resume=true continues the same run: same data
     k = cfg.get("steps_per_execution", 1) if stage == "fit" else None
-    if ckpt is not None and (problem := checkpoint_problem(ckpt, max_epochs, data, k)):
+    if ckpt is not None and (
+        problem := checkpoint_problem(ckpt, max_epochs, data, k, fit=stage == "fit", model=_model_shapes(cfg))
+    ):
         raise ConfigError(f"ckpt_path={str(ckpt)!r} {problem}")
+
+
+def _model_shapes(cfg: Mapping) -> tuple[dict[str, tuple[int, ...]], bool] | None:
+    """The configured model's ``state_dict`` shapes and its ``strict_loading``, built on the meta device (no
+    memory, no initialization, the random streams untouched); ``None`` when it cannot be built there (the run's
+    own build says why)."""
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = build(cfg["model"], "model", _convert_="all")
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    except Exception:  # a model whose constructor needs real tensors (loads weights, moves data) is not checked
+        return None
+    return shapes, bool(getattr(model, "strict_loading", True))
 
 
 def _unwritable_where(directory: Path) -> str | None:
