@@ -92,6 +92,11 @@ SURFACE: tuple[Setting, ...] = (
         note="its state is in the checkpoint; a run it ended stays ended when continued",
     ),
     _flag(
+        "trainer.barebones=true",
+        refused="trainer.barebones=True is not offered: Lightning switches off self.log() and checkpointing in it",
+        note="for speed: trainer.enable_progress_bar=false epoch_lines=false logger=none",
+    ),
+    _flag(
         "a callback that needs a logger (LearningRateMonitor, DeviceStatsMonitor) with logger=none",
         "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
         refused="callbacks.lr (LearningRateMonitor) needs a logger, and logger=none: use logger=csv",

@@ -218,6 +218,12 @@ def test_a_sweep_checks_its_first_job_of_each_group_option_before_it_starts(over
             "and cannot be continued (callbacks.model_checkpoint=null callbacks.last_checkpoint=null), or remove "
             "trainer.enable_checkpointing",
         ),
+        (
+            "trainer.barebones=true",
+            "trainer.barebones=True is not offered: Lightning switches off self.log() and checkpointing in it, and "
+            "dpddp's outputs are made of them (metrics.json, the epoch lines, last.ckpt): for speed use "
+            "trainer.enable_progress_bar=false epoch_lines=false logger=none instead",
+        ),
         # a callback that needs a part the run does not have
         (
             "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",

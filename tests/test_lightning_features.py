@@ -1,6 +1,7 @@
 """Lightning's own features, reached through dpddp: each is supported or refused in one line before anything is
 written, tested by kind: a callback that needs a part the run does not have (a logger), a checkpoint that cannot
-continue a run (weights only, another model's, truncated)."""
+continue a run (weights only, another model's, truncated), a Trainer mode that switches off what the outputs rely
+on."""
 
 import csv
 import inspect
@@ -134,3 +135,44 @@ def test_a_truncated_checkpoint_is_one_line(first_run, tmp_path):
     assert line.startswith(f"ckpt_path={str(cut)!r} cannot be read as a checkpoint (") and line.endswith(
         "): give a last.ckpt or best.ckpt written by dpddp"
     )
+
+
+# -- a Trainer mode that switches off what the outputs rely on ------------------------------------------------
+
+MODES = [
+    (
+        ["trainer.barebones=true"],
+        "trainer.barebones=True is not offered: Lightning switches off self.log() and checkpointing in it, and "
+        "dpddp's outputs are made of them (metrics.json, the epoch lines, last.ckpt): for speed use "
+        "trainer.enable_progress_bar=false epoch_lines=false logger=none instead",
+    ),
+    (  # the line the case saw after the run directory was written, with the checkpoints dropped: now the same one
+        ["trainer.barebones=true", "callbacks.model_checkpoint=null", "callbacks.last_checkpoint=null"],
+        "trainer.barebones=True is not offered: Lightning switches off self.log() and checkpointing in it",
+    ),
+    (
+        ["+trainer.logger=false"],
+        "trainer.logger is not set in the trainer group: choose a logger group: logger=csv|tensorboard|mlflow|"
+        "wandb|none",
+    ),
+    (
+        ["trainer.enable_checkpointing=false"],
+        "trainer.enable_checkpointing=False cannot be kept with callbacks.model_checkpoint, callbacks.last_checkpoint "
+        "(ModelCheckpoint callbacks): drop them too for a run that saves no checkpoint and cannot be continued",
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides,line", MODES, ids=[" ".join(o) for o, _ in MODES])
+@pytest.mark.parametrize("strategy", [[], ["strategy=ddp", "devices=2"]], ids=["one process", "ddp(2)"])
+def test_a_trainer_mode_that_switches_off_the_outputs_is_one_line(overrides, line, strategy):
+    assert _refusal(*strategy, *overrides).startswith(line)
+
+
+def test_barebones_is_refused_by_the_lightning_cli_before_its_run_directory(tmp_path, monkeypatch):
+    from dpddp.entry.lightning_cli import _parsed
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^trainer\.barebones=True is not offered: "):
+        _parsed("fit", ["--trainer.barebones=true", "--trainer.accelerator=cpu"])
+    assert list(tmp_path.iterdir()) == []

@@ -166,6 +166,26 @@ def _check_switches(cfg: Mapping) -> None:
     epoch_lines(cfg)
 
 
+# Trainer modes that switch off what dpddp's outputs are made of: (flag, the value refused, why, what to use instead).
+TRAINER_MODES = (
+    (
+        "barebones",
+        True,
+        "Lightning switches off self.log() and checkpointing in it, and dpddp's outputs are made of them "
+        "(metrics.json, the epoch lines, last.ckpt)",
+        "for speed use trainer.enable_progress_bar=false epoch_lines=false logger=none instead",
+    ),
+)
+
+
+def _check_modes(trainer: Mapping) -> None:
+    """The ``TRAINER_MODES``: a mode whose run would end with no metrics or checkpoint, or with false reasons for
+    their absence."""
+    for flag, refused, why, instead in TRAINER_MODES:
+        if trainer.get(flag) == refused:
+            raise ConfigError(f"trainer.{flag}={refused!r} is not offered: {why}: {instead}")
+
+
 def _check_checkpointing(cfg: Mapping) -> None:
     """``trainer.enable_checkpointing=false`` with a ``ModelCheckpoint`` among the callbacks: Lightning refuses
     the pair; a run that saves no checkpoint drops them too."""
@@ -327,6 +347,7 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
             f"use trainer.limit_train_batches={overfit!r} trainer.limit_val_batches={overfit!r} instead"
         )
     check_precision(cfg)
+    _check_modes(cfg["trainer"] or {})  # before Lightning's check: its line would not say why, or what instead
     if problem := refused_flag(cfg["trainer"] or {}):
         raise ConfigError(problem)
     _check_checkpointing(cfg)
