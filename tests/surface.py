@@ -89,7 +89,16 @@ SURFACE: tuple[Setting, ...] = (
         "+callbacks.early_stopping.monitor=val/loss",
         "+callbacks.early_stopping.patience=0",
         "+callbacks.early_stopping.min_delta=0.25",  # the contract test's run: it ends the run after epoch 2 of 3
-        note="its state is in the checkpoint; a run it ended stays ended when continued",
+        note="its state and the should_stop it latches are in the checkpoint; a run it ended stays ended when "
+        "continued",
+    ),
+    Setting(
+        "trainer flag",
+        "EarlyStopping with trainer.min_epochs (tripped before min_epochs)",
+        tested_by=("test_stop_kinds.py::test_loop_flags_latched_by_a_callback_travel_in_the_checkpoint",),
+        runs=r"min_epochs",
+        note="the should_stop it latched travels in the checkpoint: a continued run stops at min_epochs, as the "
+        "straight run does",
     ),
     _flag(
         "trainer.barebones=true",
@@ -287,6 +296,7 @@ SURFACE: tuple[Setting, ...] = (
         tested_by=(
             "test_randomness.py::test_a_users_global_rng_model_stopped_mid_epoch_and_continued_equals_the_straight_run",
             "test_randomness.py::test_under_ddp_a_global_rng_layer_is_named_in_one_line_at_start",
+            "test_stop_kinds.py::test_random_state_saved_at_one_kind_of_stop_is_restored_at_every_kind",
         ),
         runs=r"GlobalDropoutMLP",
         note="each rank's random state travels in the checkpoint: promise 3 on the same world size; under more "
@@ -299,6 +309,17 @@ SURFACE: tuple[Setting, ...] = (
         runs=r"PlateauMLP",
         note="a plateau step Lightning skips across a stop is taken again (not covered: a plateau scheduler "
         "with interval=step)",
+    ),
+    Setting(
+        "model",
+        "an LR schedule built from the run's limit (CosineAnnealingLR(T_max=max_epochs), OneCycleLR(total_steps))",
+        tested_by=(
+            "test_stop_kinds.py::test_a_continued_run_whose_restored_schedule_was_built_for_another_limit_says_so",
+            "test_stop_kinds.py::test_a_continued_run_whose_schedule_does_not_depend_on_the_limit_says_nothing",
+        ),
+        runs=r"CosineMLP",
+        note="continued to the same limit it is exact; to another it follows the first limit's schedule, and one "
+        "line at the continue names the scheduler and what to do",
     ),
 )
 

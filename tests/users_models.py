@@ -238,3 +238,46 @@ class SlowEvalMLP(MLPClassifier):
     def predict_step(self, batch, batch_idx):
         time.sleep(self.eval_sleep_s)
         return super().predict_step(batch, batch_idx)
+
+
+class RandnNoiseMLP(MLPClassifier):
+    """Adds ``0.1 * torch.randn_like(x)`` (the global RNG) to every training batch; no dropout."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return super().training_step((x + 0.1 * torch.randn_like(x), y), batch_idx)
+
+
+class ScriptedScoreMLP(MLPClassifier):
+    """Logs ``val/score`` at each validation's end from ``scores`` by epoch (the last one after them): an
+    EarlyStopping monitor whose course a test chooses."""
+
+    def __init__(self, scores: tuple[float, ...] | list[float] = (1.0, 2.0, 0.5, 0.4), **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.scores = list(scores)
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        self.log("val/score", self.scores[min(self.current_epoch, len(self.scores) - 1)])
+
+
+class CosineMLP(MLPClassifier):
+    """SGD with ``CosineAnnealingLR(T_max=trainer.max_epochs)``: a schedule built for the run's epoch limit."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.2)
+        assert self.trainer.max_epochs is not None
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, self.trainer.max_epochs),
+        }
+
+
+class OneCycleMLP(MLPClassifier):
+    """SGD with ``OneCycleLR(total_steps=trainer.estimated_stepping_batches)`` stepped every step."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.2)
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.2, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -37,6 +37,7 @@ __all__ += ["disable_sigterm_broadcast", "hydra_command_line", "hydra_mode_unset
 __all__ += ["epoch_finished_in", "fit_restarting", "float_batch_counts", "init_process_group", "hydra_override_refused"]
 __all__ += ["keep_unfinished_epoch", "logged_metric_kinds", "logged_tensor_states", "processed_epochs", "rank0_store"]
 __all__ += ["resolve_process_group_backend", "restore_logged_tensors", "restore_sigterm_broadcast", "counted_step"]
+__all__ += ["restart_train_iterator"]
 __all__ += ["set_num_threads_if_needed", "skip_empty_batch_hooks", "softmax_per_sample", "uncount_last_batch"]
 
 CHECKED = {"lightning": "2.6.6", "torch": "2.13.0", "hydra-core": "1.3.8"}
@@ -187,6 +188,17 @@ def processed_epochs(checkpoint: dict[str, Any]) -> int | None:
 def fit_restarting(trainer: pl.Trainer) -> bool:
     """``trainer.fit_loop.restarting``: restored inside an epoch. Lightning 2.6.6; test_compat fails if it moves."""
     return bool(trainer.fit_loop.restarting)
+
+
+def restart_train_iterator(trainer: pl.Trainer) -> None:
+    """Make the training loader's iterator again (``iter(trainer.fit_loop._data_fetcher)``), as the epoch loop does
+    at every epoch's start after the first (``_TrainingEpochLoop.on_run_start``): a ``DataLoader`` iterator draws
+    its base seed from the global stream. Lightning 2.6.6 makes a fit's first one in ``setup_data``, before any
+    hook; a restored random state replays it from there. Raises ``RuntimeError`` if it moved; test_compat."""
+    if not hasattr(trainer.fit_loop, "_data_fetcher"):
+        raise RuntimeError("lightning moved _FitLoop._data_fetcher: update dpddp._compat")
+    if trainer.fit_loop._data_fetcher is not None:
+        iter(trainer.fit_loop._data_fetcher)
 
 
 def logged_metric_kinds(trainer: pl.Trainer) -> dict[str, tuple[bool, bool]]:

@@ -13,12 +13,13 @@ from typing import Any, Protocol, runtime_checkable
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 from typing_extensions import override
 
-from dpddp._compat import epoch_finished_in, fit_restarting, keep_unfinished_epoch, uncount_last_batch
+from dpddp._compat import epoch_finished_in, keep_unfinished_epoch, restart_train_iterator, uncount_last_batch
 from dpddp.continuity.io import AtomicCheckpointIO
-from dpddp.continuity.schedulers import due_plateau_values, take_skipped_plateau_steps
+from dpddp.continuity.schedulers import built_states, due_plateau_values, limit_lines, take_skipped_plateau_steps
 from dpddp.errors import ConfigError
 from dpddp.report.epochs import EpochRecord, EpochTable
 from dpddp.report.throughput import ThroughputCounts
@@ -77,8 +78,9 @@ def set_random_state(state: dict[str, Any]) -> None:
 
 class ResumableState(pl.Callback):
     """Saves and loads ``checkpoint["dpddp"]`` (throughput counts, epoch table, train-loss sums, every rank's random
-    state, due plateau values, ``steps_per_execution``, ``launch``: the launcher's job id) and edits the
-    checkpoint's loop counters, on every rank.
+    state, due plateau values, ``should_stop`` as a callback latched it, the LR schedulers as first built,
+    ``steps_per_execution``, ``launch``: the launcher's job id) and edits the checkpoint's loop counters, on every
+    rank. A continued run whose schedulers build otherwise (another limit) is warned in one line each (rank 0).
     Collective at save (a sum and a gather). The order of save and load: docs/design-notes.md (continuity.state).
 
     Raises ``ConfigError`` at load: a checkpoint of another ``steps_per_execution``.
@@ -97,6 +99,9 @@ class ResumableState(pl.Callback):
         self.steps_per_execution, self.uncounted = steps_per_execution, uncounted
         self._random: dict[str, Any] | None = None  # this rank's restored state, until set
         self._mid_epoch = False
+        self._should_stop = False  # restored: a callback had latched trainer.should_stop
+        self._schedules: list[dict[str, Any]] = []  # the schedulers' states as the run's first fit built them
+        self._restored_schedules: list[dict[str, Any]] | None = None
         self._in_loop = False  # between on_train_start and on_train_end: the epoch-end updates are still due
         self._plateau: tuple[int, dict[int, float]] | None = None  # restored epoch, values saved for its steps
 
@@ -121,6 +126,8 @@ class ResumableState(pl.Callback):
             "random": self._gather(trainer, random_state()),
             "mid_epoch": not finished,
             "plateau": due_plateau_values(trainer) if fitting and finished and self._in_loop else {},
+            "should_stop": self._latched_stop(trainer),
+            "schedules": self._schedules,
             "steps_per_execution": self.steps_per_execution,
             "launch": self.launch,
         }
@@ -150,20 +157,29 @@ class ResumableState(pl.Callback):
                 "run equals a straight one on the same world size)"
             )
         self._mid_epoch = bool(entry.get("mid_epoch"))
+        self._should_stop = bool(entry.get("should_stop"))
         if trainer.state.fn == "fit" and "loops" in checkpoint:
             self._plateau = int(checkpoint.get("epoch", 0)), dict(entry.get("plateau") or {})
+            self._restored_schedules = entry.get("schedules")
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._schedules = built_states(trainer)  # before Lightning restores their states
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._in_loop = True
-        if self._random is not None and not self._mid_epoch:  # before the next epoch's loader draws its seed
+        if self._random is not None and not self._mid_epoch:
             set_random_state(self._random)
             self._random = None
-        # A straight run that EarlyStopping ended stays ended; not after a stop inside an epoch, whose
-        # validation was not the straight run's (that one decides at the epoch's end).
-        stopped = any(cb.stopped_epoch > 0 for cb in trainer.early_stopping_callbacks)
-        if stopped and not fit_restarting(trainer):
+            restart_train_iterator(trainer)  # the straight run's next epoch made its iterator from this state
+        if self._should_stop:  # EarlyStopping before min_epochs, or a run it ended: the straight run's flag
             trainer.should_stop = True
+        restored, self._restored_schedules = self._restored_schedules, None
+        if restored is not None:
+            for line in limit_lines(trainer, restored, self._schedules) if trainer.global_rank == 0 else []:
+                log.warning(line)
+            self._schedules = restored
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -185,6 +201,16 @@ class ResumableState(pl.Callback):
         if self._random is not None:  # after a mid-epoch checkpoint: where the straight run's next batch began
             set_random_state(self._random)
             self._random = None
+
+    @staticmethod
+    def _latched_stop(trainer: pl.Trainer) -> bool:
+        """``trainer.should_stop``, less a ``Timer``'s (``max_time``, a limit a continued run may raise): with
+        one run out, only an ``EarlyStopping`` that has stopped counts."""
+        remaining = [cb.time_remaining() for cb in trainer.callbacks if isinstance(cb, Timer)]  # type: ignore[attr-defined]
+        if any(left is not None and left <= 0 for left in remaining):
+            stops = trainer.early_stopping_callbacks
+            return any(cb.stopping_reason is not EarlyStoppingReason.NOT_STOPPED for cb in stops)
+        return bool(trainer.should_stop)
 
     @staticmethod
     def _train_loss(trainer: pl.Trainer, module: pl.LightningModule) -> list[float] | None:

@@ -1,0 +1,140 @@
+"""Every stop kind continues exactly: the loop flags a callback latches, the global random state at an epoch-limit
+stop, and a restored schedule that was built for another limit (said in one line). In-process, one process."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import QUIET, compose_cfg, max_diff, weights
+
+from dpddp.errors import Preempted
+from dpddp.run.training import train
+
+BASE = ["model=mlp", "accelerator=cpu", "logger=none", "data.num_samples=1024", *QUIET]
+# 1024 samples: 820 train, 12 global batches of 64 an epoch
+
+
+def _step(run: Path) -> int:
+    return torch.load(run / "checkpoints/last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+
+
+def _apart(a: Path, b: Path) -> float:
+    return max_diff(weights(a / "checkpoints/last.ckpt"), weights(b / "checkpoints/last.ckpt"))
+
+
+def _stop_and_continue(tmp_path: Path, args: list[str], stop: list[str]) -> Path:
+    """Run ``args`` stopped by ``stop`` (a limit, or a SIGTERM callback), then continue it with ``args`` alone."""
+    try:
+        train(compose_cfg(*args, *stop), tmp_path / "first")
+    except Preempted:
+        assert any("Sigterm" in s for s in stop)
+    train(compose_cfg(*args, f"ckpt_path={tmp_path / 'first/checkpoints/last.ckpt'}"), tmp_path / "continued")
+    return tmp_path / "continued"
+
+
+# EarlyStopping that trips at epoch 1 (val/score worse once) before min_epochs, then sees it improve
+LATCHED = [
+    *BASE,
+    "model._target_=users_models.ScriptedScoreMLP",  # val/score: 1.0, 2.0, 0.5, 0.4
+    "+callbacks.es._target_=lightning.pytorch.callbacks.EarlyStopping",
+    "+callbacks.es.monitor=val/score",
+    "+callbacks.es.patience=1",
+    "trainer.min_epochs=4",
+    "trainer.max_epochs=8",
+]
+
+
+@pytest.fixture(scope="module")
+def latched_straight(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("latched")
+    train(compose_cfg(*LATCHED), run)
+    return run
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [
+        ["+callbacks.kill._target_=conftest.SigtermAtStep", "+callbacks.kill.step=30"],  # inside epoch 2
+        ["trainer.max_steps=30"],
+        ["trainer.max_steps=24"],  # epoch 1's end, after EarlyStopping tripped
+    ],
+)
+def test_loop_flags_latched_by_a_callback_travel_in_the_checkpoint(tmp_path, latched_straight, stop):
+    """``trainer.should_stop`` set by EarlyStopping before ``min_epochs`` is restored: the continued run stops at
+    ``min_epochs`` as the straight run does (without it, EarlyStopping, now improving, trains on past
+    ``min_epochs``: to step 60)."""
+    assert _step(latched_straight) == 4 * 12
+    continued = _stop_and_continue(tmp_path, LATCHED, stop)
+    assert _step(continued) == 4 * 12
+    assert _apart(continued, latched_straight) <= 1e-6
+
+
+@pytest.mark.parametrize("model", ["GlobalDropoutMLP", "RandnNoiseMLP"])
+def test_random_state_saved_at_one_kind_of_stop_is_restored_at_every_kind(tmp_path, model):
+    """``nn.Dropout`` and ``torch.randn`` in a step, stopped at an epoch's end by the epoch limit or the step
+    limit and continued to 4 epochs: the straight run's weights (the continued fit's first loader iterator is
+    made again from the restored state, as the straight run made that epoch's: 0.04 apart without it)."""
+    args = [*BASE, f"model._target_=users_models.{model}", "trainer.max_epochs=4"]
+    train(compose_cfg(*args), tmp_path / "straight")
+    for i, stop in enumerate(["trainer.max_epochs=2", "trainer.max_steps=24"]):
+        continued = _stop_and_continue(tmp_path / f"stop{i}", args, [stop])
+        assert _step(continued) == _step(tmp_path / "straight") == 4 * 12
+        assert _apart(continued, tmp_path / "straight") <= 1e-6, stop
+
+
+def _scheduled(model: str) -> list[str]:
+    return [*BASE, f"model._target_=users_models.{model}"]
+
+
+@pytest.mark.parametrize(
+    "model,line",
+    [
+        (
+            "CosineMLP",
+            "CosineAnnealingLR was built with T_max=2 for the limit the checkpoint's run had, and this run builds "
+            "T_max=3: the continued run follows the first schedule, so it cannot equal a straight run to this limit; "
+            "keep the first run's limit, or use a schedule that does not depend on it",
+        ),
+        (
+            "OneCycleMLP",
+            "OneCycleLR was built with total_steps=24 for the limit the checkpoint's run had, and this run builds "
+            "total_steps=36: the continued run follows the first schedule, so it cannot equal a straight run to this "
+            "limit; keep the first run's limit, or use a schedule that does not depend on it",
+        ),
+    ],
+)
+def test_a_continued_run_whose_restored_schedule_was_built_for_another_limit_says_so(tmp_path, caplog, model, line):
+    """Continued from 2 epochs to 3: one line at the continue, naming the scheduler and what to do (the restored
+    OneCycleLR then refuses its 25th step, as torch does)."""
+    train(compose_cfg(*_scheduled(model), "trainer.max_epochs=2"), tmp_path / "first")
+    ckpt = tmp_path / "first/checkpoints/last.ckpt"
+    with caplog.at_level(logging.WARNING, logger="dpddp.continuity.state"):
+        continued = compose_cfg(*_scheduled(model), "trainer.max_epochs=3", f"ckpt_path={ckpt}")
+        if model == "OneCycleMLP":
+            with pytest.raises(ValueError, match="Tried to step 25 times. The specified number of total steps is 24"):
+                train(continued, tmp_path / "continued")
+        else:
+            train(continued, tmp_path / "continued")
+    assert [r.getMessage() for r in caplog.records if r.name == "dpddp.continuity.state"] == [line]
+
+
+@pytest.mark.parametrize(
+    "model,first,then",
+    [
+        ("StepLRMLP", "trainer.max_epochs=2", "trainer.max_epochs=3"),  # a schedule that does not depend on it
+        ("CosineMLP", "trainer.max_steps=20", "trainer.max_steps=-1"),  # the same max_epochs: built the same
+    ],
+)
+def test_a_continued_run_whose_schedule_does_not_depend_on_the_limit_says_nothing(tmp_path, caplog, model, first, then):
+    """No line where the continued run's schedule builds as the first one did; and it equals the straight run."""
+    args = [*_scheduled(model), "trainer.max_epochs=3"]
+    train(compose_cfg(*args, first), tmp_path / "first")
+    ckpt = tmp_path / "first/checkpoints/last.ckpt"
+    with caplog.at_level(logging.WARNING, logger="dpddp.continuity.state"):
+        train(compose_cfg(*args, then, f"ckpt_path={ckpt}"), tmp_path / "continued")
+    assert [r.getMessage() for r in caplog.records if r.name == "dpddp.continuity.state"] == []
+    train(compose_cfg(*args, then), tmp_path / "straight")
+    assert _apart(tmp_path / "continued", tmp_path / "straight") <= 1e-6
