@@ -147,6 +147,14 @@ def test_the_cli_applies_the_checks_of_train_py(tmp_path, cli_status, args, line
             "--trainer.devises 2: no such option (nearest: --trainer.devices): see dpddp fit --help",
         ),
         (
+            ["fit", "--modle.lr=0.1"],  # the class option's name misspelled: its class's keys are not parsed yet
+            "--modle.lr=0.1: no such option (nearest: --model.lr): see dpddp fit --help",
+        ),
+        (
+            ["fit", "--zzz=1"],
+            "--zzz=1: no such option: see dpddp fit --help",
+        ),
+        (
             ["fit", "--data.num_workers=2"],  # an option of other data modules
             "--data.num_workers=2: dpddp.data.random_tensors.RandomTensorDataModule takes no num_workers (its "
             "options: num_samples, num_features, num_classes, batch_size, val_fraction, test_fraction, label_noise, "

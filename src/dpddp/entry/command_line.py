@@ -297,6 +297,18 @@ BOILERPLATE = ("Does not validate against", "Subtypes:", "Errors:", "Given value
 """Lines of a jsonargparse error that say nothing of the option given."""
 
 
+def nearest_option(name: str, options: list[str]) -> str | None:
+    """The option of ``options`` (dotted, without ``--``) nearest to ``name``; else, for a dotted ``name`` whose
+    first part is near an option that takes a class (``modle.lr`` by ``model``), that option with ``name``'s rest:
+    its class's own keys are known only once the class is parsed. ``None`` when nothing is near."""
+    near = difflib.get_close_matches(name, options, n=1, cutoff=0.8)
+    if near:
+        return near[0]
+    first, _, rest = name.partition(".")
+    group = difflib.get_close_matches(first, [o for o in options if "." not in o], n=1, cutoff=0.6) if rest else []
+    return f"{group[0]}.{rest}" if group else None
+
+
 def argument_error(message: str, args: list[str], options: list[str], prog: str) -> str:
     """One line for jsonargparse's refusal ``message`` (its ``ArgumentError``, many lines) of the arguments
     ``args`` of ``prog`` (``dpddp fit``), whose options are ``options`` (dotted, without ``--``): the argument as
@@ -306,8 +318,8 @@ def argument_error(message: str, args: list[str], options: list[str], prog: str)
     head, see = (lines or [message])[0], f"see {prog} --help"
     if head.startswith("unrecognized arguments: "):
         given = head.removeprefix("unrecognized arguments: ")
-        near = difflib.get_close_matches(given.split()[0].split("=")[0].lstrip("-"), options, n=1, cutoff=0.8)
-        return f"{given}: no such option{f' (nearest: --{near[0]})' if near else ''}: {see}"
+        near = nearest_option(given.split()[0].split("=")[0].lstrip("-"), options)
+        return f"{given}: no such option{f' (nearest: --{near})' if near else ''}: {see}"
     grouped = re.match(r"Group '(.+)' does not accept option '(.+)'", head)  # a key of a --config file
     if grouped is not None:
         key = ".".join(grouped.groups())
