@@ -3,12 +3,13 @@ stop, and a restored schedule that was built for another limit (said in one line
 
 from __future__ import annotations
 
+import csv
 import logging
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUIET, compose_cfg, max_diff, weights
+from conftest import QUIET, compose_cfg, global_step, max_diff, run_train, weights
 
 from dpddp.errors import Preempted
 from dpddp.run.training import train
@@ -138,3 +139,48 @@ def test_a_continued_run_whose_schedule_does_not_depend_on_the_limit_says_nothin
     assert [r.getMessage() for r in caplog.records if r.name == "dpddp.continuity.state"] == []
     train(compose_cfg(*args, then), tmp_path / "straight")
     assert _apart(tmp_path / "continued", tmp_path / "straight") <= 1e-6
+
+
+def _table(run: Path) -> list[dict[str, str]]:
+    """``metrics.csv``'s rows without the columns of time and memory."""
+    with open(run / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    kept = ("stage", "epoch", "step", "train/loss", "val/loss", "val/acc", "test/loss", "test/acc", "world_size")
+    return [{k: row[k] for k in kept} for row in rows]
+
+
+def test_outputs_of_a_continued_run_keep_what_was_measured_before_the_stop(tmp_path):
+    """Validations every 5 steps (12 an epoch): a SIGTERM at step 11 comes after epoch 0's last validation (step
+    10). The continued run's epoch table, from which the epoch lines and the curves come, is the straight run's
+    (epoch 0's val columns were empty)."""
+    args = [*BASE, "+trainer.val_check_interval=5", "trainer.check_val_every_n_epoch=null", "trainer.max_epochs=3"]
+    train(compose_cfg(*args), tmp_path / "straight")
+    kill = ["+callbacks.kill._target_=conftest.SigtermAtStep", "+callbacks.kill.step=10"]
+    continued = _stop_and_continue(tmp_path, args, kill)
+    assert global_step(tmp_path / "first") == 11
+    table, straight = _table(continued), _table(tmp_path / "straight")
+    assert [r["epoch"] for r in straight] == ["0", "1", "2", "2"] and straight[0]["val/loss"] != ""
+    assert len(table) == len(straight)
+    for row, expected in zip(table, straight, strict=True):
+        assert row.keys() == expected.keys()
+        for k, v in expected.items():
+            assert row[k] == v or float(row[k]) == pytest.approx(float(v), abs=1e-6), (k, row, expected)
+
+
+@pytest.mark.slow
+def test_random_state_saved_at_an_epoch_limit_stop_is_restored_on_every_rank_under_ddp(tmp_path):
+    """2 processes, each drawing its own stream (``nn.Dropout``): a ``max_epochs=2`` run resumed to 4 ends with the
+    weights of the straight ddp(2) run."""
+    args = ["accelerator=cpu", "strategy=ddp", "devices=2", "logger=none", "model=mlp", "data.num_samples=1024"]
+    args += ["model._target_=users_models.GlobalDropoutMLP"]
+    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    runs = [
+        ("straight", ["trainer.max_epochs=4"]),
+        ("run", ["trainer.max_epochs=2"]),
+        ("run", ["trainer.max_epochs=4", "resume=true"]),
+    ]
+    for name, extra in runs:
+        proc = run_train(*args, *extra, f"hydra.run.dir={name}", cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert global_step(tmp_path / "run") == global_step(tmp_path / "straight") == 4 * 12
+    assert _apart(tmp_path / "run", tmp_path / "straight") <= 1e-6

@@ -30,12 +30,14 @@ EPOCH_COLUMNS += ("test/acc", "epoch_s", "samples_per_sec", "peak_mem_mib", "all
 @dataclass
 class EpochTable:
     """The resumable part of the record: the ``fit`` rows of epochs ``0..``, the training seconds of the
-    segments before the running one, the number of segments (fits that took a step) and each one's world size."""
+    segments before the running one, the number of segments (fits that took a step) and each one's world size, and
+    the running epoch's last validation (``val/loss``, ``val/acc``: a stop inside the epoch keeps it for its row)."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     train_time_s: float = 0.0
     segments: int = 0
     world_sizes: list[int] = field(default_factory=list)
+    validation: dict[str, float] = field(default_factory=dict)
 
 
 def early_stops(trainer: pl.Trainer) -> list[str]:
@@ -96,6 +98,13 @@ class EpochRecord(pl.Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.flush(trainer)
         self._epoch_start, self._steps = time.perf_counter(), 0
+        self.table.validation = {}
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            metrics = trainer.callback_metrics
+            self.table.validation = {k: float(metrics[k]) for k in ("val/loss", "val/acc") if k in metrics}
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -116,7 +125,7 @@ class EpochRecord(pl.Callback):
             "epoch_s": seconds,
             "samples_per_sec": samples / seconds if seconds > 0 else float("nan"),
             "world_size": trainer.world_size,
-            "validated": self.tally.epoch_validated,
+            "validation": dict(self.table.validation),
             **(self.costs.epoch if self.costs is not None else {}),
         }
 
@@ -156,16 +165,17 @@ class EpochRecord(pl.Callback):
     def snapshot(self) -> EpochTable:
         """The table as a checkpoint taken now holds it: the running segment's seconds included."""
         table = self.table
-        return EpochTable([dict(r) for r in table.rows], self.train_time_s, table.segments, list(table.world_sizes))
+        rows, sizes, validation = [dict(r) for r in table.rows], list(table.world_sizes), dict(table.validation)
+        return EpochTable(rows, self.train_time_s, table.segments, sizes, validation)
 
     def flush(self, trainer: pl.Trainer) -> None:
         """Complete the pending row with the epoch's metrics; write it and log its line (rank 0)."""
         if self._pending is None:
             return
         row, self._pending = self._pending, None
-        keys = ("train/loss", "val/loss", "val/acc") if row.pop("validated") else ("train/loss",)
-        metrics = trainer.callback_metrics
-        row.update({k: float(metrics[k]) for k in keys if k in metrics})
+        validation, metrics = row.pop("validation"), trainer.callback_metrics
+        row.update({"train/loss": float(metrics["train/loss"])} if "train/loss" in metrics else {})
+        row.update(validation)  # the epoch's last validation, before a stop inside it too
         self.table.rows.append(row)
         if trainer.is_global_zero:
             self._write([row], "a")

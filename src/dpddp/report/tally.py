@@ -13,21 +13,17 @@ __all__ = ["FitTally"]
 class FitTally(pl.Callback):
     """Counts of the running fit, read by the other reporters (it must come before them in the callback list):
     ``stepped`` (a training step taken), ``validated_step`` (global step of the last validation, or ``None``),
-    ``epoch_validated``, and ``batches`` (global batches the last training batch trained)."""
+    and ``batches`` (global batches the last training batch trained)."""
 
     def __init__(self, steps_per_execution: int = 1) -> None:
         self.by_steps = steps_per_execution > 1
-        self.stepped, self.epoch_validated = False, False
+        self.stepped = False
         self.validated_step: int | None = None
         self.batches, self._step = 1, 0
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.stepped, self.validated_step = False, None
-
-    @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.epoch_validated = False
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -42,4 +38,4 @@ class FitTally(pl.Callback):
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self.validated_step, self.epoch_validated = trainer.global_step, True
+            self.validated_step = trainer.global_step
