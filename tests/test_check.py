@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -11,15 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, child_env
+from conftest import ROOT, child_env, run_project
+from test_bring_your_own import _project
 
 from dpddp.check import STOPS_TOLERANCE, TOLERANCE, _compose, compare, overrides_of
 
 
-def _check(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env, _ = child_env(PYTHONPATH=os.pathsep.join([str(cwd or ROOT), str(ROOT / "tests")]))
+def _check(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env, _ = child_env(PYTHONPATH=str(ROOT / "tests"))
     return subprocess.run(
-        [sys.executable, "-m", "dpddp.check", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "dpddp.check", *args], env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -127,6 +127,28 @@ def test_the_stops_comparison_names_the_first_piece_that_differs_and_by_how_much
         "optimizer: 0.param_groups.0.lr 0.001 apart after a SIGKILL continue; callbacks.Counter: its count is 3 apart "
         "at the end, and its state_dict does not restore it: keep it in the callback's state_dict and load_state_dict"
     )
+
+
+STOPS = r"stops: (limit|SIGTERM|SIGKILL) continued equals the straight run \(max diff (\S+)\)"
+
+
+@pytest.mark.slow
+def test_the_stops_check_passes_on_the_readmes_template_model(tmp_path):
+    user = ["--config-dir", "conf", "--model", "my_net", "--data", "dataset", "--data", "+dataset._target_=mine.Blobs"]
+    check = [sys.executable, "-m", "dpddp.check", "--stops"]
+    proc = run_project(_project(tmp_path), *user, command=check, pythonpath=[ROOT / "tests"])  # none left behind
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    # 1013 samples: 811 to train, 12 whole batches of 64 an epoch; the check's 2 epochs
+    assert re.fullmatch(
+        r"stops: the straight run takes 24 steps; a limit at step \d+, a SIGTERM before step \d+, a SIGKILL before "
+        r"step \d+",
+        lines[0],
+    )
+    found = [re.fullmatch(STOPS, line) for line in lines[1:]]
+    assert [m.group(1) for m in found if m] == ["limit", "SIGTERM", "SIGKILL"] and len(lines) == 4
+    assert all(float(m.group(2)) <= STOPS_TOLERANCE for m in found if m)
+    assert proc.stderr == ""
 
 
 @pytest.mark.slow
