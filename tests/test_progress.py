@@ -222,4 +222,28 @@ def test_a_sweeps_summary_and_plot_name_only_what_differs_between_jobs(tmp_path,
     ]
     one = write_plot(tmp_path / "0", tmp_path / "one.png")  # one run: no legend, the figure's own size
     assert Image.open(tmp_path / "curves.png").size[1] > Image.open(one).size[1]  # the legend's rows below
-    _png_ok(tmp_path / "curves.png")
+    _png_ok(tmp_path / "curves.png", runs=3)
+    _png_ok(one)
+
+
+def test_a_sweeps_summary_names_its_best_job_by_the_objective_and_its_direction(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from dpddp.entry.summary import objective_of, write_summary
+
+    for num, loss in enumerate([0.5, 0.2, float("nan"), 0.3]):
+        _fake_job(tmp_path, num, [f"seed={num}"], [1.0, loss])
+    (tmp_path / "2/error.txt").write_text("error: diverged\n")  # a failed job is never the best
+    rows = write_summary(tmp_path, ("val/loss", False))
+    assert [row["best"] for row in rows] == [False, True, False, False]
+    table = (tmp_path / "summary.md").read_text().splitlines()
+    assert table[0].endswith(" | best |") and [line.endswith(" | best |") for line in table[2:]] == [0, 1, 0, 0]
+    assert "best: job 1 (val/loss=0.2, the lowest)" in capsys.readouterr().out.splitlines()
+    with open(tmp_path / "summary.csv", newline="") as f:
+        assert [r["best"] for r in csv.DictReader(f)] == ["False", "True", "False", "False"]
+    write_summary(tmp_path, ("val/loss", True))
+    assert "best: job 0 (val/loss=0.5, the highest)" in capsys.readouterr().out.splitlines()
+    optuna = OmegaConf.create({"objective": "val/acc", "hydra": {"sweeper": {"direction": "maximize"}}})
+    by_mode = OmegaConf.create({"objective": "val/acc", "callbacks": {"model_checkpoint": {"mode": "max"}}})
+    assert objective_of(optuna) == objective_of(by_mode) == ("val/acc", True)
+    assert objective_of(OmegaConf.create({"objective": None})) == ("val/loss", False)

@@ -318,8 +318,8 @@ def argument_error(message: str, args: list[str], options: list[str], prog: str)
     head, see = (lines or [message])[0], f"see {prog} --help"
     if head.startswith("unrecognized arguments: "):
         given = head.removeprefix("unrecognized arguments: ")
-        near = nearest_option(given.split()[0].split("=")[0].lstrip("-"), options)
-        return f"{given}: no such option{f' (nearest: --{near})' if near else ''}: {see}"
+        nearest = nearest_option(given.split()[0].split("=")[0].lstrip("-"), options)
+        return f"{given}: no such option{f' (nearest: --{nearest})' if nearest else ''}: {see}"
     grouped = re.match(r"Group '(.+)' does not accept option '(.+)'", head)  # a key of a --config file
     if grouped is not None:
         key = ".".join(grouped.groups())

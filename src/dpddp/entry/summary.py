@@ -18,7 +18,15 @@ from dpddp.entry.hydra import sweep_resume_command
 from dpddp.errors import EXIT_CRASH, EXIT_PREEMPTED, fail
 from dpddp.report.curves import can_plot, job_overrides, varying, write_plot
 
-__all__ = ["LOCAL_LAUNCHERS", "SUMMARY_COLUMNS", "SweepSummary", "end_sweep", "write_summary"]
+__all__ = [
+    "LOCAL_LAUNCHERS",
+    "SUMMARY_COLUMNS",
+    "SweepSummary",
+    "best_row",
+    "end_sweep",
+    "objective_of",
+    "write_summary",
+]
 
 LOCAL_LAUNCHERS = (
     HYDRA_BASIC_LAUNCHER,
@@ -61,13 +69,38 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value).replace("|", "\\|")
 
 
-def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
+def objective_of(config: DictConfig) -> tuple[str, bool]:
+    """The metric a sweep's jobs return and whether higher is better: the sweeper's ``direction`` where it has
+    one (Optuna's), else ``callbacks.model_checkpoint.mode``; ``("val/loss", False)`` by default."""
+    name = str(config.get("objective") or "val/loss")
+    direction = config.hydra.sweeper.get("direction") if "hydra" in config else None
+    if isinstance(direction, str):
+        return name, direction == "maximize"
+    mode = ((config.get("callbacks") or {}).get("model_checkpoint") or {}).get("mode")
+    return name, mode == "max"
+
+
+def best_row(rows: list[dict[str, Any]], objective: tuple[str, bool]) -> dict[str, Any] | None:
+    """The finished row with the best finite ``objective`` value (``(name, higher is better)``); the first of equals,
+    ``None`` when no row has one."""
+    name, maximize = objective
+    scored = [r for r in rows if r["status"] == "ok" and isinstance(r.get(name), (int, float)) and r[name] == r[name]]
+    if not scored:
+        return None
+    return (max if maximize else min)(scored, key=lambda r: r[name])
+
+
+def write_summary(sweep_dir: Path, objective: tuple[str, bool] = ("val/loss", False)) -> list[dict[str, Any]]:
     """Write ``summary.csv`` and ``summary.md`` at ``sweep_dir``, one row per job directory (see
     ``SweepSummary``) with the overrides that differ between jobs (those of every job: one line above the table in
-    ``summary.md`` and the printout), print the table, draw ``curves.png`` when matplotlib is installed; return
-    the rows."""
+    ``summary.md`` and the printout) and a ``best`` column marking the best job by ``objective`` (see ``best_row``;
+    named in a line after the printed table), print the table, draw ``curves.png`` when matplotlib is installed;
+    return the rows."""
     job_dirs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     rows = [_job_row(p) for p in job_dirs]
+    best = best_row(rows, objective)
+    for row in rows:
+        row["best"] = row is best
     given, common = varying([row["overrides"] for row in rows])
     for row, job in zip(rows, given, strict=True):
         row["overrides"] = " ".join(job)
@@ -77,23 +110,27 @@ def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
         writer.writeheader()
         writer.writerows(rows)
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    marked = [{**row, "best": "best" if row["best"] else ""} for row in rows]
+    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in marked]
     if common:
         lines = [f"overrides of every job: {' '.join(common)}", "", *lines]
     table = "\n".join(lines) + "\n"
     (sweep_dir / "summary.md").write_text(table)
     print(f"\nsweep summary ({sweep_dir / 'summary.md'}):\n{table}")
+    if best is not None:
+        name, maximize = objective
+        print(f"best: job {best['job']} ({name}={_cell(best[name])}, the {'highest' if maximize else 'lowest'})")
     if can_plot() and any((p / "metrics.csv").is_file() for p in job_dirs):
         print(f"curves: {write_plot(sweep_dir)}")
     return rows
 
 
-def end_sweep(sweep_dir: Path, cut_short: bool = False) -> None:
+def end_sweep(sweep_dir: Path, cut_short: bool = False, objective: tuple[str, bool] = ("val/loss", False)) -> None:
     """In the sweep's process, once its jobs have returned: write the summary (``write_summary``), then exit
     with status 143 and one line with the command that resumes the sweep if it was stopped by SIGTERM before
     every job finished (``cut_short``: a sweeper had more jobs to launch), or with status 1 and one line if a
     job failed or did not finish."""
-    rows = write_summary(sweep_dir)
+    rows = write_summary(sweep_dir, objective)
     stopped = sweep_stop.active() and sweep_stop.requested()
     sweep_stop.clear()
     unfinished = [row["job"] for row in rows if row["status"] != "ok" and not row["status"].startswith("failed")]
@@ -129,4 +166,4 @@ class SweepSummary(HydraCallback):
 
     @override
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        end_sweep(Path(config.hydra.sweep.dir))
+        end_sweep(Path(config.hydra.sweep.dir), objective=objective_of(config))

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from typing_extensions import override
 
 from dpddp.continuity import stop as sweep_stop
-from dpddp.entry.summary import end_sweep
+from dpddp.entry.summary import end_sweep, objective_of
 
 __all__ = ["FailedTrial", "NanFailsLauncher"]
 
@@ -43,11 +43,13 @@ class NanFailsLauncher(Launcher):
         self.launcher = launcher
         self.completed = 0
         self.sweep_dir: Path | None = None
+        self.objective = ("val/loss", False)
 
     @override
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.launcher.setup(hydra_context=hydra_context, task_function=task_function, config=config)
         self.sweep_dir = Path(config.hydra.sweep.dir)
+        self.objective = objective_of(config)
 
     @override
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
@@ -59,5 +61,5 @@ class NanFailsLauncher(Launcher):
                 ret.return_value = FailedTrial(f"job {num} returned {ret.return_value!r} (see its error.txt)")
                 ret.status = JobStatus.FAILED
         if sweep_stop.active() and sweep_stop.requested() and self.sweep_dir is not None:
-            end_sweep(self.sweep_dir, cut_short=True)
+            end_sweep(self.sweep_dir, cut_short=True, objective=self.objective)
         return returns
