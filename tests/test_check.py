@@ -109,7 +109,10 @@ def _last_ckpt(run_dir: Path, count: int, lr: float) -> Path:
         "state_dict": {"net.weight": torch.ones(2, 3)},
         "optimizer_states": [{"state": {}, "param_groups": [{"lr": lr, "params": [0]}]}],
         "lr_schedulers": [],
-        "callbacks": {"Counter": {"count": count, "path": str(run_dir / "checkpoints" / "best.ckpt")}},
+        "callbacks": {
+            "Counter": {"count": count, "path": str(run_dir / "checkpoints" / "best.ckpt")},
+            "Timer": {"time_elapsed": {"train": float(len(run_dir.name))}},  # wall-clock time: not compared
+        },
         "dpddp": {"random": [{"torch": torch.arange(4, dtype=torch.uint8)}]},
     }
     torch.save(ckpt, run_dir / "checkpoints" / "last.ckpt")
@@ -120,6 +123,8 @@ def _last_ckpt(run_dir: Path, count: int, lr: float) -> Path:
 def test_the_stops_comparison_names_the_first_piece_that_differs_and_by_how_much(tmp_path):
     straight = _last_ckpt(tmp_path / "straight", count=6, lr=0.1)
     assert compare(straight, _last_ckpt(tmp_path / "same", count=6, lr=0.1), "limit") == (0.0, None)  # paths: <run>
+    (tmp_path / "same" / "check_stops.pt").unlink()  # a run without StopAt's record compares its checkpoint alone
+    assert compare(straight, tmp_path / "same", "limit") == (0.0, None)
     gap, line = compare(straight, _last_ckpt(tmp_path / "counter", count=3, lr=0.1), "SIGTERM")
     assert (gap, line) == (3.0, "callbacks.Counter: count 3 apart after a SIGTERM continue")
     gap, line = compare(straight, _last_ckpt(tmp_path / "both", count=3, lr=0.1 + 1e-3), "SIGKILL")

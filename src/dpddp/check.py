@@ -228,6 +228,7 @@ RECORD = "check_stops.pt"
 PROGRAM = "import signal; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); "
 PROGRAM += "from dpddp.entry.hydra import main; main()"
 OWN_PACKAGES = ("lightning", "pytorch_lightning", "dpddp", "torch")
+WALL_CLOCK = ("Timer",)  # callbacks whose state is time measured (trainer.max_time's): never equal, not compared
 
 
 class StopAt(pl.Callback):
@@ -294,10 +295,11 @@ def _gap(a: Any, b: Any) -> float:
 
 
 def _pieces(ckpt: dict) -> dict[str, Any]:
-    """A checkpoint's state in the order ``--stops`` compares it."""
+    """A checkpoint's state in the order ``--stops`` compares it (``WALL_CLOCK`` callbacks left out)."""
     found = {"weights": ckpt.get("state_dict"), "optimizer": ckpt.get("optimizer_states")}
     found["schedulers"] = ckpt.get("lr_schedulers")
-    found.update({f"callbacks.{key}": state for key, state in (ckpt.get("callbacks") or {}).items()})
+    callbacks = (ckpt.get("callbacks") or {}).items()
+    found.update({f"callbacks.{key}": state for key, state in callbacks if key not in WALL_CLOCK})
     found["random"] = (ckpt.get("dpddp") or {}).get("random")
     return found
 
