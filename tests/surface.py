@@ -191,6 +191,14 @@ SURFACE: tuple[Setting, ...] = (
         refused="strategy.start_method='spawn' is not offered: dpddp starts the ranks itself",
     ),
     Setting(
+        "strategy",
+        "Lightning's strategy names (ddp_find_unused_parameters_true, ddp_fork, single_device, fsdp, deepspeed, ...)",
+        ("strategy.name=ddp_find_unused_parameters_true",),
+        refused="strategy=ddp_find_unused_parameters_true is Lightning's name for DDPStrategy(",
+        note="each line names dpddp's settings for the name (strategy=ddp strategy.find_unused_parameters=true), or "
+        "the strategy to use; the CLI takes the mapped names (--trainer.strategy=ddp_fork)",
+    ),
+    Setting(
         "entry point",
         "python train.py",
         tested_by=("test_faults.py::test_killing_rank_1_ends_the_run",),

@@ -523,6 +523,17 @@ LAUNCHERS = "basic, joblib, slurm, submitit_local, submitit_slurm"
             "searchpath (--info all seed=1)",
         ),
         (["--nope"], "unrecognized arguments: --nope: see python train.py --help"),
+        # Lightning's registered strategy names: dpddp's settings for them, before Hydra and in Hydra's failure
+        (
+            ["strategy=ddp_find_unused_parameters_true"],
+            "strategy=ddp_find_unused_parameters_true is Lightning's name for DDPStrategy(find_unused_parameters=True, "
+            "start_method='popen'): use strategy=ddp strategy.find_unused_parameters=true",
+        ),
+        (
+            ["hydra.searchpath=[pkg://dpddp.conf]", "strategy=fsdp"],
+            "strategy=fsdp (FSDPStrategy) is not offered (dpddp keeps its promises with its own strategies: auto, dp, "
+            "ddp, ddp_spawn): use strategy=ddp, or strategy=dp on GPUs",
+        ),
     ],
 )
 def test_a_config_hydra_cannot_find_or_an_option_its_parser_refuses_is_one_line_and_nothing_is_made(

@@ -952,3 +952,17 @@ def test_restart_train_iterator_makes_the_fits_loader_iterator_again_from_the_gl
     assert seen.one_draw
     with pytest.raises(RuntimeError, match="lightning moved _FitLoop._data_fetcher"):
         _compat.restart_train_iterator(_NoFetcher())  # type: ignore[arg-type]
+
+
+def test_lightnings_strategy_registry_and_its_unused_parameter_pattern_are_where_dpddp_reads_them():
+    """``dpddp._compat.strategies``: the registry's entries as (class, arguments), and torch's error text that
+    Lightning's ``DDPStrategy.on_exception`` matches, Lightning 2.6.6."""
+    from dpddp._compat.strategies import UNUSED_PARAMETERS, registered_strategies
+
+    found = registered_strategies()
+    assert found["ddp_find_unused_parameters_true"] == (
+        LightningDDPStrategy,
+        {"find_unused_parameters": True, "start_method": "popen"},
+    )
+    assert found["ddp_fork"] == (LightningDDPStrategy, {"start_method": "fork"})
+    assert UNUSED_PARAMETERS in inspect.getsource(LightningDDPStrategy.on_exception)

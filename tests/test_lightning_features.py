@@ -1,20 +1,28 @@
 """Lightning's own features, reached through dpddp: each is supported or refused in one line before anything is
 written, tested by kind: a callback that needs a part the run does not have (a logger), a checkpoint that cannot
 continue a run (weights only, another model's, truncated), a Trainer mode that switches off what the outputs rely
-on."""
+on, a framework's advice that does not apply to this project (Lightning's strategy names, its fix for an unused
+parameter)."""
 
 import csv
 import inspect
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-from conftest import QUIET, compose_cfg
+from conftest import QUIET, ROOT, compose_cfg, run_train
 from lightning.pytorch import callbacks as lightning_callbacks
 from lightning.pytorch.callbacks import LearningRateMonitor
+from torch import nn
 
+from dpddp._compat.strategies import registered_strategies
+from dpddp.entry.command_line import unknown_option
 from dpddp.entry.hydra import StartChecks
 from dpddp.errors import ConfigError
+from dpddp.models.linear import LinearClassifier
+from dpddp.parallel.ddp import UNUSED_PARAMETERS_LINE
+from dpddp.parallel.rules import STRATEGIES, lightning_equivalent
 from dpddp.run.config import check_config, needs_logger
 from dpddp.run.training import train
 
@@ -176,3 +184,102 @@ def test_barebones_is_refused_by_the_lightning_cli_before_its_run_directory(tmp_
     with pytest.raises(ConfigError, match=r"^trainer\.barebones=True is not offered: "):
         _parsed("fit", ["--trainer.barebones=true", "--trainer.accelerator=cpu"])
     assert list(tmp_path.iterdir()) == []
+
+
+# -- a framework's advice that does not apply to this project -------------------------------------------------
+
+LIGHTNING_NAMES = sorted(set(registered_strategies()) - set(STRATEGIES))
+
+
+def test_lightnings_strategy_names_are_known_to_the_check():
+    mapped = {name for name in LIGHTNING_NAMES if lightning_equivalent(name) is not None}
+    assert {"ddp_find_unused_parameters_true", "ddp_spawn_find_unused_parameters_true", "ddp_fork"} <= mapped
+    assert {"fsdp", "deepspeed", "xla"} <= set(LIGHTNING_NAMES) - mapped
+    assert unknown_option(["strategy=ddp_find_unused_parameters_true"]) == (
+        "strategy=ddp_find_unused_parameters_true is Lightning's name for DDPStrategy(find_unused_parameters=True, "
+        "start_method='popen'): use strategy=ddp strategy.find_unused_parameters=true"
+    )
+    assert unknown_option(["strategy=single_device"]) == (
+        "strategy=single_device is Lightning's name for SingleDeviceStrategy(): use strategy=auto"
+    )
+
+
+@pytest.mark.parametrize("name", LIGHTNING_NAMES)
+def test_each_lightning_strategy_name_is_mapped_to_dpddps_settings_or_refused_naming_them(name):
+    """Each name is one line, from the command line (before Hydra) and from ``strategy.name=``; a mapped name's
+    settings pass the check and set what Lightning's name sets."""
+    cls, params = registered_strategies()[name]
+    line = unknown_option([f"strategy={name}"])
+    assert line is not None and "\n" not in line
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_cfg("accelerator=cpu", f"strategy.name={name}"))
+    assert str(err.value) == line
+    settings = lightning_equivalent(name)
+    if settings is None:
+        assert line == (
+            f"strategy={name} ({cls.__name__}) is not offered (dpddp keeps its promises with its own strategies: "
+            "auto, dp, ddp, ddp_spawn): use strategy=ddp, or strategy=dp on GPUs"
+        )
+        return
+    assert line.endswith(f"): use {' '.join(settings)}")
+    devices = "devices=1" if settings == ("strategy=auto",) else "devices=2"
+    cfg = compose_cfg("accelerator=cpu", devices, *settings)
+    check_config(cfg)
+    if cfg.strategy.name != "auto":
+        assert cfg.strategy.find_unused_parameters is params.get("find_unused_parameters", False)
+        start = params.get("start_method", "popen")
+        assert (cfg.strategy.name, cfg.strategy.launch) == {
+            "popen": ("ddp", "auto"),
+            "spawn": ("ddp_spawn", "exec"),
+            "fork": ("ddp", "fork"),
+        }[start]
+
+
+def _cli_config(*args: str):
+    from dpddp.entry.lightning_cli import DPDDPCLI, run_config, trainer_defaults, with_default_classes
+
+    cli = DPDDPCLI(
+        None, None, args=with_default_classes(list(args)), trainer_defaults=trainer_defaults(),
+        seed_everything_default=0, save_config_callback=None, auto_configure_optimizers=False, run=False,
+    )  # fmt: skip
+    return run_config(cli.config, cli.parser.get_defaults())
+
+
+def test_the_lightning_cli_takes_lightnings_strategy_names_as_dpddps_settings():
+    cfg = _cli_config("--trainer.strategy=ddp_find_unused_parameters_true", "--trainer.devices=2")
+    assert (cfg.strategy.name, cfg.strategy.find_unused_parameters, cfg.devices) == ("ddp", True, 2)
+    cfg = _cli_config("--trainer.strategy=ddp_fork", "--trainer.devices=2")
+    assert (cfg.strategy.name, cfg.strategy.launch, cfg.strategy.find_unused_parameters) == ("ddp", "fork", False)
+    with pytest.raises(ConfigError) as err:
+        _cli_config("--trainer.strategy=deepspeed")
+    assert str(err.value) == (
+        "--trainer.strategy=deepspeed (DeepSpeedStrategy) is not offered (dpddp keeps its promises with its own "
+        "strategies: auto, dp, ddp, ddp_spawn): use --trainer.strategy=ddp, or --trainer.strategy=dp on GPUs"
+    )
+
+
+class UnusedLayerClassifier(LinearClassifier):
+    """The linear classifier with a layer that takes no part in the loss."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.unused = nn.Linear(2, 2)
+
+
+def test_an_unused_parameter_under_ddp_is_one_line_naming_dpddps_setting_and_that_setting_runs(tmp_path):
+    args = [
+        "accelerator=cpu",
+        "strategy=ddp",
+        "devices=2",
+        "data.num_samples=606",
+        "trainer.max_epochs=1",
+        "model._target_=test_lightning_features.UnusedLayerClassifier",
+    ]
+    env = {"PYTHONPATH": str(ROOT / "tests")}
+    failed = run_train(*args, "hydra.run.dir=failed", cwd=tmp_path, env=env)
+    said = (failed.stdout + failed.stderr).splitlines()
+    lines = [line[line.index("error: ") :] for line in said if "error: " in line]
+    assert failed.returncode == 1 and lines and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    for line in lines:  # each rank's, and rank 0's for the run: the cause and dpddp's setting, whole
+        assert re.fullmatch(rf"error: rank \d.*{re.escape(UNUSED_PARAMETERS_LINE)}\)?", line), line
+    run_train(*args, "strategy.find_unused_parameters=true", "hydra.run.dir=ok", cwd=tmp_path, env=env, check=True)

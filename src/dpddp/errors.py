@@ -6,6 +6,7 @@
 | ``WriteFailed`` | 1 | ``error: cannot write last.ckpt in '<dir>': No space left on device: <fix>`` |
 | ``RankFailed`` | 1 | ``error: rank 1 (pid N) was killed by SIGKILL; ending the run (...)`` |
 | ``LoaderFailed`` | 1 | ``error: rank 1: a DataLoader worker sent no batch for 60 s (data.num_workers > 0): <fix>`` |
+| ``StepFailed`` | 1 | ``error: rank 0: a parameter took no part in the last training step's loss (...): <fix>`` |
 | ``Preempted`` | 143 (128 + SIGTERM, as a shell reports it) | ``error: stopped by SIGTERM ...`` |
 | any other exception | 1 | its traceback |
 
@@ -35,6 +36,7 @@ __all__ = [
     "LoaderFailed",
     "Preempted",
     "RankFailed",
+    "StepFailed",
     "WriteFailed",
     "checked_float",
     "checked_int",
@@ -70,6 +72,11 @@ class RankFailed(RuntimeError):
 class LoaderFailed(RuntimeError):
     """A DataLoader worker process was stuck (no batch within the loader's timeout) or died; the message names
     the rank, what torch saw, the setting (``data.num_workers``) and what to do."""
+
+
+class StepFailed(RuntimeError):
+    """A training step failed for a cause dpddp knows (DistributedDataParallel found a parameter the loss did not
+    use); the message names the rank, the cause and the setting that fixes it."""
 
 
 class Preempted(RuntimeError):
@@ -124,7 +131,7 @@ def checked_float(name: str, value: Any, low: float, high: float, fix: str) -> f
 
 # The errors an entry point reports in one line; any other is raised on and shows its traceback (under train.py
 # Hydra's short one, the full one with HYDRA_FULL_ERROR=1).
-KNOWN = (ConfigError, RankFailed, Preempted, WriteFailed, LoaderFailed)
+KNOWN = (ConfigError, RankFailed, Preempted, WriteFailed, LoaderFailed, StepFailed)
 
 
 def fail(line: str, status: int = EXIT_CONFIG, log: logging.Logger | None = None) -> NoReturn:
@@ -180,10 +187,10 @@ def log_quietly(log: logging.Logger, message: str) -> None:
 
 
 def rank_status(err: BaseException, log: logging.Logger) -> int:
-    """In a launched rank: log ``err`` (a ``ConfigError`` or ``LoaderFailed`` as ``error: <message>``, a
+    """In a launched rank: log ``err`` (a ``ConfigError``, ``LoaderFailed`` or ``StepFailed`` as ``error: <message>``, a
     ``Preempted`` as its message into the log file only (``log_quietly``): a stop, not an error, whose one line
     rank 0 says; anything else with its traceback) and return its exit status."""
-    if isinstance(err, (ConfigError, LoaderFailed)):
+    if isinstance(err, (ConfigError, LoaderFailed, StepFailed)):
         log.error(f"error: {err}")
     elif isinstance(err, Preempted):
         log_quietly(log, str(err))

@@ -22,6 +22,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from dpddp._compat import hydra_command_line
 from dpddp._compat.hydra_main import hydra_argument_error
+from dpddp.parallel.rules import lightning_name_line
 from dpddp.run.keys import key_hint
 from dpddp.run.trainer_flags import takes
 
@@ -66,6 +67,8 @@ def unknown_option(argv: list[str]) -> str | None:
             continue
         for option in value.split(","):
             if option not in ("", "null") and not any((d / key / f"{option}.yaml").is_file() for d in dirs):
+                if key == "strategy" and (line := lightning_name_line(option)):
+                    return line
                 known = sorted({p.stem for d in dirs for p in (d / key).glob("*.yaml")})
                 return f"{key}={option} is unknown: choose one of {', '.join(known)}"
     return None
@@ -168,6 +171,8 @@ def hydra_failure(err: Exception, argv: list[str]) -> str:
     group, _, option = missing.rpartition("/")
     known = list(getattr(err, "options", None) or (loader.get_group_options(group) if loader else []))
     typed = any(a.partition("=")[0].lstrip("+~").partition("@")[0] == group for a in getattr(args, "overrides", []))
+    if group == "strategy" and (line := lightning_name_line(option)):
+        return line
     parent = re.match(r"In '(.+?)':", first)
     where = "" if typed or parent is None else f" (in the defaults list of {parent.group(1)})"
     return f"{group}={option} is unknown{where}: choose one of {', '.join(known)}"

@@ -51,6 +51,7 @@ from dpddp.errors import (
     unwritable,
 )
 from dpddp.models.linear import LinearClassifier
+from dpddp.parallel.rules import lightning_equivalent, lightning_name_line
 from dpddp.run.config import check_config
 from dpddp.run.training import STAGES, isolated_job, train
 
@@ -162,9 +163,12 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
     for key in ("strategy", "accelerator"):
         if key in top and not isinstance(top[key], str):
             raise ConfigError(f"trainer.{key}: give a name (e.g. --trainer.{key}=ddp), not a class")
-    overrides = [f"strategy={top.pop('strategy', 'auto')}"]  # the only group option the CLI chooses
-    if problem := unknown_option(overrides):
-        raise ConfigError(f"--trainer.{problem}")
+    strategy = top.pop("strategy", "auto")
+    overrides = [f"strategy={strategy}"]  # the only group option the CLI chooses
+    if (settings := lightning_equivalent(strategy)) is not None:  # Lightning's names: dpddp's settings for them
+        overrides = list(settings)
+    elif problem := (lightning_name_line(strategy, "--trainer.") or unknown_option(overrides)):
+        raise ConfigError(problem if problem.startswith("--") else f"--trainer.{problem}")
     with initialize_config_module("dpddp.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     trainer.pop("default_root_dir", None)

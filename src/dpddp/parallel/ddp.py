@@ -16,7 +16,8 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from typing_extensions import override
 
 from dpddp._compat import Launcher, agent_store, init_process_group, rank0_store, resolve_process_group_backend
-from dpddp.errors import ConfigError, Preempted, first_line
+from dpddp._compat.strategies import UNUSED_PARAMETERS
+from dpddp.errors import ConfigError, Preempted, StepFailed, first_line
 from dpddp.network import choose_interface, interface_address
 from dpddp.parallel.allreduce import AllReduceTimer
 from dpddp.parallel.launcher import JobLauncher, RankJob, Supervisor
@@ -25,7 +26,7 @@ from dpddp.parallel.rank import run_rank
 from dpddp.parallel.rendezvous import join_start
 from dpddp.parallel.workers import start_workers_safely
 
-__all__ = ["DDPStrategy", "apply_interface"]
+__all__ = ["UNUSED_PARAMETERS_LINE", "DDPStrategy", "apply_interface"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,13 @@ def apply_interface(master_addr: str, num_nodes: int) -> str:
         )
     os.environ.update(updates)
     return why
+
+
+UNUSED_PARAMETERS_LINE = (
+    "a parameter took no part in the last training step's loss (DistributedDataParallel waits for its gradient): "
+    "set strategy.find_unused_parameters=true if that is meant, or make it take part"
+)
+"""What a run says for DDP's error of a parameter the loss did not use (``UNUSED_PARAMETERS``): dpddp's setting."""
 
 
 class DDPStrategy(LightningDDPStrategy):
@@ -147,6 +155,18 @@ class DDPStrategy(LightningDDPStrategy):
         if self.root_device.type != "cuda" and self.allreduce_timer is not None:
             assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
             self.model.register_comm_hook(None, self.allreduce_timer.hook)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's; DistributedDataParallel's error for a parameter the last step's loss did not use names
+        dpddp's setting that allows it (Lightning's own advice names a strategy name dpddp does not take, and
+        comes after the cut of a one-line report)."""
+        try:
+            return super().training_step(*args, **kwargs)
+        except RuntimeError as err:
+            if UNUSED_PARAMETERS not in str(err):
+                raise
+            raise StepFailed(f"rank {self.global_rank}: {UNUSED_PARAMETERS_LINE}") from err
 
     def explain_failure(self, err: BaseException) -> str | None:
         """The line naming the peer to blame for ``err`` (``PeerWatch.explain``), or ``None`` (this rank's own

@@ -19,6 +19,8 @@ __all__ = [
     "STRATEGIES",
     "check_devices",
     "check_strategy_options",
+    "lightning_equivalent",
+    "lightning_name_line",
     "nodes",
     "resolve_accelerator",
     "world_size",
@@ -90,8 +92,9 @@ def check_devices(cfg: Mapping) -> None:
         ConfigError: the first setting this machine or cluster cannot run, with the fix.
     """
     strategy, devices, num_nodes = cfg["strategy"]["name"], cfg["devices"], cfg["num_nodes"]
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"strategy={strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}")
+    if strategy not in STRATEGIES:  # strategy.name=<name>; a Lightning name gets dpddp's settings for it
+        line = lightning_name_line(strategy)
+        raise ConfigError(line or f"strategy={strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}")
     if cfg["accelerator"] not in ACCELERATORS:
         raise ConfigError(f"accelerator={cfg['accelerator']!r} is unknown: choose one of {', '.join(ACCELERATORS)}")
     if devices != -1:
@@ -197,3 +200,51 @@ def check_strategy_options(options: Mapping) -> None:
     port = os.environ.get("MASTER_PORT")
     if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
         raise ConfigError(f"MASTER_PORT={port!r} (environment) is not a port: unset it or use 1-65535")
+
+
+def lightning_equivalent(name: str) -> tuple[str, ...] | None:
+    """dpddp's settings for a strategy name of Lightning's registry that dpddp's strategies can run
+    (``ddp_find_unused_parameters_true``: ``strategy=ddp strategy.find_unused_parameters=true``; ``ddp_fork``:
+    ``strategy=ddp strategy.launch=fork``; ``single_device``: ``strategy=auto``), or ``None``: a name dpddp has
+    itself, one that is not registered, or one of a strategy dpddp does not offer (DeepSpeed, FSDP, XLA)."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    from dpddp._compat.strategies import registered_strategies
+
+    found = registered_strategies().get(name)
+    if name in STRATEGIES or found is None:
+        return None
+    cls, params = found
+    if cls is SingleDeviceStrategy:
+        return ("strategy=auto",)
+    if cls is not DDPStrategy or set(params) - {"start_method", "find_unused_parameters"}:
+        return None
+    launches: dict[str, tuple[str, ...]] = {
+        "popen": ("strategy=ddp",),
+        "spawn": ("strategy=ddp_spawn",),  # dpddp's: every rank in a fresh interpreter
+        "fork": ("strategy=ddp", "strategy.launch=fork"),
+    }
+    settings = launches.get(params.get("start_method", "popen"))
+    if settings is None:
+        return None
+    return settings + (("strategy.find_unused_parameters=true",) if params.get("find_unused_parameters") else ())
+
+
+def lightning_name_line(name: str, prefix: str = "") -> str | None:
+    """The line for ``<prefix>strategy=<name>`` (``prefix``: ``--trainer.`` for the CLI), a strategy name of
+    Lightning's registry that dpddp has no config for: the dpddp settings that do what it does
+    (``lightning_equivalent``), or, for a strategy dpddp does not offer, the one to use; ``None`` for a name
+    Lightning does not register either."""
+    from dpddp._compat.strategies import registered_strategies
+
+    found = registered_strategies().get(name)
+    if name in STRATEGIES or found is None:
+        return None
+    cls, params = found
+    if (settings := lightning_equivalent(name)) is not None:
+        given = ", ".join(f"{k}={v!r}" for k, v in sorted(params.items()))
+        return f"{prefix}strategy={name} is Lightning's name for {cls.__name__}({given}): use {' '.join(settings)}"
+    return (
+        f"{prefix}strategy={name} ({cls.__name__}) is not offered (dpddp keeps its promises with its own strategies: "
+        f"{', '.join(STRATEGIES)}): use {prefix}strategy=ddp, or {prefix}strategy=dp on GPUs"
+    )
