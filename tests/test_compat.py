@@ -930,13 +930,17 @@ def test_locate_is_what_instantiate_builds_and_raises_import_error_for_a_missing
 
 
 class _IteratorAgain(pl.Callback):
-    def on_train_start(self, trainer, pl_module) -> None:
+    def __init__(self) -> None:
+        self.drew: list[bool] = []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
         state = torch.get_rng_state()
         _compat.restart_train_iterator(trainer)
         after = torch.get_rng_state()
         torch.set_rng_state(state)
         torch.empty((), dtype=torch.int64).random_()  # what a DataLoader iterator draws for its base seed
-        self.one_draw = torch.equal(torch.get_rng_state(), after)
+        self.drew.append(torch.equal(torch.get_rng_state(), after))
+        torch.set_rng_state(after)
 
 
 class _NoFetcher:
@@ -944,12 +948,12 @@ class _NoFetcher:
 
 
 def test_restart_train_iterator_makes_the_fits_loader_iterator_again_from_the_global_stream(tmp_path):
-    """At ``on_train_start`` the fit's first iterator exists (``setup_data``); making it again draws one base seed
-    from the global stream, as the epoch loop's iterator at a later epoch's start does."""
+    """At epoch 0's start the fit's first iterator exists (``setup_data``); making it again draws one base seed
+    from the global stream. At epoch 1's the epoch loop makes it after the hook: nothing is drawn there."""
     seen = _IteratorAgain()
-    trainer = pl.Trainer(max_steps=1, logger=False, callbacks=[seen], default_root_dir=tmp_path, **_QUIET_BAR)
-    trainer.fit(BoringModel())
-    assert seen.one_draw
+    flags = {"max_epochs": 2, "limit_train_batches": 2, "limit_val_batches": 0, "logger": False, **_QUIET_BAR}
+    pl.Trainer(callbacks=[seen], default_root_dir=tmp_path, **flags).fit(BoringModel())
+    assert seen.drew == [True, False]
     with pytest.raises(RuntimeError, match="lightning moved _FitLoop._data_fetcher"):
         _compat.restart_train_iterator(_NoFetcher())  # type: ignore[arg-type]
 

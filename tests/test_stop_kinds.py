@@ -74,11 +74,14 @@ def test_loop_flags_latched_by_a_callback_travel_in_the_checkpoint(tmp_path, lat
 
 
 @pytest.mark.parametrize("model", ["GlobalDropoutMLP", "RandnNoiseMLP"])
-def test_random_state_saved_at_one_kind_of_stop_is_restored_at_every_kind(tmp_path, model):
+@pytest.mark.parametrize("every", ["trainer.check_val_every_n_epoch=1", "trainer.check_val_every_n_epoch=2"])
+def test_random_state_saved_at_one_kind_of_stop_is_restored_at_every_kind(tmp_path, model, every):
     """``nn.Dropout`` and ``torch.randn`` in a step, stopped at an epoch's end by the epoch limit or the step
-    limit and continued to 4 epochs: the straight run's weights (the continued fit's first loader iterator is
-    made again from the restored state, as the straight run made that epoch's: 0.04 apart without it)."""
-    args = [*BASE, f"model._target_=users_models.{model}", "trainer.max_epochs=4"]
+    limit and continued to 4 epochs: the straight run's weights. The continued fit's first loader iterator is
+    made again from the restored state, as the straight run made that epoch's (0.04 apart without it), where
+    Lightning does not make it: validating every 2 epochs, last.ckpt is written before the epoch's end, which the
+    continued run replays before the next epoch makes its iterator."""
+    args = [*BASE, f"model._target_=users_models.{model}", "trainer.max_epochs=4", every]
     train(compose_cfg(*args), tmp_path / "straight")
     for i, stop in enumerate(["trainer.max_epochs=2", "trainer.max_steps=24"]):
         continued = _stop_and_continue(tmp_path / f"stop{i}", args, [stop])

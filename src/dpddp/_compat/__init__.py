@@ -191,14 +191,19 @@ def fit_restarting(trainer: pl.Trainer) -> bool:
 
 
 def restart_train_iterator(trainer: pl.Trainer) -> None:
-    """Make the training loader's iterator again (``iter(trainer.fit_loop._data_fetcher)``), as the epoch loop does
-    at every epoch's start after the first (``_TrainingEpochLoop.on_run_start``): a ``DataLoader`` iterator draws
-    its base seed from the global stream. Lightning 2.6.6 makes a fit's first one in ``setup_data``, before any
-    hook; a restored random state replays it from there. Raises ``RuntimeError`` if it moved; test_compat."""
-    if not hasattr(trainer.fit_loop, "_data_fetcher"):
+    """At an epoch's ``on_train_epoch_start``: make the training loader's iterator again
+    (``iter(trainer.fit_loop._data_fetcher)``) unless the epoch loop makes this epoch's itself
+    (``_TrainingEpochLoop.on_run_start``: after epoch 0, neither resuming nor restarting). A ``DataLoader``
+    iterator draws its base seed from the global stream; Lightning 2.6.6 makes a fit's first one in
+    ``setup_data``, before any hook, and a fit resumed at an epoch's start makes no other for that epoch.
+    Raises ``RuntimeError`` if it moved; test_compat."""
+    loop = trainer.fit_loop
+    if not hasattr(loop, "_data_fetcher"):
         raise RuntimeError("lightning moved _FitLoop._data_fetcher: update dpddp._compat")
-    if trainer.fit_loop._data_fetcher is not None:
-        iter(trainer.fit_loop._data_fetcher)
+    if trainer.current_epoch > 0 and not loop.is_resuming and not loop.epoch_loop.restarting:
+        return  # the epoch loop makes it
+    if loop._data_fetcher is not None:
+        iter(loop._data_fetcher)
 
 
 def logged_metric_kinds(trainer: pl.Trainer) -> dict[str, tuple[bool, bool]]:

@@ -99,6 +99,7 @@ class ResumableState(pl.Callback):
         self.steps_per_execution, self.uncounted = steps_per_execution, uncounted
         self._random: dict[str, Any] | None = None  # this rank's restored state, until set
         self._mid_epoch = False
+        self._iterate = False  # at the next epoch's start: make its loader iterator from the restored state
         self._should_stop = False  # restored: a callback had latched trainer.should_stop
         self._schedules: list[dict[str, Any]] = []  # the schedulers' states as the run's first fit built them
         self._restored_schedules: list[dict[str, Any]] | None = None
@@ -171,8 +172,7 @@ class ResumableState(pl.Callback):
         self._in_loop = True
         if self._random is not None and not self._mid_epoch:
             set_random_state(self._random)
-            self._random = None
-            restart_train_iterator(trainer)  # the straight run's next epoch made its iterator from this state
+            self._random, self._iterate = None, True  # the straight run made the next epoch's from this state
         if self._should_stop:  # EarlyStopping before min_epochs, or a run it ended: the straight run's flag
             trainer.should_stop = True
         restored, self._restored_schedules = self._restored_schedules, None
@@ -183,6 +183,9 @@ class ResumableState(pl.Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._iterate:
+            self._iterate = False
+            restart_train_iterator(trainer)
         self._take_plateau_steps(trainer)
 
     @override
