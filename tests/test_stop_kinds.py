@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import csv
 import logging
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-import torch
 from conftest import QUIET, compose_cfg, global_step, max_diff, run_train, weights
+from lightning.pytorch.callbacks import EarlyStopping, Timer
+from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 
+from dpddp.continuity.state import ResumableState
 from dpddp.errors import Preempted
 from dpddp.run.training import train
 
 BASE = ["model=mlp", "accelerator=cpu", "logger=none", "data.num_samples=1024", *QUIET]
 # 1024 samples: 820 train, 12 global batches of 64 an epoch
-
-
-def _step(run: Path) -> int:
-    return torch.load(run / "checkpoints/last.ckpt", map_location="cpu", weights_only=True)["global_step"]
 
 
 def _apart(a: Path, b: Path) -> float:
@@ -67,10 +67,25 @@ def test_loop_flags_latched_by_a_callback_travel_in_the_checkpoint(tmp_path, lat
     """``trainer.should_stop`` set by EarlyStopping before ``min_epochs`` is restored: the continued run stops at
     ``min_epochs`` as the straight run does (without it, EarlyStopping, now improving, trains on past
     ``min_epochs``: to step 60)."""
-    assert _step(latched_straight) == 4 * 12
+    assert global_step(latched_straight) == 4 * 12
     continued = _stop_and_continue(tmp_path, LATCHED, stop)
-    assert _step(continued) == 4 * 12
+    assert global_step(continued) == 4 * 12
     assert _apart(continued, latched_straight) <= 1e-6
+
+
+def test_a_stop_flag_set_by_a_timer_run_out_is_not_latched_and_early_stoppings_is():
+    """``max_time`` is a limit a continued run may raise: the flag its ``Timer`` set does not travel; with the
+    time run out an EarlyStopping that has stopped still latches it, and with time left any callback's flag does."""
+    es = EarlyStopping(monitor="val/loss")
+    trainer = SimpleNamespace(should_stop=True, callbacks=[Timer(timedelta(0)), es], early_stopping_callbacks=[es])
+    assert ResumableState._latched_stop(trainer) is False  # type: ignore[arg-type]
+    es.stopping_reason = EarlyStoppingReason.PATIENCE_EXHAUSTED
+    assert ResumableState._latched_stop(trainer) is True  # type: ignore[arg-type]
+    es.stopping_reason = EarlyStoppingReason.NOT_STOPPED
+    trainer.callbacks = [Timer(timedelta(hours=1)), es]
+    assert ResumableState._latched_stop(trainer) is True  # type: ignore[arg-type]
+    trainer.should_stop = False
+    assert ResumableState._latched_stop(trainer) is False  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("model", ["GlobalDropoutMLP", "RandnNoiseMLP"])
@@ -85,7 +100,7 @@ def test_random_state_saved_at_one_kind_of_stop_is_restored_at_every_kind(tmp_pa
     train(compose_cfg(*args), tmp_path / "straight")
     for i, stop in enumerate(["trainer.max_epochs=2", "trainer.max_steps=24"]):
         continued = _stop_and_continue(tmp_path / f"stop{i}", args, [stop])
-        assert _step(continued) == _step(tmp_path / "straight") == 4 * 12
+        assert global_step(continued) == global_step(tmp_path / "straight") == 4 * 12
         assert _apart(continued, tmp_path / "straight") <= 1e-6, stop
 
 
