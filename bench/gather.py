@@ -1,5 +1,5 @@
-"""Two measurements behind the README's performance notes, in plain torch on W2-sized steps (262,144 x 1024 float32
-samples, 10 classes, global batch 1024, SGD): ``python bench/gather.py [--rounds 3]``.
+"""Two measurements behind the performance notes (docs/performance.md), in plain torch on W2-sized steps
+(262,144 x 1024 float32 samples, 10 classes, global batch 1024, SGD): ``python bench/gather.py [--rounds 3]``.
 
 1. **One gather per execution.** ``steps_per_execution=16`` gathers an execution's 16 global batches at once
    (``[16, 1024, 1024]``, 64 MiB) and then steps on each; one gather per step keeps each batch (4 MiB) in the

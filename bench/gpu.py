@@ -2,7 +2,7 @@
 one GPU against CPU, dp on one device, ddp with 2 ranks sharing one GPU over gloo, bf16-mixed and 16-mixed within
 the 16-bit tolerance, a 16-mixed stop continued exactly, peak GPU memory per process; with 2 or more GPUs dp and
 ddp over NCCL), then one GPU, ``strategy=dp`` over all GPUs and ``strategy=ddp`` over all GPUs against plain
-PyTorch: the README's "DP or DDP" table, measured.
+PyTorch: docs/performance.md's "DP or DDP" table, measured.
 
 Each run is a fresh subprocess measured like ``bench/run.py`` does (samples/s in steady state, whole wall time
 and start to first step in s, peak RSS of one process in MiB): the project lean (``python train.py

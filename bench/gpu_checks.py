@@ -99,7 +99,7 @@ CHECKS = (
 )
 EXTRA_NEEDS = (  # what bench/gpu.py measures besides the checks, and what it needs
     ("peak GPU memory per process (metrics.json peak_mem_mib, torch.cuda.max_memory_allocated) of every run", 1),
-    ("the README's DP-or-DDP throughput table (one GPU, dp and ddp over every GPU, against plain PyTorch)", 2),
+    ("docs/performance.md's DP-or-DDP throughput table (one GPU, dp and ddp over every GPU, against plain PyTorch)", 2),
 )
 
 

@@ -540,8 +540,8 @@ README_START, README_END = "<!-- bench/run.py: start -->", "<!-- bench/run.py: e
 
 
 def readme_section(results: dict[str, Any]) -> str:
-    """The README's performance numbers, from a ``results.json``: its command, then the performance targets
-    (``target_table``) and the ratio lines of ``headline``."""
+    """The performance numbers of ``docs/performance.md``, from a ``results.json``: its command, then the
+    performance targets (``target_table``) and the ratio lines of ``headline``."""
     counted = counted_runs(results["runs"])  # as in RESULTS.md
     body = [f"From `{results['command']}` (`bench/RESULTS.md` has every cell):", "", *headline(counted)]
     return "\n".join([README_START, *body, README_END])
@@ -578,14 +578,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition, no warm-up (smoke test)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench", help="output directory (default bench/)")
     parser.add_argument(
-        "--readme", action="store_true", help="only rewrite README.md's performance numbers from <out>/results.json"
+        "--readme", action="store_true", help="only rewrite docs/performance.md's numbers from <out>/results.json"
     )
     parser.add_argument(
         "--render", action="store_true", help="only rewrite <out>/RESULTS.md and the chart from <out>/results.json"
     )
     args = parser.parse_args(argv)
     if args.readme:
-        write_readme(ROOT / "README.md", args.out / "results.json")
+        write_readme(ROOT / "docs" / "performance.md", args.out / "results.json")
         return 0
     if args.render:
         render(args.out)

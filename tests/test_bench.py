@@ -153,10 +153,10 @@ def test_results_report(tmp_path: Path) -> None:
     assert "max |test/loss strong stock - plain| over the rounds = 0" in text
 
 
-def test_the_readme_performance_numbers_are_the_committed_results() -> None:
-    """README.md's performance block is ``bench/run.py --readme`` of ``bench/results.json``: no hand-copied number."""
+def test_the_performance_page_numbers_are_the_committed_results() -> None:
+    """docs/performance.md's numbers are ``bench/run.py --readme`` of ``bench/results.json``: no hand-copied number."""
     bench = load_bench()
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "performance.md").read_text()
     start, end = readme.index(bench.README_START), readme.index(bench.README_END) + len(bench.README_END)
     results = json.loads((ROOT / "bench" / "results.json").read_text())
     assert readme[start:end] == bench.readme_section(results)
