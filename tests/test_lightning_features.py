@@ -76,6 +76,18 @@ def test_a_callback_that_needs_a_logger_without_one_is_one_line(target, name, st
     check_config(compose_cfg("accelerator=cpu", *strategy, f"+callbacks.mon._target_={target}", "callbacks.mon=null"))
 
 
+def test_a_rank_that_opens_no_tracker_run_has_a_logger_for_the_callbacks_that_need_one(tmp_path, monkeypatch):
+    """Under a tracker only rank 0 builds it; the others get a logger that logs nothing (tests/test_trackers.py
+    runs LearningRateMonitor so on ddp(2))."""
+    from dpddp.run.assembly import RankLogger, _build_logger
+
+    monkeypatch.setenv("RANK", "1")
+    (logger,) = _build_logger(compose_cfg("logger=mlflow"), tmp_path)
+    assert isinstance(logger, RankLogger)
+    assert _build_logger(compose_cfg("logger=none"), tmp_path) is False
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_learning_rate_monitor_with_a_logger_logs_the_learning_rate(tmp_path):
     lr = "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor"
     train(compose_cfg(*SMALL, lr, "+callbacks.lr.logging_interval=epoch", "logger=csv", "model.lr=0.05"), tmp_path)

@@ -74,8 +74,10 @@ def _wandb_runs(run_dir: Path) -> tuple[set[str], set[str], list[tuple[int, floa
 def test_mlflow_and_wandb_on_ddp_give_one_run_each_continued_by_resume(tmp_path):
     """ddp(2), 2 epochs, then resume=true to 3: one MLflow run (in experiment dpddp, named by the run directory),
     its val/acc the epoch table's, epochs 0..2 once each, the config as parameters; one W&B id across the two
-    invocations' offline files, epochs 0..2 once each; no process left."""
-    run = ["logger=mlflow_wandb", "strategy=ddp", "devices=2", "hydra.run.dir=outputs/run"]
+    invocations' offline files, epochs 0..2 once each; no process left. A callback that needs a logger
+    (LearningRateMonitor) runs on every rank (rank 1 has no tracker of its own) and logs into rank 0's."""
+    lr = "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor"
+    run = ["logger=mlflow_wandb", "strategy=ddp", "devices=2", "hydra.run.dir=outputs/run", lr]
     first = run_train(*ARGS, *run, "trainer.max_epochs=2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     again = run_train(*ARGS, *run, "trainer.max_epochs=3", "resume=true", cwd=tmp_path)
@@ -86,6 +88,8 @@ def test_mlflow_and_wandb_on_ddp_give_one_run_each_continued_by_resume(tmp_path)
     runs = _runs(client)
     assert list(runs) == ["dpddp"] and len(runs["dpddp"]) == 1
     (tracked,) = runs["dpddp"]
+    rates = client.get_metric_history(tracked.info.run_id, "lr-SGD")
+    assert rates and {m.value for m in rates} == {0.1}  # the packaged model's learning rate
     history = client.get_metric_history(tracked.info.run_id, "val/acc")
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(_val_acc(run_dir), abs=1e-7)
     assert len(history) == 3 == len({m.step for m in history})

@@ -14,6 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import KubeflowEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from typing_extensions import override
@@ -45,7 +46,7 @@ from dpddp.run.build import build
 from dpddp.run.executions import StepsPerExecution
 from dpddp.run.trainer_flags import TRAINER_ERRORS, refused_flag
 
-__all__ = ["build_strategy", "build_trainer", "epoch_lines"]
+__all__ = ["RankLogger", "build_strategy", "build_trainer", "epoch_lines"]
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +206,30 @@ def _logger_specs(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
     return [(f"logger.{name}", spec) for name, spec in cfg.logger.items() if spec]
 
 
+class RankLogger(Logger):
+    """The logger of a process that opens no tracker run (a rank other than 0 under a tracker): it logs nothing,
+    so that every rank has the run's logger, as with a CSV one, and a callback that needs one
+    (``LearningRateMonitor``) runs on every rank."""
+
+    @property
+    @override
+    def name(self) -> str:
+        return "rank"
+
+    @property
+    @override
+    def version(self) -> int:
+        return 0
+
+    @override
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        """Nothing: rank 0's tracker has them."""
+
+    @override
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Nothing: rank 0's tracker logs the run's metrics."""
+
+
 def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
     """The ``logger`` group: ``False`` (none), one logger (a ``_target_`` spec), or a list of them (a mapping of
     named specs, e.g. ``logger=csv_tensorboard``), each writing under the run directory. A tracker (MLflow, W&B)
@@ -218,6 +243,8 @@ def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
             raise ConfigError(f"logger {spec._target_} needs {kind}: pip install {kind} (or dpddp's extra [{kind}])")
         elif opens_runs():
             loggers.append(build(spec, key, save_dir=str(output_dir), **tracker_options(kind, spec, output_dir)))
+    if _logger_specs(cfg) and not loggers:  # trackers only, on a rank that opens none
+        loggers.append(RankLogger())
     return loggers or False
 
 
