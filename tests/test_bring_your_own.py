@@ -1,4 +1,4 @@
-"""A user's own model and data set, written outside the package as a user would (the README's example), trained
+"""A user's own model and data set, written outside the package as a user would (the template in docs/), trained
 through train.py with _target_ overrides; the bundled tables; the installed command from any directory."""
 
 from __future__ import annotations
@@ -211,7 +211,8 @@ def _stopped_then_pasted(cwd: Path, command: list[str], stop_line: str) -> str:
 
 @pytest.fixture
 def bare_project(tmp_path: Path) -> Path:
-    """The user's project as the README has it, without a train.py: ``mine.py`` and ``conf/model/my_net.yaml``."""
+    """The user's project as docs/your-model-and-data.md has it, without a train.py: ``mine.py`` and
+    ``conf/model/my_net.yaml``."""
     _project(tmp_path)
     (tmp_path / "train.py").unlink()
     return tmp_path

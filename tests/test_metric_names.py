@@ -16,7 +16,7 @@ from test_bring_your_own import MINE, USER_ARGS, _project
 
 pytestmark = pytest.mark.slow
 
-# The README's template model, logging Lightning's usual names (train_loss, val_loss, val_acc, ...).
+# The template model of docs/your-model-and-data.md, logging Lightning's usual names (train_loss, val_loss, ...).
 NAMES = MINE.replace('"train/loss"', '"train_loss"').replace('f"{stage}/loss"', 'f"{stage}_loss"')
 NAMES = NAMES.replace('f"{stage}/acc"', 'f"{stage}_acc"')
 BY_NAME = ["callbacks.model_checkpoint.monitor=val_loss", "trainer.max_epochs=3"]

@@ -3,8 +3,9 @@ of processes: the weights and the gradient all-reduce stay 32-bit, so promise 1 
 is of the order of what 16 bits cost one process: ``|w(16, ddp N) - w(16, 1)| <= 3 * max(1e-5, |w(16, 1) -
 w(32, 1)|)`` on the same data and steps (each rank rounds its own share of the gradient to 16 bits before the
 32-bit all-reduce, so a ddp run and one process are two roundings of the 32-bit run: measured 0.46-2.49 times the
-one-process cost, README). A stop and continue in 16 bits equals the straight run (1e-6), the scaler's state
-included; ``metrics.json`` records the precision; a precision with 16-bit weights is refused over replicas."""
+one-process cost, docs/configuration.md). A stop and continue in 16 bits equals the straight run (1e-6), the
+scaler's state included; ``metrics.json`` records the precision; a precision with 16-bit weights is refused over
+replicas."""
 
 import subprocess
 import sys

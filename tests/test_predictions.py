@@ -97,7 +97,7 @@ def test_a_failed_predict_keeps_the_fit_and_test_metrics(tmp_path):
     assert (tmp_path / "run/checkpoints/last.ckpt").is_file() and not (tmp_path / "run/predictions.csv").exists()
 
 
-# The README's template model (no predict_step) and data set, in a user's project.
+# The template model of docs/your-model-and-data.md (no predict_step) and data set, in a user's project.
 
 
 def _expected_rows(project: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

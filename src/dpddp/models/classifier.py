@@ -1,5 +1,5 @@
 """``Classifier``: the training, metrics and optimizer of the built-in models, which add only their layers; it
-meets dpddp's metric contract (README, "Bring your own model and data")."""
+meets dpddp's metric contract (docs/your-model-and-data.md)."""
 
 from __future__ import annotations
 

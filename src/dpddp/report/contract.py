@@ -1,4 +1,4 @@
-"""The metric contract a model meets for dpddp's promises (README, "Bring your own model and data"), and the
+"""The metric contract a model meets for dpddp's promises (docs/your-model-and-data.md), and the
 warning that names what is lost when a model breaks it."""
 
 from __future__ import annotations
