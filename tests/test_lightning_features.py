@@ -76,6 +76,18 @@ def test_a_callback_that_needs_a_logger_without_one_is_one_line(target, name, st
     check_config(compose_cfg("accelerator=cpu", *strategy, f"+callbacks.mon._target_={target}", "callbacks.mon=null"))
 
 
+def test_the_lightning_cli_says_a_callback_that_needs_a_logger_in_its_own_options():
+    with pytest.raises(ConfigError) as err:
+        check_config(_cli_config("--trainer.callbacks+=LearningRateMonitor", "--trainer.accelerator=cpu"))
+    assert str(err.value) == (
+        "--trainer.callbacks (LearningRateMonitor) needs a logger, and the run has none: add "
+        "--trainer.logger=CSVLogger --trainer.logger.save_dir=. (or TensorBoardLogger, MLFlowLogger, WandbLogger), "
+        "or drop the callback"
+    )
+    given = ("--trainer.logger=CSVLogger", "--trainer.logger.save_dir=.")
+    check_config(_cli_config("--trainer.callbacks+=LearningRateMonitor", "--trainer.accelerator=cpu", *given))
+
+
 def test_a_rank_that_opens_no_tracker_run_has_a_logger_for_the_callbacks_that_need_one(tmp_path, monkeypatch):
     """Under a tracker only rank 0 builds it; the others get a logger that logs nothing (tests/test_trackers.py
     runs LearningRateMonitor so on ddp(2))."""

@@ -52,7 +52,7 @@ from dpddp.errors import (
 )
 from dpddp.models.linear import LinearClassifier
 from dpddp.parallel.rules import lightning_equivalent, lightning_name_line
-from dpddp.run.config import check_config
+from dpddp.run.config import CLI_CALLBACKS, check_config
 from dpddp.run.training import STAGES, isolated_job, train
 
 __all__ = ["DPDDPCLI", "main", "run_config"]
@@ -192,7 +192,7 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
         merged.logger = _spec(logger)
     with open_dict(merged.callbacks):  # --trainer.callbacks+=pkg.Callback: beside the built-in ones
         for i, callback in enumerate(callbacks):
-            merged.callbacks[f"cli_{i}"] = _spec(callback)
+            merged.callbacks[f"{CLI_CALLBACKS}{i}"] = _spec(callback)
     return merged
 
 

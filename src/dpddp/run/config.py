@@ -35,7 +35,8 @@ from dpddp.run.build import build
 from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, check_targets, target_class
 from dpddp.run.trainer_flags import refused_flag
 
-__all__ = ["check_config", "check_output_dir", "check_precision", "check_resolvable", "needs_logger"]
+__all__ = ["CLI_CALLBACKS", "check_config", "check_output_dir", "check_precision", "check_resolvable"]
+__all__ += ["needs_logger"]
 
 SIZES_FIX = "model.num_features=<features per sample> model.num_classes=<classes>"
 
@@ -235,6 +236,10 @@ def needs_logger(cls: type) -> bool:
     return False
 
 
+CLI_CALLBACKS = "cli_"
+"""How the keys of the Lightning CLI's ``--trainer.callbacks`` begin in the run config (``cli_0``, ...)."""
+
+
 def _has_logger(cfg: Mapping) -> bool:
     """Whether the ``logger`` group gives the Trainer a logger: one spec, or a mapping with any spec not null."""
     logger = cfg.get("logger")
@@ -252,6 +257,12 @@ def _check_callback_needs(cfg: Mapping) -> None:
         if not spec:
             continue
         cls = target_class(f"callbacks.{key}", spec)
+        if needs_logger(cls) and str(key).startswith(CLI_CALLBACKS):  # the Lightning CLI's: in its own terms
+            raise ConfigError(
+                f"--trainer.callbacks ({cls.__name__}) needs a logger, and the run has none: add "
+                "--trainer.logger=CSVLogger --trainer.logger.save_dir=. (or TensorBoardLogger, MLFlowLogger, "
+                "WandbLogger), or drop the callback"
+            )
         if needs_logger(cls):
             raise ConfigError(
                 f"callbacks.{key} ({cls.__name__}) needs a logger, and logger=none: use logger=csv (or tensorboard, "
