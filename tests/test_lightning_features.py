@@ -143,19 +143,28 @@ def test_a_weights_only_checkpoint_cannot_continue_a_fit_and_is_one_line(first_r
 
 
 @pytest.mark.parametrize(
-    "overrides,other",
+    "overrides,other,trained",
     [
-        (["data.num_features=12"], "linear.weight is [4, 16] there, [4, 12] here"),
-        (["model=mlp"], "no net.0.weight, net.0.bias, net.2.weight; an unknown linear.weight, linear.bias"),
+        (["data.num_features=12"], "linear.weight is [4, 16] there, [4, 12] here", " (data.num_features=16)"),
+        (
+            ["data.num_classes=3"],
+            "linear.weight is [4, 16] there, [3, 16] here; linear.bias is [4] there, [3] here",
+            " (data.num_classes=4)",
+        ),
+        (
+            ["model=mlp"],
+            "no net.0.weight, net.0.bias, net.2.weight; an unknown linear.weight, linear.bias",
+            "",  # another model: its settings are not this one's
+        ),
     ],
-    ids=["other sizes", "another model"],
+    ids=["other sizes", "other classes", "another model"],
 )
 @pytest.mark.parametrize("stage", ["fit", "test"])
-def test_another_models_checkpoint_is_one_line_naming_what_differs(first_run, overrides, other, stage):
+def test_another_models_checkpoint_is_one_line_naming_what_differs(first_run, overrides, other, trained, stage):
     last = first_run / "checkpoints" / "last.ckpt"
     assert _refusal(f"ckpt_path={last}", "trainer.max_epochs=4", *overrides, stage=stage) == (
         f"ckpt_path={str(last)!r} holds another model's weights ({other}): give a checkpoint of this model, or the "
-        "model settings it was trained with"
+        f"model settings it was trained with{trained}"
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -14,7 +14,7 @@ from typing_extensions import override
 from dpddp._compat import processed_epochs
 from dpddp.errors import WriteFailed
 
-__all__ = ["AtomicCheckpointIO", "checkpoint_launch", "checkpoint_problem"]
+__all__ = ["AtomicCheckpointIO", "ConfiguredModel", "checkpoint_launch", "checkpoint_problem"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -61,6 +61,16 @@ def checkpoint_launch(path: str | Path) -> str | None:
     return entry.get("launch") if isinstance(entry, dict) else None
 
 
+class ConfiguredModel(NamedTuple):
+    """What a checkpoint's weights must load into: the configured model's ``state_dict`` shapes, its
+    ``strict_loading``, and its settings by hyper-parameter name: ``(the setting that gives it, its value)``
+    (``num_features``: ``("data.num_features", 16)``, the model's following the data's)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    strict: bool
+    settings: dict[str, tuple[str, Any]]
+
+
 def _other_model(saved: dict, shapes: dict[str, tuple[int, ...]], strict: bool) -> str | None:
     """How the checkpoint's ``state_dict`` ``saved`` differs from the configured model's (``shapes``: each entry's
     shape), as Lightning's load would find it (``strict``: the model's ``strict_loading``; missing and unexpected
@@ -84,7 +94,7 @@ def checkpoint_problem(
     steps_per_execution: int | None = None,
     *,
     fit: bool = False,
-    model: tuple[dict[str, tuple[int, ...]], bool] | None = None,
+    model: ConfiguredModel | None = None,
 ) -> str | None:
     """Why ``path`` cannot be resumed from (one line, ending with what to do), or ``None``. Loads it with
     ``weights_only=True`` (no code runs from the file), as ``Trainer.fit(weights_only=True)`` will, and
@@ -99,8 +109,8 @@ def checkpoint_problem(
             batch count mean other things under each: ``dpddp.run.executions``); ``None``: not a fit.
         fit: the run continues a fit from it: refused if it holds the weights only (no ``optimizer_states``:
             ``save_checkpoint(weights_only=True)``, a ``ModelCheckpoint(save_weights_only=True)``).
-        model: the configured model's ``state_dict`` shapes and its ``strict_loading``: refused if the
-            checkpoint's weights do not load into it (another model's, or other sizes).
+        model: the configured model (``ConfiguredModel``): refused if the checkpoint's weights do not load into
+            it (another model's, or other sizes), naming the settings its saved hyper-parameters differ in.
     """
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -121,10 +131,14 @@ def checkpoint_problem(
     changed = [f"data.{k}={data[k]!r} (was {saved[k]!r})" for k in data if k in saved and saved[k] != data[k]]
     if changed:
         return f"was trained with other data: {', '.join(changed)}: resume with the run's own data settings"
-    if model is not None and (other := _other_model(ckpt["state_dict"], *model)):
+    if model is not None and (other := _other_model(ckpt["state_dict"], model.shapes, model.strict)):
+        same_layers = set(ckpt["state_dict"]) == set(model.shapes)  # other sizes: name the settings that give them
+        trained = (ckpt.get("hyper_parameters") or {}) if same_layers else {}
+        given = model.settings.items()
+        was = [f"{name}={trained[k]!r}" for k, (name, value) in given if k in trained and trained[k] != value]
         return (
             f"holds another model's weights ({other}): give a checkpoint of this model, or the model settings it "
-            "was trained with"
+            "was trained with" + (f" ({' '.join(was)})" if was else "")
         )
     if fit and "optimizer_states" not in ckpt:
         return (

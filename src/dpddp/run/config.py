@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from dpddp.continuity.io import checkpoint_problem
+from dpddp.continuity.io import ConfiguredModel, checkpoint_problem
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.data.memory import check_memory, memory_bytes
 from dpddp.data.random_tensors import RandomTensorDataModule
@@ -390,22 +390,32 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     data = dict(cfg["data"]) if cfg.get("resume") else None  # resume=true continues the same run: same data
     k = cfg.get("steps_per_execution", 1) if stage == "fit" else None
     if ckpt is not None and (
-        problem := checkpoint_problem(ckpt, max_epochs, data, k, fit=stage == "fit", model=_model_shapes(cfg))
+        problem := checkpoint_problem(ckpt, max_epochs, data, k, fit=stage == "fit", model=_configured_model(cfg))
     ):
         raise ConfigError(f"ckpt_path={str(ckpt)!r} {problem}")
 
 
-def _model_shapes(cfg: Mapping) -> tuple[dict[str, tuple[int, ...]], bool] | None:
-    """The configured model's ``state_dict`` shapes and its ``strict_loading``, built on the meta device (no
-    memory, no initialization, the random streams untouched); ``None`` when it cannot be built there (the run's
-    own build says why)."""
+def _configured_model(cfg: Mapping) -> ConfiguredModel | None:
+    """The configured model's ``state_dict`` shapes, its ``strict_loading`` and its settings (``ConfiguredModel``),
+    built on the meta device (no memory, no initialization, the random streams untouched); ``None`` when it cannot
+    be built there (the run's own build says why)."""
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = build(cfg["model"], "model", _convert_="all")
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     except Exception:  # a model whose constructor needs real tensors (loads weights, moves data) is not checked
         return None
-    return shapes, bool(getattr(model, "strict_loading", True))
+    spec = cfg["model"]
+    raw = OmegaConf.to_container(spec, resolve=False) if isinstance(spec, DictConfig) else dict(spec)
+    assert isinstance(raw, dict)
+    settings: dict[str, tuple[str, Any]] = {}
+    for key, given in raw.items():
+        name = str(key)
+        if name == "_target_":
+            continue
+        followed = re.fullmatch(r"\$\{(data\.\w+)\}", given) if isinstance(given, str) else None
+        settings[name] = (followed.group(1) if followed else f"model.{name}", spec[key])
+    return ConfiguredModel(shapes, bool(getattr(model, "strict_loading", True)), settings)
 
 
 def _unwritable_where(directory: Path) -> str | None:
