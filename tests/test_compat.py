@@ -970,3 +970,12 @@ def test_lightnings_strategy_registry_and_its_unused_parameter_pattern_are_where
     )
     assert found["ddp_fork"] == (LightningDDPStrategy, {"start_method": "fork"})
     assert UNUSED_PARAMETERS in inspect.getsource(LightningDDPStrategy.on_exception)
+
+
+def test_an_epoch_is_cut_while_fewer_of_its_batches_are_processed_than_it_has():
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False)
+    trainer.fit_loop.max_batches = 12  # what num_training_batches reads
+    trainer.fit_loop.epoch_loop.batch_progress.current.processed = 5
+    assert _compat.epoch_cut(trainer)
+    trainer.fit_loop.epoch_loop.batch_progress.current.processed = 12
+    assert not _compat.epoch_cut(trainer)

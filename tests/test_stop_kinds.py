@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import QUIET, compose_cfg, global_step, max_diff, run_train, weights
+from conftest import QUIET, checkpoint, compose_cfg, global_step, max_diff, run_train, weights
 from lightning.pytorch.callbacks import EarlyStopping, Timer
 from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 
@@ -63,14 +63,37 @@ def latched_straight(tmp_path_factory) -> Path:
         ["trainer.max_steps=24"],  # epoch 1's end, after EarlyStopping tripped
     ],
 )
-def test_loop_flags_latched_by_a_callback_travel_in_the_checkpoint(tmp_path, latched_straight, stop):
+def test_loop_flags_latched_by_a_callback_travel_in_the_checkpoint(tmp_path, caplog, latched_straight, stop):
     """``trainer.should_stop`` set by EarlyStopping before ``min_epochs`` is restored: the continued run stops at
     ``min_epochs`` as the straight run does (without it, EarlyStopping, now improving, trains on past
     ``min_epochs``: to step 60)."""
     assert global_step(latched_straight) == 4 * 12
-    continued = _stop_and_continue(tmp_path, LATCHED, stop)
+    with caplog.at_level(logging.INFO, logger="dpddp.report.epochs"):
+        continued = _stop_and_continue(tmp_path, LATCHED, stop)
     assert global_step(continued) == 4 * 12
+    assert [r.getMessage() for r in caplog.records if "EarlyStopping" in r.getMessage()][-1] == (
+        "EarlyStopping ended the run after epoch 3 (it tripped after epoch 1; trainer.min_epochs=4 held the run): "
+        "Monitored metric val/score did not improve in the last 1 records. Best score: 1.000."
+    )
     assert _apart(continued, latched_straight) <= 1e-6
+
+
+def test_an_epoch_a_limit_cuts_is_not_checked_by_early_stopping_on_the_validation_before_it(tmp_path):
+    """val/score improves every epoch; ``max_steps=18`` cuts epoch 1, whose end hooks Lightning still calls:
+    EarlyStopping checked epoch 0's value again there and tripped (patience 1), so the continued run stopped at
+    step 18. Its state and the flag travel as they were before that check: the straight run's step and state."""
+    args = [*BASE, "model._target_=users_models.ScriptedScoreMLP", "+model.scores=[1.0,0.9,0.8,0.7]"]
+    args += ["+callbacks.es._target_=lightning.pytorch.callbacks.EarlyStopping", "+callbacks.es.monitor=val/score"]
+    args += ["+callbacks.es.patience=1", "trainer.max_epochs=4"]
+    train(compose_cfg(*args), tmp_path / "straight")
+    continued = _stop_and_continue(tmp_path, args, ["trainer.max_steps=18"])
+    assert global_step(continued) == global_step(tmp_path / "straight") == 4 * 12
+    states = [
+        {k: v for k, v in checkpoint(run)["callbacks"].items() if k.startswith("EarlyStopping")}
+        for run in (continued, tmp_path / "straight")
+    ]
+    assert states[0] == states[1] and len(states[0]) == 1
+    assert _apart(continued, tmp_path / "straight") <= 1e-6
 
 
 def test_a_stop_flag_set_by_a_timer_run_out_is_not_latched_and_early_stoppings_is():

@@ -37,7 +37,7 @@ __all__ += ["disable_sigterm_broadcast", "hydra_command_line", "hydra_mode_unset
 __all__ += ["epoch_finished_in", "fit_restarting", "float_batch_counts", "init_process_group", "hydra_override_refused"]
 __all__ += ["keep_unfinished_epoch", "logged_metric_kinds", "logged_tensor_states", "processed_epochs", "rank0_store"]
 __all__ += ["resolve_process_group_backend", "restore_logged_tensors", "restore_sigterm_broadcast", "counted_step"]
-__all__ += ["restart_train_iterator"]
+__all__ += ["epoch_cut", "restart_train_iterator"]
 __all__ += ["set_num_threads_if_needed", "skip_empty_batch_hooks", "softmax_per_sample", "uncount_last_batch"]
 
 CHECKED = {"lightning": "2.6.6", "torch": "2.13.0", "hydra-core": "1.3.8"}
@@ -138,9 +138,15 @@ def keep_unfinished_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> No
     """Mark an epoch that fit left before its last batch as unfinished in ``checkpoint``
     (``["loops"]["fit_loop"]["epoch_progress"]`` ``processed``/``completed``), so a continued run restores
     mid-epoch (docs/design-notes.md). Lightning 2.6.6; test_compat and the limit-resume tests fail if it moves."""
-    if trainer.fit_loop.epoch_loop.batch_progress.current.processed >= trainer.num_training_batches:  # type: ignore[attr-defined]
-        return
-    _unfinish_epoch(checkpoint)
+    if epoch_cut(trainer):
+        _unfinish_epoch(checkpoint)
+
+
+def epoch_cut(trainer: pl.Trainer) -> bool:
+    """Whether fit is leaving (or left) the current epoch before its last batch: a limit, or a stop, cut it
+    (``fit_loop.epoch_loop.batch_progress.current.processed``). Lightning 2.6.6; test_compat fails if it moves."""
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
+    return bool(done < trainer.num_training_batches)
 
 
 def _unfinish_epoch(checkpoint: dict[str, Any]) -> None:

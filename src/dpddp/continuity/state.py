@@ -3,6 +3,7 @@ loop counters, saved and loaded here in one written order."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from collections.abc import Callable
@@ -17,7 +18,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 from typing_extensions import override
 
-from dpddp._compat import epoch_finished_in, keep_unfinished_epoch, restart_train_iterator, uncount_last_batch
+from dpddp._compat import (
+    epoch_cut,
+    epoch_finished_in,
+    keep_unfinished_epoch,
+    restart_train_iterator,
+    uncount_last_batch,
+)
 from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.continuity.schedulers import built_states, due_plateau_values, limit_lines, take_skipped_plateau_steps
 from dpddp.errors import ConfigError
@@ -101,6 +108,7 @@ class ResumableState(pl.Callback):
         self._mid_epoch = False
         self._iterate = False  # at the next epoch's start: make its loader iterator from the restored state
         self._should_stop = False  # restored: a callback had latched trainer.should_stop
+        self._cut: tuple[bool, dict[str, Any]] | None = None  # a cut epoch's flag and EarlyStoppings before its end
         self._schedules: list[dict[str, Any]] = []  # the schedulers' states as the run's first fit built them
         self._restored_schedules: list[dict[str, Any]] | None = None
         self._in_loop = False  # between on_train_start and on_train_end: the epoch-end updates are still due
@@ -127,12 +135,14 @@ class ResumableState(pl.Callback):
             "random": self._gather(trainer, random_state()),
             "mid_epoch": not finished,
             "plateau": due_plateau_values(trainer) if fitting and finished and self._in_loop else {},
-            "should_stop": self._latched_stop(trainer),
+            "should_stop": self._latched_stop(trainer) if self._cut is None or finished else self._cut[0],
             "schedules": self._schedules,
             "steps_per_execution": self.steps_per_execution,
             "launch": self.launch,
         }
         checkpoint[KEY] = entry
+        if self._cut is not None and not finished and "callbacks" in checkpoint:
+            checkpoint["callbacks"].update(copy.deepcopy(self._cut[1]))
 
     @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
@@ -183,10 +193,19 @@ class ResumableState(pl.Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._cut = None
         if self._iterate:
             self._iterate = False
             restart_train_iterator(trainer)
         self._take_plateau_steps(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning calls the monitors' hooks after this one: an EarlyStopping that checks at the epoch's end
+        # checks a cut epoch against the validation before the cut, which the straight run never does there.
+        if epoch_cut(trainer):
+            states = {cb.state_key: copy.deepcopy(cb.state_dict()) for cb in trainer.early_stopping_callbacks}
+            self._cut = self._latched_stop(trainer), states
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

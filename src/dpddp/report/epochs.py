@@ -41,15 +41,20 @@ class EpochTable:
 
 
 def early_stops(trainer: pl.Trainer) -> list[str]:
-    """One line per ``EarlyStopping`` of ``trainer`` that has stopped the run: the epoch (from 0) and Lightning's
-    own reason (``stopping_reason_message``, Lightning >= 2.6)."""
+    """One line per ``EarlyStopping`` of ``trainer`` that has stopped the run: the epoch (from 0), the one it
+    tripped after where ``min_epochs`` or ``min_steps`` held the run longer, and Lightning's own reason
+    (``stopping_reason_message``, Lightning >= 2.6). Called at the fit's end."""
     lines = []
+    last, loop = trainer.current_epoch - 1, trainer.fit_loop
+    held = f"trainer.min_epochs={loop.min_epochs}" if loop.min_epochs else f"trainer.min_steps={loop.min_steps}"
     for callback in trainer.early_stopping_callbacks:
         if callback.stopping_reason is EarlyStoppingReason.NOT_STOPPED:
             continue
         reason = (callback.stopping_reason_message or callback.stopping_reason.value).strip()
         reason = reason.removesuffix("Signaling Trainer to stop.").strip()
-        lines.append(f"EarlyStopping ended the run after epoch {callback.stopped_epoch}: {reason}")
+        tripped = callback.stopped_epoch
+        ended = f"{tripped}" if last <= tripped else f"{last} (it tripped after epoch {tripped}; {held} held the run)"
+        lines.append(f"EarlyStopping ended the run after epoch {ended}: {reason}")
     return lines
 
 
