@@ -131,9 +131,18 @@ def test_a_weights_only_checkpoint_cannot_continue_a_fit_and_is_one_line(first_r
     wo = first_run / "checkpoints" / "wo.ckpt"
     assert _refusal(f"ckpt_path={wo}", "trainer.max_epochs=4") == (
         f"ckpt_path={str(wo)!r} holds the model's weights only (no optimizer_states or callback states: saved with "
-        "weights_only=True), so a fit cannot continue from it: continue from a full checkpoint (its run's "
-        "checkpoints/last.ckpt), or load the weights in the model yourself and start without ckpt_path"
+        f"weights_only=True), so a fit cannot continue from it: continue from ckpt_path={wo.parent / 'last.ckpt'}, "
+        "or load the weights in the model yourself and start without ckpt_path"
     )
+    alone = tmp_path / "alone" / "wo.ckpt"  # no last.ckpt beside it
+    alone.parent.mkdir()
+    alone.write_bytes(wo.read_bytes())
+    assert _refusal(f"ckpt_path={alone}").endswith(
+        "continue from a full checkpoint (its run's checkpoints/last.ckpt), or load the weights in the model "
+        "yourself and start without ckpt_path"
+    )
+    alone.unlink()
+    alone.parent.rmdir()
     check_config(compose_cfg(*SMALL, f"ckpt_path={wo}"), "test")  # testing the weights needs nothing more
     with pytest.raises(SystemExit) as stop:  # train.py: before Hydra makes the run directory
         StartChecks().on_run_start(compose_cfg(*SMALL, f"ckpt_path={wo}", f"hydra.run.dir={tmp_path / 'run'}"))

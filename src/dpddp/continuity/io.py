@@ -87,6 +87,15 @@ def _other_model(saved: dict, shapes: dict[str, tuple[int, ...]], strict: bool) 
     return "; ".join(found) or None
 
 
+def _is_full(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint a fit can continue from (it has ``optimizer_states``); mapped, not read."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # none there, or unreadable: not one to name
+        return False
+    return isinstance(ckpt, dict) and "optimizer_states" in ckpt
+
+
 def checkpoint_problem(
     path: str | Path,
     max_epochs: int | None = None,
@@ -141,9 +150,12 @@ def checkpoint_problem(
             "was trained with" + (f" ({' '.join(was)})" if was else "")
         )
     if fit and "optimizer_states" not in ckpt:
+        last = Path(path).parent / "last.ckpt"
+        whole = last.name != Path(path).name and _is_full(last)
+        instead = f"ckpt_path={last}" if whole else "a full checkpoint (its run's checkpoints/last.ckpt)"
         return (
             "holds the model's weights only (no optimizer_states or callback states: saved with weights_only=True), "
-            "so a fit cannot continue from it: continue from a full checkpoint (its run's checkpoints/last.ckpt), or "
-            "load the weights in the model yourself and start without ckpt_path"
+            f"so a fit cannot continue from it: continue from {instead}, or load the weights in the model yourself "
+            "and start without ckpt_path"
         )
     return None
