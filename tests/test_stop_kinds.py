@@ -208,20 +208,32 @@ def test_outputs_of_a_continued_run_keep_what_was_measured_before_the_stop(tmp_p
             assert row[k] == v or float(row[k]) == pytest.approx(float(v), abs=1e-6), (k, row, expected)
 
 
+DDP2 = ["accelerator=cpu", "strategy=ddp", "devices=2"]
+
+
+def _ddp_runs(tmp_path: Path, args: list[str], first: list[str], then: list[str]) -> None:
+    """Run ``args`` on 2 processes straight (with ``then``), and stopped by ``first`` then resumed (``then``)."""
+    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    for name, extra in [("straight", then), ("run", first), ("run", [*then, "resume=true"])]:
+        proc = run_train(*DDP2, *args, *extra, f"hydra.run.dir={name}", cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_random_state_saved_at_an_epoch_limit_stop_is_restored_on_every_rank_under_ddp(tmp_path):
     """2 processes, each drawing its own stream (``nn.Dropout``): a ``max_epochs=2`` run resumed to 4 ends with the
     weights of the straight ddp(2) run."""
-    args = ["accelerator=cpu", "strategy=ddp", "devices=2", "logger=none", "model=mlp", "data.num_samples=1024"]
-    args += ["model._target_=users_models.GlobalDropoutMLP"]
-    env = {"PYTHONPATH": str(Path(__file__).parent)}
-    runs = [
-        ("straight", ["trainer.max_epochs=4"]),
-        ("run", ["trainer.max_epochs=2"]),
-        ("run", ["trainer.max_epochs=4", "resume=true"]),
-    ]
-    for name, extra in runs:
-        proc = run_train(*args, *extra, f"hydra.run.dir={name}", cwd=tmp_path, env=env)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    args = [a for a in BASE if "progress_bar" not in a] + ["model._target_=users_models.GlobalDropoutMLP"]
+    _ddp_runs(tmp_path, args, ["trainer.max_epochs=2"], ["trainer.max_epochs=4"])
+    assert global_step(tmp_path / "run") == global_step(tmp_path / "straight") == 4 * 12
+    assert _apart(tmp_path / "run", tmp_path / "straight") <= 1e-6
+
+
+@pytest.mark.slow
+def test_loop_flags_latched_by_a_callback_travel_in_the_checkpoint_under_ddp(tmp_path):
+    """EarlyStopping tripped before ``min_epochs`` on 2 processes, stopped by ``max_steps`` inside epoch 2 and
+    resumed: the straight ddp(2) run's step (``min_epochs``) and weights."""
+    args = [a for a in LATCHED if "progress_bar" not in a]
+    _ddp_runs(tmp_path, args, ["trainer.max_steps=30"], ["trainer.max_steps=-1"])
     assert global_step(tmp_path / "run") == global_step(tmp_path / "straight") == 4 * 12
     assert _apart(tmp_path / "run", tmp_path / "straight") <= 1e-6
