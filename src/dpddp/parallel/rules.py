@@ -8,7 +8,9 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
+from dpddp._compat.strategies import registered_strategies
 from dpddp.cluster import cluster_world_size, stray_address_variables, stray_rank_variables
 from dpddp.errors import ConfigError, checked_float, checked_int
 
@@ -207,10 +209,6 @@ def lightning_equivalent(name: str) -> tuple[str, ...] | None:
     (``ddp_find_unused_parameters_true``: ``strategy=ddp strategy.find_unused_parameters=true``; ``ddp_fork``:
     ``strategy=ddp strategy.launch=fork``; ``single_device``: ``strategy=auto``), or ``None``: a name dpddp has
     itself, one that is not registered, or one of a strategy dpddp does not offer (DeepSpeed, FSDP, XLA)."""
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-
-    from dpddp._compat.strategies import registered_strategies
-
     found = registered_strategies().get(name)
     if name in STRATEGIES or found is None:
         return None
@@ -235,8 +233,6 @@ def lightning_name_line(name: str, prefix: str = "") -> str | None:
     Lightning's registry that dpddp has no config for: the dpddp settings that do what it does
     (``lightning_equivalent``), or, for a strategy dpddp does not offer, the one to use; ``None`` for a name
     Lightning does not register either."""
-    from dpddp._compat.strategies import registered_strategies
-
     found = registered_strategies().get(name)
     if name in STRATEGIES or found is None:
         return None
