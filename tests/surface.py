@@ -100,6 +100,27 @@ SURFACE: tuple[Setting, ...] = (
         note="the should_stop it latched travels in the checkpoint: a continued run stops at min_epochs, as the "
         "straight run does",
     ),
+    Setting(
+        "trainer flag",
+        "StochasticWeightAveraging (+callbacks.swa)",
+        tested_by=(
+            "test_weight_averaging.py::test_the_averaged_model_is_the_final_one",
+            "test_weight_averaging.py::test_a_stop_inside_the_averaging_window_continues_to_the_straight_average",
+        ),
+        runs=r"StochasticWeightAveraging",
+        note="the average it swaps in at the fit's end is the final model: last.ckpt is rewritten and val/* measured "
+        "again from it",
+    ),
+    Setting(
+        "trainer flag",
+        "EMAWeightAveraging (+callbacks.ema)",
+        tested_by=(
+            "test_weight_averaging.py::test_the_averaged_model_is_the_final_one",
+            "test_weight_averaging.py::test_a_stop_inside_the_averaging_window_continues_to_the_straight_average",
+        ),
+        runs=r"EMAWeightAveraging",
+        note="last.ckpt, val/* and test/* are the average's; its state is in the checkpoint",
+    ),
     _flag(
         "trainer.barebones=true",
         refused="trainer.barebones=True is not offered: Lightning switches off self.log() and checkpointing in it",

@@ -250,12 +250,29 @@ class ResumableState(pl.Callback):
         return gathered
 
 
-def save_final_checkpoint(trainer: pl.Trainer) -> None:
-    """Make ``last.ckpt`` the final weights: write it if its last write was at another global step (on every
-    rank; rank 0 writes)."""
+def save_final_checkpoint(trainer: pl.Trainer) -> bool:
+    """Make ``last.ckpt`` the final weights: write it if its last write was at another global step or holds other
+    weights (a weight-averaging callback, ``StochasticWeightAveraging``, swapped its average in at the fit's end),
+    on every rank; rank 0 writes and compares. Returns whether the weights differed (validate them again)."""
     io = trainer.strategy.checkpoint_io
     last = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.filename == "last"]
     if not (last and last[0].dirpath and isinstance(io, AtomicCheckpointIO)):
-        return
-    if trainer.strategy.broadcast(io.saved_steps.get("last.ckpt") != trainer.global_step):  # rank 0 wrote it
-        trainer.save_checkpoint(Path(last[0].dirpath) / "last.ckpt", weights_only=False)  # explicit: no log line
+        return False
+    path = Path(last[0].dirpath) / "last.ckpt"
+    other_step = io.saved_steps.get("last.ckpt") != trainer.global_step  # rank 0 wrote it
+    other = other_step or (trainer.is_global_zero and _other_weights(trainer.lightning_module, path))
+    other_weights = bool(trainer.strategy.broadcast(not other_step and other))
+    if trainer.strategy.broadcast(other):
+        trainer.save_checkpoint(path, weights_only=False)  # explicit: no log line
+    return other_weights
+
+
+def _other_weights(module: pl.LightningModule, path: Path) -> bool:
+    """Whether the ``state_dict`` saved at ``path`` differs from ``module``'s (a missing file: no)."""
+    if not path.is_file():
+        return False
+    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
+    current = module.state_dict()
+    if saved.keys() != current.keys():
+        return True
+    return any(not torch.equal(saved[k], v.detach().cpu()) for k, v in current.items())

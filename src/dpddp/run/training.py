@@ -274,19 +274,22 @@ def _final_weights(
     trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule
 ) -> dict[str, float]:
     """Make the fit's outputs the final weights', whatever stopped it: write ``last.ckpt`` if its last write was
-    at another step, and validate if the last validation ran on other weights (a stop by ``max_steps`` or
-    ``max_time`` mid-epoch, ``val_check_interval``, ``check_val_every_n_epoch``). Returns the new
+    at another step or holds other weights, and validate if the last validation ran on other weights (a stop by
+    ``max_steps`` or ``max_time`` mid-epoch, ``val_check_interval``, ``check_val_every_n_epoch``, the average
+    ``StochasticWeightAveraging`` swaps in at the fit's end). Returns the new
     validation metrics, if it ran one."""
     if trainer.fast_dev_run:  # type: ignore[attr-defined]  # no checkpoint, no more validation (Lightning)
         return {}
-    save_final_checkpoint(trainer)
+    averaged = save_final_checkpoint(trainer)  # other weights than last.ckpt's at its step: an average swapped in
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, StepBoundaryStop):
             callback.stop_after_fit(trainer)  # a SIGTERM at the fit's end: stop with the final checkpoint
     step = trainer.global_step
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
     validated = next((cb.validated_step for cb in callbacks if isinstance(cb, FitTally)), step)
-    if validated == step or trainer.limit_val_batches == 0 or not is_overridden("validation_step", model):
+    if validated == step and not averaged:
+        return {}
+    if trainer.limit_val_batches == 0 or not is_overridden("validation_step", model):
         return {}
     trainer.validate(model, datamodule=datamodule, verbose=False)
     return _floats(trainer.callback_metrics)

@@ -1,0 +1,48 @@
+"""Weight-averaging callbacks (Lightning's StochasticWeightAveraging, EMAWeightAveraging): the averaged model is the
+final one (last.ckpt, val/* and test/* belong to it), and a stop inside the averaging window continues to the
+straight run's average."""
+
+import pytest
+import torch
+from conftest import QUIET, compose_cfg, max_diff, metrics, weights
+
+from dpddp.run.training import train
+
+BASE = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "model.optimizer=adam", "model.lr=0.01"]
+SWA = (
+    "+callbacks.swa._target_=lightning.pytorch.callbacks.StochasticWeightAveraging",
+    "+callbacks.swa.swa_lrs=0.01",
+    "+callbacks.swa.swa_epoch_start=2",
+)
+EMA = (
+    "+callbacks.ema._target_=lightning.pytorch.callbacks.weight_averaging.EMAWeightAveraging",
+    "+callbacks.ema.decay=0.9",
+)
+
+
+def _last(run):
+    return run / "checkpoints" / "last.ckpt"
+
+
+@pytest.mark.parametrize("averaging", [SWA, EMA], ids=["swa", "ema"])
+def test_the_averaged_model_is_the_final_one(tmp_path, averaging):
+    args = [*BASE, "trainer.max_epochs=4", *averaging]
+    result = train(compose_cfg(*args), tmp_path / "straight")
+    ckpt = f"ckpt_path={_last(tmp_path / 'straight')}"
+    tested = train(compose_cfg(*args, ckpt), tmp_path / "test", stage="test")
+    validated = train(compose_cfg(*args, ckpt), tmp_path / "validate", stage="validate")
+    assert abs(result["test/loss"] - tested["test/loss"]) <= 1e-6
+    assert abs(result["val/loss"] - validated["val/loss"]) <= 1e-6
+    assert metrics(tmp_path / "straight")["test/loss"] == result["test/loss"]
+
+
+@pytest.mark.parametrize("averaging", [SWA, EMA], ids=["swa", "ema"])
+def test_a_stop_inside_the_averaging_window_continues_to_the_straight_average(tmp_path, averaging):
+    args = [*BASE, "trainer.max_epochs=4", *averaging]
+    train(compose_cfg(*args), tmp_path / "straight")
+    steps = torch.load(_last(tmp_path / "straight"), weights_only=True)["global_step"]
+    stop = steps * 5 // 8  # in the third epoch: inside SWA's window (from epoch index 2)
+    train(compose_cfg(*args, f"trainer.max_steps={stop}"), tmp_path / "first")
+    train(compose_cfg(*args, f"ckpt_path={_last(tmp_path / 'first')}"), tmp_path / "continued")
+    a, b = weights(_last(tmp_path / "continued")), weights(_last(tmp_path / "straight"))
+    assert max_diff(a, b) <= 1e-6
