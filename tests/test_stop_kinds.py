@@ -237,3 +237,32 @@ def test_loop_flags_latched_by_a_callback_travel_in_the_checkpoint_under_ddp(tmp
     _ddp_runs(tmp_path, args, ["trainer.max_steps=30"], ["trainer.max_steps=-1"])
     assert global_step(tmp_path / "run") == global_step(tmp_path / "straight") == 4 * 12
     assert _apart(tmp_path / "run", tmp_path / "straight") <= 1e-6
+
+
+# val/loss with min_delta=0.5: no later epoch improves on epoch 0 by that much, so it ends the run after epoch 1;
+# with patience=5 it never ends the run (max_epochs=3)
+LIMIT_CUT_ES = [
+    *BASE,
+    "trainer.max_epochs=3",
+    "+callbacks.es._target_=lightning.pytorch.callbacks.EarlyStopping",
+    "+callbacks.es.monitor=val/loss",
+    "+callbacks.es.min_delta=0.5",
+]
+
+
+@pytest.mark.parametrize(
+    ("patience", "stop_step", "straight_step"),
+    [(0, 13, 2 * 12), (0, 20, 2 * 12), (5, 13, 3 * 12), (5, 30, 3 * 12)],  # inside epochs 1 and 2
+)
+def test_a_limit_stop_inside_an_epoch_with_early_stopping_continues_to_the_straight_runs_step_and_weights(
+    tmp_path, patience, stop_step, straight_step
+):
+    """``max_steps`` inside an epoch, then continued: the step and weights of the straight run, with an
+    EarlyStopping that ends the straight run early (patience 0) and one that does not (patience 5)."""
+    args = [*LIMIT_CUT_ES, f"+callbacks.es.patience={patience}"]
+    train(compose_cfg(*args), tmp_path / "straight")
+    assert global_step(tmp_path / "straight") == straight_step
+    continued = _stop_and_continue(tmp_path, args, [f"trainer.max_steps={stop_step}"])
+    assert global_step(tmp_path / "first") == stop_step
+    assert global_step(continued) == straight_step
+    assert _apart(continued, tmp_path / "straight") <= 1e-6
