@@ -23,6 +23,14 @@ def _check(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+def _error_line(proc: subprocess.CompletedProcess) -> str:
+    """The one ``error:`` line of a check that exited 1 (asserted: status 1, one line on stderr)."""
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
 def _rows(stdout: str) -> dict[str, list[str]]:
     """The samples/s table's rows by training name: samples/s, scaling, peak MiB, all-reduce, steps, difference."""
     found = {}
@@ -81,14 +89,11 @@ def test_the_check_passes_here_and_prints_its_parts():
 @pytest.mark.slow
 def test_a_model_drawing_from_the_global_stream_fails_the_check_in_one_line():
     proc = _check("--model", "mlp", "--model", "_target_=users_models.GlobalDropoutMLP")
-    assert proc.returncode == 1
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr[-3000:]
     assert re.fullmatch(
         r"error: promise 1 does not hold for this model: ddp\(2\) ends \S+ from one process's weights \(tolerance "
         r"1e-05; the largest in net\.\d+\.(weight|bias)\); model\.drop draws from the global random stream: "
         r"use dpddp\.nn\.SampleDropout",
-        lines[0],
+        _error_line(proc),
     )
     assert float(_rows(proc.stdout)["ddp(2)"][-1]) > 1e-3
     assert "does NOT hold" in proc.stdout
@@ -159,15 +164,12 @@ def test_the_stops_check_passes_on_the_readmes_template_model(tmp_path):
 @pytest.mark.slow
 def test_a_callback_whose_state_dict_leaves_out_its_count_fails_the_stops_check_naming_it():
     proc = _check("--stops", "data.num_samples=1000", "+callbacks.counter._target_=users_models.BatchCounter")
-    assert proc.returncode == 1
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr[-3000:]
     # 800 samples to train, 12 batches of 64 an epoch: 24 steps, the limit drawn at step 13 (seed 0)
     assert re.fullmatch(
         r"error: weights: linear\.(weight|bias) \S+ apart after a limit continue; callbacks\.BatchCounter: its count "
         r"is 13 apart at the end, and its state_dict does not restore it: keep it in the callback's state_dict and "
         r"load_state_dict",
-        lines[0],
+        _error_line(proc),
     )
     assert "stops: the straight run takes 24 steps; a limit at step 13," in proc.stdout
     assert "continued equals" not in proc.stdout
