@@ -62,20 +62,11 @@ def child_env(**extra: str) -> tuple[dict[str, str], str]:
     return env, env["DPDDP_TEST_TAG"]
 
 
-def run_train(
-    *args: str,
-    cwd: Path,
-    timeout: float = 240,
-    env: dict | None = None,
-    script: str | Path | None = None,
-    quiet: bool = True,
-    check: bool = False,
-):
-    """Run ``train.py`` (``script``: another entry script, relative to ``cwd`` or absolute) with one intra-op
-    thread per process and, with ``quiet``, no progress bar; return the CompletedProcess (``.tag`` marks its
-    process tree for ``leftover``). ``check``: assert exit 0 and no process of the run left."""
+def run_train(*args: str, cwd: Path, timeout: float = 240, env: dict | None = None, check: bool = False):
+    """Run ``train.py`` with one intra-op thread per process and no progress bar; return the CompletedProcess
+    (``.tag`` marks its process tree for ``leftover``). ``check``: assert exit 0 and no process of the run left."""
     full_env, tag = child_env(**(env or {}))
-    cmd = [sys.executable, str(script or ROOT / "train.py"), *args, *(QUIET if quiet else [])]
+    cmd = [sys.executable, str(ROOT / "train.py"), *args, *QUIET]
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     proc.tag = tag
     if check:
