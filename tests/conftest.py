@@ -234,6 +234,26 @@ class StopWhenFile(pl.Callback):
             trainer.should_stop = True
 
 
+class HoldAt(pl.Callback):
+    """Test helper (``+callbacks.hold._target_=conftest.HoldAt``, with ``tests/`` on ``PYTHONPATH``): before the
+    training batch that takes global step ``step + 1``, on global rank ``rank``, once per file ``path``: creates
+    ``path`` and waits (up to 120 s) until the test removes it. A signal sent while ``path`` exists lands at that
+    step, whatever the machine's speed."""
+
+    def __init__(self, step: int, path: str, rank: int = 0) -> None:
+        self.step, self.path, self.rank = step, Path(path), rank
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        held = self.path.with_suffix(".held")
+        if trainer.global_step != self.step or trainer.global_rank != self.rank or held.exists():
+            return
+        held.touch()
+        self.path.touch()
+        deadline = time.monotonic() + 120
+        while self.path.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
 class SigtermSweepAt(pl.Callback):
     """Test helper for sweeps (``+callbacks.stop._target_=conftest.SigtermSweepAt``, with ``tests/`` on
     ``PYTHONPATH``): before the training batch that takes global step ``step + 1`` (never in a run resumed past
