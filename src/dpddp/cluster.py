@@ -24,6 +24,7 @@ __all__ = [
     "run_name",
     "stray_address_variables",
     "stray_rank_variables",
+    "writes_outputs",
 ]
 
 
@@ -33,6 +34,12 @@ def env_rank() -> int:
         if key in os.environ:
             return int(os.environ[key])
     return 0
+
+
+def writes_outputs() -> bool:
+    """Whether this process writes the run's outputs (its directory, trackers, start-up lines): global rank 0,
+    not a rank that dpddp's launcher started (``LAUNCHED_ENV``: those are the other ranks of rank 0's run)."""
+    return env_rank() == 0 and not os.environ.get(LAUNCHED_ENV)
 
 
 def process_name() -> str:

@@ -10,18 +10,27 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from dpddp.errors import log_to, rank_status
 from dpddp.parallel.launcher import RankJob
+from dpddp.parallel.rules import processes_per_node
 
-__all__ = ["main", "run_rank"]
+__all__ = ["global_rank", "main", "run_rank"]
+
+
+def global_rank(config: Mapping[str, Any], environ: Mapping[str, str]) -> int:
+    """This launched rank's global rank: ``NODE_RANK`` x processes per node (``devices``; the visible GPUs for
+    ``devices=-1``) + ``LOCAL_RANK``."""
+    return int(environ.get("NODE_RANK", 0)) * processes_per_node(config) + int(environ["LOCAL_RANK"])
 
 
 def run_rank(job: RankJob) -> int:
     """Run this rank's share of ``job``; return the process exit status. ``LOCAL_RANK`` and ``NODE_RANK`` come
     from the environment."""
-    rank = int(os.environ.get("NODE_RANK", 0)) * int(job.config["devices"]) + int(os.environ["LOCAL_RANK"])
+    rank = global_rank(job.config, os.environ)
     log_to(Path(job.output_dir) / f"rank{rank}.log", f"[rank {rank}] %(asctime)s %(name)s %(levelname)s: %(message)s")
     try:
         job.entry_function()(job)

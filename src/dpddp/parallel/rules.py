@@ -24,6 +24,7 @@ __all__ = [
     "lightning_equivalent",
     "lightning_name_line",
     "nodes",
+    "processes_per_node",
     "resolve_accelerator",
     "world_size",
     "world_size_source",
@@ -43,7 +44,8 @@ def resolve_accelerator(accelerator: str) -> str:
     return "gpu" if accelerator == "cuda" else accelerator
 
 
-def _devices(cfg: Mapping) -> int:
+def processes_per_node(cfg: Mapping) -> int:
+    """DDP processes on each node: ``devices``, or the visible GPUs for ``devices=-1``."""
     return cfg["devices"] if cfg["devices"] != -1 else torch.cuda.device_count()
 
 
@@ -56,7 +58,7 @@ def nodes(cfg: Mapping) -> int:
     cluster = cluster_world_size(cfg["cluster"])
     if cluster is None or cfg["strategy"]["name"] not in ("ddp", "ddp_spawn"):
         return 1
-    return max(cluster[0] // max(_devices(cfg), 1), 1)
+    return max(cluster[0] // max(processes_per_node(cfg), 1), 1)
 
 
 def world_size(cfg: Mapping) -> int:
@@ -66,7 +68,7 @@ def world_size(cfg: Mapping) -> int:
     """
     if cfg["strategy"]["name"] not in ("ddp", "ddp_spawn"):
         return 1
-    return _devices(cfg) * nodes(cfg)
+    return processes_per_node(cfg) * nodes(cfg)
 
 
 def world_size_source(cfg: Mapping) -> str:
@@ -131,7 +133,7 @@ def check_devices(cfg: Mapping) -> None:
         raise ConfigError(problem)
     cluster = cluster_world_size(cfg["cluster"])
     if cluster and num_nodes == "auto" and strategy in ("ddp", "ddp_spawn"):
-        _check_elastic(cluster, _devices(cfg))
+        _check_elastic(cluster, processes_per_node(cfg))
     if cluster and strategy not in ("ddp", "ddp_spawn") and cluster[0] > 1:  # each process would train alone
         raise ConfigError(
             f"the cluster started {cluster[0]} processes ({cluster[1]}={cluster[0]}) but strategy={strategy} runs "

@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
-from dpddp.cluster import LAUNCHED_ENV, env_rank
+from dpddp.cluster import writes_outputs
 
 __all__ = ["IDS_FILE", "TrackerRuns", "close_trackers", "is_tracker", "opens_runs", "tracker_options"]
 
@@ -39,7 +39,7 @@ def is_tracker(spec: Any) -> str | None:
 def opens_runs() -> bool:
     """Whether this process is global rank 0 of its run, the one process that opens a tracker run (a rank that
     dpddp's launcher started, or a torchrun/SLURM rank other than 0, builds no tracker logger)."""
-    return env_rank() == 0 and not os.environ.get(LAUNCHED_ENV)
+    return writes_outputs()
 
 
 def kept_ids(output_dir: Path) -> dict[str, dict[str, Any]]:

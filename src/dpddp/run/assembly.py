@@ -20,7 +20,7 @@ from torch import nn
 from typing_extensions import override
 
 from dpddp._compat import skip_empty_batch_hooks, softmax_per_sample
-from dpddp.cluster import LAUNCHED_ENV, env_rank, launch_id
+from dpddp.cluster import launch_id, writes_outputs
 from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.continuity.state import ResumableState
 from dpddp.continuity.stop import StepBoundaryStop
@@ -173,7 +173,7 @@ def _build_callbacks(
 
 def _says() -> bool:
     """Whether this process says the run's start-up warnings: global rank 0 of the run, once."""
-    return env_rank() == 0 and not os.environ.get(LAUNCHED_ENV)
+    return writes_outputs()
 
 
 def _writes_last(callback: pl.Callback, dirpath: Path) -> bool:

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
-from dpddp.cluster import LAUNCHED_ENV, env_rank
+from dpddp.cluster import LAUNCHED_ENV, env_rank, writes_outputs
 from dpddp.continuity.state import save_final_checkpoint
 from dpddp.continuity.stop import RunScope, StepBoundaryStop, run_stops, starting_up
 from dpddp.errors import ConfigError, Preempted, RankFailed, first_line
@@ -71,7 +71,7 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         elastic, source = cfg.num_nodes == "auto", world_size_source(cfg)
         cfg.num_nodes = nodes(cfg)  # num_nodes=auto: the launcher's, for this start
         _log_world(cfg, elastic, source)
-        writer = env_rank() == 0 and not os.environ.get(LAUNCHED_ENV)  # global rank 0, the one that writes
+        writer = writes_outputs()
         if writer:
             check_output_dir(output_dir)
         if cfg.get("print_config") and writer:  # once per run
