@@ -5,9 +5,11 @@ takes time."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
@@ -96,6 +98,24 @@ class NoisyBlobs(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         noise = torch.randn(self.x.shape[1], generator=sample_generator(self.seed, self.epoch, int(i)))
         return self.x[i] + noise, self.y[i]
+
+
+class AugBlobs(NoisyBlobs):
+    """``NoisyBlobs`` whose augmentation draws from the global streams, as torchvision's transforms (torch) and
+    others (numpy, Python's ``random``) do: ``x[i] + 0.5 * torch.randn(d) + 0.1 * np.random.randn(d)``, scaled by
+    ``1 + 0.1 * random.random()``."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.x.shape[1]
+        noise = 0.5 * torch.randn(d) + 0.1 * torch.from_numpy(np.random.randn(d)).float()
+        return (self.x[i] + noise) * (1 + 0.1 * random.random()), self.y[i]
+
+
+class AugBlobsBatched(AugBlobs):
+    """``AugBlobs`` fetched by one ``__getitems__`` a batch."""
+
+    def __getitems__(self, items: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self[i] for i in items]
 
 
 class RankOneBallastMLP(MLPClassifier):

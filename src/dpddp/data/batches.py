@@ -12,6 +12,8 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
+from dpddp.data.draws import sample_seeds, seed_streams, streams_kept
+
 __all__ = ["Batches", "TensorBatches", "batch_indexable", "batch_inputs", "dataset_rows", "empty_batch", "gather"]
 __all__ += ["DEFER_BYTES", "DeferredRows", "defer_rows", "rows_of"]
 
@@ -139,10 +141,14 @@ class Batches(Dataset):
     An ``idx`` of ``[k, b]`` gives every tensor a leading ``[k, b]``; an empty one, 0 rows of a real batch's
     structure. ``with_index=True`` appends the data set's own rows of the batch (``rows``; an ``"index"`` key
     for a dict batch). ``defer``: a ``TensorDataset``'s (or a batch-indexable data set's) ``[k, b]`` rows may be
-    ``DeferredRows`` (``rows_of``)."""
+    ``DeferredRows`` (``rows_of``). A data set's own code runs with the global random streams keyed by ``(seed,
+    epoch, id)`` for each sample it fetches (by its first id for one ``__getitems__`` or batch index) and kept
+    as they were around it (``dpddp.data.draws``); ``set_epoch`` sets ``epoch`` and tells the data set's own."""
 
     batch_indexable = True
     defer = False
+    seed = 0
+    epoch = 0
 
     def __init__(self, dataset: Any, ids: torch.Tensor | None = None, collate: Any = None, with_index: bool = False):
         self.dataset, self.ids, self.with_index = dataset, ids, with_index
@@ -155,20 +161,38 @@ class Batches(Dataset):
         """The rows of the whole data set (``dataset_rows`` of ``dataset``) at ``positions`` of this view."""
         return dataset_rows(self.dataset, positions if self.ids is None else self.ids[positions])
 
+    def set_epoch(self, epoch: int) -> None:
+        """Key the samples' draws by ``epoch`` and call the data set's own ``set_epoch``, if it has one."""
+        self.epoch = epoch
+        if callable(set_epoch := getattr(self.dataset, "set_epoch", None)):
+            set_epoch(epoch)
+
     def _fetch(self, ids: torch.Tensor) -> Any:
         if isinstance(self.dataset, TensorDataset):
             return tuple(rows_of(t, ids, self.defer) for t in self.dataset.tensors)
-        if batch_indexable(self.dataset):
+        if isinstance(self.dataset, (Batches, TensorBatches)):
             return self.dataset[ids]
+        if batch_indexable(self.dataset):
+            with streams_kept():
+                seed_streams(sample_seeds(self.seed, self.epoch, ids.reshape(-1)[:1])[0] if ids.numel() else 0)
+                return self.dataset[ids]
         if ids.dim() > 1:  # one fetch of all the execution's samples, then [k * b, ...] -> [k, b, ...]
             return apply_to_collection(
                 self._fetch(ids.reshape(-1)), torch.Tensor, lambda t: t.view(*ids.shape, *t.shape[1:])
             )
         if not len(ids):
             return empty_batch(self._fetch(torch.zeros(1, dtype=torch.long)))
-        items = ids.tolist()
+        items, keys = ids.tolist(), sample_seeds(self.seed, self.epoch, ids)
         getitems = getattr(self.dataset, "__getitems__", None)
-        samples = getitems(items) if getitems is not None else [self.dataset[i] for i in items]
+        with streams_kept():
+            if getitems is not None:
+                seed_streams(keys[0])
+                samples = getitems(items)
+            else:
+                samples = []
+                for i, key in zip(items, keys, strict=True):
+                    seed_streams(key)
+                    samples.append(self.dataset[i])
         return self.collate(samples)
 
     def __getitem__(self, idx: torch.Tensor) -> Any:

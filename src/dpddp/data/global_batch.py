@@ -216,6 +216,9 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         rules.check_split_settings(self.batch_size, self.val_fraction, self.test_fraction)
         splits = self.make_splits()
         self.splits = {k: ds if batch_indexable(ds) else Batches(ds) for k, ds in splits.items()}
+        for split in self.splits.values():
+            if isinstance(split, Batches):  # its samples' draws from the global streams are keyed by this seed
+                split.seed = self.seed
         rules.check_train_split(self.batch_size, len(self.splits["train"]), "give more data")  # type: ignore[arg-type]
 
     def defer_training_rows(self) -> bool:
@@ -238,17 +241,23 @@ class GlobalBatchDataModule(pl.LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader:
         """Training batches; each epoch starts at ``dpddp._compat.data_position`` (a resume skips those trained).
-        A data set with ``set_epoch(epoch)`` is told each epoch (for ``dpddp.nn.sample_generator``)."""
+        A data set with ``set_epoch(epoch)`` is told each epoch (for ``dpddp.nn.sample_generator``), and the
+        ``Batches`` split keys its samples' global draws by it (``dpddp.data.draws``): from the restored position
+        already here, since Lightning makes a resumed fit's first iterator, whose workers copy the data set, before
+        it tells the sampler the epoch."""
         loader = self._loader("train")
         sampler = loader.sampler
-        data = getattr(self.splits["train"], "dataset", None)
-        if callable(set_epoch := getattr(data, "set_epoch", None)):  # per-sample augmentation keyed by the epoch
+        train = self.splits["train"]
+        told = train if isinstance(train, Batches) else getattr(train, "dataset", None)
+        if callable(set_epoch := getattr(told, "set_epoch", None)):  # per-sample augmentation keyed by the epoch
             sampler.on_epoch = set_epoch  # type: ignore[attr-defined]
         if self.trainer is not None:
             assert isinstance(sampler, GlobalBatchSampler)
             by_steps = partial(step_position, self.trainer, sampler.steps_per_epoch)
             by_batches = partial(data_position, self.trainer, sampler.steps_per_epoch)
             sampler.position = by_steps if sampler.steps_per_execution > 1 else by_batches
+            if sampler.on_epoch is not None:
+                sampler.on_epoch(sampler.position()[0])
         return loader
 
     @override
