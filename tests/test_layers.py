@@ -161,6 +161,53 @@ def test_the_signal_walk_finds_both_spellings():
     assert not _calls_signal_signal(ast.parse("import signal\nsignal.getsignal(signal.SIGTERM)"))
 
 
+LAUNCHER_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"}
+LAUNCHER_NAMES |= {"MASTER_ADDR", "MASTER_PORT", "LAUNCHED_ENV", "AGENT_STORE_ENV"}  # the last two: constants' names
+
+
+def _is_environ(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "environ" and isinstance(node.value, ast.Name)
+
+
+def _launcher_key(node: ast.AST) -> bool:
+    name = node.value if isinstance(node, ast.Constant) else node.id if isinstance(node, ast.Name) else None
+    return isinstance(name, str) and (name in LAUNCHER_NAMES or name.startswith(("SLURM_", "TORCHELASTIC_")))
+
+
+def _reads_launcher_variables(tree: ast.Module) -> bool:
+    """Whether the module reads a launcher variable from ``os.environ``: ``os.environ[K]`` (not an assignment),
+    ``os.environ.get(K)``, ``K in os.environ``, or ``os.environ`` bound to a name (``env = os.environ``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and _is_environ(node.value) and isinstance(node.ctx, ast.Load):
+            if _launcher_key(node.slice):
+                return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _is_environ(node.func.value):
+            if node.func.attr == "get" and node.args and _launcher_key(node.args[0]):
+                return True
+        if isinstance(node, ast.Compare) and any(_is_environ(c) for c in node.comparators):
+            if _launcher_key(node.left):
+                return True
+        if isinstance(node, ast.Assign) and _is_environ(node.value):
+            return True
+    return False
+
+
+def test_launcher_variables_are_read_in_three_modules():
+    """The launcher's variables (rank, world, rendezvous, SLURM's, torchrun's) are read by ``cluster`` (every
+    fact of the launch), ``errors`` (a line said once per node) and ``_compat`` (torchrun's private agent store);
+    every other room asks ``cluster``."""
+    readers = sorted(name for name, tree in _trees().items() if _reads_launcher_variables(tree))
+    assert readers == ["_compat/__init__.py", "cluster.py", "errors.py"]
+
+
+def test_the_launcher_variable_walk_finds_each_spelling():
+    reads = ["os.environ['RANK']", "os.environ.get('SLURM_JOB_ID')", "'MASTER_PORT' in os.environ"]
+    reads += ["os.environ.get(LAUNCHED_ENV)", "env = os.environ"]
+    assert all(_reads_launcher_variables(ast.parse(f"import os\n{code}")) for code in reads)
+    others = ["os.environ['MASTER_PORT'] = '1'", "os.environ.get('WANDB_MODE')", "'HOME' in os.environ"]
+    assert not any(_reads_launcher_variables(ast.parse(f"import os\n{code}")) for code in others)
+
+
 CHECKPOINT_HOOKS = {"on_save_checkpoint", "on_load_checkpoint", "state_dict", "load_state_dict"}
 
 

@@ -28,7 +28,9 @@ def test_one_process_writes_the_outputs(monkeypatch, env, writes):
 
 def test_a_launched_ranks_global_rank_counts_the_visible_gpus_for_devices_minus_one(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    config = {"devices": -1}
-    assert global_rank(config, {"NODE_RANK": "1", "LOCAL_RANK": "2"}) == 6  # not 1 * -1 + 2
-    assert global_rank({"devices": 3}, {"NODE_RANK": "2", "LOCAL_RANK": "1"}) == 7
-    assert global_rank({"devices": 2}, {"LOCAL_RANK": "1"}) == 1  # one node: no NODE_RANK
+    for (node, local, devices), rank in {(1, 2, -1): 6, (2, 1, 3): 7, (None, 1, 2): 1}.items():  # 6: not 1 * -1 + 2
+        monkeypatch.delenv("NODE_RANK", raising=False)  # one node: no NODE_RANK
+        if node is not None:
+            monkeypatch.setenv("NODE_RANK", str(node))
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        assert global_rank({"devices": devices}) == rank

@@ -30,7 +30,7 @@ from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from dpddp.cluster import RANK_VARIABLES, register_resolvers
+from dpddp.cluster import RANK_VARIABLES, launcher_variables, master_address, register_resolvers
 from dpddp.entry.run_dir import hydra_value
 from dpddp.errors import ConfigError, first_line
 from dpddp.network import choose_interface
@@ -79,10 +79,8 @@ def environment_lines() -> list[str]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpus = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
     shown = ", ".join(f"cuda:{i} {p.name} {p.total_memory / 2**30:.0f} GiB" for i, p in enumerate(gpus)) or "none"
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    _, why = choose_interface(master)
-    env = os.environ
-    seen = [f"{k}={env[k]}" for k in sorted(env) if k in LAUNCHER_NAMES or k.startswith(LAUNCHER_PREFIXES)]
+    _, why = choose_interface(master_address()[0] or "127.0.0.1")
+    seen = [f"{k}={v}" for k, v in launcher_variables(LAUNCHER_NAMES, LAUNCHER_PREFIXES).items()]
     return [
         "versions: " + ", ".join(versions),
         f"devices: {cores} CPU cores usable (of {os.cpu_count()}); GPUs: {shown}",

@@ -16,14 +16,22 @@ __all__ = [
     "LAUNCHED_ENV",
     "cluster_world_size",
     "env_rank",
+    "in_cluster_job",
     "launch_id",
     "launched",
+    "launched_by_dpddp",
+    "launcher_variables",
     "loopback_interface",
+    "master_address",
+    "node_rank",
     "process_name",
     "register_resolvers",
     "run_name",
     "stray_address_variables",
     "stray_rank_variables",
+    "torchrun_local_world_size",
+    "torchrun_restart_count",
+    "torchrun_run_id",
     "writes_outputs",
 ]
 
@@ -39,7 +47,47 @@ def env_rank() -> int:
 def writes_outputs() -> bool:
     """Whether this process writes the run's outputs (its directory, trackers, start-up lines): global rank 0,
     not a rank that dpddp's launcher started (``LAUNCHED_ENV``: those are the other ranks of rank 0's run)."""
-    return env_rank() == 0 and not os.environ.get(LAUNCHED_ENV)
+    return env_rank() == 0 and not launched_by_dpddp()
+
+
+def launched_by_dpddp() -> bool:
+    """Whether dpddp's own launcher started this process (``LAUNCHED_ENV``): rank 0's run has its other ranks."""
+    return bool(os.environ.get(LAUNCHED_ENV))
+
+
+def node_rank() -> int:
+    """This node's rank among the run's nodes: ``NODE_RANK`` (Lightning's, set by hand or by dpddp), else 0."""
+    return int(os.environ.get("NODE_RANK", 0))
+
+
+def master_address() -> tuple[str | None, str | None]:
+    """``MASTER_ADDR`` and ``MASTER_PORT`` as the environment gives them (``None`` where unset, unchecked)."""
+    return os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+
+
+def torchrun_run_id() -> str | None:
+    """torchrun's ``TORCHELASTIC_RUN_ID`` (``"none"`` without ``--rdzv-id``), or ``None`` outside torchrun."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
+
+
+def torchrun_local_world_size() -> str | None:
+    """Under torchrun, the processes it started on this node (``LOCAL_WORLD_SIZE``, unchecked); else ``None``."""
+    return os.environ.get("LOCAL_WORLD_SIZE") if torchrun_run_id() is not None else None
+
+
+def torchrun_restart_count() -> int:
+    """How many times torchrun restarted this job's workers (``TORCHELASTIC_RESTART_COUNT``), 0 outside it."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def in_cluster_job() -> bool:
+    """Whether a cluster started this process as one of a job's (``RANK``: torchrun, a PyTorchJob; SLURM)."""
+    return "RANK" in os.environ or "SLURM_JOB_ID" in os.environ
+
+
+def launcher_variables(names: tuple[str, ...], prefixes: tuple[str, ...]) -> dict[str, str]:
+    """The environment's variables named in ``names`` or starting with one of ``prefixes``, sorted by name."""
+    return {k: os.environ[k] for k in sorted(os.environ) if k in names or k.startswith(prefixes)}
 
 
 def process_name() -> str:

@@ -37,7 +37,7 @@ __all__ += ["disable_sigterm_broadcast", "hydra_command_line", "hydra_mode_unset
 __all__ += ["epoch_finished_in", "fit_restarting", "float_batch_counts", "init_process_group", "hydra_override_refused"]
 __all__ += ["keep_unfinished_epoch", "logged_metric_kinds", "logged_tensor_states", "processed_epochs", "rank0_store"]
 __all__ += ["resolve_process_group_backend", "restore_logged_tensors", "restore_sigterm_broadcast", "counted_step"]
-__all__ += ["epoch_cut", "restart_train_iterator"]
+__all__ += ["agent_store_shared", "epoch_cut", "restart_train_iterator"]
 __all__ += ["set_num_threads_if_needed", "skip_empty_batch_hooks", "softmax_per_sample", "uncount_last_batch"]
 
 CHECKED = {"lightning": "2.6.6", "torch": "2.13.0", "hydra-core": "1.3.8"}
@@ -95,10 +95,16 @@ AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 agent's own store (torch 2.13)."""
 
 
+def agent_store_shared() -> bool:
+    """Whether torchrun handed this worker its agent's own store as ``MASTER_ADDR:MASTER_PORT``
+    (``AGENT_STORE_ENV``)."""
+    return os.environ.get(AGENT_STORE_ENV) == str(True)
+
+
 def agent_store(address: str, port: int, timeout: timedelta) -> torch.distributed.Store | None:
     """A client of torchrun's agent store when this worker was handed one (``AGENT_STORE_ENV``), else ``None``;
     the agent keeps it across ``--max-restarts`` with no per-attempt prefix (torch 2.13; design notes, _compat)."""
-    if os.environ.get(AGENT_STORE_ENV) != str(True):
+    if not agent_store_shared():
         return None
     return torch.distributed.TCPStore(address, port, is_master=False, timeout=timeout)
 

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from dpddp._compat import disable_sigterm_broadcast, restore_sigterm_broadcast
-from dpddp.cluster import LAUNCHED_ENV, launched
+from dpddp.cluster import launched, launched_by_dpddp
 from dpddp.continuity.pace import Pace, agreed
 from dpddp.continuity.sweep_file import ENV, STOP_FILE, active, clear, request, requested
 from dpddp.errors import Preempted, local_rank, stop_line
@@ -143,7 +143,7 @@ def run_stops(output_dir: Path) -> Iterator[RunScope]:
     except SIGTERMException as err:
         raise scope.preempted() from err
     finally:  # in a ``command`` (not in a launched rank: rank 0 maps its stop), a SIGTERM from now is late
-        if callable(previous) or not _outside.command or os.environ.get(LAUNCHED_ENV):
+        if callable(previous) or not _outside.command or launched_by_dpddp():
             _put_back(previous)
         else:
             _outside.ended = scope

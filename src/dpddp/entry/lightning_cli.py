@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 from typing_extensions import override
 
-from dpddp.cluster import run_name
+from dpddp.cluster import in_cluster_job, run_name
 from dpddp.continuity import stop
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.entry.command_line import argument_error, unknown_option
@@ -209,7 +209,7 @@ def _output_dir(root: Path, stage: str, ckpt_path: str | None) -> tuple[Path, st
         ckpt_path = str(with_last[-1] / "checkpoints" / "last.ckpt")
         if stage == "fit":
             return with_last[-1], ckpt_path
-    if "RANK" in os.environ or "SLURM_JOB_ID" in os.environ:  # every process of a cluster job: one name
+    if in_cluster_job():  # every process of a cluster job: one name
         return logs / run_name(), ckpt_path
     return logs / f"version_{int(versions[-1].name[8:]) + 1 if versions else 0}", ckpt_path
 

@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from dpddp._compat import SubprocessScriptLauncher, set_num_threads_if_needed
 from dpddp._compat.processes import forget_forkserver, stop_worker_servers
-from dpddp.cluster import LAUNCHED_ENV
+from dpddp.cluster import LAUNCHED_ENV, master_address
 from dpddp.errors import EXIT_PREEMPTED, ConfigError, RankFailed, first_line
 from dpddp.network import route_interface
 
@@ -136,7 +136,7 @@ def bind_store_socket(address: str) -> socket.socket:
 
     Raises ``ConfigError`` if ``MASTER_PORT`` is in use (before any rank starts).
     """
-    port = int(os.environ.get("MASTER_PORT", 0))
+    port = int(master_address()[1] or 0)
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

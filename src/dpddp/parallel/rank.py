@@ -14,23 +14,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dpddp.errors import log_to, rank_status
+from dpddp.cluster import node_rank
+from dpddp.errors import local_rank, log_to, rank_status
 from dpddp.parallel.launcher import RankJob
 from dpddp.parallel.rules import processes_per_node
 
 __all__ = ["global_rank", "main", "run_rank"]
 
 
-def global_rank(config: Mapping[str, Any], environ: Mapping[str, str]) -> int:
+def global_rank(config: Mapping[str, Any]) -> int:
     """This launched rank's global rank: ``NODE_RANK`` x processes per node (``devices``; the visible GPUs for
     ``devices=-1``) + ``LOCAL_RANK``."""
-    return int(environ.get("NODE_RANK", 0)) * processes_per_node(config) + int(environ["LOCAL_RANK"])
+    return node_rank() * processes_per_node(config) + local_rank()
 
 
 def run_rank(job: RankJob) -> int:
     """Run this rank's share of ``job``; return the process exit status. ``LOCAL_RANK`` and ``NODE_RANK`` come
     from the environment."""
-    rank = global_rank(job.config, os.environ)
+    rank = global_rank(job.config)
     log_to(Path(job.output_dir) / f"rank{rank}.log", f"[rank {rank}] %(asctime)s %(name)s %(levelname)s: %(message)s")
     try:
         job.entry_function()(job)

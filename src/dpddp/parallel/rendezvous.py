@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import uuid
 from datetime import timedelta
 from typing import Any
 
 from dpddp._compat import agent_store
+from dpddp.cluster import master_address, torchrun_restart_count
 from dpddp.errors import RankFailed
 from dpddp.parallel.peers import describe_ranks
 
@@ -78,12 +78,13 @@ def torchrun_restarted() -> bool:
     """Whether this worker belongs to a restart of its torchrun job: ``TORCHELASTIC_RESTART_COUNT`` > 0, or the
     agent's store holds an earlier start (``START_KEY``). ``False`` outside torchrun or if the store does not
     answer within 10 s."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if torchrun_restart_count() > 0:
         return True
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+    address, port = master_address()
+    if address is None or port is None:
         return False
     try:
-        store = agent_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timedelta(seconds=10))
+        store = agent_store(address, int(port), timedelta(seconds=10))
         return store is not None and store.check([START_KEY])
     except RuntimeError as err:  # unreachable: setting up the process group says why (apply_interface), later
         log.debug(f"could not ask torchrun's agent store for an earlier start: {err}")

@@ -11,7 +11,14 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from dpddp._compat.strategies import registered_strategies
-from dpddp.cluster import cluster_world_size, stray_address_variables, stray_rank_variables
+from dpddp.cluster import (
+    cluster_world_size,
+    master_address,
+    stray_address_variables,
+    stray_rank_variables,
+    torchrun_local_world_size,
+    torchrun_run_id,
+)
 from dpddp.errors import ConfigError, checked_float, checked_int
 
 __all__ = [
@@ -155,7 +162,7 @@ def _check_elastic(cluster: tuple[int, str], devices: int) -> None:
             (torchrun's ``--nproc_per_node``), or torchrun without ``--rdzv-id`` (no run directory to return to).
     """
     size, name = cluster
-    local = os.environ.get("LOCAL_WORLD_SIZE") if "TORCHELASTIC_RUN_ID" in os.environ else None
+    local = torchrun_local_world_size()
     if local is not None and local.isdigit() and int(local) != devices:
         raise ConfigError(
             f"devices={devices} but torchrun started {local} processes on this node (LOCAL_WORLD_SIZE={local}): "
@@ -166,7 +173,7 @@ def _check_elastic(cluster: tuple[int, str], devices: int) -> None:
             f"num_nodes=auto: the cluster started {size} processes ({name}={size}), which devices={devices} per "
             f"node does not divide: set devices to the processes per node"
         )
-    if os.environ.get("TORCHELASTIC_RUN_ID") == "none":
+    if torchrun_run_id() == "none":
         raise ConfigError(
             "num_nodes=auto under torchrun without --rdzv-id: every start of an elastic job finds its run directory "
             "and last.ckpt by the job's id: add torchrun --rdzv-id=<job id>"
@@ -201,7 +208,7 @@ def check_strategy_options(options: Mapping) -> None:
     for key in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
         if key in options and not isinstance(options[key], bool):
             raise ConfigError(f"strategy.{key}={options[key]!r} is invalid: use true or false")
-    port = os.environ.get("MASTER_PORT")
+    port = master_address()[1]
     if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
         raise ConfigError(f"MASTER_PORT={port!r} (environment) is not a port: unset it or use 1-65535")
 

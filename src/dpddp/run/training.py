@@ -18,7 +18,8 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
-from dpddp.cluster import LAUNCHED_ENV, env_rank, writes_outputs
+from dpddp._compat import agent_store_shared
+from dpddp.cluster import env_rank, launched_by_dpddp, writes_outputs
 from dpddp.continuity.state import save_final_checkpoint
 from dpddp.continuity.stop import RunScope, StepBoundaryStop, run_stops, starting_up
 from dpddp.errors import ConfigError, Preempted, RankFailed, first_line
@@ -171,14 +172,14 @@ def _log_world(cfg: DictConfig, elastic: bool, source: str) -> None:
     with ``elastic`` (``num_nodes=auto``) under torchrun sharing its rendezvous store with the workers, warn that
     a node joining at a restart cannot start (torch 2.13 writes the workers' store address for the first round
     only: the new node's agent waits for it until its timeout)."""
-    if cfg.strategy.name not in ("ddp", "ddp_spawn") or os.environ.get(LAUNCHED_ENV):
+    if cfg.strategy.name not in ("ddp", "ddp_spawn") or launched_by_dpddp():
         return
     size, count = world_size(cfg), cfg.num_nodes
     per = size // count
     log.info(
         f"world size {size}: {count} node{'s' if count > 1 else ''} x {per} process{'es' if per > 1 else ''} ({source})"
     )
-    if elastic and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env_rank() == 0:
+    if elastic and agent_store_shared() and env_rank() == 0:
         log.warning(
             "torchrun shares its rendezvous store with the workers, so a node that joins at a restart cannot start "
             "(torch keeps the store's address for the first round only): start torchrun with "
