@@ -6,11 +6,14 @@ parameter)."""
 
 import csv
 import inspect
+import json
+import logging
 import re
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from conftest import QUIET, ROOT, compose_cfg, run_train
 from lightning.pytorch import callbacks as lightning_callbacks
 from lightning.pytorch.callbacks import LearningRateMonitor
@@ -325,3 +328,39 @@ def test_an_unused_parameter_under_ddp_is_one_line_naming_dpddps_setting_and_tha
     for line in lines:  # each rank's, and rank 0's for the run: the cause and dpddp's setting, whole
         assert re.fullmatch(rf"error: rank \d.*{re.escape(UNUSED_PARAMETERS_LINE)}\)?", line), line
     run_train(*args, "strategy.find_unused_parameters=true", "hydra.run.dir=ok", cwd=tmp_path, env=env, check=True)
+
+
+# -- a data module of the user's own through the CLI ---------------------------------------------------------
+
+PLAIN = ("--model=dpddp.models.mlp.MLPClassifier", "--model.num_features=4", "--model.num_classes=3")
+
+
+def test_the_cli_takes_a_plain_data_module_whose_batch_size_has_another_name(tmp_path, monkeypatch):
+    """Case 56: throughput counts the samples each batch holds (its first dimension), not a data module's
+    attribute: 2 epochs of 101 samples in batches of 12 (the short last one in) are 202 samples; under ddp such
+    a module is one line before the fit, naming the wrapper that shards it."""
+    from dpddp.entry.lightning_cli import main
+
+    monkeypatch.chdir(tmp_path)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        main(["fit", *PLAIN, "--data=users_models.PlainData", "--trainer.max_epochs=2", "--trainer.accelerator=cpu",
+              "--trainer.enable_progress_bar=false"])  # fmt: skip
+    finally:
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:], root.level = handlers, level
+    run = tmp_path / "lightning_logs" / "version_0"
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert 0 < metrics["samples_per_sec"] < float("inf") and metrics["test/acc"] is not None
+    counts = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["dpddp"]["throughput"]
+    assert counts["fallback_samples"] == 202
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    assert all(float(row["samples_per_sec"]) > 0 for row in rows if row["stage"] == "fit")
+    with pytest.raises(ConfigError) as err:
+        check_config(
+            _cli_config(*PLAIN, "--data=users_models.PlainData", "--trainer.strategy=ddp", "--trainer.devices=2")
+        )
+    assert str(err.value).startswith("data._target_=users_models.PlainData would give each of 2 processes every batch")

@@ -155,6 +155,28 @@ class SplitData(pl.LightningDataModule):
         return DataLoader(self.test, batch_size=self.batch_size)
 
 
+class PlainData(pl.LightningDataModule):
+    """A plain LightningDataModule of a user's own, as Lightning's docs write one: its batch size is ``bs``, not
+    ``batch_size``, and its training loader keeps the short last batch (``num_train=101`` in batches of 12)."""
+
+    def __init__(self, num_train: int = 101, bs: int = 12, num_features: int = 4) -> None:
+        super().__init__()
+        self.split = SplitData(num_train=num_train, batch_size=bs, num_features=num_features)
+        self.bs = bs
+
+    def setup(self, stage: str) -> None:
+        self.split.setup(stage)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.split.train, batch_size=self.bs, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.split.val, batch_size=self.bs)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.split.test, batch_size=self.bs)
+
+
 class WorkerData(SplitData):
     """``SplitData`` with ``num_workers`` DataLoader worker processes in every loader (``persistent_workers`` as
     given), as users write it; ``hang=True``: each worker's first item blocks for an hour (a stuck worker), with

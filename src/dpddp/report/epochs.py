@@ -77,7 +77,7 @@ class EpochRecord(pl.Callback):
         self.table = EpochTable()
         self._segment_start: float | None = None
         self._counted = False  # this fit's segment is counted in table.segments
-        self._epoch_start, self._steps = 0.0, 0
+        self._epoch_start, self._samples = 0.0, 0
         self._pending: dict[str, Any] | None = None
 
     @property
@@ -94,7 +94,7 @@ class EpochRecord(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._segment_start = time.perf_counter()
         # a fit restarted mid-epoch gets no on_train_epoch_start for that epoch: time its rest from here
-        self._epoch_start, self._steps = self._segment_start, 0
+        self._epoch_start, self._samples = self._segment_start, 0
         self.table.rows = [row for row in self.table.rows if row["epoch"] < trainer.current_epoch]
         if trainer.is_global_zero:
             self._write(self.table.rows, "w")
@@ -102,7 +102,7 @@ class EpochRecord(pl.Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.flush(trainer)
-        self._epoch_start, self._steps = time.perf_counter(), 0
+        self._epoch_start, self._samples = time.perf_counter(), 0
         self.table.validation = {}
 
     @override
@@ -113,7 +113,7 @@ class EpochRecord(pl.Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._steps += self.tally.batches
+        self._samples += self.tally.samples
         if not self._counted:
             self._counted = True
             self.table.segments += 1
@@ -122,7 +122,7 @@ class EpochRecord(pl.Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         seconds = time.perf_counter() - self._epoch_start
-        samples = self._steps * getattr(trainer.datamodule, "batch_size", 0)  # type: ignore[attr-defined]
+        samples = self._samples
         self._pending = {
             "stage": "fit",
             "epoch": trainer.current_epoch,

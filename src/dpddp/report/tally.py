@@ -5,21 +5,36 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
-__all__ = ["FitTally"]
+__all__ = ["FitTally", "rows"]
+
+
+def rows(batch: Any) -> int:
+    """The samples in ``batch``: its first tensor's first dimension (a plain tuple or list read directly, any
+    other collection through Lightning's ``extract_batch_size``; 0 when it holds no tensor)."""
+    if type(batch) in (tuple, list) and batch and isinstance(batch[0], torch.Tensor) and batch[0].ndim:
+        return int(batch[0].shape[0])
+    try:
+        return extract_batch_size(batch)
+    except Exception:  # MisconfigurationException: no tensor in it (nothing counted)
+        return 0
 
 
 class FitTally(pl.Callback):
     """Counts of the running fit, read by the other reporters (it must come before them in the callback list):
     ``stepped`` (a training step taken), ``validated_step`` (global step of the last validation, or ``None``),
-    and ``batches`` (global batches the last training batch trained)."""
+    ``batches`` (global batches the last training batch trained) and ``samples`` (the samples they hold over
+    all processes: the batch's first dimension times the world size, whatever the data module; with
+    ``steps_per_execution`` > 1, global-batch data, ``batches`` times its ``batch_size``)."""
 
     def __init__(self, steps_per_execution: int = 1) -> None:
         self.by_steps = steps_per_execution > 1
         self.stepped = False
         self.validated_step: int | None = None
-        self.batches, self._step = 1, 0
+        self.batches, self.samples, self._step = 1, 0, 0
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -31,8 +46,13 @@ class FitTally(pl.Callback):
             self._step = trainer.global_step
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.batches = trainer.global_step - self._step if self.by_steps else 1
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        if self.by_steps:
+            self.batches = trainer.global_step - self._step
+            self.samples = self.batches * trainer.datamodule.batch_size  # type: ignore[attr-defined]
+        else:
+            self.samples = rows(batch) * trainer.world_size  # ddp: every rank's share of a batch is as large
         self.stepped = True
 
     @override

@@ -41,10 +41,10 @@ class ThroughputCounts:
 
 class Throughput(pl.Callback):
     """Counts each interval between consecutive ``on_train_batch_end`` calls of an epoch (data loading and the
-    step in; start-up, each epoch's first step and validation out) as ``tally.batches`` global batches of
-    ``datamodule.batch_size`` samples; with one step per epoch, the step times alone. One
-    ``time.perf_counter()`` per step, no sync. Published at ``on_fit_end`` in ``trainer.callback_metrics[KEY]``
-    (what ``ddp_spawn`` carries back to the caller), so a finished run continued keeps its figure."""
+    step in; start-up, each epoch's first step and validation out) as the ``tally.samples`` the step trained;
+    with one step per epoch, the step times alone. One ``time.perf_counter()`` per step, no sync. Published at
+    ``on_fit_end`` in ``trainer.callback_metrics[KEY]`` (what ``ddp_spawn`` carries back to the caller), so a
+    finished run continued keeps its figure."""
 
     KEY = "perf/samples_per_sec"
     FIRST_STEP_KEY = "perf/first_step_unix_s"
@@ -68,7 +68,7 @@ class Throughput(pl.Callback):
         now, counts = time.perf_counter(), self.counts
         if self.first_step_unix_s is None:
             self.first_step_unix_s = time.time()
-        batch = trainer.datamodule.batch_size * self.tally.batches  # type: ignore[attr-defined]
+        batch = self.tally.samples
         if self._last is not None:
             counts.samples += batch
             counts.seconds += now - self._last
