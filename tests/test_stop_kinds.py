@@ -4,6 +4,7 @@ stop, and a restored schedule that was built for another limit (said in one line
 from __future__ import annotations
 
 import csv
+import json
 import logging
 from datetime import timedelta
 from pathlib import Path
@@ -265,4 +266,26 @@ def test_a_limit_stop_inside_an_epoch_with_early_stopping_continues_to_the_strai
     continued = _stop_and_continue(tmp_path, args, [f"trainer.max_steps={stop_step}"])
     assert global_step(tmp_path / "first") == stop_step
     assert global_step(continued) == straight_step
+    assert _apart(continued, tmp_path / "straight") <= 1e-6
+
+
+def test_a_max_steps_stop_inside_epoch_0_with_a_strict_early_stopping_ends_0_and_continues_exactly(tmp_path):
+    """``max_steps=5`` cuts epoch 0 before its validation: Lightning's epoch-end check of a strict EarlyStopping
+    on val/loss raised (no val/loss yet). The check of a cut epoch is skipped: the run ends with its outputs
+    (val/* of the final weights), its checkpoint holds EarlyStopping as it started, and the continued run ends
+    at the straight run's step, weights and EarlyStopping state."""
+    args = [*BASE, "trainer.max_epochs=3", "+callbacks.es._target_=lightning.pytorch.callbacks.EarlyStopping"]
+    args += ["+callbacks.es.monitor=val/loss", "+callbacks.es.strict=true"]
+    train(compose_cfg(*args), tmp_path / "straight")
+    continued = _stop_and_continue(tmp_path, args, ["trainer.max_steps=5"])
+    assert global_step(tmp_path / "first") == 5
+    assert {"val/loss", "val/acc", "test/loss"} <= json.loads((tmp_path / "first/metrics.json").read_text()).keys()
+    first_es = [v for k, v in checkpoint(tmp_path / "first")["callbacks"].items() if k.startswith("EarlyStopping")]
+    assert first_es[0]["wait_count"] == 0 and first_es[0]["best_score"].item() == float("inf")
+    assert global_step(continued) == global_step(tmp_path / "straight") == 3 * 12
+    states = [
+        {k: v for k, v in checkpoint(run)["callbacks"].items() if k.startswith("EarlyStopping")}
+        for run in (continued, tmp_path / "straight")
+    ]
+    assert states[0] == states[1] and len(states[0]) == 1
     assert _apart(continued, tmp_path / "straight") <= 1e-6

@@ -109,6 +109,7 @@ class ResumableState(pl.Callback):
         self._iterate = False  # at the next epoch's start: make its loader iterator from the restored state
         self._should_stop = False  # restored: a callback had latched trainer.should_stop
         self._cut: tuple[bool, dict[str, Any]] | None = None  # a cut epoch's flag and EarlyStoppings before its end
+        self._unchecked: list[pl.Callback] = []  # EarlyStoppings whose check at a cut epoch's end is skipped
         self._schedules: list[dict[str, Any]] = []  # the schedulers' states as the run's first fit built them
         self._restored_schedules: list[dict[str, Any]] | None = None
         self._in_loop = False  # between on_train_start and on_train_end: the epoch-end updates are still due
@@ -202,15 +203,31 @@ class ResumableState(pl.Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning calls the monitors' hooks after this one: an EarlyStopping that checks at the epoch's end
-        # checks a cut epoch against the validation before the cut, which the straight run never does there.
+        # checks a cut epoch against the validation before the cut, which the straight run never does there (and,
+        # strict, raises in a cut epoch 0, which has none). Its check is skipped, and the checkpoint keeps the
+        # flag and the states of before (a subclass's own check too).
         if epoch_cut(trainer):
             states = {cb.state_key: copy.deepcopy(cb.state_dict()) for cb in trainer.early_stopping_callbacks}
             self._cut = self._latched_stop(trainer), states
+            for cb in trainer.early_stopping_callbacks:
+                cb.__dict__["on_train_epoch_end"] = _not_checked  # this epoch's end only: _check_again
+            self._unchecked = list(trainer.early_stopping_callbacks)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_again()
         self._take_plateau_steps(trainer)
         self._in_loop = False
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._check_again()
+
+    def _check_again(self) -> None:
+        """The EarlyStoppings a cut epoch's end skipped check at the next epoch end again."""
+        for cb in self._unchecked:
+            cb.__dict__.pop("on_train_epoch_end", None)
+        self._unchecked = []
 
     def _take_plateau_steps(self, trainer: pl.Trainer) -> None:
         """Once the restored epoch has ended: the plateau steps Lightning skipped there."""
@@ -248,6 +265,10 @@ class ResumableState(pl.Callback):
         gathered: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, state)
         return gathered
+
+
+def _not_checked(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """An EarlyStopping's ``on_train_epoch_end`` at the end of an epoch a limit or a stop cut: no check."""
 
 
 def save_final_checkpoint(trainer: pl.Trainer) -> bool:
