@@ -258,3 +258,22 @@ def test_random_augmentation_in_a_data_set_leaves_the_models_draws_as_they_were(
     view.set_epoch(1)
     assert not torch.equal(view[torch.tensor([5, 2])][0], first)
     assert view.dataset.epoch == 1  # the data set's own set_epoch is told
+
+
+SHARDED_AUG = ["accelerator=cpu", "logger=none", *QUIET, "data=sharded"]
+SHARDED_AUG += ["+data.module._target_=users_models.AugSplitData", "model=mlp", "model.num_features=16"]
+SHARDED_AUG += ["model.num_classes=4", "trainer.max_epochs=3"]
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["no-workers", "2-workers"])
+def test_random_augmentation_in_a_users_own_loaders_continues_exactly(tmp_path, workers):
+    """The same kind in a user's data module with its own DataLoaders (``data=sharded``, ``Subset`` splits): a
+    SIGTERM before step 23 and a continue end with the straight run's weights (made without workers)."""
+    train(compose_cfg(*SHARDED_AUG), tmp_path / "straight")
+    args = [*SHARDED_AUG, f"+data.module.num_workers={workers}"]
+    kill = ["+callbacks.kill._target_=conftest.SigtermAtStep", "+callbacks.kill.step=22"]
+    with pytest.raises(Exception, match="stopped by SIGTERM"):
+        train(compose_cfg(*args, *kill), tmp_path / "run")
+    train(compose_cfg(*args, f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}"), tmp_path / "continued")
+    assert _state(tmp_path / "continued")["global_step"] == 45
+    assert _max_diff(tmp_path / "continued", tmp_path / "straight") <= 1e-6

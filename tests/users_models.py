@@ -118,6 +118,31 @@ class AugBlobsBatched(AugBlobs):
         return [self[i] for i in items]
 
 
+class AugSplitData(pl.LightningDataModule):
+    """A user's data module over ``AugBlobs`` (augmentation from the global streams) with its own loaders:
+    ``Subset`` splits of 480, 60 and 60 samples, ``DataLoader(shuffle=True)`` for training, ``num_workers`` each."""
+
+    def __init__(self, batch_size: int = 32, num_workers: int = 0) -> None:
+        super().__init__()
+        self.batch_size, self.num_workers = batch_size, num_workers
+
+    def setup(self, stage: str) -> None:
+        data = AugBlobs()
+        self.train, self.val, self.test = (Subset(data, range(a, b)) for a, b in ((0, 480), (480, 540), (540, 600)))
+
+    def _loader(self, split: Dataset, shuffle: bool = False) -> DataLoader:
+        return DataLoader(split, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test)
+
+
 class RankOneBallastMLP(MLPClassifier):
     """Holds 1 GiB more on global rank 1 than anywhere else from the start of training (peak memory per rank)."""
 

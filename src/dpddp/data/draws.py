@@ -11,14 +11,15 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import get_worker_info
+from torch.utils.data import Dataset, Subset, get_worker_info
 
 from dpddp.nn import key64, sample_states
 
-__all__ = ["STREAMS", "sample_seeds", "seed_streams", "streams_kept"]
+__all__ = ["STREAMS", "EpochIds", "KeyedSamples", "sample_seeds", "seed_streams", "streams_kept"]
 
 STREAMS = 0x5EED_DA7A
 """Folded into the seed first: these keys stay apart from ``dpddp.nn.sample_generator``'s."""
@@ -52,3 +53,43 @@ def streams_kept() -> Iterator[None]:
         torch.default_generator.set_state(saved[0])
         np.random.set_state(saved[1])
         random.setstate(saved[2])
+
+
+class EpochIds(list):
+    """A batch's sample ids (``list[int]``) with the training epoch their draws are keyed by, ``epoch``."""
+
+    def __init__(self, ids: list[int], epoch: int) -> None:
+        super().__init__(ids)
+        self.epoch = epoch
+
+
+class KeyedSamples(Dataset):
+    """A map-style data set whose batches torch's loader fetches by ``__getitems__(ids)``: each sample's draws from
+    the global streams keyed by ``(seed, epoch, id)``, ``epoch`` that of ``EpochIds`` (else 0), one key for the
+    batch where ``dataset`` has a ``__getitems__`` of its own (not a ``Subset``'s of one without); the streams
+    kept around the batch. ``dataset[i]`` alone is not keyed."""
+
+    def __init__(self, dataset: Any, seed: int = 0) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.dataset[i]
+
+    def __getitems__(self, ids: list[int]) -> list[Any]:
+        epoch = getattr(ids, "epoch", 0)
+        keys = sample_seeds(self.seed, epoch, torch.tensor(ids, dtype=torch.long)) if ids else []
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if isinstance(self.dataset, Subset) and not callable(getattr(self.dataset.dataset, "__getitems__", None)):
+            getitems = None  # torch's Subset has one that fetches its data set's samples one by one: key each
+        with streams_kept():
+            if getitems is not None:
+                seed_streams(keys[0] if keys else 0)
+                return getitems(ids)
+            samples = []
+            for i, key in zip(ids, keys, strict=True):
+                seed_streams(key)
+                samples.append(self.dataset[i])
+            return samples

@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from dpddp._compat import data_position
 from dpddp.data.batches import dataset_rows, empty_batch
+from dpddp.data.draws import EpochIds, KeyedSamples
 from dpddp.errors import ConfigError
 from dpddp.parallel.workers import start_workers_safely
 
@@ -112,8 +113,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
             return
         epoch, skip = self.position() if self.position is not None else (self.epoch, 0)
         order, b = self.order(epoch), self.batch_size
-        for k in range(skip, len(order) // b):
-            yield self._chunk(order[k * b : (k + 1) * b])
+        for k in range(skip, len(order) // b):  # the epoch travels with the ids, to a worker's copy of the data set
+            yield EpochIds(self._chunk(order[k * b : (k + 1) * b]), epoch)
 
 
 class _CollateOrEmpty:
@@ -158,7 +159,8 @@ def shard_loader(
     loader: Any, rank: int, world_size: int, train: bool, seed: int = 0, with_rows: bool = False
 ) -> DataLoader:
     """``loader`` (a plain ``torch.utils.data.DataLoader`` over a map-style data set, batched by a sampler)
-    rebuilt with a ``ShardedBatchSampler``: its batch size becomes the global batch. ``with_rows``: each batch
+    rebuilt with a ``ShardedBatchSampler``: its batch size becomes the global batch, its samples' draws from the
+    global streams keyed (``dpddp.data.draws.KeyedSamples``, with ``seed``). ``with_rows``: each batch
     followed by its samples' rows in the loader's data set (for ``predictions.csv``). Its workers start safely
     (``dpddp.parallel.workers.start_workers_safely``).
 
@@ -190,7 +192,7 @@ def shard_loader(
     workers = loader.num_workers
     collate = _CollateOrEmpty(loader.collate_fn, loader.dataset)
     sharded = DataLoader(
-        _WithRows(loader.dataset) if with_rows else loader.dataset,
+        _WithRows(loader.dataset) if with_rows else KeyedSamples(loader.dataset, seed),
         batch_sampler=batches,
         num_workers=workers,
         collate_fn=_CollateWithRows(collate, loader.dataset) if with_rows else collate,

@@ -120,7 +120,8 @@ def _preload(loader: DataLoader) -> None:
     worker runs the main module again; CPython 3.11's fork server does not preload it, whatever it is told)."""
     main = vars(sys.modules["__main__"]).values() if "__main__" in sys.modules else ()
     imported = [v for v in main if isinstance(v, (ModuleType, type, FunctionType)) and v is not builtins]
-    found = _modules_of(loader.dataset, loader.collate_fn, *imported)
+    inner = getattr(loader.dataset, "dataset", None)  # a wrapper's (a Subset's, dpddp's keyed samples)
+    found = _modules_of(loader.dataset, inner, loader.collate_fn, *imported)
     if not found <= _preloaded:
         _preloaded.update(found)
         multiprocessing.set_forkserver_preload(sorted(_preloaded))
