@@ -41,6 +41,7 @@ from dpddp.entry.command_line import (
     unreadable_override,
 )
 from dpddp.entry.run_dir import completed_metrics, continues, directory_problem, hydra_value
+from dpddp.entry.sweeps import sweep_refusal, sweep_without_multirun
 from dpddp.errors import (
     KNOWN,
     ConfigError,
@@ -216,8 +217,9 @@ def _job_failed(num: int, output_dir: Path, line: str) -> float:
 class StartChecks(HydraCallback):
     """Before Hydra makes or writes anything (a Hydra callback of the packaged ``hydra/`` config): the run's
     directory (``hydra.run.dir``) or the sweep's (``hydra.sweep.dir``) resolves and can be written, and (one run)
-    the job's config passes ``check_config`` (interpolations, values); else one ``error:`` line, exit 2, and no
-    other line before it. A sweep job's own config is checked in its job (``run_job``): a bad one fails it only."""
+    the job's config passes ``check_config`` (interpolations, values), and (a sweep) its syntax is its sweeper's
+    (``sweep_refusal``); else one ``error:`` line, exit 2, and no other line before it. A sweep job's own config
+    is checked in its job (``run_job``): a bad one fails it only."""
 
     @override
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -238,6 +240,8 @@ class StartChecks(HydraCallback):
 
     @override
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if problem := sweep_refusal(config):  # a sweep syntax its sweeper cannot run
+            fail(problem)
         for job in sweep_variants(config):  # a key one job lacks: main's one line, before the sweep's directory
             GlobalHydra.instance().config_loader().load_sweep_config(config, job)
         _check_writable(config, "sweep")
@@ -305,7 +309,7 @@ def main() -> None:
         with sweep_stop.command(_again):
             if problem := refused_arguments(argv, " ".join(_program())) or mode_conflict(argv):
                 fail(problem)
-            if problem := unreadable_override(argv) or unknown_option(argv):
+            if problem := unreadable_override(argv) or unknown_option(argv) or sweep_without_multirun(argv):
                 fail(problem)
             # What is imported by now lives as long as the process: keep it out of the collector's sight (and
             # collection on again if train.py turned it off for the imports).

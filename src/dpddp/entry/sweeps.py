@@ -1,0 +1,84 @@
+"""Hydra's sweep syntax (a list, ``choice``, ``range``, ``interval``, ``glob``, ``tag``, ``sort``, ``shuffle``)
+against the sweeper that runs it: a sweep it cannot expand, or one with no values, is one line before the sweep
+starts (Hydra's basic sweeper raises a 19-line traceback for ``interval``, and runs no job for an empty one); a
+sweep in a command that runs one job is one line too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import IntervalSweep, Override, ValueType
+from omegaconf import DictConfig
+
+from dpddp._compat import hydra_command_line
+from dpddp.entry.command_line import sets_no_mode
+
+__all__ = ["SAMPLING", "sweep_refusal", "sweep_without_multirun"]
+
+SAMPLING = ("dpddp_optuna", "optuna")
+"""The ``hydra/sweeper`` options that sample a search space (``hparams_search=optuna`` chooses the first)."""
+
+
+def sweep_refusal(config: DictConfig) -> str | None:
+    """One line for the first sweep override of ``config`` (the sweep's own: its ``hydra.sweeper.params`` and
+    command-line overrides) that its sweeper cannot run; ``None`` when all can, or under a sweeper not known
+    here."""
+    choices = config.hydra.runtime.choices
+    sweeper = choices.get("hydra/sweeper")
+    if sweeper != "basic" and sweeper not in SAMPLING:
+        return None
+    loader = GlobalHydra.instance().config_loader() if GlobalHydra.instance().is_initialized() else None
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    parsed = OverridesParser.create(config_loader=loader).parse_overrides([*params, *config.hydra.overrides.task])
+    for override in parsed:
+        if override.is_sweep_override() and (line := _refused(override, sweeper == "basic", choices, loader)):
+            return line
+    return None
+
+
+def _refused(override: Override, basic: bool, choices: Any, loader: Any) -> str | None:
+    line, key = override.input_line, override.get_key_element()
+    if override.is_interval_sweep():
+        if not basic:
+            return None
+        value = override.value()
+        assert isinstance(value, IntervalSweep)
+        return (
+            f"{line}: interval() needs a sampling sweeper (hparams_search=optuna), or give a list "
+            f"({key}={value.start},{value.end})"
+        )
+    values = list(override.sweep_string_iterator())
+    is_glob = override.value_type is ValueType.GLOB_CHOICE_SWEEP
+    if is_glob and key not in choices:
+        return f"{line}: glob() picks options of a config group, and {key} is not one: give a list ({key}=a,b)"
+    if is_glob and not values:
+        options = ", ".join(loader.get_group_options(key)) if loader is not None else ""
+        return f"{line} matches none of the options of {key} ({options}): give a pattern that matches one"
+    if not values:
+        return f"{line} has no values: give a range whose start is below its stop, e.g. range(1,4)"
+    if is_glob and not basic:
+        choice = f"{key}=choice({','.join(values)})"
+        return f"{line}: glob() is the basic sweeper's; a sampling sweeper takes the options as {choice}"
+    return None
+
+
+def sweep_without_multirun(argv: list[str]) -> str | None:
+    """One line for the first sweep override of ``argv`` when the command surely runs one job (no ``-m``, and
+    nothing that may set ``hydra.mode``: ``command_line.sets_no_mode``); Hydra's own takes 4 lines, exit 1."""
+    args = hydra_command_line(argv)
+    if args is None or args.multirun or args.help or args.hydra_help or args.info or not sets_no_mode(argv):
+        return None
+    for override in OverridesParser.create().parse_overrides(list(args.overrides)):
+        if not override.is_sweep_override():
+            continue
+        line, key = str(override.input_line), override.get_key_element()
+        value = line.split("=", 1)[1]
+        if override.is_interval_sweep():
+            return f"{line} is a sweep: add -m hparams_search=optuna to sample it, or give one value"
+        if override.value_type is ValueType.SIMPLE_CHOICE_SWEEP:
+            one = f"or give one value ({key}=[{value}] is a list, {key}='{value}' a string)"
+            return f"{line} is a sweep: add -m to run a job for each value, {one}"
+        return f"{line} is a sweep: add -m to run a job for each value, or give one value"
+    return None
