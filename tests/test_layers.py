@@ -90,10 +90,15 @@ def test_parallel_imports_nothing_from_the_run_or_entry_layers():
     assert bad == []
 
 
+DEFERRED = {"dpddp -> dpddp.parallel.dp"}
+"""The one import of dpddp inside a function: the package registers ``dp`` when Lightning is imported (and
+``dpddp.DataParallelStrategy`` imports it when asked for), so that ``import dpddp`` imports neither."""
+
+
 def test_no_import_cycle_and_no_dpddp_import_inside_a_function():
     imports = _imports()
-    inside = [f"{m} -> {t}" for m, targets in imports.items() for t, in_fn in targets if in_fn]
-    assert inside == []
+    inside = {f"{m} -> {t}" for m, targets in imports.items() for t, in_fn in targets if in_fn}
+    assert inside == DEFERRED
     graph = {m: {t for t, _ in targets if t in imports and t != m} for m, targets in imports.items()}
     state: dict[str, int] = {}
 
@@ -110,15 +115,24 @@ def test_no_import_cycle_and_no_dpddp_import_inside_a_function():
             visit(module, [])
 
 
-def test_import_dpddp_loads_only_the_dp_registration():
-    """``import dpddp`` imports ``lightning.pytorch`` (to register ``dp``) and no other module of the project, so
-    a user's import stays cheap (its time is measured by ``bench/startup.py``, not here)."""
+def _python(code: str) -> str:
     env, _ = child_env()
-    code = "import sys, dpddp; print(sorted(m for m in sys.modules if m.startswith('dpddp')))"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    loaded = set(ast.literal_eval(proc.stdout.strip()))
-    assert loaded == {"dpddp", "dpddp.parallel", "dpddp.parallel.dp"}, loaded
+    return proc.stdout.strip()
+
+
+def test_import_dpddp_loads_nothing_else_and_lightning_s_import_registers_dp():
+    """``import dpddp`` imports no other module of the project, nor torch or Lightning (so that a bad setting is
+    answered before them); ``lightning.pytorch`` imported after it, or before it, has ``dp`` registered
+    (``dpddp.parallel.dp``, the only other module loaded)."""
+    heavy = "import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in ('dpddp', 'torch', 'lightning')))"
+    assert ast.literal_eval(_python(f"import dpddp; {heavy}")) == ["dpddp"]
+    registered = "from lightning.pytorch.strategies import StrategyRegistry as R; print('dp' in R)"
+    loaded = "import sys; print(sorted(m for m in sys.modules if m.startswith('dpddp')))"
+    after = _python(f"import dpddp, lightning.pytorch; {registered}; {loaded}").splitlines()
+    assert after[0] == "True" and set(ast.literal_eval(after[1])) == {"dpddp", "dpddp.parallel", "dpddp.parallel.dp"}
+    assert _python(f"import lightning.pytorch, dpddp; {registered}") == "True"
 
 
 def _sources() -> dict[str, str]:

@@ -9,8 +9,6 @@ import difflib
 import inspect
 import itertools
 import re
-from importlib.resources import files
-from pathlib import Path
 from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
@@ -22,6 +20,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from dpddp._compat import hydra_command_line
 from dpddp._compat.hydra_main import hydra_argument_error
+from dpddp.entry.early import GROUPS, dotted_keys, key_hints, missing_key_line
+from dpddp.entry.early import unknown_option as _unknown_option
 from dpddp.parallel.rules import lightning_name_line
 from dpddp.run.keys import key_hint
 from dpddp.run.trainer_flags import takes
@@ -42,36 +42,10 @@ __all__ = [
 ]
 
 
-GROUPS = ("strategy", "data", "model", "trainer", "logger", "callbacks", "experiment", "debug", "hparams_search")
-"""The packaged config groups whose options ``unknown_option`` checks before Hydra composes."""
-
-
 def unknown_option(argv: list[str]) -> str | None:
-    """One line naming the first ``group=option`` override (sweep lists included) for which no config directory
-    has ``<group>/<option>.yaml``, with the options there are; ``None`` when all exist. The directories are the
-    packaged ``conf/`` and a ``--config-dir``/``-cd`` given; with ``hydra.searchpath`` overridden, or a sweep
-    function (``choice(...)``, ``glob(...)``), Hydra's own check answers instead. Hydra would accept an unknown
-    ``experiment=``/``debug=`` preset silently (optional groups) or print a many-line error instead."""
-    dirs = [Path(str(files("dpddp.conf")))]
-    for i, arg in enumerate(argv):
-        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
-            dirs.append(Path(argv[i + 1]))
-        elif arg.startswith("--config-dir="):
-            dirs.append(Path(arg.split("=", 1)[1]))
-        elif "hydra.searchpath" in arg:
-            return None
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        key = key.lstrip("+~")
-        if not sep or key not in GROUPS or "(" in value:
-            continue
-        for option in value.split(","):
-            if option not in ("", "null") and not any((d / key / f"{option}.yaml").is_file() for d in dirs):
-                if key == "strategy" and (line := lightning_name_line(option)):
-                    return line
-                known = sorted({p.stem for d in dirs for p in (d / key).glob("*.yaml")})
-                return f"{key}={option} is unknown: choose one of {', '.join(known)}"
-    return None
+    """``dpddp.entry.early.unknown_option``, with a Lightning strategy name said as Lightning's
+    (``lightning_name_line``)."""
+    return _unknown_option(argv, lightning_name_line)
 
 
 MODES: tuple[tuple[str, str], ...] = (("run", "--run (-r)"), ("multirun", "--multirun (-m)"), ("cfg", "--cfg (-c)"))
@@ -197,50 +171,6 @@ def unreadable_override(argv: list[str]) -> str | None:
     return None
 
 
-def dotted_keys(cfg: DictConfig) -> list[str]:
-    """Every key of ``cfg`` at any depth, dotted (``data.batch_size``); a list's items are not named. Nothing is
-    resolved."""
-    found: list[str] = []
-
-    def walk(node: Any, prefix: str) -> None:
-        for key, value in node.items():
-            found.append(f"{prefix}{key}")
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{key}.")
-
-    walk(OmegaConf.to_container(cfg, resolve=False), "")
-    return found
-
-
-def _hints(key: str, cfg: DictConfig, instead: str = "") -> str:
-    """What to say of ``key``, a key ``cfg`` lacks: ``" (nearest: <key>)"`` for its nearest key (difflib; keys
-    under ``hydra.`` only for a ``hydra.`` key) and, for a key under a config group (``data.num_workers``), the
-    packaged options of the group that have it: ``" (the chosen data config has none; data=dataset, sharded have
-    one)"``; ``""`` when there is neither. The nearest key is left out where ``instead``, the advice
-    that follows, names it already."""
-    keys = [k for k in dotted_keys(cfg) if key.startswith("hydra.") or not k.startswith("hydra")]
-    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.8)
-    said = [f"nearest: {near[0]}"] if near and near[0] not in instead else []
-    group, _, rest = key.partition(".")
-    if group in GROUPS and rest and group in cfg:
-        options = sorted(Path(str(files("dpddp.conf"))).joinpath(group).glob("*.yaml"))
-        having = [p.stem for p in options if _has(p, rest)]
-        if having:
-            verb = "has" if len(having) == 1 else "have"
-            said.append(f"the chosen {group} config has none; {group}={', '.join(having)} {verb} one")
-    return f" ({'; '.join(said)})" if said else ""
-
-
-def _has(path: Path, dotted: str) -> bool:
-    """Whether the config file ``path`` has the dotted key ``dotted`` (``dataset._target_``), unresolved."""
-    node: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
-
-
 def refused_override(override: Any, cfg: DictConfig, err: Exception) -> str:
     """One line for an override Hydra refused to apply to the composed config ``cfg`` (``err``, its
     ``ConfigCompositionException``; ``override``, Hydra's parsed ``Override``): the override as typed, what the
@@ -252,18 +182,14 @@ def refused_override(override: Any, cfg: DictConfig, err: Exception) -> str:
         return f"{line}: there is no config group {key} for @ to place: give a config group, or a key without @"
     if override.is_delete():
         if OmegaConf.select(cfg, key, throw_on_missing=False) is None:
-            return f"{line}: the config has no {key} to delete{_hints(key, cfg)}: drop it, or give a key it has"
+            return f"{line}: the config has no {key} to delete{key_hints(key, cfg)}: drop it, or give a key it has"
         value = OmegaConf.select(cfg, key, throw_on_missing=False)
         return f"{line}: {key} is {value!r}, not {override.value()!r}: write ~{key} to delete it whatever its value"
     if override.is_add():
         return f"{line}: the config already has {key}: set it with {line[1:]} (or ++{line[1:]}: add or set)"
     cause = err.__cause__
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
-        if (instead := key_hint(cfg, key)) is not None:  # +key=value would be refused next: say what works
-            return f"{line}: the config has no key {key}{_hints(key, cfg, instead)}: {instead}"
-        return (
-            f"{line}: the config has no key {key}{_hints(key, cfg)}: give a key it has, or add a new one with +{line}"
-        )
+        return missing_key_line(line, key, cfg, key_hint(cfg, key))  # key_hint: what works where +key would not
     reason = (str(cause or err).splitlines() or [type(err).__name__])[0]
     return f"{line} cannot be applied ({reason}): give {key} a value it takes"
 

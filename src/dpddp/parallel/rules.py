@@ -19,7 +19,8 @@ from dpddp.cluster import (
     torchrun_local_world_size,
     torchrun_run_id,
 )
-from dpddp.errors import ConfigError, checked_float, checked_int
+from dpddp.errors import ConfigError, checked_float
+from dpddp.parallel.settings import ACCELERATORS, CLUSTERS, STRATEGIES, check_device_values
 
 __all__ = [
     "ACCELERATORS",
@@ -37,9 +38,6 @@ __all__ = [
     "world_size_source",
 ]
 
-STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn")
-ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
-CLUSTERS = ("auto", "kubeflow")
 DDP_OPTIONS = ("process_group_backend", "timeout_s", "launch", "start_method")
 """dpddp's own ``strategy.*`` keys; the others are ``DistributedDataParallel``'s arguments."""
 
@@ -103,15 +101,9 @@ def check_devices(cfg: Mapping) -> None:
         ConfigError: the first setting this machine or cluster cannot run, with the fix.
     """
     strategy, devices, num_nodes = cfg["strategy"]["name"], cfg["devices"], cfg["num_nodes"]
-    if strategy not in STRATEGIES:  # strategy.name=<name>; a Lightning name gets dpddp's settings for it
-        line = lightning_name_line(strategy)
-        raise ConfigError(line or f"strategy={strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}")
-    if cfg["accelerator"] not in ACCELERATORS:
-        raise ConfigError(f"accelerator={cfg['accelerator']!r} is unknown: choose one of {', '.join(ACCELERATORS)}")
-    if devices != -1:
-        checked_int("devices", devices, 1, "use a positive number of devices per node, or -1 for all GPUs")
-    if num_nodes != "auto":
-        checked_int("num_nodes", num_nodes, 1, "use a positive number of nodes, or auto (the launcher's)")
+    if strategy not in STRATEGIES and (line := lightning_name_line(strategy)):  # dpddp's settings for Lightning's name
+        raise ConfigError(line)
+    check_device_values(cfg)
     accelerator = resolve_accelerator(cfg["accelerator"])
     if accelerator == "gpu" and not torch.cuda.is_available():
         raise ConfigError(f"accelerator={cfg['accelerator']} but CUDA is not available: use accelerator=cpu")

@@ -1,6 +1,7 @@
 """``hydra/sweeper=dpddp_optuna`` (``hparams_search=optuna``): hydra-optuna-sweeper's sweeper, with a failed job
 recorded as a failed trial instead of ending the search (see ``dpddp.entry.sweeper``). Defines nothing when the
-optional ``[optuna]`` extra is not installed."""
+optional ``[optuna]`` extra is not installed. Hydra imports this module whenever it composes a config (its plugin scan),
+so dpddp's sweeper code, which needs Lightning, is imported only when the sweep is set up."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ from typing import Any
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 from typing_extensions import override
-
-from dpddp.entry import sweeper
 
 try:
     from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
@@ -25,6 +24,8 @@ else:
 
         @override
         def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+            from dpddp.entry import sweeper  # here: not in every composition (train.py devises=2 answers first)
+
             super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
             assert self.sweeper.launcher is not None  # the plugin's setup instantiated it
             self.recorder = sweeper.NanFailsLauncher(self.sweeper.launcher)

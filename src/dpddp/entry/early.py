@@ -1,0 +1,185 @@
+"""What ``train.py`` answers before torch and Lightning are imported (``answer``): ``--help``, and the first bad
+setting of a command line of overrides that needs neither to be judged: an unknown config group option, an override
+of a top-level key the config lacks (``devises=2``), a value ``dpddp.run.plain`` reads alone (``devices=0``). Each
+gets the line and exit status ``dpddp.entry.hydra.main`` gives it; what this module cannot judge is left to that.
+Also the override helpers both use (``unknown_option``, ``missing_key_line``)."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra import compose, initialize_config_module
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from omegaconf import DictConfig, OmegaConf
+
+from dpddp.cluster import register_resolvers
+from dpddp.errors import ConfigError, fail
+from dpddp.parallel.settings import LIGHTNING_STRATEGIES
+from dpddp.run.plain import check_plain, check_resolvable, key_advice
+
+__all__ = ["GROUPS", "answer", "dotted_keys", "key_hints", "missing_key_line", "unknown_option"]
+
+HELP = ("--help", "-h", "--hydra-help")
+"""Hydra's help options, answered here when given alone."""
+
+
+def answer(argv: list[str]) -> None:
+    """Before the imports: print Hydra's help for ``--help`` (or ``-h``, ``--hydra-help``) given alone and exit 0;
+    for a command line of overrides only, end the first bad setting judged without torch and Lightning with
+    ``fail`` (its one line, exit 2). Return where there is none, or one only the full check can judge (an option,
+    a sweep, an override Hydra cannot read, a key under a config group)."""
+    register_resolvers()
+    if len(argv) == 1 and argv[0] in HELP:
+        hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(_no_job)()
+    if not argv or any(arg.startswith("-") for arg in argv):
+        return
+    try:
+        overrides = OverridesParser.create().parse_overrides(argv)
+    except Exception:  # Hydra's grammar refuses it: main's line (command_line.unreadable_override)
+        return
+    if any(o.is_sweep_override() for o in overrides):
+        return
+    if problem := unknown_option(argv):
+        fail(problem)
+    cfg = _composed(argv)
+    if cfg is None:
+        if line := _missing_top_level_key(argv, overrides):
+            fail(line)
+        return
+    try:
+        check_resolvable(cfg)
+        check_plain(cfg)
+    except ConfigError as err:
+        fail(str(err))
+
+
+def _no_job(cfg: DictConfig) -> None:
+    raise AssertionError("hydra.main ran a job for --help")
+
+
+def _composed(argv: list[str]) -> DictConfig | None:
+    """The packaged config composed with the overrides ``argv`` (Hydra's public ``compose``), without ``hydra``;
+    ``None`` where Hydra refuses one."""
+    try:
+        with initialize_config_module(config_module="dpddp.conf", version_base="1.3"):
+            return compose(config_name="config", overrides=argv)
+    except Exception:
+        return None
+
+
+def _top_level(override: Override) -> bool:
+    """Whether ``override`` sets a top-level key (``devises=2``): no dot, no ``+``/``~``/``@``, not a group."""
+    key = override.key_or_group
+    plain = override.package is None and not override.is_add() and not override.is_delete()
+    return plain and "." not in key and key not in GROUPS and key != "hydra" and not override.is_force_add()
+
+
+def _missing_top_level_key(argv: list[str], overrides: list[Override]) -> str | None:
+    """The line of ``command_line.refused_override`` for the first override of a top-level key the config lacks,
+    when every other override composes (so that it is the first Hydra refuses); else ``None``."""
+    others = [arg for arg, o in zip(argv, overrides, strict=True) if not _top_level(o)]
+    cfg = _composed(others)
+    if cfg is None:
+        return None
+    keys = [str(k) for k in cfg.keys()]
+    for arg, override in zip(argv, overrides, strict=True):
+        if _top_level(override):
+            key = override.key_or_group
+            if key in keys:
+                return None  # the config has it: Hydra refused another override
+            return missing_key_line(override.input_line or arg, key, cfg, key_advice("", key, keys))
+    return None
+
+
+def missing_key_line(line: str, key: str, cfg: DictConfig, instead: str | None) -> str:
+    """The line for the override ``line`` of ``key``, a key the composed ``cfg`` lacks: the nearest key it has
+    (``key_hints``) and ``instead``, what to write (``dpddp.run.keys.key_hint``), or else ``+key`` to add it."""
+    if instead is not None:
+        return f"{line}: the config has no key {key}{key_hints(key, cfg, instead)}: {instead}"
+    return f"{line}: the config has no key {key}{key_hints(key, cfg)}: give a key it has, or add a new one with +{line}"
+
+
+GROUPS = ("strategy", "data", "model", "trainer", "logger", "callbacks", "experiment", "debug", "hparams_search")
+"""The packaged config groups whose options ``unknown_option`` checks before Hydra composes."""
+
+
+def unknown_option(argv: list[str], lightning_line: Callable[[str], str | None] | None = None) -> str | None:
+    """One line naming the first ``group=option`` override (sweep lists included) for which no config directory
+    has ``<group>/<option>.yaml``, with the options there are; ``None`` when all exist. The directories are the
+    packaged ``conf/`` and a ``--config-dir``/``-cd`` given; with ``hydra.searchpath`` overridden, or a sweep
+    function (``choice(...)``, ``glob(...)``), Hydra's own check answers instead. Hydra would accept an unknown
+    ``experiment=``/``debug=`` preset silently (optional groups) or print a many-line error instead. A strategy name
+    Lightning registers gets ``lightning_line``'s line; without it (before Lightning is imported), ``None``: the
+    full check says it."""
+    dirs = [Path(str(files("dpddp.conf")))]
+    for i, arg in enumerate(argv):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            dirs.append(Path(argv[i + 1]))
+        elif arg.startswith("--config-dir="):
+            dirs.append(Path(arg.split("=", 1)[1]))
+        elif "hydra.searchpath" in arg:
+            return None
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if not sep or key not in GROUPS or "(" in value:
+            continue
+        for option in value.split(","):
+            if option not in ("", "null") and not any((d / key / f"{option}.yaml").is_file() for d in dirs):
+                if key == "strategy" and lightning_line is None and option in LIGHTNING_STRATEGIES:
+                    return None
+                if key == "strategy" and lightning_line is not None and (line := lightning_line(option)):
+                    return line
+                known = sorted({p.stem for d in dirs for p in (d / key).glob("*.yaml")})
+                return f"{key}={option} is unknown: choose one of {', '.join(known)}"
+    return None
+
+
+def dotted_keys(cfg: DictConfig) -> list[str]:
+    """Every key of ``cfg`` at any depth, dotted (``data.batch_size``); a list's items are not named. Nothing is
+    resolved."""
+    found: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        for key, value in node.items():
+            found.append(f"{prefix}{key}")
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return found
+
+
+def key_hints(key: str, cfg: DictConfig, instead: str = "") -> str:
+    """What to say of ``key``, a key ``cfg`` lacks: ``" (nearest: <key>)"`` for its nearest key (difflib; keys
+    under ``hydra.`` only for a ``hydra.`` key) and, for a key under a config group (``data.num_workers``), the
+    packaged options of the group that have it: ``" (the chosen data config has none; data=dataset, sharded have
+    one)"``; ``""`` when there is neither. The nearest key is left out where ``instead``, the advice
+    that follows, names it already."""
+    keys = [k for k in dotted_keys(cfg) if key.startswith("hydra.") or not k.startswith("hydra")]
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.8)
+    said = [f"nearest: {near[0]}"] if near and near[0] not in instead else []
+    group, _, rest = key.partition(".")
+    if group in GROUPS and rest and group in cfg:
+        options = sorted(Path(str(files("dpddp.conf"))).joinpath(group).glob("*.yaml"))
+        having = [p.stem for p in options if _has(p, rest)]
+        if having:
+            verb = "has" if len(having) == 1 else "have"
+            said.append(f"the chosen {group} config has none; {group}={', '.join(having)} {verb} one")
+    return f" ({'; '.join(said)})" if said else ""
+
+
+def _has(path: Path, dotted: str) -> bool:
+    """Whether the config file ``path`` has the dotted key ``dotted`` (``dataset._target_``), unresolved."""
+    node: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True

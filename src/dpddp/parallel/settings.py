@@ -1,0 +1,44 @@
+"""The strategy, accelerator and cluster names a run may have, the strategy names Lightning registers, and the checks
+of the device settings' values: all of it without torch or Lightning, so that a bad value is answered before they
+are imported (``dpddp.run.plain``; the rest of the device check is ``parallel.rules``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from dpddp.errors import ConfigError, checked_int
+
+__all__ = ["ACCELERATORS", "CLUSTERS", "LIGHTNING_STRATEGIES", "STRATEGIES", "check_device_values"]
+
+STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+CLUSTERS = ("auto", "kubeflow")
+
+_UNUSED = ("", "_find_unused_parameters_false", "_find_unused_parameters_true")
+_DDP = {f"ddp{kind}{unused}" for kind in ("", "_fork", "_notebook", "_spawn") for unused in _UNUSED}
+LIGHTNING_STRATEGIES = frozenset(
+    _DDP
+    | {"deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3"}
+    | {"deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", "dp", "fsdp", "fsdp_cpu_offload"}
+    | {"single_device", "single_tpu", "single_xla", "xla", "xla_debug"}
+)
+"""The names in Lightning's ``StrategyRegistry`` (Lightning 2.6.6; tests/test_early.py fails when it registers one
+more). One that dpddp has no config for is described after the imports (``rules.lightning_name_line``)."""
+
+
+def check_device_values(cfg: Mapping) -> None:
+    """The values of the top-level ``strategy`` (its name), ``accelerator``, ``devices`` and ``num_nodes``, read
+    alone (what this machine can run is ``rules.check_devices``'s).
+
+    Raises:
+        ConfigError: the first that is not one of the names, or not a positive number.
+    """
+    strategy, devices, num_nodes = cfg["strategy"]["name"], cfg["devices"], cfg["num_nodes"]
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy={strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}")
+    if cfg["accelerator"] not in ACCELERATORS:
+        raise ConfigError(f"accelerator={cfg['accelerator']!r} is unknown: choose one of {', '.join(ACCELERATORS)}")
+    if devices != -1:
+        checked_int("devices", devices, 1, "use a positive number of devices per node, or -1 for all GPUs")
+    if num_nodes != "auto":
+        checked_int("num_nodes", num_nodes, 1, "use a positive number of nodes, or auto (the launcher's)")

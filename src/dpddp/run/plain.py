@@ -1,0 +1,96 @@
+"""The first checks of a composed config (``dpddp.run.config.check_config`` runs them first): its interpolations,
+and the values that are read alone (the device settings' names and numbers, the seed, the built-in data's
+settings). They need neither torch nor Lightning, so ``train.py`` answers them before importing those
+(``dpddp.entry.early``)."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from dpddp.data.rules import check_random_tensors
+from dpddp.errors import ConfigError, checked_int
+from dpddp.parallel.settings import LIGHTNING_STRATEGIES, STRATEGIES, check_device_values
+
+__all__ = ["RANDOM_TENSORS", "check_plain", "check_resolvable", "key_advice"]
+
+SIZES_FIX = "model.num_features=<features per sample> model.num_classes=<classes>"
+RANDOM_TENSORS = "dpddp.data.random_tensors.RandomTensorDataModule"
+"""The built-in data's ``_target_`` as the packaged config names it."""
+
+
+def _interpolations(node: Any, path: tuple = ()) -> Iterable[tuple[tuple, str]]:
+    """``(path, value)`` of every string holding an interpolation in the unresolved container ``node``."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        if isinstance(value, str) and "${" in value:
+            yield (*path, key), value
+        else:
+            yield from _interpolations(value, (*path, key))
+
+
+def _dotted(path: tuple) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f"{'.' if i else ''}{p}" for i, p in enumerate(path))
+
+
+def check_resolvable(cfg: DictConfig, skip: tuple[str, ...] = ("hydra",)) -> None:
+    """Every interpolation in ``cfg`` (``${data.num_features}``, ``${oc.env:VAR}``) outside the top-level keys
+    ``skip`` resolves.
+
+    Raises:
+        ConfigError: ``<key>='<value as typed>' cannot be resolved (<OmegaConf's reason>): <fix>``, for the first
+            one that does not.
+    """
+    unresolved = OmegaConf.to_container(cfg, resolve=False)
+    for path, value in _interpolations(unresolved):
+        if path[0] in skip:
+            continue
+        try:
+            node: Any = cfg
+            for key in path:
+                node = node[key]
+        except Exception as err:  # OmegaConf's resolution errors, or a resolver's own
+            reason = (str(err).splitlines() or [type(err).__name__])[0]
+            reason = re.sub(r"^\w+ raised while resolving interpolation: ", "", reason).strip('"')
+            env = re.search(r"\$\{oc\.env:([^,}]+)", value)
+            fix = (
+                f"set {env.group(1)} in the environment, or give a default: ${{oc.env:{env.group(1)},<default>}}"
+                if env
+                else "give a value, or interpolate a key that exists (e.g. ${data.num_features})"
+            )
+            if path[0] == "model" and value == f"${{data.{path[-1]}}}":  # the model's sizes follow the data's
+                fix = f"the data has no {path[-1]} to follow: give the model's sizes ({SIZES_FIX})"
+            raise ConfigError(f"{_dotted(path)}={value!r} cannot be resolved ({reason}): {fix}") from err
+
+
+def key_advice(prefix: str, key: str, allowed: list[str]) -> str:
+    """What to write instead of ``key``, a key of a section (``prefix``: ``"data."``, ``""`` at the top level)
+    that ``allowed`` lacks: ``did you mean <prefix><nearest>?``, else the valid keys."""
+    near = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
+    return f"did you mean {prefix}{near[0]}?" if near else f"valid keys: {', '.join(sorted(allowed))}"
+
+
+def check_plain(cfg: DictConfig | Mapping) -> None:
+    """The settings read alone, in ``check_config``'s order: the device settings (``check_device_values``), the
+    seed, and the built-in data's (``data._target_`` as packaged: ``check_random_tensors``, all but the world
+    size's share). It stops, saying nothing, at a value it cannot read and at a strategy name Lightning registers:
+    the full check names those.
+
+    Raises:
+        ConfigError: the line ``check_config`` gives for that setting.
+    """
+    try:
+        if cfg["strategy"]["name"] not in STRATEGIES and cfg["strategy"]["name"] in LIGHTNING_STRATEGIES:
+            return
+        check_device_values(cfg)
+        checked_int("seed", cfg["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
+        if (cfg["data"] or {}).get("_target_") == RANDOM_TENSORS:
+            check_random_tensors(cfg["data"], 1)
+    except ConfigError:
+        raise
+    except Exception:  # a missing or unresolvable value, a section that is not a mapping: the full check's to name
+        return

@@ -1,0 +1,97 @@
+"""An answer before Lightning: ``train.py``'s ``--help``, a misspelled top-level key and a bad plain value end
+before torch or Lightning is imported (read from ``python -X importtime``, not timed), with the line and exit
+status the full check gives; everything else is left to the full check."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, child_env, compose_cfg
+
+from dpddp._compat.strategies import registered_strategies
+from dpddp.entry.early import answer
+from dpddp.errors import ConfigError
+from dpddp.parallel.settings import LIGHTNING_STRATEGIES
+from dpddp.run.config import check_config
+from dpddp.run.keys import TOP_LEVEL_KEYS
+
+REFUSED = {
+    "devises=2": "devises=2: the config has no key devises: did you mean devices?",
+    "devices=0": "devices=0 is invalid: use a positive number of devices per node, or -1 for all GPUs",
+    "strategy=dpp": "strategy=dpp is unknown: choose one of auto, ddp, ddp_spawn, dp",
+    "data.val_fraction=0.95": "data.val_fraction=0.95 is invalid: use a fraction in [0, 0.9]",
+}
+PLAIN = ("devices=0", "data.val_fraction=0.95", "accelerator=tpu", "num_nodes=0", "seed=-1", "data.batch_size=0")
+
+
+def _imported(stderr: str) -> set[str]:
+    """The modules ``python -X importtime`` reports as imported."""
+    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+
+
+def _heavy(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if m.split(".")[0] in ("torch", "lightning", "torchmetrics"))
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    env, _ = child_env()
+    cmd = [sys.executable, "-X", "importtime", str(ROOT / "train.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("override", sorted(REFUSED))
+def test_a_bad_setting_is_one_line_and_exit_2_before_torch_and_lightning(override):
+    proc = _train(override)
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert (proc.returncode, errors) == (2, [f"error: {REFUSED[override]}"])
+    imported = _imported(proc.stderr)
+    assert "dpddp.entry.early" in imported and "hydra" in imported
+    assert _heavy(imported) == [] and "dpddp.entry.hydra" not in imported
+
+
+def test_help_is_hydra_s_own_and_before_torch_and_lightning():
+    proc = _train("--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("train is powered by Hydra.")
+    assert "== Configuration groups ==" in proc.stdout and "strategy: auto, ddp, ddp_spawn, dp" in proc.stdout
+    assert _heavy(_imported(proc.stderr)) == []
+
+
+@pytest.mark.parametrize("override", PLAIN)
+def test_the_early_line_is_the_full_check_s(override, capsys):
+    with pytest.raises(ConfigError) as full:
+        check_config(compose_cfg(override))
+    with pytest.raises(SystemExit) as end:
+        answer([override])
+    assert end.value.code == 2
+    assert capsys.readouterr().err == f"error: {full.value}\n"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["devices=1", "trainer.max_epochs=2"],  # nothing wrong
+        ["trainer.max_epoch=2"],  # a key under a group: the Trainer's signature tells
+        ["strategy=fsdp"],  # Lightning's name: Lightning describes it
+        ["strategy.name=fsdp", "devices=0"],  # ... and stops the early check before devices
+        ["trainer.max_epoch=2", "devises=2"],  # Hydra refuses the first: the full check names it
+        ["-m", "devices=0,1"],  # an option, a sweep
+        ["devices=0,1"],
+        ["+devises=2"],  # an addition the full check refuses
+    ],
+)
+def test_what_needs_the_full_check_is_left_to_it(argv):
+    answer(argv)  # returns: no exit
+
+
+def test_lightning_s_strategy_names_are_all_known_before_it_is_imported():
+    assert set(registered_strategies()) <= LIGHTNING_STRATEGIES
+
+
+def test_the_composed_top_level_keys_are_the_checked_ones():
+    """The early line's advice (``did you mean devices?``) is drawn from the composed config's top-level keys,
+    the full check's from ``TOP_LEVEL_KEYS``: the same."""
+    assert sorted(str(k) for k in compose_cfg().keys()) == sorted(TOP_LEVEL_KEYS)
