@@ -4,36 +4,74 @@ from __future__ import annotations
 
 import contextlib
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from dpddp._compat import processed_epochs
 from dpddp.errors import WriteFailed
 
-__all__ = ["AtomicCheckpointIO", "ConfiguredModel", "checkpoint_launch", "checkpoint_problem"]
+__all__ = ["BACKGROUND", "AtomicCheckpointIO", "ConfiguredModel", "checkpoint_launch", "checkpoint_problem"]
+
+BACKGROUND = {"dpddp": "background"}
+"""``storage_options`` that make ``AtomicCheckpointIO`` write in its background thread."""
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's ``TorchCheckpointIO``, writing ``<name>.tmp`` beside the target, then ``os.replace``: a
-    process killed mid-write leaves the previous ``last.ckpt`` whole (Lightning writes the file in place)."""
+    process killed mid-write leaves the previous ``last.ckpt`` whole (Lightning writes the file in place). With
+    ``storage_options=BACKGROUND`` the tensors are copied to the CPU here and the file written in one background
+    thread; every other save, ``wait`` and ``teardown`` first wait for that write (one in flight, in order)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.saved_steps: dict[str, int] = {}  # file name -> global step of its last write by this process
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
-        """Write ``checkpoint`` to ``path`` atomically.
+        """Write ``checkpoint`` to ``path`` atomically (``BACKGROUND``: from a copy, in the background).
 
         Raises:
-            WriteFailed: the write failed (a full disk, an I/O error): the temporary file is removed and the
-                previous file at ``path`` is left whole.
+            WriteFailed: this write or the background one before it failed (a full disk, an I/O error): the
+                temporary file is removed and the previous file at ``path`` is left whole.
         """
-        path = Path(path)
+        self.wait()
+        if storage_options == BACKGROUND:
+            copy = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpddp-checkpoint")
+            self._pending = self._executor.submit(self._write, copy, Path(path), None)
+        else:
+            self._write(checkpoint, Path(path), storage_options)
+
+    def wait(self) -> None:
+        """Wait for the background write, if one is in flight.
+
+        Raises:
+            WriteFailed: it failed.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    @override
+    def teardown(self) -> None:
+        """Wait for the background write and end its thread (``WriteFailed``: it failed)."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    def _write(self, checkpoint: dict[str, Any], path: Path, storage_options: Any) -> None:
         tmp = path.with_name(path.name + ".tmp")
         try:
             super().save_checkpoint(checkpoint, tmp, storage_options)

@@ -28,15 +28,16 @@ class Pace:
         self.batches, self.since = 0, time.perf_counter()
 
 
-def agreed(flag: bool, device: torch.device, pace: Pace | None, interval_s: float) -> bool:
-    """``flag`` of any rank of the process group (one ``all_reduce(MAX)`` on ``device``; ``flag`` itself without
-    a group); with ``pace``, the slowest rank's batch time sets its next due batch (``Pace.agreed``)."""
+def agreed(flag: int, device: torch.device, pace: Pace | None, interval_s: float) -> int:
+    """The largest ``flag`` (a bool, or a small level) of the ranks of the process group (one ``all_reduce(MAX)``
+    on ``device``; ``flag`` itself without a group); with ``pace``, the slowest rank's batch time sets its next
+    due batch (``Pace.agreed``)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return flag
+        return int(flag)
     batch_s = pace.batch_s() if pace is not None else 0.0
     flags = torch.tensor([float(flag), batch_s], dtype=torch.float64).to(device)
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
     reduced, batch_s = flags.tolist()
     if pace is not None:
         pace.agreed(interval_s, batch_s)
-    return bool(reduced)
+    return int(reduced)

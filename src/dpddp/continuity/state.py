@@ -279,6 +279,7 @@ def save_final_checkpoint(trainer: pl.Trainer) -> bool:
     last = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.filename == "last"]
     if not (last and last[0].dirpath and isinstance(io, AtomicCheckpointIO)):
         return False
+    io.wait()  # a background write of last.ckpt (a step interval's) is done, and counted in saved_steps
     path = Path(last[0].dirpath) / "last.ckpt"
     other_step = io.saved_steps.get("last.ckpt") != trainer.global_step  # rank 0 wrote it
     other = other_step or (trainer.is_global_zero and _other_weights(trainer.lightning_module, path))

@@ -23,7 +23,7 @@ from dpddp._compat import skip_empty_batch_hooks, softmax_per_sample
 from dpddp.cluster import launch_id, writes_outputs
 from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.continuity.state import ResumableState
-from dpddp.continuity.stop import StepBoundaryStop
+from dpddp.continuity.stop import StepBoundaryStop, checkpoint_intervals
 from dpddp.data.keys import sample_key_callbacks
 from dpddp.errors import ConfigError, first_line
 from dpddp.nn import SampleDropout
@@ -136,7 +136,8 @@ def _build_callbacks(
         uncounted=(lambda: executions.cut) if executions is not None else (lambda: False),
         launch=launch_id(),
     )
-    stop = StepBoundaryStop(output_dir / "checkpoints")
+    every_n_steps, every_s = checkpoint_intervals(cfg)
+    stop = StepBoundaryStop(output_dir / "checkpoints", every_n_steps=every_n_steps, every_s=every_s)
     callbacks: list[pl.Callback] = [tally, throughput, costs, epochs, state, stop]
     if cfg.strategy.name in ("ddp", "ddp_spawn"):  # plain tensors logged with sync_dist over processes: exact
         callbacks.append(LoggedTensors())
