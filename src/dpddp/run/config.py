@@ -11,7 +11,7 @@ import inspect
 import math
 import re
 import textwrap
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +34,11 @@ from dpddp.parallel.rules import check_devices, nodes, replicas, world_size, wor
 from dpddp.run.assembly import epoch_lines
 from dpddp.run.build import build
 from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, check_targets, target_class
+from dpddp.run.plain import check_plain, check_resolvable
 from dpddp.run.trainer_flags import refused_flag
 
 __all__ = ["CLI_CALLBACKS", "check_config", "check_output_dir", "check_precision", "check_resolvable"]
 __all__ += ["needs_logger"]
-
-SIZES_FIX = "model.num_features=<features per sample> model.num_classes=<classes>"
 
 
 def _check_val_interval(trainer: Mapping, batches: int) -> None:
@@ -271,50 +270,6 @@ def _check_callback_needs(cfg: Mapping) -> None:
             )
 
 
-def _interpolations(node: Any, path: tuple = ()) -> Iterable[tuple[tuple, str]]:
-    """``(path, value)`` of every string holding an interpolation in the unresolved container ``node``."""
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    for key, value in items:
-        if isinstance(value, str) and "${" in value:
-            yield (*path, key), value
-        else:
-            yield from _interpolations(value, (*path, key))
-
-
-def _dotted(path: tuple) -> str:
-    return "".join(f"[{p}]" if isinstance(p, int) else f"{'.' if i else ''}{p}" for i, p in enumerate(path))
-
-
-def check_resolvable(cfg: DictConfig, skip: tuple[str, ...] = ("hydra",)) -> None:
-    """Every interpolation in ``cfg`` (``${data.num_features}``, ``${oc.env:VAR}``) outside the top-level keys
-    ``skip`` resolves.
-
-    Raises:
-        ConfigError: ``<key>='<value as typed>' cannot be resolved (<OmegaConf's reason>): <fix>``, for the first
-            one that does not.
-    """
-    unresolved = OmegaConf.to_container(cfg, resolve=False)
-    for path, value in _interpolations(unresolved):
-        if path[0] in skip:
-            continue
-        try:
-            node: Any = cfg
-            for key in path:
-                node = node[key]
-        except Exception as err:  # OmegaConf's resolution errors, or a resolver's own
-            reason = (str(err).splitlines() or [type(err).__name__])[0]
-            reason = re.sub(r"^\w+ raised while resolving interpolation: ", "", reason).strip('"')
-            env = re.search(r"\$\{oc\.env:([^,}]+)", value)
-            fix = (
-                f"set {env.group(1)} in the environment, or give a default: ${{oc.env:{env.group(1)},<default>}}"
-                if env
-                else "give a value, or interpolate a key that exists (e.g. ${data.num_features})"
-            )
-            if path[0] == "model" and value == f"${{data.{path[-1]}}}":  # the model's sizes follow the data's
-                fix = f"the data has no {path[-1]} to follow: give the model's sizes ({SIZES_FIX})"
-            raise ConfigError(f"{_dotted(path)}={value!r} cannot be resolved ({reason}): {fix}") from err
-
-
 def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     """Check a composed config (see ``conf/``) for ``stage``; return nothing, or raise one ``ConfigError`` line.
 
@@ -327,6 +282,7 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     """
     if isinstance(cfg, DictConfig):
         check_resolvable(cfg)
+    check_plain(cfg)  # first: train.py answers these before the imports (dpddp.entry.early), with the same line
     check_keys("", [str(k) for k in cfg.keys()], list(TOP_LEVEL_KEYS))
     keys = allowed_keys(cfg)
     for section in ("data", "model", "trainer", "strategy"):

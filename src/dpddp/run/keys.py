@@ -17,6 +17,7 @@ from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import ConfigError
 from dpddp.models.linear import LinearClassifier
 from dpddp.parallel.rules import DDP_OPTIONS
+from dpddp.run.plain import key_advice
 
 __all__ = ["CHECKED", "TOP_LEVEL_KEYS", "allowed_keys", "check_keys", "check_targets", "import_problem", "key_hint"]
 __all__ += ["target_class"]
@@ -152,8 +153,7 @@ def _key_problem(section: str, key: str, allowed: list[str], spec: Mapping | Non
         return f"trainer.{key} is not set in the trainer group", TRAINER_OWNED[key]
     if key in allowed:
         return None
-    near = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
-    hint = f"did you mean {prefix}{near[0]}?" if near else f"valid keys: {', '.join(sorted(allowed))}"
+    hint = key_advice(prefix, key, allowed)
     drop = f", or drop it with ~{prefix}{key}" if (spec or {}).get(key) is not None else ""  # Hydra keeps null
     hint = FIX.format(t=(spec or {}).get("_target_"), k=key, s=section, d=drop) if key in builtin else hint
     return f"unknown setting {prefix}{key}", hint
