@@ -14,6 +14,7 @@ import platform
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from hydra.utils import instantiate
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from omegaconf import DictConfig
 
 from dpddp.cluster import RANK_VARIABLES, launcher_variables, master_address, register_resolvers
@@ -35,10 +37,19 @@ from dpddp.entry.run_dir import hydra_value
 from dpddp.errors import ConfigError, first_line
 from dpddp.network import choose_interface
 from dpddp.nn import SampleDropout
+from dpddp.parallel.bandwidth import (
+    BIG_BYTES,
+    Collective,
+    measure,
+    measure_spawned,
+    recommend,
+    ring_seconds,
+    step_seconds,
+)
 from dpddp.run.assembly import GLOBAL_RNG_LAYERS
 from dpddp.run.training import isolated_job, train
 
-__all__ = ["STOPS_TOLERANCE", "TOLERANCE", "StopAt", "check_stops", "compare", "main", "overrides_of"]
+__all__ = ["STOPS_TOLERANCE", "TOLERANCE", "StopAt", "check_network", "check_stops", "compare", "main", "overrides_of"]
 
 TOLERANCE = 1e-5
 """Promise 1: ddp and dp end with the weights of one process to about this (largest absolute difference)."""
@@ -417,6 +428,100 @@ def check_stops(overrides: list[str], config_dir: str | None, work: Path) -> int
     return 0
 
 
+def _model_step(cfg: DictConfig) -> tuple[int, Callable[[int], float] | None, str]:
+    """The config's model: its gradient's bytes, and a function giving the median seconds of one training step
+    (forward, backward) on the first ``n`` samples of a training batch, or ``None`` with why it cannot be timed."""
+    model = instantiate(cfg.model, _convert_="all")
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    try:
+        data = instantiate(cfg.data, _convert_="all")
+        data.setup("fit")
+        batch = next(iter(data.train_dataloader()))
+    except Exception as err:  # a user's data module that needs its Trainer: no prediction, the rest stands
+        return grad_bytes, None, first_line(err)
+
+    def timed(n: int) -> float:
+        part = torch.utils.data.default_convert(batch)
+        part = [t[:n] for t in part] if isinstance(part, (list, tuple)) else part
+
+        def step() -> None:
+            out = model.training_step(part, 0)
+            (out["loss"] if isinstance(out, dict) else out).backward()
+            model.zero_grad(set_to_none=True)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # self.log without a Trainer
+            return step_seconds(step)
+
+    return grad_bytes, timed, ""
+
+
+def _collective(processes: int, sizes: list[int], work: Path) -> Collective | None:
+    """All-reduce figures between this launcher's ranks (torchrun, SLURM: every rank calls it; ``None`` on ranks
+    other than 0) or between ``processes`` started here."""
+    env = next((e for e in (TorchElasticEnvironment, SLURMEnvironment) if e.detect()), None)
+    if env is None:
+        return measure_spawned(processes, sizes, _free_port(), work / "network.json")
+    cluster = env()
+    updates, _ = choose_interface(cluster.main_address)
+    os.environ.update(updates, MASTER_ADDR=cluster.main_address, MASTER_PORT=str(cluster.main_port))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", cluster.local_rank()) if cuda else torch.device("cpu")
+    backend = "nccl" if cuda else "gloo"
+    torch.distributed.init_process_group(backend, rank=cluster.global_rank(), world_size=cluster.world_size())
+    try:
+        found = measure(sizes, device)
+    finally:
+        torch.distributed.destroy_process_group()
+    return found if cluster.global_rank() == 0 else None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def check_network(overrides: list[str], config_dir: str | None, work: Path, processes: int) -> int:
+    """Print the all-reduce latency and bus bandwidth between ``processes`` ranks started here (or a launcher's),
+    the ring bound for the config's gradient, the predicted ddp step and a recommendation; return 0.
+
+    Raises ``ConfigError`` (a setting, or ``processes`` < 2) before anything is measured."""
+    if processes < 2:
+        raise ConfigError(f"--processes={processes} is too few: an all-reduce needs 2 or more, e.g. --processes=2")
+    cfg = _compose(overrides, config_dir)
+    grad_bytes, timed, why = _model_step(cfg)
+    found = _collective(processes, [grad_bytes, BIG_BYTES], work)
+    if found is None:
+        return 0
+    world, bus = found.world_size, found.bus_bandwidth()
+    measured, bound = found.times[grad_bytes], ring_seconds(grad_bytes, world, found.latency_s, bus)
+    for line in environment_lines():
+        print(line)
+    print(
+        f"all-reduce over {world} processes ({found.backend}): latency {found.latency_s * 1e6:,.0f} us, bus "
+        f"bandwidth {bus / 1e9:.2f} GB/s (on {BIG_BYTES // 2**20} MiB)"
+    )
+    print(
+        f"gradient: {grad_bytes:,} bytes: all-reduce {measured * 1e3:.3f} ms measured, {bound * 1e3:.3f} ms ring bound "
+        f"(latency + 2(N-1)/N x bytes / bus bandwidth)"
+    )
+    if timed is None:
+        print(f"step: not timed ({why}): no prediction")
+        return 0
+    batch = int(cfg.data.batch_size)
+    one, share_of = timed(batch), timed(max(batch // world, 1))
+    ddp = share_of + measured
+    share, speedup = measured / ddp, one / ddp
+    print(
+        f"step: one process {one * 1e3:.2f} ms (batch {batch}); ddp({world}) predicted {share_of * 1e3:.2f} ms "
+        f"compute + {measured * 1e3:.2f} ms all-reduce: all-reduce share {share:.0%}, speed-up {speedup:.2f}x, "
+        f"scaling efficiency {speedup / world:.0%}"
+    )
+    print(f"recommendation: {recommend(share, compressible=grad_bytes >= 2**20)}")
+    return 0
+
+
 def _dir(run_dir: Path) -> str:
     return f"hydra.run.dir={hydra_value(str(run_dir))}"
 
@@ -428,6 +533,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", action="append", default=[], help="data option or key=value (repeatable)")
     parser.add_argument("--config-dir", help="a directory of your own configs (model/, data/), as dpddp-train's")
     parser.add_argument("--stops", action="store_true", help="promise 3: the run stopped 3 ways and continued")
+    parser.add_argument("--network", action="store_true", help="all-reduce latency and bandwidth, and a forecast")
+    parser.add_argument("--processes", type=int, default=2, help="--network: processes to start here (default 2)")
     parser.add_argument("overrides", nargs="*", help="other Hydra overrides (trainer.max_epochs=3, seed=1)")
     args = parser.parse_args(argv)
     overrides = [*overrides_of("model", args.model), *overrides_of("data", args.data), *args.overrides]
@@ -436,7 +543,10 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     work = Path(tempfile.mkdtemp(prefix="dpddp-check-"))
     try:
-        status = (check_stops if args.stops else check)(overrides, args.config_dir, work)
+        if args.network:
+            status = check_network(overrides, args.config_dir, work, args.processes)
+        else:
+            status = (check_stops if args.stops else check)(overrides, args.config_dir, work)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         status = 2

@@ -1,0 +1,132 @@
+"""All-reduce latency and bandwidth between the ranks of a process group, and what they predict for a model's
+gradient all-reduce (``python -m dpddp.check --network``).
+
+The model is the alpha-beta cost of a ring all-reduce: ``latency + 2(N-1)/N x bytes / bus bandwidth`` for ``N``
+ranks (Patarasuk and Yuan, 2009; the bus bandwidth is nccl-tests' ``busbw``, the link rate a ring reaches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BIG_BYTES", "Collective", "bus_bandwidth", "measure", "measure_spawned", "recommend", "ring_seconds"]
+__all__ += ["step_seconds"]
+
+BIG_BYTES = 32 * 2**20
+"""The buffer whose all-reduce sets the bus bandwidth (large enough that the latency is a small part)."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    """What ``measure`` found: ``world_size`` ranks over ``backend``; ``latency_s``, the median seconds of an
+    all-reduce of one float32; ``times``, bytes -> median seconds of an all-reduce of that many bytes."""
+
+    world_size: int
+    backend: str
+    latency_s: float
+    times: dict[int, float]
+
+    def bus_bandwidth(self) -> float:
+        """Bytes/s a ring reaches on the largest buffer measured (``bus_bandwidth``)."""
+        size = max(self.times)
+        return bus_bandwidth(size, self.times[size] - self.latency_s, self.world_size)
+
+
+def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:
+    """Bytes/s of a ring all-reduce of ``nbytes`` over ``world_size`` ranks that took ``seconds``:
+    ``2(N-1)/N x nbytes / seconds`` (nccl-tests' ``busbw``). Raises ``ValueError`` for ``world_size < 2``."""
+    if world_size < 2:
+        raise ValueError(f"an all-reduce over {world_size} rank moves nothing")
+    return 2 * (world_size - 1) / world_size * nbytes / max(seconds, 1e-9)
+
+
+def ring_seconds(nbytes: int, world_size: int, latency_s: float, bus_bytes_per_s: float) -> float:
+    """The ring bound on an all-reduce of ``nbytes`` over ``world_size`` ranks: ``latency_s`` + ``2(N-1)/N x
+    nbytes / bus_bytes_per_s`` (seconds)."""
+    return latency_s + 2 * (world_size - 1) / world_size * nbytes / bus_bytes_per_s
+
+
+def _median_seconds(tensor: torch.Tensor, reps: int) -> float:
+    dist.all_reduce(tensor)  # warm-up: the backend's buffers and connections
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        if tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=tensor.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends when its slowest rank's does
+    return float(slowest.item())
+
+
+def measure(sizes: list[int], device: torch.device, reps: int = 10) -> Collective:
+    """Time all-reduces (float32, summed) of one float and of each of ``sizes`` bytes on ``device``, in the
+    initialized default process group; every rank calls it and gets the same figures (the slowest rank's median
+    of ``reps``)."""
+    latency = _median_seconds(torch.zeros(1, device=device), reps)
+    times = {n: _median_seconds(torch.zeros(max(n // 4, 1), device=device), reps) for n in sorted(set(sizes))}
+    return Collective(dist.get_world_size(), str(dist.get_backend()), latency, times)
+
+
+def _spawned_rank(rank: int, world: int, port: int, sizes: list[int], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    cuda = torch.cuda.device_count() >= world
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        found = measure(sizes, device)
+        if rank == 0:
+            Path(out).write_text(json.dumps(asdict(found)))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_spawned(world_size: int, sizes: list[int], port: int, out: Path) -> Collective:
+    """``measure`` over ``world_size`` processes started here (torch.multiprocessing, loopback; NCCL with a GPU
+    each, else gloo); ``out``: the file rank 0 writes its figures to. Raises what a rank raised
+    (``torch.multiprocessing.ProcessRaisedException``)."""
+    torch.multiprocessing.start_processes(
+        _spawned_rank, args=(world_size, port, sizes, str(out)), nprocs=world_size, start_method="spawn"
+    )
+    found = json.loads(out.read_text())
+    return Collective(
+        found["world_size"], found["backend"], found["latency_s"], {int(k): v for k, v in found["times"].items()}
+    )
+
+
+def recommend(share: float, compressible: bool) -> str:
+    """The advice for a predicted all-reduce ``share`` of a ddp step (0-1): ddp below 20%, ddp with gradient
+    compression (``compressible``: a comm hook) or a larger per-device batch up to 50%, else one process (or dp
+    over one machine's GPUs)."""
+    if share < 0.2:
+        return "ddp: the all-reduce is a small part of each step; more processes train faster"
+    if share < 0.5:
+        fix = "compress the gradients (a bf16/fp16 comm hook) or " if compressible else ""
+        return f"ddp, with care: {fix}raise the per-device batch so that each step computes more per byte sent"
+    return "one process (or dp over this machine's GPUs): the network would take most of each ddp step"
+
+
+def step_seconds(step: Callable[[], None], reps: int = 10) -> float:
+    """The median seconds of ``step()`` after one warm-up call."""
+    step()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
