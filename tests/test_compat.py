@@ -979,3 +979,22 @@ def test_an_epoch_is_cut_while_fewer_of_its_batches_are_processed_than_it_has():
     assert _compat.epoch_cut(trainer)
     trainer.fit_loop.epoch_loop.batch_progress.current.processed = 12
     assert not _compat.epoch_cut(trainer)
+
+
+def test_stochastic_weight_averagings_checkpoint_entries_are_what_swapped_average_reads():
+    """``_compat.callbacks.swapped_average`` reads SWA's ``n_averaged`` and ``average_model_state``; a checkpoint
+    whose weights are an average of 2 epochs is named, the raw weights are not."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    from dpddp._compat.callbacks import swapped_average
+
+    swa = StochasticWeightAveraging(swa_lrs=0.1)
+    assert {"n_averaged", "average_model_state"} <= swa.state_dict().keys()
+    weights = {"w": torch.ones(2)}
+    entry = {"n_averaged": 2, "average_model_state": {"w": torch.ones(2)}}
+    assert swapped_average({"state_dict": weights, "callbacks": {"StochasticWeightAveraging": entry}}) == (
+        "StochasticWeightAveraging",
+        2,
+    )
+    assert swapped_average({"state_dict": {"w": torch.zeros(2)}, "callbacks": {"S": entry}}) is None
+    assert swapped_average({"state_dict": weights, "callbacks": {"S": {**entry, "n_averaged": 1}}}) is None

@@ -46,3 +46,24 @@ def test_a_stop_inside_the_averaging_window_continues_to_the_straight_average(tm
     train(compose_cfg(*args, f"ckpt_path={_last(tmp_path / 'first')}"), tmp_path / "continued")
     a, b = weights(_last(tmp_path / "continued")), weights(_last(tmp_path / "straight"))
     assert max_diff(a, b) <= 1e-6
+
+
+def test_a_run_swa_ended_continued_to_a_later_max_epochs_is_refused_in_one_line(tmp_path):
+    """SWA swaps its average (epochs 1 to 3) into the weights as the fit ends at 4 epochs, and also at a
+    ``max_steps`` stop inside the window's last epoch: continued to more epochs neither can equal a straight run
+    (the window follows max_epochs), so the check refuses both before anything starts. The ended run to its own
+    limit passes, and a stop in an earlier epoch of the window (raw weights) is not refused."""
+    from dpddp.errors import ConfigError
+    from dpddp.run.config import check_config
+
+    args, four = [*BASE, *SWA], "trainer.max_epochs=4"
+    for name, stop, done, averaged in (("ended", [], 4, 3), ("last", ["trainer.max_steps=40"], 3, 3)):
+        train(compose_cfg(*args, four, *stop), tmp_path / name)
+        with pytest.raises(ConfigError) as err:
+            check_config(compose_cfg(*args, "trainer.max_epochs=6", f"ckpt_path={_last(tmp_path / name)}"))
+        line = str(err.value)
+        assert "\n" not in line and f"swapped in as its fit ended ({done} epochs done, {averaged} averaged)" in line
+        assert line.endswith("start a new run with trainer.max_epochs=6"), line
+    check_config(compose_cfg(*args, four, f"ckpt_path={_last(tmp_path / 'ended')}"))
+    train(compose_cfg(*args, four, "trainer.max_steps=30"), tmp_path / "window")  # inside epoch 2
+    check_config(compose_cfg(*args, "trainer.max_epochs=6", f"ckpt_path={_last(tmp_path / 'window')}"))

@@ -14,6 +14,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from dpddp._compat import processed_epochs
+from dpddp._compat.callbacks import swapped_average
 from dpddp.errors import WriteFailed
 
 __all__ = ["BACKGROUND", "AtomicCheckpointIO", "ConfiguredModel", "checkpoint_launch", "checkpoint_problem"]
@@ -149,7 +150,8 @@ def checkpoint_problem(
 
     Args:
         max_epochs: the run's ``trainer.max_epochs``: refused if the checkpoint has finished more epochs
-            (Lightning would refuse it in every process after starting them).
+            (Lightning would refuse it in every process after starting them); a fit to more, if the checkpoint
+            holds the average a ``StochasticWeightAveraging`` swapped in at its end.
         data: the run's data settings, for a resume of the same run (``resume=true``): refused if they differ
             from the checkpoint's (another data set or batch order would continue silently).
         steps_per_execution: the fit's: refused if the checkpoint's differs (``global_step`` and the loop's
@@ -170,6 +172,14 @@ def checkpoint_problem(
     done = processed_epochs(ckpt)
     if max_epochs not in (None, -1) and isinstance(done, int) and done > max_epochs:
         return f"has finished {done} epochs, more than trainer.max_epochs={max_epochs}: raise trainer.max_epochs"
+    later = fit and max_epochs not in (None, -1) and isinstance(done, int) and max_epochs > done
+    if later and (swa := swapped_average(ckpt)):
+        return (
+            f"holds the average {swa[0]} swapped in as its fit ended ({done} epochs done, {swa[1]} averaged): a "
+            f"fit continued from it to trainer.max_epochs={max_epochs} cannot equal a straight run (the averaging "
+            "window follows max_epochs, and training would go on from the average, not the raw weights); start a "
+            f"new run with trainer.max_epochs={max_epochs}"
+        )
     k = (ckpt.get("dpddp") or {}).get("steps_per_execution", 1)  # the resumable state's entry; none: 1
     if steps_per_execution is not None and k != steps_per_execution:
         return f"was trained with steps_per_execution={k}: continue it with steps_per_execution={k}"
