@@ -277,3 +277,18 @@ def test_random_augmentation_in_a_users_own_loaders_continues_exactly(tmp_path, 
     train(compose_cfg(*args, f"ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}"), tmp_path / "continued")
     assert _state(tmp_path / "continued")["global_step"] == 45
     assert _max_diff(tmp_path / "continued", tmp_path / "straight") <= 1e-6
+
+
+@pytest.mark.slow
+def test_random_augmentation_in_a_data_set_on_two_processes_stopped_and_resumed_equals_one_process(
+    tmp_path, aug_straight
+):
+    """Keyed by the sample, not the rank: ddp(2) stopped by ``max_steps`` inside epoch 1 and resumed
+    (``resume=true``) ends with the weights of the straight one-process run."""
+    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    args = [*AUG, "strategy=ddp", "devices=2", "hydra.run.dir=run"]
+    for extra in (["trainer.max_steps=22"], ["resume=true"]):
+        proc = run_train(*args, *extra, cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _state(tmp_path / "run")["global_step"] == 45
+    assert _max_diff(tmp_path / "run", aug_straight) <= 1e-5
