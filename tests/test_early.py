@@ -51,12 +51,22 @@ def test_a_bad_setting_is_one_line_and_exit_2_before_torch_and_lightning(overrid
     assert _heavy(imported) == [] and "dpddp.entry.hydra" not in imported
 
 
-def test_help_is_hydra_s_own_and_before_torch_and_lightning():
+HYDRA_HELP = (
+    "import sys, hydra; from dpddp.cluster import register_resolvers; register_resolvers(); sys.argv[0] = 'train.py'; "
+    "hydra.main(version_base='1.3', config_path='pkg://dpddp.conf', config_name='config')(print)()"
+)
+"""Hydra's own ``--help`` of the packaged config (``hydra.main``'s)."""
+
+
+def test_help_is_hydra_s_text_before_torch_and_lightning():
     proc = _train("--help")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("train is powered by Hydra.")
     assert "== Configuration groups ==" in proc.stdout and "strategy: auto, ddp, ddp_spawn, dp" in proc.stdout
     assert _heavy(_imported(proc.stderr)) == []
+    env, _ = child_env()
+    hydra = subprocess.run([sys.executable, "-c", HYDRA_HELP, "--help"], env=env, capture_output=True, text=True)
+    assert (hydra.returncode, hydra.stdout) == (0, proc.stdout)
 
 
 @pytest.mark.parametrize("override", PLAIN)

@@ -7,6 +7,8 @@ Also the override helpers both use (``unknown_option``, ``missing_key_line``).""
 from __future__ import annotations
 
 import difflib
+import string
+import sys
 from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
@@ -14,16 +16,17 @@ from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dpddp.cluster import register_resolvers
 from dpddp.errors import ConfigError, fail
 from dpddp.parallel.settings import LIGHTNING_STRATEGIES
 from dpddp.run.plain import check_plain, check_resolvable, key_advice
 
-__all__ = ["GROUPS", "answer", "dotted_keys", "key_hints", "missing_key_line", "unknown_option"]
+__all__ = ["GROUPS", "answer", "app_help", "dotted_keys", "key_hints", "missing_key_line", "unknown_option"]
 
 HELP = ("--help", "-h", "--hydra-help")
 """Hydra's help options, answered here when given alone."""
@@ -35,6 +38,9 @@ def answer(argv: list[str]) -> None:
     ``fail`` (its one line, exit 2). Return where there is none, or one only the full check can judge (an option,
     a sweep, an override Hydra cannot read, a key under a config group)."""
     register_resolvers()
+    if argv in (["--help"], ["-h"]) and (text := app_help()) is not None:
+        print(text)
+        sys.exit(0)
     if len(argv) == 1 and argv[0] in HELP:
         hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(_no_job)()
     if not argv or any(arg.startswith("-") for arg in argv):
@@ -57,6 +63,29 @@ def answer(argv: list[str]) -> None:
         check_plain(cfg)
     except ConfigError as err:
         fail(str(err))
+
+
+def app_help() -> str | None:
+    """Hydra's ``--help`` text for the packaged config, as ``hydra.main`` prints it: its ``hydra.help.template``
+    with the app's config groups and the config. The groups are read from the packaged ``conf/`` (Hydra's own
+    listing builds a config repository for each of its ~100 groups and options: most of its second); ``None``
+    where the template asks for what only Hydra's run gives (``$FLAGS_HELP``, ``$HYDRA_CONFIG_GROUPS``)."""
+    with initialize_config_module(config_module="dpddp.conf", version_base="1.3"):
+        cfg = compose(config_name="config", return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    template = str(cfg.hydra.help.template)
+    if "$FLAGS_HELP" in template or "$HYDRA_CONFIG_GROUPS" in template:
+        return None
+    conf = Path(str(files("dpddp.conf")))
+    groups = {
+        d.relative_to(conf).as_posix(): sorted(p.stem for p in d.glob("*.yaml"))
+        for d in conf.rglob("*")
+        if d.is_dir() and d.relative_to(conf).parts[0] != "hydra" and any(d.glob("*.yaml"))
+    }
+    with open_dict(cfg):
+        del cfg["hydra"]
+    listed = "".join(f"{group}: {', '.join(options)}\n" for group, options in sorted(groups.items()))
+    return string.Template(template).substitute(APP_CONFIG_GROUPS=listed, CONFIG=OmegaConf.to_yaml(cfg))
 
 
 def _no_job(cfg: DictConfig) -> None:
