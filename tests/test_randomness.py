@@ -3,6 +3,7 @@ distinct streams, and every LR scheduler Lightning steps continues exactly."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -292,3 +293,20 @@ def test_random_augmentation_in_a_data_set_on_two_processes_stopped_and_resumed_
         assert proc.returncode == 0, proc.stderr[-2000:]
     assert _state(tmp_path / "run")["global_step"] == 45
     assert _max_diff(tmp_path / "run", aug_straight) <= 1e-5
+
+
+def test_random_augmentation_no_keyed_fetch_serves_is_named_in_one_line(tmp_path, caplog):
+    """A data module's own loaders used as they are (one process): its data set's draws move torch's stream
+    between steps, which a continued run cannot replay, and one line says so; served by data=sharded (keyed) and
+    by the built-in data, nothing is said."""
+    own = ["data=sharded", "data._target_=users_models.AugSplitData", "~data.module", "~data.seed"]
+    one = [*SHARDED_AUG[:-1], "trainer.max_epochs=1"]  # SHARDED_AUG ends with the epoch limit
+    runs = {"own": [*one, *own], "sharded": one, "builtin": [*BASE, "trainer.max_epochs=1"]}
+    said = {}
+    for name, args in runs.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dpddp.data.draws"):
+            train(compose_cfg(*args), tmp_path / name)
+        said[name] = [r.getMessage() for r in caplog.records if r.name == "dpddp.data.draws"]
+    assert len(said["own"]) == 1 and said["own"][0].startswith("the training data drew from torch's global random")
+    assert said["sharded"] == said["builtin"] == []

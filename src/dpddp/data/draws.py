@@ -8,18 +8,23 @@ the data's. See docs/design-notes.md (data.draws).
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset, get_worker_info
+from typing_extensions import override
 
 from dpddp.nn import key64, sample_states
 
-__all__ = ["STREAMS", "EpochIds", "KeyedSamples", "sample_seeds", "seed_streams", "streams_kept"]
+__all__ = ["STREAMS", "EpochIds", "KeyedSamples", "UnkeyedDraws", "sample_seeds", "seed_streams", "streams_kept"]
+
+log = logging.getLogger(__name__)
 
 STREAMS = 0x5EED_DA7A
 """Folded into the seed first: these keys stay apart from ``dpddp.nn.sample_generator``'s."""
@@ -93,3 +98,35 @@ class KeyedSamples(Dataset):
                 seed_streams(key)
                 samples.append(self.dataset[i])
             return samples
+
+
+class UnkeyedDraws(pl.Callback):
+    """One warning line (global rank 0) when torch's global stream moved between the fit's first two training
+    batches of an epoch, where only the next batch's fetch runs: a data set's draws that no keyed fetch serves
+    (a data module's own loaders on one process), which a continued run cannot replay. Draws in loader workers
+    leave the rank's stream as it was and are not seen."""
+
+    def __init__(self) -> None:
+        self._after: tuple[int, int, torch.Tensor] | None = None
+        self._looked = False
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not self._looked:
+            self._after = trainer.current_epoch, args[-1], torch.default_generator.get_state()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._after is None:
+            return
+        (epoch, before, state), self._after, self._looked = self._after, None, True
+        same_epoch = (trainer.current_epoch, batch_idx) == (epoch, before + 1)
+        if same_epoch and trainer.is_global_zero and not torch.equal(state, torch.default_generator.get_state()):
+            log.warning(
+                "the training data drew from torch's global random stream between two steps (a data set's "
+                "__getitem__: torchvision's transforms do) where no keyed fetch serves it, so a continued run "
+                "will not equal a straight one: serve it with data=dataset or data=sharded "
+                "+data.module._target_=..., or draw from dpddp.nn.sample_generator(seed, epoch, index)"
+            )

@@ -24,6 +24,7 @@ from dpddp.cluster import launch_id, writes_outputs
 from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.continuity.state import ResumableState
 from dpddp.continuity.stop import StepBoundaryStop, checkpoint_intervals
+from dpddp.data.draws import UnkeyedDraws
 from dpddp.data.keys import sample_key_callbacks
 from dpddp.errors import ConfigError, first_line
 from dpddp.nn import SampleDropout
@@ -143,6 +144,7 @@ def _build_callbacks(
         callbacks.append(LoggedTensors())
     if executions is not None:
         callbacks.append(executions)
+    callbacks.append(UnkeyedDraws())  # names a data set's draws that no keyed fetch serves
     if any(is_tracker(spec) for _, spec in _logger_specs(cfg)):
         callbacks.append(TrackerRuns(cfg, output_dir))
     if cfg.predict:  # every callback costs each hook of each step, even one it does not override
