@@ -12,8 +12,14 @@ each phase with ``time.time()`` from the process's creation (``psutil``):
 - ``before composition``: the command-line check and Hydra's set-up until its composition starts;
 - ``Hydra composition``: ``Hydra.compose_config`` (the packaged ``conf/`` and the overrides);
 - ``to the job``: Hydra's job set-up (run directory, ``.hydra/``, logging) until the job's first log line;
+- ``early check``: what ``train.py`` checks before importing torch and Lightning (``dpddp.entry.early``; here
+  after them, so only its own work is counted);
 - ``to the first step``: the job (config check, model, data, ``Trainer``, fit set-up), or for stock Lightning
   everything after its imports, until the end of the first optimizer step (``first_step_unix_s``).
+
+Then the answers before Lightning: the wall time of ``python train.py devises=2`` (a misspelled key: one line,
+exit 2), ``python train.py --help`` and ``python -c "import lightning"``, fresh processes in turn, and each one's
+ratio to the import in the same round (issue 40's bound: a misspelled key answered within 1.0 s).
 
 The bytecode of ``src/`` and ``bench/`` is written first (``workloads.compile_bytecode``), as an installed
 package has it. Writes ``STARTUP.md`` (per phase: median [min-max] seconds over the runs, and the sum of the
@@ -44,6 +50,7 @@ PHASES = {
         "import torch",
         "import lightning",
         "import dpddp, Hydra",
+        "early check",
         "before composition",
         "Hydra composition",
         "to the job",
@@ -88,8 +95,12 @@ def child(program: str, run_dir: Path) -> None:
 def _project(run_dir: Path) -> dict[str, float]:
     """``python train.py`` in this process; the wall-clock ends of the project's own phases."""
     import dpddp.entry.hydra as entry
+    from dpddp.entry.early import answer
 
     marks = {"import dpddp, Hydra": time.time()}
+    sys.argv = ["train.py", *train_overrides(WORKLOADS["W1"]), "strategy=auto", f"hydra.run.dir={run_dir}"]
+    answer(sys.argv[1:])
+    marks["early check"] = time.time()
     from hydra._internal.hydra import Hydra
 
     compose = Hydra.compose_config
@@ -102,7 +113,6 @@ def _project(run_dir: Path) -> dict[str, float]:
             marks["Hydra composition"] = time.time()
 
     Hydra.compose_config = timed  # type: ignore[method-assign]
-    sys.argv = ["train.py", *train_overrides(WORKLOADS["W1"]), "strategy=auto", f"hydra.run.dir={run_dir}"]
     entry.main()
     found = JOB_LINE.search((run_dir / "train.log").read_text())
     assert found, "no job log line in train.log"
@@ -151,6 +161,50 @@ def report(runs: dict[str, list[dict[str, float]]], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+ANSWERS = {
+    "python train.py devises=2": (["train.py", "devises=2"], 2),
+    "python train.py --help": (["train.py", "--help"], 0),
+    'python -c "import lightning"': (["-c", "import lightning"], 0),
+}
+"""The commands timed side by side: their arguments to ``python`` and their exit status."""
+BASE = 'python -c "import lightning"'
+
+
+def answer_times(runs: int, env: dict[str, str]) -> dict[str, list[float]]:
+    """Wall seconds of each of ``ANSWERS`` over ``runs`` rounds, a fresh process each, in turn.
+
+    Raises:
+        RuntimeError: a command ended with another status than its own (its stderr's end in the message).
+    """
+    times: dict[str, list[float]] = {label: [] for label in ANSWERS}
+    for _ in range(runs):
+        for label, (args, status) in ANSWERS.items():
+            start = time.perf_counter()
+            proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+            times[label].append(time.perf_counter() - start)
+            if proc.returncode != status:
+                raise RuntimeError(f"{label} ended {proc.returncode}, not {status}: {proc.stderr[-2000:]}")
+    return times
+
+
+def answers_report(times: dict[str, list[float]]) -> str:
+    """The answers' section of ``STARTUP.md``: per command its wall seconds and its ratio to ``import lightning``
+    in the same round, median [min-max]."""
+    lines = [
+        "## Answers before Lightning",
+        "",
+        f"{len(times[BASE])} rounds, each command a fresh process in turn (`bench/startup.py`). Cells: median "
+        "[min-max] wall seconds, and the per-round ratio to importing Lightning.",
+        "",
+        f"| command | wall time (s) | / `{BASE.removeprefix('python ')}` |",
+        "| --- | --- | --- |",
+    ]
+    for label, values in times.items():
+        ratios = [v / base for v, base in zip(values, times[BASE], strict=True)]
+        lines.append(f"| `{label}` | {_cell(values)} | {_cell(ratios)} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the options, run, write ``STARTUP.md``; return the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -162,14 +216,18 @@ def main(argv: list[str] | None = None) -> int:
         child(args.child[0], Path(args.child[1]))
         return 0
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    load = os.getloadavg()[0]
     compile_bytecode()
     runs: dict[str, list[dict[str, float]]] = {"project": [], "stock": []}
     for i in range(args.runs):
         for program in runs:
             runs[program].append(measure(program, env))
             print(f"{program:7} run {i}: first step at {sum(runs[program][-1].values()):.2f} s", flush=True)
+    times = answer_times(args.runs, env)
     command = " ".join(["python bench/startup.py", *(sys.argv[1:] if argv is None else argv)])
-    text = report(runs, command)
+    loads = f"1-minute load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
+    loads += f" ({os.cpu_count()} cores)"
+    text = report(runs, command).replace("\n\n|", f"\n\n{loads}.\n\n|", 1) + "\n" + answers_report(times)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "STARTUP.md").write_text(text)
     print(text)
