@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import csv
 import json
+import sqlite3
 import struct
 from pathlib import Path
 
 import pytest
-from conftest import leftover, run_train
+from conftest import compose_cfg, leftover, run_train
+from hydra.errors import InstantiationException
+
+from dpddp.run.build import build_error
 
 mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
@@ -130,3 +134,32 @@ def test_a_sweep_gives_one_run_per_job_in_one_experiment_and_its_resume_continue
     found = [_wandb_runs(tmp_path / "multirun/s" / job) for job in ("0", "1")]
     assert len(found[0][0] | found[1][0]) == 2 and found[0][1] == found[1][1] == {"dpddp sweep multirun/s"}
     assert [[e for e, _ in history] for _, _, history in found] == [[0, 1], [0, 1]]
+
+
+def test_a_trackers_own_failure_is_named_as_the_trackers():
+    """MLflow's store failing as the logger is built (parallel jobs migrating one SQLite store at once: case 53)
+    is the tracker's failure, not the arguments of its class."""
+    spec = compose_cfg("logger=mlflow").logger
+    err = InstantiationException("Error in call to target 'lightning.pytorch.loggers.mlflow.MLFlowLogger'")
+    err.__cause__ = sqlite3.OperationalError("table secrets already exists")
+    assert str(build_error(spec, "logger", err)) == (
+        "logger (lightning.pytorch.loggers.MLFlowLogger): MLflow itself failed (OperationalError: table secrets "
+        "already exists), not its arguments: check logger.tracking_uri"
+    )
+
+
+@pytest.mark.slow
+def test_parallel_jobs_on_a_fresh_mlflow_store_each_run_once(tmp_path):
+    """Case 53: the joblib launcher's 2 workers on a store that does not exist yet: the sweep's process makes the
+    store and the sweep's experiment before the jobs start (each worker made and migrated it at once, and 3 of 4
+    jobs failed), and the 4 jobs are 4 finished runs in it."""
+    sweep = ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "logger=mlflow", "seed=0,1,2,3"]
+    tiny = ["accelerator=cpu", "data.num_samples=200", "trainer.max_epochs=1", "hydra.sweep.dir=multirun/p"]
+    proc = run_train(*sweep, *tiny, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "failed" not in proc.stderr and leftover(proc.tag) == []
+    (runs,) = _runs(_client(tmp_path)).values()
+    assert sorted(r.data.tags["dpddp.job"] for r in runs) == ["0", "1", "2", "3"]
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    (experiment,) = {r.info.experiment_id for r in runs}
+    assert _client(tmp_path).get_experiment(experiment).name == "dpddp sweep multirun/p"

@@ -55,6 +55,7 @@ from dpddp.errors import (
     resume_command,
     unwritable,
 )
+from dpddp.report.trackers import open_stores
 from dpddp.run.config import check_config, check_resolvable
 from dpddp.run.training import isolated_job, objective, train
 
@@ -242,9 +243,15 @@ class StartChecks(HydraCallback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if problem := sweep_refusal(config):  # a sweep syntax its sweeper cannot run
             fail(problem)
-        for job in sweep_variants(config):  # a key one job lacks: main's one line, before the sweep's directory
-            GlobalHydra.instance().config_loader().load_sweep_config(config, job)
+        jobs = [config]  # and the first job of each group option: a key one lacks is main's one line, here
+        jobs += [
+            GlobalHydra.instance().config_loader().load_sweep_config(config, job) for job in sweep_variants(config)
+        ]
         _check_writable(config, "sweep")
+        try:  # a tracker store its jobs share, made once before they start
+            open_stores(jobs, str(Path(config.hydra.sweep.dir)), Path(config.hydra.runtime.cwd))
+        except ConfigError as err:
+            fail(str(err))
 
 
 def _checked(job: DictConfig) -> None:

@@ -6,6 +6,7 @@ config logged once, as parameters, when the tracker run is new."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -20,8 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
 from dpddp.cluster import writes_outputs
+from dpddp.errors import ConfigError, first_line
 
-__all__ = ["IDS_FILE", "TrackerRuns", "close_trackers", "is_tracker", "opens_runs", "tracker_options"]
+__all__ = ["IDS_FILE", "TrackerRuns", "close_trackers", "is_tracker", "open_stores", "opens_runs", "tracker_options"]
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +63,59 @@ def _identity(output_dir: Path) -> tuple[str, str, dict[str, str]]:
     if hydra.mode == RunMode.MULTIRUN:
         sweep = str(Path(hydra.sweep.dir))
         tags.update({"dpddp.job": str(hydra.job.num), "dpddp.sweep_dir": sweep})
-        return f"dpddp sweep {sweep}", f"job {hydra.job.num}: {shown}".strip(), tags
+        return sweep_experiment(sweep), f"job {hydra.job.num}: {shown}".strip(), tags
     return "dpddp", str(Path(hydra.run.dir)), tags
+
+
+def sweep_experiment(sweep_dir: str) -> str:
+    """The experiment (W&B: group) of every job of the sweep in ``sweep_dir``."""
+    return f"dpddp sweep {sweep_dir}"
 
 
 def _outputs_root() -> Path:
     cwd = Path(HydraConfig.get().runtime.cwd) if HydraConfig.initialized() else Path.cwd()
     return cwd / "outputs"
+
+
+def _mlflow_uri(root: Path) -> str:
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def open_stores(configs: list[DictConfig], sweep_dir: str, cwd: Path) -> None:
+    """In a sweep's own process, before its jobs start: each SQLite MLflow store the jobs of ``configs`` will
+    share is made (created and migrated) and their experiment created, once; parallel jobs (joblib) doing it
+    at once fail but one.
+
+    Raises:
+        ConfigError: the store cannot be opened (the tracker's own failure, named as such).
+    """
+    for cfg in configs:
+        logger = cfg.get("logger")
+        named = (
+            [("logger", logger)]
+            if logger and "_target_" in logger
+            else [(f"logger.{k}", v) for k, v in (logger or {}).items()]
+        )
+        for key, spec in named:
+            if is_tracker(spec) != "mlflow" or importlib.util.find_spec("mlflow") is None:
+                continue
+            uri = str(spec.get("tracking_uri") or _mlflow_uri(cwd / "outputs"))
+            if not uri.startswith("sqlite:"):  # a server makes its own store
+                continue
+            name = str(spec.get("experiment_name") or sweep_experiment(sweep_dir))
+            try:
+                from mlflow.tracking import MlflowClient
+
+                if uri == _mlflow_uri(cwd / "outputs"):
+                    (cwd / "outputs").mkdir(parents=True, exist_ok=True)
+                client = MlflowClient(uri)
+                if client.get_experiment_by_name(name) is None:
+                    client.create_experiment(name, artifact_location=spec.get("artifact_location"))
+            except Exception as err:
+                raise ConfigError(
+                    f"{key} (MLflow) cannot open its store {uri} ({first_line(err)}): the tracker's own failure: "
+                    f"give {key}.tracking_uri a store it can open"
+                ) from err
 
 
 def tracker_options(kind: str, spec: DictConfig, output_dir: Path) -> dict[str, Any]:
@@ -80,7 +128,7 @@ def tracker_options(kind: str, spec: DictConfig, output_dir: Path) -> dict[str, 
         root = _outputs_root()
         root.mkdir(parents=True, exist_ok=True)
         options: dict[str, Any] = {
-            "tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
+            "tracking_uri": _mlflow_uri(root),
             "experiment_name": experiment,
             "run_name": name,
             "tags": tags,

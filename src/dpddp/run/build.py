@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpddp._compat.hydra_main import locate
 from dpddp.errors import ConfigError
+from dpddp.report.trackers import is_tracker
 from dpddp.run.keys import import_problem
 
 __all__ = ["build", "build_error"]
@@ -36,7 +37,8 @@ def build_error(node: DictConfig, key: str, err: InstantiationException) -> Conf
     ``full_key``: ``data.dataset`` inside ``data``), its ``_target_`` and the cause: a ``_target_`` that cannot be
     imported (``dpddp.run.keys.import_problem``), an argument the class does not take (with the nearest it takes),
     or the class's own refusal, naming the setting where the cause names one of the node's keys
-    (``callbacks.model_checkpoint.mode='bad'``: ``mode can be min, max but got bad``)."""
+    (``callbacks.model_checkpoint.mode='bad'``: ``mode can be min, max but got bad``); a tracker's (MLflow, W&B)
+    other failure as the tracker's own."""
     text = str(err)
     found = re.search(r"full_key: (\S+)\s*$", text)
     full_key = found.group(1) if found else key
@@ -71,4 +73,7 @@ def build_error(node: DictConfig, key: str, err: InstantiationException) -> Conf
         return ConfigError(
             f"{full_key}.{setting}={spec[setting]!r} is refused by {target} ({why}): give a value it takes"
         )
+    if kind := is_tracker(spec):  # its arguments taken: the store or service failed
+        name, where = ("MLflow", f"{full_key}.tracking_uri") if kind == "mlflow" else ("W&B", "WANDB_MODE, wandb login")
+        return ConfigError(f"{full_key} ({target}): {name} itself failed ({why}), not its arguments: check {where}")
     return ConfigError(f"{full_key} ({target}) cannot be built ({why}): give it arguments its class takes")
