@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
+from dpddp.models.linear import LinearClassifier
 from dpddp.models.mlp import MLPClassifier
 from dpddp.nn import sample_generator
 
@@ -348,3 +349,17 @@ class OneCycleMLP(MLPClassifier):
         total = int(self.trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.2, total_steps=total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class RankOneDrifts(LinearClassifier):
+    """Test model: after optimizer step ``at_step``, on global rank 1 only, adds 1e-3 to one weight of
+    ``linear.weight`` (a fault on that rank's device)."""
+
+    def __init__(self, at_step: int = 5, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.at_step = at_step
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.trainer.global_rank == 1 and self.trainer.global_step == self.at_step:
+            with torch.no_grad():
+                self.linear.weight[0, 0] += 1e-3

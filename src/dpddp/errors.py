@@ -7,6 +7,7 @@
 | ``RankFailed`` | 1 | ``error: rank 1 (pid N) was killed by SIGKILL; ending the run (...)`` |
 | ``LoaderFailed`` | 1 | ``error: rank 1: a DataLoader worker sent no batch for 60 s (data.num_workers > 0): <fix>`` |
 | ``StepFailed`` | 1 | ``error: rank 0: a parameter took no part in the last training step's loss (...): <fix>`` |
+| ``ReplicasDiverged`` | 1 | ``error: rank 1's replica differs from the others' at step 6, first in linear.weight`` |
 | ``Preempted`` | 143 (128 + SIGTERM, as a shell reports it) | ``error: stopped by SIGTERM ...`` |
 | any other exception | 1 | its traceback |
 
@@ -36,6 +37,7 @@ __all__ = [
     "LoaderFailed",
     "Preempted",
     "RankFailed",
+    "ReplicasDiverged",
     "StepFailed",
     "WriteFailed",
     "checked_float",
@@ -77,6 +79,11 @@ class LoaderFailed(RuntimeError):
 class StepFailed(RuntimeError):
     """A training step failed for a cause dpddp knows (DistributedDataParallel found a parameter the loss did not
     use); the message names the rank, the cause and the setting that fixes it."""
+
+
+class ReplicasDiverged(RuntimeError):
+    """The ranks' weights or optimizer state differ (``dpddp.continuity.replicas``); the message names the first
+    rank that differs, the step and the first tensor."""
 
 
 class Preempted(RuntimeError):
@@ -131,7 +138,7 @@ def checked_float(name: str, value: Any, low: float, high: float, fix: str) -> f
 
 # The errors an entry point reports in one line; any other is raised on and shows its traceback (under train.py
 # Hydra's short one, the full one with HYDRA_FULL_ERROR=1).
-KNOWN = (ConfigError, RankFailed, Preempted, WriteFailed, LoaderFailed, StepFailed)
+KNOWN = (ConfigError, RankFailed, Preempted, WriteFailed, LoaderFailed, StepFailed, ReplicasDiverged)
 
 
 def fail(line: str, status: int = EXIT_CONFIG, log: logging.Logger | None = None) -> NoReturn:
@@ -187,10 +194,10 @@ def log_quietly(log: logging.Logger, message: str) -> None:
 
 
 def rank_status(err: BaseException, log: logging.Logger) -> int:
-    """In a launched rank: log ``err`` (a ``ConfigError``, ``LoaderFailed`` or ``StepFailed`` as ``error: <message>``, a
-    ``Preempted`` as its message into the log file only (``log_quietly``): a stop, not an error, whose one line
-    rank 0 says; anything else with its traceback) and return its exit status."""
-    if isinstance(err, (ConfigError, LoaderFailed, StepFailed)):
+    """In a launched rank: log ``err`` (a ``ConfigError``, ``LoaderFailed``, ``StepFailed``, ``ReplicasDiverged`` as
+    ``error: <message>``, a ``Preempted`` as its message into the log file only (``log_quietly``): a stop, not an
+    error, whose one line rank 0 says; anything else with its traceback) and return its exit status."""
+    if isinstance(err, (ConfigError, LoaderFailed, StepFailed, ReplicasDiverged)):
         log.error(f"error: {err}")
     elif isinstance(err, Preempted):
         log_quietly(log, str(err))

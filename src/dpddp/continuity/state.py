@@ -26,6 +26,7 @@ from dpddp._compat import (
     uncount_last_batch,
 )
 from dpddp.continuity.io import AtomicCheckpointIO
+from dpddp.continuity.replicas import ReplicaGuard
 from dpddp.continuity.schedulers import built_states, due_plateau_values, limit_lines, take_skipped_plateau_steps
 from dpddp.errors import ConfigError
 from dpddp.report.epochs import EpochRecord, EpochTable
@@ -101,7 +102,9 @@ class ResumableState(pl.Callback):
         steps_per_execution: int = 1,
         uncounted: Callable[[], bool] = lambda: False,
         launch: str | None = None,
+        guard: ReplicaGuard | None = None,
     ) -> None:
+        self.guard = guard  # checks the ranks' replicas before every checkpoint
         self.throughput, self.epochs, self.seed, self.launch = throughput, epochs, seed, launch
         self.steps_per_execution, self.uncounted = steps_per_execution, uncounted
         self._random: dict[str, Any] | None = None  # this rank's restored state, until set
@@ -122,8 +125,10 @@ class ResumableState(pl.Callback):
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        self.epochs.flush(trainer)
         fitting = trainer.state.fn == "fit"
+        if fitting and self.guard is not None:
+            self.guard.check(trainer)  # before anything is written: a divergent replica's checkpoint never is
+        self.epochs.flush(trainer)
         if fitting:
             keep_unfinished_epoch(trainer, checkpoint)
             if self.uncounted():

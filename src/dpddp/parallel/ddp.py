@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from dpddp._compat import Launcher, agent_store, init_process_group, rank0_store, resolve_process_group_backend
 from dpddp._compat.strategies import UNUSED_PARAMETERS
-from dpddp.errors import ConfigError, Preempted, StepFailed, first_line
+from dpddp.errors import ConfigError, Preempted, ReplicasDiverged, StepFailed, first_line
 from dpddp.network import choose_interface, interface_address
 from dpddp.parallel.allreduce import AllReduceTimer
 from dpddp.parallel.launcher import JobLauncher, RankJob, Supervisor
@@ -172,7 +172,7 @@ class DDPStrategy(LightningDDPStrategy):
         """The line naming the peer to blame for ``err`` (``PeerWatch.explain``), or ``None`` (this rank's own
         failure, reported to the peers). Stops the watch."""
         watch, self._peer_watch = self._peer_watch, None
-        if watch is None or isinstance(err, (ConfigError, Preempted)):
+        if watch is None or isinstance(err, (ConfigError, Preempted, ReplicasDiverged)):  # every rank's own
             return None
         line = watch.explain()
         watch.report(line or f"rank {self.global_rank} (node {self.node_rank}) failed: {first_line(err)}")

@@ -22,6 +22,7 @@ from typing_extensions import override
 from dpddp._compat import skip_empty_batch_hooks, softmax_per_sample
 from dpddp.cluster import launch_id, writes_outputs
 from dpddp.continuity.io import AtomicCheckpointIO
+from dpddp.continuity.replicas import ReplicaGuard, check_every
 from dpddp.continuity.state import ResumableState
 from dpddp.continuity.stop import StepBoundaryStop, checkpoint_intervals
 from dpddp.data.draws import UnkeyedDraws
@@ -136,10 +137,11 @@ def _build_callbacks(
         steps_per_execution=cfg.get("steps_per_execution", 1),
         uncounted=(lambda: executions.cut) if executions is not None else (lambda: False),
         launch=launch_id(),
+        guard=(guard := ReplicaGuard(check_every(cfg))),
     )
     every_n_steps, every_s = checkpoint_intervals(cfg)
     stop = StepBoundaryStop(output_dir / "checkpoints", every_n_steps=every_n_steps, every_s=every_s)
-    callbacks: list[pl.Callback] = [tally, throughput, costs, epochs, state, stop]
+    callbacks: list[pl.Callback] = [tally, throughput, costs, epochs, state, guard, stop]
     if cfg.strategy.name in ("ddp", "ddp_spawn"):  # plain tensors logged with sync_dist over processes: exact
         callbacks.append(LoggedTensors())
     if executions is not None:

@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from dpddp.continuity.io import ConfiguredModel, checkpoint_problem
+from dpddp.continuity.replicas import check_every
 from dpddp.continuity.stop import CHECKPOINT_KEYS, checkpoint_intervals
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.data.memory import check_memory, memory_bytes
@@ -324,6 +325,7 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     _check_switches(cfg)
     check_keys("checkpoint", [str(k) for k in cfg.get("checkpoint") or {}], list(CHECKPOINT_KEYS))
     checkpoint_intervals(cfg)
+    check_every(cfg)
     accumulate = (cfg["trainer"] or {}).get("accumulate_grad_batches")
     if accumulate is not None:
         checked_int(

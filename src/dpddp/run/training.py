@@ -22,7 +22,7 @@ from dpddp._compat import agent_store_shared
 from dpddp.cluster import env_rank, launched_by_dpddp, writes_outputs
 from dpddp.continuity.state import save_final_checkpoint
 from dpddp.continuity.stop import RunScope, StepBoundaryStop, run_stops, starting_up
-from dpddp.errors import ConfigError, Preempted, RankFailed, first_line
+from dpddp.errors import ConfigError, Preempted, RankFailed, ReplicasDiverged, first_line
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import RankJob
 from dpddp.parallel.rules import nodes, resolve_accelerator, world_size, world_size_source
@@ -267,7 +267,8 @@ def _named(trainer: pl.Trainer, err: Exception) -> Exception:
     """``err``, or a ``RankFailed`` naming the launched ranks that died (the cause, not the broken connection);
     a refusal or a preemption is its own answer (no wait)."""
     supervisor = trainer.strategy.supervisor if isinstance(trainer.strategy, DDPStrategy) else None
-    lost = [] if isinstance(err, (ConfigError, Preempted)) or supervisor is None else supervisor.failed_ranks(2.0)
+    own = (ConfigError, Preempted, ReplicasDiverged)  # every rank's own answer
+    lost = [] if isinstance(err, own) or supervisor is None else supervisor.failed_ranks(2.0)
     return RankFailed(f"{'; '.join(lost)}; ending the run (rank 0: {first_line(err)})") if lost else err
 
 
