@@ -332,6 +332,19 @@ SURFACE: tuple[Setting, ...] = (
         "than one replica promise 1 does not hold, and one line at start names the layers",
     ),
     Setting(
+        "data",
+        "random augmentation in a data set's __getitem__ from the global stream (torchvision's transforms)",
+        tested_by=(
+            "test_randomness.py::test_random_augmentation_in_a_data_set_continues_exactly",
+            "test_randomness.py::test_random_augmentation_in_a_users_own_loaders_continues_exactly",
+            "test_randomness.py::test_random_augmentation_no_keyed_fetch_serves_is_named_in_one_line",
+        ),
+        runs=r"AUG|AugBlobs",
+        note="torch's, numpy's and Python's streams are keyed by (seed, epoch, sample) for each sample under "
+        "data=dataset and data=sharded: exact with or without loader workers; a data module's own loaders used "
+        "as they are: one line names it",
+    ),
+    Setting(
         "model",
         "an LR scheduler stepped each epoch (StepLR) or on a monitored metric (ReduceLROnPlateau)",
         tested_by=("test_randomness.py::test_a_scheduler_continues_exactly_across_a_stop",),
