@@ -262,10 +262,12 @@ SURFACE: tuple[Setting, ...] = (
             "test_elastic.py::test_node_killed_the_other_continues_from_last_ckpt",
             "test_elastic.py::test_node_joining_continues_on_the_larger_world_size",
             "test_elastic_rules.py::test_auto_takes_the_slurm_task_count",
+            "test_interval_checkpoints.py::test_every_seconds_auto_is_on_under_a_cluster_launcher_only",
         ),
         runs=r"_node\(|num_nodes=auto",
-        note="the launcher's world size; every (re)start of the job continues from its last.ckpt, on any number of "
-        "nodes (torchrun: --rdzv-id, and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for a node that joins)",
+        note="the launcher's world size; every (re)start of the job continues from its last.ckpt (written every 600 "
+        "s inside epochs too: checkpoint.every_seconds=auto), on any number of nodes (torchrun: --rdzv-id, and "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for a node that joins)",
     ),
     Setting(
         "sweeper/launcher",
