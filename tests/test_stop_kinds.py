@@ -79,6 +79,23 @@ def test_loop_flags_latched_by_a_callback_travel_in_the_checkpoint(tmp_path, cap
     assert _apart(continued, latched_straight) <= 1e-6
 
 
+def test_a_stop_latched_by_an_early_stopping_that_is_dropped_is_not_restored(tmp_path, caplog, latched_straight):
+    """The flag travels with the callback that latched it: continued with the EarlyStopping, the fit it ended
+    trains nothing more (as the straight run would); continued without it, the fit goes on to its limit, and one
+    line says why."""
+    last = f"ckpt_path={latched_straight / 'checkpoints/last.ckpt'}"
+    train(compose_cfg(*LATCHED, last), tmp_path / "kept")
+    assert global_step(tmp_path / "kept") == 4 * 12
+    without = [a for a in LATCHED if not a.startswith("+callbacks.es") and not a.startswith("trainer.max_epochs")]
+    with caplog.at_level(logging.WARNING, logger="dpddp.continuity.state"):
+        train(compose_cfg(*without, "trainer.max_epochs=6", last), tmp_path / "dropped")
+    assert global_step(tmp_path / "dropped") == 6 * 12
+    assert [r.getMessage() for r in caplog.records if r.name == "dpddp.continuity.state"] == [
+        "the checkpoint's fit was stopped by EarlyStopping{'monitor': 'val/score', 'mode': 'min'}, which this run "
+        "does not have: training goes on to this run's limits"
+    ]
+
+
 def test_an_epoch_a_limit_cuts_is_not_checked_by_early_stopping_on_the_validation_before_it(tmp_path):
     """val/score improves every epoch; ``max_steps=18`` cuts epoch 1, whose end hooks Lightning still calls:
     EarlyStopping checked epoch 0's value again there and tripped (patience 1), so the continued run stopped at

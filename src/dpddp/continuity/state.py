@@ -111,6 +111,7 @@ class ResumableState(pl.Callback):
         self._mid_epoch = False
         self._iterate = False  # at the next epoch's start: make its loader iterator from the restored state
         self._should_stop = False  # restored: a callback had latched trainer.should_stop
+        self._stopped_by: list[str] = []  # the state keys of the EarlyStopping callbacks that had stopped the fit
         self._cut: tuple[bool, dict[str, Any]] | None = None  # a cut epoch's flag and EarlyStoppings before its end
         self._unchecked: list[pl.Callback] = []  # EarlyStoppings whose check at a cut epoch's end is skipped
         self._schedules: list[dict[str, Any]] = []  # the schedulers' states as the run's first fit built them
@@ -142,6 +143,7 @@ class ResumableState(pl.Callback):
             "mid_epoch": not finished,
             "plateau": due_plateau_values(trainer) if fitting and finished and self._in_loop else {},
             "should_stop": self._latched_stop(trainer) if self._cut is None or finished else self._cut[0],
+            "stopped_by": [cb.state_key for cb in trainer.early_stopping_callbacks if _stopped(cb)],
             "schedules": self._schedules,
             "steps_per_execution": self.steps_per_execution,
             "launch": self.launch,
@@ -175,6 +177,7 @@ class ResumableState(pl.Callback):
             )
         self._mid_epoch = bool(entry.get("mid_epoch"))
         self._should_stop = bool(entry.get("should_stop"))
+        self._stopped_by = list(entry.get("stopped_by") or [])
         if trainer.state.fn == "fit" and "loops" in checkpoint:
             self._plateau = int(checkpoint.get("epoch", 0)), dict(entry.get("plateau") or {})
             self._restored_schedules = entry.get("schedules")
@@ -189,7 +192,14 @@ class ResumableState(pl.Callback):
         if self._random is not None and not self._mid_epoch:
             set_random_state(self._random)
             self._random, self._iterate = None, True  # the straight run made the next epoch's from this state
-        if self._should_stop:  # EarlyStopping before min_epochs, or a run it ended: the straight run's flag
+        present = {cb.state_key for cb in trainer.callbacks}  # type: ignore[attr-defined]
+        gone = self._stopped_by and not present & set(self._stopped_by)
+        if self._should_stop and gone and trainer.global_rank == 0:
+            log.warning(
+                f"the checkpoint's fit was stopped by {', '.join(self._stopped_by)}, which this run does not have: "
+                "training goes on to this run's limits"
+            )
+        if self._should_stop and not gone:  # EarlyStopping before min_epochs, or a run it ended: the straight run's
             trainer.should_stop = True
         restored, self._restored_schedules = self._restored_schedules, None
         if restored is not None:
@@ -253,7 +263,7 @@ class ResumableState(pl.Callback):
         remaining = [cb.time_remaining() for cb in trainer.callbacks if isinstance(cb, Timer)]  # type: ignore[attr-defined]
         if any(left is not None and left <= 0 for left in remaining):
             stops = trainer.early_stopping_callbacks
-            return any(cb.stopping_reason is not EarlyStoppingReason.NOT_STOPPED for cb in stops)
+            return any(_stopped(cb) for cb in stops)
         return bool(trainer.should_stop)
 
     @staticmethod
@@ -303,3 +313,8 @@ def _other_weights(module: pl.LightningModule, path: Path) -> bool:
     if saved.keys() != current.keys():
         return True
     return any(not torch.equal(saved[k], v.detach().cpu()) for k, v in current.items())
+
+
+def _stopped(callback: pl.Callback) -> bool:
+    """Whether an ``EarlyStopping`` callback has stopped its fit."""
+    return getattr(callback, "stopping_reason", EarlyStoppingReason.NOT_STOPPED) is not EarlyStoppingReason.NOT_STOPPED
