@@ -5,9 +5,16 @@ import time
 from typing import Any
 
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+)
 
-__all__ = ["AllReduceTimer"]
+__all__ = ["COMM_HOOKS", "AllReduceTimer"]
+
+COMM_HOOKS = {"fp16_compress": fp16_compress_hook, "bf16_compress": bf16_compress_hook}
+"""``strategy.ddp_comm_hook``'s names: torch's hooks that all-reduce the gradients in 16 bits (bf16: NCCL only)."""
 
 
 class AllReduceTimer:
@@ -18,7 +25,8 @@ class AllReduceTimer:
     one's end is the end of the wait. On CPU ``time.perf_counter``; on CUDA events on the current stream
     (``seconds`` counts the events finished so far; ``settle`` waits for the rest)."""
 
-    def __init__(self) -> None:
+    def __init__(self, inner: Any = allreduce_hook) -> None:
+        self.inner = inner  # the hook timed (``COMM_HOOKS``' compress the buckets first)
         self._seconds = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.buckets = 0  # hook calls so far
@@ -26,11 +34,11 @@ class AllReduceTimer:
     def hook(self, state: Any, bucket):  # no annotations on bucket and the return: DDP checks them
         self.buckets += 1
         if not bucket.is_last():
-            return allreduce_hook(state, bucket)
+            return self.inner(state, bucket)
         if bucket.buffer().is_cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-            future = allreduce_hook(state, bucket)
+            future = self.inner(state, bucket)
 
             def done_cuda(fut: torch.futures.Future) -> torch.Tensor:
                 end = torch.cuda.Event(enable_timing=True)
@@ -40,7 +48,7 @@ class AllReduceTimer:
 
             return future.then(done_cuda)
         began = time.perf_counter()
-        future = allreduce_hook(state, bucket)
+        future = self.inner(state, bucket)
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
             self._seconds += time.perf_counter() - began

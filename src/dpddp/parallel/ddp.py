@@ -19,7 +19,7 @@ from dpddp._compat import Launcher, agent_store, init_process_group, rank0_store
 from dpddp._compat.strategies import UNUSED_PARAMETERS
 from dpddp.errors import ConfigError, Preempted, ReplicasDiverged, StepFailed, first_line
 from dpddp.network import choose_interface, interface_address
-from dpddp.parallel.allreduce import AllReduceTimer
+from dpddp.parallel.allreduce import COMM_HOOKS, AllReduceTimer
 from dpddp.parallel.launcher import JobLauncher, RankJob, Supervisor
 from dpddp.parallel.peers import PeerWatch
 from dpddp.parallel.rank import run_rank
@@ -68,12 +68,13 @@ class DDPStrategy(LightningDDPStrategy):
     """Lightning's ``DDPStrategy`` whose launcher starts ranks from ``job`` (``None``: Lightning's, outside Hydra
     only); ``timeout_s``: seconds a collective waits for a lost peer. ``launch``: ``"fork"``, ``"exec"``
     (``python -m dpddp.parallel.rank``) or ``"auto"`` (fork on CPU while CUDA is not initialised).
-    ``**kwargs`` go to Lightning's ``DDPStrategy``. Without a ``ddp_comm_hook`` of the user's, the gradients go
-    through ``allreduce_timer`` (``AllReduceTimer``: DDP's own all-reduce, timed)."""
+    ``**kwargs`` go to Lightning's ``DDPStrategy``. Without a ``ddp_comm_hook`` of the user's, or with one named
+    in ``COMM_HOOKS``, the gradients go through ``allreduce_timer`` (``AllReduceTimer``: that hook, timed)."""
 
     def __init__(self, job: RankJob | None = None, timeout_s: float = 180.0, launch: str = "auto", **kwargs: Any):
         self.pg_timeout = timedelta(seconds=timeout_s)
-        timer = AllReduceTimer() if kwargs.get("ddp_comm_hook") is None else None
+        hook = kwargs.get("ddp_comm_hook")
+        timer = AllReduceTimer(COMM_HOOKS[hook]) if hook in COMM_HOOKS else AllReduceTimer() if hook is None else None
         if timer is not None:
             kwargs["ddp_comm_hook"] = timer.hook
         super().__init__(timeout=self.pg_timeout, **kwargs)

@@ -20,6 +20,7 @@ from dpddp.cluster import (
     torchrun_run_id,
 )
 from dpddp.errors import ConfigError, checked_float
+from dpddp.parallel.allreduce import COMM_HOOKS
 from dpddp.parallel.settings import ACCELERATORS, CLUSTERS, STRATEGIES, check_device_values
 
 __all__ = [
@@ -38,8 +39,9 @@ __all__ = [
     "world_size_source",
 ]
 
-DDP_OPTIONS = ("process_group_backend", "timeout_s", "launch", "start_method")
-"""dpddp's own ``strategy.*`` keys; the others are ``DistributedDataParallel``'s arguments."""
+DDP_OPTIONS = ("process_group_backend", "timeout_s", "launch", "start_method", "ddp_comm_hook")
+"""dpddp's own ``strategy.*`` keys (``ddp_comm_hook``: a name of ``COMM_HOOKS``); the others are
+``DistributedDataParallel``'s arguments."""
 
 
 def resolve_accelerator(accelerator: str) -> str:
@@ -196,6 +198,13 @@ def check_strategy_options(options: Mapping) -> None:
         raise ConfigError(
             f"strategy.start_method={start!r} is not offered: dpddp starts the ranks itself; remove it and choose "
             "strategy.launch=fork (CPU) or exec (a fresh interpreter per rank, as strategy=ddp_spawn does)"
+        )
+    hook = options.get("ddp_comm_hook")
+    if hook is not None and hook not in COMM_HOOKS:
+        raise ConfigError(f"strategy.ddp_comm_hook={hook!r} is unknown: use null, {' or '.join(COMM_HOOKS)}")
+    if hook == "bf16_compress" and (backend not in (None, "nccl") or not torch.cuda.is_available()):
+        raise ConfigError(
+            "strategy.ddp_comm_hook=bf16_compress needs NCCL (CUDA GPUs): use fp16_compress here, or null"
         )
     for key in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
         if key in options and not isinstance(options[key], bool):
