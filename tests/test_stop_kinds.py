@@ -16,7 +16,8 @@ from lightning.pytorch.callbacks import EarlyStopping, Timer
 from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 
 from dpddp.continuity.state import ResumableState
-from dpddp.errors import Preempted
+from dpddp.errors import ConfigError, Preempted
+from dpddp.run.config import check_config
 from dpddp.run.training import train
 
 BASE = ["model=mlp", "accelerator=cpu", "logger=none", "data.num_samples=1024", *QUIET]
@@ -94,6 +95,23 @@ def test_a_stop_latched_by_an_early_stopping_that_is_dropped_is_not_restored(tmp
         "the checkpoint's fit was stopped by EarlyStopping{'monitor': 'val/score', 'mode': 'min'}, which this run "
         "does not have: training goes on to this run's limits"
     ]
+
+
+def test_a_checkpoint_inside_an_epoch_continued_with_another_batch_size_is_one_line(tmp_path):
+    """The epoch's remaining batches are the saved batch size's: another is refused before the fit (it crashed
+    at the epoch's next batch: the sampler's ids and Lightning's batch count disagreed, the new-user trial); from
+    an epoch's end it is a new epoch, and taken."""
+    train(compose_cfg(*BASE, "trainer.max_steps=18"), tmp_path / "cut")
+    train(compose_cfg(*BASE, "trainer.max_steps=12"), tmp_path / "whole")  # epoch 0's end
+    cut, whole = (f"ckpt_path={tmp_path / run / 'checkpoints/last.ckpt'}" for run in ("cut", "whole"))
+    with pytest.raises(ConfigError) as refused:
+        check_config(compose_cfg(*BASE, cut, "data.batch_size=32"), "fit")
+    assert str(refused.value) == (
+        f"ckpt_path={str(tmp_path / 'cut/checkpoints/last.ckpt')!r} stopped inside an epoch with data.batch_size=64: "
+        "continue it with data.batch_size=64, or change it from a checkpoint written at an epoch's end"
+    )
+    check_config(compose_cfg(*BASE, whole, "data.batch_size=32"), "fit")
+    check_config(compose_cfg(*BASE, cut), "fit")
 
 
 def test_an_epoch_a_limit_cuts_is_not_checked_by_early_stopping_on_the_validation_before_it(tmp_path):

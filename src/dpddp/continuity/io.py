@@ -143,6 +143,7 @@ def checkpoint_problem(
     *,
     fit: bool = False,
     model: ConfiguredModel | None = None,
+    batch_size: int | None = None,
 ) -> str | None:
     """Why ``path`` cannot be resumed from (one line, ending with what to do), or ``None``. Loads it with
     ``weights_only=True`` (no code runs from the file), as ``Trainer.fit(weights_only=True)`` will, and
@@ -160,6 +161,8 @@ def checkpoint_problem(
             ``save_checkpoint(weights_only=True)``, a ``ModelCheckpoint(save_weights_only=True)``).
         model: the configured model (``ConfiguredModel``): refused if the checkpoint's weights do not load into
             it (another model's, or other sizes), naming the settings its saved hyper-parameters differ in.
+        batch_size: the fit's ``data.batch_size``: refused if the checkpoint stopped inside an epoch with another
+            (the epoch's remaining batches are the saved batch size's).
     """
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -183,6 +186,13 @@ def checkpoint_problem(
     k = (ckpt.get("dpddp") or {}).get("steps_per_execution", 1)  # the resumable state's entry; none: 1
     if steps_per_execution is not None and k != steps_per_execution:
         return f"was trained with steps_per_execution={k}: continue it with steps_per_execution={k}"
+    entry = ckpt.get("dpddp") or {}
+    was = entry.get("batch_size")
+    if fit and entry.get("mid_epoch") and batch_size is not None and was is not None and was != batch_size:
+        return (
+            f"stopped inside an epoch with data.batch_size={was}: continue it with data.batch_size={was}, or "
+            f"change it from a checkpoint written at an epoch's end"
+        )
     saved = ckpt.get("datamodule_hyper_parameters") or {}
     data = data or {}
     changed = [f"data.{k}={data[k]!r} (was {saved[k]!r})" for k in data if k in saved and saved[k] != data[k]]

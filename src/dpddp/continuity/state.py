@@ -103,8 +103,10 @@ class ResumableState(pl.Callback):
         uncounted: Callable[[], bool] = lambda: False,
         launch: str | None = None,
         guard: ReplicaGuard | None = None,
+        batch_size: int | None = None,
     ) -> None:
         self.guard = guard  # checks the ranks' replicas before every checkpoint
+        self.batch_size = batch_size  # the global batch, where the config gives it (a mid-epoch continue's)
         self.throughput, self.epochs, self.seed, self.launch = throughput, epochs, seed, launch
         self.steps_per_execution, self.uncounted = steps_per_execution, uncounted
         self._random: dict[str, Any] | None = None  # this rank's restored state, until set
@@ -147,6 +149,7 @@ class ResumableState(pl.Callback):
             "schedules": self._schedules,
             "steps_per_execution": self.steps_per_execution,
             "launch": self.launch,
+            "batch_size": self.batch_size,
         }
         checkpoint[KEY] = entry
         if self._cut is not None and not finished and "callbacks" in checkpoint:

@@ -138,6 +138,7 @@ def _build_callbacks(
         uncounted=(lambda: executions.cut) if executions is not None else (lambda: False),
         launch=launch_id(),
         guard=(guard := ReplicaGuard(check_every(cfg))),
+        batch_size=batch if isinstance(batch := (cfg.data or {}).get("batch_size"), int) else None,
     )
     every_n_steps, every_s = checkpoint_intervals(cfg)
     stop = StepBoundaryStop(output_dir / "checkpoints", every_n_steps=every_n_steps, every_s=every_s)

@@ -350,8 +350,12 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     max_epochs = (cfg["trainer"] or {}).get("max_epochs")
     data = dict(cfg["data"]) if cfg.get("resume") else None  # resume=true continues the same run: same data
     k = cfg.get("steps_per_execution", 1) if stage == "fit" else None
+    batch = (cfg["data"] or {}).get("batch_size")
+    batch = batch if isinstance(batch, int) else None
     if ckpt is not None and (
-        problem := checkpoint_problem(ckpt, max_epochs, data, k, fit=stage == "fit", model=_configured_model(cfg))
+        problem := checkpoint_problem(
+            ckpt, max_epochs, data, k, fit=stage == "fit", model=_configured_model(cfg), batch_size=batch
+        )
     ):
         raise ConfigError(f"ckpt_path={str(ckpt)!r} {problem}")
 
