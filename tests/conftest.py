@@ -53,6 +53,13 @@ def _restore_env():
     torch.set_num_threads(threads)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow (multi-process) tests first, each file's in its order: pytest-xdist's load scheduling hands each
+    worker consecutive tests, so the long ones start at once on every core and the short ones fill the end (no
+    core waits through one long last test)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def child_env(**extra: str) -> tuple[dict[str, str], str]:
     """The environment for a subprocess under test and its tag: no inherited rank variables, one intra-op thread,
     and ``DPDDP_TEST_TAG`` (inherited by every process it starts, so ``tagged`` finds them all)."""

@@ -262,7 +262,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_elastic.py::test_node_killed_the_other_continues_from_last_ckpt",
             "test_elastic.py::test_node_joining_continues_on_the_larger_world_size",
             "test_elastic_rules.py::test_auto_takes_the_slurm_task_count",
-            "test_interval_checkpoints.py::test_every_seconds_auto_is_on_under_a_cluster_launcher_only",
         ),
         runs=r"_node\(|num_nodes=auto",
         note="the launcher's world size; every (re)start of the job continues from its last.ckpt (written every 600 "

@@ -16,7 +16,7 @@ from test_bring_your_own import _project
 from dpddp.check import STOPS_TOLERANCE, TOLERANCE, _compose, compare, overrides_of
 
 
-def _check(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _check(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env, _ = child_env(PYTHONPATH=str(ROOT / "tests"))
     return subprocess.run(
         [sys.executable, "-m", "dpddp.check", *args], env=env, capture_output=True, text=True, timeout=timeout
@@ -146,7 +146,7 @@ STOPS = r"stops: (limit|SIGTERM|SIGKILL) continued equals the straight run \(max
 def test_the_stops_check_passes_on_the_readmes_template_model(tmp_path):
     user = ["--config-dir", "conf", "--model", "my_net", "--data", "dataset", "--data", "+dataset._target_=mine.Blobs"]
     check = [sys.executable, "-m", "dpddp.check", "--stops"]
-    proc = run_project(_project(tmp_path), *user, command=check, pythonpath=[ROOT / "tests"])  # none left behind
+    proc = run_project(_project(tmp_path), *user, command=check, pythonpath=[ROOT / "tests"], timeout=480)  # none left
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     # 1013 samples: 811 to train, 12 whole batches of 64 an epoch; the check's 2 epochs
