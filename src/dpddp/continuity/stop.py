@@ -291,6 +291,7 @@ class StepBoundaryStop(pl.Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._train, self._agreed = Pace(), False
+        self._sweep_checked = 0.0  # the first batch's agreement reads the sweep's stop file, whatever came before
         self.requested = self.requested or requested()  # the sweep stopped while this job was starting
         self._saved_step, self._saved_at, self._save_due = trainer.global_step, time.monotonic(), False
 
