@@ -122,6 +122,38 @@ SURFACE: tuple[Setting, ...] = (
         note="last.ckpt, val/* and test/* are the average's; its state is in the checkpoint",
     ),
     _flag(
+        "ModelCheckpoint with every_n_train_steps (+callbacks.every_steps)",
+        "+callbacks.every_steps._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+        "+callbacks.every_steps.every_n_train_steps=5",
+        note="its checkpoints go to <run dir>/checkpoints; one written inside an epoch continues like a SIGTERM's",
+    ),
+    _flag(
+        "ModelCheckpoint with train_time_interval (+callbacks.every_time)",
+        "+callbacks.every_time._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+        "+callbacks.every_time.train_time_interval._target_=datetime.timedelta",
+        "+callbacks.every_time.train_time_interval.seconds=1",
+        note="a timedelta, given as its _target_ and fields",
+    ),
+    _flag(
+        "LearningRateMonitor with a logger (+callbacks.lr logger=csv)",
+        "logger=csv",
+        "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
+    ),
+    _flag(
+        "BackboneFinetuning (+callbacks.finetune, a model with a backbone)",
+        "model=mlp",
+        "model._target_=users_models.BackboneMLP",
+        "+callbacks.finetune._target_=lightning.pytorch.callbacks.BackboneFinetuning",
+        "+callbacks.finetune.unfreeze_backbone_at_epoch=1",
+        note="a continued run trains the unfrozen backbone (Lightning's restart refreezes it); under ddp its "
+        "gradients are all-reduced once unfrozen: dpddp.parallel.ddp",
+    ),
+    _flag(
+        "a callback of your own with its state in state_dict (+callbacks.counter)",
+        "+callbacks.counter._target_=users_models.KeptBatchCounter",
+        note="what it does not put in its state_dict a continued run loses: python -m dpddp.check --stops names it",
+    ),
+    _flag(
         "trainer.barebones=true",
         refused="trainer.barebones=True is not offered: Lightning switches off self.log() and checkpointing in it",
         note="for speed: trainer.enable_progress_bar=false epoch_lines=false logger=none",

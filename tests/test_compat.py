@@ -998,3 +998,68 @@ def test_stochastic_weight_averagings_checkpoint_entries_are_what_swapped_averag
     )
     assert swapped_average({"state_dict": {"w": torch.zeros(2)}, "callbacks": {"S": entry}}) is None
     assert swapped_average({"state_dict": weights, "callbacks": {"S": {**entry, "n_averaged": 1}}}) is None
+
+
+class _Backboned(BoringModel):
+    """Lightning's ``BoringModel`` behind a ``backbone`` layer, its optimizer over the trainable parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.backbone(x))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+class _TrainsBackbone(pl.Callback):
+    """Records whether the backbone requires gradients at each training batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen.append(pl_module.backbone.weight.requires_grad)
+
+
+def _finetune(tmp_path: Path, epochs: int, ckpt: Path | None, mend: bool) -> list[bool]:
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    from dpddp._compat.callbacks import mend_finetuning
+
+    finetuning, probe = BackboneFinetuning(unfreeze_backbone_at_epoch=1), _TrainsBackbone()
+    if mend:
+        mend_finetuning(finetuning)
+    trainer = pl.Trainer(
+        max_epochs=epochs, limit_train_batches=2, limit_val_batches=0, accelerator="cpu", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        callbacks=[finetuning, probe],
+    )  # fmt: skip
+    trainer.fit(_Backboned(), ckpt_path=ckpt)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    return probe.seen
+
+
+def test_basefinetuning_refreezes_what_it_unfroze_on_a_restart_and_mend_finetuning_trains_it(tmp_path):
+    """Lightning 2.6.6's ``BaseFinetuning`` re-freezes on a continued fit the backbone it unfroze before the stop
+    (its ``setup`` freezes, its restart puts back the groups only); ``mend_finetuning`` makes it trainable again.
+    When Lightning mends it itself, the first assertion fails: drop ``mend_finetuning``."""
+    assert _finetune(tmp_path, 2, None, mend=False) == [False, False, True, True]  # unfrozen at epoch 1
+    assert _finetune(tmp_path, 3, tmp_path / "last.ckpt", mend=False) == [False, False]  # Lightning's restart
+    _finetune(tmp_path, 2, None, mend=True)
+    assert _finetune(tmp_path, 3, tmp_path / "last.ckpt", mend=True) == [True, True]
+
+
+def test_ddp_strategys_arguments_for_distributed_data_parallel_are_what_wrapping_frozen_sets():
+    """``_compat.strategies.wrapping_frozen`` sets ``find_unused_parameters`` in ``DDPStrategy._ddp_kwargs``, and
+    makes the frozen parameters require gradients only inside it."""
+    from dpddp._compat.strategies import wrapping_frozen
+
+    strategy, module = LightningDDPStrategy(find_unused_parameters=False), torch.nn.Linear(2, 2)
+    assert strategy._ddp_kwargs == {"find_unused_parameters": False}
+    module.bias.requires_grad_(False)
+    with wrapping_frozen(strategy, module):
+        assert module.bias.requires_grad and strategy._ddp_kwargs["find_unused_parameters"] is True
+    assert not module.bias.requires_grad and module.weight.requires_grad

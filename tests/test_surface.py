@@ -59,18 +59,18 @@ def test_each_flag_on_two_processes_equals_one_process(tmp_path):
     rows = tmp_path / "conf" / "surface"
     rows.mkdir(parents=True)
     for i, setting in enumerate(DDP_FLAGS):
-        flag = OmegaConf.from_dotlist([o.lstrip("+") for o in setting.overrides])
-        (rows / f"r{i}.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(flag))
+        logger = [] if any(o.startswith("logger=") for o in setting.overrides) else ["logger=none"]
+        (rows / f"r{i}.yaml").write_text(_job_config([*logger, *(o.lstrip("+") for o in setting.overrides)]))
     args = [
         "-m",
-        *BASE,
+        *(o for o in BASE if o != "logger=none"),  # each row's config chooses its logger (none unless it sets one)
         "trainer.max_epochs=3",
         "strategy=ddp",
         "devices=2",
         f"hydra.searchpath=[file://{tmp_path}/conf]",
     ]
     args += [f"+surface={','.join(f'r{i}' for i in range(len(DDP_FLAGS)))}", f"hydra.sweep.dir={tmp_path}/sweep"]
-    env, tag = child_env()
+    env, tag = child_env(PYTHONPATH=str(ROOT / "tests"))  # a row's users_models
     cmd = [sys.executable, str(ROOT / "train.py"), *args]
     sweep = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -142,7 +142,7 @@ def test_a_models_stop_at_a_random_step_then_continued_equals_a_straight_run(tmp
 def _job_config(overrides: list[str]) -> str:
     """A ``# @package _global_`` config of ``train.py`` overrides (a group choice becomes a defaults override)."""
     groups = [o.split("=", 1) for o in overrides if "=" in o and "." not in o.split("=", 1)[0] and o[0] != "+"]
-    groups = [(k, v) for k, v in groups if k in ("model", "data")]
+    groups = [(k, v) for k, v in groups if k in ("model", "data", "logger")]
     values = OmegaConf.from_dotlist([o for o in overrides if o.split("=", 1)[0] not in dict(groups)])
     defaults = "".join(f"  - override /{k}: {v}\n" for k, v in groups)
     return "# @package _global_\n" + (f"defaults:\n{defaults}" if defaults else "") + OmegaConf.to_yaml(values)

@@ -363,3 +363,26 @@ class RankOneDrifts(LinearClassifier):
         if self.trainer.global_rank == 1 and self.trainer.global_step == self.at_step:
             with torch.no_grad():
                 self.linear.weight[0, 0] += 1e-3
+
+
+class BackboneMLP(MLPClassifier):
+    """The MLP with its hidden layers as ``backbone`` (for ``BackboneFinetuning``), whose optimizer holds the
+    trainable parameters only: the callback adds the backbone's as a group of its own when it unfreezes them."""
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.net[:-1]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.Adam(trainable, lr=self.hparams["lr"])
+
+
+class KeptBatchCounter(BatchCounter):
+    """``BatchCounter`` whose ``state_dict`` holds its count too: a continued run goes on counting (promise 3)."""
+
+    def state_dict(self) -> dict:
+        return {"lr": self.lr, "count": self.count}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.lr, self.count = state_dict["lr"], state_dict["count"]

@@ -1,13 +1,16 @@
 """Lightning callbacks' checkpoint entries dpddp reads: ``StochasticWeightAveraging.state_dict``'s ``n_averaged``
-and ``average_model_state`` (Lightning 2.6.6, ``CHECKED``); ``tests/test_compat.py`` fails if they move."""
+and ``average_model_state``; and ``BaseFinetuning``'s restart (its private ``_restarting``, set by
+``load_state_dict``), which re-freezes on a continued fit the modules it had unfrozen before the stop (Lightning
+2.6.6, ``CHECKED``); ``tests/test_compat.py`` fails if they move, or if Lightning mends the restart itself."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import BaseFinetuning
 
-__all__ = ["swapped_average"]
+__all__ = ["mend_finetuning", "swapped_average"]
 
 
 def swapped_average(checkpoint: dict[str, Any]) -> tuple[str, int] | None:
@@ -22,3 +25,27 @@ def swapped_average(checkpoint: dict[str, Any]) -> tuple[str, int] | None:
         if count >= 2 and tensors and all(k in weights and torch.equal(weights[k], v) for k, v in tensors.items()):
             return key, count
     return None
+
+
+def mend_finetuning(callback: BaseFinetuning) -> None:
+    """Make a continued fit keep what ``callback`` had unfrozen before its stop, as the straight fit does.
+
+    Lightning's ``BaseFinetuning`` freezes in ``setup`` on every fit, then, continued from a checkpoint, puts back
+    the parameter groups it had added in ``on_fit_start``, but not ``requires_grad``: the modules it unfroze stay
+    frozen and never train again (``BackboneFinetuning`` unfreezes at one epoch only). After that restore, the
+    modules owning the parameters of the added groups (those beyond ``configure_optimizers``' own) are made
+    trainable again, as ``BaseFinetuning.make_trainable`` made them when they were unfrozen."""
+    restore = callback.on_fit_start
+
+    def on_fit_start(trainer: Any, pl_module: Any) -> None:
+        own = [len(optimizer.param_groups) for optimizer in trainer.optimizers]
+        restarting = bool(callback._restarting)
+        restore(trainer, pl_module)
+        if not restarting:
+            return
+        groups = [group for n, o in zip(own, trainer.optimizers, strict=True) for group in o.param_groups[n:]]
+        added = {id(p) for group in groups for p in group["params"]}
+        owners = [m for m in pl_module.modules() if any(id(p) in added for p in m.parameters(recurse=False))]
+        BaseFinetuning.make_trainable(owners)
+
+    callback.on_fit_start = on_fit_start  # type: ignore[method-assign]

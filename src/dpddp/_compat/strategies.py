@@ -1,13 +1,17 @@
-"""Lightning's strategy registry read as data, and the text of the DDP error for an unused parameter: checked in
-Lightning ``CHECKED``; tests/test_compat.py fails when one moves."""
+"""Lightning's strategy registry read as data, the text of the DDP error for an unused parameter, and the DDP
+strategy's arguments for ``DistributedDataParallel`` (its private ``_ddp_kwargs``): checked in Lightning
+``CHECKED``; tests/test_compat.py fails when one moves."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from lightning.pytorch.strategies import StrategyRegistry
+import torch
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-__all__ = ["CHECKED", "UNUSED_PARAMETERS", "registered_strategies"]
+__all__ = ["CHECKED", "UNUSED_PARAMETERS", "registered_strategies", "wrapping_frozen"]
 
 CHECKED = "2.6.6"
 """The Lightning version every entry below was read in and tested against."""
@@ -27,3 +31,22 @@ def registered_strategies() -> dict[str, tuple[type, dict[str, Any]]]:
         name: (StrategyRegistry[name]["strategy"], dict(StrategyRegistry[name]["init_params"]))
         for name in StrategyRegistry.available_strategies()
     }
+
+
+@contextmanager
+def wrapping_frozen(strategy: DDPStrategy, module: torch.nn.Module) -> Iterator[None]:
+    """Inside it, ``strategy`` wraps ``module`` in ``DistributedDataParallel`` over its frozen parameters too: they
+    require gradients while it is built, then are frozen again, and it finds unused parameters each step (the
+    frozen ones give no gradient until unfrozen). ``DistributedDataParallel`` all-reduces only the parameters
+    that required gradients when it was built: one unfrozen later (``BaseFinetuning``) would train on each
+    rank's own gradients. Sets ``find_unused_parameters`` in Lightning's ``DDPStrategy._ddp_kwargs`` (2.6.6)."""
+    frozen = [p for p in module.parameters() if not p.requires_grad]
+    if frozen:
+        strategy._ddp_kwargs["find_unused_parameters"] = True
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)

@@ -4,6 +4,7 @@ and (multi-node) ranks that watch each other so that a lost node ends the run ev
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
@@ -12,11 +13,12 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from typing_extensions import override
 
 from dpddp._compat import Launcher, agent_store, init_process_group, rank0_store, resolve_process_group_backend
-from dpddp._compat.strategies import UNUSED_PARAMETERS
+from dpddp._compat.strategies import UNUSED_PARAMETERS, wrapping_frozen
 from dpddp.errors import ConfigError, Preempted, ReplicasDiverged, StepFailed, first_line
 from dpddp.network import choose_interface, interface_address
 from dpddp.parallel.allreduce import COMM_HOOKS, AllReduceTimer
@@ -151,8 +153,15 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """Lightning's; the communication hook also on CPU (Lightning registers one on CUDA only)."""
-        super().configure_ddp()
+        """Lightning's; the communication hook also on CPU (Lightning registers one on CUDA only); with a
+        ``BaseFinetuning`` callback, over the parameters it froze too (``wrapping_frozen``): they are all-reduced
+        once it unfreezes them."""
+        module = self.lightning_module
+        assert module is not None
+        callbacks: list = getattr(module.trainer, "callbacks", [])
+        finetunes = any(isinstance(c, BaseFinetuning) for c in callbacks)
+        with wrapping_frozen(self, module) if finetunes else contextlib.nullcontext():
+            super().configure_ddp()
         if self.root_device.type != "cuda" and self.allreduce_timer is not None:
             assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
             self.model.register_comm_hook(None, self.allreduce_timer.hook)

@@ -13,13 +13,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import KubeflowEnvironment
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from typing_extensions import override
 
 from dpddp._compat import skip_empty_batch_hooks, softmax_per_sample
+from dpddp._compat.callbacks import mend_finetuning
 from dpddp.cluster import launch_id, writes_outputs
 from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.continuity.replicas import ReplicaGuard, check_every
@@ -321,4 +322,7 @@ def build_trainer(
     except TRAINER_ERRORS as err:  # a flag's value: check_config has said it; a pair of them: Lightning's line
         raise ConfigError(refused_flag(cfg.trainer or {}) or f"trainer: {first_line(err)}") from err
     skip_empty_batch_hooks(trainer.callbacks)  # type: ignore[attr-defined]  # Lightning's default ones included
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, BaseFinetuning):
+            mend_finetuning(callback)
     return trainer
