@@ -311,3 +311,88 @@ def test_docstrings_are_at_most_a_third_of_the_code_by_characters():
         code += sum(len(line.strip()) for line in text.splitlines())
         docs += sum(len(doc) for doc in _docstrings(ast.parse(text)))
     assert docs / code <= 0.33, f"docstrings are {docs / code:.1%} of {code} characters of code"
+
+
+def _is_main_block(node: ast.stmt) -> bool:
+    """Whether ``node`` is ``if __name__ == "__main__":``."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
+    )
+
+
+def _called_names(nodes: list[ast.stmt]) -> set[str]:
+    return {
+        n.func.id for node in nodes for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+    }
+
+
+def _in_shell(function: ast.FunctionDef, functions: dict[str, ast.FunctionDef], seen: set[str]) -> bool:
+    """Whether ``function`` runs its work in ``with shell(...)``, itself or through a function of its module it
+    calls."""
+    for node in ast.walk(function):
+        if isinstance(node, ast.With) and any(
+            isinstance(i.context_expr, ast.Call) and getattr(i.context_expr.func, "id", None) == "shell"
+            for i in node.items
+        ):
+            return True
+    seen.add(function.name)
+    called = _called_names(function.body) & functions.keys()
+    return any(_in_shell(functions[name], functions, seen) for name in called - seen)
+
+
+def _unshelled_mains(trees: dict[str, ast.Module]) -> list[str]:
+    """The modules (by dotted name; ``trees`` by dotted name) whose ``main``, or whose ``__main__`` block's
+    ``main``, does not run in the shell."""
+    shelled: dict[str, bool] = {}
+    for name, tree in trees.items():
+        functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        if "main" in functions:
+            shelled[name] = _in_shell(functions["main"], functions, set())
+    bad = [name for name, ok in shelled.items() if not ok]
+    for name, tree in trees.items():
+        blocks = [n for n in tree.body if _is_main_block(n)]
+        if not blocks or name in shelled:
+            if blocks and "main" not in _called_names(blocks):
+                bad.append(name)
+            continue
+        imported = {
+            a.asname or a.name: node.module
+            for node in tree.body
+            if isinstance(node, ast.ImportFrom) and node.module
+            for a in node.names
+        }
+        if "main" not in _called_names(blocks) or not shelled.get(imported.get("main", ""), False):
+            bad.append(name)
+    return sorted(bad)
+
+
+def test_every_main_runs_in_the_one_shell():
+    """Each entry point (``train.py``, the CLI, a launched rank, ``dpddp.check``, ``dpddp.plot``) maps its errors
+    to exit statuses through ``dpddp.errors.shell``: its ``main`` runs in ``with shell(...)``, and a ``__main__``
+    block calls a ``main`` that does."""
+    trees = {_module_name(path): ast.parse(path.read_text()) for path in SRC.rglob("*.py")}
+    trees["train"] = ast.parse((ROOT / "train.py").read_text())
+    mains = {name for name, tree in trees.items() if any(_is_main_block(n) for n in tree.body)}
+    assert mains == {
+        "train",
+        "dpddp.cli",
+        "dpddp.check",
+        "dpddp.plot",
+        "dpddp.parallel.rank",
+        "dpddp.entry.lightning_cli",
+    }
+    assert _unshelled_mains(trees) == []
+
+
+def test_the_shell_walk_finds_a_main_outside_it():
+    own = "def main():\n    with shell(resume):\n        work()\n\nif __name__ == '__main__':\n    main()\n"
+    through = "def run():\n    with shell(rank=log):\n        work()\n\ndef main():\n    return run()\n"
+    bare = "import sys\n\ndef main():\n    try:\n        work()\n    except ValueError:\n        sys.exit(2)\n"
+    imported = "from a import main\n\nif __name__ == '__main__':\n    main()\n"
+    trees = {name: ast.parse(text) for name, text in [("a", own), ("b", through), ("c", bare)]}
+    assert _unshelled_mains({**trees, "d": ast.parse(imported)}) == ["c"]
+    assert _unshelled_mains({"c": trees["c"], "d": ast.parse(imported.replace("from a", "from c"))}) == ["c", "d"]

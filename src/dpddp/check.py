@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 
 from dpddp.cluster import RANK_VARIABLES, launcher_variables, master_address, register_resolvers
 from dpddp.entry.run_dir import hydra_value
-from dpddp.errors import ConfigError, first_line
+from dpddp.errors import EXIT_PREEMPTED, ConfigError, PromiseBroken, first_line, shell
 from dpddp.network import choose_interface
 from dpddp.nn import SampleDropout
 from dpddp.parallel.bandwidth import (
@@ -173,10 +173,11 @@ def _global_rng_layers(cfg: DictConfig) -> list[str]:
     return [f"model.{n}" for n, m in found if isinstance(m, GLOBAL_RNG_LAYERS) and not isinstance(m, SampleDropout)]
 
 
-def check(overrides: list[str], config_dir: str | None, work: Path) -> int:
-    """Print the report; return the exit status (0: promise 1 holds; 1: it does not, with one line).
+def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
+    """Print the report.
 
-    Raises ``ConfigError`` (a setting, or an override Hydra cannot compose) before anything trains."""
+    Raises ``ConfigError`` (a setting, or an override Hydra cannot compose) before anything trains, and
+    ``PromiseBroken`` (its one line) when promise 1 does not hold."""
     for line in environment_lines():
         print(line)
     planned = _runs(torch.cuda.device_count())
@@ -210,7 +211,7 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> int:
     print("holds" if not failed else "does NOT hold")
     print(_advice(rows))
     if not failed:
-        return 0
+        return
     row, diff, where = failed[0]
     layers = _global_rng_layers(_compose(overrides, config_dir))
     why = (
@@ -220,12 +221,10 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> int:
         else ""
     )
     steps = f" and step {row['step']} against {rows[0]['step']}" if row["step"] != rows[0]["step"] else ""
-    print(
-        f"error: promise 1 does not hold for this model: {row['name']} ends {diff:.1e} from one process's weights "
-        f"(tolerance {TOLERANCE:.0e}; the largest in {where}){steps}{why}",
-        file=sys.stderr,
+    raise PromiseBroken(
+        f"promise 1 does not hold for this model: {row['name']} ends {diff:.1e} from one process's weights "
+        f"(tolerance {TOLERANCE:.0e}; the largest in {where}){steps}{why}"
     )
-    return 1
 
 
 STOPS_TOLERANCE = 1e-6
@@ -370,13 +369,13 @@ def _entry_point(args: list[str], expect: int, what: str) -> None:
         raise RuntimeError(f"the {what} run ended with exit {proc.returncode}, not {expect}: {last}")
 
 
-def check_stops(overrides: list[str], config_dir: str | None, work: Path) -> int:
+def check_stops(overrides: list[str], config_dir: str | None, work: Path) -> None:
     """``--stops``: train the tiny run straight on one process, then stopped at seeded random steps (a limit, a
     SIGTERM mid-epoch, a SIGKILL after an epoch's ``last.ckpt``) and continued; print one line per stop kind.
-    Returns the exit status: 0, every continued run ``compare``s equal; 1, one does not (one ``error:`` line).
 
-    Raises ``ConfigError`` (a setting; a run of fewer than 2 epochs or 3 steps) and ``RuntimeError`` (a stop or a
-    continue that did not end as it should)."""
+    Raises ``ConfigError`` (a setting; a run of fewer than 2 epochs or 3 steps), ``PromiseBroken`` (a continued
+    run that does not ``compare`` equal) and ``RuntimeError`` (a stop or a continue that did not end as it
+    should)."""
     base = [*overrides, *ONE_PROCESS, STOP_CALLBACK]
     straight = work / "straight"
     straight.mkdir()
@@ -408,7 +407,7 @@ def check_stops(overrides: list[str], config_dir: str | None, work: Path) -> int
 
     def sigterm_stop(run_dir: Path) -> None:
         stop, where = ["+callbacks.check_stop.signal=SIGTERM", f"+callbacks.check_stop.step={term}"], _dir(run_dir)
-        _entry_point([*program, *stop, where], 128 + signal.SIGTERM, "SIGTERM-stopped")
+        _entry_point([*program, *stop, where], EXIT_PREEMPTED, "SIGTERM-stopped")
         _entry_point([*program, "resume=true", where], 0, "continued")
 
     def sigkill_stop(run_dir: Path) -> None:
@@ -422,10 +421,8 @@ def check_stops(overrides: list[str], config_dir: str | None, work: Path) -> int
         stop_and_continue(run_dir)
         gap, problem = compare(straight, run_dir, kind)
         if problem is not None:
-            print(f"error: {problem}", file=sys.stderr)
-            return 1
+            raise PromiseBroken(problem)
         print(f"stops: {kind} continued equals the straight run (max diff {gap:.2g})")
-    return 0
 
 
 def _model_step(cfg: DictConfig) -> tuple[int, Callable[[int], float] | None, str]:
@@ -482,9 +479,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def check_network(overrides: list[str], config_dir: str | None, work: Path, processes: int) -> int:
+def check_network(overrides: list[str], config_dir: str | None, work: Path, processes: int) -> None:
     """Print the all-reduce latency and bus bandwidth between ``processes`` ranks started here (or a launcher's),
-    the ring bound for the config's gradient, the predicted ddp step and a recommendation; return 0.
+    the ring bound for the config's gradient, the predicted ddp step and a recommendation.
 
     Raises ``ConfigError`` (a setting, or ``processes`` < 2) before anything is measured."""
     if processes < 2:
@@ -493,7 +490,7 @@ def check_network(overrides: list[str], config_dir: str | None, work: Path, proc
     grad_bytes, timed, why = _model_step(cfg)
     found = _collective(processes, [grad_bytes, BIG_BYTES], work)
     if found is None:
-        return 0
+        return
     world, bus = found.world_size, found.bus_bandwidth()
     measured, bound = found.times[grad_bytes], ring_seconds(grad_bytes, world, found.latency_s, bus)
     for line in environment_lines():
@@ -508,7 +505,7 @@ def check_network(overrides: list[str], config_dir: str | None, work: Path, proc
     )
     if timed is None:
         print(f"step: not timed ({why}): no prediction")
-        return 0
+        return
     batch = int(cfg.data.batch_size)
     one, share_of = timed(batch), timed(max(batch // world, 1))
     ddp = share_of + measured
@@ -519,7 +516,6 @@ def check_network(overrides: list[str], config_dir: str | None, work: Path, proc
         f"scaling efficiency {speedup / world:.0%}"
     )
     print(f"recommendation: {recommend(share, compressible=grad_bytes >= 2**20)}")
-    return 0
 
 
 def _dir(run_dir: Path) -> str:
@@ -543,19 +539,13 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     work = Path(tempfile.mkdtemp(prefix="dpddp-check-"))
     try:
-        if args.network:
-            status = check_network(overrides, args.config_dir, work, args.processes)
-        else:
-            status = (check_stops if args.stops else check)(overrides, args.config_dir, work)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        status = 2
-    except Exception as err:  # a failed training: one line, the cause
-        print(f"error: a check training failed: {first_line(err)}", file=sys.stderr)
-        status = 1
+        with shell(crash="a check training failed"):  # a failed training: one line, the cause
+            if args.network:
+                check_network(overrides, args.config_dir, work, args.processes)
+            else:
+                (check_stops if args.stops else check)(overrides, args.config_dir, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    sys.exit(status)
 
 
 if __name__ == "__main__":

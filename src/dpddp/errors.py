@@ -9,10 +9,14 @@
 | ``StepFailed`` | 1 | ``error: rank 0: a parameter took no part in the last training step's loss (...): <fix>`` |
 | ``ReplicasDiverged`` | 1 | ``error: rank 1's replica differs from the others' at step 6, first in linear.weight`` |
 | ``Preempted`` | 143 (128 + SIGTERM, as a shell reports it) | ``error: stopped by SIGTERM ...`` |
-| any other exception | 1 | its traceback |
+| ``PromiseBroken`` | 1 | ``error: promise 1 does not hold for this model: ...`` (``python -m dpddp.check``) |
+| a main's own bad input (``shell(bad_input=...)``) | 2 | ``error: no metrics.csv in <dir> ...`` (``dpddp.plot``) |
+| under ``shell(crash=...)``, any other error | 1 | ``error: a check training failed: <Type>: <line>`` |
+| any other exception | 1 | its traceback (a launched rank: into its log) |
 
-Also the shell every entry point runs in: that policy, the resume command, the numbering of the invocations into
-a run directory and the log set-up. Nothing here imports torch or Lightning: every layer can use it.
+Also the shell every entry point's ``main`` runs its body in (``shell``): that policy; and the resume command, the
+numbering of the invocations into a run directory and the log set-up. Nothing here imports torch or Lightning:
+every layer can use it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import shlex
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -36,6 +41,7 @@ __all__ = [
     "ConfigError",
     "LoaderFailed",
     "Preempted",
+    "PromiseBroken",
     "RankFailed",
     "ReplicasDiverged",
     "StepFailed",
@@ -53,6 +59,7 @@ __all__ = [
     "log_to",
     "rank_status",
     "resume_command",
+    "shell",
     "stop_line",
     "unwritable",
 ]
@@ -94,6 +101,11 @@ class Preempted(RuntimeError):
         where = f"after step {step}; checkpoint: {path}" if path is not None else "before its first checkpoint"
         super().__init__(f"stopped by SIGTERM {where}")
         self.path, self.step = path, step
+
+
+class PromiseBroken(RuntimeError):
+    """A promise ``python -m dpddp.check`` measured on the user's model does not hold; the message says which,
+    by how much and, where known, why."""
 
 
 class WriteFailed(RuntimeError):
@@ -138,7 +150,7 @@ def checked_float(name: str, value: Any, low: float, high: float, fix: str) -> f
 
 # The errors an entry point reports in one line; any other is raised on and shows its traceback (under train.py
 # Hydra's short one, the full one with HYDRA_FULL_ERROR=1).
-KNOWN = (ConfigError, RankFailed, Preempted, WriteFailed, LoaderFailed, StepFailed, ReplicasDiverged)
+KNOWN = (ConfigError, RankFailed, Preempted, WriteFailed, LoaderFailed, StepFailed, ReplicasDiverged, PromiseBroken)
 
 
 def fail(line: str, status: int = EXIT_CONFIG, log: logging.Logger | None = None) -> NoReturn:
@@ -204,6 +216,38 @@ def rank_status(err: BaseException, log: logging.Logger) -> int:
     else:
         log.exception("rank failed")
     return exit_status(err)
+
+
+@contextmanager
+def shell(
+    resume: Callable[[], str] | None = None,
+    log: logging.Logger | None = None,
+    *,
+    bad_input: tuple[type[Exception], ...] = (),
+    crash: str | None = None,
+    rank: logging.Logger | None = None,
+) -> Iterator[None]:
+    """The body of an entry point's ``main``: an error raised in it ends the process through the module's table.
+
+    - an error of the table (``KNOWN``): ``exit_on`` (``resume`` for a stop's line; a lost rank's line,
+      ``RankFailed``, goes into the run's ``log`` too);
+    - one of ``bad_input`` (the main's own bad input): ``error: <message>``, exit 2;
+    - with ``crash``, any error but a ``ConfigError`` or ``PromiseBroken`` (a tool whose trainings are its means):
+      ``error: <crash>: <Type>: <first line>``, exit 1;
+    - in a launched rank (``rank``, its log): every error through ``rank_status``, exit with its status;
+    - any other exception propagates (its traceback); ``SystemExit`` and ``KeyboardInterrupt`` pass."""
+    try:
+        yield
+    except Exception as err:
+        if rank is not None:
+            sys.exit(rank_status(err, rank))
+        if isinstance(err, bad_input):
+            fail(str(err))
+        if crash is not None and not isinstance(err, (ConfigError, PromiseBroken)):
+            fail(f"{crash}: {first_line(err)}", EXIT_CRASH)
+        if not isinstance(err, KNOWN):
+            raise
+        exit_on(err, resume, log if isinstance(err, RankFailed) else None)
 
 
 def resume_command(program: Sequence[str], args: Iterable[str], drop: tuple[str, ...], add: Iterable[str]) -> str:

@@ -5,8 +5,8 @@ colour per job. Exits 2 with one line when there is nothing to plot or matplotli
 from __future__ import annotations
 
 import argparse
-import sys
 
+from dpddp.errors import shell
 from dpddp.report.curves import PLOT_NAME, write_plot
 
 __all__ = ["main"]
@@ -18,11 +18,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("path", help="a run directory or a sweep directory (with metrics.csv files)")
     parser.add_argument("-o", "--out", default=None, help=f"the PNG to write (default: <path>/{PLOT_NAME})")
     args = parser.parse_args(argv)
-    try:
+    with shell(bad_input=(FileNotFoundError, ModuleNotFoundError)):  # nothing to plot, or no matplotlib: exit 2
         print(write_plot(args.path, args.out))
-    except (FileNotFoundError, ModuleNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

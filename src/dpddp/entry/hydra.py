@@ -46,13 +46,12 @@ from dpddp.errors import (
     KNOWN,
     ConfigError,
     Preempted,
-    RankFailed,
-    exit_on,
     fail,
     first_line,
     invocation_name,
     invocations,
     resume_command,
+    shell,
     unwritable,
 )
 from dpddp.report.trackers import open_stores
@@ -185,26 +184,26 @@ def run_job(cfg: DictConfig) -> float:
                 log.info(f"resume=true but there is no {last}: starting fresh")
     global _late_resume
     _late_resume = partial(_resume_command, overrides, output_dir, multirun)  # for a SIGTERM after the run's end
-    try:
-        with isolated_job():
-            value = train(cfg, output_dir, extra={"overrides": overrides})[objective(cfg)]
-        if not multirun or math.isfinite(value):
-            return value
-        line = f"{objective(cfg)} (the objective) is {value}: the training diverged, or no validation logged it"
-    except KNOWN as err:
-        if isinstance(err, Preempted) and stops:
-            sweep_stop.request()  # every job stops; the sweep's process prints the line that resumes them
-            log.warning(f"{err}: the sweep stops; resuming it continues this job")
-            return math.nan
-        if isinstance(err, Preempted) or not multirun:  # a preempted sweep stops too: the scheduler wants the node
-            command = partial(_resume_command, overrides, output_dir, multirun)
-            exit_on(err, command, log if isinstance(err, RankFailed) else None)  # a lost rank: into train.log too
-        line = str(err)
-    except Exception as err:
-        if not multirun:
-            raise
-        log.exception("job failed")
-        line = first_line(err)
+    with shell(_late_resume, log):  # a lost rank's line: into train.log too
+        try:
+            with isolated_job():
+                value = train(cfg, output_dir, extra={"overrides": overrides})[objective(cfg)]
+            if not multirun or math.isfinite(value):
+                return value
+            line = f"{objective(cfg)} (the objective) is {value}: the training diverged, or no validation logged it"
+        except KNOWN as err:
+            if isinstance(err, Preempted) and stops:
+                sweep_stop.request()  # every job stops; the sweep's process prints the line that resumes them
+                log.warning(f"{err}: the sweep stops; resuming it continues this job")
+                return math.nan
+            if isinstance(err, Preempted) or not multirun:  # a preempted sweep stops too: the node is wanted
+                raise
+            line = str(err)
+        except Exception as err:
+            if not multirun:
+                raise
+            log.exception("job failed")
+            line = first_line(err)
     return _job_failed(hydra_cfg.job.num, output_dir, line)
 
 
@@ -312,25 +311,24 @@ def main() -> None:
     exit 2, before Hydra starts; an override the composed config refuses (``devises=2``), one line, exit 2, as
     Hydra composes (``refused_override``)."""
     argv = sys.argv[1:]
-    try:
-        with sweep_stop.command(_again):
-            if problem := refused_arguments(argv, " ".join(_program())) or mode_conflict(argv):
-                fail(problem)
-            if problem := unreadable_override(argv) or unknown_option(argv) or sweep_without_multirun(argv):
-                fail(problem)
-            # What is imported by now lives as long as the process: keep it out of the collector's sight (and
-            # collection on again if train.py turned it off for the imports).
-            gc.freeze()
-            gc.enable()
-            # No full collections over what the run built, at exit.
-            atexit.register(gc.freeze)
-            with hydra_mode_unset() if sets_no_mode(argv) else nullcontext(), hydra_override_refused(_refused):
-                with hydra_reported(lambda err: fail(hydra_failure(err, argv)), HYDRA_FAILURES):
-                    _hydra_main()
-    except Preempted as err:  # a SIGTERM before the job or after its end (its outputs stand)
-        exit_on(err, _again)
-    except HYDRA_FAILURES as err:  # --info's, which Hydra does not report
-        fail(hydra_failure(err, argv))
+    with shell(_again):  # a SIGTERM before the job or after its end (its outputs stand): Preempted
+        try:
+            with sweep_stop.command(_again):
+                if problem := refused_arguments(argv, " ".join(_program())) or mode_conflict(argv):
+                    fail(problem)
+                if problem := unreadable_override(argv) or unknown_option(argv) or sweep_without_multirun(argv):
+                    fail(problem)
+                # What is imported by now lives as long as the process: keep it out of the collector's sight (and
+                # collection on again if train.py turned it off for the imports).
+                gc.freeze()
+                gc.enable()
+                # No full collections over what the run built, at exit.
+                atexit.register(gc.freeze)
+                with hydra_mode_unset() if sets_no_mode(argv) else nullcontext(), hydra_override_refused(_refused):
+                    with hydra_reported(lambda err: fail(hydra_failure(err, argv)), HYDRA_FAILURES):
+                        _hydra_main()
+        except HYDRA_FAILURES as err:  # --info's, which Hydra does not report
+            raise ConfigError(hydra_failure(err, argv)) from None
 
 
 def _refused(override: Any, cfg: DictConfig, err: Exception) -> None:

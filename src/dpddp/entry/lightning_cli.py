@@ -39,15 +39,14 @@ from dpddp.continuity import stop
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.entry.command_line import argument_error, unknown_option
 from dpddp.errors import (
-    KNOWN,
     ConfigError,
     Preempted,
-    exit_on,
     fail,
     invocation_name,
     invocations,
     log_to,
     resume_command,
+    shell,
     unwritable,
 )
 from dpddp.models.linear import LinearClassifier
@@ -226,7 +225,7 @@ def with_default_classes(args: list[str]) -> list[str]:
 
 def main(args: list[str] | None = None) -> None:
     """Run the CLI on ``args`` (default ``sys.argv[1:]``); a known error ends it in one line with its exit status
-    (``dpddp.errors.exit_on``)."""
+    (``dpddp.errors.shell``)."""
     atexit.register(gc.freeze)  # no full collections over what the run built, at exit
     args = list(sys.argv[1:] if args is None else args)
     stage, rest = (args or [""])[0], args[1:]
@@ -238,22 +237,23 @@ def main(args: list[str] | None = None) -> None:
             return resume_command(["dpddp", stage], rest, (), [])
         return _resume_command(stage, rest, output_dir)
 
-    try:
-        with stop.command(resume):  # a SIGTERM before the run or after its end: Preempted as the scope ends
-            if stage in ("-h", "--help"):
-                print(f"usage: {cli_usage(STAGES)}")
-                sys.exit(0)
-            if stage not in STAGES:
-                fail(unknown_stage(stage, STAGES))
-            cfg, output_dir, made = _parsed(stage, rest)
-            with isolated_job():
-                train(cfg, output_dir, stage=stage)
-    except KNOWN as err:
-        if isinstance(err, Preempted) and err.path is None and made and output_dir is not None:
-            # Stopped before its first checkpoint: nothing to continue from (--ckpt_path=last takes the newest
-            # version with a last.ckpt), so the given command, run again, makes this version anew.
-            shutil.rmtree(output_dir, ignore_errors=True)
-        exit_on(err, resume)
+    with shell(resume):
+        try:
+            with stop.command(resume):  # a SIGTERM before the run or after its end: Preempted as the scope ends
+                if stage in ("-h", "--help"):
+                    print(f"usage: {cli_usage(STAGES)}")
+                    sys.exit(0)
+                if stage not in STAGES:
+                    fail(unknown_stage(stage, STAGES))
+                cfg, output_dir, made = _parsed(stage, rest)
+                with isolated_job():
+                    train(cfg, output_dir, stage=stage)
+        except Preempted as err:
+            if err.path is None and made and output_dir is not None:
+                # Stopped before its first checkpoint: nothing to continue from (--ckpt_path=last takes the newest
+                # version with a last.ckpt), so the given command, run again, makes this version anew.
+                shutil.rmtree(output_dir, ignore_errors=True)
+            raise
 
 
 def _parsed(stage: str, rest: list[str]) -> tuple[DictConfig, Path, bool]:

@@ -30,7 +30,7 @@ from typing_extensions import override
 from dpddp._compat import SubprocessScriptLauncher, set_num_threads_if_needed
 from dpddp._compat.processes import forget_forkserver, stop_worker_servers
 from dpddp.cluster import LAUNCHED_ENV, master_address
-from dpddp.errors import EXIT_PREEMPTED, ConfigError, RankFailed, first_line
+from dpddp.errors import EXIT_CRASH, EXIT_PREEMPTED, ConfigError, RankFailed, first_line
 from dpddp.network import route_interface
 
 __all__ = ["JobLauncher", "RankJob", "Supervisor", "bind_store_socket", "die_with_parent"]
@@ -127,7 +127,7 @@ class _RankWatcher(threading.Thread):
                 if not self.done.wait(self.grace_s):
                     log.error(f"rank 0 is still waiting for rank {rank} after {self.grace_s:.0f} s; exiting")
                     logging.shutdown()
-                    os._exit(1)  # the main thread may sit in a C++ wait that no Python signal handler reaches
+                    os._exit(EXIT_CRASH)  # the main thread may sit in a C++ wait that no Python signal handler reaches
                 return
 
 
@@ -247,7 +247,8 @@ class JobLauncher(SubprocessScriptLauncher):
             log.info(f"local ranks 1-{self.num_processes - 1} {how}: pids {[p.pid for p in self.procs]}")
 
     def _fork_rank(self, local_rank: int) -> _ForkedRank:
-        """Fork local rank ``local_rank``: it runs ``run_forked(job)`` and ``os._exit``s with its status."""
+        """Fork local rank ``local_rank``: it runs ``run_forked(job)`` and ``os._exit``s with its status (what it
+        returns, or the status its shell exits with)."""
         sys.stdout.flush()
         sys.stderr.flush()
         parent = os.getpid()
@@ -256,7 +257,7 @@ class JobLauncher(SubprocessScriptLauncher):
             pid = os.fork()
         if pid:
             return _ForkedRank(pid)
-        code = 1
+        code = EXIT_CRASH
         try:
             die_with_parent()
             if os.getppid() == parent:  # else the launcher died before prctl took effect
@@ -265,6 +266,8 @@ class JobLauncher(SubprocessScriptLauncher):
                 forget_forkserver()  # a fork server of an earlier job is rank 0's: this rank's workers get their own
                 os.environ.update(LOCAL_RANK=str(local_rank), **{LAUNCHED_ENV: "1"})
                 code = self.run_forked(self.job)
+        except SystemExit as end:  # the rank's shell (dpddp.errors.shell) ends it with its status
+            code = 0 if end.code is None else end.code if isinstance(end.code, int) else EXIT_CRASH
         finally:
             try:  # whatever fails here, this process ends here (never returns into the launcher's code)
                 stop_worker_servers()  # os._exit runs no exit handler: its fork server and tracker end with it here

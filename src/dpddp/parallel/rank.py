@@ -2,7 +2,8 @@
 
 The rank rebuilds its run from the ``RankJob`` in ``$DPDDP_JOB`` (no Hydra, no ``sys.argv``), with rank 0's
 working directory and import path, logs to stderr with a ``[rank N]`` prefix and to ``<run dir>/rank<N>.log``,
-and exits with the status ``dpddp.errors.rank_status`` gives: 0, 2 (bad setting), 1 (crash) or 143 (SIGTERM).
+and exits through the shell (``dpddp.errors.shell``, its ``rank_status``): 0, 2 (bad setting), 1 (crash) or 143
+(SIGTERM).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dpddp.cluster import node_rank
-from dpddp.errors import local_rank, log_to, rank_status
+from dpddp.errors import local_rank, log_to, shell
 from dpddp.parallel.launcher import RankJob
 from dpddp.parallel.rules import processes_per_node
 
@@ -29,14 +30,12 @@ def global_rank(config: Mapping[str, Any]) -> int:
 
 
 def run_rank(job: RankJob) -> int:
-    """Run this rank's share of ``job``; return the process exit status. ``LOCAL_RANK`` and ``NODE_RANK`` come
-    from the environment."""
+    """Run this rank's share of ``job`` in the rank's shell; return 0, or raise ``SystemExit`` with the failure's
+    exit status (its line in the rank's log). ``LOCAL_RANK`` and ``NODE_RANK`` come from the environment."""
     rank = global_rank(job.config)
     log_to(Path(job.output_dir) / f"rank{rank}.log", f"[rank {rank}] %(asctime)s %(name)s %(levelname)s: %(message)s")
-    try:
+    with shell(rank=logging.getLogger(__name__)):
         job.entry_function()(job)
-    except Exception as err:
-        return rank_status(err, logging.getLogger(__name__))
     return 0
 
 
