@@ -355,18 +355,19 @@ def _unshelled_mains(trees: dict[str, ast.Module]) -> list[str]:
     bad = [name for name, ok in shelled.items() if not ok]
     for name, tree in trees.items():
         blocks = [n for n in tree.body if _is_main_block(n)]
-        if not blocks or name in shelled:
-            if blocks and "main" not in _called_names(blocks):
-                bad.append(name)
+        if not blocks:
             continue
-        imported = {
-            a.asname or a.name: node.module
-            for node in tree.body
-            if isinstance(node, ast.ImportFrom) and node.module
-            for a in node.names
-        }
-        if "main" not in _called_names(blocks) or not shelled.get(imported.get("main", ""), False):
+        if "main" not in _called_names(blocks):
             bad.append(name)
+        elif name not in shelled:  # its main is imported: from a module whose main runs in the shell
+            imported = {
+                a.asname or a.name: node.module
+                for node in tree.body
+                if isinstance(node, ast.ImportFrom) and node.module
+                for a in node.names
+            }
+            if not shelled.get(imported.get("main", ""), False):
+                bad.append(name)
     return sorted(bad)
 
 
