@@ -4,6 +4,7 @@ process, ddp on any world size and a continued run draw the same masks."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import QUIET, child_env
+from conftest import QUIET, child_env, made_once
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -369,9 +370,15 @@ def _diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+@pytest.fixture
+def mlp_one(shared_dir) -> dict[str, torch.Tensor]:
+    """The one-process MLP run's weights, run once a session."""
+    return _net(made_once(shared_dir, "dropout_mlp_one", lambda path: _run(path.parent, path.name, *MLP)))
+
+
 @pytest.mark.slow
-def test_mlp_dropout_ddp_and_dp_equal_one_process(tmp_path):
-    one = _net(_run(tmp_path, "one", *MLP))
+def test_mlp_dropout_ddp_and_dp_equal_one_process(tmp_path, mlp_one):
+    one = mlp_one
     no_dropout = _net(_run(tmp_path, "p0", *MLP, "model.dropout=0"))  # no dropout layer: net.2 is the output
     assert (one["net.0.weight"] - no_dropout["net.0.weight"]).abs().max() > 1e-3  # the dropout is on
     assert _diff(dict(one), _net(_run(tmp_path, "ddp", *MLP, "strategy=ddp", "devices=2"))) <= 1e-5
@@ -391,16 +398,15 @@ def test_a_run_continued_mid_epoch_equals_a_straight_one(tmp_path):
     """12 steps an epoch: stopped at step 7 (mid-epoch) and continued to epoch 3, on 1 and on 2 processes."""
     three = [a for a in MLP if not a.startswith("trainer.max_epochs")] + ["trainer.max_epochs=3"]
     straight = _net(_run(tmp_path, "straight", *three))
-    _run(tmp_path, "a", *MLP, "trainer.max_steps=7")
-    _run(tmp_path, "b", *MLP, "trainer.max_steps=7")
+    shutil.copytree(_run(tmp_path, "a", *MLP, "trainer.max_steps=7"), tmp_path / "b")  # one stop, two continues
     assert _diff(dict(straight), _net(_run(tmp_path, "a", *three, "resume=true"))) <= 1e-6
     assert _diff(straight, _net(_run(tmp_path, "b", *three, "resume=true", "strategy=ddp", "devices=2"))) <= 1e-5
 
 
 @pytest.mark.slow
-def test_steps_per_execution_draws_the_masks_of_single_steps(tmp_path):
+def test_steps_per_execution_draws_the_masks_of_single_steps(tmp_path, mlp_one):
     """K=4 equals K=1, also on 2 processes and stopped inside an execution (step 6) and continued."""
-    k1 = _net(_run(tmp_path, "k1", *MLP))
+    k1 = mlp_one
     assert _diff(dict(k1), _net(_run(tmp_path, "k4", *MLP, "steps_per_execution=4"))) <= 1e-6
     ddp = ["strategy=ddp", "devices=2", "steps_per_execution=4"]
     assert _diff(dict(k1), _net(_run(tmp_path, "k4ddp", *MLP, *ddp))) <= 1e-5
