@@ -43,6 +43,21 @@ ROWS = [
     ("EarlyStopping", [f"{CB}EarlyStopping", "+callbacks.cb.monitor=val/loss"], works()),
     ("StochasticWeightAveraging", [f"{CB}StochasticWeightAveraging", "+callbacks.cb.swa_lrs=0.01"], works()),
     ("EMAWeightAveraging", [f"{CB}EMAWeightAveraging"], works()),
+    # a callback built without an argument it requires (ThroughputMonitor's batch_size_fn), and with it
+    (
+        "ThroughputMonitor, no batch_size_fn",
+        [f"{CB}ThroughputMonitor"],
+        refused("callbacks.cb: lightning.pytorch.callbacks.ThroughputMonitor needs batch_size_fn", "+callbacks.cb."),
+    ),
+    (
+        "ThroughputMonitor, batch_size_fn",
+        [
+            f"{CB}ThroughputMonitor",
+            "+callbacks.cb.batch_size_fn._target_=builtins.len",
+            "+callbacks.cb.batch_size_fn._partial_=true",
+        ],
+        works(),
+    ),
     # Trainer modes that switch off what the outputs rely on
     ("barebones", ["trainer.barebones=true"], refused("trainer.barebones", "trainer.enable_progress_bar=false")),
     (

@@ -20,7 +20,7 @@ from dpddp.parallel.rules import DDP_OPTIONS
 from dpddp.run.plain import key_advice
 
 __all__ = ["CHECKED", "TOP_LEVEL_KEYS", "allowed_keys", "check_keys", "check_targets", "import_problem", "key_hint"]
-__all__ += ["target_class"]
+__all__ += ["missing_argument", "target_class"]
 
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
 TOP_LEVEL_RUN = ("steps_per_execution", "checkpoint", "check_replicas")  # how training runs, checkpoints, is checked
@@ -105,24 +105,47 @@ def target_class(section: str, spec: Mapping) -> type:
     return found
 
 
+INJECTED = {"logger": ("save_dir",)}
+"""The arguments dpddp passes as it builds a section's top nodes (a logger writes under the run directory)."""
+
+
+def missing_argument(node: Mapping, injected: tuple[str, ...] = ()) -> str | None:
+    """The first required argument of the callable ``node["_target_"]`` names (one without a default) that
+    ``node`` does not give, nor ``injected``; ``None`` for a ``_partial_`` node, one with ``_args_``, or a callable
+    whose signature cannot be read."""
+    if node.get("_partial_") or node.get("_args_"):
+        return None
+    try:
+        params = inspect.signature(locate(str(node["_target_"]))).parameters.values()
+    except (ImportError, ValueError, TypeError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    needed = [p.name for p in params if p.kind in kinds and p.default is p.empty and p.name != "self"]
+    return next((n for n in needed if n not in node and n not in injected), None)
+
+
 def check_targets(cfg: Mapping, sections: tuple[str, ...] = ("data", "model", "callbacks", "logger")) -> None:
     """Every ``_target_`` under ``sections`` of ``cfg`` (``data.dataset``, ``callbacks.<name>``, a logger's) can
-    be imported, before Hydra makes the run directory (``hydra.utils.instantiate`` would fail only in the run).
+    be imported and is given its required arguments, before Hydra makes the run directory
+    (``hydra.utils.instantiate`` would fail only in the run).
 
     Raises:
-        ConfigError: ``<key>._target_='<target>' cannot be imported (<import_problem>): check the name``.
+        ConfigError: ``<key>._target_='<target>' cannot be imported (<import_problem>): check the name``, or
+            ``<key>: <target> needs <argument> (it has no default): set <key>.<argument>``.
     """
 
-    def walk(node: Any, key: str) -> None:
+    def walk(node: Any, key: str, injected: tuple[str, ...] = ()) -> None:
         if isinstance(node, Mapping):
             target = node.get("_target_")
             if isinstance(target, str) and (problem := import_problem(target)):
                 raise ConfigError(f"{key}._target_={target!r} cannot be imported ({problem}): check the name")
+            if isinstance(target, str) and (name := missing_argument(node, injected)):
+                raise ConfigError(f"{key}: {target} needs {name} (it has no default): set +{key}.{name}")
             for name, value in node.items():
-                walk(value, f"{key}.{name}")
+                walk(value, f"{key}.{name}", injected if target is None else ())
 
     for section in sections:
-        walk(cfg.get(section), section)
+        walk(cfg.get(section), section, INJECTED.get(section, ()))
 
 
 def allowed_keys(cfg: Mapping | None = None) -> dict[str, list[str]]:
