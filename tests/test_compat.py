@@ -704,33 +704,6 @@ def test_processed_epochs_reads_a_real_checkpoints_fit_loop(tmp_path):
     assert _compat.processed_epochs({"state_dict": {}}) is None
 
 
-class _Restarting(pl.Callback):
-    def __init__(self) -> None:
-        self.seen: list[bool] = []
-
-    def on_train_batch_start(self, trainer, *args) -> None:
-        self.seen.append(_compat.fit_restarting(trainer))
-
-
-class _SaveAt(pl.Callback):
-    def __init__(self, path: Path, batch: int) -> None:
-        self.path, self.batch = path, batch
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if batch_idx == self.batch:
-            trainer.save_checkpoint(self.path)
-
-
-def test_fit_restarting_is_true_in_the_epoch_a_mid_epoch_checkpoint_restores_and_only_there(tmp_path):
-    flags = {"limit_train_batches": 5, "limit_val_batches": 0, "logger": False, **_QUIET_BAR}
-    first = pl.Trainer(max_epochs=1, callbacks=[_SaveAt(tmp_path / "mid.ckpt", 2)], default_root_dir=tmp_path, **flags)
-    first.fit(BoringModel())  # mid.ckpt: after 3 of 5 batches of epoch 0
-    seen = _Restarting()
-    again = pl.Trainer(max_epochs=2, callbacks=[seen], default_root_dir=tmp_path, **flags)
-    again.fit(BoringModel(), ckpt_path=tmp_path / "mid.ckpt", weights_only=True)
-    assert seen.seen == [True, True, False, False, False, False, False]  # the rest of epoch 0, then epoch 1
-
-
 def test_batchnorm_base_is_the_base_of_torchs_batchnorms():
     for cls in (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm):
         assert issubclass(cls, _compat.BatchNormBase)

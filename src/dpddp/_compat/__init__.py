@@ -34,7 +34,7 @@ from lightning.pytorch.trainer.states import RunningStage
 
 __all__ = ["AGENT_STORE_ENV", "CHECKED", "HOOK_NAME_ATTRIBUTE", "Launcher", "SubprocessScriptLauncher", "agent_store"]
 __all__ += ["disable_sigterm_broadcast", "hydra_command_line", "hydra_mode_unset", "data_position"]
-__all__ += ["epoch_finished_in", "fit_restarting", "float_batch_counts", "init_process_group", "hydra_override_refused"]
+__all__ += ["epoch_finished_in", "float_batch_counts", "init_process_group", "hydra_override_refused"]
 __all__ += ["keep_unfinished_epoch", "logged_metric_kinds", "logged_tensor_states", "processed_epochs", "rank0_store"]
 __all__ += ["resolve_process_group_backend", "restore_logged_tensors", "restore_sigterm_broadcast", "counted_step"]
 __all__ += ["agent_store_shared", "epoch_cut", "restart_train_iterator"]
@@ -195,11 +195,6 @@ def processed_epochs(checkpoint: dict[str, Any]) -> int | None:
     loop = checkpoint.get("loops", {}).get("fit_loop", {})
     done = loop.get("epoch_progress", {}).get("current", {}).get("processed")
     return done if isinstance(done, int) else None
-
-
-def fit_restarting(trainer: pl.Trainer) -> bool:
-    """``trainer.fit_loop.restarting``: restored inside an epoch. Lightning 2.6.6; test_compat fails if it moves."""
-    return bool(trainer.fit_loop.restarting)
 
 
 def restart_train_iterator(trainer: pl.Trainer) -> None:
