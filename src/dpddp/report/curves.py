@@ -81,6 +81,8 @@ def write_plot(path: str | Path, out: str | Path | None = None) -> Path:
         ModuleNotFoundError: matplotlib is not installed (``pip install "dpddp[plot]"``).
     """
     data = curves(path)
+    if not can_plot():
+        raise ModuleNotFoundError('matplotlib is not installed: pip install "dpddp[plot]"', name="matplotlib")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
