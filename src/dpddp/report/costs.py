@@ -1,20 +1,66 @@
 """Where a run's memory and time go: peak memory per process and the share of the training steps spent waiting
-on the gradient all-reduce, the largest (memory) and the mean (share) over ranks."""
+on the gradient all-reduce, the largest (memory) and the mean (share) over ranks; under ddp each rank's compute and
+wait seconds per epoch, the slowest rank and a warning naming a straggler."""
 
 from __future__ import annotations
 
+import logging
+import math
 import resource
+import socket
+import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from dpddp._compat import epoch_cut
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy
 from dpddp.report.throughput import ThroughputCounts
 
-__all__ = ["Costs", "peak_memory_mib"]
+__all__ = ["STRAGGLER_RATIO", "Costs", "peak_memory_mib", "slowest", "straggler_line"]
+
+log = logging.getLogger(__name__)
+
+STRAGGLER_RATIO = 1.5
+"""A rank whose epoch compute time is at least this many times the median over ranks is warned about."""
+
+
+def slowest(compute_s: Sequence[float]) -> tuple[int, float]:
+    """The rank with the largest compute time in ``compute_s`` (one entry per rank, seconds; a tie: the lowest
+    rank) and its ratio to the median over all ranks (``statistics.median``: with 2 ranks their mean, so the ratio
+    is below 2); ``nan`` when the median is not positive.
+
+    Raises:
+        ValueError: ``compute_s`` is empty.
+    """
+    if not compute_s:
+        raise ValueError("no ranks: compute_s is empty")
+    rank = max(range(len(compute_s)), key=lambda r: (compute_s[r], -r))
+    median = statistics.median(compute_s)
+    return rank, compute_s[rank] / median if median > 0 else math.nan
+
+
+def straggler_line(compute_s: Sequence[float], epoch: int, hosts: Sequence[str] | None = None) -> str | None:
+    """The warning for epoch ``epoch`` when its slowest rank's compute time (``compute_s``, seconds per rank) is at
+    least ``STRAGGLER_RATIO`` times the median, else ``None``: ``straggler: rank 1 (host h) took 2.10x the median
+    compute time in epoch 3 (...)``; the host where ``hosts`` (one name per rank) gives it.
+
+    Raises:
+        ValueError: ``compute_s`` is empty.
+    """
+    rank, ratio = slowest(compute_s)
+    if not ratio >= STRAGGLER_RATIO:
+        return None
+    host = f" (host {hosts[rank]})" if hosts is not None and rank < len(hosts) else ""
+    median = statistics.median(compute_s)
+    return (
+        f"straggler: rank {rank}{host} took {ratio:.2f}x the median compute time in epoch {epoch} "
+        f"({compute_s[rank]:.3f} s against {median:.3f} s; the other ranks waited for it in the gradient all-reduce)"
+    )
 
 
 def peak_memory_mib(trainer: pl.Trainer) -> tuple[float, str]:
@@ -32,8 +78,12 @@ def peak_memory_mib(trainer: pl.Trainer) -> tuple[float, str]:
 class Costs(pl.Callback):
     """At each epoch's end ``epoch`` holds the peak memory (MiB, the largest over ranks) and, under ddp, the
     epoch's share of step time (``on_train_batch_start`` to ``_end``) that backward waited on the all-reduce
-    (``dpddp.parallel.allreduce.AllReduceTimer``; the mean over ranks); published at ``on_fit_end`` over the run
-    (``counts``, resumable) under ``MEMORY_KEY`` and ``SHARE_KEY``. Two all-reduces per epoch and two at the end."""
+    (``dpddp.parallel.allreduce.AllReduceTimer``; the mean over ranks), the slowest rank by compute time (step
+    time less that wait) and its ratio to the median (``slowest_rank``, ``slowest_ratio``); published at
+    ``on_fit_end`` over the run (``counts``, resumable) under ``MEMORY_KEY`` and ``SHARE_KEY``. Each rank's
+    compute and wait seconds of the last finished epoch are in ``counts`` (``rank_figures``). An epoch a stop did
+    not cut whose slowest rank is ``STRAGGLER_RATIO`` times the median is warned in one line (rank 0). One
+    all-gather per epoch and one at the end (and, at the first straggler of a fit, one of the host names)."""
 
     MEMORY_KEY = "perf/peak_mem_mib"
     SHARE_KEY = "perf/allreduce_share"
@@ -43,6 +93,7 @@ class Costs(pl.Callback):
         self.kind = "rss"
         self.epoch: dict[str, float] = {}
         self._base, self._epoch_start = 0.0, (0.0, 0.0)
+        self._hosts: list[str] | None = None
 
     def _timer_seconds(self, trainer: pl.Trainer, settle: bool = False) -> float | None:
         strategy = trainer.strategy
@@ -56,6 +107,8 @@ class Costs(pl.Callback):
         self._base = self.counts.allreduce_seconds
         if isinstance(trainer.strategy, DDPStrategy) and trainer.strategy.allreduce_timer is not None:
             trainer.strategy.allreduce_timer.reset()
+        self._epoch_start = self.counts.allreduce_seconds, self.counts.fallback_seconds  # a restart mid-epoch
+        self._hosts = None
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -72,7 +125,13 @@ class Costs(pl.Callback):
         seconds = self._timer_seconds(trainer, settle=True)
         waited = (seconds - self._epoch_start[0]) if seconds is not None else None
         stepped = self.counts.fallback_seconds - self._epoch_start[1]
-        self.epoch = self._over_ranks(trainer, waited, stepped)
+        self.epoch = self._over_ranks(trainer, waited, stepped, epoch=trainer.current_epoch)
+        compute = self.counts.compute_s_per_rank
+        slow = len(compute) >= 2 and self.epoch.get("slowest_ratio", math.nan) >= STRAGGLER_RATIO
+        if slow and not epoch_cut(trainer):  # the same on every rank: the host names' all-gather
+            line = straggler_line(compute, trainer.current_epoch, self._host_names())
+            if line is not None and trainer.is_global_zero:
+                log.warning(line)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -87,16 +146,52 @@ class Costs(pl.Callback):
         if "allreduce_share" in found:
             trainer.callback_metrics[self.SHARE_KEY] = torch.tensor(found["allreduce_share"], dtype=torch.float64)
 
-    def _over_ranks(self, trainer: pl.Trainer, waited: float | None, stepped: float) -> dict[str, float]:
-        """The peak memory (largest over ranks) and ``waited / stepped`` (the ranks' sums), when timed."""
+    def rank_figures(self) -> dict[str, Any]:
+        """``metrics.json``'s per-rank entries, of the last finished epoch: ``compute_s_per_rank`` and
+        ``allreduce_wait_s_per_rank`` (seconds, one per rank), ``slowest_rank`` and ``slowest_ratio``; each
+        ``nan`` when not measured (no ddp epoch timed)."""
+        compute, wait = self.counts.compute_s_per_rank, self.counts.wait_s_per_rank
+        if not compute:
+            keys = ("compute_s_per_rank", "allreduce_wait_s_per_rank", "slowest_rank", "slowest_ratio")
+            return dict.fromkeys(keys, math.nan)
+        rank, ratio = slowest(compute)
+        return {
+            "compute_s_per_rank": [round(s, 6) for s in compute],
+            "allreduce_wait_s_per_rank": [round(s, 6) for s in wait],
+            "slowest_rank": rank,
+            "slowest_ratio": ratio,
+        }
+
+    def _host_names(self) -> list[str]:
+        """Every rank's host name (an all-gather, once per fit)."""
+        if self._hosts is None:
+            hosts: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(hosts, socket.gethostname())
+            self._hosts = [str(h) for h in hosts]
+        return self._hosts
+
+    def _over_ranks(
+        self, trainer: pl.Trainer, waited: float | None, stepped: float, epoch: int | None = None
+    ) -> dict[str, float]:
+        """The peak memory (largest over ranks) and ``waited / stepped`` (the ranks' sums), when timed; for an
+        ``epoch``, also each rank's compute (``stepped - waited``) and wait seconds, into ``counts``, and the slowest
+        rank. One all-gather of ``[peak, waited, stepped]`` per rank."""
         peak, self.kind = peak_memory_mib(trainer)
-        device = trainer.strategy.root_device
-        most = torch.tensor([peak], dtype=torch.float64, device=device)
-        sums = torch.tensor([waited or 0.0, stepped], dtype=torch.float64, device=device)
+        mine = torch.tensor([peak, waited or 0.0, stepped], dtype=torch.float64, device=trainer.strategy.root_device)
+        rows = [mine]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-            torch.distributed.all_reduce(sums)
-        found = {"peak_mem_mib": float(most[0])}
-        if waited is not None and float(sums[1]) > 0:
-            found["allreduce_share"] = float(sums[0]) / float(sums[1])
+            rows = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(rows, mine)
+        table = torch.stack(rows).cpu()
+        found: dict[str, float] = {"peak_mem_mib": float(table[:, 0].max())}
+        sums = table.sum(dim=0)
+        if waited is not None and float(sums[2]) > 0:
+            found["allreduce_share"] = float(sums[1]) / float(sums[2])
+        if waited is not None and epoch is not None:
+            wait = [float(w) for w in table[:, 1]]
+            compute = [max(float(s) - w, 0.0) for s, w in zip(table[:, 2], wait, strict=True)]
+            self.counts.compute_s_per_rank, self.counts.wait_s_per_rank = compute, wait
+            self.counts.ranks_epoch = epoch
+            rank, ratio = slowest(compute)
+            found.update(slowest_rank=rank, slowest_ratio=ratio)
         return found

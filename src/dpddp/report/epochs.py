@@ -23,8 +23,10 @@ log = logging.getLogger(__name__)
 
 EPOCH_COLUMNS: tuple[str, ...] = ("stage", "epoch", "step", "train/loss", "val/loss", "val/acc", "test/loss")
 EPOCH_COLUMNS += ("test/acc", "epoch_s", "samples_per_sec", "peak_mem_mib", "allreduce_share", "world_size")
+EPOCH_COLUMNS += ("slowest_rank", "slowest_ratio")
 """The columns of ``metrics.csv``, fixed whatever was logged: one ``fit`` row per epoch, one ``test`` row;
-``world_size``: the processes that ran the epoch's last step (or the test)."""
+``world_size``: the processes that ran the epoch's last step (or the test); ``slowest_rank`` (ddp): the rank with the
+largest compute time in the epoch and ``slowest_ratio`` its ratio to the median over ranks."""
 
 
 @dataclass
@@ -61,7 +63,8 @@ def early_stops(trainer: pl.Trainer) -> list[str]:
 class EpochRecord(pl.Callback):
     """One ``fit`` row per finished epoch in ``<output_dir>/metrics.csv`` (rank 0; ``EPOCH_COLUMNS``), with
     ``lines=True`` one log line each (``epoch 3/9: train/loss=... (0.21 s, 24,300 samples/s)``: epochs from 0,
-    as in ``metrics.csv``, the plot and Lightning's progress bar, out of the last, ``max_epochs - 1``), and a
+    as in ``metrics.csv``, the plot and Lightning's progress bar, out of the last, ``max_epochs - 1``; under ddp of 2
+    or more ranks ``slowest rank 1 x1.23``: the rank with the most compute time and its ratio to the median), and a
     ``test`` row after a test. An ``EarlyStopping`` that ended the fit says so in one log line (rank 0).
     ``epoch_s`` (seconds) includes validation; ``train_time_s`` sums the segments. A resumed run extends the
     checkpoint's rows. A row is completed at ``flush``, the next epoch's start or the fit's end.
@@ -196,6 +199,8 @@ class EpochRecord(pl.Callback):
             speed += f", peak {row['peak_mem_mib']:,.0f} MiB"
         if "allreduce_share" in row:
             speed += f", all-reduce {row['allreduce_share']:.0%} of step time"
+        if "slowest_rank" in row and row.get("world_size", 1) >= 2:
+            speed += f", slowest rank {row['slowest_rank']} x{row['slowest_ratio']:.2f}"
         return f"epoch {row['epoch']}{total}: {values} ({speed})"
 
     def _write(self, rows: list[dict[str, Any]], mode: str) -> None:

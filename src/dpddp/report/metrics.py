@@ -24,6 +24,9 @@ MISSING = {
     "samples_per_sec": "fewer than two training steps: no steady state to measure",
     "peak_mem_mib": "no training step ran",
     "allreduce_share": "not timed: a ddp_comm_hook of your own, or no training step",
+    "compute_s_per_rank": "not timed: a ddp_comm_hook of your own, or no training epoch finished",
+    "allreduce_wait_s_per_rank": "not timed: a ddp_comm_hook of your own, or no training epoch finished",
+    "slowest_": "not timed: a ddp_comm_hook of your own, or no training epoch finished",
 }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -19,7 +19,8 @@ __all__ = ["Throughput", "ThroughputCounts"]
 class ThroughputCounts:
     """The counts behind the figure (resumable state: they travel in the checkpoint). ``samples`` over
     ``seconds``: intervals between consecutive step ends within an epoch; ``fallback_*``: the steps' own times;
-    ``allreduce_seconds`` of them waiting on the gradient all-reduce and the peak memory in MiB (``Costs``)."""
+    ``allreduce_seconds`` of them waiting on the gradient all-reduce and the peak memory in MiB (``Costs``); under
+    ddp the last finished epoch's (``ranks_epoch``) compute and all-reduce wait seconds of each rank (``Costs``)."""
 
     samples: int = 0
     seconds: float = 0.0
@@ -27,6 +28,9 @@ class ThroughputCounts:
     fallback_seconds: float = 0.0
     allreduce_seconds: float = 0.0
     peak_mem_mib: float = 0.0
+    compute_s_per_rank: list[float] = field(default_factory=list)
+    wait_s_per_rank: list[float] = field(default_factory=list)
+    ranks_epoch: int = -1
 
     @property
     def samples_per_sec(self) -> float:

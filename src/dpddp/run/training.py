@@ -109,7 +109,7 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         micro_batch_size=executions.micro_size if executions is not None and executions.micro else None,
         wall_time_s=time.perf_counter() - start,
         **(
-            {"allreduce_share": metrics.get(Costs.SHARE_KEY, math.nan)}
+            {"allreduce_share": metrics.get(Costs.SHARE_KEY, math.nan), **_rank_figures(trainer)}
             if isinstance(trainer.strategy, DDPStrategy)
             else {}
         ),
@@ -121,6 +121,7 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
     if predict_error is not None:
         result["predict_error"] = first_line(predict_error)
     reasons, unshown = _missing(trainer, metrics, stage, ran)
+    unshown += PER_RANK_KEYS  # one entry per rank: in the file
     if stage != "fit":  # a stage run alone: its line shows only what it measured
         unshown += tuple(k for k, v in result.items() if k == "objective" or (isinstance(v, float) and math.isnan(v)))
     if trainer.is_global_zero:
@@ -185,6 +186,15 @@ def _log_world(cfg: DictConfig, elastic: bool, source: str) -> None:
             "(torch keeps the store's address for the first round only): start torchrun with "
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment on every node"
         )
+
+
+PER_RANK_KEYS = ("compute_s_per_rank", "allreduce_wait_s_per_rank")
+
+
+def _rank_figures(trainer: pl.Trainer) -> dict[str, Any]:
+    """``Costs.rank_figures`` of the trainer's ``Costs`` (the last finished epoch's), empty without one."""
+    costs = [cb for cb in trainer.callbacks if isinstance(cb, Costs)]  # type: ignore[attr-defined]
+    return costs[0].rank_figures() if costs else {}
 
 
 def _segment_world_sizes(trainer: pl.Trainer) -> list[int]:
