@@ -4,6 +4,7 @@ of truth), and the closest valid key for an unknown one (``+devises=2``: ``did y
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 from collections.abc import Iterable, Mapping
@@ -41,9 +42,10 @@ TRAINER_OWNED = {
 }
 
 
+@functools.lru_cache(maxsize=256)
 def _params(fn: Any) -> list[str]:
     """The keyword names ``fn`` takes; a class's ``**kwargs`` passed on to its bases adds theirs (a user's
-    subclass of a built-in model)."""
+    subclass of a built-in model). Read once per ``fn`` (the caller does not change the list)."""
     params = inspect.signature(fn).parameters.values()
     names = [p.name for p in params if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if isinstance(fn, type) and any(p.kind is p.VAR_KEYWORD for p in params):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import json
 import logging
 import re
 import types
@@ -97,10 +98,23 @@ def refused_flag(trainer: Mapping[str, Any]) -> str | None:
     """``trainer.<flag>=<value> is invalid: <why>`` for the first flag of the ``trainer`` section whose type
     ``pl.Trainer``'s signature does not take, or that ``pl.Trainer`` refuses alone (the flags are tried together
     first: one Trainer when all are valid), else ``None``. The top-level knobs and what dpddp sets itself
-    (``strategy``, ``logger``, ...) are not tried."""
+    (``strategy``, ``logger``, ...) are not tried. Flags found valid once are not tried again in this process."""
     given = OmegaConf.to_container(trainer, resolve=True) if isinstance(trainer, DictConfig) else trainer
     assert isinstance(given, Mapping)
     flags = {str(k): v for k, v in given.items() if k not in _OWNED}
+    key = json.dumps(flags, sort_keys=True, default=repr)
+    if key in _VALID:
+        return None
+    if (problem := _refused(flags)) is None:
+        _VALID.add(key)
+    return problem
+
+
+_VALID: set[str] = set()
+"""The flag sets ``refused_flag`` found valid (as sorted JSON)."""
+
+
+def _refused(flags: dict[str, Any]) -> str | None:
     if problem := _mistyped(flags):
         return problem
     defaults = inspect.signature(pl.Trainer.__init__).parameters
