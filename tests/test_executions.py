@@ -137,7 +137,7 @@ ONE = "use steps_per_execution=1"
 @pytest.mark.parametrize(
     ("override", "line", "fix"),
     [
-        ("steps_per_execution=0", "steps_per_execution=0 is invalid: use a positive number", "e.g. 16"),
+        ("steps_per_execution=0", "steps_per_execution=0 is invalid: use a positive number", "e.g. 16, or auto"),
         (
             "trainer.accumulate_grad_batches=2",
             "trainer.accumulate_grad_batches=2 cannot be kept with steps_per_execution=4",

@@ -21,6 +21,7 @@ __all__ = [
     "launched",
     "launched_by_dpddp",
     "launcher_variables",
+    "local_rank",
     "loopback_interface",
     "master_address",
     "node_rank",
@@ -53,6 +54,11 @@ def writes_outputs() -> bool:
 def launched_by_dpddp() -> bool:
     """Whether dpddp's own launcher started this process (``LAUNCHED_ENV``): rank 0's run has its other ranks."""
     return bool(os.environ.get(LAUNCHED_ENV))
+
+
+def local_rank() -> int:
+    """This process's rank on its node: ``LOCAL_RANK`` (torchrun's, Lightning's, dpddp's launcher's), else 0."""
+    return int(os.environ.get("LOCAL_RANK", 0))
 
 
 def node_rank() -> int:

@@ -18,6 +18,7 @@ from dpddp._compat.callbacks import swapped_average
 from dpddp.errors import WriteFailed
 
 __all__ = ["BACKGROUND", "AtomicCheckpointIO", "ConfiguredModel", "checkpoint_launch", "checkpoint_problem"]
+__all__ += ["checkpoint_steps_per_execution"]
 
 BACKGROUND = {"dpddp": "background"}
 """``storage_options`` that make ``AtomicCheckpointIO`` write in its background thread."""
@@ -98,6 +99,18 @@ def checkpoint_launch(path: str | Path) -> str | None:
         return None
     entry = ckpt.get("dpddp") if isinstance(ckpt, dict) else None
     return entry.get("launch") if isinstance(entry, dict) else None
+
+
+def checkpoint_steps_per_execution(path: str | Path) -> int:
+    """The ``steps_per_execution`` the checkpoint at ``path`` was trained with (``ResumableState``'s entry; 1
+    when it has none, or the file cannot be read: the config check says why); mapped, not read."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return 1
+    entry = ckpt.get("dpddp") if isinstance(ckpt, dict) else None
+    k = entry.get("steps_per_execution", 1) if isinstance(entry, dict) else 1
+    return k if isinstance(k, int) and k >= 1 else 1
 
 
 class ConfiguredModel(NamedTuple):

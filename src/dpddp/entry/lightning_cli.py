@@ -24,7 +24,7 @@ import warnings
 from importlib.metadata import version
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hydra import compose, initialize_config_module
 from hydra.utils import get_class
@@ -101,7 +101,10 @@ class DPDDPCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint, or 'last'")
         parser.add_argument(
-            "--steps_per_execution", type=int, default=1, help="optimizer steps per Lightning loop iteration"
+            "--steps_per_execution",
+            type=int | Literal["auto"],
+            default=1,
+            help="optimizer steps per Lightning loop iteration, or auto (timed from the model's step)",
         )
 
     @override

@@ -39,7 +39,7 @@ from dpddp.run.plain import check_plain, check_resolvable
 from dpddp.run.trainer_flags import refused_flag
 
 __all__ = ["CLI_CALLBACKS", "check_config", "check_output_dir", "check_precision", "check_resolvable"]
-__all__ += ["needs_logger"]
+__all__ += ["execution_refusal", "needs_logger"]
 
 
 def _check_val_interval(trainer: Mapping, batches: int) -> None:
@@ -92,19 +92,44 @@ EXECUTION_LIMITS = (
 )
 
 
-def _check_limits(cfg: Mapping, limits: tuple, setting: str, fix: str) -> None:
-    """Raises ``ConfigError`` for the first of ``limits`` (setting, the values that can, why) that ``cfg`` breaks
-    while ``setting`` is given; ``fix`` is the line's last choice."""
+def _broken_limit(cfg: Mapping, limits: tuple) -> tuple[str, Any, str] | None:
+    """The first of ``limits`` (setting, the values that can, why) that ``cfg`` breaks: ``(setting, its value,
+    why)``, or ``None``."""
     for name, ok, why in limits:
         section, _, key = name.rpartition(".")
         value = (cfg[section] or {}).get(key) if section else cfg["strategy"]["name"]
         if value not in ok:
-            raise ConfigError(f"{name}={value!r} cannot be kept with {setting} ({why}): remove it, or {fix}")
+            return name, value, why
+    return None
+
+
+def _check_limits(cfg: Mapping, limits: tuple, setting: str, fix: str) -> None:
+    """Raises ``ConfigError`` for the first of ``limits`` (setting, the values that can, why) that ``cfg`` breaks
+    while ``setting`` is given; ``fix`` is the line's last choice."""
+    if broken := _broken_limit(cfg, limits):
+        name, value, why = broken
+        raise ConfigError(f"{name}={value!r} cannot be kept with {setting} ({why}): remove it, or {fix}")
+
+
+def execution_refusal(cfg: Mapping) -> str | None:
+    """Why ``cfg`` cannot run with ``steps_per_execution`` above 1, as ``"<setting>=<value>: <why>"`` (the first
+    of the ``EXECUTION_LIMITS`` it breaks, or data that is not global-batch), or ``None``; the settings are the
+    ones ``check_config`` has checked."""
+    if broken := _broken_limit(cfg, EXECUTION_LIMITS):
+        name, value, why = broken
+        return f"{name}={value!r}: {why}"
+    if not issubclass(target_class("data", cfg["data"]), GlobalBatchDataModule):
+        return f"data._target_={cfg['data']['_target_']}: not a dpddp.data.global_batch.GlobalBatchDataModule"
+    return None
 
 
 def _check_executions(cfg: Mapping) -> None:
-    """``steps_per_execution``: a positive integer; above 1, the ``EXECUTION_LIMITS`` and the data checked."""
-    k = checked_int("steps_per_execution", cfg.get("steps_per_execution", 1), 1, "use a positive number, e.g. 16")
+    """``steps_per_execution``: ``auto`` (nothing refused: ``dpddp.run.auto_steps`` falls back to 1) or a positive
+    integer; above 1, the ``EXECUTION_LIMITS`` and the data checked."""
+    given = cfg.get("steps_per_execution", 1)
+    if given == "auto":
+        return
+    k = checked_int("steps_per_execution", given, 1, "use a positive number, e.g. 16, or auto")
     if k == 1:
         return
     _check_limits(cfg, EXECUTION_LIMITS, f"steps_per_execution={k}", "use steps_per_execution=1")
@@ -350,6 +375,8 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     max_epochs = (cfg["trainer"] or {}).get("max_epochs")
     data = dict(cfg["data"]) if cfg.get("resume") else None  # resume=true continues the same run: same data
     k = cfg.get("steps_per_execution", 1) if stage == "fit" else None
+    if k == "auto":  # the checkpoint's K is reused, unless the config refuses any K above 1
+        k = 1 if execution_refusal(cfg) else None
     batch = (cfg["data"] or {}).get("batch_size")
     batch = batch if isinstance(batch, int) else None
     if ckpt is not None and (

@@ -35,6 +35,7 @@ from dpddp.report.tally import FitTally
 from dpddp.report.throughput import Throughput
 from dpddp.report.trackers import close_trackers
 from dpddp.run.assembly import build_trainer
+from dpddp.run.auto_steps import resolve_steps
 from dpddp.run.build import build
 from dpddp.run.config import check_config, check_output_dir
 from dpddp.run.executions import StepsPerExecution
@@ -84,6 +85,9 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         if forward:
             predict_forward(model)
         steps, micro = cfg.get("steps_per_execution", 1), getattr(datamodule, "micro_batch_size", None)
+        if steps == "auto":
+            steps = resolve_steps(cfg, model, datamodule) if stage == "fit" else 1
+            cfg.steps_per_execution = steps  # what the launched ranks' job, the tally and the checkpoint see
         executions = StepsPerExecution(model, steps, micro) if (steps > 1 or micro) and stage == "fit" else None
         if executions is not None:
             datamodule.steps_per_execution = steps
@@ -107,6 +111,7 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         num_nodes=cfg.num_nodes,
         precision=str(trainer.precision),  # Lightning's resolved flag: 16-mixed becomes bf16-mixed on CPU
         micro_batch_size=executions.micro_size if executions is not None and executions.micro else None,
+        steps_per_execution=steps if stage == "fit" else None,
         wall_time_s=time.perf_counter() - start,
         **(
             {"allreduce_share": metrics.get(Costs.SHARE_KEY, math.nan), **_rank_figures(trainer)}

@@ -1,0 +1,191 @@
+"""``steps_per_execution=auto`` (``dpddp.run.auto_steps``): K is a power of two within its bounds, chosen from the
+timed step of the run's model; the run equals K=1's bit for bit (one process) and within ddp's tolerance (2
+processes, dpddp's launcher and torchrun); what refuses K > 1 falls back to 1 in one line; a continued fit takes
+its checkpoint's K without timing; ``metrics.json`` holds K."""
+
+import logging
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import QUIET, ROOT, checkpoint, child_env, compose_cfg, leftover, max_diff, metrics, run_train, weights
+from test_cli import FAST, cli
+from test_executions import ScheduledModel
+
+from dpddp.errors import ConfigError
+from dpddp.run import auto_steps
+from dpddp.run.auto_steps import LOOP_OVERHEAD_S, MAX_AUTO_STEPS, OVERHEAD_SHARE, resolve_steps
+from dpddp.run.build import build
+from dpddp.run.training import train
+
+# 1005 samples: 804 train = 12 global batches of 64 an epoch, so auto's K is at most 8.
+BASE = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "model.optimizer=adam", "model.lr=0.01"]
+KEYS = ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc")
+AUTO = "steps_per_execution=auto"
+
+
+def _lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("steps_per_execution=auto:")]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """One process, K=1, 3 epochs (36 steps): ``(run dir, metrics)``."""
+    run = tmp_path_factory.mktemp("straight")
+    return run, train(compose_cfg(*BASE, "trainer.max_epochs=3"), run)
+
+
+@pytest.mark.parametrize(
+    ("step_s", "per_epoch", "k"),
+    [
+        (LOOP_OVERHEAD_S / OVERHEAD_SHARE, 100, 1),  # the loop is 5% of one step already
+        (1.0, 100, 1),
+        (LOOP_OVERHEAD_S / OVERHEAD_SHARE / 3, 100, 4),  # needs 3: the next power of two
+        (LOOP_OVERHEAD_S / OVERHEAD_SHARE / 8, 100, 8),
+        (1e-6, 100, MAX_AUTO_STEPS),
+        (1e-6, 12, 8),  # within an epoch
+        (1e-6, 1, 1),
+        (float("nan"), 100, 1),
+        (0.0, 100, 1),
+    ],
+)
+def test_k_is_the_smallest_power_of_two_that_keeps_the_loop_within_its_share(step_s, per_epoch, k):
+    assert auto_steps.auto_steps(step_s, per_epoch) == k
+
+
+def test_auto_equals_one_bit_for_bit_and_its_k_is_in_metrics(tmp_path, straight, caplog):
+    caplog.set_level(logging.INFO, logger="dpddp.run.auto_steps")
+    one_dir, one = straight
+    fused = train(compose_cfg(*BASE, "trainer.max_epochs=3", AUTO), tmp_path / "auto")
+    (line,) = _lines(caplog)
+    k = fused["steps_per_execution"]
+    assert k in (2, 4, 8), line  # a step of this model is well under the 20 ms that makes K=1
+    assert line.startswith(f"steps_per_execution=auto: {k} (a step ") and "needs K >= " in line, line
+    assert metrics(tmp_path / "auto")["steps_per_execution"] == k and one["steps_per_execution"] == 1
+    assert checkpoint(tmp_path / "auto")["dpddp"]["steps_per_execution"] == k
+    assert checkpoint(tmp_path / "auto")["global_step"] == 36
+    assert max_diff(weights(one_dir / "checkpoints/last.ckpt"), weights(tmp_path / "auto/checkpoints/last.ckpt")) == 0
+    for key in KEYS:
+        assert fused[key] == one[key], key
+
+
+def test_the_probe_leaves_the_random_streams_and_the_model_as_they_were():
+    cfg = compose_cfg(*BASE, AUTO)
+    pl.seed_everything(0, verbose=False)
+    data, model = build(cfg.data, "data", _convert_="all"), build(cfg.model, "model", _convert_="all")
+    before, state = torch.get_rng_state(), {k: v.clone() for k, v in model.state_dict().items()}
+    k = resolve_steps(cfg, model, data)
+    assert k in (1, 2, 4, 8)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert all(torch.equal(v, state[n]) for n, v in model.state_dict().items())
+    assert model._step_losses == []  # the copy's step kept its loss
+
+
+class ManualModel(ScheduledModel):
+    """A user's model that steps its optimizer itself."""
+
+    def __init__(self, num_features: int = 16, num_classes: int = 4) -> None:
+        super().__init__(num_features, num_classes)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+USER = ["callbacks.metric_contract=null", *(f"~model.{key}" for key in ("optimizer", "lr", "momentum", "weight_decay"))]
+
+
+@pytest.mark.parametrize(
+    ("override", "why"),
+    [
+        ("trainer.gradient_clip_val=0.5", "trainer.gradient_clip_val=0.5: Lightning clips only under automatic"),
+        ("trainer.accumulate_grad_batches=2", "trainer.accumulate_grad_batches=2: an execution takes one optimizer"),
+        ("trainer.limit_train_batches=5", "trainer.limit_train_batches=5: an epoch is all its global batches"),
+        ("model._target_=test_auto_executions.ManualModel", "ManualModel uses manual optimization"),
+        ("model._target_=test_executions.ScheduledModel", "ScheduledModel has more than one optimizer or an LR"),
+    ],
+)
+def test_what_refuses_k_above_one_falls_back_to_one_in_one_line(tmp_path, caplog, override, why):
+    caplog.set_level(logging.INFO, logger="dpddp.run.auto_steps")
+    args = [*BASE, AUTO, "trainer.max_epochs=1", override, *(USER if override.startswith("model.") else [])]
+    result = train(compose_cfg(*args), tmp_path / "run")
+    (line,) = _lines(caplog)
+    assert line.startswith(f"steps_per_execution=auto: 1 ({why}"), line
+    assert result["steps_per_execution"] == metrics(tmp_path / "run")["steps_per_execution"] == 1
+
+
+def test_data_that_is_not_global_batch_falls_back_to_one(caplog):
+    caplog.set_level(logging.INFO, logger="dpddp.run.auto_steps")
+    args = [*QUIET, "accelerator=cpu", "logger=none", AUTO, "data=sharded", "model.num_features=32"]
+    args += ["model.num_classes=2"]
+    cfg = compose_cfg(*args, "+data.module._target_=lightning.pytorch.demos.boring_classes.BoringDataModule")
+    model = build(cfg.model, "model", _convert_="all")
+    assert resolve_steps(cfg, model, build(cfg.data, "data", _convert_="all")) == 1
+    assert _lines(caplog) == [
+        "steps_per_execution=auto: 1 (data._target_=dpddp.data.sharded.ShardedDataModule: not a "
+        "dpddp.data.global_batch.GlobalBatchDataModule)"
+    ]
+
+
+def test_a_continued_fit_takes_its_checkpoints_k_without_timing(tmp_path, straight, caplog, monkeypatch):
+    train(compose_cfg(*BASE, "trainer.max_epochs=3", "trainer.max_steps=7", "steps_per_execution=5"), tmp_path / "a")
+    caplog.set_level(logging.INFO, logger="dpddp.run.auto_steps")
+    monkeypatch.setattr(auto_steps, "_probe", lambda *args: pytest.fail("a continued fit timed a step"))
+    ckpt = f"ckpt_path={tmp_path}/a/checkpoints/last.ckpt"
+    continued = train(compose_cfg(*BASE, "trainer.max_epochs=3", AUTO, ckpt), tmp_path / "b")
+    assert _lines(caplog) == ["steps_per_execution=auto: 5 (the checkpoint's)"]
+    assert continued["steps_per_execution"] == checkpoint(tmp_path / "b")["dpddp"]["steps_per_execution"] == 5
+    assert max_diff(weights(straight[0] / "checkpoints/last.ckpt"), weights(tmp_path / "b/checkpoints/last.ckpt")) == 0
+
+
+def test_a_refused_setting_continues_only_a_checkpoint_of_k_one(tmp_path):
+    train(compose_cfg(*BASE, "trainer.max_steps=7", "steps_per_execution=5"), tmp_path / "a")
+    ckpt = f"ckpt_path={tmp_path}/a/checkpoints/last.ckpt"
+    with pytest.raises(ConfigError, match=r"was trained with steps_per_execution=5: continue it with"):
+        train(compose_cfg(*BASE, AUTO, ckpt, "trainer.gradient_clip_val=0.5"), tmp_path / "b")
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["dpddp", "torchrun"])
+def test_ddp_two_processes_agree_on_k_and_equal_one_process(tmp_path, launcher):
+    """Rank 0 resolves K: dpddp's launcher hands it to rank 1 in its job, torchrun's ranks through its agent
+    store; the run equals one process at K=1."""
+    args = [*BASE, "trainer.max_epochs=2", "trainer.max_steps=20", AUTO, "strategy=ddp", "devices=2"]
+    one = train(compose_cfg(*BASE, "trainer.max_epochs=2", "trainer.max_steps=20"), tmp_path / "one")
+    if launcher == "dpddp":
+        done = run_train(*args, "hydra.run.dir=two", cwd=tmp_path)
+    else:
+        env, tag = child_env()
+        cmd = [*TORCHRUN, str(ROOT / "train.py"), *args, "hydra.run.dir=two"]
+        done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert leftover(tag) == []
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in (done.stdout + done.stderr).splitlines() if "steps_per_execution=auto: " in line]
+    two = metrics(tmp_path / "two")
+    k = two["steps_per_execution"]
+    assert len(said) == 1 and f"steps_per_execution=auto: {k} (a step " in said[0], said
+    assert k in (2, 4, 8) and checkpoint(tmp_path / "two")["dpddp"]["steps_per_execution"] == k
+    assert checkpoint(tmp_path / "two")["global_step"] == checkpoint(tmp_path / "one")["global_step"] == 20
+    ends = [weights(tmp_path / run / "checkpoints/last.ckpt") for run in ("one", "two")]
+    assert max_diff(*ends) <= 1e-5
+    for key in KEYS:
+        assert two[key] == pytest.approx(one[key], abs=1e-5), key
+
+
+def test_the_lightning_cli_takes_auto(tmp_path):
+    out = cli("fit", *FAST, "--steps_per_execution=auto", "--data.num_samples=1005", cwd=tmp_path)
+    (path,) = tmp_path.glob("lightning_logs/version_*/metrics.json")
+    k = metrics(path.parent)["steps_per_execution"]
+    assert k in (2, 4, 8) and f"steps_per_execution=auto: {k} (a step " in out.stdout + out.stderr
