@@ -1036,3 +1036,28 @@ def test_ddp_strategys_arguments_for_distributed_data_parallel_are_what_wrapping
     with wrapping_frozen(strategy, module):
         assert module.bias.requires_grad and strategy._ddp_kwargs["find_unused_parameters"] is True
     assert not module.bias.requires_grad and module.weight.requires_grad
+
+
+def test_forget_resource_sharer_gives_a_forked_process_a_sharer_of_its_own():
+    """A process forked after its parent started the resource sharer would hand its workers the parent's address
+    (whose sharer lacks the child's keys: a worker's KeyError, then its EOFError) unless it forgets it."""
+    from multiprocessing import resource_sharer
+
+    parent_address, _ = resource_sharer._resource_sharer.register(lambda conn, pid: None, lambda: None)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            processes.forget_resource_sharer()
+            own, _ = resource_sharer._resource_sharer.register(lambda conn, pid: None, lambda: None)
+            os.write(write, str(own).encode())
+            resource_sharer.stop()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    child_address = os.read(read, 4096).decode()
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert child_address and child_address != str(parent_address)
+    assert os.path.exists(parent_address)  # the parent's socket file is still there

@@ -6,6 +6,7 @@ tests/test_compat.py fails when one moves. See docs/design-notes.md (parallel.wo
 from __future__ import annotations
 
 import multiprocessing.forkserver
+import multiprocessing.resource_sharer
 import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
@@ -16,7 +17,7 @@ import time
 from typing import Any
 
 __all__ = ["CHECKED", "at_multiprocessing_exit", "forget_forkserver", "raised_pickling_a_process"]
-__all__ += ["FORK_SERVER_COMMAND", "in_fork_server", "stop_worker_servers"]
+__all__ += ["FORK_SERVER_COMMAND", "forget_resource_sharer", "in_fork_server", "stop_worker_servers"]
 
 CHECKED = "3.11.7"
 """The CPython version every entry below was read in and tested against."""
@@ -45,6 +46,23 @@ def forget_forkserver() -> None:
             pass
     server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
     server._lock = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+def forget_resource_sharer() -> None:
+    """In a process just forked (``os.fork``) from one whose ``multiprocessing`` resource sharer may run (the
+    thread that hands a tensor's file descriptor to a DataLoader worker, torch's ``file_descriptor`` sharing):
+    forget it, so that this process's workers ask a sharer of its own (started on first use), not the parent's,
+    which lacks this process's keys. ``multiprocessing.resource_sharer._resource_sharer``'s fields, CPython
+    3.11.7; its own ``_afterfork`` is not called: closing the listener would unlink the parent's socket file.
+    test_compat fails if they move."""
+    sharer: Any = getattr(multiprocessing.resource_sharer, "_resource_sharer")  # noqa: B009 (typeshed lacks it)
+    if sharer._listener is not None:
+        sharer._listener._listener._socket.close()  # this process's copy only
+    for _, close in sharer._cache.values():
+        close()
+    sharer._cache = {}
+    sharer._lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    sharer._listener = sharer._address = sharer._thread = None
 
 
 def _stop_forkserver() -> None:

@@ -28,7 +28,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from typing_extensions import override
 
 from dpddp._compat import SubprocessScriptLauncher, set_num_threads_if_needed
-from dpddp._compat.processes import forget_forkserver, stop_worker_servers
+from dpddp._compat.processes import forget_forkserver, forget_resource_sharer, stop_worker_servers
 from dpddp.cluster import LAUNCHED_ENV, master_address
 from dpddp.errors import EXIT_CRASH, EXIT_PREEMPTED, ConfigError, RankFailed, first_line
 from dpddp.network import route_interface
@@ -264,6 +264,7 @@ class JobLauncher(SubprocessScriptLauncher):
                 if self.listen_socket is not None:
                     self.listen_socket.close()  # rank 0's store socket: only rank 0 keeps it
                 forget_forkserver()  # a fork server of an earlier job is rank 0's: this rank's workers get their own
+                forget_resource_sharer()  # likewise the sharer that hands tensors' descriptors to workers
                 os.environ.update(LOCAL_RANK=str(local_rank), **{LAUNCHED_ENV: "1"})
                 code = self.run_forked(self.job)
         except SystemExit as end:  # the rank's shell (dpddp.errors.shell) ends it with its status
