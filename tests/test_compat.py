@@ -1038,6 +1038,65 @@ def test_ddp_strategys_arguments_for_distributed_data_parallel_are_what_wrapping
     assert not module.bias.requires_grad and module.weight.requires_grad
 
 
+def test_powersgd_state_is_the_moving_part_of_what_torch_pickles_and_loads_weights_only(tmp_path):
+    """``POWERSGD_FIELDS`` are slots ``PowerSGDState.__getstate__`` pickles; ``powersgd_state`` saved and loaded
+    with ``weights_only=True`` puts back the same generator, memories and count."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    from dpddp._compat.comm_hooks import POWERSGD_FIELDS, load_powersgd_state, powersgd_state
+
+    state = PowerSGDState(None, start_powerSGD_iter=2)
+    assert set(POWERSGD_FIELDS) <= set(state.__getstate__()) and "process_group" not in state.__getstate__()
+    state.rng.randint(10)
+    state.error_dict, state.p_memory_dict, state.q_memory_dict = (
+        {0: torch.ones(3)},
+        {0: torch.ones(2)},
+        {1: torch.ones(1)},
+    )
+    state.iter = 7
+    torch.save(powersgd_state(state), tmp_path / "s.pt")
+    fresh = PowerSGDState(None, start_powerSGD_iter=2)
+    load_powersgd_state(fresh, torch.load(tmp_path / "s.pt", weights_only=True), torch.device("cpu"))
+    assert fresh.iter == 7 and fresh.rng.randint(1 << 30) == state.rng.randint(1 << 30)
+    for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
+        assert getattr(fresh, name).keys() == getattr(state, name).keys()
+        assert all(torch.equal(v, getattr(state, name)[k]) for k, v in getattr(fresh, name).items())
+
+
+def _recording(index: dict[int, int], seen: list[list[int]]):
+    """A DDP hook that records each bucket's parameters (by ``index``) and reduces nothing."""
+
+    def hook(state, bucket):
+        seen.append([index[id(p)] for p in bucket.parameters()])
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    return hook
+
+
+def test_bucket_assignment_gives_ddp_its_first_buckets_and_the_rebuild_keeps_the_ready_order(world_of_one):
+    """A ``Linear``'s DDP buckets ``[weight, bias]`` first and ``[bias, weight]`` (the gradients' ready order) from
+    the second backward on; built inside ``bucket_assignment([[1, 0]])`` it has ``[bias, weight]`` from the first.
+    The yielded list is DDP's parameter list."""
+    from dpddp._compat.comm_hooks import bucket_assignment
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    orders: dict[str, list[list[int]]] = {}
+    for name, layout in (("own", None), ("given", [[1, 0]])):
+        linear = torch.nn.Linear(3, 2)
+        index = {id(p): i for i, p in enumerate(linear.parameters())}
+        with bucket_assignment(layout) as params:
+            model = torch.nn.parallel.DistributedDataParallel(linear)
+        assert [id(p) for p in params] == [id(p) for p in linear.parameters()]
+
+        model.register_comm_hook(None, _recording(index, orders.setdefault(name, [])))
+        for _ in range(3):
+            model(torch.randn(4, 3)).sum().backward()
+    assert orders == {"own": [[0, 1], [1, 0], [1, 0]], "given": [[1, 0], [1, 0], [1, 0]]}
+
+
 def test_forget_resource_sharer_gives_a_forked_process_a_sharer_of_its_own():
     """A process forked after its parent started the resource sharer would hand its workers the parent's address
     (whose sharer lacks the child's keys: a worker's KeyError, then its EOFError) unless it forgets it."""

@@ -87,9 +87,10 @@ def set_random_state(state: dict[str, Any]) -> None:
 class ResumableState(pl.Callback):
     """Saves and loads ``checkpoint["dpddp"]`` (throughput counts, epoch table, train-loss sums, every rank's random
     state, due plateau values, ``should_stop`` as a callback latched it, the LR schedulers as first built,
-    ``steps_per_execution``, ``launch``: the launcher's job id) and edits the checkpoint's loop counters, on every
-    rank. A continued run whose schedulers build otherwise (another limit) is warned in one line each (rank 0).
-    Collective at save (a sum and a gather). The order of save and load: docs/design-notes.md (continuity.state).
+    ``steps_per_execution``, ``launch``: the launcher's job id, every rank's PowerSGD state under
+    ``strategy.ddp_comm_hook=powersgd``) and edits the checkpoint's loop counters, on every rank. A continued run
+    whose schedulers build otherwise (another limit) is warned in one line each (rank 0). Collective at save (a
+    sum and a gather, two with PowerSGD). The order of save and load: docs/design-notes.md (continuity.state).
 
     Raises ``ConfigError`` at load: a checkpoint of another ``steps_per_execution``.
     """
@@ -150,6 +151,7 @@ class ResumableState(pl.Callback):
             "steps_per_execution": self.steps_per_execution,
             "launch": self.launch,
             "batch_size": self.batch_size,
+            "comm_state": self._comm_state(trainer),
         }
         checkpoint[KEY] = entry
         if self._cut is not None and not finished and "callbacks" in checkpoint:
@@ -178,6 +180,7 @@ class ResumableState(pl.Callback):
                 f"{trainer.world_size}: randomness from the global stream starts from this run's seeds (a continued "
                 "run equals a straight one on the same world size)"
             )
+        self._load_comm_state(trainer, entry.get("comm_state"))
         self._mid_epoch = bool(entry.get("mid_epoch"))
         self._should_stop = bool(entry.get("should_stop"))
         self._stopped_by = list(entry.get("stopped_by") or [])
@@ -258,6 +261,23 @@ class ResumableState(pl.Callback):
         if self._random is not None:  # after a mid-epoch checkpoint: where the straight run's next batch began
             set_random_state(self._random)
             self._random = None
+
+    def _comm_state(self, trainer: pl.Trainer) -> list[dict[str, Any]] | None:
+        """Every rank's PowerSGD state (its error feedback is its own), or ``None`` without one."""
+        state = getattr(trainer.strategy, "comm_state_dict", lambda: None)()
+        return None if state is None else self._gather(trainer, state)
+
+    @staticmethod
+    def _load_comm_state(trainer: pl.Trainer, saved: list[dict[str, Any]] | None) -> None:
+        """This rank's saved PowerSGD state into the strategy's; a checkpoint without one, or of another world
+        size, leaves it fresh (said once, rank 0)."""
+        if getattr(trainer.strategy, "comm_state", None) is None or trainer.state.fn != "fit":
+            return
+        if saved is not None and len(saved) == trainer.world_size:
+            trainer.strategy.load_comm_state_dict(saved[trainer.global_rank])  # type: ignore[attr-defined]
+        elif trainer.global_rank == 0:
+            had = f"the states of {len(saved)} processes" if saved else "no PowerSGD state"
+            log.info(f"the checkpoint holds {had}: PowerSGD starts afresh (plain all-reduce first)")
 
     @staticmethod
     def _latched_stop(trainer: pl.Trainer) -> bool:

@@ -10,11 +10,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
     bf16_compress_hook,
     fp16_compress_hook,
 )
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
 __all__ = ["COMM_HOOKS", "AllReduceTimer"]
 
-COMM_HOOKS = {"fp16_compress": fp16_compress_hook, "bf16_compress": bf16_compress_hook}
-"""``strategy.ddp_comm_hook``'s names: torch's hooks that all-reduce the gradients in 16 bits (bf16: NCCL only)."""
+COMM_HOOKS = {"fp16_compress": fp16_compress_hook, "bf16_compress": bf16_compress_hook, "powersgd": powerSGD_hook}
+"""``strategy.ddp_comm_hook``'s names: torch's hooks that all-reduce the gradients in 16 bits (bf16: NCCL only),
+or as low-rank factors (PowerSGD, with a ``PowerSGDState``: ``strategy.powersgd_rank``, ``powersgd_start_iter``)."""
 
 
 class AllReduceTimer:

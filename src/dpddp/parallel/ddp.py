@@ -15,9 +15,11 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from typing_extensions import override
 
 from dpddp._compat import Launcher, agent_store, init_process_group, rank0_store, resolve_process_group_backend
+from dpddp._compat.comm_hooks import bucket_assignment, load_powersgd_state, powersgd_state
 from dpddp._compat.strategies import UNUSED_PARAMETERS, wrapping_frozen
 from dpddp.errors import ConfigError, Preempted, ReplicasDiverged, StepFailed, first_line
 from dpddp.network import choose_interface, interface_address
@@ -71,14 +73,34 @@ class DDPStrategy(LightningDDPStrategy):
     only); ``timeout_s``: seconds a collective waits for a lost peer. ``launch``: ``"fork"``, ``"exec"``
     (``python -m dpddp.parallel.rank``) or ``"auto"`` (fork on CPU while CUDA is not initialised).
     ``**kwargs`` go to Lightning's ``DDPStrategy``. Without a ``ddp_comm_hook`` of the user's, or with one named
-    in ``COMM_HOOKS``, the gradients go through ``allreduce_timer`` (``AllReduceTimer``: that hook, timed)."""
+    in ``COMM_HOOKS``, the gradients go through ``allreduce_timer`` (``AllReduceTimer``: that hook, timed).
+    ``ddp_comm_hook="powersgd"``: torch's PowerSGD hook with ``comm_state``, a ``PowerSGDState`` of rank
+    ``powersgd_rank`` that compresses from backward ``powersgd_start_iter`` on (error feedback and warm start on;
+    ``ResumableState`` saves and restores it)."""
 
-    def __init__(self, job: RankJob | None = None, timeout_s: float = 180.0, launch: str = "auto", **kwargs: Any):
+    def __init__(
+        self,
+        job: RankJob | None = None,
+        timeout_s: float = 180.0,
+        launch: str = "auto",
+        powersgd_rank: int = 1,
+        powersgd_start_iter: int = 10,
+        **kwargs: Any,
+    ):
         self.pg_timeout = timedelta(seconds=timeout_s)
         hook = kwargs.get("ddp_comm_hook")
+        self.comm_state: PowerSGDState | None = None
+        if hook == "powersgd":
+            self.comm_state = PowerSGDState(
+                None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=powersgd_start_iter
+            )
+            kwargs["ddp_comm_state"] = self.comm_state
+        self._layout: dict[int, list[int]] = {}  # PowerSGD: each bucket's parameters, as the last backward had them
+        self._restored_layout: list[list[int]] | None = None
+        self._param_index: dict[int, int] = {}
         timer = AllReduceTimer(COMM_HOOKS[hook]) if hook in COMM_HOOKS else AllReduceTimer() if hook is None else None
         if timer is not None:
-            kwargs["ddp_comm_hook"] = timer.hook
+            kwargs["ddp_comm_hook"] = timer.hook if self.comm_state is None else self._recording_hook
         super().__init__(timeout=self.pg_timeout, **kwargs)
         self.allreduce_timer = timer
         self.job, self.launch_mode = job, launch
@@ -160,11 +182,38 @@ class DDPStrategy(LightningDDPStrategy):
         assert module is not None
         callbacks: list = getattr(module.trainer, "callbacks", [])
         finetunes = any(isinstance(c, BaseFinetuning) for c in callbacks)
-        with wrapping_frozen(self, module) if finetunes else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if finetunes:
+                stack.enter_context(wrapping_frozen(self, module))
+            if self.comm_state is not None:
+                params = stack.enter_context(bucket_assignment(self._restored_layout))
             super().configure_ddp()
+        if self.comm_state is not None:
+            self._param_index = {id(p): i for i, p in enumerate(params)}
         if self.root_device.type != "cuda" and self.allreduce_timer is not None:
             assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
-            self.model.register_comm_hook(None, self.allreduce_timer.hook)
+            hook = self.allreduce_timer.hook if self.comm_state is None else self._recording_hook
+            self.model.register_comm_hook(self.comm_state, hook)
+
+    def _recording_hook(self, state: Any, bucket):  # no annotations on bucket and the return: DDP checks them
+        """The timed hook, recording the bucket's parameters (``comm_state_dict``'s layout)."""
+        self._layout[bucket.index()] = [self._param_index[id(p)] for p in bucket.parameters()]
+        assert self.allreduce_timer is not None
+        return self.allreduce_timer.hook(state, bucket)
+
+    def comm_state_dict(self) -> dict[str, Any] | None:
+        """This rank's PowerSGD state (``powersgd_state``) and the bucket layout it was kept in, or ``None``
+        without PowerSGD."""
+        if self.comm_state is None:
+            return None
+        layout = [self._layout[i] for i in sorted(self._layout)]
+        return {"powersgd": powersgd_state(self.comm_state), "layout": layout}
+
+    def load_comm_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore a ``comm_state_dict`` before ``configure_ddp``: the state, and DDP's first buckets as saved."""
+        assert self.comm_state is not None
+        load_powersgd_state(self.comm_state, saved["powersgd"], self.root_device)
+        self._restored_layout = [list(b) for b in saved["layout"]] or None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

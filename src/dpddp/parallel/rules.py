@@ -19,7 +19,7 @@ from dpddp.cluster import (
     torchrun_local_world_size,
     torchrun_run_id,
 )
-from dpddp.errors import ConfigError, checked_float
+from dpddp.errors import ConfigError, checked_float, checked_int
 from dpddp.parallel.allreduce import COMM_HOOKS
 from dpddp.parallel.settings import ACCELERATORS, CLUSTERS, STRATEGIES, check_device_values
 
@@ -39,9 +39,10 @@ __all__ = [
     "world_size_source",
 ]
 
-DDP_OPTIONS = ("process_group_backend", "timeout_s", "launch", "start_method", "ddp_comm_hook")
-"""dpddp's own ``strategy.*`` keys (``ddp_comm_hook``: a name of ``COMM_HOOKS``); the others are
-``DistributedDataParallel``'s arguments."""
+DDP_OPTIONS: tuple[str, ...] = ("process_group_backend", "timeout_s", "launch", "start_method", "ddp_comm_hook")
+DDP_OPTIONS += ("powersgd_rank", "powersgd_start_iter")
+"""dpddp's own ``strategy.*`` keys (``ddp_comm_hook``: a name of ``COMM_HOOKS``; ``powersgd_*``: its PowerSGD
+state's rank and first compressed backward); the others are ``DistributedDataParallel``'s arguments."""
 
 
 def resolve_accelerator(accelerator: str) -> str:
@@ -201,11 +202,17 @@ def check_strategy_options(options: Mapping) -> None:
         )
     hook = options.get("ddp_comm_hook")
     if hook is not None and hook not in COMM_HOOKS:
-        raise ConfigError(f"strategy.ddp_comm_hook={hook!r} is unknown: use null, {' or '.join(COMM_HOOKS)}")
+        *names, last = COMM_HOOKS
+        raise ConfigError(f"strategy.ddp_comm_hook={hook!r} is unknown: use null, {', '.join(names)} or {last}")
     if hook == "bf16_compress" and (backend not in (None, "nccl") or not torch.cuda.is_available()):
         raise ConfigError(
             "strategy.ddp_comm_hook=bf16_compress needs NCCL (CUDA GPUs): use fp16_compress here, or null"
         )
+    if "powersgd_rank" in options:
+        checked_int("strategy.powersgd_rank", options["powersgd_rank"], 1, "use a small rank, e.g. 1, 2 or 4")
+    if "powersgd_start_iter" in options:  # torch's PowerSGDState: error feedback and warm start need 2 or more
+        fix = "use 2 or more (plain all-reduce before it), e.g. 10"
+        checked_int("strategy.powersgd_start_iter", options["powersgd_start_iter"], 2, fix)
     for key in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
         if key in options and not isinstance(options[key], bool):
             raise ConfigError(f"strategy.{key}={options[key]!r} is invalid: use true or false")

@@ -1,0 +1,71 @@
+"""torch's PowerSGD communication-hook state read and written as plain data: the fields its own ``__getstate__``
+pickles (without the process group, and without the warning it logs on each call), with its numpy generator as a
+tensor, loadable with ``weights_only=True``. Checked in torch ``CHECKED``; tests/test_compat.py fails if it moves."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+__all__ = ["CHECKED", "POWERSGD_FIELDS", "bucket_assignment", "load_powersgd_state", "powersgd_state"]
+
+CHECKED = "2.13.0"
+"""The torch version every entry below was read in and tested against."""
+
+POWERSGD_FIELDS = ("rng", "error_dict", "p_memory_dict", "q_memory_dict", "iter")
+"""``PowerSGDState``'s fields that change as training runs (torch 2.13: in ``__slots__``, pickled by
+``__getstate__``): its numpy generator (``np.random.RandomState``, Q's seeds), the per-bucket error feedback and
+P/Q memories (``{bucket index: 1-D tensor}``), and the backward count. If one moves: ``powersgd_state`` raises
+``AttributeError``, named by test_compat."""
+
+
+def powersgd_state(state: PowerSGDState) -> dict[str, Any]:
+    """``POWERSGD_FIELDS`` of ``state`` as plain data: tensors copied to the CPU, the generator as
+    ``[kind, keys (int64 tensor), pos, has_gauss, gauss]``."""
+    kind, keys, pos, has_gauss, gauss = state.rng.get_state(legacy=True)
+    out: dict[str, Any] = {"rng": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, gauss]}
+    for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
+        out[name] = {int(k): v.detach().cpu().clone() for k, v in getattr(state, name).items()}
+    out["iter"] = int(state.iter)
+    return out
+
+
+def load_powersgd_state(state: PowerSGDState, saved: dict[str, Any], device: torch.device) -> None:
+    """Put a ``powersgd_state`` back into ``state`` (its tensors on ``device``)."""
+    kind, keys, pos, has_gauss, gauss = saved["rng"]
+    state.rng.set_state((kind, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(gauss)))
+    for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
+        setattr(state, name, {int(k): v.to(device) for k, v in saved[name].items()})
+    state.iter = int(saved["iter"])
+
+
+@contextmanager
+def bucket_assignment(layout: list[list[int]] | None) -> Iterator[list[torch.Tensor]]:
+    """Inside it, a ``DistributedDataParallel`` built starts with the buckets ``layout`` (per bucket index, the
+    indices of its parameters in DDP's parameter list, in bucket order), not its own first guess; ``None``: DDP's.
+    Yields the list of the parameters DDP buckets, filled once it is built. DDP's first layout follows the
+    parameters' order and is rebuilt after the first backward by the gradients' ready order; a hook state saved
+    per bucket (PowerSGD's) must meet the rebuilt layout on a continued run's first backward. Relies on DDP calling
+    ``torch.distributed._compute_bucket_assignment_by_size`` once with its parameter list and reversing the bucket
+    list it returns for its Reducer (torch 2.13). If it moves: test_compat fails."""
+    real = dist._compute_bucket_assignment_by_size
+    seen: list[torch.Tensor] = []
+
+    def assign(parameters: list[torch.Tensor], limits: list[int], *args: Any, **kwargs: Any) -> Any:
+        seen[:] = parameters
+        indices, per_bucket = real(parameters, limits, *args, **kwargs)
+        if layout is None or sorted(i for b in layout for i in b) != list(range(len(parameters))):
+            return indices, per_bucket
+        return list(reversed(layout)), [max(per_bucket)] * len(layout)
+
+    setattr(dist, "_compute_bucket_assignment_by_size", assign)  # noqa: B010
+    try:
+        yield seen
+    finally:
+        setattr(dist, "_compute_bucket_assignment_by_size", real)  # noqa: B010
