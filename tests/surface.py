@@ -190,8 +190,9 @@ SURFACE: tuple[Setting, ...] = (
             "test_executions.py::test_what_cannot_keep_the_promises_is_one_line",
         ),
         runs=r"steps_per_execution=",
-        note="K optimizer steps per loop iteration; with K > 1 accumulate_grad_batches, gradient_clip_val, "
-        "val_check_interval, limit_train_batches and strategy=dp are refused",
+        note="K optimizer steps per loop iteration (`auto`: from the timed step); with K > 1 "
+        "accumulate_grad_batches, gradient_clip_val, val_check_interval, limit_train_batches and strategy=dp are "
+        "refused",
     ),
     Setting(
         "run setting",
