@@ -194,7 +194,7 @@ def test_random_states_of_another_world_size_are_not_restored_and_the_run_says_s
     from dpddp.report.tally import FitTally
     from dpddp.report.throughput import ThroughputCounts
 
-    trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"), global_rank=0, world_size=1)
+    trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"), global_rank=0, world_size=1, strategy=SimpleNamespace())
     owner = ResumableState(ThroughputCounts(), EpochRecord(".", FitTally()))
     entry = {"random": [random_state(), random_state()], "mid_epoch": True}
     with caplog.at_level("INFO", logger="dpddp.continuity.state"):
