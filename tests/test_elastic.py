@@ -3,6 +3,7 @@ namespace (``scripts/netns_bed.py``): a node that leaves gracefully or abruptly,
 must end with the weights and global step of an uninterrupted one-process run, in one run directory, with
 nothing left running; and a world size the global batch does not divide is one line before any collective."""
 
+import csv
 import socket
 import subprocess
 import sys
@@ -106,8 +107,8 @@ def test_node_killed_the_other_continues_from_last_ckpt(bed2, tmp_path):
     run_dir, diff = _check(bed2, tmp_path, [2, 1])
     log = (run_dir / "train.log").read_text()
     assert "resuming interrupted job from" in log, log[-3000:]
-    rows = (run_dir / "metrics.csv").read_text().splitlines()
-    assert [r.split(",")[-1] for r in rows[1:]] == ["2", "1", "1"]  # epoch 0 on 2 processes, epoch 1 and test on 1
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    assert [r["world_size"] for r in rows] == ["2", "1", "1"]  # epoch 0 on 2 processes, epoch 1 and test on 1
     print(f"abrupt: continued {_figures(tmp_path, run_dir, 'lost'):.1f} s after the SIGKILL, 15 steps retrained, "
           f"weight difference {diff:.1e}")  # fmt: skip
 
