@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from datetime import timedelta
 from importlib.metadata import version
 from importlib.resources import files
@@ -757,28 +758,40 @@ def test_lightning_notes_a_sigterm_and_ends_the_stage_alone_until_disable_sigter
         signal.signal(signal.SIGTERM, before)
 
 
-def test_forget_forkserver_gives_a_forked_process_a_fork_server_of_its_own():
-    """A process forked after its parent started the fork server reuses the parent's server (and holds its
-    keep-alive pipe) unless it forgets it; then its first worker starts a server of its own."""
-    server_module.ensure_running()
-    parent_server = server_module._forkserver._forkserver_pid
+def _in_forked_child(work: Callable[[], str]) -> tuple[str, int]:
+    """``work()`` in a process forked from this one: what it returned and the child's exit code (1 if it raised)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            processes.forget_forkserver()
-            assert server_module._forkserver._forkserver_pid is None
-            server_module.ensure_running()
-            own = server_module._forkserver._forkserver_pid
-            os.write(write, str(own).encode())
-            processes.stop_worker_servers()
+            os.write(write, work().encode())
             code = 0
         finally:
             os._exit(code)
     os.close(write)
-    child_server = int(os.read(read, 64).decode() or 0)
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    said = os.read(read, 4096).decode()
+    os.close(read)
+    return said, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_forget_forkserver_gives_a_forked_process_a_fork_server_of_its_own():
+    """A process forked after its parent started the fork server reuses the parent's server (and holds its
+    keep-alive pipe) unless it forgets it; then its first worker starts a server of its own."""
+    server_module.ensure_running()
+    parent_server = server_module._forkserver._forkserver_pid
+
+    def child() -> str:
+        processes.forget_forkserver()
+        assert server_module._forkserver._forkserver_pid is None
+        server_module.ensure_running()
+        own = server_module._forkserver._forkserver_pid
+        processes.stop_worker_servers()
+        return str(own)
+
+    said, code = _in_forked_child(child)
+    child_server = int(said or 0)
+    assert code == 0
     assert parent_server is not None and child_server not in (0, parent_server)
     assert not psutil.pid_exists(child_server)  # the child stopped and reaped its own
 
@@ -1103,20 +1116,14 @@ def test_forget_resource_sharer_gives_a_forked_process_a_sharer_of_its_own():
     from multiprocessing import resource_sharer
 
     parent_address, _ = resource_sharer._resource_sharer.register(lambda conn, pid: None, lambda: None)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            processes.forget_resource_sharer()
-            own, _ = resource_sharer._resource_sharer.register(lambda conn, pid: None, lambda: None)
-            os.write(write, str(own).encode())
-            resource_sharer.stop()
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    child_address = os.read(read, 4096).decode()
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+    def child() -> str:
+        processes.forget_resource_sharer()
+        own, _ = resource_sharer._resource_sharer.register(lambda conn, pid: None, lambda: None)
+        resource_sharer.stop()
+        return str(own)
+
+    child_address, code = _in_forked_child(child)
+    assert code == 0
     assert child_address and child_address != str(parent_address)
     assert os.path.exists(parent_address)  # the parent's socket file is still there
