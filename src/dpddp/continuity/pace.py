@@ -6,6 +6,8 @@ import time
 
 import torch
 
+from dpddp.parallel.whereabouts import AGREEMENT, entering
+
 __all__ = ["Pace", "agreed"]
 
 
@@ -36,7 +38,8 @@ def agreed(flag: int, device: torch.device, pace: Pace | None, interval_s: float
         return int(flag)
     batch_s = pace.batch_s() if pace is not None else 0.0
     flags = torch.tensor([float(flag), batch_s], dtype=torch.float64).to(device)
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    with entering(AGREEMENT):
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
     reduced, batch_s = flags.tolist()
     if pace is not None:
         pace.agreed(interval_s, batch_s)

@@ -11,6 +11,7 @@ import torch
 from typing_extensions import override
 
 from dpddp.errors import ReplicasDiverged, checked_int
+from dpddp.parallel.whereabouts import entering
 
 __all__ = ["ReplicaGuard", "check_every", "checksums", "divergent"]
 
@@ -100,7 +101,8 @@ class ReplicaGuard(pl.Callback):
         names, sums = checksums(trainer.lightning_module, trainer.optimizers)
         sums = sums.to(trainer.strategy.root_device)
         gathered = [torch.empty_like(sums) for _ in range(world)]
-        torch.distributed.all_gather(gathered, sums)
+        with entering("the replica check"):
+            torch.distributed.all_gather(gathered, sums)
         found = divergent([row.tolist() for row in gathered])
         if found is not None:
             rank, column = found

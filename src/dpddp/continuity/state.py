@@ -29,6 +29,7 @@ from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.continuity.replicas import ReplicaGuard
 from dpddp.continuity.schedulers import built_states, due_plateau_values, limit_lines, take_skipped_plateau_steps
 from dpddp.errors import ConfigError
+from dpddp.parallel.whereabouts import entering
 from dpddp.report.epochs import EpochRecord, EpochTable
 from dpddp.report.throughput import ThroughputCounts
 
@@ -301,7 +302,8 @@ class ResumableState(pl.Callback):
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return [state]
         gathered: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, state)
+        with entering("the training state's gather"):
+            torch.distributed.all_gather_object(gathered, state)
         return gathered
 
 

@@ -12,6 +12,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
 )
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
+from dpddp.parallel.whereabouts import GRADIENTS, mark
+
 __all__ = ["COMM_HOOKS", "AllReduceTimer"]
 
 COMM_HOOKS = {"fp16_compress": fp16_compress_hook, "bf16_compress": bf16_compress_hook, "powersgd": powerSGD_hook}
@@ -35,6 +37,7 @@ class AllReduceTimer:
 
     def hook(self, state: Any, bucket):  # no annotations on bucket and the return: DDP checks them
         self.buckets += 1
+        mark(GRADIENTS)  # unmarked when the last bucket's all-reduce has ended well (``done``)
         if not bucket.is_last():
             return self.inner(state, bucket)
         if bucket.buffer().is_cuda:
@@ -46,7 +49,9 @@ class AllReduceTimer:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()  # the callback's stream waits for the all-reduce
                 self._events.append((start, end))
-                return fut.value()
+                value = fut.value()
+                mark(None)
+                return value
 
             return future.then(done_cuda)
         began = time.perf_counter()
@@ -54,7 +59,9 @@ class AllReduceTimer:
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
             self._seconds += time.perf_counter() - began
-            return fut.value()
+            value = fut.value()
+            mark(None)
+            return value
 
         return future.then(done)
 

@@ -17,6 +17,7 @@ from typing_extensions import override
 from dpddp._compat import BatchNormBase
 from dpddp.errors import ConfigError
 from dpddp.parallel.rules import replicas, resolve_accelerator, world_size
+from dpddp.parallel.whereabouts import BATCHNORM, entering
 
 __all__ = ["BatchNormSync", "GlobalBatchNorm", "batchnorm_modules", "batchnorm_plugins", "convert", "revert"]
 
@@ -35,14 +36,16 @@ class _GroupSum(torch.autograd.Function):
     def forward(ctx: Any, tensor: Tensor, group: Any) -> Tensor:
         ctx.group = group
         out = tensor.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=group)
+        with entering(BATCHNORM):
+            dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
     @override
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
+        with entering(BATCHNORM):
+            dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 

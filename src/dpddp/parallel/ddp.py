@@ -28,6 +28,7 @@ from dpddp.parallel.launcher import JobLauncher, RankJob, Supervisor
 from dpddp.parallel.peers import PeerWatch
 from dpddp.parallel.rank import run_rank
 from dpddp.parallel.rendezvous import join_start
+from dpddp.parallel.whereabouts import METRIC_SYNC, Whereabouts, entering
 from dpddp.parallel.workers import start_workers_safely
 
 __all__ = ["UNUSED_PARAMETERS_LINE", "DDPStrategy", "apply_interface"]
@@ -107,6 +108,7 @@ class DDPStrategy(LightningDDPStrategy):
         self.start_method = kwargs.get("start_method", "popen")
         self._job_launcher: JobLauncher | None = None
         self._peer_watch: PeerWatch | None = None
+        self._whereabouts: Whereabouts | None = None
         self._prefix = "dpddp/0/"
         """The key prefix of this start in the rendezvous store: its own under torchrun (``join_start``)."""
 
@@ -136,10 +138,33 @@ class DDPStrategy(LightningDDPStrategy):
     @override
     def setup_distributed(self) -> None:
         """Lightning's, after ``apply_interface``; under torchrun in this start's key prefix (``join_start``);
-        starts the ``PeerWatch`` on more than one node; rank 0's store takes the launcher's socket (``rank0_store``).
+        starts the ``PeerWatch`` on more than one node; rank 0's store takes the launcher's socket (``rank0_store``);
+        then starts publishing this rank's ``Whereabouts``.
 
         Raises ``ConfigError`` (``apply_interface``), or ``RankFailed`` if a torchrun rank did not join in time.
         """
+        self._setup_group()
+        if self._whereabouts is None:
+            assert self.cluster_environment is not None
+            env = self.cluster_environment
+            self._whereabouts = Whereabouts(
+                env.main_address, env.main_port, self.global_rank, self.world_size, self._prefix, self._position
+            )
+            self._whereabouts.start()
+
+    def _position(self) -> tuple[str, int]:
+        """``(stage, step)``: the trainer's stage (``"train"``, ``"validate"``, ...) and its global step."""
+        module = self.lightning_module
+        try:
+            trainer = module.trainer if module is not None else None
+        except RuntimeError:  # not attached to a trainer
+            trainer = None
+        if trainer is None:
+            return "setup", 0
+        stage = trainer.state.stage
+        return (stage.value if stage is not None else "setup"), trainer.global_step
+
+    def _setup_group(self) -> None:
         assert self.cluster_environment is not None
         env = self.cluster_environment
         initialized = torch.distributed.is_initialized()  # fit, then test: one group
@@ -227,13 +252,41 @@ class DDPStrategy(LightningDDPStrategy):
                 raise
             raise StepFailed(f"rank {self.global_rank}: {UNUSED_PARAMETERS_LINE}") from err
 
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's, marked (``whereabouts``)."""
+        with entering(METRIC_SYNC):
+            return super().reduce(tensor, group, reduce_op)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        """Lightning's, marked (``whereabouts``)."""
+        with entering("Lightning's all_gather"):
+            return super().all_gather(tensor, group, sync_grads)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's, marked (``whereabouts``)."""
+        with entering("a barrier"):
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's, marked (``whereabouts``)."""
+        with entering("a broadcast"):
+            return super().broadcast(obj, src)
+
     def explain_failure(self, err: BaseException) -> str | None:
-        """The line naming the peer to blame for ``err`` (``PeerWatch.explain``), or ``None`` (this rank's own
-        failure, reported to the peers). Stops the watch."""
+        """The line naming the peer to blame for ``err`` (``PeerWatch.explain``, else ``Whereabouts.explain``: the
+        ranks that did not reach the collective this rank failed in), or ``None`` (this rank's own failure,
+        reported to the peers). Stops the watch."""
         watch, self._peer_watch = self._peer_watch, None
-        if watch is None or isinstance(err, (ConfigError, Preempted, ReplicasDiverged)):  # every rank's own
+        if isinstance(err, (ConfigError, Preempted, ReplicasDiverged)):  # every rank's own
             return None
-        line = watch.explain()
+        where = self._whereabouts
+        if watch is None:
+            return where.explain() if where is not None else None
+        line = watch.explain() or (where.explain() if where is not None else None)
         watch.report(line or f"rank {self.global_rank} (node {self.node_rank}) failed: {first_line(err)}")
         watch.stop(clean=False)
         return line
@@ -245,8 +298,11 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """Stop this rank's ``PeerWatch`` cleanly, then Lightning's teardown."""
+        """Stop this rank's ``PeerWatch`` cleanly and its ``Whereabouts``, then Lightning's teardown."""
         if self._peer_watch is not None:
             self._peer_watch.stop()
             self._peer_watch = None
+        if self._whereabouts is not None:
+            self._whereabouts.stop()
+            self._whereabouts = None
         super().teardown()

@@ -19,6 +19,7 @@ from typing_extensions import override
 from dpddp._compat import epoch_cut
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy
+from dpddp.parallel.whereabouts import entering
 from dpddp.report.throughput import ThroughputCounts
 
 __all__ = ["STRAGGLER_RATIO", "Costs", "peak_memory_mib", "slowest", "straggler_line"]
@@ -166,7 +167,8 @@ class Costs(pl.Callback):
         """Every rank's host name (an all-gather, once per fit)."""
         if self._hosts is None:
             hosts: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(hosts, socket.gethostname())
+            with entering("the host-name gather"):
+                torch.distributed.all_gather_object(hosts, socket.gethostname())
             self._hosts = [str(h) for h in hosts]
         return self._hosts
 
@@ -181,7 +183,8 @@ class Costs(pl.Callback):
         rows = [mine]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             rows = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
-            torch.distributed.all_gather(rows, mine)
+            with entering("the cost gather"):
+                torch.distributed.all_gather(rows, mine)
         table = torch.stack(rows).cpu()
         found: dict[str, float] = {"peak_mem_mib": float(table[:, 0].max())}
         sums = table.sum(dim=0)

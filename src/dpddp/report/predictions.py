@@ -18,6 +18,7 @@ from typing_extensions import override
 from dpddp.data.batches import batch_inputs
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.errors import ConfigError
+from dpddp.parallel.whereabouts import entering
 
 __all__ = ["PredictFailed", "PredictionWriter", "check_predictable", "predict_forward"]
 
@@ -127,7 +128,8 @@ class PredictionWriter(BasePredictionWriter):
         parts = [mine]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             gathered: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(gathered, mine)
+            with entering("the predictions' gather"):
+                torch.distributed.all_gather_object(gathered, mine)
             parts = gathered
         out = Path(self.output_dir or trainer.log_dir or trainer.default_root_dir)  # log_dir: a broadcast, all ranks
         if not trainer.is_global_zero:

@@ -1,0 +1,183 @@
+"""Where each rank is (stage, step, collective), published through the rendezvous store, so that a collective that
+times out ends the run with one line naming the ranks that did not arrive and where they were instead.
+
+Keys: ``<prefix>where/<rank>``, ``"<stage>|<step>|<collective>"``. Costs: one thread per rank and one store
+``set`` every ``BEAT_S`` seconds; marking a collective is an assignment. See docs/design-notes.md
+(parallel.whereabouts).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+
+__all__ = [
+    "AGREEMENT",
+    "BATCHNORM",
+    "GRADIENTS",
+    "METRIC_SYNC",
+    "Whereabouts",
+    "current",
+    "describe",
+    "entering",
+    "mark",
+]
+
+log = logging.getLogger(__name__)
+
+AGREEMENT = "the stop agreement"
+GRADIENTS = "the gradient all-reduce"
+BATCHNORM = "BatchNorm's sums"
+METRIC_SYNC = "a metric's sync"
+
+BEAT_S = 0.5
+"""Seconds between two publications of this rank's whereabouts."""
+
+_STORE_OP_S = 5.0  # seconds one store operation may take
+
+_STAGES = {"train": "training", "sanity_check": "the sanity check", "validate": "validation", "test": "testing"}
+
+_current: str | None = None  # the collective this process is in (or last failed in), or None
+
+
+def mark(collective: str | None) -> None:
+    """Say that this process is now in ``collective`` (``None``: in none)."""
+    global _current
+    _current = collective
+
+
+@contextmanager
+def entering(collective: str) -> Iterator[None]:
+    """Mark ``collective`` for the block; a block that raises leaves it marked (where this process failed)."""
+    outer = _current
+    mark(collective)
+    yield
+    mark(outer)
+
+
+def current() -> str | None:
+    """The collective marked now (``mark``), or ``None``."""
+    return _current
+
+
+def describe(rank: int, mine: tuple[str, int, str], others: dict[int, tuple[str, int, str] | None]) -> str | None:
+    """The line for rank ``rank``, failed in collective ``mine = (stage, step, collective)``, given the other ranks'
+    whereabouts (``None``: not published); ``None`` if every other rank was in the same place (nobody to blame).
+
+    ``"rank 1 did not reach the gradient all-reduce (training, step 5): it is in training, step 5, outside any
+    collective (rank 0 waited in it)"``."""
+    stage, step, collective = mine
+    waiting = [rank] + [r for r, where in others.items() if where == mine]
+    absent = {r: where for r, where in others.items() if where != mine}
+    if not absent:
+        return None
+    places = "; ".join(f"rank {r} {_place(where)}" for r, where in sorted(absent.items()))
+    ranks = ", ".join(map(str, sorted(absent)))
+    who = f"rank {ranks}" if len(absent) == 1 else f"ranks {ranks}"
+    waited = ", ".join(map(str, sorted(waiting)))
+    return (
+        f"{who} did not reach {collective} ({_stage(stage)}, step {step}): {places} "
+        f"(rank{'s' if len(waiting) > 1 else ''} {waited} waited in it)"
+    )
+
+
+def _stage(stage: str) -> str:
+    return _STAGES.get(stage, stage)
+
+
+def _place(where: tuple[str, int, str] | None) -> str:
+    if where is None:
+        return "published no whereabouts"
+    stage, step, collective = where
+    inside = f"in {collective}" if collective else "outside any collective"
+    return f"is in {_stage(stage)}, step {step}, {inside}"
+
+
+def _encode(where: tuple[str, int, str]) -> str:
+    return "|".join(map(str, where))
+
+
+def _decode(text: str) -> tuple[str, int, str]:
+    stage, step, collective = text.split("|", 2)
+    return stage, int(step), collective
+
+
+class Whereabouts(threading.Thread):
+    """Publishes ``position()`` (``(stage, step)``) and ``current()`` of rank ``rank`` to the store at
+    ``address:port`` every ``BEAT_S`` seconds under ``prefix``; ``explain`` reads the others' after a failure."""
+
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        prefix: str,
+        position: Callable[[], tuple[str, int]],
+    ) -> None:
+        super().__init__(daemon=True, name="dpddp-whereabouts")
+        self.address, self.port, self.rank, self.world_size, self.prefix = address, port, rank, world_size, prefix
+        self.position = position
+        self.stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._store: torch.distributed.Store | None = None
+        self._published = ""
+        mark(None)  # a collective an earlier job of this process failed in is not this job's
+
+    def here(self) -> tuple[str, int, str]:
+        """This rank's whereabouts now."""
+        return (*self.position(), current() or "")
+
+    def run(self) -> None:
+        while not self.stopped.wait(BEAT_S):
+            try:
+                with self._lock:
+                    text = _encode(self.here())
+                    if text != self._published:
+                        self._client().set(f"{self.prefix}where/{self.rank}", text)
+                        self._published = text
+            except Exception as err:  # the store (rank 0) may be gone: the run is failing already
+                log.debug(f"could not publish this rank's whereabouts: {err}")
+
+    def _client(self) -> torch.distributed.Store:
+        if self._store is None:
+            self._store = torch.distributed.TCPStore(
+                self.address, self.port, is_master=False, timeout=timedelta(seconds=_STORE_OP_S)
+            )
+        return self._store
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def explain(self) -> str | None:
+        """The line naming the ranks that did not reach the collective this rank failed in (``describe``), or
+        ``None`` (this rank failed outside a collective, every rank was there, or the store does not answer
+        within about ``2 x _STORE_OP_S`` seconds: the reads run in a helper thread, as a silent store never answers)."""
+        mine = self.here()
+        if not mine[2]:
+            return None
+        others: dict[int, tuple[str, int, str] | None] = {}
+        done = threading.Event()
+
+        def read() -> None:
+            if not self._lock.acquire(timeout=_STORE_OP_S):
+                return
+            try:
+                store = self._client()
+                for r in range(self.world_size):
+                    key = f"{self.prefix}where/{r}"
+                    if r != self.rank:
+                        others[r] = _decode(store.get(key).decode()) if store.check([key]) else None
+                done.set()
+            except Exception as err:
+                log.debug(f"could not read the ranks' whereabouts: {err}")
+            finally:
+                self._lock.release()
+
+        threading.Thread(target=read, daemon=True, name="dpddp-whereabouts-read").start()
+        return describe(self.rank, mine, others) if done.wait(2 * _STORE_OP_S) else None
