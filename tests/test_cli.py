@@ -179,6 +179,16 @@ def test_the_cli_applies_the_checks_of_train_py(tmp_path, cli_status, args, line
             "--model.lr=abc is invalid (expected float): give a value of that type, see dpddp fit --help",
         ),
         (
+            ["fit", "--steps_per_execution=fast"],
+            "--steps_per_execution=fast is invalid (expected int or 'auto'): give a value of that type, see dpddp "
+            "fit --help",
+        ),
+        (
+            ["fit", "--monitor_mode=maximum"],
+            "--monitor_mode=maximum is invalid (expected 'min', 'max'): give a value of that type, see dpddp fit "
+            "--help",
+        ),
+        (
             ["fit", "--model=nope.Nope"],
             "--model=nope.Nope: nope.Nope cannot be used (No module named 'nope'): give an importable class, e.g. "
             "--model=pkg.Class",
@@ -278,3 +288,25 @@ def test_each_invocation_into_a_run_directory_keeps_its_own_config(tmp_path):
     for name in ("config.yaml", "config-1.yaml"):
         (tmp_path / name).write_text("")
     assert [p.name for p in invocations(tmp_path, "config.yaml")] == ["config.yaml", "config-1.yaml"]
+
+
+def test_monitor_and_its_mode_choose_best_ckpt_and_the_objective_and_null_drops_best_ckpt(tmp_path, cli_status):
+    """``--monitor=val/acc --monitor_mode=max`` is the best checkpoint's monitor and mode and the run's objective,
+    as ``callbacks.model_checkpoint.monitor`` is for ``train.py``; ``--monitor=null`` writes no best.ckpt."""
+    code, printed = cli_status("fit", *FAST, "--monitor=val/acc", "--monitor_mode=max", "--print_config")
+    assert code == 0 and "monitor: val/acc" in printed and "monitor_mode: max" in printed
+    cli("fit", *FAST, "--trainer.max_epochs=2", "--monitor=val/acc", "--monitor_mode=max", cwd=tmp_path)
+    (run,) = tmp_path.glob("lightning_logs/version_*")
+    best = torch.load(run / "checkpoints/best.ckpt", weights_only=False)
+    (key,) = [k for k, v in best["callbacks"].items() if k.startswith("ModelCheckpoint") and v["monitor"]]
+    assert "'monitor': 'val/acc', 'mode': 'max'" in key
+    assert best["callbacks"][key]["best_model_score"].item() == pytest.approx(max_val_acc(run / "metrics.csv"))
+    assert json.loads((run / "metrics.json").read_text())["objective"] == "val/acc"
+    cli("fit", *FAST, "--monitor=null", "--trainer.default_root_dir=none", cwd=tmp_path)
+    (run,) = (tmp_path / "none").glob("lightning_logs/version_*")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
+
+
+def max_val_acc(metrics_csv):
+    rows = list(csv.DictReader(metrics_csv.open()))
+    return max(float(r["val/acc"]) for r in rows if r.get("val/acc"))

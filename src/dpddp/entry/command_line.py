@@ -240,6 +240,10 @@ def nearest_option(name: str, options: list[str]) -> str | None:
     return f"{group[0]}.{rest}" if group else None
 
 
+EXPECTED = re.compile(r"Expected a (?:<class '(.+)'>|typing\.Literal\[(.+?)\])")
+"""jsonargparse's line for a value of the wrong type: a class's name, or a ``Literal``'s values (4.x)."""
+
+
 def argument_error(message: str, args: list[str], options: list[str], prog: str) -> str:
     """One line for jsonargparse's refusal ``message`` (its ``ArgumentError``, many lines) of the arguments
     ``args`` of ``prog`` (``dpddp fit``), whose options are ``options`` (dotted, without ``--``): the argument as
@@ -271,7 +275,7 @@ def argument_error(message: str, args: list[str], options: list[str], prog: str)
         near = difflib.get_close_matches(option, params, n=1, cutoff=0.8)
         hint = f"did you mean --{name}.{near[0]}?" if near else f"its options: {', '.join(params)}"
         return f"{given}: {cls} takes no {option} ({hint}): give one of its options, or another --{name}=pkg.Class"
-    expected = [m.group(1) for line in inner if (m := re.match(r"Expected a <class '(.+)'>", line))]
+    expected = [m.group(1) or m.group(2) for line in inner if (m := re.match(EXPECTED, line))]
     flag = key.removeprefix("trainer.")
     if name == "trainer" and option is None and cls is None and (accepts := takes(flag)):
         return f"{given} is invalid: pl.Trainer takes {accepts} for {flag}: {see}"

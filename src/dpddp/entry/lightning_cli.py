@@ -79,6 +79,7 @@ HELP = (
 ).format(**DEFAULT_CLASSES)
 SIZES = ("num_features", "num_classes")
 TOP_LEVEL = {"strategy": "strategy", "accelerator": "accelerator", "devices": "devices", "num_nodes": "num_nodes"}
+MONITOR = "val/loss"  # callbacks/default.yaml's model_checkpoint.monitor
 CONFIG = "config.yaml"  # the first invocation's config; dpddp.errors.invocation_name numbers the later ones
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job-logging format, as train.py's
 
@@ -94,8 +95,9 @@ def trainer_defaults() -> dict[str, Any]:
 
 
 class DPDDPCLI(LightningCLI):
-    """``LightningCLI`` that parses only: ``--ckpt_path`` and ``--steps_per_execution`` added, and no class
-    instantiated (``dpddp.run.training.train`` builds everything, as for ``train.py``)."""
+    """``LightningCLI`` that parses only: ``--ckpt_path``, ``--steps_per_execution``, ``--monitor`` and
+    ``--monitor_mode`` (``callbacks.model_checkpoint``'s ``monitor`` and ``mode``) added, and no class instantiated
+    (``dpddp.run.training.train`` builds everything, as for ``train.py``)."""
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -106,6 +108,13 @@ class DPDDPCLI(LightningCLI):
             default=1,
             help="optimizer steps per Lightning loop iteration, or auto (timed from the model's step)",
         )
+        parser.add_argument(
+            "--monitor",
+            type=str | None,
+            default=MONITOR,
+            help="the metric best.ckpt is chosen by, and the run's objective (null: no best.ckpt)",
+        )
+        parser.add_argument("--monitor_mode", type=Literal["min", "max"], default="min", help="min or max of --monitor")
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -185,6 +194,11 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
     }
     merged = OmegaConf.merge(cfg, update)
     assert isinstance(merged, DictConfig)
+    monitor, mode = given.get("monitor", MONITOR), given.get("monitor_mode", "min")
+    if monitor is None:
+        merged.callbacks.model_checkpoint = None
+    else:
+        merged.callbacks.model_checkpoint.monitor, merged.callbacks.model_checkpoint.mode = monitor, mode
     model, data = _spec(given["model"]), _spec(given["data"])  # each replaced whole: its class's own keys
     _follow_data(model, data)
     merged.model, merged.data = model, data
