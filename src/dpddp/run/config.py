@@ -34,6 +34,7 @@ from dpddp.models.linear import OPTIMIZERS
 from dpddp.parallel.rules import check_devices, nodes, replicas, world_size, world_size_source
 from dpddp.run.assembly import epoch_lines
 from dpddp.run.build import build
+from dpddp.run.compiling import COMPILE_LIMITS, compile_mode
 from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, check_targets, target_class
 from dpddp.run.plain import check_plain, check_resolvable
 from dpddp.run.trainer_flags import refused_flag
@@ -138,6 +139,14 @@ def _check_executions(cfg: Mapping) -> None:
             f"steps_per_execution={k} needs global-batch data (data._target_={cfg['data']['_target_']} is not a "
             "dpddp.data.global_batch.GlobalBatchDataModule): use steps_per_execution=1"
         )
+
+
+def _check_compile(cfg: Mapping) -> None:
+    """``compile``: ``false``, ``true`` or a ``torch.compile`` mode (``compile_mode``); when set, the
+    ``COMPILE_LIMITS``."""
+    if (mode := compile_mode(cfg)) is not None:
+        setting = "compile=true" if cfg.get("compile") is True else f"compile={mode}"
+        _check_limits(cfg, COMPILE_LIMITS, setting, "use compile=false")
 
 
 # Settings that cannot keep the promises with data.micro_batch_size: (setting, the values that can, why).
@@ -326,6 +335,7 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     _check_sharding(cfg)
     _check_executions(cfg)
     _check_micro_batches(cfg)
+    _check_compile(cfg)
     if issubclass(target_class("model", cfg["model"]), Classifier):  # the built-in models
         _check_model(cfg["model"])
     for key in ("num_features", "num_classes"):  # linked settings: the model's sizes follow the data's

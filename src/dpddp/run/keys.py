@@ -24,7 +24,7 @@ __all__ = ["CHECKED", "TOP_LEVEL_KEYS", "allowed_keys", "check_keys", "check_tar
 __all__ += ["missing_argument", "target_class"]
 
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
-TOP_LEVEL_RUN = ("steps_per_execution", "checkpoint", "check_replicas")  # how training runs, checkpoints, is checked
+TOP_LEVEL_RUN = ("steps_per_execution", "compile", "checkpoint", "check_replicas")  # how training runs, is checked
 TOP_LEVEL_OUTPUT = ("epoch_lines", "print_config", "objective")  # how a run reports progress, its config, its result
 GROUPS = ("data", "model", "trainer", "logger", "callbacks")
 TOP_LEVEL_KEYS = (*TOP_LEVEL, *TOP_LEVEL_RUN, *TOP_LEVEL_OUTPUT, *GROUPS)

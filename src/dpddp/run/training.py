@@ -37,6 +37,7 @@ from dpddp.report.trackers import close_trackers
 from dpddp.run.assembly import build_trainer
 from dpddp.run.auto_steps import resolve_steps
 from dpddp.run.build import build
+from dpddp.run.compiling import compile_mode, compile_model
 from dpddp.run.config import check_config, check_output_dir
 from dpddp.run.executions import StepsPerExecution
 
@@ -91,6 +92,7 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         executions = StepsPerExecution(model, steps, micro) if (steps > 1 or micro) and stage == "fit" else None
         if executions is not None:
             datamodule.steps_per_execution = steps
+        compile_model(model, compile_mode(cfg))  # after resolve_steps: steps_per_execution=auto times eager steps
         job = RankJob(entry=f"{__name__}:train_rank", config=_resolved(cfg, stage), output_dir=str(output_dir))
         trainer = build_trainer(cfg, output_dir, job, executions, model=model, predicts_forward=forward)
         running.own(trainer)
