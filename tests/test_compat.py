@@ -1127,3 +1127,45 @@ def test_forget_resource_sharer_gives_a_forked_process_a_sharer_of_its_own():
     assert code == 0
     assert child_address and child_address != str(parent_address)
     assert os.path.exists(parent_address)  # the parent's socket file is still there
+
+
+def test_torch_compile_takes_each_mode_and_lightning_sees_the_compiled_forward_as_the_class_s():
+    """``compile=<mode>`` (``dpddp.run.compiling``): torch takes each of ``MODES`` (checked as ``torch.compile`` is
+    called, not at the first call), and a model given its compiled forward is one whose ``forward`` Lightning's
+    ``is_overridden`` still finds (through ``__wrapped__``), with the state_dict keys it had."""
+    from dpddp.run.compiling import MODES, compile_model
+
+    for mode in MODES:
+        torch.compile(torch.nn.Identity(), mode=mode)
+    with pytest.raises(RuntimeError, match="Unrecognized mode"):
+        torch.compile(torch.nn.Identity(), mode="fast")
+    model = BoringModel()
+    keys = list(model.state_dict())
+    compile_model(model, "default")  # traced at its first call: none here
+    assert "forward" in vars(model) and is_overridden("forward", model, pl.LightningModule)
+    assert list(model.state_dict()) == keys
+
+
+def test_lightnings_forward_redirection_restores_an_instance_forward():
+    """Under Lightning's DDP (2.6.6) a step reaches the module through ``_ForwardRedirection``, which patches the
+    module's ``forward`` to the step for the wrapper's call and puts back what it found: the compiled forward that
+    ``dpddp.run.compiling`` sets on the instance runs inside the step (not the step inside it) and stays."""
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args):
+            return self.module(*args)
+
+    model, calls = BoringModel(), []
+
+    def forward(self, x):
+        calls.append("forward")
+        return type(self).forward(self, x)
+
+    model.forward = forward.__get__(model)
+    _ForwardRedirection()(Wrapper(model), model, "training_step", torch.randn(2, 32), 0)
+    assert calls == ["forward"] and vars(model)["forward"].__func__ is forward
