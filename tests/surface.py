@@ -210,6 +210,18 @@ SURFACE: tuple[Setting, ...] = (
         "strategy=dp are refused",
     ),
     Setting(
+        "run setting",
+        "compile=true",
+        tested_by=(
+            "test_compile.py::test_one_compiled_process_is_within_the_bound_of_eager_and_loads_in_eager",
+            "test_compile.py::test_two_compiled_ddp_processes_with_batchnorm_are_within_the_bound_of_one_eager_process",
+            "test_compile.py::test_a_compiled_run_stopped_then_continued_equals_the_straight_compiled_run",
+            "test_compile.py::test_what_compile_cannot_keep_is_one_line",
+        ),
+        runs=r"compile=",
+        # no note: the README's 25 KiB leave room for the row alone; docs/performance.md has the bounds, dp refused
+    ),
+    Setting(
         "strategy",
         "strategy=auto",
         tested_by=("test_train.py::test_defaults_learn_and_write_metrics",),
