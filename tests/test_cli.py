@@ -124,6 +124,11 @@ def cli_status(tmp_path, monkeypatch, capsys):
             "error: trainer.accumulate_grad_batches=2 cannot be kept with steps_per_execution=4 (an execution takes "
             "one optimizer step per global batch): remove it, or use steps_per_execution=1",
         ),
+        (
+            ["--compile=true", "--trainer.strategy=dp"],
+            "error: strategy='dp' cannot be kept with compile=true (DataParallel's replicas run the model's forward "
+            "uncompiled; ddp compiles it on every rank): remove it, or use compile=false",
+        ),
     ],
 )
 def test_the_cli_applies_the_checks_of_train_py(tmp_path, cli_status, args, line):
@@ -310,3 +315,8 @@ def test_monitor_and_its_mode_choose_best_ckpt_and_the_objective_and_null_drops_
 def max_val_acc(metrics_csv):
     rows = list(csv.DictReader(metrics_csv.open()))
     return max(float(r["val/acc"]) for r in rows if r.get("val/acc"))
+
+
+def test_compile_compiles_the_forward_of_a_cli_run(tmp_path):
+    proc = cli("fit", *FAST, "--compile=max-autotune-no-cudagraphs", cwd=tmp_path)
+    assert "compile=max-autotune-no-cudagraphs: LinearClassifier's forward is compiled by torch.compile" in proc.stderr

@@ -95,8 +95,8 @@ def trainer_defaults() -> dict[str, Any]:
 
 
 class DPDDPCLI(LightningCLI):
-    """``LightningCLI`` that parses only: ``--ckpt_path``, ``--steps_per_execution``, ``--monitor`` and
-    ``--monitor_mode`` (``callbacks.model_checkpoint``'s ``monitor`` and ``mode``) added, and no class instantiated
+    """``LightningCLI`` that parses only: ``--ckpt_path``, ``--steps_per_execution``, ``--compile``, ``--monitor``
+    and ``--monitor_mode`` (``callbacks.model_checkpoint``'s ``monitor`` and ``mode``) added, and no class instantiated
     (``dpddp.run.training.train`` builds everything, as for ``train.py``)."""
 
     @override
@@ -115,6 +115,12 @@ class DPDDPCLI(LightningCLI):
             help="the metric best.ckpt is chosen by, and the run's objective (null: no best.ckpt)",
         )
         parser.add_argument("--monitor_mode", type=Literal["min", "max"], default="min", help="min or max of --monitor")
+        parser.add_argument(
+            "--compile",
+            type=bool | str,
+            default=False,
+            help="torch.compile the model's forward: true, a mode (max-autotune, ...), or false",
+        )
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -190,6 +196,7 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
         "seed": given.get("seed_everything", 0),
         "ckpt_path": given.get("ckpt_path"),
         "steps_per_execution": given.get("steps_per_execution", 1),
+        "compile": given.get("compile", False),
         "trainer": trainer,
     }
     merged = OmegaConf.merge(cfg, update)
