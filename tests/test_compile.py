@@ -95,6 +95,11 @@ def test_a_compiled_run_stopped_then_continued_equals_the_straight_compiled_run(
             "compile='fast' is not offered: use compile=true (torch.compile's default mode), a mode (default, lite, "
             "reduce-overhead, max-autotune, max-autotune-no-cudagraphs) or compile=false",
         ),
+        (
+            ["+model.compile=true"],  # where issue 38 looked for it
+            "unknown setting model.compile: set it at the top level: compile=true (torch.compile of the model's "
+            "forward)",
+        ),
     ],
 )
 def test_what_compile_cannot_keep_is_one_line(overrides, line):

@@ -41,6 +41,9 @@ TRAINER_OWNED = {
     "default_root_dir": "the run directory is Hydra's: set hydra.run.dir",
 }
 
+# Top-level settings a user may look for in a section (issue 38 asked for model.compile): what the line says instead.
+TOP_LEVEL_ELSEWHERE = {"compile": "set it at the top level: compile=true (torch.compile of the model's forward)"}
+
 
 @functools.lru_cache(maxsize=256)
 def _params(fn: Any) -> list[str]:
@@ -178,6 +181,8 @@ def _key_problem(section: str, key: str, allowed: list[str], spec: Mapping | Non
         return f"trainer.{key} is not set in the trainer group", TRAINER_OWNED[key]
     if key in allowed:
         return None
+    if section and key in TOP_LEVEL_ELSEWHERE:
+        return f"unknown setting {prefix}{key}", TOP_LEVEL_ELSEWHERE[key]
     hint = key_advice(prefix, key, allowed)
     drop = f", or drop it with ~{prefix}{key}" if (spec or {}).get(key) is not None else ""  # Hydra keeps null
     hint = FIX.format(t=(spec or {}).get("_target_"), k=key, s=section, d=drop) if key in builtin else hint
