@@ -96,7 +96,7 @@ def test_a_compiled_run_stopped_then_continued_equals_the_straight_compiled_run(
             "reduce-overhead, max-autotune, max-autotune-no-cudagraphs) or compile=false",
         ),
         (
-            ["+model.compile=true"],  # where issue 38 looked for it
+            ["+model.compile=true"],  # where a user may look for it
             "unknown setting model.compile: set it at the top level: compile=true (torch.compile of the model's "
             "forward)",
         ),

@@ -41,7 +41,7 @@ TRAINER_OWNED = {
     "default_root_dir": "the run directory is Hydra's: set hydra.run.dir",
 }
 
-# Top-level settings a user may look for in a section (issue 38 asked for model.compile): what the line says instead.
+# Top-level settings a user may look for in a section (model.compile=true): what the line says instead.
 TOP_LEVEL_ELSEWHERE = {"compile": "set it at the top level: compile=true (torch.compile of the model's forward)"}
 
 
