@@ -81,8 +81,9 @@ def _probe(
     model: pl.LightningModule, datamodule: GlobalBatchDataModule, share: int, device: torch.device
 ) -> float | str:
     """The median seconds of one optimizer step (this rank's ``share`` of a global batch gathered, then
-    ``zero_grad``, ``training_step``, backward, ``step``) of a copy of ``model``, or a string saying why there is
-    none. The run's model, random streams and weights are untouched; its data module is set up."""
+    ``zero_grad``, ``training_step``, backward, ``step``) of a copy of ``model`` after a warm-up step (a warm-up of
+    at least 20 ms: the one step after it), or a string saying why there is none. The run's model, random streams
+    and weights are untouched; its data module is set up."""
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log outside a Trainer
@@ -117,7 +118,11 @@ def _probe(
         first = time.perf_counter() - start
         if not all(returned):
             return f"{type(model).__name__}.training_step returned None (a skipped step)"
-        return first if first >= LOOP_OVERHEAD_S / OVERHEAD_SHARE else step_seconds(step, reps=PROBE_STEPS)
+        if first < LOOP_OVERHEAD_S / OVERHEAD_SHARE:
+            return step_seconds(step, reps=PROBE_STEPS)
+        start = time.perf_counter()  # a slow warm-up (one-time costs: the optimizer's state, allocations, a busy
+        step()  # machine): one more step decides
+        return time.perf_counter() - start
 
 
 def _device(cfg: DictConfig) -> torch.device:
