@@ -82,6 +82,18 @@ def run_train(*args: str, cwd: Path, timeout: float = 240, env: dict | None = No
     return proc
 
 
+def cli_config(*args: str) -> DictConfig:
+    """The run config the Lightning CLI makes of ``args`` (``--trainer.devices=2``, no subcommand), in this process:
+    parsed, nothing instantiated or run."""
+    from dpddp.entry.lightning_cli import DPDDPCLI, run_config, trainer_defaults, with_default_classes
+
+    cli = DPDDPCLI(
+        None, None, args=with_default_classes(list(args)), trainer_defaults=trainer_defaults(),
+        seed_everything_default=0, save_config_callback=None, auto_configure_optimizers=False, run=False,
+    )  # fmt: skip
+    return run_config(cli.config, cli.parser.get_defaults())
+
+
 def run_project(
     project: Path, *args: str, command: list[str] | None = None, pythonpath=(), check: bool = False, timeout=240
 ):

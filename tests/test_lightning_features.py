@@ -14,7 +14,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import QUIET, ROOT, compose_cfg, run_train
+from conftest import QUIET, ROOT, cli_config, compose_cfg, run_train
 from lightning.pytorch import callbacks as lightning_callbacks
 from lightning.pytorch.callbacks import LearningRateMonitor
 from torch import nn
@@ -81,14 +81,14 @@ def test_a_callback_that_needs_a_logger_without_one_is_one_line(target, name, st
 
 def test_the_lightning_cli_says_a_callback_that_needs_a_logger_in_its_own_options():
     with pytest.raises(ConfigError) as err:
-        check_config(_cli_config("--trainer.callbacks+=LearningRateMonitor", "--trainer.accelerator=cpu"))
+        check_config(cli_config("--trainer.callbacks+=LearningRateMonitor", "--trainer.accelerator=cpu"))
     assert str(err.value) == (
         "--trainer.callbacks (LearningRateMonitor) needs a logger, and the run has none: add "
         "--trainer.logger=CSVLogger --trainer.logger.save_dir=. (or TensorBoardLogger, MLFlowLogger, WandbLogger), "
         "or drop the callback"
     )
     given = ("--trainer.logger=CSVLogger", "--trainer.logger.save_dir=.")
-    check_config(_cli_config("--trainer.callbacks+=LearningRateMonitor", "--trainer.accelerator=cpu", *given))
+    check_config(cli_config("--trainer.callbacks+=LearningRateMonitor", "--trainer.accelerator=cpu", *given))
 
 
 def test_a_rank_that_opens_no_tracker_run_has_a_logger_for_the_callbacks_that_need_one(tmp_path, monkeypatch):
@@ -280,23 +280,13 @@ def test_each_lightning_strategy_name_is_mapped_to_dpddps_settings_or_refused_na
         }[start]
 
 
-def _cli_config(*args: str):
-    from dpddp.entry.lightning_cli import DPDDPCLI, run_config, trainer_defaults, with_default_classes
-
-    cli = DPDDPCLI(
-        None, None, args=with_default_classes(list(args)), trainer_defaults=trainer_defaults(),
-        seed_everything_default=0, save_config_callback=None, auto_configure_optimizers=False, run=False,
-    )  # fmt: skip
-    return run_config(cli.config, cli.parser.get_defaults())
-
-
 def test_the_lightning_cli_takes_lightnings_strategy_names_as_dpddps_settings():
-    cfg = _cli_config("--trainer.strategy=ddp_find_unused_parameters_true", "--trainer.devices=2")
+    cfg = cli_config("--trainer.strategy=ddp_find_unused_parameters_true", "--trainer.devices=2")
     assert (cfg.strategy.name, cfg.strategy.find_unused_parameters, cfg.devices) == ("ddp", True, 2)
-    cfg = _cli_config("--trainer.strategy=ddp_fork", "--trainer.devices=2")
+    cfg = cli_config("--trainer.strategy=ddp_fork", "--trainer.devices=2")
     assert (cfg.strategy.name, cfg.strategy.launch, cfg.strategy.find_unused_parameters) == ("ddp", "fork", False)
     with pytest.raises(ConfigError) as err:
-        _cli_config("--trainer.strategy=deepspeed")
+        cli_config("--trainer.strategy=deepspeed")
     assert str(err.value) == (
         "--trainer.strategy=deepspeed (DeepSpeedStrategy) is not offered (dpddp keeps its promises with its own "
         "strategies: auto, dp, ddp, ddp_spawn): use --trainer.strategy=ddp, or --trainer.strategy=dp on GPUs"
@@ -361,6 +351,6 @@ def test_the_cli_takes_a_plain_data_module_whose_batch_size_has_another_name(tmp
     assert all(float(row["samples_per_sec"]) > 0 for row in rows if row["stage"] == "fit")
     with pytest.raises(ConfigError) as err:
         check_config(
-            _cli_config(*PLAIN, "--data=users_models.PlainData", "--trainer.strategy=ddp", "--trainer.devices=2")
+            cli_config(*PLAIN, "--data=users_models.PlainData", "--trainer.strategy=ddp", "--trainer.devices=2")
         )
     assert str(err.value).startswith("data._target_=users_models.PlainData would give each of 2 processes every batch")
