@@ -218,7 +218,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_compile.py::test_a_compiled_run_stopped_then_continued_equals_the_straight_compiled_run",
             "test_compile.py::test_what_compile_cannot_keep_is_one_line",
             "test_compile.py::test_each_job_of_a_sweep_compiles_afresh",
-            "test_cli.py::test_compile_compiles_the_forward_of_a_cli_run",
         ),
         runs=r"compile=",
         # no note: the README's 25 KiB leave room for the row alone; docs/performance.md has the bounds, dp refused
