@@ -79,7 +79,6 @@ HELP = (
 ).format(**DEFAULT_CLASSES)
 SIZES = ("num_features", "num_classes")
 TOP_LEVEL = {"strategy": "strategy", "accelerator": "accelerator", "devices": "devices", "num_nodes": "num_nodes"}
-MONITOR = "val/loss"  # callbacks/default.yaml's model_checkpoint.monitor
 CONFIG = "config.yaml"  # the first invocation's config; dpddp.errors.invocation_name numbers the later ones
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job-logging format, as train.py's
 
@@ -89,9 +88,19 @@ def trainer_defaults() -> dict[str, Any]:
     ``enable_model_summary: false``), so that ``--print_config`` shows what runs and a value given equal to
     Lightning's default is not taken for the default (``run_config`` keeps the values that differ);
     ``sync_batchnorm`` as ``true``, the CLI's bool for its ``null`` (BatchNorm over the global batch)."""
-    packaged = OmegaConf.load(str(files("dpddp.conf").joinpath("trainer/default.yaml")))
-    own = {str(k): v for k, v in packaged.items() if v is not None}
+    own = {str(k): v for k, v in _packaged("trainer").items() if v is not None}
     return {**own, "sync_batchnorm": True, "use_distributed_sampler": False}
+
+
+def monitor_defaults() -> tuple[str, str]:
+    """``--monitor`` and ``--monitor_mode``'s defaults: the packaged ``callbacks/default.yaml``'s
+    ``model_checkpoint.monitor`` and ``mode`` (``"val/loss"``, ``"min"``), as for ``train.py``."""
+    best = _packaged("callbacks")["model_checkpoint"]
+    return str(best["monitor"]), str(best["mode"])
+
+
+def _packaged(group: str) -> Any:
+    return OmegaConf.load(str(files("dpddp.conf").joinpath(f"{group}/default.yaml")))
 
 
 class DPDDPCLI(LightningCLI):
@@ -101,6 +110,7 @@ class DPDDPCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        monitor, mode = monitor_defaults()
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint, or 'last'")
         parser.add_argument(
             "--steps_per_execution",
@@ -111,10 +121,10 @@ class DPDDPCLI(LightningCLI):
         parser.add_argument(
             "--monitor",
             type=str | None,
-            default=MONITOR,
+            default=monitor,
             help="the metric best.ckpt is chosen by, and the run's objective (null: no best.ckpt)",
         )
-        parser.add_argument("--monitor_mode", type=Literal["min", "max"], default="min", help="min or max of --monitor")
+        parser.add_argument("--monitor_mode", type=Literal["min", "max"], default=mode, help="min or max of --monitor")
         parser.add_argument(
             "--compile",
             type=bool | str,
@@ -201,7 +211,8 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
     }
     merged = OmegaConf.merge(cfg, update)
     assert isinstance(merged, DictConfig)
-    monitor, mode = given.get("monitor", MONITOR), given.get("monitor_mode", "min")
+    default_monitor, default_mode = monitor_defaults()
+    monitor, mode = given.get("monitor", default_monitor), given.get("monitor_mode", default_mode)
     if monitor is None:
         merged.callbacks.model_checkpoint = None
     else:

@@ -37,7 +37,8 @@ class AllReduceTimer:
 
     def hook(self, state: Any, bucket):  # no annotations on bucket and the return: DDP checks them
         self.buckets += 1
-        mark(GRADIENTS)  # unmarked when the last bucket's all-reduce has ended well (``done``)
+        if bucket.index() == 0:  # the first launched; unmarked when the last one's all-reduce has ended well
+            mark(GRADIENTS)
         if not bucket.is_last():
             return self.inner(state, bucket)
         if bucket.buffer().is_cuda:

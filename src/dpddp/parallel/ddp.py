@@ -284,9 +284,9 @@ class DDPStrategy(LightningDDPStrategy):
         if isinstance(err, (ConfigError, Preempted, ReplicasDiverged)):  # every rank's own
             return None
         where = self._whereabouts
+        line = (watch.explain() if watch is not None else None) or (where.explain() if where is not None else None)
         if watch is None:
-            return where.explain() if where is not None else None
-        line = watch.explain() or (where.explain() if where is not None else None)
+            return line
         watch.report(line or f"rank {self.global_rank} (node {self.node_rank}) failed: {first_line(err)}")
         watch.stop(clean=False)
         return line

@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch
 
-__all__ = ["BEAT_S", "CAUSE_GRACE_S", "LEFT", "STALE_S", "PeerWatch", "describe_ranks"]
+__all__ = ["BEAT_S", "CAUSE_GRACE_S", "LEFT", "STALE_S", "PeerWatch", "StoreClient", "describe_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,45 @@ LEFT = 1 << 40
 """What a rank that stops its watch cleanly takes off its heartbeat counter (negative: not lost, only gone)."""
 
 _STORE_OP_S = 5.0  # seconds one store operation may take before it counts as unanswered
+
+
+class StoreClient:
+    """One rank's client of the rendezvous store at ``address:port``, connected on first use and shared by the
+    rank's threads under ``lock``; each store operation may take ``_STORE_OP_S`` seconds."""
+
+    def __init__(self, address: str, port: int) -> None:
+        self.address, self.port = address, port
+        self.lock = threading.Lock()
+        self._store: torch.distributed.Store | None = None
+
+    def connect(self) -> torch.distributed.Store:
+        """The client (the caller holds ``lock``); raises what ``TCPStore`` raises when the store does not answer."""
+        if self._store is None:
+            self._store = torch.distributed.TCPStore(
+                self.address, self.port, is_master=False, timeout=timedelta(seconds=_STORE_OP_S)
+            )
+        return self._store
+
+    def bounded(self, what: str, op: Callable[[torch.distributed.Store], object], connect: bool = True) -> bool:
+        """Run ``op`` on the client from a helper thread, as a silent store never answers; wait at most about
+        ``2 x _STORE_OP_S`` seconds. ``connect=False``: only on a client already connected. Never raises; ``True``
+        if ``op`` returned in time."""
+        done = threading.Event()
+
+        def call() -> None:
+            if not self.lock.acquire(timeout=_STORE_OP_S):
+                return
+            try:
+                if connect or self._store is not None:
+                    op(self.connect())
+                    done.set()
+            except Exception as err:
+                log.debug(f"could not {what}: {err}")
+            finally:
+                self.lock.release()
+
+        threading.Thread(target=call, daemon=True, name="dpddp-store-op").start()
+        return done.wait(2 * _STORE_OP_S)
 
 
 def describe_ranks(ranks: list[int], ranks_per_node: int) -> str:
@@ -60,8 +99,7 @@ class PeerWatch(threading.Thread):
         self.ranks_per_node, self.timeout_s = ranks_per_node, timeout_s
         self.prefix = prefix
         self.stopped = threading.Event()
-        self._lock = threading.Lock()  # the store client: the beat thread, `report` and `stop`
-        self._store: torch.distributed.Store | None = None
+        self._client = StoreClient(address, port)  # shared by the beat thread, `report` and `stop`
         now = time.monotonic()
         self._seen = {r: (0, now) for r in range(world_size) if r != rank}  # rank -> (counter, when it changed)
         self._answered = now  # when the store last answered
@@ -76,7 +114,7 @@ class PeerWatch(threading.Thread):
         waits at most about ``_STORE_OP_S`` seconds for the store."""
         self.stopped.set()
         if clean:
-            self._store_op("tell the peers that this rank left", self._leave)
+            self._client.bounded("tell the peers that this rank left", self._leave, connect=False)
 
     def _leave(self, store: torch.distributed.Store) -> None:
         if not self._left:
@@ -112,12 +150,8 @@ class PeerWatch(threading.Thread):
                 self._error = type(err).__name__
 
     def _beat(self) -> None:
-        with self._lock:
-            if self._store is None:
-                self._store = torch.distributed.TCPStore(
-                    self.address, self.port, is_master=False, timeout=timedelta(seconds=_STORE_OP_S)
-                )
-            store = self._store
+        with self._client.lock:
+            store = self._client.connect()
             if self.stopped.is_set():  # `stop` may have run while this beat waited for the lock
                 return
             if store.add(self._own_key, 1) < 0:  # an earlier watch of this rank (stage) left
@@ -131,24 +165,6 @@ class PeerWatch(threading.Thread):
             if count != self._seen[r][0] or count < 0:  # moved, or left cleanly
                 self._seen[r] = (count, now)
         self._cause = cause
-
-    def _store_op(self, what: str, op: Callable[[torch.distributed.Store], object]) -> None:
-        """Run ``op`` on the store client from a helper thread, waiting at most about ``_STORE_OP_S`` seconds."""
-
-        def call() -> None:
-            if not self._lock.acquire(timeout=_STORE_OP_S):
-                return
-            try:
-                if self._store is not None:
-                    op(self._store)
-            except Exception as err:
-                log.debug(f"could not {what}: {err}")
-            finally:
-                self._lock.release()
-
-        helper = threading.Thread(target=call, daemon=True, name="dpddp-peer-op")
-        helper.start()
-        helper.join(2 * _STORE_OP_S)
 
     def _store_gone(self) -> str:
         return f"node 0 lost: the rendezvous store at {self.address}:{self.port} has not answered"
@@ -179,6 +195,8 @@ class PeerWatch(threading.Thread):
     def report(self, line: str) -> None:
         """Tell the peers why this rank is failing (the first report wins). Never raises; waits at most about
         ``_STORE_OP_S`` seconds."""
-        self._store_op(
-            "report the failure to the store", lambda store: store.compare_set(f"{self.prefix}cause", "", line)
+        self._client.bounded(
+            "report the failure to the store",
+            lambda store: store.compare_set(f"{self.prefix}cause", "", line),
+            connect=False,
         )

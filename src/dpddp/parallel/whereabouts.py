@@ -12,9 +12,10 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 
 import torch
+
+from dpddp.parallel.peers import BEAT_S, StoreClient
 
 __all__ = [
     "AGREEMENT",
@@ -34,11 +35,6 @@ AGREEMENT = "the stop agreement"
 GRADIENTS = "the gradient all-reduce"
 BATCHNORM = "BatchNorm's sums"
 METRIC_SYNC = "a metric's sync"
-
-BEAT_S = 0.5
-"""Seconds between two publications of this rank's whereabouts."""
-
-_STORE_OP_S = 5.0  # seconds one store operation may take
 
 _STAGES = {"train": "training", "sanity_check": "the sanity check", "validate": "validation", "test": "testing"}
 
@@ -124,8 +120,7 @@ class Whereabouts(threading.Thread):
         self.address, self.port, self.rank, self.world_size, self.prefix = address, port, rank, world_size, prefix
         self.position = position
         self.stopped = threading.Event()
-        self._lock = threading.Lock()
-        self._store: torch.distributed.Store | None = None
+        self._client = StoreClient(address, port)
         self._published = ""
         mark(None)  # a collective an earlier job of this process failed in is not this job's
 
@@ -136,48 +131,31 @@ class Whereabouts(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(BEAT_S):
             try:
-                with self._lock:
+                with self._client.lock:
                     text = _encode(self.here())
                     if text != self._published:
-                        self._client().set(f"{self.prefix}where/{self.rank}", text)
+                        self._client.connect().set(f"{self.prefix}where/{self.rank}", text)
                         self._published = text
             except Exception as err:  # the store (rank 0) may be gone: the run is failing already
                 log.debug(f"could not publish this rank's whereabouts: {err}")
-
-    def _client(self) -> torch.distributed.Store:
-        if self._store is None:
-            self._store = torch.distributed.TCPStore(
-                self.address, self.port, is_master=False, timeout=timedelta(seconds=_STORE_OP_S)
-            )
-        return self._store
 
     def stop(self) -> None:
         self.stopped.set()
 
     def explain(self) -> str | None:
         """The line naming the ranks that did not reach the collective this rank failed in (``describe``), or
-        ``None`` (this rank failed outside a collective, every rank was there, or the store does not answer
-        within about ``2 x _STORE_OP_S`` seconds: the reads run in a helper thread, as a silent store never answers)."""
+        ``None`` (this rank failed outside a collective, every rank was there, or the store did not answer in time:
+        ``StoreClient.bounded``)."""
         mine = self.here()
         if not mine[2]:
             return None
         others: dict[int, tuple[str, int, str] | None] = {}
-        done = threading.Event()
 
-        def read() -> None:
-            if not self._lock.acquire(timeout=_STORE_OP_S):
-                return
-            try:
-                store = self._client()
-                for r in range(self.world_size):
-                    key = f"{self.prefix}where/{r}"
-                    if r != self.rank:
-                        others[r] = _decode(store.get(key).decode()) if store.check([key]) else None
-                done.set()
-            except Exception as err:
-                log.debug(f"could not read the ranks' whereabouts: {err}")
-            finally:
-                self._lock.release()
+        def read(store: torch.distributed.Store) -> None:
+            for r in range(self.world_size):
+                key = f"{self.prefix}where/{r}"
+                if r != self.rank:
+                    others[r] = _decode(store.get(key).decode()) if store.check([key]) else None
 
-        threading.Thread(target=read, daemon=True, name="dpddp-whereabouts-read").start()
-        return describe(self.rank, mine, others) if done.wait(2 * _STORE_OP_S) else None
+        answered = self._client.bounded("read the ranks' whereabouts", read)
+        return describe(self.rank, mine, others) if answered else None
