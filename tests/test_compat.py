@@ -30,6 +30,7 @@ from hydra import compose, initialize_config_dir
 from hydra.types import RunMode
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -984,6 +985,33 @@ def test_stochastic_weight_averagings_checkpoint_entries_are_what_swapped_averag
     )
     assert swapped_average({"state_dict": {"w": torch.zeros(2)}, "callbacks": {"S": entry}}) is None
     assert swapped_average({"state_dict": weights, "callbacks": {"S": {**entry, "n_averaged": 1}}}) is None
+
+
+class _EpochStarts(pl.Callback):
+    """Records each ``on_train_epoch_start``'s epoch and, at ``on_train_start``, the fit loop's restart kind."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.mid_epoch: bool | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.mid_epoch = trainer.fit_loop.restarted_mid_epoch
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.starts.append(trainer.current_epoch)
+
+
+def test_a_fit_continued_inside_an_epoch_skips_its_epoch_start_as_mend_swa_expects(tmp_path):
+    """``_compat.callbacks.mend_swa`` reads ``fit_loop.restarted_mid_epoch`` at ``on_train_start`` and runs SWA's
+    ``on_train_epoch_start`` there because Lightning does not for the epoch a continue enters: fails if either
+    moves (then the mend would run it twice, or never)."""
+    flags = dict(limit_train_batches=4, limit_val_batches=0, accelerator="cpu", logger=False, enable_progress_bar=False)
+    flags.update(enable_model_summary=False, default_root_dir=tmp_path)
+    every = ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=2, save_top_k=-1)  # at batch 1's end
+    pl.Trainer(max_epochs=1, callbacks=[every], **flags).fit(BoringModel())
+    probe = _EpochStarts()
+    pl.Trainer(max_epochs=2, callbacks=[probe], **flags).fit(BoringModel(), ckpt_path=tmp_path / "step=2.ckpt")
+    assert (probe.mid_epoch, probe.starts) == (True, [1])  # epoch 0's start was the first fit's
 
 
 class _Backboned(BoringModel):

@@ -1,17 +1,18 @@
 """Weight-averaging callbacks (Lightning's StochasticWeightAveraging, EMAWeightAveraging): the averaged model is the
-final one (last.ckpt, val/* and test/* belong to it), and a stop inside the averaging window continues to the
-straight run's average."""
+final one (last.ckpt, val/* and test/* belong to it), and a stop inside the averaging window (a limit, a SIGTERM)
+continues to the straight run's average."""
 
 import pytest
 import torch
 from conftest import QUIET, compose_cfg, max_diff, metrics, weights
 
+from dpddp.errors import Preempted
 from dpddp.run.training import train
 
 BASE = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "model.optimizer=adam", "model.lr=0.01"]
 SWA = (
     "+callbacks.swa._target_=lightning.pytorch.callbacks.StochasticWeightAveraging",
-    "+callbacks.swa.swa_lrs=0.01",
+    "+callbacks.swa.swa_lrs=0.05",  # not the optimizer's 0.01: SWALR's annealing moves the learning rate
     "+callbacks.swa.swa_epoch_start=2",
 )
 EMA = (
@@ -36,16 +37,36 @@ def test_the_averaged_model_is_the_final_one(tmp_path, averaging):
     assert metrics(tmp_path / "straight")["test/loss"] == result["test/loss"]
 
 
+@pytest.mark.parametrize("stop_kind", ["max_steps", "sigterm"])
 @pytest.mark.parametrize("averaging", [SWA, EMA], ids=["swa", "ema"])
-def test_a_stop_inside_the_averaging_window_continues_to_the_straight_average(tmp_path, averaging):
-    args = [*BASE, "trainer.max_epochs=4", *averaging]
+def test_a_stop_inside_the_averaging_window_continues_to_the_straight_average(tmp_path, averaging, stop_kind):
+    """Inside an epoch: SWA's annealing schedule, set up at the epoch's start (which Lightning skips on a continue
+    inside it), and EMA's update of the stop's own step (the stop's checkpoint comes after it) are the straight
+    run's: the weights and, beside them, SWA's average or the raw weights under EMA's."""
+    args = [*BASE, "trainer.max_epochs=5", *averaging]  # SWA's window: epochs 2 to 4, averaged at their starts
     train(compose_cfg(*args), tmp_path / "straight")
     steps = torch.load(_last(tmp_path / "straight"), weights_only=True)["global_step"]
-    stop = steps * 5 // 8  # in the third epoch: inside SWA's window (from epoch index 2)
-    train(compose_cfg(*args, f"trainer.max_steps={stop}"), tmp_path / "first")
+    stop = steps // 2  # in epoch 2, whose end's annealing step sets epoch 3's learning rate
+    if stop_kind == "max_steps":
+        train(compose_cfg(*args, f"trainer.max_steps={stop}"), tmp_path / "first")
+    else:
+        kill = ["+callbacks.kill._target_=conftest.SigtermAt", f"+callbacks.kill.at={stop - 1}"]
+        with pytest.raises(Preempted) as stopped:
+            train(compose_cfg(*args, *kill), tmp_path / "first")
+        assert stopped.value.step == stop
     train(compose_cfg(*args, f"ckpt_path={_last(tmp_path / 'first')}"), tmp_path / "continued")
     a, b = weights(_last(tmp_path / "continued")), weights(_last(tmp_path / "straight"))
     assert max_diff(a, b) <= 1e-6
+    assert max_diff(*(_other_weights(_last(tmp_path / run)) for run in ("continued", "straight"))) <= 1e-6
+
+
+def _other_weights(ckpt) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint holds beside its ``state_dict``: SWA's average (in its callback state), or the raw
+    weights under EMA's average (Lightning's ``current_model_state``), as float64."""
+    checkpoint = torch.load(ckpt, weights_only=False)
+    (swa,) = [s for k, s in checkpoint["callbacks"].items() if "StochasticWeightAveraging" in k] or [None]
+    state = swa["average_model_state"] if swa is not None else checkpoint["current_model_state"]
+    return {k: v.double() for k, v in state.items() if v.is_floating_point()}
 
 
 def test_a_run_swa_ended_continued_to_a_later_max_epochs_is_refused_in_one_line(tmp_path):

@@ -1,16 +1,18 @@
 """Lightning callbacks' checkpoint entries dpddp reads: ``StochasticWeightAveraging.state_dict``'s ``n_averaged``
-and ``average_model_state``; and ``BaseFinetuning``'s restart (its private ``_restarting``, set by
-``load_state_dict``), which re-freezes on a continued fit the modules it had unfrozen before the stop (Lightning
-2.6.6, ``CHECKED``); ``tests/test_compat.py`` fails if they move, or if Lightning mends the restart itself."""
+and ``average_model_state``; ``BaseFinetuning``'s restart (its private ``_restarting``, set by
+``load_state_dict``), which re-freezes on a continued fit the modules it had unfrozen before the stop; and the fit
+loop's ``restarted_mid_epoch`` (its private ``_restart_stage``), where Lightning skips ``on_train_epoch_start``
+(Lightning 2.6.6, ``CHECKED``); ``tests/test_compat.py`` fails if they move, or if Lightning mends the restarts
+itself."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
 
-__all__ = ["mend_finetuning", "swapped_average"]
+__all__ = ["mend_finetuning", "mend_swa", "swapped_average"]
 
 
 def swapped_average(checkpoint: dict[str, Any]) -> tuple[str, int] | None:
@@ -49,3 +51,22 @@ def mend_finetuning(callback: BaseFinetuning) -> None:
         BaseFinetuning.make_trainable(owners)
 
     callback.on_fit_start = on_fit_start  # type: ignore[method-assign]
+
+
+def mend_swa(callback: StochasticWeightAveraging) -> None:
+    """Make a fit continued inside ``callback``'s window anneal as the straight fit does.
+
+    Lightning's ``StochasticWeightAveraging`` sets up its ``SWALR`` (from its saved state) and puts it among the
+    trainer's schedulers in ``on_train_epoch_start``, which a fit continued from a checkpoint written inside an
+    epoch skips for that epoch: the epoch's ``SWALR`` step is lost and the continued run trains on another learning
+    rate. On such a restart in the window, its ``on_train_epoch_start`` runs once at ``on_train_start`` (its update
+    of the average for the epoch is not made again: ``latest_update_epoch`` travels in its state)."""
+    own = callback.on_train_start
+
+    def on_train_start(trainer: Any, pl_module: Any) -> None:
+        own(trainer, pl_module)
+        in_window = callback.swa_start <= trainer.current_epoch <= callback.swa_end
+        if trainer.fit_loop.restarted_mid_epoch and in_window:
+            callback.on_train_epoch_start(trainer, pl_module)
+
+    callback.on_train_start = on_train_start  # type: ignore[method-assign]

@@ -13,14 +13,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import KubeflowEnvironment
-from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
+from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from typing_extensions import override
 
 from dpddp._compat import skip_empty_batch_hooks, softmax_per_sample
-from dpddp._compat.callbacks import mend_finetuning
+from dpddp._compat.callbacks import mend_finetuning, mend_swa
 from dpddp.cluster import launch_id, writes_outputs
 from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.continuity.replicas import ReplicaGuard, check_every
@@ -163,6 +163,10 @@ def _build_callbacks(
             _own_checkpoint(callback, f"callbacks.{key}", output_dir / "checkpoints", callbacks)
         callbacks.append(callback)
         settings[id(callback)] = f"callbacks.{key}"
+    # The stop's checkpoint at a step's end comes after every other callback's on_train_batch_end (an
+    # EMAWeightAveraging's update of that step), as a ModelCheckpoint's does (Lightning orders those last).
+    callbacks.remove(stop)
+    callbacks.append(stop)
     keeps = (cfg.trainer or {}).get("enable_checkpointing") is not False  # false: no checkpoint wanted
     if keeps and not any(_writes_last(cb, output_dir / "checkpoints") for cb in callbacks) and _says():
         log.warning(
@@ -325,4 +329,6 @@ def build_trainer(
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, BaseFinetuning):
             mend_finetuning(callback)
+        elif isinstance(callback, StochasticWeightAveraging):
+            mend_swa(callback)
     return trainer
