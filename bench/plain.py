@@ -185,6 +185,7 @@ def _ddp_rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> Non
         result = fit(model, splits, args.batch_size, args.epochs, rank, args.world_size)
         if rank == 0:
             queue.put(result)
+        dist.barrier()  # no collective in flight when a rank tears gloo down (else the other may abort: SIGABRT)
     finally:
         dist.destroy_process_group()
 
