@@ -78,8 +78,8 @@ def _figures(tmp_path: Path, run_dir: Path, since: str) -> float:
 
 
 def test_node_leaving_gracefully_stops_every_rank_at_one_step_and_the_other_continues(bed2, tmp_path):
-    """SIGTERM to node 1's agent at step 10 (mid-epoch 0): both ranks stop at step 11 with last.ckpt there, node
-    1's agent ends, node 0's restarts its worker alone (world size 1) from step 11 to the end: nothing retrained."""
+    """SIGTERM to node 1's agent at step 10 (mid-epoch 0): both ranks stop at step 10 with last.ckpt there, node
+    1's agent ends, node 0's restarts its worker alone (world size 1) from step 10 to the end: nothing retrained."""
     term = ["+callbacks.term._target_=elastic_kill.TermAgentAt", "+callbacks.term.step=10"]
     procs = [_node(bed2, node, tmp_path, *term) for node in (0, 1)]
     codes = [p.wait(timeout=240) for p in procs]
@@ -87,7 +87,7 @@ def test_node_leaving_gracefully_stops_every_rank_at_one_step_and_the_other_cont
     assert codes[0] == 0 and codes[1] != 0, out
     run_dir, diff = _check(bed2, tmp_path, [2, 1])
     for node in (0, 1):  # every rank stopped at the same step, with last.ckpt there
-        assert "error: stopped by SIGTERM after step 11; checkpoint: " in (tmp_path / f"node{node}.out").read_text()
+        assert "error: stopped by SIGTERM after step 10; checkpoint: " in (tmp_path / f"node{node}.out").read_text()
     log = (run_dir / "train.log").read_text()
     assert "world size 2: 2 nodes x 1 process (torchrun WORLD_SIZE=2)" in log, log[-3000:]
     assert "resuming interrupted job from" in log and "world size 1: 1 node x 1 process" in log
@@ -114,7 +114,7 @@ def test_node_killed_the_other_continues_from_last_ckpt(bed2, tmp_path):
 
 
 def test_node_joining_continues_on_the_larger_world_size(bed2, tmp_path):
-    """node 0 starts alone and holds at step 30; node 1 starts; node 0's agent stops its worker (SIGTERM: step 31,
+    """node 0 starts alone and holds at step 30; node 1 starts; node 0's agent stops its worker (SIGTERM: step 30,
     last.ckpt there) and both continue on world size 2 from it: nothing retrained."""
     hold = ["+callbacks.hold._target_=elastic_kill.HoldAlone", "+callbacks.hold.step=30"]
     first = _node(bed2, 0, tmp_path, *hold)
@@ -127,7 +127,7 @@ def test_node_joining_continues_on_the_larger_world_size(bed2, tmp_path):
     codes = [p.wait(timeout=240) for p in (first, second)]
     assert codes == [0, 0], _outputs(tmp_path)
     run_dir, diff = _check(bed2, tmp_path, [1, 2])
-    assert "error: stopped by SIGTERM after step 31; checkpoint: " in (tmp_path / "node0.out").read_text()
+    assert "error: stopped by SIGTERM after step 30; checkpoint: " in (tmp_path / "node0.out").read_text()
     log = (run_dir / "train.log").read_text()
     assert "world size 1: 1 node x 1 process" in log and "world size 2: 2 nodes x 1 process" in log, log[-3000:]
     print(f"join: continued on 2 nodes {_figures(tmp_path, run_dir, 'joined'):.1f} s after node 1 started, 0 steps "

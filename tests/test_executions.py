@@ -110,11 +110,11 @@ def test_a_stop_at_a_random_step_then_continued_twice_equals_a_straight_run(tmp_
 
 def test_sigterm_stops_on_a_step_boundary_and_resumes_exactly(tmp_path, straight):
     args = [*BASE, "trainer.max_epochs=3", "steps_per_execution=5"]
-    # SIGTERM at the end of the 4th execution (step 17); Preemption, called before it, stops after the next one
+    # SIGTERM at the end of the 4th execution (step 17), before the stop's check, the last callback: it stops there
     kill = ["+callbacks.kill._target_=conftest.SigtermAt", "+callbacks.kill.at=3"]
     with pytest.raises(Preempted) as stop:
         train(compose_cfg(*args, *kill), tmp_path / "run")
-    assert stop.value.step == 22  # epochs of 5 + 5 + 2 steps: 12 + 5 + 5, inside the second epoch
+    assert stop.value.step == 17  # epochs of 5 + 5 + 2 steps: 12 + 5, inside the second epoch
     resumed = train(compose_cfg(*args, f"ckpt_path={tmp_path}/run/checkpoints/last.ckpt"), tmp_path / "resumed")
     _same_run(tmp_path / "resumed", straight[0])
     assert resumed["train/loss"] == pytest.approx(straight[1]["train/loss"], abs=1e-6)

@@ -74,7 +74,7 @@ def test_a_sigterm_in_bf16_then_continued_equals_the_straight_bf16_run(tmp_path)
     kill = ["+callbacks.kill._target_=conftest.SigtermAt", "+callbacks.kill.at=20"]
     with pytest.raises(Preempted) as stop:
         train(compose_cfg(*args, *kill), tmp_path / "run")
-    assert stop.value.step == 22  # the stop check runs before the helper: the next step end, mid-epoch 2
+    assert stop.value.step == 21  # the stop's check runs after the helper: this step's end, mid-epoch 2
     resumed = train(compose_cfg(*args, f"ckpt_path={tmp_path}/run/checkpoints/last.ckpt"), tmp_path / "resumed")
     assert global_step(tmp_path / "resumed") == global_step(tmp_path / "straight") == 48
     assert max_diff(_w(tmp_path / "resumed"), _w(tmp_path / "straight")) <= 1e-6
