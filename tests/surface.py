@@ -292,13 +292,13 @@ SURFACE: tuple[Setting, ...] = (
         "entry point",
         "torchrun / SLURM / a PyTorchJob",
         tested_by=(
-            "test_cluster.py::test_two_node_torchrun_on_loopback_trains_one_model",
+            "test_multinode.py::test_two_nodes_on_separate_interfaces_train_one_model",
             "test_cluster.py::test_standalone_torchrun_two_processes",
             "test_cluster.py::test_simulated_slurm_job_with_two_tasks",
             "test_config.py::test_cluster_kubeflow_selects_lightnings_kubeflow_environment",
             "test_multinode.py::test_torchrun_restart_resumes_from_last_ckpt",
         ),
-        runs=r"TORCHRUN|SLURM|kubeflow",
+        runs=r"TORCHRUN|torchrun|SLURM|kubeflow",
     ),
     Setting(
         "entry point",
@@ -348,7 +348,6 @@ SURFACE: tuple[Setting, ...] = (
         "sweeper/launcher",
         "hydra/launcher=submitit_local",
         tested_by=(
-            "test_sweeps.py::test_submitit_local_launcher_runs_ddp_jobs",
             "test_sweeps.py::test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resumes_exactly",
         ),
         runs=r"hydra/launcher=submitit_local",

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 from conftest import QUIET, ROOT, child_env, compose_cfg, free_port, leftover, metrics
+from netns import netns_available
 
 from dpddp.run.training import train
 
@@ -43,7 +44,10 @@ def _two_nodes(tmp_path, *args, timeout=180):
     return codes, out, seconds, tag
 
 
+@pytest.mark.skipif(netns_available() is None, reason="test_multinode runs these 2 nodes on 2 network namespaces")
 def test_two_node_torchrun_on_loopback_trains_one_model(tmp_path):
+    """Where no network namespaces can be made (not root): the 2-node torchrun run of ``test_multinode``, on
+    loopback, with the same assertions."""
     codes, out, _, tag = _two_nodes(tmp_path, "strategy=ddp", "devices=1", "num_nodes=2", *SMALL)
     assert codes == [0, 0], out[0][-3000:] + out[1][-3000:]
     (run_dir,) = [p.parent for p in tmp_path.glob("outputs/*/metrics.json")]  # one run directory

@@ -74,13 +74,18 @@ def test_two_nodes_on_separate_interfaces_train_one_model(bed2, tmp_path, how, d
     out = [(tmp_path / f"node{i}.out").read_text() for i in (0, 1)]
     assert codes == [0, 0], out[0][-3000:] + out[1][-3000:]
     (run_dir,) = [p.parent for p in tmp_path.glob("outputs/*/metrics.json")]  # one run directory
-    assert metrics(run_dir)["world_size"] == 2 * devices
+    m = metrics(run_dir)
+    assert (m["world_size"], m["num_nodes"], m["devices"]) == (2 * devices, 2, devices)
     assert len(list(tmp_path.glob("outputs/**/.hydra"))) == 1  # global rank 0's
     assert "network: GLOO_SOCKET_IFNAME=dpddp0 (routes to MASTER_ADDR=198.18.0.1 from 198.18.0.2)" in out[1]
+    if how == "torchrun":  # torchrun's run id names the directory; each rank logs to its own file
+        assert run_dir.name.startswith("torchrun-") and (run_dir / f"rank{2 * devices - 1}.log").is_file()
     single = tmp_path / "single"
-    train(compose_cfg(*SMALL, "logger=none"), single)
+    one = train(compose_cfg(*SMALL, "logger=none"), single)
     last = "checkpoints/last.ckpt"
     assert max_diff(weights(run_dir / last), weights(single / last)) <= 1e-5
+    for key in ("val/loss", "val/acc", "test/loss", "test/acc"):
+        assert m[key] == pytest.approx(one[key], abs=1e-6), key
     # No wildcard listener but torchrun's own agent store (owned by the torchrun process we started).
     torchrun_pids = {p.pid for p in procs} if how == "torchrun" else set()
     wildcard = [s for s in watch.seen.values() if s.wildcard and not {pid for _, pid in s.owners} <= torchrun_pids]
