@@ -100,26 +100,20 @@ SURFACE: tuple[Setting, ...] = (
         note="the should_stop it latched travels in the checkpoint: a continued run stops at min_epochs, as the "
         "straight run does",
     ),
-    Setting(
-        "trainer flag",
+    _flag(
         "StochasticWeightAveraging (+callbacks.swa)",
-        tested_by=(
-            "test_weight_averaging.py::test_the_averaged_model_is_the_final_one",
-            "test_weight_averaging.py::test_a_stop_inside_the_averaging_window_continues_to_the_straight_average",
-        ),
-        runs=r"StochasticWeightAveraging",
+        "+callbacks.swa._target_=lightning.pytorch.callbacks.StochasticWeightAveraging",
+        "+callbacks.swa.swa_lrs=0.05",
+        "+callbacks.swa.swa_epoch_start=1",
         note="the average it swaps in at the fit's end is the final model: last.ckpt is rewritten and val/* measured "
-        "again from it",
+        "again from it; a stop inside its window continues exactly (tests/test_weight_averaging.py)",
     ),
-    Setting(
-        "trainer flag",
+    _flag(
         "EMAWeightAveraging (+callbacks.ema)",
-        tested_by=(
-            "test_weight_averaging.py::test_the_averaged_model_is_the_final_one",
-            "test_weight_averaging.py::test_a_stop_inside_the_averaging_window_continues_to_the_straight_average",
-        ),
-        runs=r"EMAWeightAveraging",
-        note="last.ckpt, val/* and test/* are the average's; its state is in the checkpoint",
+        "+callbacks.ema._target_=lightning.pytorch.callbacks.EMAWeightAveraging",
+        "+callbacks.ema.decay=0.9",
+        note="last.ckpt, val/* and test/* are the average's; its state is in the checkpoint, its update of a "
+        "stop's step too",
     ),
     _flag(
         "ModelCheckpoint with every_n_train_steps (+callbacks.every_steps)",
