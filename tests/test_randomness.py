@@ -125,8 +125,8 @@ def test_under_ddp_a_global_rng_layer_is_named_in_one_line_at_start(tmp_path):
         *common, "model=mlp", "model._target_=users_models.GlobalDropoutMLP", "hydra.run.dir=u", cwd=tmp_path, env=env
     )
     assert user.returncode == 0, user.stderr[-2000:]
-    lines = [line for line in (user.stdout + user.stderr).splitlines() if "draw from the global random stream" in line]
-    assert len(lines) == 1 and "model.drop " in lines[0] and "with 2 replicas" in lines[0], lines
+    lines = [line for line in (user.stdout + user.stderr).splitlines() if "from the global random stream" in line]
+    assert len(lines) == 1 and "model.drop draws from" in lines[0] and "with 2 replicas" in lines[0], lines
     builtin = run_train(*common, "model=mlp", "model.dropout=0.5", "hydra.run.dir=b", cwd=tmp_path, env=env)
     assert builtin.returncode == 0, builtin.stderr[-2000:]
     assert "global random stream" not in builtin.stdout + builtin.stderr

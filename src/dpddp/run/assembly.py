@@ -271,8 +271,9 @@ def _warn_global_rng(model: pl.LightningModule, cfg: DictConfig) -> None:
     count = replicas(cfg)
     if names and count > 1 and _says():
         shown = ", ".join(f"model.{n}" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        verb = "draws" if len(names) == 1 else "draw"
         log.warning(
-            f"{shown} draw from the global random stream: with {count} replicas the weights differ from one "
+            f"{shown} {verb} from the global random stream: with {count} replicas the weights differ from one "
             "process's (a continued run on the same world size still equals a straight one); use "
             "dpddp.nn.SampleDropout, whose masks belong to the sample"
         )
