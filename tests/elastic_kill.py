@@ -8,13 +8,14 @@ batch that makes global step ``step``, so the later starts run on:
   abruptly), in a start of ``world_size`` processes;
 - ``TermAgentAt``: the worker of global rank ``rank`` sends SIGTERM to its torchrun agent (a spot instance's
   preemption notice to one node) in a start of ``world_size`` processes, and waits until the agent has passed it
-  on to this worker; every rank agrees on a stop at each step (``StepBoundaryStop.interval_s=0``), so the run
-  stops at the next step on every rank;
+  on to this worker; every rank agrees on a stop at each step (``StepBoundaryStop.interval_s=0``), and the stop's
+  check comes after this callback, so the run stops at this step on every rank;
 - ``HoldAlone``: global rank 0 of a one-process start (agreeing at each step too) holds at ``step`` until it
   gets SIGTERM (its agent stopping it for a node that joins), at most ``limit_s`` seconds, after writing
   ``<cwd>/held`` for the test to see.
 
-``KillNodeAt`` and ``TermAgentAt`` write ``<cwd>/lost`` first (the time, for the test's figures).
+``KillNodeAt`` and ``TermAgentAt`` write ``<cwd>/lost`` first (the time, for the test's figures). ``StartSteps``
+appends each start's first global step to ``<cwd>/starts`` (global rank 0).
 """
 
 from __future__ import annotations
@@ -92,3 +93,10 @@ class HoldAlone(_StopEachStep):
         deadline = time.monotonic() + self.limit_s
         while not all(stop.requested for stop in _stops(trainer)) and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+class StartSteps(pl.Callback):
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            with open("starts", "a") as f:
+                f.write(f"{trainer.global_step}\n")
