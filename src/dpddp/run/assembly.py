@@ -126,7 +126,7 @@ def build_strategy(cfg: DictConfig, job: RankJob | None) -> pl.strategies.Strate
 def _build_callbacks(
     cfg: DictConfig, output_dir: Path, executions: StepsPerExecution | None, predicts_forward: bool
 ) -> list[pl.Callback]:
-    """dpddp's own callbacks (the tally first: the reporters read it), then the configured ones."""
+    """dpddp's own callbacks (the tally first: the reporters read it), then the configured ones, then the stop."""
     tally = FitTally(cfg.get("steps_per_execution", 1))
     throughput = Throughput(tally)
     costs = Costs(throughput.counts)
@@ -143,7 +143,7 @@ def _build_callbacks(
     )
     every_n_steps, every_s = checkpoint_intervals(cfg)
     stop = StepBoundaryStop(output_dir / "checkpoints", every_n_steps=every_n_steps, every_s=every_s)
-    callbacks: list[pl.Callback] = [tally, throughput, costs, epochs, state, guard, stop]
+    callbacks: list[pl.Callback] = [tally, throughput, costs, epochs, state, guard]
     if cfg.strategy.name in ("ddp", "ddp_spawn"):  # plain tensors logged with sync_dist over processes: exact
         callbacks.append(LoggedTensors())
     if executions is not None:
@@ -165,7 +165,6 @@ def _build_callbacks(
         settings[id(callback)] = f"callbacks.{key}"
     # The stop's checkpoint at a step's end comes after every other callback's on_train_batch_end (an
     # EMAWeightAveraging's update of that step), as a ModelCheckpoint's does (Lightning orders those last).
-    callbacks.remove(stop)
     callbacks.append(stop)
     keeps = (cfg.trainer or {}).get("enable_checkpointing") is not False  # false: no checkpoint wanted
     if keeps and not any(_writes_last(cb, output_dir / "checkpoints") for cb in callbacks) and _says():
