@@ -3,6 +3,7 @@ namespace (``scripts/netns_bed.py``): a node that leaves gracefully or abruptly,
 must end with the weights and global step of an uninterrupted one-process run, in one run directory, with
 nothing left running; and a world size the global batch does not divide is one line before any collective."""
 
+import csv
 import random
 import socket
 import subprocess
@@ -110,6 +111,8 @@ def test_node_killed_the_other_continues_from_last_ckpt(bed2, tmp_path):
     run_dir, diff = _check(bed2, tmp_path, [2, 1])
     log = (run_dir / "train.log").read_text()
     assert "resuming interrupted job from" in log, log[-3000:]
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    assert [r["world_size"] for r in rows] == ["2", "1", "1"]  # epoch 0 on 2 processes, epoch 1 and test on 1
     first, resumed = map(int, (tmp_path / "starts").read_text().split())
     assert first == 0 and 0 <= kill_step - resumed <= every, (kill_step, resumed)
     print(f"abrupt: continued {_figures(tmp_path, run_dir, 'lost'):.1f} s after the SIGKILL at step {kill_step}, "
