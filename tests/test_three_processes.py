@@ -1,0 +1,99 @@
+"""Cases 46, 47, 48 and 55 on ddp(3), in one setup: a model drawing from the global random stream, a data set
+augmenting from the global streams in ``__getitem__``, an EarlyStopping that trips before ``min_epochs`` and a
+validation inside each epoch. An epoch-limit stop (with loader workers) and a SIGTERM after an epoch's last
+validation (without), each resumed, end with the straight ddp(3) run's step, weights and epoch table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import QUIET, SigtermAtStep, global_step, leftover, made_once, run_train
+from elastic_kill import _StopEachStep
+from test_randomness import AUG
+from test_stop_kinds import LATCHED, _apart, _table
+from users_models import GlobalDropoutMLP, ScriptedScoreMLP
+
+ENV = {"PYTHONPATH": str(Path(__file__).parent)}
+DDP3 = ["accelerator=cpu", "strategy=ddp", "devices=3"]
+# AugBlobs (600 samples: 480 train) in global batches of 48: 10 steps an epoch. Validations at global steps 7, 14,
+# 21, 28, 35, 42, ... (epochs 0, 1, 2, 2, 3, 4, ...); val/score by epoch 1.0, 2.0, 0.5, 0.4 (then 0.4), patience 1:
+# EarlyStopping trips at step 14 (epoch 1) and again at 28; min_epochs=4 holds the run to step 40. A continued run
+# that lost the latched flag trips again at step 42 only, and stops there.
+ARGS = [a for a in AUG if a not in QUIET and not a.startswith(("data.batch_size", "trainer.max_epochs"))]
+ARGS += ["model._target_=test_three_processes.ScriptedDropoutMLP", "data.batch_size=48"]
+ARGS += [a for a in LATCHED if a.startswith(("+callbacks.es", "trainer.min_epochs", "trainer.max_epochs"))]
+ARGS += ["+trainer.val_check_interval=7", "trainer.check_val_every_n_epoch=null"]
+STRAIGHT_STEP = 4 * 10
+
+
+class ScriptedDropoutMLP(ScriptedScoreMLP, GlobalDropoutMLP):
+    """``ScriptedScoreMLP``'s val/score course with ``GlobalDropoutMLP``'s ``nn.Dropout`` and ``torch.rand``."""
+
+
+class SigtermAtStepEveryRankAgreeing(_StopEachStep, SigtermAtStep):
+    """``conftest.SigtermAtStep`` (every rank signals itself) with the ranks agreeing on a stop at each step: the
+    run stops at ``step + 1``, not at the next paced agreement (about a second later)."""
+
+
+def _train(cwd: Path, *extra: str):
+    return run_train(*DDP3, *ARGS, *extra, "hydra.run.dir=run", cwd=cwd, env=ENV)
+
+
+def _same_table(run: Path, straight: Path) -> None:
+    """``metrics.csv``'s rows (every epoch's val columns, the test's) are the straight run's, values to 1e-6."""
+    table, expected = _table(run), _table(straight)
+    assert [r["epoch"] for r in expected] == ["0", "1", "2", "3", "3"] and all(r["val/loss"] for r in expected[:4])
+    assert len(table) == len(expected), (table, expected)
+    for row, want in zip(table, expected, strict=True):
+        for k, v in want.items():
+            assert row[k] == v or "" not in (row[k], v) and abs(float(row[k]) - float(v)) <= 1e-6, (k, row, want)
+
+
+@pytest.fixture(scope="module")
+def straight(shared_dir) -> Path:
+    """The straight ddp(3) run, without loader workers, made once a session: EarlyStopping trips in epochs 1 and
+    2, the run ends at ``min_epochs``."""
+
+    def make(path: Path) -> None:
+        proc = run_train(*DDP3, *ARGS, f"hydra.run.dir={path}", cwd=path.parent, env=ENV, check=True)
+        lines = (proc.stdout + proc.stderr).splitlines()
+        said = [line for line in lines if "EarlyStopping ended the run" in line]
+        held = "EarlyStopping ended the run after epoch 3 (it tripped after epoch 2; trainer.min_epochs=4 held the run)"
+        assert len(said) == 1 and held in said[0], said  # epoch 2: its last trip (step 28)
+
+    run = made_once(shared_dir, "three-processes-straight", make)
+    assert global_step(run) == STRAIGHT_STEP
+    return run
+
+
+@pytest.mark.slow
+def test_an_epoch_limit_stop_with_loader_workers_resumed_on_three_processes_is_the_straight_run(tmp_path, straight):
+    """Cases 48, 47 and 46: ``max_epochs=3`` (step 30, EarlyStopping tripped, ``min_epochs`` not reached) with one
+    loader worker per rank, resumed to ``max_epochs=8``: every rank's random state and the latched flag travel
+    (workers' draws are keyed by the sample): step 40 and the straight run's weights and epoch table."""
+    workers = "data.num_workers=1"
+    first = _train(tmp_path, workers, "trainer.max_epochs=3")
+    assert first.returncode == 0 and leftover(first.tag) == [], first.stderr[-3000:]
+    assert global_step(tmp_path / "run") == 30
+    resumed = _train(tmp_path, workers, "resume=true")
+    assert resumed.returncode == 0 and leftover(resumed.tag) == [], resumed.stderr[-3000:]
+    assert global_step(tmp_path / "run") == STRAIGHT_STEP
+    assert _apart(tmp_path / "run", straight) <= 1e-6
+    _same_table(tmp_path / "run", straight)
+
+
+@pytest.mark.slow
+def test_a_sigterm_after_an_epochs_last_validation_resumed_on_three_processes_is_the_straight_run(tmp_path, straight):
+    """Cases 55, 46 and 47: SIGTERM to every rank before step 29, after epoch 2's last validation (step 28), stops
+    the run at step 29 (exit 143); resumed, it ends at step 40 with the straight run's weights, and epoch 2's row
+    keeps the val columns measured before the stop."""
+    kill = ["+callbacks.kill._target_=test_three_processes.SigtermAtStepEveryRankAgreeing", "+callbacks.kill.step=28"]
+    stopped = _train(tmp_path, *kill)
+    assert stopped.returncode == 143 and leftover(stopped.tag) == [], stopped.stderr[-3000:]
+    assert global_step(tmp_path / "run") == 29
+    resumed = _train(tmp_path, *kill, "resume=true")
+    assert resumed.returncode == 0 and leftover(resumed.tag) == [], resumed.stderr[-3000:]
+    assert global_step(tmp_path / "run") == STRAIGHT_STEP
+    assert _apart(tmp_path / "run", straight) <= 1e-6
+    _same_table(tmp_path / "run", straight)
