@@ -1,8 +1,13 @@
 """The run's facts that every room reads from one function: the process that writes the outputs, and a launched
 rank's global rank (its log file's name)."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
+from conftest import QUIET, ROOT, child_env, global_step
 
 from dpddp.cluster import LAUNCHED_ENV, writes_outputs
 from dpddp.parallel.rank import global_rank
@@ -34,3 +39,44 @@ def test_a_launched_ranks_global_rank_counts_the_visible_gpus_for_devices_minus_
             monkeypatch.setenv("NODE_RANK", str(node))
         monkeypatch.setenv("LOCAL_RANK", str(local))
         assert global_rank({"devices": devices}) == rank
+
+
+COUNTING = """
+import atexit, json, runpy, sys, torch
+import dpddp.run.config as config
+calls, loads, out = [], [], sys.argv.pop(1)
+for name in ("_check_settings", "_check_checkpoint"):
+    check = getattr(config, name)
+    setattr(config, name, lambda *a, _check=check, _name=name, **k: (calls.append(_name), _check(*a, **k))[1])
+load = torch.load
+def counted(path, *a, **k):
+    loads.append([str(getattr(path, "path", path)), sys._getframe(1).f_globals.get("__name__", "")])
+    return load(path, *a, **k)
+torch.load = counted
+atexit.register(lambda: open(out, "w").write(json.dumps({"checks": calls, "loads": loads})))
+sys.argv[0] = sys.argv[1] = sys.argv[1]
+sys.argv.pop(1)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _counted_run(tmp_path, *args: str) -> dict:
+    out = tmp_path / "counts.json"
+    env, _ = child_env()
+    cmd = [sys.executable, "-c", COUNTING, str(out), str(ROOT / "train.py"), *args, *QUIET]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_a_continued_run_checks_its_config_once_and_opens_last_ckpt_once_before_training(tmp_path):
+    """``python train.py resume=true``: Hydra's start checks and the job share one ``check_config`` and one load of
+    ``last.ckpt`` (dpddp's); the next load is Lightning's restore, as training starts."""
+    args = ["trainer.max_epochs=1", "data.num_samples=256", f"hydra.run.dir={tmp_path / 'run'}"]
+    assert _counted_run(tmp_path, *args)["checks"] == ["_check_settings", "_check_checkpoint"]
+    one_epoch = global_step(tmp_path / "run")
+    counts = _counted_run(tmp_path, *args[1:], "trainer.max_epochs=2", "resume=true")
+    assert counts["checks"] == ["_check_settings", "_check_checkpoint", "_check_checkpoint"]  # none, then last.ckpt
+    last = [who for path, who in counts["loads"] if path.endswith("last.ckpt")]
+    assert last[:2] == ["dpddp.continuity.io", "lightning.fabric.utilities.cloud_io"]  # Lightning's: an fsspec file
+    assert global_step(tmp_path / "run") == 2 * one_epoch > 0

@@ -32,7 +32,7 @@ from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from omegaconf import DictConfig
 
-from dpddp.cluster import RANK_VARIABLES, launcher_variables, master_address, register_resolvers
+from dpddp.cluster import launch_environment, master_address, register_resolvers
 from dpddp.entry.run_dir import hydra_value
 from dpddp.errors import EXIT_PREEMPTED, ConfigError, PromiseBroken, first_line, shell
 from dpddp.network import choose_interface
@@ -54,9 +54,6 @@ __all__ = ["STOPS_TOLERANCE", "TOLERANCE", "StopAt", "check_network", "check_sto
 TOLERANCE = 1e-5
 """Promise 1: ddp and dp end with the weights of one process to about this (largest absolute difference)."""
 TINY = ["trainer.max_epochs=2", "logger=none", "epoch_lines=false", "trainer.enable_progress_bar=false"]
-LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PET_", "OMPI_", "PMI_", "KUBERNETES_SERVICE_HOST")
-LAUNCHER_NAMES: tuple[str, ...] = (*RANK_VARIABLES, "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
-LAUNCHER_NAMES += ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def overrides_of(group: str, values: list[str]) -> list[str]:
@@ -91,7 +88,7 @@ def environment_lines() -> list[str]:
     gpus = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
     shown = ", ".join(f"cuda:{i} {p.name} {p.total_memory / 2**30:.0f} GiB" for i, p in enumerate(gpus)) or "none"
     _, why = choose_interface(master_address()[0] or "127.0.0.1")
-    seen = [f"{k}={v}" for k, v in launcher_variables(LAUNCHER_NAMES, LAUNCHER_PREFIXES).items()]
+    seen = [f"{k}={v}" for k, v in launch_environment().items()]
     return [
         "versions: " + ", ".join(versions),
         f"devices: {cores} CPU cores usable (of {os.cpu_count()}); GPUs: {shown}",

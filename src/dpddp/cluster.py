@@ -20,7 +20,7 @@ __all__ = [
     "launch_id",
     "launched",
     "launched_by_dpddp",
-    "launcher_variables",
+    "launch_environment",
     "local_rank",
     "loopback_interface",
     "master_address",
@@ -91,8 +91,10 @@ def in_cluster_job() -> bool:
     return "RANK" in os.environ or "SLURM_JOB_ID" in os.environ
 
 
-def launcher_variables(names: tuple[str, ...], prefixes: tuple[str, ...]) -> dict[str, str]:
-    """The environment's variables named in ``names`` or starting with one of ``prefixes``, sorted by name."""
+def launch_environment() -> dict[str, str]:
+    """The environment's variables that say how this process was launched and where it may run (``RANK_VARIABLES``,
+    the rendezvous address, visible devices, threads, interfaces, SLURM's, torchrun's, ...), sorted by name."""
+    names, prefixes = LAUNCHER_NAMES, LAUNCHER_PREFIXES
     return {k: os.environ[k] for k in sorted(os.environ) if k in names or k.startswith(prefixes)}
 
 
@@ -170,6 +172,10 @@ RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
 
 KUBEFLOW_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 """What a Kubernetes PyTorchJob sets in every replica."""
+
+LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PET_", "OMPI_", "PMI_", "KUBERNETES_SERVICE_HOST")
+LAUNCHER_NAMES: tuple[str, ...] = (*RANK_VARIABLES, "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
+LAUNCHER_NAMES += ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def stray_rank_variables(cluster: str, num_nodes: int) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +19,7 @@ from dpddp._compat.callbacks import swapped_average
 from dpddp.errors import WriteFailed
 
 __all__ = ["BACKGROUND", "AtomicCheckpointIO", "ConfiguredModel", "checkpoint_launch", "checkpoint_problem"]
-__all__ += ["checkpoint_steps_per_execution"]
+__all__ += ["checkpoint_steps_per_execution", "forget_checkpoints", "read_checkpoint"]
 
 BACKGROUND = {"dpddp": "background"}
 """``storage_options`` that make ``AtomicCheckpointIO`` write in its background thread."""
@@ -90,11 +91,32 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.saved_steps[path.name] = int(checkpoint.get("global_step", -1))
 
 
+def read_checkpoint(path: str | Path) -> Any:
+    """The checkpoint at ``path``, loaded with ``weights_only=True`` (no code runs from the file) and ``mmap=True``
+    (tensors mapped, not read). Each version of a file (its inode, size and modification time) is opened once per
+    process until ``forget_checkpoints``: the checks before a run share one load, so treat it as read-only. Raises
+    what ``torch.load`` and ``os.stat`` raise (``FileNotFoundError``, a truncated zip's ``RuntimeError``, ...)."""
+    resolved = Path(path).resolve()
+    stat = resolved.stat()
+    return _load(str(resolved), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _load(path: str, inode: int, size: int, mtime_ns: int) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def forget_checkpoints() -> None:
+    """Drop the loads ``read_checkpoint`` keeps (a run calls it as it starts training): a replaced ``last.ckpt``
+    mapped here would hold its disk space until the process ends."""
+    _load.cache_clear()
+
+
 def checkpoint_launch(path: str | Path) -> str | None:
     """The launcher's job id of the run that wrote the checkpoint at ``path`` (``dpddp.cluster.launch_id``, kept
     by ``ResumableState``), or ``None``: none recorded, or the file cannot be read (the config check says why)."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ckpt = read_checkpoint(path)
     except Exception:
         return None
     entry = ckpt.get("dpddp") if isinstance(ckpt, dict) else None
@@ -105,7 +127,7 @@ def checkpoint_steps_per_execution(path: str | Path) -> int:
     """The ``steps_per_execution`` the checkpoint at ``path`` was trained with (``ResumableState``'s entry; 1
     when it has none, or the file cannot be read: the config check says why); mapped, not read."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ckpt = read_checkpoint(path)
     except Exception:
         return 1
     entry = ckpt.get("dpddp") if isinstance(ckpt, dict) else None
@@ -142,7 +164,7 @@ def _other_model(saved: dict, shapes: dict[str, tuple[int, ...]], strict: bool) 
 def _is_full(path: Path) -> bool:
     """Whether ``path`` is a checkpoint a fit can continue from (it has ``optimizer_states``); mapped, not read."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ckpt = read_checkpoint(path)
     except Exception:  # none there, or unreadable: not one to name
         return False
     return isinstance(ckpt, dict) and "optimizer_states" in ckpt
@@ -178,7 +200,7 @@ def checkpoint_problem(
             (the epoch's remaining batches are the saved batch size's).
     """
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ckpt = read_checkpoint(path)
     except Exception as err:  # a truncated zip, a pickle, not a checkpoint at all: all one answer to the user
         detail = (str(err).splitlines() or [""])[0][:120]
         what = f"{type(err).__name__}{': ' + detail if detail else ''}"

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpddp._compat import agent_store_shared
 from dpddp.cluster import env_rank, launched_by_dpddp, writes_outputs
+from dpddp.continuity.io import forget_checkpoints
 from dpddp.continuity.state import save_final_checkpoint
 from dpddp.continuity.stop import RunScope, StepBoundaryStop, run_stops, starting_up
 from dpddp.errors import ConfigError, Preempted, RankFailed, ReplicasDiverged, first_line
@@ -96,6 +97,7 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         job = RankJob(entry=f"{__name__}:train_rank", config=_resolved(cfg, stage), output_dir=str(output_dir))
         trainer = build_trainer(cfg, output_dir, job, executions, model=model, predicts_forward=forward)
         running.own(trainer)
+    forget_checkpoints()  # the checks' loads: a replaced last.ckpt would stay on disk while mapped
     metrics, ran, predict_error = _run_stages(trainer, model, datamodule, cfg, stage, running)
     result: dict[str, Any] = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(
