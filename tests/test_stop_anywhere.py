@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import pytest
 from conftest import QUIET, compose_cfg, max_diff, metrics, weights
 
-from dpddp.continuity.stop import run_stops, starting_up
+from dpddp.continuity.stop import ON_SIGTERM, TRANSITIONS, Action, Phase, RunScope, run_stops, starting_up
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import Preempted, exit_on, rank_status
 from dpddp.run.training import train
@@ -207,3 +207,42 @@ def test_a_stop_line_is_said_once_per_node_and_a_launched_ranks_stop_goes_to_its
     assert rank_status(stop, log) == 143
     log.handlers, log.propagate = [], True
     assert shown.getvalue() == f"DEBUG {stop}\n"
+
+
+REACH = {Phase.OPEN: [], Phase.STARTING: ["start"], Phase.RUNNING: ["start", "started"]}
+REACH[Phase.TAIL] = ["start", "started", "finish"]
+
+
+@pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.value)
+def test_a_sigterm_does_what_the_table_says_for_its_phase(tmp_path, phase):
+    """The run's handler, reached by a real SIGTERM in each phase: ``RAISE`` raises ``Preempted``, ``HOLD``
+    marks it held, ``REQUEST`` asks the step-boundary stop (the ranks agree on it)."""
+    requests, raised = [], False
+    with run_stops(tmp_path) as scope:
+        for event in REACH[phase]:
+            scope.go(event)
+        scope.stop = type("Stop", (), {"request": lambda self: requests.append(phase)})()
+        if phase is not Phase.RUNNING:
+            scope.stop = None  # the trainer's stop exists while running only
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        except Preempted:
+            raised = True
+        held, scope.held = scope.held, False  # the scope's end would raise a held one
+    seen = {Action.RAISE: raised, Action.HOLD: held, Action.REQUEST: requests == [phase]}
+    assert [a for a, happened in seen.items() if happened] == [ON_SIGTERM[phase]]
+
+
+def test_a_run_goes_through_the_phases_in_the_tables_order_and_a_failed_start_reopens(tmp_path, monkeypatch):
+    seen = []
+    go = RunScope.go
+    monkeypatch.setattr(RunScope, "go", lambda self, event: (go(self, event), seen.append(self.phase)))
+    train(compose_cfg(*BASE, "trainer.max_epochs=1"), tmp_path / "run")
+    assert seen == [Phase.STARTING, Phase.RUNNING, Phase.TAIL]
+    seen.clear()
+    with pytest.raises(Exception, match="data.num_samples"):
+        train(compose_cfg(*BASE, "data.num_samples=-1"), tmp_path / "bad")
+    assert seen == [Phase.STARTING, Phase.OPEN]
+    assert sorted(e for _, e in TRANSITIONS) == ["failed", "finish", "start", "started"]
+    with pytest.raises(RuntimeError, match="no transition from tail on 'start'"):
+        RunScope(tmp_path, phase=Phase.TAIL).go("start")

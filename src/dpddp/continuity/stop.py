@@ -1,7 +1,8 @@
 """The one owner of SIGTERM: every handler dpddp installs is installed here, composing with the one it finds and
 putting it back when its scope ends. Scopes, innermost first: the training loop (``StepBoundaryStop``), a run
-(``run_stops``), an entry point's command (``command``), a sweep (``start``, ``watch``: the stop file
-``<sweep dir>/.stop``). See docs/design-notes.md (continuity.stop)."""
+(``run_stops``: its ``Phase``s, ``ON_SIGTERM`` and ``TRANSITIONS``), an entry point's command (``command``: held,
+blocked, from its first line; exiting after it, with the line and 143), a sweep (``start``, ``watch``: the stop
+file ``<sweep dir>/.stop``). See docs/design-notes.md (continuity.stop)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from dpddp.continuity.sweep_file import ENV, STOP_FILE, active, clear, request, 
 from dpddp.errors import ConfigError, Preempted, checked_float, checked_int, local_rank, stop_line
 
 __all__ = ["ENV", "STOP_FILE", "StepBoundaryStop", "active", "clear", "request", "requested", "run_stops"]
+__all__ += ["ON_SIGTERM", "TRANSITIONS", "Action", "Phase"]
 __all__ += ["CHECKPOINT_KEYS", "RunScope", "checkpoint_intervals", "command", "start", "starting_up", "watch"]
 
 _watching = False
@@ -72,20 +75,58 @@ def watch() -> None:
 # -- the run -----------------------------------------------------------------------------------------------
 
 
+class Phase(Enum):
+    """Where a run is, for SIGTERM (``RunScope.phase``); ``ON_SIGTERM`` says what a SIGTERM does in each and
+    ``TRANSITIONS`` which event leads where."""
+
+    OPEN = "open"  # the scope entered, nothing started yet
+    STARTING = "starting"  # the check, building the model, data and trainer (``starting_up``)
+    RUNNING = "running"  # a trainer's stages (``RunScope.own`` to ``RunScope.finish``)
+    TAIL = "tail"  # from the last agreement to the run's end: outputs written, launched ranks joined
+
+
+class Action(Enum):
+    """What a SIGTERM does: ``RAISE`` ``Preempted`` at once; ``HOLD`` it to the phase's end (then raised, or
+    requested of the ranks, ``starting_up``); ``REQUEST`` a stop that the ranks agree on at a step boundary."""
+
+    RAISE = "raise"
+    HOLD = "hold"
+    REQUEST = "request"
+
+
+ON_SIGTERM = {Phase.OPEN: Action.RAISE, Phase.STARTING: Action.HOLD, Phase.RUNNING: Action.REQUEST}
+ON_SIGTERM[Phase.TAIL] = Action.HOLD
+
+TRANSITIONS = {
+    (Phase.OPEN, "start"): Phase.STARTING,  # starting_up begins
+    (Phase.STARTING, "started"): Phase.RUNNING,  # starting_up ends, its trainer owned
+    (Phase.STARTING, "failed"): Phase.OPEN,  # starting_up ends without a trainer (it raised)
+    (Phase.RUNNING, "finish"): Phase.TAIL,  # the last stage's last agreement
+}
+"""The run's phases in order; any other (phase, event) is a bug (``RunScope.go`` raises ``RuntimeError``)."""
+
+
 @dataclass
 class RunScope:
-    """A run's SIGTERM scope: its trainer once built; during ``starting_up`` a SIGTERM is held to the end of it
-    (raised inside an import or an ``instantiate`` it would be reported as that step's failure); while ``stop``
-    is set (``own``: from the trainer's build to the end of its last stage) a SIGTERM is a request the ranks
-    agree on at batch boundaries (``StepBoundaryStop``); in the ``tail`` (from the last agreement, ``finish``, to
-    the run's end: its outputs written, its ranks joined) it is held to the run's end."""
+    """A run's SIGTERM scope: its phase (``Phase``), its trainer once built, whether a SIGTERM came in a phase
+    that holds it (``held``), and the trainer's ``StepBoundaryStop`` (``stop``, while running)."""
 
     output_dir: Path
     trainer: pl.Trainer | None = None
-    starting: bool = False
+    phase: Phase = Phase.OPEN
     held: bool = False
-    tail: bool = False
     stop: StepBoundaryStop | None = None
+
+    def go(self, event: str) -> None:
+        """Take the transition ``TRANSITIONS[(phase, event)]``; raises ``RuntimeError`` for any other."""
+        if (self.phase, event) not in TRANSITIONS:
+            raise RuntimeError(f"no transition from {self.phase.value} on {event!r}")
+        self.phase = TRANSITIONS[(self.phase, event)]
+
+    def action(self) -> Action:
+        """What a SIGTERM does now (``ON_SIGTERM``; running without a stop to request: ``RAISE``)."""
+        action = ON_SIGTERM[self.phase]
+        return Action.RAISE if action is Action.REQUEST and self.stop is None else action
 
     def preempted(self) -> Preempted:
         last = self.output_dir / "checkpoints" / "last.ckpt"
@@ -103,7 +144,8 @@ class RunScope:
         """After the run's last stage, on every rank: the ranks agree once more (a SIGTERM since the last
         agreement raises ``Preempted`` on every rank); a later one raises it at the end of the run of the rank it
         reached (rank 0 maps a launched rank's when it joins it)."""
-        stop, self.stop, self.tail = self.stop, None, True
+        stop, self.stop = self.stop, None
+        self.go("finish")
         if stop is not None and self.trainer is not None:
             restore_sigterm_broadcast(self.trainer)
             if stop.agree(self.trainer):
@@ -128,9 +170,10 @@ def run_stops(output_dir: Path) -> Iterator[RunScope]:
             return
         if callable(previous):
             previous(signum, frame)
-        if scope.starting or scope.tail:
+        action = scope.action()
+        if action is Action.HOLD:
             scope.held = True
-        elif scope.stop is not None:
+        elif action is Action.REQUEST and scope.stop is not None:
             scope.stop.request()
         elif not callable(previous):
             raise scope.preempted()
@@ -217,11 +260,13 @@ def starting_up(scope: RunScope) -> Iterator[None]:
     """The run's start-up (the check, building the model, data and trainer): a SIGTERM in it raises
     ``Preempted`` when it ends; in a rank whose peers start by themselves (a launched rank, torchrun, SLURM) it
     is the first agreement's instead, so every rank stops together."""
-    scope.starting = True
+    scope.go("start")
     try:
         yield
-    finally:
-        scope.starting = False
+    except BaseException:
+        scope.go("failed")
+        raise
+    scope.go("started")
     if scope.held:
         if scope.stop is None or not launched():
             raise scope.preempted()
