@@ -17,6 +17,7 @@ SRC = ROOT / "src" / "dpddp"
 # A module may import modules of its own layer or of layers below it (a lower number).
 LAYERS = {
     "dpddp.errors": 0,
+    "dpddp.messages": 0,  # other libraries' error texts read as data; imports nothing
     "dpddp._compat": 1,
     "dpddp.cluster": 1,
     "dpddp.network": 1,

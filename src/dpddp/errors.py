@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import shlex
 import signal
 import sys
@@ -33,6 +32,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
+
+from dpddp.messages import without_torch_prefixes
 
 __all__ = [
     "EXIT_CONFIG",
@@ -123,18 +124,11 @@ def exit_status(err: BaseException) -> int:
     return EXIT_CRASH
 
 
-_WRAPPED = re.compile(r"(?:Got the following error when running the callback: \w+: )+")
-"""torch's ``Future.then`` wrapping of a callback's error, once per chained callback (torch 2.13)."""
-
-_SOURCE = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h):\d+\] ")
-"""The C++ source location that torch's and gloo's messages start with (``[.../unbound_buffer.cc:81] ``)."""
-
-
 def first_line(err: BaseException, limit: int = 200) -> str:
     """``"<Type>: <first line of the message>"`` (at most ``limit`` characters of message, without torch's
-    ``_WRAPPED`` prefixes and a ``_SOURCE`` location): an error for a one-line report."""
-    text = (str(err).splitlines() or [""])[0]
-    text = _SOURCE.sub("", _WRAPPED.sub("", text), count=1)[:limit]
+    ``Future.then`` prefixes and a C++ source location: ``dpddp.messages.without_torch_prefixes``): an error for
+    a one-line report."""
+    text = without_torch_prefixes((str(err).splitlines() or [""])[0])[:limit]
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 

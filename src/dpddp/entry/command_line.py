@@ -22,6 +22,7 @@ from dpddp._compat import hydra_command_line
 from dpddp._compat.hydra_main import hydra_argument_error
 from dpddp.entry.early import GROUPS, dotted_keys, key_hints, missing_key_line
 from dpddp.entry.early import unknown_option as _unknown_option
+from dpddp.messages import argparse_choice, defaults_list_parent, jsonargparse_refusal
 from dpddp.parallel.rules import lightning_name_line
 from dpddp.run.keys import key_hint
 from dpddp.run.trainer_flags import takes
@@ -106,10 +107,8 @@ def refused_arguments(argv: list[str], prog: str) -> str | None:
     message = hydra_argument_error(argv)
     if message is None:
         return None
-    choice = re.match(r"argument (\S+?)(?:/\S+)?: invalid choice: '(.*?)' \(choose from (.*)\)$", message)
-    if choice is not None:
-        option, value, options = choice.groups()
-        known = [o.strip(" '") for o in options.split(",")]
+    if (choice := argparse_choice(message)) is not None:
+        option, value, known = choice
         example = f"{option} {known[0]} {value}" if "=" in value else f"{option} {known[0]}"  # an override taken
         return f"{option} {value} is not a choice of {option}: give one of {', '.join(known)} ({example})"
     return f"{message.removeprefix('argument ')}: see {prog} --help"
@@ -147,8 +146,8 @@ def hydra_failure(err: Exception, argv: list[str]) -> str:
     typed = any(a.partition("=")[0].lstrip("+~").partition("@")[0] == group for a in getattr(args, "overrides", []))
     if group == "strategy" and (line := lightning_name_line(option)):
         return line
-    parent = re.match(r"In '(.+?)':", first)
-    where = "" if typed or parent is None else f" (in the defaults list of {parent.group(1)})"
+    parent = defaults_list_parent(first)
+    where = "" if typed or parent is None else f" (in the defaults list of {parent})"
     return f"{group}={option} is unknown{where}: choose one of {', '.join(known)}"
 
 
@@ -240,10 +239,6 @@ def nearest_option(name: str, options: list[str]) -> str | None:
     return f"{group[0]}.{rest}" if group else None
 
 
-EXPECTED = re.compile(r"Expected a (?:<class '(.+)'>|typing\.Literal\[(.+?)\])")
-"""jsonargparse's line for a value of the wrong type: a class's name, or a ``Literal``'s values (4.x)."""
-
-
 def argument_error(message: str, args: list[str], options: list[str], prog: str) -> str:
     """One line for jsonargparse's refusal ``message`` (its ``ArgumentError``, many lines) of the arguments
     ``args`` of ``prog`` (``dpddp fit``), whose options are ``options`` (dotted, without ``--``): the argument as
@@ -255,27 +250,24 @@ def argument_error(message: str, args: list[str], options: list[str], prog: str)
         given = head.removeprefix("unrecognized arguments: ")
         nearest = nearest_option(given.split()[0].split("=")[0].lstrip("-"), options)
         return f"{given}: no such option{f' (nearest: --{nearest})' if nearest else ''}: {see}"
-    grouped = re.match(r"Group '(.+)' does not accept option '(.+)'", head)  # a key of a --config file
-    if grouped is not None:
-        key = ".".join(grouped.groups())
-        near = difflib.get_close_matches(key, options, n=1, cutoff=0.8)
-        return f"{key} (in a --config file): no such option{f' (nearest: {near[0]})' if near else ''}: {see}"
-    parsed = re.match(r'Parser key "(.+?)":\s*(.*)', head)
-    if parsed is None:
+    inner = [line.lstrip("- ") for line in lines[1:] if not line.lstrip("- ").startswith(BOILERPLATE)]
+    said = jsonargparse_refusal([head, *inner])
+    if said.group_key is not None:  # a key of a --config file
+        near = difflib.get_close_matches(said.group_key, options, n=1, cutoff=0.8)
+        where = f"{said.group_key} (in a --config file)"
+        return f"{where}: no such option{f' (nearest: {near[0]})' if near else ''}: {see}"
+    key, reason, option, cls = said.key, said.reason or "", said.option, said.class_path
+    if key is None:
         return f"{head}: {see}"
-    key, reason = parsed.groups()
     name = key.split(".")[0]
     typed = [a for a in args if re.match(rf"--{re.escape(key)}(\.|\+?=|$)", a)]
     given = typed[-1] if typed else f"--{key}"  # from a --config file: the key
-    inner = [line.lstrip("- ") for line in lines[1:] if not line.lstrip("- ").startswith(BOILERPLATE)]
-    option = next((m.group(1) for line in inner if (m := re.match(r"Option '(.+)' is not accepted", line))), None)
-    cls = next((m.group(1) for line in inner if (m := re.match(r"Problem with given class_path '(.+)'", line))), None)
     if option is not None and cls is not None:
         params = [p for p in inspect.signature(get_class(cls)).parameters if p not in ("self", "args", "kwargs")]
         near = difflib.get_close_matches(option, params, n=1, cutoff=0.8)
         hint = f"did you mean --{name}.{near[0]}?" if near else f"its options: {', '.join(params)}"
         return f"{given}: {cls} takes no {option} ({hint}): give one of its options, or another --{name}=pkg.Class"
-    expected = [m.group(1) or m.group(2) for line in inner if (m := re.match(EXPECTED, line))]
+    expected = said.expected
     flag = key.removeprefix("trainer.")
     if name == "trainer" and option is None and cls is None and (accepts := takes(flag)):
         return f"{given} is invalid: pl.Trainer takes {accepts} for {flag}: {see}"

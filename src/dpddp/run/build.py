@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpddp._compat.hydra_main import locate
 from dpddp.errors import ConfigError
+from dpddp.messages import instantiate_key, instantiate_target, unexpected_keyword
 from dpddp.report.trackers import is_tracker
 from dpddp.run.keys import import_problem
 
@@ -40,21 +41,18 @@ def build_error(node: DictConfig, key: str, err: InstantiationException) -> Conf
     (``callbacks.model_checkpoint.mode='bad'``: ``mode can be min, max but got bad``); a tracker's (MLflow, W&B)
     other failure as the tracker's own."""
     text = str(err)
-    found = re.search(r"full_key: (\S+)\s*$", text)
-    full_key = found.group(1) if found else key
+    full_key = instantiate_key(text) or key
     inner = node if full_key == key else OmegaConf.select(node, full_key.removeprefix(f"{key}."), default=None)
     spec = OmegaConf.to_container(inner, resolve=False) if isinstance(inner, DictConfig) else {}
     assert isinstance(spec, dict)
-    named = re.search(r"target '([^']+)'", text)
-    target = str(spec.get("_target_") or (named.group(1) if named else "?"))  # as given
+    target = str(spec.get("_target_") or instantiate_target(text) or "?")  # as given
     if text.startswith("Error locating target"):
         problem = import_problem(target) or "it cannot be imported"
         return ConfigError(f"{full_key}._target_={target!r} cannot be imported ({problem}): check the name")
     cause = err.__cause__ or err
     reason = (str(cause).splitlines() or [""])[0]
-    unexpected = re.search(r"unexpected keyword argument '(\w+)'", reason)
-    if unexpected is not None and isinstance(cause, TypeError):
-        given = unexpected.group(1)
+    given = unexpected_keyword(reason)
+    if given is not None and isinstance(cause, TypeError):
         try:
             params = [p for p in inspect.signature(locate(target)).parameters if p not in ("self", "args", "kwargs")]
         except (ImportError, ValueError, TypeError):

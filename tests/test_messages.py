@@ -1,0 +1,91 @@
+"""Each reader of another library's error message (``dpddp.messages``) fed the real message, made by that library
+here: when a new version words it otherwise, the reader's test fails, not a user's one-line error."""
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import InstantiationException, MissingConfigException
+from hydra.utils import instantiate
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+from dpddp._compat.hydra_main import hydra_argument_error
+from dpddp.messages import (
+    argparse_choice,
+    defaults_list_parent,
+    instantiate_key,
+    instantiate_target,
+    jsonargparse_refusal,
+    unexpected_keyword,
+    without_torch_prefixes,
+)
+
+
+def test_argparse_choice_reads_hydras_parser_refusing_a_value():
+    message = hydra_argument_error(["--cfg", "jobb"])
+    assert argparse_choice(message) == ("--cfg", "jobb", ["job", "hydra", "all"])
+    assert argparse_choice(hydra_argument_error(["--nope"])) is None
+
+
+def test_defaults_list_parent_reads_hydras_missing_option(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "a.yaml").write_text("a: 1\n")
+    (tmp_path / "broken.yaml").write_text("defaults:\n  - model: nope\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        with pytest.raises(MissingConfigException) as err:
+            compose("broken")
+    assert defaults_list_parent(str(err.value).splitlines()[0]) == "broken"
+    assert defaults_list_parent("Could not find 'model/nope'") is None
+
+
+class Holder:
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+
+def test_instantiate_readers_name_the_failed_node_its_target_and_the_refused_argument():
+    spec = {"_target_": f"{__name__}.Holder", "inner": {"_target_": "torch.nn.Linear", "in_features": 1, "bad": 2}}
+    with pytest.raises(InstantiationException) as err:
+        instantiate(spec)
+    assert instantiate_key(str(err.value)) == "inner"
+    assert instantiate_target(str(err.value)) == "torch.nn.modules.linear.Linear"  # the class found
+    assert unexpected_keyword(str(err.value.__cause__)) == "bad"
+    with pytest.raises(InstantiationException) as top:
+        instantiate({"_target_": "dpddp.nope.Nope"})
+    assert instantiate_key(str(top.value)) is None
+    assert instantiate_target(str(top.value)) == "dpddp.nope.Nope"
+
+
+class Trainerish:
+    def __init__(self, max_epochs: int = 1) -> None:
+        self.max_epochs = max_epochs
+
+
+def _refusal(parser: ArgumentParser, args: list[str]):
+    with pytest.raises(Exception) as err:
+        parser.parse_args(args)
+    return jsonargparse_refusal([line.strip().lstrip("- ") for line in str(err.value).splitlines() if line.strip()])
+
+
+def test_jsonargparse_refusal_reads_a_wrong_type_a_refused_option_and_a_config_files_unknown_key(tmp_path):
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--config", action=ActionConfigFile)
+    parser.add_class_arguments(Trainerish, "trainer")
+    parser.add_argument("--model", type=torch.nn.Module)
+    typed = _refusal(parser, ["--trainer.max_epochs=abc"])
+    assert (typed.key, typed.expected, typed.option, typed.group_key) == ("trainer.max_epochs", ["int"], None, None)
+    refused = _refusal(parser, ["--model=torch.nn.Linear", "--model.nope=1"])
+    assert (refused.key, refused.class_path, refused.option) == ("model", "torch.nn.Linear", "nope")
+    (tmp_path / "bad.yaml").write_text("trainer:\n  nope: 1\n")
+    assert _refusal(parser, [f"--config={tmp_path / 'bad.yaml'}"]).group_key == "trainer.nope"
+
+
+def test_without_torch_prefixes_reads_a_chained_futures_error():
+    head = torch.futures.Future()
+    tail = head.then(lambda fut: (_ for _ in ()).throw(ValueError("boom"))).then(lambda fut: fut.wait())
+    head.set_result(1)
+    with pytest.raises(RuntimeError) as err:
+        tail.wait()
+    assert str(err.value).splitlines()[0].startswith("Got the following error when running the callback")
+    assert without_torch_prefixes(str(err.value).splitlines()[0]) == "boom"
+    gloo = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms for recv"
+    assert without_torch_prefixes(gloo) == "Timed out waiting 60000ms for recv"
