@@ -181,7 +181,7 @@ class DDPStrategy(LightningDDPStrategy):
         if self.num_nodes > 1 and self._peer_watch is None:
             self.set_world_ranks()
             self._peer_watch = PeerWatch(
-                env.main_address, env.main_port, self.global_rank, self.num_processes * self.num_nodes,
+                env.main_address, env.main_port, self.global_rank, self.world_size,
                 self.num_processes, self.pg_timeout.total_seconds(), self._prefix,
             )  # fmt: skip
             self._peer_watch.start()

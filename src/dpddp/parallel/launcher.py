@@ -1,7 +1,10 @@
 """Starting and supervising the local ranks of a DDP run: the job they run, the launcher, the rank watcher.
 
 ``JobLauncher`` starts local ranks 1..n-1 from a ``RankJob`` instead of re-running ``sys.argv``: forked on CPU,
-``python -m dpddp.parallel.rank`` on GPUs. See docs/design-notes.md (parallel.launcher).
+``python -m dpddp.parallel.rank`` on GPUs. How many: Lightning's ``Trainer(devices=, num_nodes=)`` gives the
+strategy its ``num_processes`` per node (``dpddp.parallel.ddp.DDPStrategy.launcher`` passes them here);
+``dpddp.parallel.rules.world_size`` is the same count worked out from the config, for the checks before any process
+starts. See docs/design-notes.md (parallel.launcher).
 """
 
 from __future__ import annotations

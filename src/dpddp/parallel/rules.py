@@ -70,10 +70,9 @@ def nodes(cfg: Mapping) -> int:
 
 
 def world_size(cfg: Mapping) -> int:
-    """Processes the run will have: ``devices * nodes(cfg)`` for DDP, 1 for ``auto`` and ``dp`` (one process).
-
-    ``devices=-1`` counts the visible GPUs.
-    """
+    """Processes the run will have: ``devices * nodes(cfg)`` for DDP, 1 for ``auto`` and ``dp`` (one process);
+    ``devices=-1`` counts the visible GPUs. The one place dpddp works it out, for its checks before any process
+    starts; Lightning then starts that many from the same ``devices`` and ``num_nodes`` (``parallel.launcher``)."""
     if cfg["strategy"]["name"] not in ("ddp", "ddp_spawn"):
         return 1
     return processes_per_node(cfg) * nodes(cfg)
