@@ -223,6 +223,27 @@ def test_the_launcher_variable_walk_finds_each_spelling():
     assert not any(_reads_launcher_variables(ast.parse(f"import os\n{code}")) for code in others)
 
 
+def _multiplies_processes_by_nodes(tree: ast.Module) -> bool:
+    """Whether the module multiplies a count of devices or processes by a count of nodes (``devices * num_nodes``,
+    ``self.num_processes * self.num_nodes``, ``processes_per_node(cfg) * nodes(cfg)``): a world size."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            left, right = ast.unparse(node.left), ast.unparse(node.right)
+            for a, b in ((left, right), (right, left)):
+                if re.search(r"devices|processes", a) and re.search(r"nodes", b):
+                    return True
+    return False
+
+
+def test_the_world_size_is_worked_out_in_one_function():
+    """``parallel/rules.world_size`` for dpddp (its checks); the launcher sets its children's ``WORLD_SIZE`` from the
+    strategy's counts as Lightning's own launcher does (torch's ``env://`` contract); nothing else multiplies."""
+    found = sorted(name for name, tree in _trees().items() if _multiplies_processes_by_nodes(tree))
+    assert found == ["parallel/launcher.py", "parallel/rules.py"]
+    assert _multiplies_processes_by_nodes(ast.parse("n = cfg.devices * cfg.num_nodes"))
+    assert not _multiplies_processes_by_nodes(ast.parse("n = batch_size * num_nodes_x if 0 else 2 * nodes"))
+
+
 CHECKPOINT_HOOKS = {"on_save_checkpoint", "on_load_checkpoint", "state_dict", "load_state_dict"}
 
 
