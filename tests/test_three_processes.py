@@ -1,18 +1,36 @@
 """Cases 46, 47, 48 and 55 on ddp(3), in one setup: a model drawing from the global random stream, a data set
 augmenting from the global streams in ``__getitem__``, an EarlyStopping that trips before ``min_epochs`` and a
 validation inside each epoch. An epoch-limit stop (with loader workers) and a SIGTERM after an epoch's last
-validation (without), each resumed, end with the straight ddp(3) run's step, weights and epoch table."""
+validation (without), each resumed, end with the straight ddp(3) run's step, weights and epoch table. Cases 45
+(StochasticWeightAveraging's average is the final model) and 57 (a schedule built for the first limit, said in one
+line) on ddp(3)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from conftest import QUIET, SigtermAtStep, global_step, leftover, made_once, run_train
+from conftest import (
+    QUIET,
+    SigtermAtStep,
+    compose_cfg,
+    global_step,
+    leftover,
+    made_once,
+    max_diff,
+    metrics,
+    run_train,
+    weights,
+)
 from elastic_kill import _StopEachStep
+from test_predictions import _rows
 from test_randomness import AUG
-from test_stop_kinds import LATCHED, _apart, _table
+from test_stop_kinds import BASE, LATCHED, _apart, _table
+from test_weight_averaging import BASE as SWA_BASE
+from test_weight_averaging import SWA, _other_weights
 from users_models import GlobalDropoutMLP, ScriptedScoreMLP
+
+from dpddp.run.training import train
 
 ENV = {"PYTHONPATH": str(Path(__file__).parent)}
 DDP3 = ["accelerator=cpu", "strategy=ddp", "devices=3"]
@@ -97,3 +115,50 @@ def test_a_sigterm_after_an_epochs_last_validation_resumed_on_three_processes_is
     assert global_step(tmp_path / "run") == STRAIGHT_STEP
     assert _apart(tmp_path / "run", straight) <= 1e-6
     _same_table(tmp_path / "run", straight)
+
+
+@pytest.mark.slow
+def test_the_swa_average_is_the_final_model_on_three_processes(tmp_path):
+    """Case 45 and promise 1: on ddp(3), ``last.ckpt`` holds SWA's average (0.28 from the raw weights), ``val/*``,
+    ``test/*`` and ``predictions.csv`` are its own (one process validating, testing and predicting from it), and the
+    run ends with one process's step, weights and metrics (1e-5, as ``test_surface``'s ddp rows)."""
+    args = [a for a in SWA_BASE if a not in QUIET] + ["trainer.max_epochs=4", *SWA, "data.batch_size=48"]
+    args += ["predict=true"]
+    run_train(*DDP3, *args, "hydra.run.dir=run", cwd=tmp_path, env=ENV, check=True)
+    run, one = tmp_path / "run", tmp_path / "one"
+    train(compose_cfg(*args), one)
+    assert metrics(run)["world_size"] == 3 and global_step(run) == global_step(one) == 4 * 16  # 804 train samples
+    last = weights(run / "checkpoints/last.ckpt")
+    assert max_diff(last, _other_weights(run / "checkpoints/last.ckpt")) == 0.0
+    assert max_diff(last, weights(one / "checkpoints/last.ckpt")) <= 1e-5
+    for key in ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc"):
+        assert metrics(run)[key] == pytest.approx(metrics(one)[key], abs=1e-5), key
+    ckpt = f"ckpt_path={run / 'checkpoints/last.ckpt'}"
+    for stage in ("validate", "test", "predict"):
+        measured = train(compose_cfg(*args, ckpt), tmp_path / stage, stage=stage)
+        for key in [k for k in ("val/loss", "val/acc", "test/loss", "test/acc") if k.startswith(stage[:3])]:
+            assert metrics(run)[key] == pytest.approx(measured[key], abs=1e-5), key
+    rows, own = _rows(run / "predictions.csv"), _rows(tmp_path / "predict/predictions.csv")
+    assert len(rows) == len(own) == 100
+    assert [[r["index"], r["pred"]] for r in rows] == [[r["index"], r["pred"]] for r in own]
+    probs = [(float(a[k]), float(b[k])) for a, b in zip(rows, own, strict=True) for k in a if k.startswith("prob_")]
+    assert len(probs) == 400 and max(abs(a - b) for a, b in probs) <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_schedule_built_for_the_first_limit_says_so_once_on_three_processes(tmp_path):
+    """Case 57: ``CosineAnnealingLR(T_max=max_epochs)`` stopped at ``max_epochs=2`` and resumed to 4 on ddp(3): one
+    line (once, in rank 0's log format) names the scheduler and both builds; the run ends at epoch 4's step."""
+    args = [a for a in BASE if a not in QUIET] + ["model._target_=users_models.CosineMLP", "data.batch_size=48"]
+    said = []
+    for limit, step in (("trainer.max_epochs=2", 2 * 17), ("trainer.max_epochs=4", 4 * 17)):  # 820 train samples
+        resume = ["resume=true"] if said else []
+        proc = run_train(*DDP3, *args, limit, *resume, "hydra.run.dir=run", cwd=tmp_path, env=ENV, check=True)
+        assert global_step(tmp_path / "run") == step
+        said.append([line for line in (proc.stdout + proc.stderr).splitlines() if "the continued run" in line])
+    line = (
+        "CosineAnnealingLR was built with T_max=2 for the limit the checkpoint's run had, and this run builds "
+        "T_max=4: the continued run follows the first schedule, so it cannot equal a straight run to this limit; "
+        "keep the first run's limit, or use a schedule that does not depend on it"
+    )
+    assert said[0] == [] and len(said[1]) == 1 and said[1][0].endswith(f"[dpddp.continuity.state][WARNING] - {line}")
