@@ -15,6 +15,7 @@ from dpddp.messages import (
     instantiate_key,
     instantiate_target,
     jsonargparse_refusal,
+    mlflow_opt_out,
     unexpected_keyword,
     without_torch_prefixes,
 )
@@ -89,3 +90,12 @@ def test_without_torch_prefixes_reads_a_chained_futures_error():
     assert without_torch_prefixes(str(err.value).splitlines()[0]) == "boom"
     gloo = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms for recv"
     assert without_torch_prefixes(gloo) == "Timed out waiting 60000ms for recv"
+
+
+def test_mlflow_opt_out_reads_mlflows_refusal_of_a_file_store(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow.tracking")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(Exception) as err:
+        mlflow.MlflowClient(f"file://{tmp_path / 'mlruns'}")
+    assert mlflow_opt_out(str(err.value)) == "MLFLOW_ALLOW_FILE_STORE"
+    assert mlflow_opt_out("no such table: experiments") is None

@@ -15,6 +15,8 @@ import pytest
 from conftest import compose_cfg, leftover, run_train
 from hydra.errors import InstantiationException
 
+from dpddp.errors import ConfigError
+from dpddp.report.trackers import check_file_stores
 from dpddp.run.build import build_error
 
 mlflow = pytest.importorskip("mlflow")
@@ -149,3 +151,41 @@ def test_a_trackers_own_failure_is_named_as_the_trackers():
         "logger (lightning.pytorch.loggers.MLFlowLogger): MLflow itself failed (OperationalError: table secrets "
         "already exists), not its arguments: check logger.tracking_uri"
     )
+
+
+@pytest.fixture
+def refused_file_stores(tmp_path_factory, monkeypatch):
+    """MLflow 3.17 refuses file stores; 2.x (which dpddp also takes) opens them."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    try:
+        MlflowClient(str(tmp_path_factory.mktemp("probe") / "mlruns"))
+    except mlflow.exceptions.MlflowException:
+        return
+    pytest.skip(f"MLflow {mlflow.__version__} opens file stores")
+
+
+@pytest.mark.parametrize("mode", ["run", "sweep"])
+def test_an_mlflow_file_store_mlflow_refuses_is_one_line_before_anything_is_written(
+    tmp_path, mode, refused_file_stores
+):
+    """MLflow 3 refuses a file store (``tracking_uri`` a path or ``file:``) unless ``MLFLOW_ALLOW_FILE_STORE=true``:
+    one line with MLflow's way out, exit 2, before the run's or sweep's directory and any job (each job failed)."""
+    uri = f"file://{tmp_path / 'mlruns'}" if mode == "run" else str(tmp_path / "mlruns")
+    where = f"hydra.run.dir={tmp_path / 'run'}" if mode == "run" else f"hydra.sweep.dir={tmp_path / 'run'}"
+    sweep = ["-m", "seed=0,1"] if mode == "sweep" else []
+    proc = run_train(*sweep, *ARGS, "logger=mlflow", f"logger.tracking_uri={uri}", where, cwd=tmp_path)
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: logger.tracking_uri={uri!r}: MLflow refuses this file store (MlflowException")
+    assert line.endswith("or set MLFLOW_ALLOW_FILE_STORE=true as MLflow says")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert leftover(proc.tag) == []
+
+
+def test_an_mlflow_file_store_opens_where_mlflow_allows_it(tmp_path, monkeypatch, refused_file_stores):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    check_file_stores([compose_cfg("logger=mlflow", f"logger.tracking_uri={tmp_path / 'mlruns'}")])
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    with pytest.raises(ConfigError, match="MLflow refuses this file store"):
+        check_file_stores([compose_cfg("logger=mlflow", f"logger.tracking_uri={tmp_path / 'other'}")])
+    check_file_stores([compose_cfg("logger=mlflow")])  # the default SQLite store: not a file store

@@ -10,7 +10,8 @@ import re
 from typing import NamedTuple
 
 __all__ = ["JsonargparseRefusal", "argparse_choice", "defaults_list_parent", "instantiate_key"]
-__all__ += ["instantiate_target", "jsonargparse_refusal", "unexpected_keyword", "without_torch_prefixes"]
+__all__ += ["instantiate_target", "jsonargparse_refusal", "mlflow_opt_out", "unexpected_keyword"]
+__all__ += ["without_torch_prefixes"]
 
 
 def argparse_choice(message: str) -> tuple[str, str, list[str]] | None:
@@ -85,6 +86,13 @@ def jsonargparse_refusal(lines: list[str]) -> JsonargparseRefusal:
         class_path=first(r"Problem with given class_path '(.+)'"),
         expected=[m.group(1) or m.group(2) for line in inner if (m := JSONARGPARSE_EXPECTED.match(line))],
     )
+
+
+def mlflow_opt_out(text: str) -> str | None:
+    """The environment variable an MLflow refusal says to set to opt out of it (``... set
+    `MLFLOW_ALLOW_FILE_STORE=true` to opt out of this exception``, MLflow 3.17's file store), else ``None``."""
+    found = re.search(r"set `?(MLFLOW_\w+)=true`? to opt out", text)
+    return found.group(1) if found else None
 
 
 _WRAPPED = re.compile(r"(?:Got the following error when running the callback: \w+: )+")

@@ -54,7 +54,7 @@ from dpddp.errors import (
     shell,
     unwritable,
 )
-from dpddp.report.trackers import open_stores
+from dpddp.report.trackers import check_file_stores, open_stores
 from dpddp.run.config import check_config, check_resolvable
 from dpddp.run.training import isolated_job, objective, train
 
@@ -225,6 +225,10 @@ class StartChecks(HydraCallback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         job = OmegaConf.masked_copy(config, [str(k) for k in config if k != "hydra"])
         _checked(job)
+        try:
+            check_file_stores([job])
+        except ConfigError as err:
+            fail(str(err))
         output_dir = Path(_directory(config, "run"))
         ckpt = to_absolute_path(str(job.ckpt_path)) if job.get("ckpt_path") else None
         resume = continues(job, output_dir, False)
@@ -246,6 +250,10 @@ class StartChecks(HydraCallback):
         jobs += [
             GlobalHydra.instance().config_loader().load_sweep_config(config, job) for job in sweep_variants(config)
         ]
+        try:
+            check_file_stores(jobs)  # before the sweep's directory is made
+        except ConfigError as err:
+            fail(str(err))
         _check_writable(config, "sweep")
         try:  # a tracker store its jobs share, made once before they start
             open_stores(jobs, str(Path(config.hydra.sweep.dir)), Path(config.hydra.runtime.cwd))

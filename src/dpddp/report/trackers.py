@@ -22,8 +22,10 @@ from typing_extensions import override
 
 from dpddp.cluster import writes_outputs
 from dpddp.errors import ConfigError, first_line
+from dpddp.messages import mlflow_opt_out
 
-__all__ = ["IDS_FILE", "TrackerRuns", "close_trackers", "is_tracker", "open_stores", "opens_runs", "tracker_options"]
+__all__ = ["IDS_FILE", "TrackerRuns", "check_file_stores", "close_trackers", "is_tracker", "open_stores", "opens_runs"]
+__all__ += ["tracker_options"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,44 @@ def _mlflow_uri(root: Path) -> str:
     return f"sqlite:///{root / 'mlflow.db'}"
 
 
+def _mlflow_specs(configs: list[DictConfig]) -> list[tuple[str, Any]]:
+    """``(key, spec)`` of each MLflow logger of ``configs`` (``logger`` or ``logger.<name>``), with MLflow there."""
+    found = []
+    for cfg in configs:
+        logger = cfg.get("logger")
+        named = (
+            [("logger", logger)]
+            if logger and "_target_" in logger
+            else [(f"logger.{k}", v) for k, v in (logger or {}).items()]
+        )
+        found += [(key, spec) for key, spec in named if is_tracker(spec) == "mlflow"]
+    return found if found and importlib.util.find_spec("mlflow") is not None else []
+
+
+def check_file_stores(configs: list[DictConfig]) -> None:
+    """Before a run or sweep writes anything: each MLflow file store of ``configs`` (``tracking_uri`` a path or
+    ``file:``) opens; MLflow 3 refuses one unless the variable its message names is set.
+
+    Raises:
+        ConfigError: it does not open (the tracker's own failure, with MLflow's way out where it names one).
+    """
+    for key, spec in _mlflow_specs(configs):
+        uri = str(spec.get("tracking_uri") or "")
+        if not uri or ("://" in uri and not uri.startswith("file:")):  # the default SQLite store, a server
+            continue
+        try:
+            from mlflow.tracking import MlflowClient
+
+            MlflowClient(uri)
+        except Exception as err:
+            way_out = mlflow_opt_out(str(err))
+            fix = f", or set {way_out}=true as MLflow says" if way_out else ""
+            raise ConfigError(
+                f"{key}.tracking_uri={uri!r}: MLflow refuses this file store ({first_line(err, 90)}...): use a "
+                f"database store (sqlite:///<dir>/mlflow.db; null: outputs/mlflow.db where you run){fix}"
+            ) from err
+
+
 def open_stores(configs: list[DictConfig], sweep_dir: str, cwd: Path) -> None:
     """In a sweep's own process, before its jobs start: each SQLite MLflow store the jobs of ``configs`` will
     share is made (created and migrated) and their experiment created, once; parallel jobs (joblib) doing it
@@ -89,33 +129,25 @@ def open_stores(configs: list[DictConfig], sweep_dir: str, cwd: Path) -> None:
     Raises:
         ConfigError: the store cannot be opened (the tracker's own failure, named as such).
     """
-    for cfg in configs:
-        logger = cfg.get("logger")
-        named = (
-            [("logger", logger)]
-            if logger and "_target_" in logger
-            else [(f"logger.{k}", v) for k, v in (logger or {}).items()]
-        )
-        for key, spec in named:
-            if is_tracker(spec) != "mlflow" or importlib.util.find_spec("mlflow") is None:
-                continue
-            uri = str(spec.get("tracking_uri") or _mlflow_uri(cwd / "outputs"))
-            if not uri.startswith("sqlite:"):  # a server makes its own store
-                continue
-            name = str(spec.get("experiment_name") or sweep_experiment(sweep_dir))
-            try:
-                from mlflow.tracking import MlflowClient
+    check_file_stores(configs)
+    for key, spec in _mlflow_specs(configs):
+        uri = str(spec.get("tracking_uri") or _mlflow_uri(cwd / "outputs"))
+        if not uri.startswith("sqlite:"):  # a server makes its own store; a file store: checked
+            continue
+        name = str(spec.get("experiment_name") or sweep_experiment(sweep_dir))
+        try:
+            from mlflow.tracking import MlflowClient
 
-                if uri == _mlflow_uri(cwd / "outputs"):
-                    (cwd / "outputs").mkdir(parents=True, exist_ok=True)
-                client = MlflowClient(uri)
-                if client.get_experiment_by_name(name) is None:
-                    client.create_experiment(name, artifact_location=spec.get("artifact_location"))
-            except Exception as err:
-                raise ConfigError(
-                    f"{key} (MLflow) cannot open its store {uri} ({first_line(err)}): the tracker's own failure: "
-                    f"give {key}.tracking_uri a store it can open"
-                ) from err
+            if uri == _mlflow_uri(cwd / "outputs"):
+                (cwd / "outputs").mkdir(parents=True, exist_ok=True)
+            client = MlflowClient(uri)
+            if client.get_experiment_by_name(name) is None:
+                client.create_experiment(name, artifact_location=spec.get("artifact_location"))
+        except Exception as err:
+            raise ConfigError(
+                f"{key} (MLflow) cannot open its store {uri} ({first_line(err)}): the tracker's own failure: "
+                f"give {key}.tracking_uri a store it can open"
+            ) from err
 
 
 def tracker_options(kind: str, spec: DictConfig, output_dir: Path) -> dict[str, Any]:
@@ -126,7 +158,8 @@ def tracker_options(kind: str, spec: DictConfig, output_dir: Path) -> dict[str, 
     kept = kept_ids(output_dir).get(kind, {})
     if kind == "mlflow":
         root = _outputs_root()
-        root.mkdir(parents=True, exist_ok=True)
+        if spec.get("tracking_uri") is None:  # the default store, made here
+            root.mkdir(parents=True, exist_ok=True)
         options: dict[str, Any] = {
             "tracking_uri": _mlflow_uri(root),
             "experiment_name": experiment,
