@@ -135,8 +135,7 @@ def _refused_line(*overrides: str) -> str | None:
         ),
         (
             ["data=digits", "trainr.max_epochs=1"],
-            "trainr.max_epochs=1: the config has no key trainr.max_epochs (nearest: trainer.max_epochs): did you "
-            "mean trainer?",
+            "trainr.max_epochs=1: the config has no key trainr.max_epochs: did you mean trainer.max_epochs?",
         ),
         (["nothing_like_it=1"], "nothing_like_it=1: the config has no key nothing_like_it: valid keys: accelerator,"),
         # a section the key check leaves alone: the addition is taken, so it is the advice

@@ -7,6 +7,7 @@ Also the override helpers both use (``unknown_option``, ``missing_key_line``).""
 from __future__ import annotations
 
 import difflib
+import re
 import string
 import sys
 from collections.abc import Callable
@@ -103,10 +104,11 @@ def _composed(argv: list[str]) -> DictConfig | None:
 
 
 def _top_level(override: Override) -> bool:
-    """Whether ``override`` sets a top-level key (``devises=2``): no dot, no ``+``/``~``/``@``, not a group."""
-    key = override.key_or_group
+    """Whether ``override`` sets a key outside the config groups (``devises=2``, ``mdoel.lr=0.1``,
+    ``trainer.max_epochs=2``): no ``+``/``~``/``@``, not a group or under one, not ``hydra``."""
+    head = override.key_or_group.partition(".")[0]
     plain = override.package is None and not override.is_add() and not override.is_delete()
-    return plain and "." not in key and key not in GROUPS and key != "hydra" and not override.is_force_add()
+    return plain and head not in GROUPS and head != "hydra" and not override.is_force_add()
 
 
 def _missing_top_level_key(argv: list[str], overrides: list[Override]) -> str | None:
@@ -116,12 +118,14 @@ def _missing_top_level_key(argv: list[str], overrides: list[Override]) -> str | 
     cfg = _composed(others)
     if cfg is None:
         return None
-    keys = [str(k) for k in cfg.keys()]
+    keys, known = [str(k) for k in cfg.keys()], dotted_keys(cfg)
     for arg, override in zip(argv, overrides, strict=True):
         if _top_level(override):
             key = override.key_or_group
-            if key in keys:
-                return None  # the config has it: Hydra refused another override
+            if key in known:
+                continue
+            if key.partition(".")[0] in keys:
+                return None  # a section's key: the full check says it (with the section's keys)
             return missing_key_line(override.input_line or arg, key, cfg, key_advice("", key, keys))
     return None
 
@@ -129,6 +133,10 @@ def _missing_top_level_key(argv: list[str], overrides: list[Override]) -> str | 
 def missing_key_line(line: str, key: str, cfg: DictConfig, instead: str | None) -> str:
     """The line for the override ``line`` of ``key``, a key the composed ``cfg`` lacks: the nearest key it has
     (``key_hints``) and ``instead``, what to write (``dpddp.run.keys.key_hint``), or else ``+key`` to add it."""
+    head, dot, rest = key.partition(".")
+    if instead is not None and dot and (near := re.fullmatch(r"did you mean (\w+)\?", instead)):
+        if f"{near.group(1)}.{rest}" in dotted_keys(cfg):  # mdoel.lr: model.lr, not model
+            instead = f"did you mean {near.group(1)}.{rest}?"
     if instead is not None:
         return f"{line}: the config has no key {key}{key_hints(key, cfg, instead)}: {instead}"
     return f"{line}: the config has no key {key}{key_hints(key, cfg)}: give a key it has, or add a new one with +{line}"
