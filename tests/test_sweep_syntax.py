@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict, read_write
 
 from dpddp.entry import hydra as hydra_entry
-from dpddp.entry.sweeps import sweep_refusal, sweep_without_multirun
+from dpddp.entry.sweeps import repeated_key, sweep_refusal, sweep_without_multirun
 
 OPTUNA = "hparams_search=optuna"
 # (override, the basic sweeper's jobs, or the one line), each under the basic sweeper and Optuna's
@@ -49,6 +49,12 @@ BASIC = [
         "model=glob(x*) matches none of the options of model (default, mlp): give a pattern that matches one",
     ),  # fmt: skip
     ("seed=range(3,1)", "seed=range(3,1) has no values: give a range whose start is below its stop, e.g. range(1,4)"),
+    ("seed=range(1,2)", ["seed=1"]),  # one value from whole numbers: meant
+    (
+        "model.lr=range(0.1,0.3)",
+        "model.lr=range(0.1,0.3) gives one value (0.1): range() steps by 1 unless given a step: give one, e.g. "
+        "model.lr=range(0.1,0.3,0.05), or list the values",
+    ),  # Hydra's step is 1: a float range without one would run one job
 ]
 # Optuna's sweeper samples intervals and takes lists, ranges and choices; a glob is the basic sweeper's.
 SAMPLED = {
@@ -131,3 +137,17 @@ def test_case_52_interval_under_the_basic_sweeper_is_one_line_and_nothing_is_mad
     assert stop.value.code == 2
     assert capsys.readouterr().err.splitlines() == [f"error: {BASIC[9][1]}"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_key_given_twice_on_a_sweeps_command_line_is_warned():
+    """Hydra sweeps the last of them alone, silently (``model.lr=0.1,0.2 model.lr=0.3``: one job)."""
+    cfg = copy.deepcopy(_composed())
+    with open_dict(cfg), read_write(cfg):
+        cfg.hydra.overrides.task = ["model.lr=0.1,0.2", "seed=1", "model.lr=0.3"]
+    assert (
+        repeated_key(cfg)
+        == "warning: model.lr is given twice (model.lr=0.1,0.2, then model.lr=0.3): the sweep takes the last"
+    )
+    with open_dict(cfg), read_write(cfg):
+        cfg.hydra.overrides.task = ["model.lr=0.1,0.2", "seed=1"]
+    assert repeated_key(cfg) is None

@@ -41,7 +41,7 @@ from dpddp.entry.command_line import (
     unreadable_override,
 )
 from dpddp.entry.run_dir import completed_metrics, continues, directory_problem, hydra_value
-from dpddp.entry.sweeps import sweep_refusal, sweep_without_multirun
+from dpddp.entry.sweeps import repeated_key, sweep_refusal, sweep_without_multirun
 from dpddp.errors import (
     KNOWN,
     ConfigError,
@@ -246,6 +246,8 @@ class StartChecks(HydraCallback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if problem := sweep_refusal(config):  # a sweep syntax its sweeper cannot run
             fail(problem)
+        if warning := repeated_key(config):
+            print(warning, file=sys.stderr)
         jobs = [config]  # and the first job of each group option: a key one lacks is main's one line, here
         jobs += [
             GlobalHydra.instance().config_loader().load_sweep_config(config, job) for job in sweep_variants(config)

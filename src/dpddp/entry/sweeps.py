@@ -1,7 +1,8 @@
 """Hydra's sweep syntax (a list, ``choice``, ``range``, ``interval``, ``glob``, ``tag``, ``sort``, ``shuffle``)
 against the sweeper that runs it: a sweep it cannot expand, or one with no values, is one line before the sweep
-starts (Hydra's basic sweeper raises a 19-line traceback for ``interval``, and runs no job for an empty one); a
-sweep in a command that runs one job is one line too."""
+starts (Hydra's basic sweeper raises a 19-line traceback for ``interval``, runs no job for an empty one and one
+for a float ``range`` without a step); a sweep in a command that runs one job is one line too, and a key given
+twice on a sweep's command line a warning."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import IntervalSweep, Override, ValueType
+from hydra.core.override_parser.types import IntervalSweep, Override, RangeSweep, ValueType
 from omegaconf import DictConfig
 
 from dpddp._compat import hydra_command_line
 from dpddp.entry.command_line import sets_no_mode
 
-__all__ = ["SAMPLING", "sweep_refusal", "sweep_without_multirun"]
+__all__ = ["SAMPLING", "repeated_key", "sweep_refusal", "sweep_without_multirun"]
 
 SAMPLING = ("dpddp_optuna", "optuna")
 """The ``hydra/sweeper`` options that sample a search space (``hparams_search=optuna`` chooses the first)."""
@@ -58,6 +59,14 @@ def _refused(override: Override, basic: bool, choices: Any, loader: Any) -> str 
         return f"{line} matches none of the options of {key} ({options}): give a pattern that matches one"
     if not values:
         return f"{line} has no values: give a range whose start is below its stop, e.g. range(1,4)"
+    sweep = override.value()
+    floats = isinstance(sweep, RangeSweep) and float in (type(sweep.start), type(sweep.stop))
+    if isinstance(sweep, RangeSweep) and floats and len(values) == 1:
+        start, stop = float(sweep.start or 0.0), float(sweep.stop or 0.0)
+        return (
+            f"{line} gives one value ({values[0]}): range() steps by {sweep.step} unless given a step: give one, "
+            f"e.g. {key}=range({start:g},{stop:g},{(stop - start) / 4:g}), or list the values"
+        )
     if is_glob and not basic:
         choice = f"{key}=choice({','.join(values)})"
         return f"{line}: glob() is the basic sweeper's; a sampling sweeper takes the options as {choice}"
@@ -81,4 +90,17 @@ def sweep_without_multirun(argv: list[str]) -> str | None:
             one = f"or give one value ({key}=[{value}] is a list, {key}='{value}' a string)"
             return f"{line} is a sweep: add -m to run a job for each value, {one}"
         return f"{line} is a sweep: add -m to run a job for each value, or give one value"
+    return None
+
+
+def repeated_key(config: DictConfig) -> str | None:
+    """A warning for the first key that a sweep's command line sets twice (``model.lr=0.1,0.2 model.lr=0.3``: Hydra
+    sweeps the last alone, silently); ``None`` when each is given once."""
+    parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    seen: dict[str, str] = {}
+    for override in parsed:
+        key = override.get_key_element()
+        if key in seen:
+            return f"warning: {key} is given twice ({seen[key]}, then {override.input_line}): the sweep takes the last"
+        seen[key] = str(override.input_line)
     return None
