@@ -3,12 +3,18 @@ augmenting from the global streams in ``__getitem__``, an EarlyStopping that tri
 validation inside each epoch. An epoch-limit stop (with loader workers) and a SIGTERM after an epoch's last
 validation (without), each resumed, end with the straight ddp(3) run's step, weights and epoch table. Cases 45
 (StochasticWeightAveraging's average is the final model) and 57 (a schedule built for the first limit, said in one
-line) on ddp(3)."""
+line) on ddp(3). The other stop kinds of issue 36 on ddp(3): a ``max_steps`` stop inside an epoch, and a SIGKILL of
+every process after a step-interval checkpoint, each continued, end as the straight run too."""
 
 from __future__ import annotations
 
+import os
+import random
+import signal
 from pathlib import Path
 
+import lightning.pytorch as pl
+import psutil
 import pytest
 from conftest import (
     QUIET,
@@ -52,6 +58,21 @@ class ScriptedDropoutMLP(ScriptedScoreMLP, GlobalDropoutMLP):
 class SigtermAtStepEveryRankAgreeing(_StopEachStep, SigtermAtStep):
     """``conftest.SigtermAtStep`` (every rank signals itself) with the ranks agreeing on a stop at each step: the
     run stops at ``step + 1``, not at the next paced agreement (about a second later)."""
+
+
+class SigkillRunAtStep(pl.Callback):
+    """Rank 0, before the training batch that takes global step ``step + 1`` (once its background write is done):
+    SIGKILL to every process of the run, its launched ranks and itself."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.is_global_zero and trainer.global_step == self.step:
+            trainer.strategy.checkpoint_io.wait()
+            for child in psutil.Process().children(recursive=True):
+                child.send_signal(signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _train(cwd: Path, *extra: str):
@@ -112,6 +133,56 @@ def test_a_sigterm_after_an_epochs_last_validation_resumed_on_three_processes_is
     assert global_step(tmp_path / "run") == 29
     resumed = _train(tmp_path, *kill, "resume=true")
     assert resumed.returncode == 0 and leftover(resumed.tag) == [], resumed.stderr[-3000:]
+    assert global_step(tmp_path / "run") == STRAIGHT_STEP
+    assert _apart(tmp_path / "run", straight) <= 1e-6
+    _same_table(tmp_path / "run", straight)
+
+
+@pytest.mark.slow
+def test_a_max_steps_stop_inside_an_epoch_continued_on_three_processes_is_the_straight_run(tmp_path, straight):
+    """``max_steps`` at a seeded step inside an epoch (24: epoch 2, after the trip at 14 and the validation at 21),
+    continued without it (``max_steps=-1``, the straight run's): step 40, the straight run's weights and epoch
+    table (the cut epoch's row, written at the stop, is made again)."""
+    stop = random.Random(36).choice([s for s in range(1, STRAIGHT_STEP) if s % 10])
+    first = _train(tmp_path, f"trainer.max_steps={stop}")
+    assert first.returncode == 0 and leftover(first.tag) == [], first.stderr[-3000:]
+    assert global_step(tmp_path / "run") == stop
+    rows = [(e, min(10 * e + 10, stop)) for e in range(stop // 10 + 1)]  # the cut epoch's row too, then the test's
+    assert [(r["stage"], r["epoch"], r["step"]) for r in _table(tmp_path / "run")] == [
+        *(("fit", str(e), str(step)) for e, step in rows),
+        ("test", str(stop // 10), str(stop)),
+    ]
+    continued = _train(tmp_path, "resume=true")
+    assert continued.returncode == 0 and leftover(continued.tag) == [], continued.stderr[-3000:]
+    assert global_step(tmp_path / "run") == STRAIGHT_STEP
+    assert _apart(tmp_path / "run", straight) <= 1e-6
+    _same_table(tmp_path / "run", straight)
+
+
+@pytest.mark.slow
+def test_a_run_sigkilled_after_a_step_interval_checkpoint_continued_on_three_processes_is_the_straight_run(
+    tmp_path, straight
+):
+    """Every process SIGKILLed at a seeded step inside an epoch (27) with ``checkpoint.every_n_steps=4`` (which
+    writes ``last.ckpt`` and changes nothing else); the continue (``resume=true``, without the kill) starts from
+    the step-interval ``last.ckpt`` (24, not the validation's at 21), trains 3 steps again and ends with step 40
+    and the straight run's weights and epoch table."""
+    every, validations = 4, (7, 14, 21, 28, 35)  # last.ckpt at each validation too
+
+    def interval_last(step: int) -> bool:  # the last write before ``step`` is an interval one inside an epoch
+        saved = step // every * every
+        return step % 10 != 0 and saved % 10 != 0 and saved != step and not any(saved <= v <= step for v in validations)
+
+    kill = random.Random(36).choice([s for s in range(1, STRAIGHT_STEP) if interval_last(s)])
+    args = [f"checkpoint.every_n_steps={every}"]
+    kill_at = ["+callbacks.kill._target_=test_three_processes.SigkillRunAtStep", f"+callbacks.kill.step={kill}"]
+    killed = _train(tmp_path, *args, *kill_at)
+    assert killed.returncode == -signal.SIGKILL and leftover(killed.tag) == [], killed.stderr[-3000:]
+    saved = global_step(tmp_path / "run")
+    assert saved == kill // every * every and 0 < kill - saved < every, (kill, saved)
+    assert not (tmp_path / "run/checkpoints/last.ckpt.tmp").exists()
+    continued = _train(tmp_path, *args, "resume=true")
+    assert continued.returncode == 0 and leftover(continued.tag) == [], continued.stderr[-3000:]
     assert global_step(tmp_path / "run") == STRAIGHT_STEP
     assert _apart(tmp_path / "run", straight) <= 1e-6
     _same_table(tmp_path / "run", straight)
