@@ -20,18 +20,19 @@ LINE = (
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("checks", "saved"),
+    ("checks", "saved", "devices"),
     [
-        (["check_replicas=100", "checkpoint.every_n_steps=2"], 4),
-        (["check_replicas=3", "checkpoint.every_n_steps=4"], 4),
+        (["check_replicas=100", "checkpoint.every_n_steps=2"], 4, 2),
+        (["check_replicas=3", "checkpoint.every_n_steps=4"], 4, 2),
+        (["check_replicas=100", "checkpoint.every_n_steps=2", "data.batch_size=48"], 4, 3),
     ],
-    ids=["before-a-checkpoint", "every-3-steps"],
+    ids=["before-a-checkpoint", "every-3-steps", "three-processes"],
 )
-def test_a_rank_whose_weights_drift_ends_the_run_in_one_line_before_its_checkpoint(tmp_path, checks, saved):
-    """Rank 1 changes a weight after step 5 (12 steps an epoch); the check at step 6 finds it: before that step's
-    checkpoint (``last.ckpt`` every 2 steps), or as every third step's. Every rank exits 1 with the line, and
-    ``last.ckpt`` is step 4's: the agreed weights."""
-    args = ["accelerator=cpu", "strategy=ddp", "devices=2", "data.num_samples=1005", "trainer.max_epochs=1"]
+def test_a_rank_whose_weights_drift_ends_the_run_in_one_line_before_its_checkpoint(tmp_path, checks, saved, devices):
+    """Rank 1 changes a weight after step 5 (12 or 16 steps an epoch); the check at step 6 finds it: before that
+    step's checkpoint (``last.ckpt`` every 2 steps), or as every third step's. Every rank exits 1 with the line, and
+    ``last.ckpt`` is step 4's: the agreed weights (on 3 processes, the majority's)."""
+    args = ["accelerator=cpu", "strategy=ddp", f"devices={devices}", "data.num_samples=1005", "trainer.max_epochs=1"]
     args += ["model._target_=users_models.RankOneDrifts", "+model.at_step=5", *checks]
     failed = run_train(
         *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "tests")}
@@ -39,7 +40,7 @@ def test_a_rank_whose_weights_drift_ends_the_run_in_one_line_before_its_checkpoi
     said = (failed.stdout + failed.stderr).splitlines()
     lines = [line[line.index("error: ") :] for line in said if "error: " in line]
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
-    assert lines == [f"error: {LINE}"] * 2, lines  # rank 1's own (its log line), then the run's
+    assert lines == [f"error: {LINE}"] * devices, lines  # each launched rank's own (its log line), then the run's
     assert leftover(failed.tag) == []
     assert global_step(tmp_path / "run") == saved
 
