@@ -203,9 +203,10 @@ def check_strategy_options(options: Mapping) -> None:
     if hook is not None and hook not in COMM_HOOKS:
         *names, last = COMM_HOOKS
         raise ConfigError(f"strategy.ddp_comm_hook={hook!r} is unknown: use null, {', '.join(names)} or {last}")
-    if hook == "bf16_compress" and (backend not in (None, "nccl") or not torch.cuda.is_available()):
-        raise ConfigError(
-            "strategy.ddp_comm_hook=bf16_compress needs NCCL (CUDA GPUs): use fp16_compress here, or null"
+    if hook == "bf16_compress" and backend not in (None, "nccl") and torch.cuda.is_available():
+        raise ConfigError(  # gloo all-reduces bf16 CPU tensors (torch 2.2+), not CUDA ones (pytorch#111131)
+            f"strategy.ddp_comm_hook=bf16_compress with strategy.process_group_backend={backend} cannot all-reduce "
+            "bf16 GPU gradients: use process_group_backend=null (NCCL on GPUs) or nccl, or fp16_compress"
         )
     if "powersgd_rank" in options:
         checked_int("strategy.powersgd_rank", options["powersgd_rank"], 1, "use a small rank, e.g. 1, 2 or 4")
