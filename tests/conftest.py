@@ -173,7 +173,7 @@ def shared_dir(tmp_path_factory) -> Path:
 def made_once(shared: Path, name: str, make: Callable[[Path], None]) -> Path:
     """``shared/name``, made by ``make(shared/name)`` for the first test of any worker that asks, while the others
     wait on a lock: a run that several tests compare to, run once a session (an xdist group would do it, but
-    pytest-xdist's loadgroup does not group on pytest 9.2: pytest-xdist#1386)."""
+    pytest-xdist's loadgroup does not group on pytest 9.2)."""
     path, done = shared / name, shared / f"{name}.done"
     with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

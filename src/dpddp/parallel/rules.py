@@ -204,7 +204,7 @@ def check_strategy_options(options: Mapping) -> None:
         *names, last = COMM_HOOKS
         raise ConfigError(f"strategy.ddp_comm_hook={hook!r} is unknown: use null, {', '.join(names)} or {last}")
     if hook == "bf16_compress" and backend not in (None, "nccl") and torch.cuda.is_available():
-        raise ConfigError(  # gloo all-reduces bf16 CPU tensors (torch 2.2+), not CUDA ones (pytorch#111131)
+        raise ConfigError(  # gloo all-reduces bf16 CPU tensors (torch 2.2+), not CUDA ones (torch 2.13)
             f"strategy.ddp_comm_hook=bf16_compress with strategy.process_group_backend={backend} cannot all-reduce "
             "bf16 GPU gradients: use process_group_backend=null (NCCL on GPUs) or nccl, or fp16_compress"
         )
