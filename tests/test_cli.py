@@ -322,3 +322,11 @@ def test_monitor_and_its_mode_choose_best_ckpt_and_the_objective_and_null_drops_
 def max_val_acc(metrics_csv):
     rows = list(csv.DictReader(metrics_csv.open()))
     return max(float(r["val/acc"]) for r in rows if r.get("val/acc"))
+
+
+def test_the_cli_without_checkpointing_drops_the_checkpoint_callbacks_and_writes_none(tmp_path):
+    """``--trainer.enable_checkpointing=false`` means no checkpoint callback, as in Lightning: dpddp's two are
+    dropped (``train.py`` says which to drop, with its keys; the CLI has no option for them)."""
+    cli("fit", *FAST, "--trainer.enable_checkpointing=false", cwd=tmp_path)
+    (run,) = tmp_path.glob("lightning_logs/version_*")
+    assert list(tmp_path.rglob("*.ckpt")) == [] and json.loads((run / "metrics.json").read_text())["test/acc"] > 0

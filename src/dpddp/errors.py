@@ -6,7 +6,7 @@
 | ``WriteFailed`` | 1 | ``error: cannot write last.ckpt in '<dir>': No space left on device: <fix>`` |
 | ``RankFailed`` | 1 | ``error: rank 1 (pid N) was killed by SIGKILL; ending the run (...)`` |
 | ``LoaderFailed`` | 1 | ``error: rank 1: a DataLoader worker sent no batch for 60 s (data.num_workers > 0): <fix>`` |
-| ``StepFailed`` | 1 | ``error: rank 0: a parameter took no part in the last training step's loss (...): <fix>`` |
+| ``StepFailed`` | 1 | ``error: rank 0: a parameter got no gradient in the last training step (...): <fix>`` |
 | ``ReplicasDiverged`` | 1 | ``error: rank 1's replica differs from the others' at step 6, first in linear.weight`` |
 | ``Preempted`` | 143 (128 + SIGTERM, as a shell reports it) | ``error: stopped by SIGTERM ...`` |
 | ``PromiseBroken`` | 1 | ``error: promise 1 does not hold for this model: ...`` (``python -m dpddp.check``) |

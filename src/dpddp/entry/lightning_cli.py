@@ -213,7 +213,9 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
     assert isinstance(merged, DictConfig)
     default_monitor, default_mode = monitor_defaults()
     monitor, mode = given.get("monitor", default_monitor), given.get("monitor_mode", default_mode)
-    if monitor is None:
+    if trainer.get("enable_checkpointing") is False:  # Lightning's meaning: no checkpoint callback, ours included
+        merged.callbacks.model_checkpoint = merged.callbacks.last_checkpoint = None
+    elif monitor is None:
         merged.callbacks.model_checkpoint = None
     else:
         merged.callbacks.model_checkpoint.monitor, merged.callbacks.model_checkpoint.mode = monitor, mode

@@ -63,8 +63,8 @@ def apply_interface(master_addr: str, num_nodes: int) -> str:
 
 
 UNUSED_PARAMETERS_LINE = (
-    "a parameter took no part in the last training step's loss (DistributedDataParallel waits for its gradient): "
-    "set strategy.find_unused_parameters=true if that is meant, or make it take part"
+    "a parameter got no gradient in the last training step (DDP waits for each one's): set "
+    "strategy.find_unused_parameters=true (CLI: --trainer.strategy=ddp_find_unused_parameters_true) or use it"
 )
 """What a run says for DDP's error of a parameter the loss did not use (``UNUSED_PARAMETERS``): dpddp's setting."""
 
