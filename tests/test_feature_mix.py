@@ -180,3 +180,29 @@ def test_each_feature_works_or_is_one_line_and_nothing_is_written(
     line = lines[0]
     assert all(part in line for part in detail), line
     assert list(tmp_path.iterdir()) == [] and sorted(ckpt.iterdir()) == before
+
+
+SWEPT = [row for row in ROWS if isinstance(row, tuple) and row[2][0] == "refused" and "-m" not in row[1]]
+SWEPT = [row for row in SWEPT if not any("," in o for o in row[1])]  # each job sets it as the row does
+
+
+@pytest.mark.parametrize("name,overrides,expected", SWEPT, ids=[row[0] for row in SWEPT])
+def test_a_refused_feature_in_a_sweep_fails_each_job_with_its_line(
+    name, overrides, expected, ckpt, tmp_path, monkeypatch, capfd
+):
+    """The same rows in a sweep (``-m seed=0,1``): each job is checked in itself, so each fails with the row's line
+    in its ``error.txt`` and the summary, no traceback, and the sweep exits 1 naming them; a strategy option none
+    has is refused for the whole sweep, as for one run."""
+    argv = ["-m", "seed=0,1", *(o.format(ckpt=ckpt) for o in overrides), *TINY, "hydra.sweep.dir=sweep"]
+    monkeypatch.chdir(tmp_path)
+    code = _train_py(argv, monkeypatch)
+    err = capfd.readouterr().err
+    up_front = any(o.startswith("strategy=") for o in overrides)  # a group option none has: before the sweep
+    assert code == (2 if up_front else 1) and "Traceback" not in err, err[-3000:]
+    if up_front:  # one line, nothing written
+        assert err.count("\n") == 1 and all(part in err for part in expected[1]) and list(tmp_path.iterdir()) == []
+        return
+    assert err.splitlines()[-1] == "error: 2 of 2 jobs failed: jobs 0, 1"
+    for job in (0, 1):
+        line = (tmp_path / "sweep" / str(job) / "error.txt").read_text().strip()
+        assert all(part in line for part in expected[1]), line
