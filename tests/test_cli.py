@@ -330,3 +330,32 @@ def test_the_cli_without_checkpointing_drops_the_checkpoint_callbacks_and_writes
     cli("fit", *FAST, "--trainer.enable_checkpointing=false", cwd=tmp_path)
     (run,) = tmp_path.glob("lightning_logs/version_*")
     assert list(tmp_path.rglob("*.ckpt")) == [] and json.loads((run / "metrics.json").read_text())["test/acc"] > 0
+
+
+@pytest.fixture(scope="module")
+def unusable(tmp_path_factory) -> Path:
+    """A one-epoch run's checkpoints: last.ckpt, wo.ckpt (weights only) and cut.ckpt (its first half)."""
+    run = tmp_path_factory.mktemp("first")
+    wo = ["+callbacks.wo._target_=lightning.pytorch.callbacks.ModelCheckpoint", "+callbacks.wo.filename=wo"]
+    args = [*QUIET, "accelerator=cpu", "data.num_samples=200", "trainer.max_epochs=1", "logger=none"]
+    train(compose_cfg(*args, *wo, "+callbacks.wo.save_weights_only=true"), run)
+    whole = (run / "checkpoints" / "last.ckpt").read_bytes()
+    (run / "checkpoints" / "cut.ckpt").write_bytes(whole[: len(whole) // 2])
+    return run / "checkpoints"
+
+
+@pytest.mark.parametrize(
+    "name,extra,said",
+    [
+        ("wo.ckpt", [], "holds the model's weights only"),
+        ("cut.ckpt", [], "cannot be read as a checkpoint"),
+        ("last.ckpt", ["--model=dpddp.models.mlp.MLPClassifier"], "holds another model's weights"),
+    ],
+)
+def test_a_checkpoint_the_cli_cannot_continue_from_is_one_line(tmp_path, cli_status, unusable, name, extra, said):
+    """The checkpoint kinds ``train.py`` refuses (weights only, truncated, another model's): the same line through
+    the CLI's ``--ckpt_path``, exit 2, nothing written."""
+    code, err = cli_status("fit", *FAST, f"--ckpt_path={unusable / name}", *extra)
+    (line,) = err.splitlines()
+    assert code == 2 and line.startswith(f"error: ckpt_path='{unusable / name}' ") and said in line, err
+    assert list(tmp_path.iterdir()) == []
