@@ -76,7 +76,7 @@ def test_powersgd_stays_within_its_bound_and_a_stopped_run_continues_exactly(tmp
     run_train(*DDP, hook, "trainer.max_steps=20", "hydra.run.dir=run", cwd=tmp_path, check=True)
     run_train(*DDP, hook, "resume=true", "hydra.run.dir=run", cwd=tmp_path, check=True)
     plain, straight, continued = (
-        weights(tmp_path / f"run-{d}" / "checkpoints" / "last.ckpt") for d in ("plain", "powersgd", "run")
+        weights(tmp_path / d / "checkpoints" / "last.ckpt") for d in ("plain", "powersgd", "run")
     )
     drift = max_diff(plain, straight)
     assert 0 < drift <= POWERSGD_BOUND
