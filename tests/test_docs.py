@@ -1,15 +1,16 @@
 """The README and the pages in docs/: the README stays short, every relative link resolves (to a file, and to a
 heading where it names one), and every ``python train.py`` command they show composes and passes the config check
-(in-process, through Hydra's compose API: no run)."""
+(in-process, through Hydra's compose API), and runs (a subprocess, with limits appended)."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, compose_cfg
+from conftest import ROOT, compose_cfg, run_train
 
 from dpddp.errors import ConfigError
 from dpddp.run.config import check_config
@@ -171,3 +172,21 @@ def test_every_command_composes_and_passes_the_config_check(page, command, error
         with pytest.raises(ConfigError) as refused:
             check_config(cfg)
         assert f"error: {refused.value}" == error
+
+
+RUN = [f for f in CHECKED if f[2] is None and "compile=" not in f[1]]
+"""The commands that run (a refused one's line is checked above), each run for real by the next test."""
+LIMITS = ["trainer.max_steps=32", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]
+LIMITS += ["trainer.enable_progress_bar=false", "hydra.run.dir=run", "hydra.sweep.dir=sweep"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("page", "command", "error"), RUN, ids=[f"{p}: {c}" for p, c, _ in RUN])
+def test_every_command_runs(page, command, error, tmp_path):
+    """Each command as a user types it, in a fresh directory, with limits appended so that it ends soon (32 steps,
+    2 validation and test batches; a sampling sweep: 2 trials): exit 0, and each run's ``metrics.json``. The
+    commands that compile are left to ``test_compile.py``."""
+    args = shlex.split(command)[2:] + LIMITS + (["hydra.sweeper.n_trials=2"] if "optuna" in command else [])
+    proc = run_train(*args, cwd=tmp_path, timeout=300, check=True)
+    found = sorted(tmp_path.rglob("metrics.json"))
+    assert found and all(json.loads(p.read_text())["world_size"] >= 1 for p in found), proc.stderr[-2000:]
