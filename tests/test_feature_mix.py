@@ -17,11 +17,14 @@ from hydra.core.global_hydra import GlobalHydra
 
 from dpddp.entry import hydra as hydra_entry
 from dpddp.entry.early import answer
+from dpddp.parallel.rules import STRATEGIES
 from dpddp.run.training import train
 
 TINY = ["accelerator=cpu", "data.num_samples=200", "trainer.max_epochs=1", *QUIET]
 CB = "+callbacks.cb._target_=lightning.pytorch.callbacks."
 OPTUNA = "hparams_search=optuna"
+PLAIN_DATA = ["~data", "+data._target_=users_models.PlainData", "model=mlp", "model.num_features=4"]
+PLAIN_DATA += ["model.num_classes=3"]
 
 
 def works(jobs: int = 0):
@@ -96,6 +99,14 @@ ROWS = [
         marks=pytest.mark.slow,
         id="ddp(2), find_unused_parameters",
     ),
+    # a plain LightningDataModule of the user's own (its batch size named bs): one process takes it as it is;
+    # several would each get every batch
+    ("a plain data module", PLAIN_DATA, works()),
+    (
+        "a plain data module, ddp(2)",
+        [*PLAIN_DATA, "strategy=ddp", "devices=2"],
+        refused("data._target_=users_models.PlainData would give each of 2 processes every batch", "data=sharded"),
+    ),
     # Hydra's sweep syntaxes, under the basic sweeper and Optuna's
     ("a comma list without -m", ["seed=0,1"], refused("seed=0,1", "add -m")),
     ("range()", ["-m", "seed=range(0,2)"], works(2)),
@@ -147,6 +158,11 @@ def _train_py(argv: list[str], monkeypatch) -> int:
         GlobalHydra.instance().clear()
 
 
+def _tiny(overrides: list[str]) -> list[str]:
+    """``TINY``, without its data size for a row that brings a data module of its own (``~data``)."""
+    return [a for a in TINY if not (a.startswith("data.") and "~data" in overrides)]
+
+
 def _objective(run_dir: Path) -> float:
     found = json.loads((run_dir / "metrics.json").read_text())
     return found[found["objective"]]
@@ -156,11 +172,11 @@ def _objective(run_dir: Path) -> float:
 def test_each_feature_works_or_is_one_line_and_nothing_is_written(
     name, overrides, expected, ckpt, tmp_path, monkeypatch, capfd
 ):
-    argv = [o.format(ckpt=ckpt) for o in overrides] + [*TINY, "hydra.run.dir=run", "hydra.sweep.dir=sweep"]
+    argv = [o.format(ckpt=ckpt) for o in overrides] + [*_tiny(overrides), "hydra.run.dir=run", "hydra.sweep.dir=sweep"]
     before = sorted(ckpt.iterdir())
     monkeypatch.chdir(tmp_path)
     kind, detail = expected
-    if "devices=2" in overrides:  # the strategy is the point: train.py's own processes
+    if "devices=2" in overrides and kind == "works":  # the strategy is the point: train.py's own processes
         done = run_train(*argv, cwd=tmp_path, check=True)
         assert done.returncode == 0 and math.isfinite(_objective(tmp_path / "run"))
         return
@@ -193,11 +209,11 @@ def test_a_refused_feature_in_a_sweep_fails_each_job_with_its_line(
     """The same rows in a sweep (``-m seed=0,1``): each job is checked in itself, so each fails with the row's line
     in its ``error.txt`` and the summary, no traceback, and the sweep exits 1 naming them; a strategy option none
     has is refused for the whole sweep, as for one run."""
-    argv = ["-m", "seed=0,1", *(o.format(ckpt=ckpt) for o in overrides), *TINY, "hydra.sweep.dir=sweep"]
+    argv = ["-m", "seed=0,1", *(o.format(ckpt=ckpt) for o in overrides), *_tiny(overrides), "hydra.sweep.dir=sweep"]
     monkeypatch.chdir(tmp_path)
     code = _train_py(argv, monkeypatch)
     err = capfd.readouterr().err
-    up_front = any(o.startswith("strategy=") for o in overrides)  # a group option none has: before the sweep
+    up_front = any(o.startswith("strategy=") and o[9:] not in STRATEGIES for o in overrides)  # no such option
     assert code == (2 if up_front else 1) and "Traceback" not in err, err[-3000:]
     if up_front:  # one line, nothing written
         assert err.count("\n") == 1 and all(part in err for part in expected[1]) and list(tmp_path.iterdir()) == []
