@@ -9,10 +9,12 @@ import csv
 import json
 import sqlite3
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import compose_cfg, leftover, run_train
+from conftest import ROOT, child_env, compose_cfg, leftover, run_train
 from hydra.errors import InstantiationException
 
 from dpddp.errors import ConfigError
@@ -189,3 +191,26 @@ def test_an_mlflow_file_store_opens_where_mlflow_allows_it(tmp_path, monkeypatch
     with pytest.raises(ConfigError, match="MLflow refuses this file store"):
         check_file_stores([compose_cfg("logger=mlflow", f"logger.tracking_uri={tmp_path / 'other'}")])
     check_file_stores([compose_cfg("logger=mlflow")])  # the default SQLite store: not a file store
+
+
+def test_runs_that_start_at_once_on_a_fresh_mlflow_store_all_open_it(tmp_path):
+    """Case 53's kind outside a sweep: three single runs started together in one directory each make the default
+    SQLite store; unlocked, all but one failed migrating it (``table metrics already exists``)."""
+    args = [*ARGS, "trainer.max_epochs=1", "logger=mlflow", "trainer.enable_progress_bar=false"]
+    env, tag = child_env()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir=run{i}"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i in range(3)
+    ]
+    errors = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e[-1500:] for e in errors]
+    runs = _runs(_client(tmp_path))["dpddp"]  # one experiment, one tracker run each
+    assert sorted(Path(r.data.tags["dpddp.run_dir"]).name for r in runs) == ["run0", "run1", "run2"]
+    assert leftover(tag) == []

@@ -6,6 +6,7 @@ config logged once, as parameters, when the tracker run is new."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import logging
@@ -25,7 +26,7 @@ from dpddp.errors import ConfigError, first_line
 from dpddp.messages import mlflow_opt_out
 
 __all__ = ["IDS_FILE", "TrackerRuns", "check_file_stores", "close_trackers", "is_tracker", "open_stores", "opens_runs"]
-__all__ += ["tracker_options"]
+__all__ += ["open_store", "tracker_options"]
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +124,7 @@ def check_file_stores(configs: list[DictConfig]) -> None:
 
 def open_stores(configs: list[DictConfig], sweep_dir: str, cwd: Path) -> None:
     """In a sweep's own process, before its jobs start: each SQLite MLflow store the jobs of ``configs`` will
-    share is made (created and migrated) and their experiment created, once; parallel jobs (joblib) doing it
-    at once fail but one.
+    share is made (created and migrated) and their experiment created, once (``open_store``).
 
     Raises:
         ConfigError: the store cannot be opened (the tracker's own failure, named as such).
@@ -132,17 +132,9 @@ def open_stores(configs: list[DictConfig], sweep_dir: str, cwd: Path) -> None:
     check_file_stores(configs)
     for key, spec in _mlflow_specs(configs):
         uri = str(spec.get("tracking_uri") or _mlflow_uri(cwd / "outputs"))
-        if not uri.startswith("sqlite:"):  # a server makes its own store; a file store: checked
-            continue
         name = str(spec.get("experiment_name") or sweep_experiment(sweep_dir))
         try:
-            from mlflow.tracking import MlflowClient
-
-            if uri == _mlflow_uri(cwd / "outputs"):
-                (cwd / "outputs").mkdir(parents=True, exist_ok=True)
-            client = MlflowClient(uri)
-            if client.get_experiment_by_name(name) is None:
-                client.create_experiment(name, artifact_location=spec.get("artifact_location"))
+            open_store(uri, name, spec.get("artifact_location"))
         except Exception as err:
             raise ConfigError(
                 f"{key} (MLflow) cannot open its store {uri} ({first_line(err)}): the tracker's own failure: "
@@ -150,16 +142,45 @@ def open_stores(configs: list[DictConfig], sweep_dir: str, cwd: Path) -> None:
             ) from err
 
 
-def tracker_options(kind: str, spec: DictConfig, output_dir: Path) -> dict[str, Any]:
+def open_store(uri: str, experiment: str, artifact_location: str | None = None) -> None:
+    """Make the SQLite MLflow store ``uri`` (its file's directory, its tables) and its ``experiment``, holding a
+    lock beside the file (``<db>.lock``): runs and sweeps that start at once on a fresh store would each migrate it
+    and all but one fail (``table metrics already exists``). Another store (a server's): nothing. Raises what
+    MLflow raises."""
+    if not uri.startswith("sqlite:///"):
+        return
+    from mlflow.tracking import MlflowClient
+
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        client = MlflowClient(uri)
+        if client.get_experiment_by_name(experiment) is None:
+            client.create_experiment(experiment, artifact_location=artifact_location)
+
+
+def tracker_options(kind: str, spec: DictConfig, output_dir: Path, key: str = "logger") -> dict[str, Any]:
     """Keyword arguments to instantiate the tracker logger ``spec`` with (a setting of the spec wins): the run id
-    kept in ``output_dir``; MLflow: a SQLite store ``outputs/mlflow.db`` under where the command ran, W&B:
-    offline unless ``WANDB_MODE`` is set, its files under the run directory."""
+    kept in ``output_dir``; MLflow: a SQLite store ``outputs/mlflow.db`` under where the command ran (made here,
+    with the run's experiment, by ``open_store``), W&B: offline unless ``WANDB_MODE`` is set, its files under the
+    run directory. ``key``: the spec's, for the line.
+
+    Raises:
+        ConfigError: the MLflow store cannot be made (the tracker's own failure, named as such).
+    """
     experiment, name, tags = _identity(output_dir)
     kept = kept_ids(output_dir).get(kind, {})
     if kind == "mlflow":
         root = _outputs_root()
-        if spec.get("tracking_uri") is None:  # the default store, made here
-            root.mkdir(parents=True, exist_ok=True)
+        uri = str(spec.get("tracking_uri") or _mlflow_uri(root))
+        try:
+            open_store(uri, str(spec.get("experiment_name") or experiment), spec.get("artifact_location"))
+        except Exception as err:
+            raise ConfigError(
+                f"{key} (MLflow) cannot open its store {uri} ({first_line(err)}): the tracker's own failure: "
+                f"give {key}.tracking_uri a store it can open"
+            ) from err
         options: dict[str, Any] = {
             "tracking_uri": _mlflow_uri(root),
             "experiment_name": experiment,

@@ -252,7 +252,7 @@ def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
         elif importlib.util.find_spec(kind) is None:
             raise ConfigError(f"logger {spec._target_} needs {kind}: pip install {kind} (or dpddp's extra [{kind}])")
         elif opens_runs():
-            loggers.append(build(spec, key, save_dir=str(output_dir), **tracker_options(kind, spec, output_dir)))
+            loggers.append(build(spec, key, save_dir=str(output_dir), **tracker_options(kind, spec, output_dir, key)))
     if _logger_specs(cfg) and not loggers:  # trackers only, on a rank that opens none
         loggers.append(RankLogger())
     return loggers or False
