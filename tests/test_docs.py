@@ -1,16 +1,20 @@
 """The README and the pages in docs/: the README stays short, every relative link resolves (to a file, and to a
 heading where it names one), and every ``python train.py`` command they show composes and passes the config check
-(in-process, through Hydra's compose API), and runs (a subprocess, with limits appended)."""
+(in-process, through Hydra's compose API), and runs (a subprocess, with limits appended), as does every Lightning CLI
+command of their code blocks. ``python -m dpddp.check`` (test_check.py, test_network_check.py) and
+``python -m dpddp.plot`` (test_progress.py) are run by their own tests."""
 
 from __future__ import annotations
 
 import json
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, compose_cfg, run_train
+from conftest import ROOT, child_env, compose_cfg, leftover, run_train
 
 from dpddp.errors import ConfigError
 from dpddp.run.config import check_config
@@ -190,3 +194,58 @@ def test_every_command_runs(page, command, error, tmp_path):
     proc = run_train(*args, cwd=tmp_path, timeout=300, check=True)
     found = sorted(tmp_path.rglob("metrics.json"))
     assert found and all(json.loads(p.read_text())["world_size"] >= 1 for p in found), proc.stderr[-2000:]
+
+
+CLI_SKIPPED = {
+    "mine.": "the template project's classes: test_bring_your_own.py runs dpddp fit --model=mine.TwoLayerNet",
+    "=PATH": "a placeholder",
+    "--compile=true": "test_compile.py runs compile=true",
+}
+CLI_LIMITS = ["--trainer.max_steps=32", "--trainer.limit_val_batches=2", "--trainer.limit_test_batches=2"]
+CLI_LIMITS += ["--trainer.enable_progress_bar=false"]
+
+
+def cli_blocks(path: Path) -> list[list[str]]:
+    """The Lightning CLI commands (``dpddp <stage> ...``, ``python -m dpddp.cli <stage> ...``) of each of the page's
+    code blocks, in order, without comments and ``PYTHONPATH=.``."""
+    code, _ = _blocks(path.read_text())
+    found = []
+    for block in code:
+        lines = [_command(re.sub(r"\s+#.*", "", line)) for line in block.splitlines()]
+        found.append([c for c in lines if re.match(r"(dpddp|python -m dpddp\.cli) (fit|validate|test|predict)\b", c)])
+    return [b for b in found if b]
+
+
+CLI_RUN = [
+    (page.name, i, runs)
+    for page in PAGES
+    for i, block in enumerate(cli_blocks(page))
+    if (runs := [c for c in block if not any(mark in c for mark in CLI_SKIPPED)])
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("page", "index", "block"), CLI_RUN, ids=[f"{p}: block {i}" for p, i, _ in CLI_RUN])
+def test_every_cli_command_runs(page, index, block, tmp_path):
+    """Each code block's Lightning CLI commands, in its order, in one fresh directory (``> my.yaml`` writes the file
+    the next reads), as typed (``python -m dpddp.cli`` or the console script), with limits appended: exit 0, and a
+    run's ``metrics.json`` for each fit. The commands of ``CLI_SKIPPED`` are left to the tests it names."""
+    env, tag = child_env()
+    fits = 0
+    for command in block:
+        head, _, out = command.partition(" > ")
+        args = shlex.split(head)
+        module = args[0] == "python"  # python -m dpddp.cli, else the console script
+        program = [sys.executable, "-m", "dpddp.cli"] if module else [str(Path(sys.executable).parent / "dpddp")]
+        args = args[3:] if module else args[1:]  # the stage and what follows
+        printing = "--print_config" in args
+        proc = subprocess.run(
+            [*program, *args, *([] if printing else CLI_LIMITS)],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, f"{command}\n{proc.stderr[-3000:]}"
+        if out:
+            (tmp_path / out.strip()).write_text(proc.stdout)
+        fits += args[0] == "fit" and not printing
+    assert len(list(tmp_path.glob("lightning_logs/version_*/metrics.json"))) == fits > 0
+    assert leftover(tag) == []
