@@ -3,7 +3,8 @@
 
 Each run is a fresh process of this script's ``--child`` mode, which wraps a few functions with timers and then
 runs the program as its own command line would (``runpy``): plain PyTorch (``bench/plain.py single``) and dpddp
-(``python train.py`` with the lean overrides of ``bench/workloads.py``, ``steps_per_execution`` 1 and 16), one
+(``python train.py`` with the lean overrides of ``bench/workloads.py``, ``steps_per_execution`` 1 and 16, and with
+the defaults on at 1), one
 epoch of the workload's sizes (``bench/workloads.py``'s). The buckets, each the time spent in the wrapped calls less the
 wrapped calls nested in them, counted while gradients are enabled (training, not evaluation) and after the end
 of the first optimizer step up to the end of the last (the steady state of ``bench/run.py``'s samples/s):
@@ -45,7 +46,8 @@ ROWS = ("loop and hooks", *BUCKETS)
 # bench/run.py's workloads with steps to profile.
 WORKLOADS = {name: workloads.WORKLOADS[name] for name in ("W2", "W3")}
 QUICK_WORKLOADS = {name: workloads.QUICK_WORKLOADS[name] for name in WORKLOADS}
-IMPLS = {"plain": "plain PyTorch", "project": "dpddp K=1", "project-k16": "dpddp K=16"}
+IMPLS = {"plain": "plain PyTorch", "project": "dpddp K=1", "project-defaults": "dpddp K=1, defaults"}
+IMPLS["project-k16"] = "dpddp K=16"
 
 
 class Clock:
@@ -124,7 +126,8 @@ def child(impl: str, sizes: list[int], out: Path) -> None:
             sys.path.insert(0, str(script.parent))
         else:
             script = ROOT / "train.py"
-            sys.argv = [str(script), *train_overrides(tuple(sizes)), "strategy=auto", f"hydra.run.dir={tmp}/run"]
+            lean = impl != "project-defaults"  # defaults: progress bar, CSV logger and checkpoints on
+            sys.argv = [str(script), *train_overrides(tuple(sizes), lean), "strategy=auto", f"hydra.run.dir={tmp}/run"]
             sys.argv.append(f"steps_per_execution={16 if impl == 'project-k16' else 1}")
         try:
             runpy.run_path(str(script), run_name="__main__")

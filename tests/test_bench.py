@@ -217,7 +217,7 @@ def test_step_profile_report() -> None:
     median microseconds and share of the step."""
     profile = load_bench("step_profile")
     runs = []
-    for impl, step in (("plain", 100.0), ("project", 400.0), ("project-k16", 200.0)):
+    for impl, step in (("plain", 100.0), ("project", 400.0), ("project-defaults", 500.0), ("project-k16", 200.0)):
         for scale in (1.0, 1.2, 0.9):
             us = {"loop and hooks": 0.4 * step, "gather": 0.1 * step, "forward": 0.1 * step}
             us |= {"backward": 0.2 * step, "optimizer": 0.2 * step}
@@ -225,10 +225,10 @@ def test_step_profile_report() -> None:
             runs.append(record | {"impl": impl, "workload": "W3", "rep": 0})
     text = profile.report(runs, "cmd", profile.WORKLOADS, "meta")
     assert "## W3: 65536 samples x 10 features -> 2 classes, global batch 32, one process" in text
-    assert "| per step | plain PyTorch | dpddp K=1 | dpddp K=16 |" in text
-    assert "| **step (us)** | **100.0** | **400.0** | **200.0** |" in text
-    assert "| loop and hooks | 40.0 (40%) | 160.0 (40%) | 80.0 (40%) |" in text
-    assert "| backward | 20.0 (20%) | 80.0 (20%) | 40.0 (20%) |" in text
+    assert "| per step | plain PyTorch | dpddp K=1 | dpddp K=1, defaults | dpddp K=16 |" in text
+    assert "| **step (us)** | **100.0** | **400.0** | **500.0** | **200.0** |" in text
+    assert "| loop and hooks | 40.0 (40%) | 160.0 (40%) | 200.0 (40%) | 80.0 (40%) |" in text
+    assert "| backward | 20.0 (20%) | 80.0 (20%) | 100.0 (20%) | 40.0 (20%) |" in text
 
 
 @pytest.mark.slow
@@ -241,9 +241,12 @@ def test_step_profile_runs(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads((tmp_path / "profile.json").read_text())["runs"]
-    assert sorted(r["impl"] for r in runs) == ["plain", "project", "project-k16"]
+    assert sorted(r["impl"] for r in runs) == ["plain", "project", "project-defaults", "project-k16"]
     for run in runs:
         assert run["steps"] == 2048 * 8 // 10 // 32 - 1, run  # the steps after the first
         assert all(run["us"][bucket] > 0 for bucket in ("gather", "forward", "backward", "optimizer")), run
         assert abs(sum(run["us"].values()) - run["step_us"]) < 1e-6 * run["step_us"], run
-    assert "| per step | plain PyTorch | dpddp K=1 | dpddp K=16 |" in (tmp_path / "PROFILE.md").read_text()
+    assert (
+        "| per step | plain PyTorch | dpddp K=1 | dpddp K=1, defaults | dpddp K=16 |"
+        in (tmp_path / "PROFILE.md").read_text()
+    )
