@@ -79,6 +79,16 @@ def _train(cwd: Path, *extra: str):
     return run_train(*DDP3, *ARGS, *extra, "hydra.run.dir=run", cwd=cwd, env=ENV)
 
 
+def _continued_is_straight(tmp_path: Path, straight: Path, *args: str) -> None:
+    """``resume=true`` into ``tmp_path/run`` with ``args`` ends like the straight run: exit 0, nothing left, step
+    40, weights within 1e-6 and its epoch table."""
+    continued = _train(tmp_path, *args, "resume=true")
+    assert continued.returncode == 0 and leftover(continued.tag) == [], continued.stderr[-3000:]
+    assert global_step(tmp_path / "run") == STRAIGHT_STEP
+    assert _apart(tmp_path / "run", straight) <= 1e-6
+    _same_table(tmp_path / "run", straight)
+
+
 def _same_table(run: Path, straight: Path) -> None:
     """``metrics.csv``'s rows (every epoch's val columns, the test's) are the straight run's, values to 1e-6."""
     table, expected = _table(run), _table(straight)
@@ -115,11 +125,7 @@ def test_an_epoch_limit_stop_with_loader_workers_resumed_on_three_processes_is_t
     first = _train(tmp_path, workers, "trainer.max_epochs=3")
     assert first.returncode == 0 and leftover(first.tag) == [], first.stderr[-3000:]
     assert global_step(tmp_path / "run") == 30
-    resumed = _train(tmp_path, workers, "resume=true")
-    assert resumed.returncode == 0 and leftover(resumed.tag) == [], resumed.stderr[-3000:]
-    assert global_step(tmp_path / "run") == STRAIGHT_STEP
-    assert _apart(tmp_path / "run", straight) <= 1e-6
-    _same_table(tmp_path / "run", straight)
+    _continued_is_straight(tmp_path, straight, workers)
 
 
 @pytest.mark.slow
@@ -131,11 +137,7 @@ def test_a_sigterm_after_an_epochs_last_validation_resumed_on_three_processes_is
     stopped = _train(tmp_path, *kill)
     assert stopped.returncode == 143 and leftover(stopped.tag) == [], stopped.stderr[-3000:]
     assert global_step(tmp_path / "run") == 29
-    resumed = _train(tmp_path, *kill, "resume=true")
-    assert resumed.returncode == 0 and leftover(resumed.tag) == [], resumed.stderr[-3000:]
-    assert global_step(tmp_path / "run") == STRAIGHT_STEP
-    assert _apart(tmp_path / "run", straight) <= 1e-6
-    _same_table(tmp_path / "run", straight)
+    _continued_is_straight(tmp_path, straight, *kill)
 
 
 @pytest.mark.slow
@@ -152,11 +154,7 @@ def test_a_max_steps_stop_inside_an_epoch_continued_on_three_processes_is_the_st
         *(("fit", str(e), str(step)) for e, step in rows),
         ("test", str(stop // 10), str(stop)),
     ]
-    continued = _train(tmp_path, "resume=true")
-    assert continued.returncode == 0 and leftover(continued.tag) == [], continued.stderr[-3000:]
-    assert global_step(tmp_path / "run") == STRAIGHT_STEP
-    assert _apart(tmp_path / "run", straight) <= 1e-6
-    _same_table(tmp_path / "run", straight)
+    _continued_is_straight(tmp_path, straight)
 
 
 @pytest.mark.slow
@@ -181,11 +179,7 @@ def test_a_run_sigkilled_after_a_step_interval_checkpoint_continued_on_three_pro
     saved = global_step(tmp_path / "run")
     assert saved == kill // every * every and 0 < kill - saved < every, (kill, saved)
     assert not (tmp_path / "run/checkpoints/last.ckpt.tmp").exists()
-    continued = _train(tmp_path, *args, "resume=true")
-    assert continued.returncode == 0 and leftover(continued.tag) == [], continued.stderr[-3000:]
-    assert global_step(tmp_path / "run") == STRAIGHT_STEP
-    assert _apart(tmp_path / "run", straight) <= 1e-6
-    _same_table(tmp_path / "run", straight)
+    _continued_is_straight(tmp_path, straight, *args)
 
 
 @pytest.mark.slow
