@@ -84,6 +84,21 @@ def run_train(*args: str, cwd: Path, timeout: float = 240, env: dict | None = No
     return proc
 
 
+def run_cli(
+    *args: str, cwd: Path, script: bool = False, env: dict | None = None, timeout: float = 240, check: bool = False
+):
+    """Run ``python -m dpddp.cli ARGS`` (``script``: the ``dpddp`` console script) with one intra-op thread per
+    process; return the CompletedProcess (``.tag`` for ``leftover``). ``check``: assert exit 0 and nothing left."""
+    full_env, tag = child_env(**(env or {}))
+    cmd = [str(Path(sys.executable).parent / "dpddp")] if script else [sys.executable, "-m", "dpddp.cli"]
+    proc = subprocess.run([*cmd, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc.tag = tag
+    if check:
+        assert proc.returncode == 0, f"{' '.join(args)}\n{proc.stderr[-3000:]}"
+        assert leftover(tag) == []
+    return proc
+
+
 def cli_config(*args: str) -> DictConfig:
     """The run config the Lightning CLI makes of ``args`` (``--trainer.devices=2``, no subcommand), in this process:
     parsed, nothing instantiated or run."""

@@ -1,16 +1,15 @@
 """LightningCLI entry point: print_config round trip, ddp and dp fits, re-runs, predictions."""
 
 import csv
+import functools
 import json
 import logging
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUIET, child_env, cli_config, compose_cfg, leftover, max_diff, weights
+from conftest import QUIET, cli_config, compose_cfg, max_diff, run_cli, weights
 
 from dpddp.data.synthetic import make_tensors
 from dpddp.entry.lightning_cli import main
@@ -20,14 +19,8 @@ pytestmark = pytest.mark.slow
 FAST = ["--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false"]
 
 
-def cli(*args, cwd, script=False):
-    """``python -m dpddp.cli ARGS``, or the ``dpddp`` console script; asserts exit 0 and no leftover process."""
-    env, tag = child_env()
-    cmd = [str(Path(sys.executable).parent / "dpddp")] if script else [sys.executable, "-m", "dpddp.cli"]
-    proc = subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert leftover(tag) == []
-    return proc
+cli = functools.partial(run_cli, check=True)
+"""``python -m dpddp.cli ARGS`` (or ``script=True``: the console script): exit 0 and no leftover process."""
 
 
 def _ckpt(root):

@@ -9,12 +9,10 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, child_env, compose_cfg, leftover, run_train
+from conftest import ROOT, compose_cfg, run_cli, run_train
 
 from dpddp.errors import ConfigError
 from dpddp.run.config import check_config
@@ -230,22 +228,15 @@ def test_every_cli_command_runs(page, index, block, tmp_path):
     """Each code block's Lightning CLI commands, in its order, in one fresh directory (``> my.yaml`` writes the file
     the next reads), as typed (``python -m dpddp.cli`` or the console script), with limits appended: exit 0, and a
     run's ``metrics.json`` for each fit. The commands of ``CLI_SKIPPED`` are left to the tests it names."""
-    env, tag = child_env()
     fits = 0
     for command in block:
         head, _, out = command.partition(" > ")
         args = shlex.split(head)
-        module = args[0] == "python"  # python -m dpddp.cli, else the console script
-        program = [sys.executable, "-m", "dpddp.cli"] if module else [str(Path(sys.executable).parent / "dpddp")]
-        args = args[3:] if module else args[1:]  # the stage and what follows
+        script = args[0] != "python"  # the dpddp console script, else python -m dpddp.cli
+        args = args[1:] if script else args[3:]  # the stage and what follows
         printing = "--print_config" in args
-        proc = subprocess.run(
-            [*program, *args, *([] if printing else CLI_LIMITS)],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert proc.returncode == 0, f"{command}\n{proc.stderr[-3000:]}"
+        proc = run_cli(*args, *([] if printing else CLI_LIMITS), cwd=tmp_path, script=script, timeout=300, check=True)
         if out:
             (tmp_path / out.strip()).write_text(proc.stdout)
         fits += args[0] == "fit" and not printing
     assert len(list(tmp_path.glob("lightning_logs/version_*/metrics.json"))) == fits > 0
-    assert leftover(tag) == []

@@ -9,14 +9,12 @@ import inspect
 import json
 import logging
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, cli_config, compose_cfg, leftover, run_train
+from conftest import QUIET, ROOT, cli_config, compose_cfg, leftover, run_cli, run_train
 from lightning.pytorch import callbacks as lightning_callbacks
 from lightning.pytorch.callbacks import LearningRateMonitor
 from torch import nn
@@ -320,16 +318,13 @@ def test_an_unused_parameter_under_ddp_is_one_line_naming_dpddps_setting_and_tha
     for line in lines:  # each rank's, and rank 0's for the run: the cause and dpddp's setting, whole
         assert re.fullmatch(rf"error: rank \d.*{re.escape(UNUSED_PARAMETERS_LINE)}\)?", line), line
     run_train(*args, "strategy.find_unused_parameters=true", "hydra.run.dir=ok", cwd=tmp_path, env=env, check=True)
-    cli = [sys.executable, "-m", "dpddp.cli", "fit", "--model=test_lightning_features.UnusedLayerClassifier"]
-    cli += ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.max_epochs=1", "--data.num_samples=606"]
-    cli_env, tag = child_env(**env)
+    cli = ["fit", "--model=test_lightning_features.UnusedLayerClassifier", "--trainer.accelerator=cpu"]
+    cli += ["--trainer.devices=2", "--trainer.max_epochs=1", "--data.num_samples=606"]
     for strategy, code in (("ddp", 1), ("ddp_find_unused_parameters_true", 0)):  # the line's CLI spelling runs
-        proc = subprocess.run(
-            [*cli, f"--trainer.strategy={strategy}"], cwd=tmp_path, env=cli_env, capture_output=True, text=True
-        )
+        proc = run_cli(*cli, f"--trainer.strategy={strategy}", cwd=tmp_path, env=env)
         assert proc.returncode == code, proc.stderr[-3000:]
         assert (UNUSED_PARAMETERS_LINE in proc.stderr + proc.stdout) == (code == 1)
-    assert leftover(tag) == []
+        assert leftover(proc.tag) == []
 
 
 # -- a data module of the user's own through the CLI ---------------------------------------------------------
