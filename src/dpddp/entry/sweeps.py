@@ -60,8 +60,7 @@ def _refused(override: Override, basic: bool, choices: Any, loader: Any) -> str 
     if not values:
         return f"{line} has no values: give a range whose start is below its stop, e.g. range(1,4)"
     sweep = override.value()
-    floats = isinstance(sweep, RangeSweep) and float in (type(sweep.start), type(sweep.stop))
-    if isinstance(sweep, RangeSweep) and floats and len(values) == 1:
+    if isinstance(sweep, RangeSweep) and float in (type(sweep.start), type(sweep.stop)) and len(values) == 1:
         start, stop = float(sweep.start or 0.0), float(sweep.stop or 0.0)
         return (
             f"{line} gives one value ({values[0]}): range() steps by {sweep.step} unless given a step: give one, "

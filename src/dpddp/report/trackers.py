@@ -124,12 +124,12 @@ def check_file_stores(configs: list[DictConfig]) -> None:
 
 def open_stores(configs: list[DictConfig], sweep_dir: str, cwd: Path) -> None:
     """In a sweep's own process, before its jobs start: each SQLite MLflow store the jobs of ``configs`` will
-    share is made (created and migrated) and their experiment created, once (``open_store``).
+    share is made (created and migrated) and their experiment created, once (``open_store``); file stores are
+    ``check_file_stores``'s, before the sweep's directory is made.
 
     Raises:
         ConfigError: the store cannot be opened (the tracker's own failure, named as such).
     """
-    check_file_stores(configs)
     for key, spec in _mlflow_specs(configs):
         uri = str(spec.get("tracking_uri") or _mlflow_uri(cwd / "outputs"))
         name = str(spec.get("experiment_name") or sweep_experiment(sweep_dir))
