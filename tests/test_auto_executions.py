@@ -15,6 +15,7 @@ from test_cli import FAST, cli
 from test_executions import ScheduledModel
 
 from dpddp.errors import ConfigError
+from dpddp.models.linear import LinearClassifier
 from dpddp.run import auto_steps
 from dpddp.run.auto_steps import LOOP_OVERHEAD_S, MAX_AUTO_STEPS, OVERHEAD_SHARE, resolve_steps
 from dpddp.run.build import build
@@ -34,7 +35,7 @@ def _lines(caplog) -> list[str]:
 def straight(tmp_path_factory):
     """One process, K=1, 3 epochs (36 steps): ``(run dir, metrics)``."""
     run = tmp_path_factory.mktemp("straight")
-    return run, train(compose_cfg(*BASE, "trainer.max_epochs=3"), run)
+    return run, train(compose_cfg(*BASE, "trainer.max_epochs=3", "steps_per_execution=1"), run)
 
 
 @pytest.mark.parametrize(
@@ -101,6 +102,14 @@ class ManualModel(ScheduledModel):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class ScheduledClassifier(LinearClassifier):
+    """The built-in linear classifier (dpddp's training_step) with an LR scheduler."""
+
+    def configure_optimizers(self):
+        opt = super().configure_optimizers()
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1)}
+
+
 USER = ["callbacks.metric_contract=null", *(f"~model.{key}" for key in ("optimizer", "lr", "momentum", "weight_decay"))]
 
 
@@ -111,16 +120,37 @@ USER = ["callbacks.metric_contract=null", *(f"~model.{key}" for key in ("optimiz
         ("trainer.accumulate_grad_batches=2", "trainer.accumulate_grad_batches=2: an execution takes one optimizer"),
         ("trainer.limit_train_batches=5", "trainer.limit_train_batches=5: an epoch is all its global batches"),
         ("model._target_=test_auto_executions.ManualModel", "ManualModel uses manual optimization"),
-        ("model._target_=test_executions.ScheduledModel", "ScheduledModel has more than one optimizer or an LR"),
+        ("model._target_=test_auto_executions.ScheduledClassifier", "ScheduledClassifier has more than one optimizer"),
+        # what would see executions, where K=1 shows it a global batch: a K given explicitly takes them anyway
+        ("model._target_=test_executions.ScheduledModel", "ScheduledModel.training_step is the model's own: its per-"),
+        ("+callbacks.kill={_target_:conftest.StopWhenFile,path:none}", "callbacks.kill (StopWhenFile) is not one of"),
+        (
+            "+callbacks.model_checkpoint.every_n_train_steps=5",
+            "callbacks.model_checkpoint.every_n_train_steps=5: its trigger would see executions",
+        ),
+        (
+            "+callbacks.swa={_target_:lightning.pytorch.callbacks.StochasticWeightAveraging,swa_lrs:0.01}",
+            "callbacks.swa._target_=lightning.pytorch.callbacks.StochasticWeightAveraging: its learning-rate schedule",
+        ),
     ],
 )
 def test_what_refuses_k_above_one_falls_back_to_one_in_one_line(tmp_path, caplog, override, why):
     caplog.set_level(logging.INFO, logger="dpddp.run.auto_steps")
-    args = [*BASE, AUTO, "trainer.max_epochs=1", override, *(USER if override.startswith("model.") else [])]
+    args = [*BASE, AUTO, "trainer.max_epochs=1", override, *(USER if override.endswith("Model") else [])]
     result = train(compose_cfg(*args), tmp_path / "run")
     (line,) = _lines(caplog)
     assert line.startswith(f"steps_per_execution=auto: 1 ({why}"), line
     assert result["steps_per_execution"] == metrics(tmp_path / "run")["steps_per_execution"] == 1
+
+
+def test_a_checkpoint_step_interval_keeps_k_a_divisor_of_it(tmp_path, caplog):
+    """``checkpoint.every_n_steps=4``: K is at most 4, so each background write lands on its step as with K=1."""
+    caplog.set_level(logging.INFO, logger="dpddp.run.auto_steps")
+    result = train(compose_cfg(*BASE, AUTO, "trainer.max_epochs=1", "checkpoint.every_n_steps=4"), tmp_path / "run")
+    (line,) = _lines(caplog)
+    why = "checkpoint.every_n_steps=4: a K dividing it keeps each write at its step"
+    assert line == f"steps_per_execution=auto: 4 ({why})"
+    assert result["steps_per_execution"] == 4
 
 
 def test_data_that_is_not_global_batch_falls_back_to_one(caplog):

@@ -126,7 +126,7 @@ def test_continuing_with_another_k_is_refused_before_training(tmp_path):
     with pytest.raises(
         ConfigError, match=r"trained with steps_per_execution=5: continue it with steps_per_execution=5"
     ):
-        train(compose_cfg(*BASE, f"ckpt_path={ckpt}"), tmp_path / "again")
+        train(compose_cfg(*BASE, f"ckpt_path={ckpt}", "steps_per_execution=1"), tmp_path / "again")
     test_only = train(compose_cfg(*BASE, f"ckpt_path={ckpt}"), tmp_path / "test", stage="test")  # any k evaluates
     assert 0 < test_only["test/acc"] <= 1
 
@@ -159,7 +159,13 @@ ONE = "use steps_per_execution=1"
             ONE,
         ),
         ("strategy=dp", "strategy='dp' cannot be kept with steps_per_execution=4", ONE),
-        ("data=sharded", "steps_per_execution=4 needs global-batch data", ONE),
+        ("data=sharded", "steps_per_execution=4 with data._target_=dpddp.data.sharded.ShardedDataModule", ONE),
+        (
+            "+callbacks.swa={_target_:lightning.pytorch.callbacks.StochasticWeightAveraging,swa_lrs:0.01}",
+            "steps_per_execution=4 with callbacks.swa._target_=lightning.pytorch.callbacks.StochasticWeightAveraging: "
+            "its learning-rate schedule steps only under automatic optimization",
+            ONE,
+        ),
     ],
 )
 def test_what_cannot_keep_the_promises_is_one_line(tmp_path, override, line, fix):

@@ -85,9 +85,13 @@ class ReplicaGuard(pl.Callback):
         self._checked_step = -1
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._checked_step = trainer.global_step  # a resumed fit: the next multiple passed, as a straight one
+
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
         every, step = self.every_n_steps, trainer.global_step
-        if every and step != self._checked_step and step % every == 0 and step > 0:
+        if every and step // every > self._checked_step // every:
             self.check(trainer)
 
     def check(self, trainer: pl.Trainer) -> None:

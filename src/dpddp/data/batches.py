@@ -142,7 +142,8 @@ class Batches(Dataset):
     structure. ``with_index=True`` appends the data set's own rows of the batch (``rows``; an ``"index"`` key
     for a dict batch). ``defer``: a ``TensorDataset``'s (or a batch-indexable data set's) ``[k, b]`` rows may be
     ``DeferredRows`` (``rows_of``). A data set's own code runs with the global random streams keyed by ``(seed,
-    epoch, id)`` for each sample it fetches (by its first id for one ``__getitems__`` or batch index) and kept
+    epoch, id)`` for each sample it fetches (by its first id for one ``__getitems__`` or batch index: one a global
+    batch, so ``[k, b]`` fetches what ``k`` fetches of ``[b]`` would) and kept
     as they were around it (``dpddp.data.draws``); ``set_epoch`` sets ``epoch`` and tells the data set's own."""
 
     batch_indexable = True
@@ -172,6 +173,8 @@ class Batches(Dataset):
             return tuple(rows_of(t, ids, self.defer) for t in self.dataset.tensors)
         if isinstance(self.dataset, (Batches, TensorBatches)):
             return self.dataset[ids]
+        if ids.dim() > 1 and (batch_indexable(self.dataset) or hasattr(self.dataset, "__getitems__")):
+            return default_collate([self._fetch(row) for row in ids])  # each global batch keyed as with K=1
         if batch_indexable(self.dataset):
             with streams_kept():
                 seed_streams(sample_seeds(self.seed, self.epoch, ids.reshape(-1)[:1])[0] if ids.numel() else 0)

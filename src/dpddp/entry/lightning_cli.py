@@ -115,7 +115,7 @@ class DPDDPCLI(LightningCLI):
         parser.add_argument(
             "--steps_per_execution",
             type=int | Literal["auto"],
-            default=1,
+            default="auto",
             help="optimizer steps per Lightning loop iteration, or auto (timed from the model's step)",
         )
         parser.add_argument(
@@ -205,7 +205,7 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
         **top,
         "seed": given.get("seed_everything", 0),
         "ckpt_path": given.get("ckpt_path"),
-        "steps_per_execution": given.get("steps_per_execution", 1),
+        "steps_per_execution": given.get("steps_per_execution", "auto"),
         "compile": given.get("compile", False),
         "trainer": trainer,
     }

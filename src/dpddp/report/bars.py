@@ -10,6 +10,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
+from dpddp.data.global_batch import GlobalBatchSampler
+
 __all__ = ["BAR_INTERVAL_S", "RichBar", "TQDMBar"]
 
 
@@ -35,10 +37,28 @@ class _ThrottledBar(ProgressBar):
             return True
         return False
 
+    def _steps_per_epoch(self) -> int | None:
+        """An epoch's global batches when a training item is an execution of several (``steps_per_execution``),
+        else ``None`` (an item is a global batch)."""
+        sampler = getattr(self.trainer.train_dataloader, "sampler", None)
+        if isinstance(sampler, GlobalBatchSampler) and sampler.steps_per_execution > 1:
+            return sampler.steps_per_epoch
+        return None
+
+    @property
+    @override
+    def total_train_batches(self) -> int | float:
+        """An epoch's global batches (optimizer steps), executions or not."""
+        steps = self._steps_per_epoch()
+        return super().total_train_batches if steps is None else steps
+
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self._due("train", args[-1] + 1, self.total_train_batches):
-            super().on_train_batch_end(trainer, pl_module, *args)
+        *rest, batch_idx = args
+        if (steps := self._steps_per_epoch()) is not None:  # the global batches done, as with K=1
+            batch_idx = trainer.global_step - trainer.current_epoch * steps - 1
+        if self._due("train", batch_idx + 1, self.total_train_batches):
+            super().on_train_batch_end(trainer, pl_module, *rest, batch_idx)  # type: ignore[call-arg]
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

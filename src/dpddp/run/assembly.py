@@ -127,7 +127,8 @@ def _build_callbacks(
     cfg: DictConfig, output_dir: Path, executions: StepsPerExecution | None, predicts_forward: bool
 ) -> list[pl.Callback]:
     """dpddp's own callbacks (the tally first: the reporters read it), then the configured ones, then the stop."""
-    tally = FitTally(cfg.get("steps_per_execution", 1))
+    steps = executions.steps if executions is not None else 1  # K, resolved (``auto`` is, before the Trainer)
+    tally = FitTally(steps)
     throughput = Throughput(tally)
     costs = Costs(throughput.counts)
     epochs = EpochRecord(output_dir, tally, lines=epoch_lines(cfg), costs=costs)
@@ -135,7 +136,7 @@ def _build_callbacks(
         throughput.counts,
         epochs,
         seed=cfg.seed,
-        steps_per_execution=cfg.get("steps_per_execution", 1),
+        steps_per_execution=steps,
         uncounted=(lambda: executions.cut) if executions is not None else (lambda: False),
         launch=launch_id(),
         guard=(guard := ReplicaGuard(check_every(cfg))),

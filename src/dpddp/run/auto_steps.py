@@ -18,6 +18,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ModelSummary
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 from omegaconf import DictConfig
 
@@ -31,12 +33,15 @@ from dpddp.cluster import (
     torchrun_restart_count,
 )
 from dpddp.continuity.io import checkpoint_steps_per_execution
+from dpddp.continuity.stop import checkpoint_intervals
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.parallel.bandwidth import step_seconds
 from dpddp.parallel.rules import resolve_accelerator, world_size
 from dpddp.run.config import execution_refusal
+from dpddp.run.executions import TRANSFER_HOOKS
+from dpddp.run.keys import target_class
 
-__all__ = ["LOOP_OVERHEAD_S", "MAX_AUTO_STEPS", "OVERHEAD_SHARE", "auto_steps", "resolve_steps"]
+__all__ = ["LOOP_OVERHEAD_S", "MAX_AUTO_STEPS", "OVERHEAD_SHARE", "auto_steps", "resolve_steps", "seen_executions"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +71,60 @@ def auto_steps(step_s: float, steps_per_epoch: int) -> int:
     need = LOOP_OVERHEAD_S / (OVERHEAD_SHARE * step_s)
     k = 1 if need <= 1 else 1 << math.ceil(math.log2(need))
     return min(k, MAX_AUTO_STEPS, _floor_power_of_two(steps_per_epoch))
+
+
+BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end")
+"""A training loop iteration's hooks: with K above 1 they see executions, not global batches."""
+UNSEEING_CALLBACKS = (EarlyStopping, ModelSummary)
+"""Lightning's callbacks that see no training batch or step (epoch ends and the fit's start only)."""
+
+
+def _dpddp_defined(cls: type, hook: str) -> bool:
+    """Whether ``cls``'s ``hook`` is defined in dpddp's package (K-aware by construction)."""
+    return str(getattr(getattr(cls, hook, None), "__module__", "")).split(".")[0] == "dpddp"
+
+
+def _own_hook(obj: object, hook: str, parent: type) -> bool:
+    """Whether ``obj`` (an instance or class) overrides ``parent``'s ``hook`` outside dpddp's package."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    return is_overridden(hook, obj, parent) and not _dpddp_defined(cls, hook)
+
+
+def _seen_by_callback(section: str, spec: Mapping) -> str | None:
+    cls = target_class(section, spec)
+    if _dpddp_defined(cls, "__init__") or issubclass(cls, UNSEEING_CALLBACKS):
+        return None
+    if issubclass(cls, ModelCheckpoint) and not _own_hook(cls, "on_train_batch_end", ModelCheckpoint):
+        steps, interval = spec.get("every_n_train_steps"), spec.get("train_time_interval")
+        if not steps and interval is None:
+            return None
+        name = "every_n_train_steps" if steps else "train_time_interval"
+        return f"{section}.{name}={steps or interval}: its trigger would see executions"
+    return f"{section} ({cls.__name__}) is not one of the callbacks known to see no training batch"
+
+
+def seen_executions(cfg: Mapping, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> str | None:
+    """What in ``cfg``'s run would see an execution where ``steps_per_execution=1`` shows it a global batch, as
+    ``"<what>: <why>"``, or ``None``: a ``training_step`` outside dpddp's package (its per-step logs and returned
+    outputs), the model's or data module's batch hooks, a configured callback other than dpddp's own,
+    ``EarlyStopping``, a model summary or a ``ModelCheckpoint`` without a step or time trigger. ``auto`` keeps K=1
+    for these (a K given explicitly takes them as the docs say)."""
+    name = type(model).__name__
+    if not _dpddp_defined(type(model), "training_step"):
+        return f"{name}.training_step is the model's own: its per-step logs and outputs would see executions"
+    for hook in (*BATCH_HOOKS, *TRANSFER_HOOKS):
+        if _own_hook(model, hook, pl.LightningModule):
+            return f"{name}.{hook} would see executions"
+        if hook in TRANSFER_HOOKS and _own_hook(datamodule, hook, pl.LightningDataModule):
+            return f"{type(datamodule).__name__}.{hook} would see executions"
+    for key, spec in (cfg.get("callbacks") or {}).items():
+        if spec is not None and (seen := _seen_by_callback(f"callbacks.{key}", spec)):
+            return seen
+    return None
+
+
+def _largest_power_of_two_dividing(n: int) -> int:
+    return n & -n
 
 
 def _single_optimizer(conf: Any) -> torch.optim.Optimizer | None:
@@ -114,7 +173,10 @@ def _probe(
                 torch.cuda.synchronize(device)
 
         start = time.perf_counter()
-        step()  # the warm-up
+        try:
+            step()  # the warm-up
+        except Exception as err:  # the run itself says what is wrong, where it would have at K=1
+            return f"{type(model).__name__}.training_step failed on a probe batch ({type(err).__name__})"
         first = time.perf_counter() - start
         if not all(returned):
             return f"{type(model).__name__}.training_step returned None (a skipped step)"
@@ -176,8 +238,10 @@ def _resolve(cfg: DictConfig, model: pl.LightningModule, datamodule: pl.Lightnin
         return 1, f"{type(model).__name__} uses manual optimization"
     if cfg.get("ckpt_path") is not None:
         return checkpoint_steps_per_execution(cfg.ckpt_path), "the checkpoint's"
+    if seen := seen_executions(cfg, model, datamodule):
+        return 1, f"{seen}; give steps_per_execution=K to take K anyway (docs/performance.md)"
     assert isinstance(datamodule, GlobalBatchDataModule)  # execution_refusal: global-batch data
-    share = int(datamodule.batch_size) // world_size(cfg)
+    share, every = int(datamodule.batch_size) // world_size(cfg), checkpoint_intervals(cfg)[0]
 
     def measure() -> tuple[int, str]:
         device = _device(cfg)
@@ -188,6 +252,8 @@ def _resolve(cfg: DictConfig, model: pl.LightningModule, datamodule: pl.Lightnin
             return 1, seconds
         per_epoch = len(datamodule.splits["train"]) // int(datamodule.batch_size)  # type: ignore[arg-type]
         k, need = auto_steps(seconds, per_epoch), LOOP_OVERHEAD_S / (OVERHEAD_SHARE * seconds)
+        if every and k > (most := _largest_power_of_two_dividing(every)):
+            return most, f"checkpoint.every_n_steps={every}: a K dividing it keeps each write at its step"
         why = (
             f"a step {seconds * 1e3:.3g} ms; the loop's {LOOP_OVERHEAD_S * 1e3:.3g} ms within {OVERHEAD_SHARE:.0%} "
             f"of an execution needs K >= {need:.2g}"

@@ -19,7 +19,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
 from omegaconf import DictConfig, OmegaConf
 
 from dpddp.cluster import launch_environment
@@ -124,6 +124,10 @@ def execution_refusal(cfg: Mapping) -> str | None:
         return f"{name}={value!r}: {why}"
     if not issubclass(target_class("data", cfg["data"]), GlobalBatchDataModule):
         return f"data._target_={cfg['data']['_target_']}: not a dpddp.data.global_batch.GlobalBatchDataModule"
+    for key, spec in (cfg.get("callbacks") or {}).items():
+        if spec is not None and issubclass(target_class(f"callbacks.{key}", spec), StochasticWeightAveraging):
+            why = "its learning-rate schedule steps only under automatic optimization"
+            return f"callbacks.{key}._target_={spec['_target_']}: {why}"
     return None
 
 
@@ -137,11 +141,8 @@ def _check_executions(cfg: Mapping) -> None:
     if k == 1:
         return
     _check_limits(cfg, EXECUTION_LIMITS, f"steps_per_execution={k}", "use steps_per_execution=1")
-    if not issubclass(target_class("data", cfg["data"]), GlobalBatchDataModule):
-        raise ConfigError(
-            f"steps_per_execution={k} needs global-batch data (data._target_={cfg['data']['_target_']} is not a "
-            "dpddp.data.global_batch.GlobalBatchDataModule): use steps_per_execution=1"
-        )
+    if refusal := execution_refusal(cfg):
+        raise ConfigError(f"steps_per_execution={k} with {refusal}: use steps_per_execution=1")
 
 
 def _check_compile(cfg: Mapping) -> None:
