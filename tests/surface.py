@@ -182,11 +182,13 @@ SURFACE: tuple[Setting, ...] = (
             "test_executions.py::test_sigterm_stops_on_a_step_boundary_and_resumes_exactly",
             "test_executions.py::test_ddp_two_processes_with_k_equal_one_process",
             "test_executions.py::test_what_cannot_keep_the_promises_is_one_line",
+            "test_auto_executions.py::test_auto_equals_one_bit_for_bit_and_its_k_is_in_metrics",
+            "test_auto_executions.py::test_what_refuses_k_above_one_falls_back_to_one_in_one_line",
         ),
         runs=r"steps_per_execution=",
-        note="K optimizer steps per loop iteration (`auto`: from the timed step); with K > 1 "
-        "accumulate_grad_batches, gradient_clip_val, val_check_interval, limit_train_batches and strategy=dp are "
-        "refused",
+        note="K optimizer steps per loop iteration (default `auto`: timed; 1 where your code would see "
+        "executions); K > 1 refuses accumulate_grad_batches, gradient_clip_val, val_check_interval, "
+        "limit_train_batches, SWA, strategy=dp",
     ),
     Setting(
         "run setting",

@@ -105,10 +105,11 @@ def test_plot_of_a_run_and_of_a_sweep(tmp_path):
     _png_ok(out, runs=2)
 
 
-@pytest.mark.parametrize("kind", ["rich", "tqdm"])
-def test_the_bar_shows_at_most_ten_updates_a_second_and_every_loops_last_batch(tmp_path, monkeypatch, kind):
+@pytest.mark.parametrize(("kind", "k"), [("rich", 1), ("tqdm", 1), ("rich", 16), ("tqdm", 16)])
+def test_the_bar_shows_at_most_ten_updates_a_second_and_every_loops_last_batch(tmp_path, monkeypatch, kind, k):
     """A bar update costs more than a tiny training step: the bar skips the updates of batches that end within
-    0.1 s of the last one shown, never the last batch of a loop (so it ends where Lightning's does)."""
+    0.1 s of the last one shown, never the last batch of a loop (so it ends where Lightning's does). With
+    ``steps_per_execution=16`` it counts global batches, as with 1: 800, not 50 executions."""
     base = RichProgressBar if kind == "rich" else TQDMProgressBar
     if kind == "tqdm":  # the tqdm bar is the one without rich installed
         monkeypatch.setattr(assembly, "RichBar", TQDMBar)
@@ -124,7 +125,12 @@ def test_the_bar_shows_at_most_ten_updates_a_second_and_every_loops_last_batch(t
     for hook in ("on_train_batch_end", "on_validation_batch_end", "on_test_batch_end"):
         monkeypatch.setattr(base, hook, spy(hook, getattr(base, hook)))
     sizes = ["data.num_samples=8000", "data.batch_size=8", "trainer.max_epochs=1"]  # 800, 100 and 100 batches
-    train(compose_cfg("accelerator=cpu", "logger=none", *sizes, "trainer.enable_progress_bar=true"), tmp_path)
+    train(
+        compose_cfg(
+            "accelerator=cpu", "logger=none", *sizes, "trainer.enable_progress_bar=true", f"steps_per_execution={k}"
+        ),
+        tmp_path,
+    )
     assert {hook: seen[-1] for hook, seen in shown.items()} == {
         "on_train_batch_end": 800, "on_validation_batch_end": 100, "on_test_batch_end": 100
     }  # fmt: skip
