@@ -45,7 +45,8 @@ def straight(tmp_path_factory):
         (1.0, 100, 1),
         (LOOP_OVERHEAD_S / OVERHEAD_SHARE / 3, 100, 4),  # needs 3: the next power of two
         (LOOP_OVERHEAD_S / OVERHEAD_SHARE / 8, 100, 8),
-        (1e-6, 100, MAX_AUTO_STEPS),
+        (1e-6, 10**6, MAX_AUTO_STEPS),
+        (LOOP_OVERHEAD_S / OVERHEAD_SHARE / 200, 10**6, 256),  # W3's 0.1 ms step: an execution of 26 ms
         (1e-6, 12, 8),  # within an epoch
         (1e-6, 1, 1),
         (float("nan"), 100, 1),

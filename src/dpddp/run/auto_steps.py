@@ -50,8 +50,10 @@ LOOP_OVERHEAD_S = 1.0e-3
 from K=1 against K=16 on 2 CPU cores)."""
 OVERHEAD_SHARE = 0.05
 """The largest share of an execution's time the loop's cost may take."""
-MAX_AUTO_STEPS = 16
-"""The largest K auto chooses: progress, checkpoints and a SIGTERM wait for at most this many steps."""
+MAX_AUTO_STEPS = 256
+"""The largest K auto chooses. The rule itself keeps a probed execution under ``2 * LOOP_OVERHEAD_S /
+OVERHEAD_SHARE`` (40 ms), what progress, checkpoints and a SIGTERM wait for at most; this bounds K where a step
+is too short to time."""
 PROBE_STEPS = 5
 """Timed steps of the probe (after one warm-up), when the first is shorter than an execution needs."""
 
