@@ -14,8 +14,10 @@ from conftest import QUIET, ROOT, checkpoint, child_env, compose_cfg, leftover, 
 from test_cli import FAST, cli
 from test_executions import ScheduledModel
 
+from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import ConfigError
 from dpddp.models.linear import LinearClassifier
+from dpddp.report.contract import MetricContract
 from dpddp.run import auto_steps
 from dpddp.run.auto_steps import LOOP_OVERHEAD_S, MAX_AUTO_STEPS, OVERHEAD_SHARE, resolve_steps
 from dpddp.run.build import build
@@ -220,3 +222,63 @@ def test_the_lightning_cli_takes_auto(tmp_path):
     (path,) = tmp_path.glob("lightning_logs/version_*/metrics.json")
     k = metrics(path.parent)["steps_per_execution"]
     assert k in (2, 4, 8) and f"steps_per_execution=auto: {k} (a step " in out.stdout + out.stderr
+
+
+class WiderClassifier(LinearClassifier):
+    """A user's network in the built-in classifier: dpddp's training_step, nothing that sees a batch."""
+
+
+class BatchHookClassifier(LinearClassifier):
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        pass
+
+
+class TransferHookData(RandomTensorDataModule):
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return batch
+
+
+class MyContract(MetricContract):
+    """A user's subclass of one of dpddp's callbacks."""
+
+
+def _callback(target: str, **kwargs) -> dict:
+    return {"callbacks": {"mine": {"_target_": target, **kwargs}}}
+
+
+@pytest.mark.parametrize(
+    ("model", "data", "cfg", "seen"),
+    [
+        (WiderClassifier, RandomTensorDataModule, {}, None),
+        (LinearClassifier, RandomTensorDataModule, _callback("lightning.pytorch.callbacks.EarlyStopping"), None),
+        (LinearClassifier, RandomTensorDataModule, _callback("lightning.pytorch.callbacks.RichModelSummary"), None),
+        (LinearClassifier, RandomTensorDataModule, _callback("dpddp.report.contract.MetricContract"), None),
+        (LinearClassifier, RandomTensorDataModule, _callback("lightning.pytorch.callbacks.ModelCheckpoint"), None),
+        (BatchHookClassifier, RandomTensorDataModule, {}, "BatchHookClassifier.on_train_batch_end would see"),
+        (LinearClassifier, TransferHookData, {}, "TransferHookData.on_before_batch_transfer would see"),
+        (
+            LinearClassifier,
+            RandomTensorDataModule,
+            _callback("test_auto_executions.MyContract"),
+            "callbacks.mine (MyContract) is not one of",
+        ),
+        (
+            LinearClassifier,
+            RandomTensorDataModule,
+            _callback("lightning.pytorch.callbacks.LambdaCallback"),
+            "callbacks.mine (LambdaCallback) is not one of",
+        ),
+        (
+            LinearClassifier,
+            RandomTensorDataModule,
+            _callback("lightning.pytorch.callbacks.ModelCheckpoint", train_time_interval="0:0:10"),
+            "callbacks.mine.train_time_interval=0:0:10: its trigger would see executions",
+        ),
+    ],
+)
+def test_what_would_see_executions_is_named(model, data, cfg, seen):
+    """``seen_executions``: dpddp's training_step and callbacks, EarlyStopping, a model summary and a plain
+    ModelCheckpoint see no execution; a batch hook of the model's or data module's, a user's callback (a subclass
+    of dpddp's too) and a ModelCheckpoint's time trigger would."""
+    found = auto_steps.seen_executions(cfg, model(), data())
+    assert found == seen if seen is None else found.startswith(seen), found

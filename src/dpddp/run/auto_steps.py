@@ -94,7 +94,7 @@ def _own_hook(obj: object, hook: str, parent: type) -> bool:
 
 def _seen_by_callback(section: str, spec: Mapping) -> str | None:
     cls = target_class(section, spec)
-    if _dpddp_defined(cls, "__init__") or issubclass(cls, UNSEEING_CALLBACKS):
+    if cls.__module__.split(".")[0] == "dpddp" or issubclass(cls, UNSEEING_CALLBACKS):
         return None
     if issubclass(cls, ModelCheckpoint) and not _own_hook(cls, "on_train_batch_end", ModelCheckpoint):
         steps, interval = spec.get("every_n_train_steps"), spec.get("train_time_interval")
@@ -108,9 +108,9 @@ def _seen_by_callback(section: str, spec: Mapping) -> str | None:
 def seen_executions(cfg: Mapping, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> str | None:
     """What in ``cfg``'s run would see an execution where ``steps_per_execution=1`` shows it a global batch, as
     ``"<what>: <why>"``, or ``None``: a ``training_step`` outside dpddp's package (its per-step logs and returned
-    outputs), the model's or data module's batch hooks, a configured callback other than dpddp's own,
-    ``EarlyStopping``, a model summary or a ``ModelCheckpoint`` without a step or time trigger. ``auto`` keeps K=1
-    for these (a K given explicitly takes them as the docs say)."""
+    outputs), the model's or data module's batch hooks, or a configured callback, unless it is one of dpddp's own
+    classes, ``EarlyStopping``, a model summary or a ``ModelCheckpoint`` without a step or time trigger. ``auto``
+    keeps K=1 for these (a K given explicitly takes them as the docs say)."""
     name = type(model).__name__
     if not _dpddp_defined(type(model), "training_step"):
         return f"{name}.training_step is the model's own: its per-step logs and outputs would see executions"
