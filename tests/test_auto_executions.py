@@ -113,6 +113,15 @@ class ScheduledClassifier(LinearClassifier):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1)}
 
 
+class WarmupClassifier(LinearClassifier):
+    """The built-in classifier with Lightning's learning-rate warm-up recipe in ``optimizer_step``."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        for group in optimizer.param_groups:
+            group["lr"] = self.hparams["lr"] * min(1.0, (self.trainer.global_step + 1) / 10)
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+
 USER = ["callbacks.metric_contract=null", *(f"~model.{key}" for key in ("optimizer", "lr", "momentum", "weight_decay"))]
 
 
@@ -124,6 +133,7 @@ USER = ["callbacks.metric_contract=null", *(f"~model.{key}" for key in ("optimiz
         ("trainer.limit_train_batches=5", "trainer.limit_train_batches=5: an epoch is all its global batches"),
         ("model._target_=test_auto_executions.ManualModel", "ManualModel uses manual optimization"),
         ("model._target_=test_auto_executions.ScheduledClassifier", "ScheduledClassifier has more than one optimizer"),
+        ("model._target_=test_auto_executions.WarmupClassifier", "WarmupClassifier.optimizer_step: an execution's"),
         # what would see executions, where K=1 shows it a global batch: a K given explicitly takes them anyway
         ("model._target_=test_executions.ScheduledModel", "ScheduledModel.training_step is the model's own: its per-"),
         ("+callbacks.kill={_target_:conftest.StopWhenFile,path:none}", "callbacks.kill (StopWhenFile) is not one of"),

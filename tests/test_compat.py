@@ -1197,3 +1197,27 @@ def test_lightnings_forward_redirection_restores_an_instance_forward():
     model.forward = forward.__get__(model)
     _ForwardRedirection()(Wrapper(model), model, "training_step", torch.randn(2, 32), 0)
     assert calls == ["forward"] and vars(model)["forward"].__func__ is forward
+
+
+def test_skip_next_validation_is_lightnings_flag_that_skips_the_epoch_end_validation():
+    """``skip_next_validation`` at the epoch's last batch: Lightning's epoch loop runs no validation after it
+    (``fit_loop.epoch_loop._skip_next_val``, Lightning 2.6.6)."""
+    from dpddp._compat import skip_next_validation
+
+    class SkipAtLast(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == trainer.num_training_batches - 1 and trainer.current_epoch == 0:
+                skip_next_validation(trainer)
+
+    validated = []
+
+    class Counted(BoringModel):
+        def on_validation_epoch_start(self):
+            validated.append(self.current_epoch)
+
+    trainer = pl.Trainer(
+        max_epochs=2, limit_train_batches=3, limit_val_batches=1, num_sanity_val_steps=0, callbacks=[SkipAtLast()],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Counted())
+    assert validated == [1]

@@ -108,6 +108,17 @@ def test_a_stop_at_a_random_step_then_continued_twice_equals_a_straight_run(tmp_
     _same_run(tmp_path / "c", straight[0])
 
 
+def test_a_max_steps_stop_inside_an_epochs_last_execution_continues_exactly(tmp_path):
+    """Dropout from the global stream: epochs of 12 steps run as executions of 8 and 4, and ``max_steps=10`` cuts the
+    last one. K=1 stops there with no validation (whose loaders draw from the global stream), so must K=8."""
+    args = [*BASE, "model=mlp", "model._target_=users_models.GlobalDropoutMLP", "trainer.max_epochs=2"]
+    args += ["steps_per_execution=8"]
+    train(compose_cfg(*args), tmp_path / "straight")
+    train(compose_cfg(*args, "trainer.max_steps=10"), tmp_path / "a")
+    train(compose_cfg(*args, f"ckpt_path={tmp_path}/a/checkpoints/last.ckpt"), tmp_path / "b")
+    _same_run(tmp_path / "b", tmp_path / "straight", tol=0.0)
+
+
 def test_sigterm_stops_on_a_step_boundary_and_resumes_exactly(tmp_path, straight):
     args = [*BASE, "trainer.max_epochs=3", "steps_per_execution=5"]
     # SIGTERM at the end of the 4th execution (step 17), before the stop's check, the last callback: it stops there
@@ -160,6 +171,11 @@ ONE = "use steps_per_execution=1"
         ),
         ("strategy=dp", "strategy='dp' cannot be kept with steps_per_execution=4", ONE),
         ("data=sharded", "steps_per_execution=4 with data._target_=dpddp.data.sharded.ShardedDataModule", ONE),
+        (
+            "model._target_=test_auto_executions.WarmupClassifier",
+            "steps_per_execution=4 skips WarmupClassifier.optimizer_step, which automatic optimization calls each step",
+            ONE,
+        ),
         (
             "+callbacks.swa={_target_:lightning.pytorch.callbacks.StochasticWeightAveraging,swa_lrs:0.01}",
             "steps_per_execution=4 with callbacks.swa._target_=lightning.pytorch.callbacks.StochasticWeightAveraging: "

@@ -37,7 +37,7 @@ __all__ += ["disable_sigterm_broadcast", "hydra_command_line", "hydra_mode_unset
 __all__ += ["epoch_finished_in", "float_batch_counts", "init_process_group", "hydra_override_refused"]
 __all__ += ["keep_unfinished_epoch", "logged_metric_kinds", "logged_tensor_states", "processed_epochs", "rank0_store"]
 __all__ += ["resolve_process_group_backend", "restore_logged_tensors", "restore_sigterm_broadcast", "counted_step"]
-__all__ += ["agent_store_shared", "epoch_cut", "restart_train_iterator"]
+__all__ += ["agent_store_shared", "epoch_cut", "restart_train_iterator", "skip_next_validation"]
 __all__ += ["set_num_threads_if_needed", "skip_empty_batch_hooks", "softmax_per_sample", "uncount_last_batch"]
 
 CHECKED = {"lightning": "2.6.6", "torch": "2.13.0", "hydra-core": "1.3.8"}
@@ -195,6 +195,15 @@ def processed_epochs(checkpoint: dict[str, Any]) -> int | None:
     loop = checkpoint.get("loops", {}).get("fit_loop", {})
     done = loop.get("epoch_progress", {}).get("current", {}).get("processed")
     return done if isinstance(done, int) else None
+
+
+def skip_next_validation(trainer: pl.Trainer) -> None:
+    """Lightning's epoch loop skips the validation it would run after the current training batch
+    (``fit_loop.epoch_loop._skip_next_val``). Lightning 2.6.6; raises ``RuntimeError`` if it moved (test_compat)."""
+    loop = trainer.fit_loop.epoch_loop
+    if not hasattr(loop, "_skip_next_val"):
+        raise RuntimeError("lightning's fit_loop.epoch_loop._skip_next_val moved: dpddp._compat needs an update")
+    loop._skip_next_val = True
 
 
 def restart_train_iterator(trainer: pl.Trainer) -> None:

@@ -228,7 +228,7 @@ class ResumableState(pl.Callback):
         # checks a cut epoch against the validation before the cut, which the straight run never does there (and,
         # strict, raises in a cut epoch 0, which has none). Its check is skipped, and the checkpoint keeps the
         # flag and the states of before (a subclass's own check too).
-        if epoch_cut(trainer):
+        if epoch_cut(trainer) or self.uncounted():  # a limit, or max_steps inside the epoch's last execution
             states = {cb.state_key: copy.deepcopy(cb.state_dict()) for cb in trainer.early_stopping_callbacks}
             self._cut = self._latched_stop(trainer), states
             for cb in trainer.early_stopping_callbacks:

@@ -35,10 +35,11 @@ from dpddp.cluster import (
 from dpddp.continuity.io import checkpoint_steps_per_execution
 from dpddp.continuity.stop import checkpoint_intervals
 from dpddp.data.global_batch import GlobalBatchDataModule
+from dpddp.errors import first_line
 from dpddp.parallel.bandwidth import step_seconds
 from dpddp.parallel.rules import resolve_accelerator, world_size
 from dpddp.run.config import execution_refusal
-from dpddp.run.executions import TRANSFER_HOOKS
+from dpddp.run.executions import TRANSFER_HOOKS, skipped_hook
 from dpddp.run.keys import target_class
 
 __all__ = ["LOOP_OVERHEAD_S", "MAX_AUTO_STEPS", "OVERHEAD_SHARE", "auto_steps", "resolve_steps", "seen_executions"]
@@ -178,7 +179,7 @@ def _probe(
         try:
             step()  # the warm-up
         except Exception as err:  # the run itself says what is wrong, where it would have at K=1
-            return f"{type(model).__name__}.training_step failed on a probe batch ({type(err).__name__})"
+            return f"a probe step of {type(model).__name__} failed ({type(err).__name__}: {first_line(err)})"
         first = time.perf_counter() - start
         if not all(returned):
             return f"{type(model).__name__}.training_step returned None (a skipped step)"
@@ -238,6 +239,8 @@ def _resolve(cfg: DictConfig, model: pl.LightningModule, datamodule: pl.Lightnin
         return 1, refusal
     if not model.automatic_optimization:
         return 1, f"{type(model).__name__} uses manual optimization"
+    if hook := skipped_hook(model):
+        return 1, f"{type(model).__name__}.{hook}: an execution's steps would not call it"
     if cfg.get("ckpt_path") is not None:
         return checkpoint_steps_per_execution(cfg.ckpt_path), "the checkpoint's"
     if seen := seen_executions(cfg, model, datamodule):

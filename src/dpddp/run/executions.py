@@ -20,21 +20,28 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
-from dpddp._compat import BatchNormBase, counted_step
+from dpddp._compat import BatchNormBase, counted_step, skip_next_validation
 from dpddp.data.batches import DeferredRows
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.errors import ConfigError
 from dpddp.models.classifier import Classifier
 from dpddp.nn import select_sample_part, select_sample_row
 
-__all__ = ["STEP_HOOKS", "StepsPerExecution", "lean_steps"]
+__all__ = ["SKIPPED_HOOKS", "STEP_HOOKS", "StepsPerExecution", "lean_steps", "skipped_hook"]
 
 log = logging.getLogger(__name__)
 
 STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
 """The hooks Lightning calls inside each optimizer step (callbacks and the module; the module's ``backward`` too)."""
+SKIPPED_HOOKS = ("optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping", "on_before_zero_grad")
+"""The module's hooks that automatic optimization calls each step and an execution's steps do not."""
 TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 """The batch hooks of a module or data module, which would see an execution's ``DeferredRows``."""
+
+
+def skipped_hook(module: pl.LightningModule) -> str | None:
+    """The first of ``SKIPPED_HOOKS`` that ``module`` overrides, or ``None``."""
+    return next((hook for hook in SKIPPED_HOOKS if is_overridden(hook, module, pl.LightningModule)), None)
 
 
 def lean_steps(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
@@ -81,6 +88,11 @@ class StepsPerExecution(pl.Callback):
                 f"{setting} needs a model with automatic optimization ({type(module).__name__} steps its "
                 f"optimizers itself): {self.fix}"
             )
+        if hook := skipped_hook(module):
+            raise ConfigError(
+                f"{setting} skips {type(module).__name__}.{hook}, which automatic optimization calls each step: "
+                f"{self.fix}"
+            )
         norms = [n for n, m in module.named_modules() if isinstance(m, BatchNormBase)]
         if micro is not None and norms:
             raise ConfigError(
@@ -103,6 +115,8 @@ class StepsPerExecution(pl.Callback):
         rows = extract_batch_size(batch) if self.steps > 1 else 1  # DeferredRows: its ids' k
         left = trainer.max_steps - trainer.global_step if trainer.max_steps >= 0 else rows
         self.cut = left < rows
+        if self.cut:  # max_steps inside the execution: K=1 stops before the epoch's end, with no validation there
+            skip_next_validation(trainer)
         for i in range(min(rows, left)):
             one = batch
             if self.steps > 1:
