@@ -184,3 +184,16 @@ def test_the_stops_check_of_one_epoch_is_one_line_and_exit_2():
         "or more"
     )
     assert "continued" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_stops_check_passes_at_the_defaults_where_auto_takes_executions():
+    """The defaults' model takes ``steps_per_execution=auto``'s K above 1 (32: 51 steps an epoch): each stop,
+    sent before a step inside an execution, still continues exactly."""
+    proc = _check("--stops")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("stops: the straight run takes 102 steps"), lines
+    found = [re.fullmatch(STOPS, line) for line in lines[1:]]
+    assert [m.group(1) for m in found if m] == ["limit", "SIGTERM", "SIGKILL"] and len(lines) == 4
+    assert all(float(m.group(2)) == 0.0 for m in found if m)

@@ -30,6 +30,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from lightning.pytorch.utilities.data import extract_batch_size
 from omegaconf import DictConfig
 
 from dpddp.cluster import launch_environment, master_address, register_resolvers
@@ -238,9 +239,9 @@ WALL_CLOCK = ("Timer",)  # callbacks whose state is time measured (trainer.max_t
 
 class StopAt(pl.Callback):
     """The ``--stops`` runs' callback: sends this process ``signal`` (``"SIGTERM"``, ``"SIGKILL"``; ``""``: none)
-    before the training batch that takes global step ``step + 1``. At the fit's end it writes ``check_stops.pt``
-    into the run directory: the global steps at which this fit's later epochs started, and the numbers and
-    tensors each of the user's callbacks holds as attributes (what its ``state_dict`` may leave out)."""
+    before the training batch (or execution) that takes global step ``step + 1``. At the fit's end it writes
+    ``check_stops.pt`` into the run directory: the global steps at which this fit's later epochs started, and the
+    numbers and tensors each of the user's callbacks holds as attributes (what its ``state_dict`` may leave out)."""
 
     def __init__(self, signal: str = "", step: int = -1) -> None:
         self.signal, self.step = signal, step
@@ -250,8 +251,10 @@ class StopAt(pl.Callback):
         if trainer.global_step:
             self.epoch_starts.append(trainer.global_step)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if self.signal and trainer.global_step == self.step:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
+        executed = getattr(trainer.datamodule, "steps_per_execution", 1) > 1  # type: ignore[attr-defined]
+        rows = extract_batch_size(batch) if executed else 1  # the steps this iteration takes: an execution's k
+        if self.signal and trainer.global_step <= self.step < trainer.global_step + rows:
             os.kill(os.getpid(), getattr(signal, self.signal))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
