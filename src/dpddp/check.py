@@ -30,7 +30,6 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
-from lightning.pytorch.utilities.data import extract_batch_size
 from omegaconf import DictConfig
 
 from dpddp.cluster import launch_environment, master_address, register_resolvers
@@ -48,6 +47,7 @@ from dpddp.parallel.bandwidth import (
     step_seconds,
 )
 from dpddp.run.assembly import GLOBAL_RNG_LAYERS
+from dpddp.run.executions import execution_steps
 from dpddp.run.training import isolated_job, train
 
 __all__ = ["STOPS_TOLERANCE", "TOLERANCE", "StopAt", "check_network", "check_stops", "compare", "main", "overrides_of"]
@@ -252,9 +252,9 @@ class StopAt(pl.Callback):
             self.epoch_starts.append(trainer.global_step)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
-        executed = getattr(trainer.datamodule, "steps_per_execution", 1) > 1  # type: ignore[attr-defined]
-        rows = extract_batch_size(batch) if executed else 1  # the steps this iteration takes: an execution's k
-        if self.signal and trainer.global_step <= self.step < trainer.global_step + rows:
+        per_execution = getattr(trainer.datamodule, "steps_per_execution", 1)  # type: ignore[attr-defined]
+        steps = execution_steps(batch, per_execution)
+        if self.signal and trainer.global_step <= self.step < trainer.global_step + steps:
             os.kill(os.getpid(), getattr(signal, self.signal))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -117,11 +117,16 @@ def _check_limits(cfg: Mapping, limits: tuple, setting: str, fix: str) -> None:
 
 def execution_refusal(cfg: Mapping) -> str | None:
     """Why ``cfg`` cannot run with ``steps_per_execution`` above 1, as ``"<setting>=<value>: <why>"`` (the first
-    of the ``EXECUTION_LIMITS`` it breaks, or data that is not global-batch), or ``None``; the settings are the
-    ones ``check_config`` has checked."""
+    of the ``EXECUTION_LIMITS`` it breaks, else ``_unexecutable``'s), or ``None``; the settings are the ones
+    ``check_config`` has checked."""
     if broken := _broken_limit(cfg, EXECUTION_LIMITS):
         name, value, why = broken
         return f"{name}={value!r}: {why}"
+    return _unexecutable(cfg)
+
+
+def _unexecutable(cfg: Mapping) -> str | None:
+    """Data that is not global-batch, or an SWA callback, as ``"<setting>=<value>: <why>"``; else ``None``."""
     if not issubclass(target_class("data", cfg["data"]), GlobalBatchDataModule):
         return f"data._target_={cfg['data']['_target_']}: not a dpddp.data.global_batch.GlobalBatchDataModule"
     for key, spec in (cfg.get("callbacks") or {}).items():
@@ -133,7 +138,7 @@ def execution_refusal(cfg: Mapping) -> str | None:
 
 def _check_executions(cfg: Mapping) -> None:
     """``steps_per_execution``: ``auto`` (nothing refused: ``dpddp.run.auto_steps`` falls back to 1) or a positive
-    integer; above 1, the ``EXECUTION_LIMITS`` and the data checked."""
+    integer; above 1, the ``EXECUTION_LIMITS``, the data and the callbacks checked."""
     given = cfg.get("steps_per_execution", 1)
     if given == "auto":
         return
@@ -141,7 +146,7 @@ def _check_executions(cfg: Mapping) -> None:
     if k == 1:
         return
     _check_limits(cfg, EXECUTION_LIMITS, f"steps_per_execution={k}", "use steps_per_execution=1")
-    if refusal := execution_refusal(cfg):
+    if refusal := _unexecutable(cfg):
         raise ConfigError(f"steps_per_execution={k} with {refusal}: use steps_per_execution=1")
 
 

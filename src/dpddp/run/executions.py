@@ -27,7 +27,7 @@ from dpddp.errors import ConfigError
 from dpddp.models.classifier import Classifier
 from dpddp.nn import select_sample_part, select_sample_row
 
-__all__ = ["SKIPPED_HOOKS", "STEP_HOOKS", "StepsPerExecution", "lean_steps", "skipped_hook"]
+__all__ = ["SKIPPED_HOOKS", "STEP_HOOKS", "StepsPerExecution", "execution_steps", "lean_steps", "skipped_hook"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,12 @@ TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_af
 def skipped_hook(module: pl.LightningModule) -> str | None:
     """The first of ``SKIPPED_HOOKS`` that ``module`` overrides, or ``None``."""
     return next((hook for hook in SKIPPED_HOOKS if is_overridden(hook, module, pl.LightningModule)), None)
+
+
+def execution_steps(batch: Any, steps: int) -> int:
+    """The global batches a training batch carries: an execution's leading ``k`` (a ``DeferredRows``' too) under
+    ``steps_per_execution`` ``steps`` above 1, else 1."""
+    return extract_batch_size(batch) if steps > 1 else 1
 
 
 def lean_steps(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
@@ -112,7 +118,7 @@ class StepsPerExecution(pl.Callback):
         module = self.module
         trainer, optimizer = module.trainer, module.optimizers()
         strategy = trainer.strategy
-        rows = extract_batch_size(batch) if self.steps > 1 else 1  # DeferredRows: its ids' k
+        rows = execution_steps(batch, self.steps)
         left = trainer.max_steps - trainer.global_step if trainer.max_steps >= 0 else rows
         self.cut = left < rows
         if self.cut:  # max_steps inside the execution: K=1 stops before the epoch's end, with no validation there
