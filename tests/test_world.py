@@ -7,10 +7,12 @@ import sys
 
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, global_step
+from conftest import QUIET, ROOT, child_env, compose_cfg, global_step
 
+from dpddp import cluster, errors
 from dpddp.cluster import LAUNCHED_ENV, writes_outputs
 from dpddp.parallel.rank import global_rank
+from dpddp.parallel.rules import world_of
 
 
 @pytest.mark.parametrize(
@@ -33,12 +35,29 @@ def test_one_process_writes_the_outputs(monkeypatch, env, writes):
 
 def test_a_launched_ranks_global_rank_counts_the_visible_gpus_for_devices_minus_one(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv(LAUNCHED_ENV, "1")
     for (node, local, devices), rank in {(1, 2, -1): 6, (2, 1, 3): 7, (None, 1, 2): 1}.items():  # 6: not 1 * -1 + 2
         monkeypatch.delenv("NODE_RANK", raising=False)  # one node: no NODE_RANK
         if node is not None:
             monkeypatch.setenv("NODE_RANK", str(node))
         monkeypatch.setenv("LOCAL_RANK", str(local))
-        assert global_rank({"devices": devices}) == rank
+        config = compose_cfg("strategy=ddp", f"devices={devices}", "accelerator=cpu")
+        assert global_rank(config) == rank
+        assert not world_of(config).writes_outputs
+
+
+@pytest.mark.parametrize(
+    ("env", "local"),
+    [({}, 0), ({"LOCAL_RANK": "2"}, 2), ({"SLURM_LOCALID": "3"}, 3), ({"LOCAL_RANK": "1", "SLURM_LOCALID": "3"}, 1)],
+)
+def test_one_local_rank_for_every_room(monkeypatch, env, local):
+    """The local rank (a GPU's index, who says a stop's line) is one function: torchrun's, then SLURM's."""
+    for key in ("LOCAL_RANK", "SLURM_LOCALID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert cluster.local_rank is errors.local_rank
+    assert world_of(compose_cfg("accelerator=cpu")).local_rank == local
 
 
 COUNTING = """

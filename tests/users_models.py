@@ -12,8 +12,9 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, random_split
 
+from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.models.linear import LinearClassifier
 from dpddp.models.mlp import MLPClassifier
 from dpddp.nn import sample_generator
@@ -386,3 +387,18 @@ class KeptBatchCounter(BatchCounter):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.lr, self.count = state_dict["lr"], state_dict["count"]
+
+
+class GlobalStreamData(GlobalBatchDataModule):
+    """Data built in code as tutorials write it, from the global streams with no generator: ``torch.randn``,
+    ``np.random`` and ``torch.utils.data.random_split`` without a generator (issue 52, case 66's kind)."""
+
+    def make_dataset(self) -> Dataset:
+        n, d, c = 301, 16, 4
+        y = torch.randint(0, c, (n,))
+        x = 2 * torch.randn(c, d)[y] + torch.from_numpy(np.random.randn(n, d).astype(np.float32))
+        return TensorDataset(x, y)
+
+    def make_splits(self) -> dict[str, Dataset]:
+        train, val, test = random_split(self.make_dataset(), [0.8, 0.1, 0.1])
+        return {"train": train, "val": val, "test": test}

@@ -10,6 +10,7 @@ import time
 
 from omegaconf import OmegaConf
 
+from dpddp.errors import local_rank
 from dpddp.network import is_local_address
 
 __all__ = [
@@ -54,11 +55,6 @@ def writes_outputs() -> bool:
 def launched_by_dpddp() -> bool:
     """Whether dpddp's own launcher started this process (``LAUNCHED_ENV``): rank 0's run has its other ranks."""
     return bool(os.environ.get(LAUNCHED_ENV))
-
-
-def local_rank() -> int:
-    """This process's rank on its node: ``LOCAL_RANK`` (torchrun's, Lightning's, dpddp's launcher's), else 0."""
-    return int(os.environ.get("LOCAL_RANK", 0))
 
 
 def node_rank() -> int:

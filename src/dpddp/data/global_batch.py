@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from functools import partial
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -18,6 +19,7 @@ from typing_extensions import override
 from dpddp._compat import data_position
 from dpddp.data import rules
 from dpddp.data.batches import Batches, batch_indexable, defer_rows
+from dpddp.data.built import data_streams, in_data_streams
 from dpddp.errors import ConfigError
 from dpddp.parallel.workers import start_workers_safely
 
@@ -162,8 +164,17 @@ class GlobalBatchDataModule(pl.LightningDataModule):
     A batch is what the samples collate to: ``(inputs, target, ...)`` for tuple samples (``inputs`` first: what
     a model without a ``predict_step`` is given when predicting, ``dpddp.data.batches.batch_inputs``), or a dict.
 
+    ``make_dataset``/``make_splits`` (and a subclass's own ``prepare_data``/``setup``) run inside
+    ``dpddp.data.built.data_streams(seed)``: data drawn from the global random streams is the same on every rank.
+
     Raises ``ConfigError`` at ``setup``: a setting that leaves a split unusable, or no data set.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for hook in ("prepare_data", "setup"):  # a subclass's own: seeded as make_splits is
+            if hook in cls.__dict__:
+                setattr(cls, hook, in_data_streams(cls.__dict__[hook]))
 
     block_size: int | None = None
     """``None``: full shuffle of the training split; a power of two: block shuffle (see ``GlobalBatchSampler``)."""
@@ -214,7 +225,8 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         if self.splits:
             return
         rules.check_split_settings(self.batch_size, self.val_fraction, self.test_fraction)
-        splits = self.make_splits()
+        with data_streams(self.seed):
+            splits = self.make_splits()
         self.splits = {k: ds if batch_indexable(ds) else Batches(ds) for k, ds in splits.items()}
         for split in self.splits.values():
             if isinstance(split, Batches):  # its samples' draws from the global streams are keyed by this seed

@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from dpddp._compat import data_position
 from dpddp.data.batches import dataset_rows, empty_batch
+from dpddp.data.built import data_streams
 from dpddp.data.draws import EpochIds, KeyedSamples
 from dpddp.errors import ConfigError
 from dpddp.parallel.workers import start_workers_safely
@@ -211,7 +212,8 @@ class ShardedDataModule(pl.LightningDataModule):
     """Wraps a user's ``LightningDataModule`` (``data.module._target_=my_pkg.MyDataModule``) whose loaders are
     plain DataLoaders, each rebuilt by ``shard_loader``: the training order is a function of ``(seed, epoch)``
     (``epoch_order``), so every world size trains the same batches and a stop continues exactly.
-    ``batch_size`` is the training loader's, the global batch (set when the training loader is built)."""
+    ``batch_size`` is the training loader's, the global batch (set when the training loader is built). The
+    module's ``prepare_data``/``setup`` run inside ``dpddp.data.built.data_streams(seed)``."""
 
     def __init__(self, module: pl.LightningDataModule, seed: int = 0) -> None:
         super().__init__()
@@ -221,7 +223,8 @@ class ShardedDataModule(pl.LightningDataModule):
     @override
     def prepare_data(self) -> None:
         if isinstance(self.module, pl.LightningDataModule):
-            self.module.prepare_data()
+            with data_streams(self.seed):  # data drawn from the global streams: the same on every rank
+                self.module.prepare_data()
 
     @override
     def setup(self, stage: str) -> None:
@@ -229,7 +232,8 @@ class ShardedDataModule(pl.LightningDataModule):
         if not isinstance(self.module, pl.LightningDataModule):
             raise ConfigError(f"data.module={self.module!r} is not a data module: set data.module._target_=pkg.MyData")
         self.module.trainer = self.trainer
-        self.module.setup(stage)
+        with data_streams(self.seed):  # data drawn from the global streams: the same on every rank
+            self.module.setup(stage)
 
     @override
     def teardown(self, stage: str) -> None:

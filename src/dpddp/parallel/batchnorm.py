@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from dpddp._compat import BatchNormBase
 from dpddp.errors import ConfigError
-from dpddp.parallel.rules import replicas, resolve_accelerator, world_size
+from dpddp.parallel.rules import is_ddp_family, replicas, resolve_accelerator, world_size
 from dpddp.parallel.whereabouts import BATCHNORM, entering
 
 __all__ = ["BatchNormSync", "GlobalBatchNorm", "batchnorm_modules", "batchnorm_plugins", "convert", "revert"]
@@ -264,7 +264,7 @@ def batchnorm_plugins(cfg: Mapping, model: nn.Module | None = None) -> list[Laye
             "replica normalises its own chunk and the replicas' running statistics are dropped, so the model "
             f"drifts from one process's: use strategy=ddp devices={devices} (BatchNorm synced over the global batch)"
         )
-    if strategy not in ("ddp", "ddp_spawn") or processes <= 1:
+    if not is_ddp_family(strategy) or processes <= 1:
         return []
     cuda = resolve_accelerator(cfg["accelerator"]) == "gpu"
     return [BatchNormSync(sync=sync is not False, cuda=cuda, processes=processes)]

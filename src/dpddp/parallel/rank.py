@@ -15,10 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dpddp.cluster import node_rank
-from dpddp.errors import local_rank, log_to, shell
+from dpddp.errors import log_to, shell
 from dpddp.parallel.launcher import RankJob
-from dpddp.parallel.rules import processes_per_node
+from dpddp.parallel.rules import world_of
 
 __all__ = ["global_rank", "main", "run_rank"]
 
@@ -26,7 +25,7 @@ __all__ = ["global_rank", "main", "run_rank"]
 def global_rank(config: Mapping[str, Any]) -> int:
     """This launched rank's global rank: ``NODE_RANK`` x processes per node (``devices``; the visible GPUs for
     ``devices=-1``) + ``LOCAL_RANK``."""
-    return node_rank() * processes_per_node(config) + local_rank()
+    return world_of(config).global_rank
 
 
 def run_rank(job: RankJob) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -13,31 +14,50 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from dpddp._compat.strategies import registered_strategies
 from dpddp.cluster import (
     cluster_world_size,
+    env_rank,
+    launch_id,
+    launched_by_dpddp,
     master_address,
+    node_rank,
     stray_address_variables,
     stray_rank_variables,
     torchrun_local_world_size,
     torchrun_run_id,
+    writes_outputs,
 )
-from dpddp.errors import ConfigError, checked_float, checked_int
+from dpddp.errors import ConfigError, checked_float, checked_int, local_rank
 from dpddp.parallel.allreduce import COMM_HOOKS
 from dpddp.parallel.settings import ACCELERATORS, CLUSTERS, STRATEGIES, check_device_values
 
 __all__ = [
     "ACCELERATORS",
     "CLUSTERS",
+    "DDP_FAMILY",
     "DDP_OPTIONS",
     "STRATEGIES",
+    "World",
     "check_devices",
     "check_strategy_options",
+    "is_ddp_family",
     "lightning_equivalent",
     "lightning_name_line",
     "nodes",
     "processes_per_node",
     "resolve_accelerator",
+    "resolve_world",
+    "world_of",
     "world_size",
     "world_size_source",
 ]
+
+DDP_FAMILY = ("ddp", "ddp_spawn")
+"""The strategies that run one process per device (dpddp's launcher, or a cluster's); the others run one."""
+
+
+def is_ddp_family(strategy: str) -> bool:
+    """Whether the strategy named ``strategy`` runs one process per device (``DDP_FAMILY``)."""
+    return strategy in DDP_FAMILY
+
 
 DDP_OPTIONS: tuple[str, ...] = ("process_group_backend", "timeout_s", "launch", "start_method", "ddp_comm_hook")
 DDP_OPTIONS += ("powersgd_rank", "powersgd_start_iter")
@@ -64,7 +84,7 @@ def nodes(cfg: Mapping) -> int:
     if cfg["num_nodes"] != "auto":
         return cfg["num_nodes"]
     cluster = cluster_world_size(cfg["cluster"])
-    if cluster is None or cfg["strategy"]["name"] not in ("ddp", "ddp_spawn"):
+    if cluster is None or not is_ddp_family(cfg["strategy"]["name"]):
         return 1
     return max(cluster[0] // max(processes_per_node(cfg), 1), 1)
 
@@ -73,7 +93,7 @@ def world_size(cfg: Mapping) -> int:
     """Processes the run will have: ``devices * nodes(cfg)`` for DDP, 1 for ``auto`` and ``dp`` (one process);
     ``devices=-1`` counts the visible GPUs. The one place dpddp works it out, for its checks before any process
     starts; Lightning then starts that many from the same ``devices`` and ``num_nodes`` (``parallel.launcher``)."""
-    if cfg["strategy"]["name"] not in ("ddp", "ddp_spawn"):
+    if not is_ddp_family(cfg["strategy"]["name"]):
         return 1
     return processes_per_node(cfg) * nodes(cfg)
 
@@ -82,7 +102,7 @@ def world_size_source(cfg: Mapping) -> str:
     """Where the run's world size comes from, for a message: ``"torchrun WORLD_SIZE=3"`` (any launcher's
     variable) under a launcher with ``num_nodes=auto``, else ``"devices x num_nodes"``."""
     cluster = cluster_world_size(cfg["cluster"])
-    if cfg["num_nodes"] == "auto" and cluster is not None and cfg["strategy"]["name"] in ("ddp", "ddp_spawn"):
+    if cfg["num_nodes"] == "auto" and cluster is not None and is_ddp_family(cfg["strategy"]["name"]):
         return f"{cluster[1]}={cluster[0]}"
     return "devices x num_nodes"
 
@@ -95,6 +115,57 @@ def replicas(cfg: Mapping) -> int:
     return world_size(cfg)
 
 
+@dataclass(frozen=True)
+class World:
+    """The processes a run has and this process's place among them, as ``resolve_world`` found them.
+
+    ``family``: ``"ddp"`` (a process per device), ``"dp"`` or ``"one"``; ``devices``: per node, ``-1`` counted;
+    ``writes_outputs``: global rank 0 and not a rank dpddp's launcher started (``cluster.writes_outputs``)."""
+
+    strategy: str
+    family: str
+    accelerator: str
+    devices: int
+    nodes: int
+    processes_per_node: int
+    world_size: int
+    world_size_source: str
+    replicas: int
+    global_rank: int
+    local_rank: int
+    writes_outputs: bool
+    launch_id: str | None
+
+
+def world_of(cfg: Mapping) -> World:
+    """The ``World`` of ``cfg``'s device settings, read as they are (``resolve_world`` checks them first)."""
+    strategy = cfg["strategy"]["name"]
+    family = "ddp" if is_ddp_family(strategy) else "dp" if strategy == "dp" else "one"
+    per_node = processes_per_node(cfg)
+    rank = node_rank() * per_node + local_rank() if launched_by_dpddp() else env_rank()
+    return World(
+        strategy=strategy,
+        family=family,
+        accelerator=resolve_accelerator(cfg["accelerator"]),
+        devices=per_node,
+        nodes=nodes(cfg),
+        processes_per_node=per_node if family == "ddp" else 1,
+        world_size=world_size(cfg),
+        world_size_source=world_size_source(cfg),
+        replicas=replicas(cfg),
+        global_rank=rank,
+        local_rank=local_rank(),
+        writes_outputs=writes_outputs(),
+        launch_id=launch_id(),
+    )
+
+
+def resolve_world(cfg: Mapping) -> World:
+    """The run's ``World``, after ``check_devices``. Raises its ``ConfigError`` line."""
+    check_devices(cfg)
+    return world_of(cfg)
+
+
 def check_devices(cfg: Mapping) -> None:
     """The top-level ``strategy``, ``accelerator``, ``devices``, ``num_nodes`` and ``cluster`` of ``cfg``, the
     ``strategy.*`` options, and the cluster this process was started in (its world size must be the run's).
@@ -103,6 +174,7 @@ def check_devices(cfg: Mapping) -> None:
         ConfigError: the first setting this machine or cluster cannot run, with the fix.
     """
     strategy, devices, num_nodes = cfg["strategy"]["name"], cfg["devices"], cfg["num_nodes"]
+    ddp = is_ddp_family(strategy)
     if strategy not in STRATEGIES and (line := lightning_name_line(strategy)):  # dpddp's settings for Lightning's name
         raise ConfigError(line)
     check_device_values(cfg)
@@ -130,18 +202,18 @@ def check_devices(cfg: Mapping) -> None:
     check_strategy_options(cfg["strategy"])
     if problem := stray_rank_variables(cfg["cluster"], nodes(cfg)):
         raise ConfigError(problem)
-    if strategy in ("ddp", "ddp_spawn") and (problem := stray_address_variables(cfg["cluster"], nodes(cfg))):
+    if ddp and (problem := stray_address_variables(cfg["cluster"], nodes(cfg))):
         raise ConfigError(problem)
     cluster = cluster_world_size(cfg["cluster"])
-    if cluster and num_nodes == "auto" and strategy in ("ddp", "ddp_spawn"):
+    if cluster and num_nodes == "auto" and ddp:
         _check_elastic(cluster, processes_per_node(cfg))
-    if cluster and strategy not in ("ddp", "ddp_spawn") and cluster[0] > 1:  # each process would train alone
+    if cluster and not ddp and cluster[0] > 1:  # each process would train alone
         raise ConfigError(
             f"the cluster started {cluster[0]} processes ({cluster[1]}={cluster[0]}) but strategy={strategy} runs "
             f"one, so each would train alone into the same directory: use strategy=ddp with devices x num_nodes = "
             f"{cluster[0]}"
         )
-    if cluster and strategy in ("ddp", "ddp_spawn") and cluster[0] != world_size(cfg):
+    if cluster and ddp and cluster[0] != world_size(cfg):
         raise ConfigError(
             f"devices={devices} x num_nodes={num_nodes} = {world_size(cfg)} processes, but the cluster started "
             f"{cluster[0]} ({cluster[1]}={cluster[0]}): make devices x num_nodes match the cluster's tasks"

@@ -26,6 +26,7 @@ from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.continuity.replicas import ReplicaGuard, check_every
 from dpddp.continuity.state import ResumableState
 from dpddp.continuity.stop import StepBoundaryStop, checkpoint_intervals
+from dpddp.data.built import SameDataOnEveryRank
 from dpddp.data.draws import UnkeyedDraws
 from dpddp.data.keys import sample_key_callbacks
 from dpddp.errors import ConfigError, first_line
@@ -34,7 +35,7 @@ from dpddp.parallel.batchnorm import batchnorm_plugins
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.parallel.rules import replicas, resolve_accelerator
+from dpddp.parallel.rules import is_ddp_family, replicas, resolve_accelerator
 from dpddp.parallel.single import OneProcessStrategy
 from dpddp.parallel.workers import start_workers_safely
 from dpddp.report.bars import RichBar, TQDMBar
@@ -145,11 +146,13 @@ def _build_callbacks(
     every_n_steps, every_s = checkpoint_intervals(cfg)
     stop = StepBoundaryStop(output_dir / "checkpoints", every_n_steps=every_n_steps, every_s=every_s)
     callbacks: list[pl.Callback] = [tally, throughput, costs, epochs, state, guard]
-    if cfg.strategy.name in ("ddp", "ddp_spawn"):  # plain tensors logged with sync_dist over processes: exact
+    if is_ddp_family(cfg.strategy.name):  # plain tensors logged with sync_dist over processes: exact
         callbacks.append(LoggedTensors())
     if executions is not None:
         callbacks.append(executions)
     callbacks.append(UnkeyedDraws())  # names a data set's draws that no keyed fetch serves
+    if replicas(cfg) > 1:
+        callbacks.append(SameDataOnEveryRank())  # the ranks' data compared once at a fit's start
     if any(is_tracker(spec) for _, spec in _logger_specs(cfg)):
         callbacks.append(TrackerRuns(cfg, output_dir))
     if cfg.predict:  # every callback costs each hook of each step, even one it does not override

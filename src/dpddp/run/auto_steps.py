@@ -31,6 +31,7 @@ from dpddp.cluster import (
     local_rank,
     master_address,
     torchrun_restart_count,
+    writes_outputs,
 )
 from dpddp.continuity.io import checkpoint_steps_per_execution
 from dpddp.continuity.stop import checkpoint_intervals
@@ -229,7 +230,7 @@ def resolve_steps(cfg: DictConfig, model: pl.LightningModule, datamodule: pl.Lig
     continues one (``ckpt_path``); else ``auto_steps`` of the probed step (a copy of ``model`` on this rank's
     share of a global batch). Raises nothing of its own."""
     k, why = _resolve(cfg, model, datamodule)
-    if env_rank() == 0 and not launched_by_dpddp():
+    if writes_outputs():
         log.info(f"steps_per_execution=auto: {k} ({why})")
     return k
 

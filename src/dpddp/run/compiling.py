@@ -17,6 +17,7 @@ from torch import nn
 
 from dpddp.cluster import writes_outputs
 from dpddp.errors import ConfigError
+from dpddp.parallel.rules import DDP_FAMILY
 
 __all__ = ["COMPILE_LIMITS", "MODES", "compile_mode", "compile_model"]
 
@@ -28,7 +29,7 @@ MODES = ("default", "lite", "reduce-overhead", "max-autotune", "max-autotune-no-
 COMPILE_LIMITS = (
     (
         "strategy",
-        ("auto", "ddp", "ddp_spawn"),
+        ("auto", *DDP_FAMILY),
         "DataParallel's replicas run the model's forward uncompiled; ddp compiles it on every rank",
     ),
 )

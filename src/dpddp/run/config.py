@@ -34,7 +34,7 @@ from dpddp.data.sharded import ShardedDataModule
 from dpddp.errors import ConfigError, checked_float, checked_int, unwritable
 from dpddp.models.classifier import Classifier
 from dpddp.models.linear import OPTIMIZERS
-from dpddp.parallel.rules import check_devices, nodes, replicas, world_size, world_size_source
+from dpddp.parallel.rules import DDP_FAMILY, check_devices, nodes, replicas, world_size, world_size_source
 from dpddp.run.assembly import epoch_lines
 from dpddp.run.build import build
 from dpddp.run.compiling import COMPILE_LIMITS, compile_mode
@@ -89,10 +89,10 @@ def _check_sharding(cfg: Mapping) -> None:
 # Settings that cannot keep the promises with steps_per_execution > 1: (setting, the values that can, why).
 EXECUTION_LIMITS = (
     ("trainer.accumulate_grad_batches", (None, 1), "an execution takes one optimizer step per global batch"),
-    ("trainer.gradient_clip_val", (None, 0), "Lightning clips only under automatic optimization"),
     ("trainer.val_check_interval", (None, 1.0), "validation runs at epoch ends"),
+    ("trainer.profiler", (None,), "its rows would count executions of K steps, not steps"),
     ("trainer.limit_train_batches", (None, 1.0), "an epoch is all its global batches"),
-    ("strategy", ("auto", "ddp", "ddp_spawn"), "DataParallel would split an execution's steps over its devices"),
+    ("strategy", ("auto", *DDP_FAMILY), "DataParallel would split an execution's steps over its devices"),
 )
 
 
@@ -161,8 +161,7 @@ def _check_compile(cfg: Mapping) -> None:
 # Settings that cannot keep the promises with data.micro_batch_size: (setting, the values that can, why).
 MICRO_BATCH_LIMITS = (
     ("trainer.accumulate_grad_batches", (None, 1), "a split step is one optimizer step per global batch"),
-    ("trainer.gradient_clip_val", (None, 0), "Lightning clips only under automatic optimization"),
-    ("strategy", ("auto", "ddp", "ddp_spawn"), "DataParallel splits each batch over its devices itself"),
+    ("strategy", ("auto", *DDP_FAMILY), "DataParallel splits each batch over its devices itself"),
 )
 
 

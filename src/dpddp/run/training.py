@@ -23,10 +23,11 @@ from dpddp.cluster import env_rank, launched_by_dpddp, writes_outputs
 from dpddp.continuity.io import forget_checkpoints
 from dpddp.continuity.state import save_final_checkpoint
 from dpddp.continuity.stop import RunScope, StepBoundaryStop, run_stops, starting_up
+from dpddp.data.built import data_streams
 from dpddp.errors import ConfigError, Preempted, RankFailed, ReplicasDiverged, first_line
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.parallel.rules import nodes, resolve_accelerator, world_size, world_size_source
+from dpddp.parallel.rules import is_ddp_family, nodes, resolve_accelerator, world_size, world_size_source
 from dpddp.parallel.workers import loader_failed
 from dpddp.report.costs import Costs, peak_memory_mib
 from dpddp.report.epochs import EpochRecord
@@ -81,7 +82,8 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         if cfg.get("print_config") and writer:  # once per run
             log.info("config:\n" + OmegaConf.to_yaml(cfg, resolve=True))
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
-        datamodule = build(cfg.data, "data", _convert_="all")
+        with data_streams(cfg.seed):  # a data set built from the global streams: the same on every rank
+            datamodule = build(cfg.data, "data", _convert_="all")
         model = build(cfg.model, "model", _convert_="all")
         forward = bool(cfg.predict or stage == "predict") and check_predictable(model)
         if forward:
@@ -182,7 +184,7 @@ def _log_world(cfg: DictConfig, elastic: bool, source: str) -> None:
     with ``elastic`` (``num_nodes=auto``) under torchrun sharing its rendezvous store with the workers, warn that
     a node joining at a restart cannot start (torch 2.13 writes the workers' store address for the first round
     only: the new node's agent waits for it until its timeout)."""
-    if cfg.strategy.name not in ("ddp", "ddp_spawn") or launched_by_dpddp():
+    if not is_ddp_family(cfg.strategy.name) or launched_by_dpddp():
         return
     size, count = world_size(cfg), cfg.num_nodes
     per = size // count
