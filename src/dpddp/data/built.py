@@ -78,7 +78,7 @@ class SameDataOnEveryRank(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        data = trainer.datamodule
+        data = getattr(trainer, "datamodule", None)  # the data module of the fit
         splits = getattr(data, "splits", None)
         if stage != "fit" or trainer.world_size < 2 or not isinstance(splits, Mapping) or not splits:
             return
