@@ -91,8 +91,9 @@ def test_a_model_drawing_from_the_global_stream_fails_the_check_in_one_line():
     proc = _check("--model", "mlp", "--model", "_target_=users_models.GlobalDropoutMLP")
     assert re.fullmatch(
         r"error: promise 1 does not hold for this model: ddp\(2\) ends \S+ from one process's weights \(tolerance "
-        r"1e-05; the largest in net\.\d+\.(weight|bias)\); model\.drop draws from the global random stream: "
-        r"use dpddp\.nn\.SampleDropout",
+        r"1e-05; the largest in net\.\d+\.(weight|bias)\); model\.training_step, model\.drop draw from the global "
+        r"random streams; use dpddp\.nn\.SampleDropout\(p\) in place of model\.drop; draws keyed by the sample in "
+        r"model\.training_step \(dpddp\.nn\.SampleDropout, dpddp\.nn\.sample_generator\)",
         _error_line(proc),
     )
     assert float(_rows(proc.stdout)["ddp(2)"][-1]) > 1e-3

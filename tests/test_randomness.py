@@ -117,8 +117,9 @@ def test_a_scheduler_continues_exactly_across_a_stop(tmp_path, model, stop):
 
 @pytest.mark.slow
 def test_under_ddp_a_global_rng_layer_is_named_in_one_line_at_start(tmp_path):
-    """2 processes: the user's ``nn.Dropout`` is named once (its masks depend on the world size); the built-in
-    MLP's dropout, whose masks belong to the sample, is not."""
+    """2 processes: the user's ``nn.Dropout`` and the ``torch.rand_like`` of its training step are named in one
+    line (their draws depend on the world size); the built-in MLP's dropout, whose masks belong to the sample, is
+    not."""
     common = ["accelerator=cpu", "strategy=ddp", "devices=2", "trainer.max_epochs=1", "data.num_samples=512"]
     env = {"PYTHONPATH": str(Path(__file__).parent)}
     user = run_train(
@@ -126,7 +127,11 @@ def test_under_ddp_a_global_rng_layer_is_named_in_one_line_at_start(tmp_path):
     )
     assert user.returncode == 0, user.stderr[-2000:]
     lines = [line for line in (user.stdout + user.stderr).splitlines() if "from the global random stream" in line]
-    assert len(lines) == 1 and "model.drop draws from" in lines[0] and "with 2 replicas" in lines[0], lines
+    assert len(lines) == 1 and "with 2 replicas" in lines[0], lines
+    assert (
+        "model.training_step, model.drop draw from the global random streams; use dpddp.nn.SampleDropout(p) in "
+        "place of model.drop; draws keyed by the sample in model.training_step" in lines[0]
+    )  # rand_like: in its step
     builtin = run_train(*common, "model=mlp", "model.dropout=0.5", "hydra.run.dir=b", cwd=tmp_path, env=env)
     assert builtin.returncode == 0, builtin.stderr[-2000:]
     assert "global random stream" not in builtin.stdout + builtin.stderr

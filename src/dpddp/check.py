@@ -36,7 +36,6 @@ from dpddp.cluster import launch_environment, master_address, register_resolvers
 from dpddp.entry.run_dir import hydra_value
 from dpddp.errors import EXIT_PREEMPTED, ConfigError, PromiseBroken, first_line, shell
 from dpddp.network import choose_interface
-from dpddp.nn import SampleDropout
 from dpddp.parallel.bandwidth import (
     BIG_BYTES,
     Collective,
@@ -46,7 +45,7 @@ from dpddp.parallel.bandwidth import (
     ring_seconds,
     step_seconds,
 )
-from dpddp.run.assembly import GLOBAL_RNG_LAYERS
+from dpddp.run.draws_seen import draws_line, find_draws
 from dpddp.run.executions import execution_steps
 from dpddp.run.training import isolated_job, train
 
@@ -165,10 +164,14 @@ def _advice(rows: list[dict[str, Any]]) -> str:
     )
 
 
-def _global_rng_layers(cfg: DictConfig) -> list[str]:
-    model = instantiate(cfg.model, _convert_="all")
-    found = model.named_modules()
-    return [f"model.{n}" for n, m in found if isinstance(m, GLOBAL_RNG_LAYERS) and not isinstance(m, SampleDropout)]
+def _draws(cfg: DictConfig) -> str:
+    """``; <draws_line>`` for the config's model on a training batch of its data, or why it could not look."""
+    with isolated_job():
+        pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
+        draws = find_draws(instantiate(cfg.model, _convert_="all"), instantiate(cfg.data, _convert_="all"))
+    if isinstance(draws, str):
+        return f"; no training step could run outside the fit to find draws from the global random streams ({draws})"
+    return f"; {draws_line(draws)}" if draws else ""
 
 
 def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
@@ -211,13 +214,7 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
     if not failed:
         return
     row, diff, where = failed[0]
-    layers = _global_rng_layers(_compose(overrides, config_dir))
-    why = (
-        f"; {', '.join(layers)} draw{'s' if len(layers) == 1 else ''} from the global random stream: use "
-        "dpddp.nn.SampleDropout"
-        if layers
-        else ""
-    )
+    why = _draws(_compose(overrides, config_dir))
     steps = f" and step {row['step']} against {rows[0]['step']}" if row["step"] != rows[0]["step"] else ""
     raise PromiseBroken(
         f"promise 1 does not hold for this model: {row['name']} ends {diff:.1e} from one process's weights "

@@ -16,7 +16,6 @@ from lightning.fabric.plugins.environments import KubeflowEnvironment
 from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 from typing_extensions import override
 
 from dpddp._compat import skip_empty_batch_hooks, softmax_per_sample
@@ -30,7 +29,6 @@ from dpddp.data.built import SameDataOnEveryRank
 from dpddp.data.draws import UnkeyedDraws
 from dpddp.data.keys import sample_key_callbacks
 from dpddp.errors import ConfigError, first_line
-from dpddp.nn import SampleDropout
 from dpddp.parallel.batchnorm import batchnorm_plugins
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy
@@ -47,6 +45,7 @@ from dpddp.report.tally import FitTally
 from dpddp.report.throughput import Throughput
 from dpddp.report.trackers import TrackerRuns, is_tracker, opens_runs, tracker_options
 from dpddp.run.build import build
+from dpddp.run.draws_seen import draws_line, find_draws
 from dpddp.run.executions import StepsPerExecution
 from dpddp.run.trainer_flags import TRAINER_ERRORS, refused_flag
 
@@ -262,23 +261,23 @@ def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
     return loggers or False
 
 
-GLOBAL_RNG_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-
-
-def _warn_global_rng(model: pl.LightningModule, cfg: DictConfig) -> None:
-    """One line at start when ``model`` has layers drawing from the global random stream and the run has more
-    than one process or DataParallel replica: each draws its own masks, so the weights depend on the world size
-    (a continued run on the same world size still replays them: the random state travels)."""
-    found = model.named_modules()
-    names = [n for n, m in found if isinstance(m, GLOBAL_RNG_LAYERS) and not isinstance(m, SampleDropout)]
+def _warn_global_rng(model: pl.LightningModule, datamodule: pl.LightningDataModule, cfg: DictConfig) -> None:
+    """One line at start when ``model``'s training step draws from the global random streams (``find_draws``: by
+    their effect) and the run has more than one process or DataParallel replica: each draws its own, so the
+    weights depend on the world size (a continued run on the same world size still replays them)."""
     count = replicas(cfg)
-    if names and count > 1 and _says():
-        shown = ", ".join(f"model.{n}" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        verb = "draws" if len(names) == 1 else "draw"
+    if count < 2 or not _says():
+        return
+    draws = find_draws(model, datamodule)
+    if isinstance(draws, str):
         log.warning(
-            f"{shown} {verb} from the global random stream: with {count} replicas the weights differ from one "
-            "process's (a continued run on the same world size still equals a straight one); use "
-            "dpddp.nn.SampleDropout, whose masks belong to the sample"
+            f"could not run a training step before the fit to find draws from the global random streams ({draws}): "
+            f"with {count} replicas, any such draw makes the weights differ from one process's"
+        )
+    elif draws:
+        log.warning(
+            f"{draws_line(draws)}: with {count} replicas the weights differ from one process's (a continued run on "
+            "the same world size still equals a straight one)"
         )
 
 
@@ -290,6 +289,7 @@ def build_trainer(
     *,
     model: pl.LightningModule | None = None,
     predicts_forward: bool = False,
+    datamodule: pl.LightningDataModule | None = None,
 ) -> pl.Trainer:
     """The ``pl.Trainer`` of ``cfg`` (trainer flags passed through; strategy, devices and the rest from the
     top-level knobs; the distributed sampler off: ``RandomTensorDataModule`` shards global batches itself), with
@@ -304,8 +304,8 @@ def build_trainer(
     flags = {k: v for k, v in (cfg.trainer or {}).items() if k != "enable_progress_bar"}
     batchnorm = batchnorm_plugins(cfg, model)  # before the Trainer: its refusals are dpddp's own lines
     sample_keys = sample_key_callbacks(model) if model is not None else []
-    if model is not None:
-        _warn_global_rng(model, cfg)
+    if model is not None and datamodule is not None:
+        _warn_global_rng(model, datamodule, cfg)
     logger = _build_logger(cfg, output_dir)  # before the Trainer: a missing tracker package is its own line
     callbacks = _build_callbacks(cfg, output_dir, executions, predicts_forward)  # a ConfigError of its own
     try:

@@ -97,7 +97,9 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
             datamodule.steps_per_execution = steps
         compile_model(model, compile_mode(cfg))  # after resolve_steps: steps_per_execution=auto times eager steps
         job = RankJob(entry=f"{__name__}:train_rank", config=_resolved(cfg, stage), output_dir=str(output_dir))
-        trainer = build_trainer(cfg, output_dir, job, executions, model=model, predicts_forward=forward)
+        trainer = build_trainer(
+            cfg, output_dir, job, executions, model=model, predicts_forward=forward, datamodule=datamodule
+        )
         running.own(trainer)
     forget_checkpoints()  # the checks' loads: a replaced last.ckpt would stay on disk while mapped
     metrics, ran, predict_error = _run_stages(trainer, model, datamodule, cfg, stage, running)

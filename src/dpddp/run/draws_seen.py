@@ -1,0 +1,213 @@
+"""Which parts of a model draw from the global random streams, found by their effect: one training step's forward
+on a real batch, with each module's forward watched for a change of torch's CPU (and CUDA) stream, numpy's and
+Python's. The start-up line and ``python -m dpddp.check`` name what this finds."""
+
+from __future__ import annotations
+
+import copy
+import random
+import warnings
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torchmetrics
+from torch import nn
+
+from dpddp.errors import first_line
+from dpddp.nn import SampleDropout, assign_layer_keys, sample_keys
+
+__all__ = ["Draw", "draws_line", "find_draws", "global_draws", "probe_batch"]
+
+PLAIN = (list, dict, set, tuple, int, float, bool, str, type(None))
+PROBE_ROWS = 8
+"""Samples of the probe batch (a training batch's first ones, at most)."""
+
+
+@dataclass(frozen=True)
+class Draw:
+    """A module whose own code (not its children's) drew from global ``streams``: ``name`` (``model.x.y``,
+    ``model.forward``, or ``model.training_step`` for draws outside any forward) and ``kind``: ``"dropout"`` (a
+    layer with a float rate ``p``), ``"attention"`` (a float ``dropout`` rate: ``nn.MultiheadAttention``'s
+    functional dropout) or ``"code"``."""
+
+    name: str
+    streams: tuple[str, ...]
+    kind: str
+
+
+FIXES = {
+    "dropout": "dpddp.nn.SampleDropout(p) in place of {}",
+    "attention": "dropout=0 in {} and a dpddp.nn.SampleDropout(p) on its output",
+    "code": "draws keyed by the sample in {} (dpddp.nn.SampleDropout, dpddp.nn.sample_generator)",
+}
+
+
+def _streams() -> dict[str, Any]:
+    found: dict[str, Any] = {"torch": torch.default_generator.get_state()}
+    if torch.cuda.is_initialized():
+        found["cuda"] = torch.cuda.get_rng_state_all()
+    numpy: Any = np.random.get_state()  # ("MT19937", keys, position, ...)
+    found["numpy"], found["random"] = numpy[1:3], random.getstate()
+    return found
+
+
+def _moved(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    moved: list[str] = [k for k in ("torch", "cuda") if k in after and not _same_tensors(before.get(k), after[k])]
+    (keys, at), (keys_now, at_now) = before["numpy"], after["numpy"]
+    moved += [] if at == at_now and np.array_equal(keys, keys_now) else ["numpy"]
+    return moved + (["random"] if before["random"] != after["random"] else [])
+
+
+def _same_tensors(a: Any, b: Any) -> bool:
+    a, b = (x if isinstance(x, list) else [x] for x in (a, b))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _kind(module: nn.Module | None) -> str:
+    """What a drawing module is, by its attributes (see ``Draw``)."""
+    if isinstance(getattr(module, "p", None), float):
+        return "dropout"
+    return "attention" if isinstance(getattr(module, "dropout", None), float) else "code"
+
+
+@contextmanager
+def _model_kept(model: nn.Module) -> Iterator[None]:
+    """``model`` as it was after the block: its modules' train/eval modes, its buffers (BatchNorm's running
+    statistics), its torchmetrics' states, its ``SampleDropout`` layer keys and the model's own plain attributes
+    (numbers, strings, tensors and shallow copies of lists, dicts and sets: a step counter, kept losses)."""
+    internals = set(vars(nn.Module()))
+    plain = {k: v.clone() if isinstance(v, torch.Tensor) else copy.copy(v) for k, v in vars(model).items()
+             if k not in internals and isinstance(v, (*PLAIN, torch.Tensor))}  # fmt: skip
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = {k: v.clone() for k, v in model.state_dict(keep_vars=True).items() if not isinstance(v, nn.Parameter)}
+    metrics = [(m, m.update_count, {k: _copy(v) for k, v in m.metric_state.items()})
+               for m in model.modules() if isinstance(m, torchmetrics.Metric)]  # fmt: skip
+    keys = [(m, m.layer_key) for m in model.modules() if isinstance(m, SampleDropout)]
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+        if buffers:
+            model.load_state_dict(buffers, strict=False)
+        for metric, count, state in metrics:
+            if count == 0:
+                metric.reset()
+            else:
+                for name, value in state.items():
+                    setattr(metric, name, value)
+        for layer, key in keys:
+            layer.layer_key = key
+        model.__dict__.update(plain)  # as set, past nn.Module's and the model's own __setattr__
+
+
+def _copy(value: Any) -> Any:
+    return [v.clone() for v in value] if isinstance(value, list) else value.clone()
+
+
+def global_draws(model: pl.LightningModule, batch: Any, keyed: bool) -> list[Draw]:
+    """The draws one ``training_step`` of ``model`` (the class's, in the modes its modules have) takes on
+    ``batch`` from the global random streams, innermost module first seen first; with ``keyed``, sample keys set
+    as a dpddp run sets them (``SampleDropout`` then draws from its keys). ``model``, its buffers and metrics and
+    every random stream are as they were after it (no copy of the model is made).
+
+    Raises whatever the step raises (a model that needs its Trainer)."""
+    names = {id(m): f"model.{n}" if n else "model.forward" for n, m in model.named_modules()}
+    stack: list[nn.Module] = []
+    seen: dict[str, tuple[nn.Module | None, set[str]]] = {}
+    last = [_streams()]
+
+    def note() -> None:
+        now = _streams()
+        moved = _moved(last[0], now)
+        if moved:
+            owner = stack[-1] if stack else None
+            name = names[id(owner)] if owner is not None else "model.training_step"
+            seen.setdefault(name, (owner, set()))[1].update(moved)
+        last[0] = now
+
+    def before(module: nn.Module, *args: Any) -> None:
+        note()
+        stack.append(module)
+
+    def after(module: nn.Module, *args: Any) -> None:
+        note()
+        stack.pop()
+
+    step, rows = type(model).training_step, _rows(batch)
+    compiled = model.__dict__.pop("forward", None)  # compile_model's: the class's forward is watched, not traced
+    with ExitStack() as scope:
+        if compiled is not None:
+            scope.callback(setattr, model, "forward", compiled)
+        cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+        scope.enter_context(torch.random.fork_rng(devices=cuda))
+        scope.enter_context(_global_streams_kept())
+        scope.enter_context(_model_kept(model))
+        scope.enter_context(torch.no_grad())
+        scope.enter_context(warnings.catch_warnings())
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        for module in model.modules():
+            scope.callback(module.register_forward_pre_hook(before).remove)
+            scope.callback(module.register_forward_hook(after).remove)
+        if keyed and rows:
+            assign_layer_keys(model)
+            scope.enter_context(sample_keys(0, 0, torch.arange(rows)))
+        last[0] = _streams()
+        step(model, batch, 0)
+        note()
+    return [Draw(name, tuple(sorted(streams)), _kind(owner)) for name, (owner, streams) in seen.items()]
+
+
+@contextmanager
+def _global_streams_kept() -> Iterator[None]:
+    saved = np.random.get_state(), random.getstate()
+    try:
+        yield
+    finally:
+        np.random.set_state(saved[0])
+        random.setstate(saved[1])
+
+
+def _rows(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    if isinstance(batch, dict) and batch:
+        first = next(iter(batch.values()))
+    return len(first) if isinstance(first, torch.Tensor) and first.dim() else 0
+
+
+def probe_batch(datamodule: pl.LightningDataModule) -> tuple[Any, bool]:
+    """A few samples of a training batch of ``datamodule`` (set up for ``fit``; global random streams kept), and
+    whether dpddp keys its samples (a global-batch data module's split). Raises what the data module raises."""
+    with torch.random.fork_rng(devices=[]), _global_streams_kept(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        datamodule.setup("fit")
+        train = getattr(datamodule, "splits", {}).get("train")
+        if train is not None:
+            return train[torch.arange(min(PROBE_ROWS, len(train)))], True
+        return next(iter(datamodule.train_dataloader())), False
+
+
+def find_draws(model: pl.LightningModule, datamodule: pl.LightningDataModule) -> list[Draw] | str:
+    """``global_draws`` on ``probe_batch``, or why the step could not be run before the fit (one phrase)."""
+    try:
+        batch, keyed = probe_batch(datamodule)
+        return global_draws(model, batch, keyed)
+    except Exception as err:  # a data module or model that needs its Trainer: the caller says it could not look
+        return f"{type(err).__name__}: {first_line(err)}"
+
+
+def draws_line(draws: list[Draw]) -> str:
+    """``model.a, model.b (numpy) draw from the global random streams; use <the fix of each kind>``."""
+
+    def shown(found: list[Draw]) -> str:
+        named = [d.name + ("" if d.streams == ("torch",) else f" ({', '.join(d.streams)})") for d in found]
+        return ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+
+    kinds = {kind: [d for d in draws if d.kind == kind] for kind in FIXES}
+    fixes = "; ".join(FIXES[kind].format(shown(found)) for kind, found in kinds.items() if found)
+    return f"{shown(draws)} draw{'s' if len(draws) == 1 else ''} from the global random streams; use {fixes}"
