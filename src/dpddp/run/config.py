@@ -34,7 +34,16 @@ from dpddp.data.sharded import ShardedDataModule
 from dpddp.errors import ConfigError, checked_float, checked_int, unwritable
 from dpddp.models.classifier import Classifier
 from dpddp.models.linear import OPTIMIZERS
-from dpddp.parallel.rules import DDP_FAMILY, check_devices, nodes, replicas, world_size, world_size_source
+from dpddp.parallel.rules import (
+    DDP_FAMILY,
+    World,
+    check_devices,
+    nodes,
+    replicas,
+    world_of,
+    world_size,
+    world_size_source,
+)
 from dpddp.run.assembly import epoch_lines
 from dpddp.run.build import build
 from dpddp.run.compiling import COMPILE_LIMITS, compile_mode
@@ -342,8 +351,8 @@ def forget_checks() -> None:
     _PASSED.clear()
 
 
-def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
-    """Check a composed config (see ``conf/``) for ``stage``; return nothing, or raise one ``ConfigError`` line.
+def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> World:
+    """Check a composed config (see ``conf/``) for ``stage``; return its ``World``, or raise one ``ConfigError`` line.
     Each part runs once per process for a config (``_passes_once``): ``train.py``'s start checks and its job share
     them, and a continued run's start checks its settings, then the ``ckpt_path`` it continues from.
 
@@ -356,6 +365,7 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
     """
     _passes_once(_check_settings, cfg, stage, ckpt=False)
     _passes_once(_check_checkpoint, cfg, stage, ckpt=True)
+    return world_of(cfg)
 
 
 def _check_settings(cfg: DictConfig | Mapping, stage: str) -> None:
