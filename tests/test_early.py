@@ -80,22 +80,36 @@ def test_the_early_line_is_the_full_check_s(override, capsys):
     assert capsys.readouterr().err == f"error: {full.value}\n"
 
 
+SWEEP = "a sweep: each job's own check"
+
+
 @pytest.mark.parametrize(
-    "argv",
+    "argv,full",
     [
-        [],
-        ["devices=1", "trainer.max_epochs=2"],  # nothing wrong
-        ["trainer.max_epoch=2"],  # a key under a group: the Trainer's signature tells
-        ["strategy=fsdp"],  # Lightning's name: Lightning describes it
-        ["strategy.name=fsdp", "devices=0"],  # ... and stops the early check before devices
-        ["trainer.max_epoch=2", "devises=2"],  # Hydra refuses the first: the full check names it
-        ["-m", "devices=0,1"],  # an option, a sweep
-        ["devices=0,1"],
-        ["+devises=2"],  # an addition the full check refuses
+        ([], None),
+        (["devices=1", "trainer.max_epochs=2"], None),  # nothing wrong
+        (["trainer.max_epoch=2"], "Could not override 'trainer.max_epoch'"),  # a key under a group: Hydra's refusal
+        (["strategy=fsdp"], "In 'config': Could not find 'strategy/fsdp'"),  # Lightning's name: Lightning describes it
+        (["strategy.name=fsdp", "devices=0"], "strategy=fsdp (FSDPStrategy) is not offered"),  # ... before devices
+        (["trainer.max_epoch=2", "devises=2"], "Could not override 'trainer.max_epoch'"),  # Hydra's, the first
+        (["-m", "devices=0,1"], SWEEP),  # an option, a sweep
+        (["devices=0,1"], SWEEP),
+        (["+devises=2"], "unknown setting devises: did you mean devices?"),  # an addition the full check refuses
     ],
 )
-def test_what_needs_the_full_check_is_left_to_it(argv):
-    answer(argv)  # returns: no exit
+def test_what_needs_the_full_check_is_left_to_it(capsys, argv, full):
+    """The early answer returns without a line of its own, and the full check (Hydra's composition, then
+    ``check_config``) gives the line: ``full``'s start, or nothing for a config that runs."""
+    assert answer(argv) is None
+    assert capsys.readouterr() == ("", "")
+    if full == SWEEP:
+        return
+    try:
+        check_config(compose_cfg(*argv))
+        said = None
+    except Exception as err:
+        said = str(err)
+    assert said == full if full is None else said is not None and said.startswith(full), said
 
 
 def test_lightning_s_strategy_names_are_all_known_before_it_is_imported():
