@@ -7,7 +7,7 @@ import pytest
 from conftest import compose_cfg
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import GrammarParseError
 
 from dpddp.errors import ConfigError
@@ -77,8 +77,13 @@ def _with(key, value):
 
 
 def _validate(cfg, tmp_path_factory):
-    check_config(cfg)
-    build_trainer(cfg, tmp_path_factory.mktemp("run"))
+    """``check_config`` then ``build_trainer`` of ``cfg``; returns where each key's value shows (``_seen``)."""
+    world = check_config(cfg)
+    trainer = build_trainer(cfg, tmp_path_factory.mktemp("run"))
+    seen = {"devices": trainer.num_devices, "num_nodes": trainer.num_nodes, "accelerator": world.accelerator}
+    seen.update({"strategy.name": world.strategy, "trainer.max_epochs": trainer.max_epochs})
+    seen.update({"trainer.precision": str(trainer.precision)})
+    return lambda key: seen[key] if key in seen else OmegaConf.select(cfg, key)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -98,7 +103,9 @@ def test_bad_values_are_refused_naming_the_key(tmp_path_factory, data, key):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), key=st.sampled_from(sorted(KEYS)))
 def test_good_values_are_accepted(tmp_path_factory, data, key):
-    _validate(_with(key, data.draw(KEYS[key][1], label=key)), tmp_path_factory)
+    """The run takes the value: the Trainer's flag, the world's, or the checked config's (left as given)."""
+    value = data.draw(KEYS[key][1], label=key)
+    assert _validate(_with(key, value), tmp_path_factory)(key) == value
 
 
 # The Trainer arguments the trainer group must not set, and the fix each one's line gives.
