@@ -84,13 +84,11 @@ SURFACE: tuple[Setting, ...] = (
         note="one process keeps it",
     ),
     _flag(
-        "EarlyStopping (+callbacks.early_stopping)",
-        "+callbacks.early_stopping._target_=lightning.pytorch.callbacks.EarlyStopping",
-        "+callbacks.early_stopping.monitor=val/loss",
-        "+callbacks.early_stopping.patience=0",
-        "+callbacks.early_stopping.min_delta=0.25",  # the contract test's run: it ends the run after epoch 2 of 3
-        note="its state and the should_stop it latches are in the checkpoint; a run it ended stays ended when "
-        "continued",
+        "callbacks=early_stopping",
+        "callbacks=early_stopping",
+        "callbacks.early_stopping.patience=0",
+        "callbacks.early_stopping.min_delta=0.25",  # the contract test's run: it ends the run after epoch 2 of 3
+        note="a run it ended stays ended when continued",
     ),
     Setting(
         "trainer flag",
@@ -101,19 +99,24 @@ SURFACE: tuple[Setting, ...] = (
         "straight run does",
     ),
     _flag(
-        "StochasticWeightAveraging (+callbacks.swa)",
-        "+callbacks.swa._target_=lightning.pytorch.callbacks.StochasticWeightAveraging",
-        "+callbacks.swa.swa_lrs=0.05",
-        "+callbacks.swa.swa_epoch_start=1",
-        note="the average it swaps in at the fit's end is the final model: last.ckpt is rewritten and val/* measured "
-        "again from it; a stop inside its window continues exactly (tests/test_weight_averaging.py)",
+        "callbacks=swa (SWA)",  # the name seeds the contract test's stop: step 21, in the window
+        "callbacks=swa",
+        "callbacks.swa.swa_epoch_start=1",
+        note="last.ckpt and val/* are the average's",
     ),
     _flag(
-        "EMAWeightAveraging (+callbacks.ema)",
-        "+callbacks.ema._target_=lightning.pytorch.callbacks.EMAWeightAveraging",
-        "+callbacks.ema.decay=0.9",
-        note="last.ckpt, val/* and test/* are the average's; its state is in the checkpoint, its update of a "
-        "stop's step too",
+        "callbacks=ema",
+        "callbacks=ema",
+        "callbacks.ema.decay=0.9",
+        note="last.ckpt, val/*, test/* are the average's",
+    ),
+    _flag("callbacks=model_checkpoint", "callbacks=model_checkpoint"),
+    _flag(
+        "callbacks=[early_stopping,lr_monitor]",
+        "logger=csv",
+        "callbacks=[early_stopping,lr_monitor]",
+        "callbacks.early_stopping.patience=0",
+        "callbacks.early_stopping.min_delta=0.25",
     ),
     _flag(
         "ModelCheckpoint with every_n_train_steps (+callbacks.every_steps)",
@@ -128,10 +131,12 @@ SURFACE: tuple[Setting, ...] = (
         "+callbacks.every_time.train_time_interval.seconds=1",
         note="a timedelta, given as its _target_ and fields",
     ),
-    _flag(
-        "LearningRateMonitor with a logger (+callbacks.lr logger=csv)",
-        "logger=csv",
-        "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
+    _flag("callbacks=lr_monitor logger=csv", "logger=csv", "callbacks=lr_monitor"),
+    Setting(
+        "trainer flag",
+        "callbacks=none",
+        tested_by=("test_presets.py::test_callbacks_none_trains_without_configured_callbacks",),
+        runs=r"callbacks=none",  # no last.ckpt each epoch: its comment says so
     ),
     _flag(
         "BackboneFinetuning (+callbacks.finetune, a model with a backbone)",
@@ -154,8 +159,8 @@ SURFACE: tuple[Setting, ...] = (
     ),
     _flag(
         "a callback that needs a logger (LearningRateMonitor, DeviceStatsMonitor) with logger=none",
-        "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
-        refused="callbacks.lr (LearningRateMonitor) needs a logger, and logger=none: use logger=csv",
+        "callbacks=lr_monitor",
+        refused="callbacks.lr_monitor (LearningRateMonitor) needs a logger, and logger=none: use logger=csv",
         note="with a logger (logger=csv, ...) it works",
     ),
     _flag(
@@ -260,6 +265,26 @@ SURFACE: tuple[Setting, ...] = (
         refused="strategy=ddp_find_unused_parameters_true is Lightning's name for DDPStrategy(",
         note="each line names dpddp's settings for the name (strategy=ddp strategy.find_unused_parameters=true), or "
         "the strategy to use; the CLI takes the mapped names (--trainer.strategy=ddp_fork)",
+    ),
+    Setting(
+        "strategy",
+        "trainer=ddp or ddp_sim",
+        tested_by=(
+            "test_presets.py::test_trainer_ddp_equals_strategy_ddp",
+            "test_presets.py::test_trainer_presets_set_the_top_level_knobs",
+        ),
+        runs=r"trainer=ddp",
+        note="strategy=ddp devices=2 (ddp_sim: accelerator=cpu)",
+    ),
+    Setting(
+        "run setting",
+        "trainer=cpu or gpu",
+        tested_by=(
+            "test_presets.py::test_trainer_presets_set_the_top_level_knobs",
+            "test_presets.py::test_each_preset_trains_on_one_process",
+        ),
+        runs=r"trainer=cpu",
+        note="accelerator=cpu or gpu, devices=1",
     ),
     Setting(
         "entry point",

@@ -269,8 +269,8 @@ def test_the_memory_check_counts_every_process_on_the_node(monkeypatch):
     "argv,line",
     [
         (["experiment=nope"], "experiment=nope is unknown: choose one of compute_heavy"),
-        (["debug=fast_dev_rn"], "debug=fast_dev_rn is unknown: choose one of fast_dev_run, limit, overfit, profiler"),
-        (["-m", "data=default,digts"], "data=digts is unknown: choose one of breast_cancer, dataset, default, digits"),
+        (["debug=fast_dev_rn"], "debug=fast_dev_rn is unknown (did you mean fast_dev_run?): choose one of"),
+        (["-m", "data=default,digts"], "data=digts is unknown (did you mean digits?): choose one of breast_cancer"),
         (["data=digits", "model=mlp", "experiment=compute_heavy", "strategy=ddp", "strategy.timeout_s=9"], None),
         (["data=choice(default,digts)"], None),  # a sweep function: Hydra's own check
     ],

@@ -21,7 +21,7 @@ REFUSED = {
     "devises=2": "devises=2: the config has no key devises: did you mean devices?",
     "mdoel.lr=0.1": "mdoel.lr=0.1: the config has no key mdoel.lr: did you mean model.lr?",  # one suggestion
     "devices=0": "devices=0 is invalid: use a positive number of devices per node, or -1 for all GPUs",
-    "strategy=dpp": "strategy=dpp is unknown: choose one of auto, ddp, ddp_spawn, dp",
+    "strategy=dpp": "strategy=dpp is unknown (did you mean dp?): choose one of auto, ddp, ddp_spawn, dp",
     "data.val_fraction=0.95": "data.val_fraction=0.95 is invalid: use a fraction in [0, 0.9]",
 }
 PLAIN = ("devices=0", "data.val_fraction=0.95", "accelerator=tpu", "num_nodes=0", "seed=-1", "data.batch_size=0")

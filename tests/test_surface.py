@@ -142,10 +142,11 @@ def test_a_models_stop_at_a_random_step_then_continued_equals_a_straight_run(tmp
 def _job_config(overrides: list[str]) -> str:
     """A ``# @package _global_`` config of ``train.py`` overrides (a group choice becomes a defaults override)."""
     groups = [o.split("=", 1) for o in overrides if "=" in o and "." not in o.split("=", 1)[0] and o[0] != "+"]
-    groups = [(k, v) for k, v in groups if k in ("model", "data", "logger")]
+    groups = [(k, v) for k, v in groups if k in ("model", "data", "logger", "callbacks")]
     values = OmegaConf.from_dotlist([o for o in overrides if o.split("=", 1)[0] not in dict(groups)])
     defaults = "".join(f"  - override /{k}: {v}\n" for k, v in groups)
-    return "# @package _global_\n" + (f"defaults:\n{defaults}" if defaults else "") + OmegaConf.to_yaml(values)
+    body = OmegaConf.to_yaml(values) if values else ""  # a row of group choices alone has no values
+    return "# @package _global_\n" + (f"defaults:\n{defaults}" if defaults else "") + body
 
 
 MODEL_JOBS = [(s, v, 2) for s in MODELS for v in VARIANTS] + [(s, "", 3) for s in MODELS]

@@ -167,14 +167,16 @@ def unknown_option(argv: list[str], lightning_line: Callable[[str], str | None] 
         key = key.lstrip("+~")
         if not sep or key not in GROUPS or "(" in value:
             continue
-        for option in value.split(","):
+        for option in value.removeprefix("[").removesuffix("]").split(","):  # a list: callbacks=[a,b]
             if option not in ("", "null") and not any((d / key / f"{option}.yaml").is_file() for d in dirs):
                 if key == "strategy" and lightning_line is None and option in LIGHTNING_STRATEGIES:
                     return None
                 if key == "strategy" and lightning_line is not None and (line := lightning_line(option)):
                     return line
                 known = sorted({p.stem for d in dirs for p in (d / key).glob("*.yaml")})
-                return f"{key}={option} is unknown: choose one of {', '.join(known)}"
+                near = difflib.get_close_matches(option, known, n=1, cutoff=0.6)
+                hint = f" (did you mean {near[0]}?)" if near else ""
+                return f"{key}={option} is unknown{hint}: choose one of {', '.join(known)}"
     return None
 
 
