@@ -47,7 +47,7 @@ from dpddp.parallel.rules import (
 from dpddp.run.assembly import epoch_lines
 from dpddp.run.build import build
 from dpddp.run.compiling import COMPILE_LIMITS, compile_mode
-from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, check_targets, target_class
+from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, check_targets, target_class, with_defaults
 from dpddp.run.plain import check_plain, check_resolvable
 from dpddp.run.trainer_flags import refused_flag
 
@@ -75,13 +75,19 @@ def _check_val_interval(trainer: Mapping, batches: int) -> None:
 
 
 def _check_model(model: Mapping) -> None:
-    if model["optimizer"] not in OPTIMIZERS:
+    """A ``Classifier``'s settings, those its class takes (given, or its defaults: ``with_defaults``)."""
+    if "optimizer" in model and model["optimizer"] not in OPTIMIZERS:
         raise ConfigError(f"model.optimizer={model['optimizer']!r} is unknown: choose one of {', '.join(OPTIMIZERS)}")
-    checked_float("model.lr", model["lr"], 1e-12, 1e3, "use a positive learning rate, e.g. model.lr=0.1")
-    checked_float("model.momentum", model["momentum"], 0.0, 0.999999, "use a momentum in [0, 1)")
-    checked_float("model.weight_decay", model["weight_decay"], 0.0, 1e3, "use a non-negative weight decay")
+    for key, low, high, fix in (
+        ("lr", 1e-12, 1e3, "use a positive learning rate, e.g. model.lr=0.1"),
+        ("momentum", 0.0, 0.999999, "use a momentum in [0, 1)"),
+        ("weight_decay", 0.0, 1e3, "use a non-negative weight decay"),
+    ):
+        if key in model:
+            checked_float(f"model.{key}", model[key], low, high, fix)
     for key in ("num_features", "num_classes"):
-        checked_int(f"model.{key}", model[key], 1, f"keep model.{key}: ${{data.{key}}}")
+        if key in model:
+            checked_int(f"model.{key}", model[key], 1, f"keep model.{key}: ${{data.{key}}}")
 
 
 def _check_sharding(cfg: Mapping) -> None:
@@ -377,6 +383,7 @@ def _check_settings(cfg: DictConfig | Mapping, stage: str) -> None:
     for section in ("data", "model", "trainer", "strategy"):
         check_keys(section, (cfg[section] or {}).keys(), keys[section], cfg[section] or {})
     check_targets(cfg)
+    cfg = with_defaults(cfg)  # a model or data config may leave any key to its class's defaults
     check_devices(cfg)
     checked_int("seed", cfg["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
     procs = world_size(cfg)  # after the devices: the world size needs them valid

@@ -3,6 +3,7 @@ of truth), and the closest valid key for an unknown one (``+devises=2``: ``did y
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import importlib
@@ -12,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from omegaconf import DictConfig, open_dict
 
 from dpddp._compat.hydra_main import locate
 from dpddp.data.random_tensors import RandomTensorDataModule
@@ -21,7 +23,7 @@ from dpddp.parallel.rules import DDP_OPTIONS
 from dpddp.run.plain import key_advice
 
 __all__ = ["CHECKED", "TOP_LEVEL_KEYS", "allowed_keys", "check_keys", "check_targets", "import_problem", "key_hint"]
-__all__ += ["missing_argument", "target_class"]
+__all__ += ["missing_argument", "target_class", "with_defaults"]
 
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
 TOP_LEVEL_RUN = ("steps_per_execution", "compile", "checkpoint", "check_replicas")  # how training runs, is checked
@@ -41,6 +43,9 @@ TRAINER_OWNED = {
     "default_root_dir": "the run directory is Hydra's: set hydra.run.dir",
 }
 
+PRESETS = ("experiment", "debug", "hparams_search")
+"""The config groups of presets (``conf/config.yaml``'s optional ones) whose files merge at the top level."""
+
 # Top-level settings a user may look for in a section (model.compile=true): what the line says instead.
 TOP_LEVEL_ELSEWHERE = {"compile": "set it at the top level: compile=true (torch.compile of the model's forward)"}
 
@@ -57,6 +62,38 @@ def _params(fn: Any) -> list[str]:
                 names += [n for n in _params(base) if n not in names]
                 break
     return names
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """The keyword arguments ``cls`` gives defaults to, with them; a class's ``**kwargs`` passed on to its bases
+    adds theirs (as ``_params``)."""
+    params = inspect.signature(cls).parameters.values()
+    found = {p.name: p.default for p in params if p.default is not p.empty and p.name != "self"}
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        base = next((b for b in cls.__mro__[1:] if "__init__" in vars(b) and b is not object), None)
+        found = {**(_defaults(base) if base is not None else {}), **found}
+    return found
+
+
+def with_defaults(cfg: DictConfig | Mapping, sections: tuple[str, ...] = ("model", "data")) -> DictConfig | Mapping:
+    """A copy of ``cfg`` whose ``sections`` have, besides the keys they give, each key their ``_target_`` class
+    takes with a default, at that default (a config may leave any key to the class, as Hydra's ``_target_``
+    configs do): what the checks read. A default that is not a plain value (a class, a module) is not copied: the
+    checks read plain settings only. ``cfg`` is unchanged; its classes import (``check_targets`` ran)."""
+    filled: Any = copy.deepcopy(cfg) if isinstance(cfg, DictConfig) else {**cfg}
+    for section in sections:
+        spec = cfg.get(section)
+        if not isinstance(spec, Mapping) or not spec.get("_target_"):
+            continue
+        plain = (bool, int, float, str, type(None), list, tuple, dict)
+        missing = {k: v for k, v in _defaults(target_class(section, spec)).items() if k not in spec}
+        missing = {k: list(v) if isinstance(v, tuple) else v for k, v in missing.items() if isinstance(v, plain)}
+        if isinstance(filled, DictConfig):
+            with open_dict(filled):
+                filled[section].merge_with(missing)
+        else:
+            filled[section] = {**missing, **spec}
+    return filled
 
 
 def import_problem(target: str) -> str | None:
@@ -181,6 +218,11 @@ def _key_problem(section: str, key: str, allowed: list[str], spec: Mapping | Non
         return f"trainer.{key} is not set in the trainer group", TRAINER_OWNED[key]
     if key in allowed:
         return None
+    if not section and key in PRESETS:  # Hydra put the preset's keys under its group's name
+        return f"unknown setting {key}", (
+            f"the {key}= preset's keys are under {key}. because its file lacks Hydra's package header: make "
+            "'# @package _global_' its first line"
+        )
     if section and key in TOP_LEVEL_ELSEWHERE:
         return f"unknown setting {prefix}{key}", TOP_LEVEL_ELSEWHERE[key]
     hint = key_advice(prefix, key, allowed)
