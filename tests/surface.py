@@ -5,8 +5,7 @@ supported" table is generated from it (``python tests/surface.py`` prints it) an
 it: each supported Trainer flag is stopped at a seeded random step and continued, and must end with a straight
 run's weights, and run on 2 ddp processes, it must end with one process's step, weights and metrics (unless a
 refused row says it is one process only); each refused setting must give its one line; every other row names the
-tests that check its promises, and each of them must be a test pytest collects, not skipped on CPU, that runs the
-row's setting.
+tests that check its promises, and each of them must be a test pytest collects, not skipped on CPU.
 """
 
 from __future__ import annotations
@@ -28,8 +27,6 @@ class Setting:
         refused: the start of the one ``error:`` line for a refused setting; empty for a supported one.
         tested_by: ``file::test`` names of the tests that check the promises on it (a Trainer flag with
             tests of its own is not walked by the stop-and-continue contract test).
-        runs: with ``tested_by``, a regular expression that each of those tests' code (its source with its
-            decorators, and its parameter values) matches: what shows it runs this row's setting.
         note: what to know (one line).
     """
 
@@ -38,7 +35,6 @@ class Setting:
     overrides: tuple[str, ...] = ()
     refused: str = ""
     tested_by: tuple[str, ...] = ()
-    runs: str = ""
     note: str = ""
 
 
@@ -70,7 +66,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_precision.py::test_a_sigterm_in_bf16_then_continued_equals_the_straight_bf16_run",
             "test_precision.py::test_the_gradient_scalers_state_travels_in_the_checkpoint_and_a_stop_continues_exactly",
         ),
-        runs=r"BF16|16-mixed",
         note="weights and the gradient all-reduce stay 32-bit; promise 1 in 16 bits: ddp's distance to one "
         "process is at most 3 x max(1e-5, what 16 bits cost one process), measured 0.46-2.49 x on CPU bf16 (48 runs: "
         "ddp 2 and 3, 8 seeds, 48 and 680 steps, with and without accumulation); a stop continues exactly (1e-6), "
@@ -94,7 +89,6 @@ SURFACE: tuple[Setting, ...] = (
         "trainer flag",
         "EarlyStopping with trainer.min_epochs (tripped before min_epochs)",
         tested_by=("test_stop_kinds.py::test_loop_flags_latched_by_a_callback_travel_in_the_checkpoint",),
-        runs=r"min_epochs",
         note="the should_stop it latched travels in the checkpoint: a continued run stops at min_epochs, as the "
         "straight run does",
     ),
@@ -136,7 +130,6 @@ SURFACE: tuple[Setting, ...] = (
         "trainer flag",
         "callbacks=none",
         tested_by=("test_presets.py::test_callbacks_none_trains_without_configured_callbacks",),
-        runs=r"callbacks=none",  # no last.ckpt each epoch: its comment says so
     ),
     _flag(
         "BackboneFinetuning (+callbacks.finetune, a model with a backbone)",
@@ -175,7 +168,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_limits.py::test_fast_dev_run_writes_no_checkpoint",
             "test_presets.py::test_print_config_logs_the_resolved_tree_once",
         ),
-        runs=r"fast_dev_run",
         note="one batch of each stage, no checkpoint or logger files (Lightning's meaning): nothing to resume",
     ),
     Setting(
@@ -190,7 +182,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_auto_executions.py::test_auto_equals_one_bit_for_bit_and_its_k_is_in_metrics",
             "test_auto_executions.py::test_what_refuses_k_above_one_falls_back_to_one_in_one_line",
         ),
-        runs=r"steps_per_execution=",
         note="K optimizer steps per loop iteration (default `auto`: timed; 1 where your code would see "
         "executions); K > 1 refuses accumulate_grad_batches, gradient_clip_val, val_check_interval, "
         "limit_train_batches, SWA, strategy=dp",
@@ -205,7 +196,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_micro_batches.py::test_ddp_two_processes_split_equal_one_unsplit_process",
             "test_micro_batches.py::test_what_cannot_keep_the_promises_is_one_line",
         ),
-        runs=r"micro_batch_size",
         note="each rank's share in micro-batches, one optimizer step; auto halves the split when any rank runs out "
         "of memory (one all-reduce of the flag a step); BatchNorm, accumulate_grad_batches, gradient_clip_val and "
         "strategy=dp are refused",
@@ -220,20 +210,17 @@ SURFACE: tuple[Setting, ...] = (
             "test_compile.py::test_what_compile_cannot_keep_is_one_line",
             "test_compile.py::test_each_job_of_a_sweep_compiles_afresh",
         ),
-        runs=r"compile=",
         # no note: the README's 25 KiB leave room for the row alone; docs/performance.md has the bounds, dp refused
     ),
     Setting(
         "strategy",
         "strategy=auto",
         tested_by=("test_train.py::test_defaults_learn_and_write_metrics",),
-        runs=r'\["strategy"\] == "auto"',  # the default: the run's metrics say it was auto
     ),
     Setting(
         "strategy",
         "strategy=dp (one CPU; GPUs)",
         tested_by=("test_train.py::test_dp_on_one_cpu_equals_auto_exactly",),
-        runs=r"strategy=dp\b",
         note="more than one CPU device is refused: DataParallel replicates over GPUs",
     ),
     Setting(
@@ -243,13 +230,11 @@ SURFACE: tuple[Setting, ...] = (
             "test_runs.py::test_ddp_two_processes_equal_one_process",
             "test_faults.py::test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted",
         ),
-        runs=r"\bddp\b",
     ),
     Setting(
         "strategy",
         "strategy=ddp_spawn",
         tested_by=("test_faults.py::test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted",),
-        runs=r"\bddp_spawn\b",
         note="dpddp's launcher, every rank in a fresh interpreter (not torch.multiprocessing)",
     ),
     Setting(
@@ -273,7 +258,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_presets.py::test_trainer_ddp_equals_strategy_ddp",
             "test_presets.py::test_trainer_presets_set_the_top_level_knobs",
         ),
-        runs=r"trainer=ddp",
         note="strategy=ddp devices=2 (ddp_sim: accelerator=cpu)",
     ),
     Setting(
@@ -283,20 +267,17 @@ SURFACE: tuple[Setting, ...] = (
             "test_presets.py::test_trainer_presets_set_the_top_level_knobs",
             "test_presets.py::test_each_preset_trains_on_one_process",
         ),
-        runs=r"trainer=cpu",
         note="accelerator=cpu or gpu, devices=1",
     ),
     Setting(
         "entry point",
         "python train.py",
         tested_by=("test_faults.py::test_killing_rank_1_ends_the_run",),
-        runs=r"\btrain\.py\b",
     ),
     Setting(
         "entry point",
         "python train.py -m (sweeps)",
         tested_by=("test_sweeps.py::test_mixed_strategies_with_a_failing_job_then_resume",),
-        runs=r'"-m"',
     ),
     Setting(
         "entry point",
@@ -306,7 +287,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_cli.py::test_the_cli_applies_the_checks_of_train_py",
             "test_bring_your_own.py::test_the_lightning_cli_takes_a_users_model_and_data_module_and_equals_the_hydra_entry",
         ),
-        runs=r'\bcli\b|cli_status\("fit"|"dpddp"',
         note="any LightningModule and LightningDataModule: --model=pkg.Class --data=pkg.Class",
     ),
     Setting(
@@ -319,7 +299,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_config.py::test_cluster_kubeflow_selects_lightnings_kubeflow_environment",
             "test_multinode.py::test_torchrun_restart_resumes_from_last_ckpt",
         ),
-        runs=r"TORCHRUN|torchrun|SLURM|kubeflow",
     ),
     Setting(
         "entry point",
@@ -330,7 +309,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_elastic.py::test_node_joining_continues_on_the_larger_world_size",
             "test_elastic_rules.py::test_auto_takes_the_slurm_task_count",
         ),
-        runs=r"_node\(|num_nodes=auto",
         note="the launcher's world size; every (re)start of the job continues from its last.ckpt (written every 600 "
         "s inside epochs too: checkpoint.every_seconds=auto), on any number of nodes (torchrun: --rdzv-id, and "
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for a node that joins)",
@@ -342,7 +320,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_sweeps.py::test_mixed_strategies_with_a_failing_job_then_resume",
             "test_sweeps.py::test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resumes_exactly",
         ),
-        runs=r'"-m"',  # Hydra's own launcher: no hydra/launcher override
         note=SWEEP_SIGTERM,
     ),
     Setting(
@@ -352,7 +329,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_sweeps.py::test_joblib_launcher_runs_ddp_jobs_in_parallel",
             "test_sweeps.py::test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resumes_exactly",
         ),
-        runs=r"hydra/launcher=joblib",
         note=SWEEP_SIGTERM,
     ),
     Setting(
@@ -362,7 +338,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_sweeps.py::test_optuna_search_minimises_val_loss",
             "test_sweeps.py::test_optuna_search_records_a_failed_trial_and_goes_on",
         ),
-        runs=r"hparams_search=optuna",
         note="a failed or NaN trial is a FAIL trial in Optuna; the search goes on",
     ),
     Setting(
@@ -371,7 +346,6 @@ SURFACE: tuple[Setting, ...] = (
         tested_by=(
             "test_sweeps.py::test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resumes_exactly",
         ),
-        runs=r"hydra/launcher=submitit_local",
         note=SWEEP_SIGTERM,
     ),
     Setting(
@@ -394,7 +368,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_randomness.py::test_under_ddp_a_global_rng_layer_is_named_in_one_line_at_start",
             "test_stop_kinds.py::test_random_state_saved_at_one_kind_of_stop_is_restored_at_every_kind",
         ),
-        runs=r"GlobalDropoutMLP",
         note="each rank's random state travels in the checkpoint: promise 3 on the same world size; under more "
         "than one replica promise 1 does not hold, and one line at start names the layers",
     ),
@@ -406,7 +379,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_randomness.py::test_random_augmentation_in_a_users_own_loaders_continues_exactly",
             "test_randomness.py::test_random_augmentation_no_keyed_fetch_serves_is_named_in_one_line",
         ),
-        runs=r"AUG|AugBlobs",
         note="torch's, numpy's and Python's streams are keyed by (seed, epoch, sample) for each sample under "
         "data=dataset and data=sharded: exact with or without loader workers; a data module's own loaders used "
         "as they are: one line names it",
@@ -415,7 +387,6 @@ SURFACE: tuple[Setting, ...] = (
         "model",
         "an LR scheduler stepped each epoch (StepLR) or on a monitored metric (ReduceLROnPlateau)",
         tested_by=("test_randomness.py::test_a_scheduler_continues_exactly_across_a_stop",),
-        runs=r"PlateauMLP",
         note="a plateau step Lightning skips across a stop is taken again (not covered: a plateau scheduler "
         "with interval=step)",
     ),
@@ -426,7 +397,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_stop_kinds.py::test_a_continued_run_whose_restored_schedule_was_built_for_another_limit_says_so",
             "test_stop_kinds.py::test_a_continued_run_whose_schedule_does_not_depend_on_the_limit_says_nothing",
         ),
-        runs=r"CosineMLP",
         note="continued to the same limit it is exact; to another it follows the first limit's schedule, and one "
         "line at the continue names the scheduler and what to do",
     ),
