@@ -11,12 +11,16 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import QUIET, ROOT, checkpoint, child_env, compose_cfg, leftover, max_diff, metrics, run_train, weights
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ModelSummary, RichModelSummary
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from test_cli import FAST, cli
 from test_executions import ScheduledModel
 
 from dpddp.data.random_tensors import RandomTensorDataModule
+from dpddp.data.tables import TableDataModule
 from dpddp.errors import ConfigError
 from dpddp.models.linear import LinearClassifier
+from dpddp.models.mlp import MLPClassifier
 from dpddp.report.contract import MetricContract
 from dpddp.run import auto_steps
 from dpddp.run.auto_steps import LOOP_OVERHEAD_S, MAX_AUTO_STEPS, OVERHEAD_SHARE, resolve_steps
@@ -105,14 +109,6 @@ class ManualModel(ScheduledModel):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class ScheduledClassifier(LinearClassifier):
-    """The built-in linear classifier (dpddp's training_step) with an LR scheduler."""
-
-    def configure_optimizers(self):
-        opt = super().configure_optimizers()
-        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1)}
-
-
 class WarmupClassifier(LinearClassifier):
     """The built-in classifier with Lightning's learning-rate warm-up recipe in ``optimizer_step``."""
 
@@ -128,19 +124,21 @@ USER = ["callbacks.metric_contract=null", *(f"~model.{key}" for key in ("optimiz
 @pytest.mark.parametrize(
     ("override", "why"),
     [
-        ("trainer.gradient_clip_val=0.5", "trainer.gradient_clip_val=0.5: Lightning clips only under automatic"),
+        ("trainer.profiler=simple", "trainer.profiler='simple': its rows would count executions of K steps"),
         ("trainer.accumulate_grad_batches=2", "trainer.accumulate_grad_batches=2: an execution takes one optimizer"),
         ("trainer.limit_train_batches=5", "trainer.limit_train_batches=5: an epoch is all its global batches"),
-        ("model._target_=test_auto_executions.ManualModel", "ManualModel uses manual optimization"),
-        ("model._target_=test_auto_executions.ScheduledClassifier", "ScheduledClassifier has more than one optimizer"),
-        ("model._target_=test_auto_executions.WarmupClassifier", "WarmupClassifier.optimizer_step: an execution's"),
-        # what would see executions, where K=1 shows it a global batch: a K given explicitly takes them anyway
-        ("model._target_=test_executions.ScheduledModel", "ScheduledModel.training_step is the model's own: its per-"),
+        # any model, data module, callback or logger not exactly of dpddp's or Lightning's known classes
+        ("model._target_=test_auto_executions.ManualModel", "model._target_ (ManualModel) is not one of dpddp's own"),
+        ("model._target_=test_auto_executions.WarmupClassifier", "model._target_ (WarmupClassifier) is not one of"),
+        ("model._target_=test_executions.ScheduledModel", "model._target_ (ScheduledModel) is not one of dpddp's"),
         ("+callbacks.kill={_target_:conftest.StopWhenFile,path:none}", "callbacks.kill (StopWhenFile) is not one of"),
+        ("trainer.max_time=00:00:10:00", "trainer.max_time=00:00:10:00: Lightning's Timer would see executions"),
         (
             "+callbacks.model_checkpoint.every_n_train_steps=5",
             "callbacks.model_checkpoint.every_n_train_steps=5: its trigger would see executions",
         ),
+        ("logger=tensorboard", None),
+        ("trainer.gradient_clip_val=0.5", None),  # clipped after each step's gradients, as Lightning does
         (
             "+callbacks.swa={_target_:lightning.pytorch.callbacks.StochasticWeightAveraging,swa_lrs:0.01}",
             "callbacks.swa._target_=lightning.pytorch.callbacks.StochasticWeightAveraging: its learning-rate schedule",
@@ -152,6 +150,9 @@ def test_what_refuses_k_above_one_falls_back_to_one_in_one_line(tmp_path, caplog
     args = [*BASE, AUTO, "trainer.max_epochs=1", override, *(USER if override.endswith("Model") else [])]
     result = train(compose_cfg(*args), tmp_path / "run")
     (line,) = _lines(caplog)
+    if why is None:  # taken: what refuses K above 1 is gone
+        assert result["steps_per_execution"] > 1 and "(a step " in line, line
+        return
     assert line.startswith(f"steps_per_execution=auto: 1 ({why}"), line
     assert result["steps_per_execution"] == metrics(tmp_path / "run")["steps_per_execution"] == 1
 
@@ -194,7 +195,7 @@ def test_a_refused_setting_continues_only_a_checkpoint_of_k_one(tmp_path):
     train(compose_cfg(*BASE, "trainer.max_steps=7", "steps_per_execution=5"), tmp_path / "a")
     ckpt = f"ckpt_path={tmp_path}/a/checkpoints/last.ckpt"
     with pytest.raises(ConfigError, match=r"was trained with steps_per_execution=5: continue it with"):
-        train(compose_cfg(*BASE, AUTO, ckpt, "trainer.gradient_clip_val=0.5"), tmp_path / "b")
+        train(compose_cfg(*BASE, AUTO, ckpt, "trainer.accumulate_grad_batches=2"), tmp_path / "b")
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -235,12 +236,7 @@ def test_the_lightning_cli_takes_auto(tmp_path):
 
 
 class WiderClassifier(LinearClassifier):
-    """A user's network in the built-in classifier: dpddp's training_step, nothing that sees a batch."""
-
-
-class BatchHookClassifier(LinearClassifier):
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        pass
+    """A user's network in the built-in classifier: a subclass is the user's, whatever it overrides."""
 
 
 class TransferHookData(RandomTensorDataModule):
@@ -248,47 +244,92 @@ class TransferHookData(RandomTensorDataModule):
         return batch
 
 
+# A user's subclass of each class auto knows (dpddp's own and Lightning's KNOWN), overriding nothing.
 class MyContract(MetricContract):
-    """A user's subclass of one of dpddp's callbacks."""
+    pass
+
+
+class MyEarlyStopping(EarlyStopping):
+    pass
+
+
+class MyModelSummary(ModelSummary):
+    pass
+
+
+class MyRichModelSummary(RichModelSummary):
+    pass
+
+
+class MyModelCheckpoint(ModelCheckpoint):
+    pass
+
+
+class MyCSVLogger(CSVLogger):
+    pass
+
+
+class MyTensorBoardLogger(TensorBoardLogger):
+    pass
 
 
 def _callback(target: str, **kwargs) -> dict:
     return {"callbacks": {"mine": {"_target_": target, **kwargs}}}
 
 
+def _logger(target: str) -> dict:
+    return {"logger": {"_target_": target}}
+
+
+LIGHTNING = "lightning.pytorch.callbacks."
+SEEN = [
+    ({}, None),
+    *((_callback(LIGHTNING + name), None) for name in ("EarlyStopping", "ModelSummary", "RichModelSummary")),
+    (_callback(LIGHTNING + "ModelCheckpoint"), None),
+    (_callback("dpddp.report.contract.MetricContract"), None),
+    *((_logger(f"lightning.pytorch.loggers.{name}"), None) for name in ("CSVLogger", "TensorBoardLogger")),
+    *((_logger(f"lightning.pytorch.loggers.{name}"), None) for name in ("MLFlowLogger", "WandbLogger")),
+    *(
+        (_callback(f"test_auto_executions.{cls}"), f"callbacks.mine ({cls}) is not one of dpddp's callbacks")
+        for cls in ("MyContract", "MyEarlyStopping", "MyModelSummary", "MyRichModelSummary", "MyModelCheckpoint")
+    ),
+    *(
+        (_logger(f"test_auto_executions.{cls}"), f"logger ({cls}) is not one of the loggers known by exact type")
+        for cls in ("MyCSVLogger", "MyTensorBoardLogger")
+    ),
+    *(
+        (_callback(LIGHTNING + cls), f"callbacks.mine ({cls}) is not one of dpddp's callbacks")
+        for cls in ("LambdaCallback", "LearningRateMonitor", "Timer")
+    ),
+    (
+        _callback(LIGHTNING + "ModelCheckpoint", train_time_interval="0:0:10"),
+        "callbacks.mine.train_time_interval=0:0:10: its trigger would see executions",
+    ),
+    (
+        _callback(LIGHTNING + "ModelCheckpoint", every_n_train_steps=3),
+        "callbacks.mine.every_n_train_steps=3: its trigger would see executions",
+    ),
+    ({"trainer": {"max_time": "00:00:01:00"}}, "trainer.max_time=00:00:01:00: Lightning's Timer would see"),
+]
+
+
+@pytest.mark.parametrize(("cfg", "seen"), SEEN)
+def test_what_is_not_known_by_exact_type_is_named(cfg, seen):
+    """``seen_executions``: dpddp's classes and Lightning's ``KNOWN`` ones (each shipped logger) by exact type,
+    anything else named, a user's subclass of each of them too."""
+    found = auto_steps.seen_executions(cfg, LinearClassifier(), RandomTensorDataModule())
+    assert found == seen if seen is None else found.startswith(seen), found
+
+
 @pytest.mark.parametrize(
-    ("model", "data", "cfg", "seen"),
+    ("model", "data", "seen"),
     [
-        (WiderClassifier, RandomTensorDataModule, {}, None),
-        (LinearClassifier, RandomTensorDataModule, _callback("lightning.pytorch.callbacks.EarlyStopping"), None),
-        (LinearClassifier, RandomTensorDataModule, _callback("lightning.pytorch.callbacks.RichModelSummary"), None),
-        (LinearClassifier, RandomTensorDataModule, _callback("dpddp.report.contract.MetricContract"), None),
-        (LinearClassifier, RandomTensorDataModule, _callback("lightning.pytorch.callbacks.ModelCheckpoint"), None),
-        (BatchHookClassifier, RandomTensorDataModule, {}, "BatchHookClassifier.on_train_batch_end would see"),
-        (LinearClassifier, TransferHookData, {}, "TransferHookData.on_before_batch_transfer would see"),
-        (
-            LinearClassifier,
-            RandomTensorDataModule,
-            _callback("test_auto_executions.MyContract"),
-            "callbacks.mine (MyContract) is not one of",
-        ),
-        (
-            LinearClassifier,
-            RandomTensorDataModule,
-            _callback("lightning.pytorch.callbacks.LambdaCallback"),
-            "callbacks.mine (LambdaCallback) is not one of",
-        ),
-        (
-            LinearClassifier,
-            RandomTensorDataModule,
-            _callback("lightning.pytorch.callbacks.ModelCheckpoint", train_time_interval="0:0:10"),
-            "callbacks.mine.train_time_interval=0:0:10: its trigger would see executions",
-        ),
+        (WiderClassifier, RandomTensorDataModule, "model._target_ (WiderClassifier) is not one of dpddp's own"),
+        (LinearClassifier, TransferHookData, "data._target_ (TransferHookData) is not one of dpddp's own"),
+        (MLPClassifier, TableDataModule, None),
     ],
 )
-def test_what_would_see_executions_is_named(model, data, cfg, seen):
-    """``seen_executions``: dpddp's training_step and callbacks, EarlyStopping, a model summary and a plain
-    ModelCheckpoint see no execution; a batch hook of the model's or data module's, a user's callback (a subclass
-    of dpddp's too) and a ModelCheckpoint's time trigger would."""
-    found = auto_steps.seen_executions(cfg, model(), data())
+def test_a_model_or_data_module_not_of_dpddps_classes_is_named(model, data, seen):
+    kwargs = {"name": "digits"} if data is TableDataModule else {}
+    found = auto_steps.seen_executions({}, model(), data(**kwargs))
     assert found == seen if seen is None else found.startswith(seen), found

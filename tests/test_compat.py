@@ -1221,3 +1221,38 @@ def test_skip_next_validation_is_lightnings_flag_that_skips_the_epoch_end_valida
     )  # fmt: skip
     trainer.fit(Counted())
     assert validated == [1]
+
+
+def test_count_logged_step_moves_the_step_lightnings_loggers_record_at():
+    """``count_logged_step``: one more on ``fit_loop.epoch_loop._batches_that_stepped``, the step every logger
+    records a training step's values at (Lightning 2.6.6); called once more a batch, the steps are 1, 3, 5, 7."""
+    from lightning.pytorch.loggers import Logger
+
+    from dpddp._compat import count_logged_step
+
+    steps = []
+
+    class Steps(Logger):
+        name, version = "steps", 0
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+        def log_metrics(self, metrics, step=None):
+            steps.append(step)
+
+    class Twice(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            count_logged_step(trainer)
+
+    class Logged(BoringModel):
+        def training_step(self, batch, batch_idx):
+            self.log("x", 1.0)
+            return super().training_step(batch, batch_idx)
+
+    trainer = pl.Trainer(
+        max_epochs=1, limit_train_batches=4, limit_val_batches=0, log_every_n_steps=1, callbacks=[Twice()],
+        logger=Steps(), enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Logged())
+    assert steps == [1, 3, 5, 7]

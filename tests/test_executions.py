@@ -8,13 +8,14 @@ import random
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import QUIET, compose_cfg, max_diff, metrics, run_train, weights
+from conftest import QUIET, SigtermAt, compose_cfg, max_diff, metrics, run_train, weights
 from torch import nn
 
 from dpddp.data.global_batch import GlobalBatchSampler
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import ConfigError, Preempted
 from dpddp.models.linear import LinearClassifier
+from dpddp.run import executions
 from dpddp.run.training import train
 
 # 1005 samples: 804 train = 12 global batches of 64 an epoch; K=5 makes executions of 5, 5 and 2 steps.
@@ -71,7 +72,13 @@ class CountSteps(pl.Callback):
         CountSteps.calls += 1
 
 
-def test_the_full_wrapped_path_equals_one_and_calls_the_step_hooks(tmp_path, straight):
+@pytest.fixture
+def instruments(monkeypatch):
+    """The tests' own callbacks with batch or step hooks, known as dpddp's are (a user's are refused with K)."""
+    monkeypatch.setattr(executions, "KNOWN", (*executions.KNOWN, CountSteps, SigtermAt, BatchKinds))
+
+
+def test_the_full_wrapped_path_equals_one_and_calls_the_step_hooks(tmp_path, straight, instruments):
     args = [*BASE, "trainer.max_epochs=3", "+callbacks.count._target_=test_executions.CountSteps"]
     CountSteps.calls = 0
     train(compose_cfg(*args, "steps_per_execution=5"), tmp_path / "fused")
@@ -119,7 +126,7 @@ def test_a_max_steps_stop_inside_an_epochs_last_execution_continues_exactly(tmp_
     _same_run(tmp_path / "b", tmp_path / "straight", tol=0.0)
 
 
-def test_sigterm_stops_on_a_step_boundary_and_resumes_exactly(tmp_path, straight):
+def test_sigterm_stops_on_a_step_boundary_and_resumes_exactly(tmp_path, straight, instruments):
     args = [*BASE, "trainer.max_epochs=3", "steps_per_execution=5"]
     # SIGTERM at the end of the 4th execution (step 17), before the stop's check, the last callback: it stops there
     kill = ["+callbacks.kill._target_=conftest.SigtermAt", "+callbacks.kill.at=3"]
@@ -154,9 +161,21 @@ ONE = "use steps_per_execution=1"
             "trainer.accumulate_grad_batches=2 cannot be kept with steps_per_execution=4",
             ONE,
         ),
+        ("trainer.profiler=simple", "trainer.profiler='simple' cannot be kept with steps_per_execution=4", ONE),
+        # a user's hook that sees each step (its logs would be lost): on any object not known by exact type
         (
-            "trainer.gradient_clip_val=0.5",
-            "trainer.gradient_clip_val=0.5 cannot be kept with steps_per_execution=4",
+            "model._target_=test_fused_cases.GradNormLinear",
+            "steps_per_execution=4: GradNormLinear.on_before_optimizer_step would see executions of 4 steps",
+            ONE,
+        ),
+        (
+            "model._target_=test_fused_cases.MonitoredLinear",
+            "steps_per_execution=4: LearningRateMonitor.on_train_batch_start would see executions of 4 steps",
+            ONE,
+        ),
+        (
+            "+callbacks.es={_target_:test_fused_cases.EarlyStoppingOrLowLoss,monitor:val/loss}",
+            "steps_per_execution=4: EarlyStoppingOrLowLoss.on_train_batch_end would see executions of 4 steps",
             ONE,
         ),
         (
@@ -239,7 +258,7 @@ def test_a_users_model_runs_fused_and_one_with_a_scheduler_is_refused(tmp_path):
     assert written["test/acc"] is None and written["missing"]["test/acc"] == "no test ran"
     assert written["val/loss"] is None and written["train/loss"] is None
     scheduled = [u.replace("DictLossModel", "ScheduledModel") for u in user]
-    with pytest.raises(ConfigError, match=r"ScheduledModel has 1 optimizer\(s\) and 1 LR scheduler\(s\)"):
+    with pytest.raises(ConfigError, match=r"ScheduledModel has an LR scheduler, and trainer.estimated_stepping_batch"):
         train(compose_cfg(*scheduled, "steps_per_execution=5"), tmp_path / "scheduled")
 
 
@@ -282,9 +301,9 @@ WIDE = [*QUIET, "accelerator=cpu", "logger=none", "data.num_samples=2560", "data
 WIDE += ["data.batch_size=128", "trainer.max_epochs=1", "+callbacks.kinds._target_=test_executions.BatchKinds"]
 
 
-def test_wide_rows_are_gathered_step_by_step_and_equal_one_step_per_iteration(tmp_path):
+def test_wide_rows_are_gathered_step_by_step_and_equal_one_step_per_iteration(tmp_path, instruments):
     BatchKinds.kinds = []
-    one = train(compose_cfg(*WIDE), tmp_path / "one")
+    one = train(compose_cfg(*WIDE, "steps_per_execution=1"), tmp_path / "one")
     assert BatchKinds.kinds == ["Tensor"] * 16
     BatchKinds.kinds = []
     fused = train(compose_cfg(*WIDE, "steps_per_execution=4"), tmp_path / "fused")
@@ -293,7 +312,7 @@ def test_wide_rows_are_gathered_step_by_step_and_equal_one_step_per_iteration(tm
     assert [fused[key] for key in KEYS] == [one[key] for key in KEYS]
 
 
-def test_wide_rows_are_gathered_whole_where_a_worker_or_a_batch_hook_would_see_them(tmp_path):
+def test_wide_rows_are_gathered_whole_where_a_worker_or_a_batch_hook_would_see_them(tmp_path, instruments):
     BatchKinds.kinds = []
     workers = ["data._target_=test_executions.OneWorkerTensors", "steps_per_execution=4"]
     train(compose_cfg(*WIDE, *workers), tmp_path / "workers")

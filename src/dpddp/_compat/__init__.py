@@ -39,6 +39,7 @@ __all__ += ["keep_unfinished_epoch", "logged_metric_kinds", "logged_tensor_state
 __all__ += ["resolve_process_group_backend", "restore_logged_tensors", "restore_sigterm_broadcast", "counted_step"]
 __all__ += ["agent_store_shared", "epoch_cut", "restart_train_iterator", "skip_next_validation"]
 __all__ += ["set_num_threads_if_needed", "skip_empty_batch_hooks", "softmax_per_sample", "uncount_last_batch"]
+__all__ += ["count_logged_step"]
 
 CHECKED = {"lightning": "2.6.6", "torch": "2.13.0", "hydra-core": "1.3.8"}
 """The versions every entry below was read in and tested against."""
@@ -204,6 +205,16 @@ def skip_next_validation(trainer: pl.Trainer) -> None:
     if not hasattr(loop, "_skip_next_val"):
         raise RuntimeError("lightning's fit_loop.epoch_loop._skip_next_val moved: dpddp._compat needs an update")
     loop._skip_next_val = True
+
+
+def count_logged_step(trainer: pl.Trainer) -> None:
+    """One more optimizer step on the loggers' step axis: ``fit_loop.epoch_loop._batches_that_stepped``, the step
+    Lightning logs at and counts once a loop iteration, so that an execution's steps each count one. Lightning
+    2.6.6; raises ``RuntimeError`` if it moved (test_compat)."""
+    loop = trainer.fit_loop.epoch_loop
+    if not isinstance(getattr(loop, "_batches_that_stepped", None), int):
+        raise RuntimeError("lightning's fit_loop.epoch_loop._batches_that_stepped moved: dpddp._compat needs an update")
+    loop._batches_that_stepped += 1
 
 
 def restart_train_iterator(trainer: pl.Trainer) -> None:

@@ -302,6 +302,8 @@ def build_trainer(
     softmax_per_sample()  # a torchmetrics metric fed logits: the same value however a batch is chunked
     bar, bar_callbacks = _progress_bar(cfg)
     flags = {k: v for k, v in (cfg.trainer or {}).items() if k != "enable_progress_bar"}
+    if executions is not None:  # it clips (Lightning refuses clipping under the manual optimization it runs)
+        flags = {k: v for k, v in flags.items() if k not in ("gradient_clip_val", "gradient_clip_algorithm")}
     batchnorm = batchnorm_plugins(cfg, model)  # before the Trainer: its refusals are dpddp's own lines
     sample_keys = sample_key_callbacks(model) if model is not None else []
     if model is not None and datamodule is not None:

@@ -14,12 +14,12 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from importlib.metadata import entry_points
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ModelSummary
-from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_utilities.core.apply_func import apply_to_collection
 from omegaconf import DictConfig
 
@@ -40,7 +40,7 @@ from dpddp.errors import first_line
 from dpddp.parallel.bandwidth import step_seconds
 from dpddp.parallel.rules import resolve_accelerator, world_size
 from dpddp.run.config import execution_refusal
-from dpddp.run.executions import TRANSFER_HOOKS, skipped_hook
+from dpddp.run.executions import known
 from dpddp.run.keys import target_class
 
 __all__ = ["LOOP_OVERHEAD_S", "MAX_AUTO_STEPS", "OVERHEAD_SHARE", "auto_steps", "resolve_steps", "seen_executions"]
@@ -59,6 +59,8 @@ is too short to time."""
 PROBE_STEPS = 5
 """Timed steps of the probe (after one warm-up), when the first is shorter than an execution needs."""
 
+CALLBACKS_FACTORY = "lightning.pytorch.callbacks_factory"
+"""The entry-point group whose callbacks Lightning adds to every Trainer."""
 _resolutions = itertools.count()  # the resolutions of this process, alike on every rank (the same jobs, in order)
 
 
@@ -77,53 +79,42 @@ def auto_steps(step_s: float, steps_per_epoch: int) -> int:
     return min(k, MAX_AUTO_STEPS, _floor_power_of_two(steps_per_epoch))
 
 
-BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end")
-"""A training loop iteration's hooks: with K above 1 they see executions, not global batches."""
-UNSEEING_CALLBACKS = (EarlyStopping, ModelSummary)
-"""Lightning's callbacks that see no training batch or step (epoch ends and the fit's start only)."""
-
-
-def _dpddp_defined(cls: type, hook: str) -> bool:
-    """Whether ``cls``'s ``hook`` is defined in dpddp's package (K-aware by construction)."""
-    return str(getattr(getattr(cls, hook, None), "__module__", "")).split(".")[0] == "dpddp"
-
-
-def _own_hook(obj: object, hook: str, parent: type) -> bool:
-    """Whether ``obj`` (an instance or class) overrides ``parent``'s ``hook`` outside dpddp's package."""
-    cls = obj if isinstance(obj, type) else type(obj)
-    return is_overridden(hook, obj, parent) and not _dpddp_defined(cls, hook)
-
-
 def _seen_by_callback(section: str, spec: Mapping) -> str | None:
     cls = target_class(section, spec)
-    if cls.__module__.split(".")[0] == "dpddp" or issubclass(cls, UNSEEING_CALLBACKS):
-        return None
-    if issubclass(cls, ModelCheckpoint) and not _own_hook(cls, "on_train_batch_end", ModelCheckpoint):
-        steps, interval = spec.get("every_n_train_steps"), spec.get("train_time_interval")
-        if not steps and interval is None:
-            return None
-        name = "every_n_train_steps" if steps else "train_time_interval"
-        return f"{section}.{name}={steps or interval}: its trigger would see executions"
-    return f"{section} ({cls.__name__}) is not one of the callbacks known to see no training batch"
+    if not known(cls):
+        return f"{section} ({cls.__name__}) is not one of dpddp's callbacks or Lightning's known by exact type"
+    if cls is ModelCheckpoint and (spec.get("every_n_train_steps") or spec.get("train_time_interval") is not None):
+        name = "every_n_train_steps" if spec.get("every_n_train_steps") else "train_time_interval"
+        return f"{section}.{name}={spec[name]}: its trigger would see executions"
+    return None
+
+
+def _logger_specs(cfg: Mapping) -> list[tuple[str, Mapping]]:
+    loggers = cfg.get("logger") or {}
+    if "_target_" in loggers:
+        return [("logger", loggers)]
+    return [(f"logger.{name}", spec) for name, spec in loggers.items() if spec]
 
 
 def seen_executions(cfg: Mapping, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> str | None:
-    """What in ``cfg``'s run would see an execution where ``steps_per_execution=1`` shows it a global batch, as
-    ``"<what>: <why>"``, or ``None``: a ``training_step`` outside dpddp's package (its per-step logs and returned
-    outputs), the model's or data module's batch hooks, or a configured callback, unless it is one of dpddp's own
-    classes, ``EarlyStopping``, a model summary or a ``ModelCheckpoint`` without a step or time trigger. ``auto``
-    keeps K=1 for these (a K given explicitly takes them as the docs say)."""
-    name = type(model).__name__
-    if not _dpddp_defined(type(model), "training_step"):
-        return f"{name}.training_step is the model's own: its per-step logs and outputs would see executions"
-    for hook in (*BATCH_HOOKS, *TRANSFER_HOOKS):
-        if _own_hook(model, hook, pl.LightningModule):
-            return f"{name}.{hook} would see executions"
-        if hook in TRANSFER_HOOKS and _own_hook(datamodule, hook, pl.LightningDataModule):
-            return f"{type(datamodule).__name__}.{hook} would see executions"
+    """The first object of ``cfg``'s run that could see an execution where ``steps_per_execution=1`` shows it a
+    global batch, as ``"<what>: <why>"``, or ``None``: the model or data module, a configured callback or a logger
+    that is not exactly of a class of dpddp's or of ``executions.KNOWN`` (a subclass is the user's), a
+    ``ModelCheckpoint`` with a step or time trigger, ``trainer.max_time`` (Lightning's ``Timer``), or a callback
+    an installed package adds to every Trainer. Runs nothing of the objects'. ``auto`` keeps K=1 for these."""
+    for what, obj in (("model", model), ("data", datamodule)):
+        if not known(obj):
+            return f"{what}._target_ ({type(obj).__name__}) is not one of dpddp's own classes: it could see executions"
     for key, spec in (cfg.get("callbacks") or {}).items():
         if spec is not None and (seen := _seen_by_callback(f"callbacks.{key}", spec)):
             return seen
+    for key, spec in _logger_specs(cfg):
+        if not known(cls := target_class(key, spec)):
+            return f"{key} ({cls.__name__}) is not one of the loggers known by exact type"
+    if (limit := (cfg.get("trainer") or {}).get("max_time")) is not None:
+        return f"trainer.max_time={limit}: Lightning's Timer would see executions"
+    if factory := entry_points(group=CALLBACKS_FACTORY):
+        return f"{CALLBACKS_FACTORY} entry point {next(iter(factory)).name}: its callbacks could see executions"
     return None
 
 
@@ -154,7 +145,10 @@ def _probe(
             datamodule.setup("fit")
         except Exception as err:  # a data module of the user's that needs its Trainer: not timed here
             return f"{type(datamodule).__name__}.setup needs its Trainer ({type(err).__name__})"
-        twin = copy.deepcopy(model).to(device).train()
+        try:
+            twin = copy.deepcopy(model).to(device).train()
+        except Exception as err:  # the run itself says what is wrong, where it would have at K=1
+            return f"a copy of {type(model).__name__} for the probe failed ({type(err).__name__}: {first_line(err)})"
         try:
             optimizer = _single_optimizer(twin.configure_optimizers())
         except Exception as err:  # e.g. one that reads its Trainer: not timed here
@@ -225,8 +219,9 @@ def _agreed(cfg: DictConfig, measure: Callable[[], tuple[int, str]]) -> tuple[in
 
 def resolve_steps(cfg: DictConfig, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> int:
     """The K of a fit with ``steps_per_execution=auto``, the same on every rank, logged once in one line
-    (``steps_per_execution=auto: 8 (a step 0.16 ms: ...)``): 1 where a K above 1 is refused (``execution_refusal``,
-    manual optimization, an optimizer setup ``StepsPerExecution`` cannot run); the checkpoint's K when the fit
+    (``steps_per_execution=auto: 8 (a step 0.16 ms: ...)``): 1 where a K above 1 is refused (``execution_refusal``),
+    where an object could see executions (``seen_executions``: the first one named; dpddp's models optimize
+    automatically, one optimizer), or where the probe cannot run; the checkpoint's K when the fit
     continues one (``ckpt_path``); else ``auto_steps`` of the probed step (a copy of ``model`` on this rank's
     share of a global batch). Raises nothing of its own."""
     k, why = _resolve(cfg, model, datamodule)
@@ -238,14 +233,10 @@ def resolve_steps(cfg: DictConfig, model: pl.LightningModule, datamodule: pl.Lig
 def _resolve(cfg: DictConfig, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> tuple[int, str]:
     if refusal := execution_refusal(cfg):
         return 1, refusal
-    if not model.automatic_optimization:
-        return 1, f"{type(model).__name__} uses manual optimization"
-    if hook := skipped_hook(model):
-        return 1, f"{type(model).__name__}.{hook}: an execution's steps would not call it"
-    if cfg.get("ckpt_path") is not None:
-        return checkpoint_steps_per_execution(cfg.ckpt_path), "the checkpoint's"
     if seen := seen_executions(cfg, model, datamodule):
         return 1, f"{seen}; give steps_per_execution=K to take K anyway (docs/performance.md)"
+    if cfg.get("ckpt_path") is not None:
+        return checkpoint_steps_per_execution(cfg.ckpt_path), "the checkpoint's"
     assert isinstance(datamodule, GlobalBatchDataModule)  # execution_refusal: global-batch data
     share, every = int(datamodule.batch_size) // world_size(cfg), checkpoint_intervals(cfg)[0]
 

@@ -14,20 +14,23 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ModelSummary, RichModelSummary
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
-from dpddp._compat import BatchNormBase, counted_step, skip_next_validation
+from dpddp._compat import BatchNormBase, count_logged_step, counted_step, epoch_cut, skip_next_validation
 from dpddp.data.batches import DeferredRows
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.errors import ConfigError
 from dpddp.models.classifier import Classifier
 from dpddp.nn import select_sample_part, select_sample_row
 
-__all__ = ["SKIPPED_HOOKS", "STEP_HOOKS", "StepsPerExecution", "execution_steps", "lean_steps", "skipped_hook"]
+__all__ = ["BATCH_HOOKS", "KNOWN", "SKIPPED_HOOKS", "STEP_HOOKS", "StepsPerExecution", "execution_steps", "known"]
+__all__ += ["lean_steps", "skipped_hook"]
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +38,20 @@ STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_st
 """The hooks Lightning calls inside each optimizer step (callbacks and the module; the module's ``backward`` too)."""
 SKIPPED_HOOKS = ("optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping", "on_before_zero_grad")
 """The module's hooks that automatic optimization calls each step and an execution's steps do not."""
+BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end")
+"""A training loop iteration's hooks: with K above 1 they see executions, not global batches."""
+KNOWN: tuple[type, ...] = (EarlyStopping, ModelSummary, RichModelSummary, ModelCheckpoint)
+KNOWN += (CSVLogger, TensorBoardLogger, MLFlowLogger, WandbLogger)
+"""Lightning's classes whose objects see nothing an execution changes, matched by exact type (never a subclass):
+epoch-end stops and checkpoints, the fit's summary, and the loggers, which record at the optimizer step."""
 TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 """The batch hooks of a module or data module, which would see an execution's ``DeferredRows``."""
+
+
+def known(obj: object) -> bool:
+    """Whether ``obj`` (an instance or a class) is exactly of a class in dpddp's package or of ``KNOWN``."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    return cls.__module__.split(".")[0] == "dpddp" or cls in KNOWN
 
 
 def skipped_hook(module: pl.LightningModule) -> str | None:
@@ -81,12 +96,29 @@ class StepsPerExecution(pl.Callback):
     learns it from one all-reduce of the flag per step, discards the step's gradients and retries it with half
     the micro-batch size, which it keeps (``micro_size``; logged).
 
+    As automatic optimization does after each optimizer step's gradients (the whole global batch's, averaged):
+    ``clip`` (``trainer.gradient_clip_val`` and ``_algorithm``, which the Trainer must not get: Lightning refuses
+    them under manual optimization) clips them before ``step``; with ``micro``, each LR scheduler of ``interval:
+    step`` steps after it, each ``interval: epoch`` one at a trained epoch's end, every ``frequency``. Each step
+    counts one on the loggers' step axis (``_compat.count_logged_step``): values are logged at ``global_step``.
+    ``auto``: K was chosen by ``steps_per_execution=auto`` (``check_observers``).
+
     Raises ``ConfigError``: a module with manual optimization, or with BatchNorm and ``micro`` (at construction);
-    more than one optimizer or an LR scheduler (``on_train_start``); a ``training_step`` that returned ``None``.
-    ``torch.OutOfMemoryError``: ``"auto"`` out of memory with micro-batches of one sample.
+    more than one optimizer, an LR scheduler with ``steps`` above 1 (``trainer.estimated_stepping_batches`` counts
+    loop iterations), a plateau scheduler, or clipping with a gradient scaler (``on_train_start``); a
+    ``training_step`` that returned ``None``. ``torch.OutOfMemoryError``: ``"auto"`` out of memory with
+    micro-batches of one sample.
     """
 
-    def __init__(self, module: pl.LightningModule, steps: int, micro: int | str | None = None) -> None:
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        steps: int,
+        micro: int | str | None = None,
+        *,
+        clip: tuple[float | None, str | None] = (None, None),
+        auto: bool = False,
+    ) -> None:
         setting = f"steps_per_execution={steps}" if steps > 1 else f"data.micro_batch_size={micro}"
         self.fix = "use steps_per_execution=1" if steps > 1 else "remove data.micro_batch_size"
         if not module.automatic_optimization:
@@ -107,6 +139,7 @@ class StepsPerExecution(pl.Callback):
                 "data.batch_size"
             )
         self.steps, self.module, self.cut, self.lean, self.setting = steps, module, False, False, setting
+        self.clip, self.auto, self.loop_dtype = clip, auto, torch.get_default_dtype()
         self.micro, self.micro_size = micro, micro if isinstance(micro, int) else None
         self._step = module.training_step
         self._no_sync = ExitStack()
@@ -124,6 +157,8 @@ class StepsPerExecution(pl.Callback):
         if self.cut:  # max_steps inside the execution: K=1 stops before the epoch's end, with no validation there
             skip_next_validation(trainer)
         for i in range(min(rows, left)):
+            if i:
+                count_logged_step(trainer)  # Lightning counts the loop iteration's first
             one = batch
             if self.steps > 1:
                 select_sample_row(i)  # the sample keys of global batch i
@@ -131,17 +166,39 @@ class StepsPerExecution(pl.Callback):
             optimizer.zero_grad()  # type: ignore[union-attr]
             if self.micro is not None:
                 self._split_step(one, batch_idx)
+                self._clip(optimizer)
                 optimizer.step()  # type: ignore[union-attr]
-                continue
-            loss = self._loss(one, batch_idx)
-            if self.lean:
+            elif self.lean:
+                loss = self._loss(one, batch_idx)
                 strategy.pre_backward(loss)
                 loss.backward()
                 strategy.post_backward(loss)
+                self._clip(optimizer)
                 counted_step(optimizer)
             else:
-                module.manual_backward(loss)
+                module.manual_backward(self._loss(one, batch_idx))
+                self._clip(optimizer)
                 optimizer.step()  # type: ignore[union-attr]
+            if trainer.lr_scheduler_configs:
+                self._step_schedulers("step", batch_idx * self.steps + i + 1)
+
+    def _clip(self, optimizer: Any) -> None:
+        value, algorithm = self.clip
+        if value:
+            self.module.clip_gradients(optimizer, gradient_clip_val=value, gradient_clip_algorithm=algorithm)
+
+    def _step_schedulers(self, interval: str, count: int) -> None:
+        """Step each LR scheduler of ``interval`` whose ``frequency`` divides ``count`` (the epoch's optimizer steps,
+        or the epochs), through the module's ``lr_scheduler_step``, as Lightning's loop does: outside the step's
+        precision context (its default dtype)."""
+        inside = torch.get_default_dtype()
+        torch.set_default_dtype(self.loop_dtype)
+        try:
+            for config in self.module.trainer.lr_scheduler_configs:
+                if config.interval == interval and count % config.frequency == 0:
+                    self.module.lr_scheduler_step(config.scheduler, None)
+        finally:
+            torch.set_default_dtype(inside)
 
     def _loss(self, batch: Any, batch_idx: int) -> torch.Tensor:
         out = self._step(batch, batch_idx)
@@ -200,16 +257,53 @@ class StepsPerExecution(pl.Callback):
         for p, g in zip(params, flat.split([g.numel() for g in grads]), strict=True):
             p.grad = g.view_as(p)
 
+    def check_observers(self, trainer: pl.Trainer, datamodule: pl.LightningDataModule) -> None:
+        """Before the fit, with K above 1: what would see executions where K=1 shows it each step. Under ``auto``
+        (which took K above 1 for dpddp's own and ``KNOWN`` objects only), any other model, data module,
+        callback (Lightning's or the model's ``configure_callbacks``) or logger; with K given, one of those that
+        overrides ``BATCH_HOOKS`` or ``STEP_HOOKS`` (its per-step logs would be lost). Raises ``ConfigError``."""
+        if self.steps < 2:
+            return
+        module = self.module
+        found: list[Any] = [module, datamodule, *trainer.callbacks, *trainer.loggers]  # type: ignore[attr-defined]
+        if not known(module):
+            own = module.configure_callbacks()
+            found += list(own) if isinstance(own, (list, tuple)) else [own]
+        for obj in (o for o in found if not known(o)):
+            name = type(obj).__name__
+            if self.auto:
+                raise ConfigError(
+                    f"steps_per_execution=auto took {self.steps}, but {name} would see executions: give "
+                    "steps_per_execution=1"
+                )
+            parent = pl.LightningModule if isinstance(obj, pl.LightningModule) else pl.Callback
+            hooks = (*BATCH_HOOKS, *STEP_HOOKS) if isinstance(obj, (pl.LightningModule, pl.Callback)) else ()
+            if hook := next((h for h in hooks if is_overridden(h, obj, parent)), None):
+                raise ConfigError(
+                    f"{self.setting}: {name}.{hook} would see executions of {self.steps} steps, not each step (its "
+                    f"logs and counts would differ from steps_per_execution=1's): {self.fix}"
+                )
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         name = type(pl_module).__name__
-        if len(trainer.optimizers) != 1 or trainer.lr_scheduler_configs:
+        if len(trainer.optimizers) != 1:
             raise ConfigError(
-                f"{self.setting}: {name} has {len(trainer.optimizers)} optimizer(s) and "
-                f"{len(trainer.lr_scheduler_configs)} LR scheduler(s); it needs one optimizer and no scheduler: "
-                f"{self.fix}"
+                f"{self.setting}: {name} has {len(trainer.optimizers)} optimizers; it needs one: {self.fix}"
             )
-        self.lean = lean_steps(trainer, pl_module)
+        if self.steps > 1 and trainer.lr_scheduler_configs:
+            raise ConfigError(
+                f"{self.setting}: {name} has an LR scheduler, and trainer.estimated_stepping_batches (what a "
+                f"schedule's length is set from) would count executions: {self.fix}"
+            )
+        if any(config.reduce_on_plateau for config in trainer.lr_scheduler_configs):
+            raise ConfigError(f"{self.setting}: {name} has a ReduceLROnPlateau scheduler: {self.fix}")
+        if self.clip[0] and getattr(trainer.precision_plugin, "scaler", None) is not None:
+            raise ConfigError(
+                f"trainer.gradient_clip_val={self.clip[0]} with {self.setting} under a gradient scaler "
+                f"(trainer.precision={trainer.precision}): use trainer.precision=bf16-mixed, or {self.fix}"
+            )
+        self.lean, self.loop_dtype = lean_steps(trainer, pl_module), torch.get_default_dtype()
         data = trainer.datamodule  # type: ignore[attr-defined]
         if self.steps > 1 and self.lean and isinstance(data, GlobalBatchDataModule):
             hooked = any(
@@ -220,6 +314,11 @@ class StepsPerExecution(pl.Callback):
                 data.defer_training_rows()
         if self.micro is not None and trainer.world_size > 1:  # gradients are averaged once a step, after the split
             self._no_sync.enter_context(trainer.strategy.block_backward_sync())  # type: ignore[attr-defined]
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.lr_scheduler_configs and not (self.cut or epoch_cut(trainer)):  # a trained epoch's end only
+            self._step_schedulers("epoch", trainer.current_epoch + 1)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -89,10 +89,13 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         if forward:
             predict_forward(model)
         steps, micro = cfg.get("steps_per_execution", 1), getattr(datamodule, "micro_batch_size", None)
-        if steps == "auto":
+        auto = steps == "auto"
+        if auto:
             steps = resolve_steps(cfg, model, datamodule) if stage == "fit" else 1
             cfg.steps_per_execution = steps  # what the launched ranks' job, the tally and the checkpoint see
-        executions = StepsPerExecution(model, steps, micro) if (steps > 1 or micro) and stage == "fit" else None
+        clip = ((cfg.trainer or {}).get("gradient_clip_val"), (cfg.trainer or {}).get("gradient_clip_algorithm"))
+        fused = (steps > 1 or micro) and stage == "fit"
+        executions = StepsPerExecution(model, steps, micro, clip=clip, auto=auto) if fused else None
         if executions is not None:
             datamodule.steps_per_execution = steps
         compile_model(model, compile_mode(cfg))  # after resolve_steps: steps_per_execution=auto times eager steps
@@ -100,6 +103,8 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         trainer = build_trainer(
             cfg, output_dir, job, executions, model=model, predicts_forward=forward, datamodule=datamodule
         )
+        if executions is not None:
+            executions.check_observers(trainer, datamodule)
         running.own(trainer)
     forget_checkpoints()  # the checks' loads: a replaced last.ckpt would stay on disk while mapped
     metrics, ran, predict_error = _run_stages(trainer, model, datamodule, cfg, stage, running)
