@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dpddp.data.global_batch import GlobalBatchSampler
 from dpddp.data.keys import SampleKeyCallback, sample_key_callbacks, uses_sample_keys
+from dpddp.errors import ConfigError
 from dpddp.models.mlp import MLPClassifier
 from dpddp.nn import (
     SampleDropout,
@@ -340,9 +341,9 @@ def test_callback_passes_dataparallel_devices_and_is_only_for_models_that_need_i
     assert [type(c) for c in sample_key_callbacks(MLPClassifier(dropout=0.1))] == [SampleKeyCallback]
 
 
-def test_callback_warns_when_the_data_has_no_global_batch_sampler():
+def test_callback_refuses_data_served_by_no_sampler_of_dpddps():
     trainer = SimpleNamespace(train_dataloader=DataLoader(list(range(8)), batch_size=4), strategy=None)
-    with pytest.warns(UserWarning, match="no sample keys"):
+    with pytest.raises(ConfigError, match=r"^model: MLPClassifier's SampleDropout .* has no sample keys"):
         SampleKeyCallback().on_train_start(trainer, MLPClassifier(dropout=0.5))
 
 

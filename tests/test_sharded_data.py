@@ -58,3 +58,24 @@ def test_a_wrapped_data_module_trains_every_epoch_equals_one_process_and_continu
     assert max_diff(weights(last), weights(straight / "checkpoints/last.ckpt")) <= tol
     for key in ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc"):
         assert continued[key] == pytest.approx(metrics(straight)[key], abs=tol), key
+
+
+def _dropout_run(run: Path, procs: int) -> Path:
+    """``model=mlp`` with ``SampleDropout(0.5)`` on the wrapped ``users_models.SplitData``, 2 epochs."""
+    ddp = ["strategy=ddp", f"devices={procs}"] if procs > 1 else []
+    proc = run_train(
+        "accelerator=cpu", "trainer.max_epochs=2", "model=mlp", "model.dropout=0.5", "model.num_features=4",
+        "model.num_classes=3", "data=sharded", "+data.module._target_=users_models.SplitData",
+        f"+data.module.batch_size={BATCH}", *ddp, f"hydra.run.dir={run}", cwd=run.parent,
+        env={"PYTHONPATH": str(ROOT / "tests")},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert leftover(proc.tag) == []
+    return run / "checkpoints/last.ckpt"
+
+
+@pytest.mark.parametrize("procs", [2, 3])
+def test_sample_dropout_under_a_wrapped_data_module_equals_one_process(tmp_path, shared_dir, procs):
+    straight = made_once(shared_dir, "sharded_dropout_one", lambda p: _dropout_run(p, 1)) / "checkpoints/last.ckpt"
+    keyed = _dropout_run(tmp_path / f"ddp{procs}", procs)
+    assert max_diff(weights(keyed), weights(straight)) <= 1e-5  # was 3.4e-2 apart: masks drawn per rank

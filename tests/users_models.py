@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, random_split
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset, random_split
 
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.models.linear import LinearClassifier
@@ -402,3 +402,12 @@ class GlobalStreamData(GlobalBatchDataModule):
     def make_splits(self) -> dict[str, Dataset]:
         train, val, test = random_split(self.make_dataset(), [0.8, 0.1, 0.1])
         return {"train": train, "val": val, "test": test}
+
+
+class StreamBlobs(IterableDataset):
+    """Samples streamed one by one (an ``IterableDataset``: no ``__len__`` or ``__getitem__``; case 62)."""
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(64):
+            yield torch.randn(4, generator=g), torch.randint(0, 3, (), generator=g)

@@ -13,17 +13,18 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 from typing_extensions import override
 
 from dpddp._compat import data_position
+from dpddp._compat.hydra_main import locate
 from dpddp.data import rules
 from dpddp.data.batches import Batches, batch_indexable, defer_rows
 from dpddp.data.built import data_streams, in_data_streams
-from dpddp.errors import ConfigError
+from dpddp.errors import ConfigError, first_line
 from dpddp.parallel.workers import start_workers_safely
 
-__all__ = ["GlobalBatchDataModule", "GlobalBatchSampler", "step_position"]
+__all__ = ["GlobalBatchDataModule", "GlobalBatchSampler", "YieldedIds", "step_position"]
 
 
 def step_position(trainer: pl.Trainer, steps_per_epoch: int) -> tuple[int, int]:
@@ -33,7 +34,30 @@ def step_position(trainer: pl.Trainer, steps_per_epoch: int) -> tuple[int, int]:
     return epoch, skip
 
 
-class GlobalBatchSampler(DistributedSampler):
+class YieldedIds:
+    """A training sampler's record of the ids it yielded, for the sample keys (``dpddp.data.keys``): ``seed`` and
+    ``(epoch, ids)`` by position in the epoch (Lightning's ``batch_idx``)."""
+
+    recorded: int = 256
+    """Items kept for ``ids_at``: more than a loader prefetches (``num_workers * prefetch_factor`` + 1)."""
+    seed: int = 0
+    _yielded: dict[int, tuple[int, torch.Tensor]]
+
+    def ids_at(self, position: int) -> tuple[int, torch.Tensor] | None:
+        """``(epoch, ids)`` of the training item at ``position`` (Lightning's ``batch_idx``), or ``None``;
+        earlier items are forgotten."""
+        for earlier in [p for p in self._yielded if p < position]:
+            del self._yielded[earlier]
+        return self._yielded.get(position)
+
+    def _record(self, position: int, epoch: int, ids: torch.Tensor) -> torch.Tensor:
+        self._yielded[position] = (epoch, ids)
+        if len(self._yielded) > self.recorded:
+            del self._yielded[next(iter(self._yielded))]
+        return ids
+
+
+class GlobalBatchSampler(YieldedIds, DistributedSampler):
     """Yields this rank's share of each global batch (samples), an int64 index tensor; a ``DistributedSampler``
     by type only, so Lightning does not wrap it.
 
@@ -44,9 +68,6 @@ class GlobalBatchSampler(DistributedSampler):
 
     Raises ``ConfigError`` if ``batch_size`` does not divide by ``world_size`` (``rules.check_divides``).
     """
-
-    recorded: int = 256
-    """Items kept for ``ids_at``: more than a loader prefetches (``num_workers * prefetch_factor`` + 1)."""
 
     def __init__(
         self,
@@ -70,19 +91,6 @@ class GlobalBatchSampler(DistributedSampler):
         self.position: Callable[[], tuple[int, int]] | None = None
         self._yielded: dict[int, tuple[int, torch.Tensor]] = {}  # training: position in the epoch -> (epoch, ids)
         self.on_epoch: Callable[[int], None] | None = None  # told each epoch of the data (a data set's set_epoch)
-
-    def ids_at(self, position: int) -> tuple[int, torch.Tensor] | None:
-        """``(epoch, ids)`` of the training item at ``position`` (Lightning's ``batch_idx``), or ``None``;
-        earlier items are forgotten."""
-        for earlier in [p for p in self._yielded if p < position]:
-            del self._yielded[earlier]
-        return self._yielded.get(position)
-
-    def _record(self, position: int, ids: torch.Tensor) -> torch.Tensor:
-        self._yielded[position] = (self.epoch, ids)
-        if len(self._yielded) > self.recorded:
-            del self._yielded[next(iter(self._yielded))]
-        return ids
 
     def set_epoch(self, epoch: int) -> None:
         """Called by Lightning at each epoch start, before the loader's workers copy the data set; selects that
@@ -145,14 +153,41 @@ class GlobalBatchSampler(DistributedSampler):
             for i in range(skip, steps):
                 batch = self._ids(order, i * b, min((i + 1) * b, self.num_samples))
                 batch = batch if self.world_size == 1 else torch.tensor_split(batch, self.world_size)[self.rank]
-                yield self._record(i, batch) if self.train else batch
+                yield self._record(i, self.epoch, batch) if self.train else batch
             return
         step = skip
         while step < steps:  # training: full global batches, each split evenly; this rank's chunks, stacked
             end = min((step // k + 1) * k, steps)
             ids = self._ids(order, step * b, end * b).view(end - step, self.world_size, -1)[:, self.rank]
-            yield self._record(step // k, ids)
+            yield self._record(step // k, self.epoch, ids)
             step = end
+
+
+def _collate(given: Callable[[list], Any] | str | None) -> Callable[[list], Any] | None:
+    """``given``, or the function its dotted path names. Raises ConfigError: a path naming nothing callable."""
+    if not isinstance(given, str):
+        return given
+    try:
+        found = locate(given)
+    except (ImportError, ValueError) as err:
+        found = err
+    if not callable(found) or isinstance(found, Exception):
+        raise ConfigError(f"data.collate_fn={given!r} names no function: give my_pkg.my_collate (importable)")
+    return found
+
+
+def _check_collates(train: Any, collate_fn: Callable[[list], Any] | None) -> None:
+    """Raises ConfigError: the first two training samples do not collate into a batch."""
+    try:
+        train[torch.arange(min(2, len(train)))]
+    except (RuntimeError, TypeError, ValueError) as err:
+        given = "its collate_fn" if collate_fn is not None else "torch's default_collate (stacks samples of one shape)"
+        raise ConfigError(
+            f"data: two training samples do not collate into a batch with {given} ({type(err).__name__}: "
+            f"{first_line(err, 120)}): samples of different shapes (sequences) need "
+            "data.collate_fn=my_pkg.pad_collate, a function of a list of samples that pads them "
+            "(docs/your-model-and-data.md, Text)"
+        ) from err
 
 
 class GlobalBatchDataModule(pl.LightningDataModule):
@@ -163,11 +198,15 @@ class GlobalBatchDataModule(pl.LightningDataModule):
 
     A batch is what the samples collate to: ``(inputs, target, ...)`` for tuple samples (``inputs`` first: what
     a model without a ``predict_step`` is given when predicting, ``dpddp.data.batches.batch_inputs``), or a dict.
+    ``collate_fn``: a function of a list of samples (or its dotted path), for samples of different shapes; each
+    rank collates its share of each global batch, in the same order on every world size (``None``: torch's
+    ``default_collate``). ``dataset``: a map-style data set (an ``IterableDataset`` is refused).
 
     ``make_dataset``/``make_splits`` (and a subclass's own ``prepare_data``/``setup``) run inside
     ``dpddp.data.built.data_streams(seed)``: data drawn from the global random streams is the same on every rank.
 
-    Raises ``ConfigError`` at ``setup``: a setting that leaves a split unusable, or no data set.
+    Raises ``ConfigError``: at construction, an ``IterableDataset`` or a ``collate_fn`` path that names no
+    function; at ``setup``, a setting that leaves a split unusable, no data set, or samples that do not collate.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -190,8 +229,14 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         micro_batch_size: int | str | None = None,
+        collate_fn: Callable[[list], Any] | str | None = None,
     ) -> None:
         super().__init__()
+        if isinstance(dataset, IterableDataset):
+            raise ConfigError(rules.iterable_refusal(type(dataset).__name__))
+        self.collate_fn = _collate(collate_fn)
+        if isinstance(dataset, Dataset):  # at once, before the run starts: the samples collate
+            _check_collates(Batches(dataset, None, self.collate_fn), self.collate_fn)
         self.dataset, self.batch_size, self.seed, self.num_workers = dataset, batch_size, seed, num_workers
         self.micro_batch_size = micro_batch_size
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
@@ -213,11 +258,13 @@ class GlobalBatchDataModule(pl.LightningDataModule):
     def make_splits(self) -> dict[str, Dataset]:
         """``{"train", "val", "test"}`` -> map-style data sets: the seeded permutation of ``make_dataset``'s ids."""
         dataset = self.make_dataset()
+        if isinstance(dataset, IterableDataset):
+            raise ConfigError(rules.iterable_refusal(type(dataset).__name__))
         num_train, num_val, _ = self.split_sizes(len(dataset))  # type: ignore[arg-type]
         perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(self.seed))  # type: ignore[arg-type]
         cuts = {"train": perm[:num_train], "val": perm[num_train : num_train + num_val]}
         cuts["test"] = perm[num_train + num_val :]
-        return {name: Batches(dataset, ids) for name, ids in cuts.items()}
+        return {name: Batches(dataset, ids, self.collate_fn) for name, ids in cuts.items()}
 
     @override
     def setup(self, stage: str | None = None) -> None:
@@ -227,11 +274,12 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         rules.check_split_settings(self.batch_size, self.val_fraction, self.test_fraction)
         with data_streams(self.seed):
             splits = self.make_splits()
-        self.splits = {k: ds if batch_indexable(ds) else Batches(ds) for k, ds in splits.items()}
+        self.splits = {k: ds if batch_indexable(ds) else Batches(ds, None, self.collate_fn) for k, ds in splits.items()}
         for split in self.splits.values():
             if isinstance(split, Batches):  # its samples' draws from the global streams are keyed by this seed
                 split.seed = self.seed
         rules.check_train_split(self.batch_size, len(self.splits["train"]), "give more data")  # type: ignore[arg-type]
+        _check_collates(self.splits["train"], self.collate_fn)
 
     def defer_training_rows(self) -> bool:
         """Let each execution of the training split gather a step's rows as the step runs (``DeferredRows``);

@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from dpddp.data.global_batch import GlobalBatchSampler
+from dpddp.data.global_batch import YieldedIds
+from dpddp.errors import ConfigError
 from dpddp.nn import SampleDropout, assign_layer_keys, clear_sample_keys, set_sample_keys
 from dpddp.parallel.dp import DataParallelStrategy
 
@@ -28,19 +28,26 @@ def sample_key_callbacks(model: nn.Module) -> list[pl.Callback]:
     return [SampleKeyCallback()] if uses_sample_keys(model) else []
 
 
-def _sampler(trainer: pl.Trainer) -> GlobalBatchSampler | None:
+def _sampler(trainer: pl.Trainer) -> YieldedIds | None:
+    """The training loader's sampler or batch sampler that records its ids (dpddp's: ``data=dataset`` or
+    ``data=sharded``), else ``None``."""
     loader = trainer.train_dataloader
-    sampler = loader.sampler if isinstance(loader, DataLoader) else None
-    return sampler if isinstance(sampler, GlobalBatchSampler) else None
+    if not isinstance(loader, DataLoader):
+        return None
+    for sampler in (loader.sampler, loader.batch_sampler):
+        if isinstance(sampler, YieldedIds):
+            return sampler
+    return None
 
 
 class SampleKeyCallback(pl.Callback):
     """At ``on_train_batch_start``, keys ``(data seed, epoch, ids)`` of the batch the ``GlobalBatchSampler``
     recorded at ``batch_idx`` (``[k, b]`` ids for an execution; DataParallel's device ids under ``dp``);
-    cleared at its end. ``on_train_start`` keys the layers (``assign_layer_keys``). Without a
-    ``GlobalBatchSampler`` nothing is set (the layers act as ``nn.Dropout``) and a warning says so.
+    cleared at its end. ``on_train_start`` keys the layers (``assign_layer_keys``).
 
     Raises:
+        ConfigError: at ``on_train_start``, training data served by no sampler of dpddp's (``YieldedIds``: a data
+            module's own loaders outside ``data=sharded``), which gives no keys.
         RuntimeError: no ids recorded for a batch's ``batch_idx``.
     """
 
@@ -54,10 +61,10 @@ class SampleKeyCallback(pl.Callback):
         parallel = strategy.parallel_devices if isinstance(strategy, DataParallelStrategy) else []
         self.devices = [d.index for d in parallel if d.type == "cuda"] if len(parallel) > 1 else None
         if (layers or uses_sample_keys(pl_module)) and _sampler(trainer) is None:
-            rank_zero_warn(
-                f"{type(pl_module).__name__}'s per-sample randomness has no sample keys: the training data is not "
-                "served by a GlobalBatchSampler, so SampleDropout draws from torch's global RNG (masks then differ "
-                "between world sizes and across a resume)"
+            raise ConfigError(
+                f"model: {type(pl_module).__name__}'s SampleDropout (per-sample randomness) has no sample keys: the "
+                "training data comes from loaders dpddp does not serve, so it would be a plain nn.Dropout: serve the "
+                "data with data=dataset or data=sharded +data.module._target_=..., or use nn.Dropout"
             )
 
     @override

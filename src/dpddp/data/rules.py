@@ -14,6 +14,7 @@ __all__ = [
     "check_random_tensors",
     "check_split_settings",
     "check_train_split",
+    "iterable_refusal",
     "split_sizes",
 ]
 
@@ -85,3 +86,13 @@ def check_random_tensors(data: Mapping, world_size: int, source: str = "devices 
     check_train_split(data["batch_size"], sizes[0], "raise data.num_samples")
     check_divides(data["batch_size"], world_size, source)
     return sizes
+
+
+def iterable_refusal(name: str) -> str:
+    """The one line for an ``IterableDataset`` (class ``name``) given to a global-batch data module."""
+    return (
+        f"data.dataset ({name}) is an IterableDataset (a stream: no len() or [i]), and data=dataset serves map-style "
+        "data sets only, so that every world size trains the same global batches and a continued run resumes at its "
+        "sample: give a map-style Dataset (__len__ and __getitem__), e.g. the stream read into memory or an indexed "
+        "copy of its shards"
+    )

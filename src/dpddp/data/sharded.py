@@ -24,6 +24,7 @@ from dpddp._compat import data_position
 from dpddp.data.batches import dataset_rows, empty_batch
 from dpddp.data.built import data_streams
 from dpddp.data.draws import EpochIds, KeyedSamples
+from dpddp.data.global_batch import YieldedIds
 from dpddp.errors import ConfigError
 from dpddp.parallel.workers import start_workers_safely
 
@@ -67,7 +68,7 @@ def epoch_order(sampler: Sampler, seed: int) -> Callable[[int], list[int]]:
     return told
 
 
-class ShardedBatchSampler(Sampler[list[int]]):
+class ShardedBatchSampler(YieldedIds, Sampler[list[int]]):
     """This rank's share of each GLOBAL batch: rank ``r`` of ``W`` takes chunk ``r`` of
     ``torch.tensor_split(batch, W)``.
 
@@ -75,7 +76,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
     from ``epoch_order`` (a function of ``(seed, epoch)``), cut into full batches of ``batch_size`` (the short
     last one dropped, and not counted in ``len``, on every world size); ``position() -> (epoch, batches
     trained)``, read as an epoch's iteration starts, picks the epoch and skips the batches already trained
-    (mid-epoch resume). Evaluation: ``batches`` (any batch sampler) as they come, every sample once.
+    (mid-epoch resume). Evaluation: ``batches`` (any batch sampler) as they come, every sample once. Training
+    ids are recorded for ``SampleDropout``'s keys (``YieldedIds``: ``(seed, epoch, id in the loader's data set)``).
 
     Raises:
         ConfigError: a training batch that does not divide by ``world_size``, or a sampler ``epoch_order``
@@ -84,6 +86,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def __init__(self, batches: Any, rank: int, world_size: int, train: bool, seed: int = 0) -> None:
         self.batches, self.rank, self.world_size, self.train = batches, rank, world_size, train
+        self.seed, self._yielded = seed, {}
         self.sampler = getattr(batches, "sampler", None)  # Lightning calls its set_epoch (if it has one)
         self.position: Callable[[], tuple[int, int]] | None = None
         self.epoch = 0
@@ -114,8 +117,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
             return
         epoch, skip = self.position() if self.position is not None else (self.epoch, 0)
         order, b = self.order(epoch), self.batch_size
+        self._yielded.clear()
         for k in range(skip, len(order) // b):  # the epoch travels with the ids, to a worker's copy of the data set
-            yield EpochIds(self._chunk(order[k * b : (k + 1) * b]), epoch)
+            ids = self._chunk(order[k * b : (k + 1) * b])
+            self._record(k, epoch, torch.tensor(ids, dtype=torch.long))
+            yield EpochIds(ids, epoch)
 
 
 class _CollateOrEmpty:

@@ -50,6 +50,8 @@ def build_error(node: DictConfig, key: str, err: InstantiationException) -> Conf
         problem = import_problem(target) or "it cannot be imported"
         return ConfigError(f"{full_key}._target_={target!r} cannot be imported ({problem}): check the name")
     cause = err.__cause__ or err
+    if isinstance(cause, ConfigError):  # the class's own line
+        return cause
     reason = (str(cause).splitlines() or [""])[0]
     given = unexpected_keyword(reason)
     if given is not None and isinstance(cause, TypeError):

@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import IterableDataset
 
 from dpddp.cluster import launch_environment
 from dpddp.continuity.io import ConfiguredModel, checkpoint_problem
@@ -29,7 +30,7 @@ from dpddp.continuity.stop import CHECKPOINT_KEYS, checkpoint_intervals
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.data.memory import check_memory, memory_bytes
 from dpddp.data.random_tensors import RandomTensorDataModule
-from dpddp.data.rules import check_divides, check_micro_batch_size, check_random_tensors
+from dpddp.data.rules import check_divides, check_micro_batch_size, check_random_tensors, iterable_refusal
 from dpddp.data.sharded import ShardedDataModule
 from dpddp.errors import ConfigError, checked_float, checked_int, unwritable
 from dpddp.models.classifier import Classifier
@@ -99,6 +100,10 @@ def _check_sharding(cfg: Mapping) -> None:
             "with data=sharded +data.module._target_=<it> (dpddp fit: --data=dpddp.data.sharded.ShardedDataModule "
             "--data.module=<it>; its batch_size is the global batch), or base it on GlobalBatchDataModule"
         )
+    dataset = cfg["data"].get("dataset")
+    if isinstance(dataset, Mapping) and dataset.get("_target_"):  # a stream: refused before anything starts
+        if issubclass(cls := target_class("data.dataset", dataset), IterableDataset):
+            raise ConfigError(iterable_refusal(cls.__name__))
 
 
 # Settings that cannot keep the promises with steps_per_execution > 1: (setting, the values that can, why).
@@ -144,6 +149,8 @@ def _unexecutable(cfg: Mapping) -> str | None:
     """Data that is not global-batch, or an SWA callback, as ``"<setting>=<value>: <why>"``; else ``None``."""
     if not issubclass(target_class("data", cfg["data"]), GlobalBatchDataModule):
         return f"data._target_={cfg['data']['_target_']}: not a dpddp.data.global_batch.GlobalBatchDataModule"
+    if (collate := cfg["data"].get("collate_fn")) is not None:
+        return f"data.collate_fn={collate}: a collated batch (padded per batch) is not stacked into an execution"
     for key, spec in (cfg.get("callbacks") or {}).items():
         if spec is not None and issubclass(target_class(f"callbacks.{key}", spec), StochasticWeightAveraging):
             why = "its learning-rate schedule steps only under automatic optimization"

@@ -1,0 +1,91 @@
+"""The built-in text task: variable-length token sequences with a class label (``RandomTokens``), padded per batch
+by ``pad_tokens``, served in global batches by ``TokenDataModule`` (``data=tokens``; the model: ``model=transformer``).
+See docs/your-model-and-data.md (Text)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+from typing_extensions import override
+
+from dpddp.data.global_batch import GlobalBatchDataModule
+
+__all__ = ["PAD", "RandomTokens", "TokenDataModule", "pad_tokens"]
+
+PAD = 0
+"""The padding token id; real tokens are ``1 .. vocab_size - 1``."""
+
+
+class RandomTokens(Dataset):
+    """``num_samples`` sequences of ``min_len .. max_len`` tokens (int64 ``[length]``) and a label in
+    ``[0, num_classes)``, a pure function of ``seed``: each class has its own band of the vocabulary, and a
+    sequence's tokens come from its class's band with probability ``signal``, else from the whole vocabulary."""
+
+    def __init__(
+        self,
+        num_samples: int = 2048,
+        vocab_size: int = 64,
+        num_classes: int = 4,
+        min_len: int = 4,
+        max_len: int = 32,
+        signal: float = 0.3,
+        seed: int = 0,
+    ) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(0, num_classes, (num_samples,), generator=g)
+        lengths = torch.randint(min_len, max_len + 1, (num_samples,), generator=g).tolist()
+        band = (vocab_size - 1) // num_classes
+        self.x: list[torch.Tensor] = []
+        for label, n in zip(self.y.tolist(), lengths, strict=True):
+            anywhere = torch.randint(1, vocab_size, (n,), generator=g)
+            banded = 1 + label * band + torch.randint(0, band, (n,), generator=g)
+            self.x.append(torch.where(torch.rand(n, generator=g) < signal, banded, anywhere))
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def pad_tokens(samples: list[tuple[torch.Tensor, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, label)`` samples -> ``(tokens [b, longest] int64 padded with PAD, labels [b])``."""
+    tokens = torch.nn.utils.rnn.pad_sequence([t for t, _ in samples], batch_first=True, padding_value=PAD)
+    return tokens, torch.stack([torch.as_tensor(y) for _, y in samples])
+
+
+class TokenDataModule(GlobalBatchDataModule):
+    """``RandomTokens`` in global batches of ``batch_size``, each rank's share padded by ``pad_tokens`` (a
+    ``GlobalBatchDataModule`` with a ``collate_fn``)."""
+
+    def __init__(
+        self,
+        num_samples: int = 2048,
+        vocab_size: int = 64,
+        num_classes: int = 4,
+        min_len: int = 4,
+        max_len: int = 32,
+        batch_size: int = 32,
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.1,
+        seed: int = 0,
+        micro_batch_size: int | str | None = None,
+        collate_fn: Any = pad_tokens,
+    ) -> None:
+        super().__init__(
+            batch_size=batch_size,
+            val_fraction=val_fraction,
+            test_fraction=test_fraction,
+            seed=seed,
+            micro_batch_size=micro_batch_size,
+            collate_fn=collate_fn,
+        )
+        self.save_hyperparameters()
+        self.sizes = dict(num_samples=num_samples, vocab_size=vocab_size, num_classes=num_classes)
+        self.sizes.update(min_len=min_len, max_len=max_len)
+
+    @override
+    def make_dataset(self) -> Dataset:
+        return RandomTokens(**self.sizes, seed=self.seed)

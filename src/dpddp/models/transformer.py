@@ -1,0 +1,86 @@
+"""A small Transformer text classifier, the built-in model for token data (``model=transformer``, ``data=tokens``):
+its dropout is ``SampleDropout`` on per-position tensors, so ddp equals one process (docs/your-model-and-data.md,
+Text)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+from dpddp.data.tokens import PAD
+from dpddp.models.classifier import Classifier
+from dpddp.nn import SampleDropout
+
+__all__ = ["EncoderLayer", "TextClassifier"]
+
+
+class EncoderLayer(nn.Module):
+    """``nn.TransformerEncoderLayer``'s post-norm block with ``SampleDropout(dropout)`` after the attention and in
+    and after the feed-forward, on ``[b, length, width]`` tensors: a position's mask does not depend on the
+    length a batch is padded to. The attention weights themselves are not dropped (their mask would)."""
+
+    def __init__(self, width: int, heads: int, feedforward: int, dropout: float) -> None:
+        super().__init__()
+        # No biases: the key projection's has a zero gradient (softmax ignores a shift shared by all keys), whose
+        # rounding noise Adam would scale into steps that differ between world sizes (outputs the same).
+        self.attention = nn.MultiheadAttention(width, heads, dropout=0.0, bias=False, batch_first=True)
+        self.attention_dropout = SampleDropout(dropout)
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.feedforward = nn.Sequential(
+            nn.Linear(width, feedforward), nn.ReLU(), SampleDropout(dropout), nn.Linear(feedforward, width)
+        )
+        self.feedforward_dropout = SampleDropout(dropout)
+
+    @override
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        """``x: [b, length, width]``, ``padding: [b, length]`` bool (True: a padded position, never attended to)."""
+        attended, _ = self.attention(x, x, x, key_padding_mask=padding, need_weights=False)
+        x = self.norm1(x + self.attention_dropout(attended))
+        return self.norm2(x + self.feedforward_dropout(self.feedforward(x)))
+
+
+class TextClassifier(Classifier):
+    """``tokens: [b, length]`` int64 (``PAD`` = 0 where padded) -> logits ``[b, num_classes]``: token and position
+    embeddings, ``layers`` ``EncoderLayer``s, the mean over the real positions, a linear head. ``optimizer``,
+    ``lr``, ``momentum``, ``weight_decay`` as ``MLPClassifier``'s; training and metrics: ``Classifier``.
+
+    Raises ``ValueError``: ``width`` not divisible by ``heads``, or ``dropout`` outside ``[0, 1)``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 64,
+        num_classes: int = 4,
+        max_len: int = 32,
+        width: int = 32,
+        heads: int = 2,
+        layers: int = 1,
+        feedforward: int = 64,
+        dropout: float = 0.1,
+        optimizer: str = "adam",
+        lr: float = 0.003,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(num_classes)
+        if width % heads:
+            raise ValueError(f"model.width={width} does not divide by model.heads={heads}: give a multiple of it")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"model.dropout={dropout!r} is invalid: use a probability in [0, 1)")
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab_size, width, padding_idx=PAD)
+        self.position = nn.Embedding(max_len, width)
+        self.layers = nn.ModuleList(EncoderLayer(width, heads, feedforward, dropout) for _ in range(layers))
+        self.head = nn.Linear(width, num_classes)
+
+    @override
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not len(tokens):  # an evaluation chunk with no samples
+            return self.head.weight.new_zeros(0, self.head.out_features)
+        padding = tokens == PAD
+        x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+        for layer in self.layers:
+            x = layer(x, padding)
+        real = (~padding).unsqueeze(-1).to(x.dtype)
+        return self.head((x * real).sum(1) / real.sum(1))
