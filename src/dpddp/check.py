@@ -611,6 +611,12 @@ def check_network(overrides: list[str], config_dir: str | None, work: Path, proc
     print(f"recommendation: {recommend(share, compressible=grad_bytes >= 2**20)}")
 
 
+def bug_report() -> str:
+    """``dpddp-check --env``: ``environment_lines`` and the platform, as a block to paste into a bug report."""
+    lines = [f"platform: {platform.platform()}", *environment_lines()]
+    return "Paste this into your bug report:\n\n```text\n" + "\n".join(lines) + "\n```"
+
+
 def _dir(run_dir: Path) -> str:
     return f"hydra.run.dir={hydra_value(str(run_dir))}"
 
@@ -624,8 +630,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stops", action="store_true", help="promise 3: the run stopped 3 ways and continued")
     parser.add_argument("--network", action="store_true", help="all-reduce latency and bandwidth, and a forecast")
     parser.add_argument("--processes", type=int, default=2, help="--network: processes to start here (default 2)")
+    parser.add_argument("--env", action="store_true", help="print the environment for a bug report, and exit")
     parser.add_argument("overrides", nargs="*", help="other Hydra overrides (trainer.max_epochs=3, seed=1)")
     args = parser.parse_args(argv)
+    if args.env:
+        print(bug_report())
+        return
     overrides = [*overrides_of("model", args.model), *overrides_of("data", args.data), *args.overrides]
     register_resolvers()
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "dpddp"):

@@ -14,7 +14,7 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` (default ``sys.argv[1:]``), write the PNG and print its path."""
-    parser = argparse.ArgumentParser(prog="python -m dpddp.plot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="dpddp-plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="a run directory or a sweep directory (with metrics.csv files)")
     parser.add_argument("-o", "--out", default=None, help=f"the PNG to write (default: <path>/{PLOT_NAME})")
     args = parser.parse_args(argv)

@@ -1,0 +1,38 @@
+"""The console scripts: dpddp-check (--env: a block for a bug report), dpddp-plot, dpddp-eval, with --help."""
+
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from conftest import child_env
+
+BIN = Path(sys.executable).parent
+
+
+def _script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env, _ = child_env()
+    return subprocess.run([str(BIN / name), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_dpddp_check_env_prints_a_block_to_paste(tmp_path):
+    env, _ = child_env(MASTER_PORT="29555")
+    proc = subprocess.run(
+        [str(BIN / "dpddp-check"), "--env"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[:3] == ["Paste this into your bug report:", "", "```text"] and lines[-1] == "```"
+    assert lines[3] == f"platform: {platform.platform()}"
+    assert lines[4].startswith(f"versions: Python {platform.python_version()}, torch {torch.__version__}, lightning")
+    assert lines[5].startswith("devices: ") and lines[6].startswith("network: ")
+    assert lines[7].startswith("launcher variables: MASTER_PORT=29555") and len(lines) == 9
+    assert list(tmp_path.iterdir()) == []  # nothing trained, nothing written
+
+
+def test_each_console_script_has_help(tmp_path):
+    """(dpddp-check's --help is argparse's, as its --env above shows the script runs.)"""
+    for name in ("dpddp-plot",):
+        proc = _script(name, "--help", cwd=tmp_path)
+        assert proc.returncode == 0 and proc.stdout.startswith("usage: "), (name, proc.stderr[-1000:])
