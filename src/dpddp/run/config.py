@@ -6,7 +6,6 @@ Each message names the setting, the value and what to do instead; unknown keys a
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 import json
 import math
@@ -281,7 +280,6 @@ def _refuses_without_logger(test: ast.expr) -> bool:
     return False
 
 
-@functools.cache
 def needs_logger(cls: type) -> bool:
     """Whether the callback class ``cls`` raises when the Trainer has no logger: one of its methods, or a base's
     below ``pl.Callback``, has Lightning's own test (``if not trainer.loggers: raise ...``, as
@@ -322,17 +320,18 @@ def _check_callback_needs(cfg: Mapping) -> None:
         if not spec:
             continue
         cls = target_class(f"callbacks.{key}", spec)
-        if needs_logger(cls) and str(key).startswith(CLI_CALLBACKS):  # the Lightning CLI's: in its own terms
+        if not needs_logger(cls):
+            continue
+        if str(key).startswith(CLI_CALLBACKS):  # the Lightning CLI's: in its own terms
             raise ConfigError(
                 f"--trainer.callbacks ({cls.__name__}) needs a logger, and the run has none: add "
                 "--trainer.logger=CSVLogger --trainer.logger.save_dir=. (or TensorBoardLogger, MLFlowLogger, "
                 "WandbLogger), or drop the callback"
             )
-        if needs_logger(cls):
-            raise ConfigError(
-                f"callbacks.{key} ({cls.__name__}) needs a logger, and logger=none: use logger=csv (or tensorboard, "
-                f"mlflow, wandb), or drop it with callbacks.{key}=null"
-            )
+        raise ConfigError(
+            f"callbacks.{key} ({cls.__name__}) needs a logger, and logger=none: use logger=csv (or tensorboard, "
+            f"mlflow, wandb), or drop it with callbacks.{key}=null"
+        )
 
 
 _PASSED: set[tuple] = set()

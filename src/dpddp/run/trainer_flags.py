@@ -6,9 +6,7 @@ directory."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
-import json
 import logging
 import re
 import types
@@ -50,14 +48,6 @@ def _quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
-@functools.cache
-def _signature() -> ArgumentParser:
-    """A jsonargparse parser of ``pl.Trainer``'s signature (what ``LightningCLI`` checks a flag's type with)."""
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(pl.Trainer, "trainer")
-    return parser
-
-
 def _accepts(hint: Any) -> str:
     """A type hint in words: ``Optional[Union[bool, Literal['warn']]]`` is ``bool, 'warn' or null``."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
@@ -79,8 +69,10 @@ def _mistyped(flags: Mapping[str, Any]) -> str | None:
     """The first flag whose value ``pl.Trainer``'s signature does not take (jsonargparse's check), in one line;
     a null is Lightning's default, never checked."""
     given = {k: v for k, v in flags.items() if v is not None and k not in _UNTYPED}
+    parser = ArgumentParser(exit_on_error=False)  # what LightningCLI checks a flag's type with
+    parser.add_class_arguments(pl.Trainer, "trainer")
     try:
-        _signature().parse_object({"trainer": given})
+        parser.parse_object({"trainer": given})
     except ArgumentError as err:
         found = re.search(r'key "trainer\.(\w+)"', str(err))
         if found is None or found.group(1) not in given:
@@ -98,23 +90,10 @@ def refused_flag(trainer: Mapping[str, Any]) -> str | None:
     """``trainer.<flag>=<value> is invalid: <why>`` for the first flag of the ``trainer`` section whose type
     ``pl.Trainer``'s signature does not take, or that ``pl.Trainer`` refuses alone (the flags are tried together
     first: one Trainer when all are valid), else ``None``. The top-level knobs and what dpddp sets itself
-    (``strategy``, ``logger``, ...) are not tried. Flags found valid once are not tried again in this process."""
+    (``strategy``, ``logger``, ...) are not tried."""
     given = OmegaConf.to_container(trainer, resolve=True) if isinstance(trainer, DictConfig) else trainer
     assert isinstance(given, Mapping)
     flags = {str(k): v for k, v in given.items() if k not in _OWNED}
-    key = json.dumps(flags, sort_keys=True, default=repr)
-    if key in _VALID:
-        return None
-    if (problem := _refused(flags)) is None:
-        _VALID.add(key)
-    return problem
-
-
-_VALID: set[str] = set()
-"""The flag sets ``refused_flag`` found valid (as sorted JSON)."""
-
-
-def _refused(flags: dict[str, Any]) -> str | None:
     if problem := _mistyped(flags):
         return problem
     defaults = inspect.signature(pl.Trainer.__init__).parameters
