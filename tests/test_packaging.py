@@ -2,11 +2,15 @@
 
 import subprocess
 import sys
-from importlib.metadata import metadata
+from importlib.metadata import metadata, requires
 from importlib.resources import files
 
 import pytest
-from conftest import ROOT
+from conftest import QUIET, ROOT, compose_cfg
+from PIL import Image
+
+from dpddp.report.curves import curves
+from dpddp.run.training import train
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -39,3 +43,13 @@ def test_license_extras_and_test_tools():
     tools = {r.split(">")[0] for r in extras["test"]}
     assert {"pytest", "ruff", "mypy"} <= tools
     assert not tools & {r.split(">")[0] for name in runtime for r in extras[name]}  # apart from the runtime extras
+
+
+def test_matplotlib_is_a_dependency_and_every_run_draws_its_curves(tmp_path):
+    """A default install draws ``curves.png`` (matplotlib is no extra): loss, accuracy, samples/s and memory."""
+    assert any(r.startswith("matplotlib") and "extra" not in r for r in requires("dpddp") or [])
+    train(compose_cfg(*QUIET, "accelerator=cpu", "data.num_samples=400", "trainer.max_epochs=2"), tmp_path)
+    series = curves(tmp_path)[tmp_path.name]
+    for key in ("train/loss", "val/loss", "val/acc", "samples_per_sec", "peak_mem_mib"):
+        assert [epoch for epoch, _ in series[key]] == [0, 1], key
+    assert Image.open(tmp_path / "curves.png").size == (1000, 700)  # 2 x 2 panels, no legend for one run

@@ -20,7 +20,6 @@ from dpddp.errors import (
     shell,
 )
 from dpddp.plot import main as plot_main
-from dpddp.report import curves
 
 CKPT = Path("runs/a/checkpoints/last.ckpt")
 
@@ -152,12 +151,3 @@ def test_dpddp_plot_of_a_directory_without_metrics_is_one_line_and_exit_2(tmp_pa
         plot_main([str(tmp_path)])
     assert ended.value.code == 2
     assert capsys.readouterr() == ("", f"error: no metrics.csv in {tmp_path} or in its job directories\n")
-
-
-def test_dpddp_plot_without_matplotlib_is_one_line_naming_the_extra_and_exit_2(tmp_path, capsys, monkeypatch):
-    (tmp_path / "metrics.csv").write_text("stage,epoch,step,val/loss\nfit,0,3,1.5\n")
-    monkeypatch.setattr(curves, "can_plot", lambda: False)
-    with pytest.raises(SystemExit) as ended:
-        plot_main([str(tmp_path)])
-    assert ended.value.code == 2
-    assert capsys.readouterr() == ("", 'error: matplotlib is not installed: pip install "dpddp[plot]"\n')

@@ -16,7 +16,7 @@ from dpddp._compat import HYDRA_BASIC_LAUNCHER
 from dpddp.continuity import stop as sweep_stop
 from dpddp.entry.hydra import sweep_resume_command
 from dpddp.errors import EXIT_CRASH, EXIT_PREEMPTED, fail
-from dpddp.report.curves import can_plot, job_overrides, varying, write_plot
+from dpddp.report.curves import job_overrides, varying, write_plot
 
 __all__ = [
     "LOCAL_LAUNCHERS",
@@ -94,7 +94,7 @@ def write_summary(sweep_dir: Path, objective: tuple[str, bool] = ("val/loss", Fa
     """Write ``summary.csv`` and ``summary.md`` at ``sweep_dir``, one row per job directory (see
     ``SweepSummary``) with the overrides that differ between jobs (those of every job: one line above the table in
     ``summary.md`` and the printout) and a ``best`` column marking the best job by ``objective`` (see ``best_row``;
-    named in a line after the printed table), print the table, draw ``curves.png`` when matplotlib is installed;
+    named in a line after the printed table), print the table, draw ``curves.png``;
     return the rows."""
     job_dirs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     rows = [_job_row(p) for p in job_dirs]
@@ -120,7 +120,7 @@ def write_summary(sweep_dir: Path, objective: tuple[str, bool] = ("val/loss", Fa
     if best is not None:
         name, maximize = objective
         print(f"best: job {best['job']} ({name}={_cell(best[name])}, the {'highest' if maximize else 'lowest'})")
-    if can_plot() and any((p / "metrics.csv").is_file() for p in job_dirs):
+    if any((p / "metrics.csv").is_file() for p in job_dirs):
         print(f"curves: {write_plot(sweep_dir)}")
     return rows
 
@@ -155,7 +155,7 @@ def _jobs(names: list[str]) -> str:
 
 class SweepSummary(HydraCallback):
     """Hydra callback: at a multirun's end, writes ``summary.csv``, ``summary.md`` (one row per job directory,
-    resumed ones included; ``wall_time_s``: the last invocation, ``train_time_s``: all) and, with matplotlib,
+    resumed ones included; ``wall_time_s``: the last invocation, ``train_time_s``: all) and
     ``curves.png`` at the sweep root, and prints the table. Exits 1 if a job failed or did not finish; 143 with
     the resume command if a SIGTERM stopped the sweep under a ``LOCAL_LAUNCHERS`` launcher."""
 

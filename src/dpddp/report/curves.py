@@ -1,23 +1,18 @@
-"""Loss and accuracy against epoch from ``metrics.csv``: one run, or one line per job of a sweep.
-
-matplotlib is an optional extra (``pip install "dpddp[plot]"``) and is imported only inside ``write_plot``, so
-that importing this module (which every run does) stays free."""
+"""Loss, accuracy, throughput and memory against epoch from ``metrics.csv``: one run, or one line per job of a
+sweep. matplotlib is imported only inside ``write_plot``, so that importing this module (every run does) stays
+free."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import textwrap
 from pathlib import Path
 
-__all__ = ["PLOT_NAME", "can_plot", "curves", "job_overrides", "varying", "write_plot"]
+__all__ = ["PLOT_NAME", "SERIES", "curves", "job_overrides", "varying", "write_plot"]
 
 PLOT_NAME = "curves.png"
-
-
-def can_plot() -> bool:
-    """Whether matplotlib is installed."""
-    return importlib.util.find_spec("matplotlib") is not None
+SERIES = ("train/loss", "val/loss", "val/acc", "samples_per_sec", "peak_mem_mib")
+"""The ``metrics.csv`` columns drawn, per epoch of the fit."""
 
 
 def job_overrides(job_dir: Path) -> list[str]:
@@ -38,7 +33,7 @@ def varying(overrides: list[list[str]]) -> tuple[list[list[str]], list[str]]:
 
 def curves(path: str | Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """The ``fit`` rows of the ``metrics.csv`` under ``path``: ``{label: {column: [(epoch, value), ...]}}`` for
-    ``train/loss``, ``val/loss`` and ``val/acc``. ``path`` is a run directory (label: its name) or a sweep
+    each of ``SERIES``. ``path`` is a run directory (label: its name) or a sweep
     directory (one label per numbered job directory that has a ``metrics.csv``: ``"<job> <overrides>"``, only the
     overrides that differ between those jobs: ``varying``).
 
@@ -58,7 +53,7 @@ def curves(path: str | Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
         labels = [" ".join([run.name, *job]) for run, job in zip(runs, given, strict=True)]
     found = {}
     for run, label in zip(runs, labels, strict=True):
-        series: dict[str, list[tuple[int, float]]] = {"train/loss": [], "val/loss": [], "val/acc": []}
+        series: dict[str, list[tuple[int, float]]] = {key: [] for key in SERIES}
         with open(run / "metrics.csv", newline="") as f:
             for row in csv.DictReader(f):
                 if row["stage"] != "fit":
@@ -71,46 +66,44 @@ def curves(path: str | Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
 
 
 def write_plot(path: str | Path, out: str | Path | None = None) -> Path:
-    """Draw loss (train dashed, validation solid) and validation accuracy against epoch (from 0, as
-    ``metrics.csv``) for the run or sweep at ``path`` (see ``curves``) into a PNG; one colour per run, named in
-    one legend under the plots (several runs), which the PNG grows to hold. Returns the PNG's path (default
-    ``<path>/curves.png``).
+    """Draw loss (train dashed, validation solid), validation accuracy, training samples/s and peak memory
+    against epoch (from 0, as ``metrics.csv``) for the run or sweep at ``path`` (see ``curves``) into a PNG; one
+    colour per run, named in one legend under the plots (several runs), which the PNG grows to hold. Returns the
+    PNG's path (default ``<path>/curves.png``).
 
     Raises:
         FileNotFoundError: see ``curves``.
-        ModuleNotFoundError: matplotlib is not installed (``pip install "dpddp[plot]"``).
     """
     data = curves(path)
-    if not can_plot():
-        raise ModuleNotFoundError('matplotlib is not installed: pip install "dpddp[plot]"', name="matplotlib")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(10, 4), dpi=100)
+    fig = Figure(figsize=(10, 7), dpi=100)
     FigureCanvasAgg(fig)
-    loss_ax, acc_ax = fig.subplots(1, 2)
+    (loss_ax, acc_ax), (speed_ax, memory_ax) = fig.subplots(2, 2)
+    panels = (("train/loss", loss_ax, "--"), ("val/loss", loss_ax, "-"), ("val/acc", acc_ax, "-"))
+    panels += (("samples_per_sec", speed_ax, "-"), ("peak_mem_mib", memory_ax, "-"))
     for i, series in enumerate(data.values()):
-        colour = f"C{i % 10}"
-        for key, style in (("train/loss", "--"), ("val/loss", "-")):
+        for key, ax, style in panels:
             if series[key]:
                 xs, ys = zip(*series[key], strict=True)
-                loss_ax.plot(xs, ys, style, color=colour)
-        if series["val/acc"]:
-            xs, ys = zip(*series["val/acc"], strict=True)
-            acc_ax.plot(xs, ys, "-", color=colour)
-    for ax, title in ((loss_ax, "loss (train dashed, val solid)"), (acc_ax, "val/acc")):
+                ax.plot(xs, ys, style, color=f"C{i % 10}", marker="." if len(xs) < 3 else None)
+    titles = ("loss (train dashed, val solid)", "val/acc", "training samples/s", "peak memory (MiB)")
+    last = max((x for series in data.values() for points in series.values() for x, _ in points), default=0)
+    for ax, title in zip((loss_ax, acc_ax, speed_ax, memory_ax), titles, strict=True):
+        ax.set_xlim(-0.2, max(last, 1) + 0.2)  # whole epochs on the axis, even for one
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.95, hspace=0.3, wspace=0.2)  # tight_layout: 2x
     if len(data) > 1:  # one run: its lines need no names
         labels = [textwrap.fill(label, 60) for label in data]
         handles = [Line2D([], [], color=f"C{i % 10}") for i in range(len(labels))]
         columns = 1 if max(len(label) for label in data) > 40 else min(len(labels), 3)
         fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=columns, fontsize="small")
     target = Path(out) if out is not None else Path(path) / PLOT_NAME
-    fig.savefig(target, bbox_inches="tight")  # the PNG holds the legend under the plots, whatever its size
+    fig.savefig(target, bbox_inches="tight" if len(data) > 1 else None)  # the PNG grows to hold the legend
     return target

@@ -9,7 +9,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from dpddp.report.curves import can_plot, write_plot
+from dpddp.report.curves import write_plot
 
 __all__ = ["METRIC_KEYS", "MISSING", "strict", "write_metrics"]
 
@@ -58,10 +58,9 @@ def write_metrics(
     output_dir: Path, result: dict[str, Any], reasons: dict[str, str] | None = None, unshown: tuple[str, ...] = ()
 ) -> None:
     """Write ``<output_dir>/metrics.json`` (``strict(result, reasons)``), log its line (without the keys of
-    ``unshown``: what the stage does not make, explained in the file), and draw the curves when matplotlib is
-    installed."""
+    ``unshown``: what the stage does not make, explained in the file), and draw the curves."""
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "metrics.json").write_text(json.dumps(strict(result, reasons), indent=2, allow_nan=False) + "\n")
     log.info("metrics: " + ", ".join(_shown(k, v) for k, v in result.items() if k not in unshown))
-    if can_plot() and (output_dir / "metrics.csv").is_file():
+    if (output_dir / "metrics.csv").is_file():
         log.info(f"curves: {write_plot(output_dir)}")
