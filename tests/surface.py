@@ -182,9 +182,9 @@ SURFACE: tuple[Setting, ...] = (
             "test_auto_executions.py::test_auto_equals_one_bit_for_bit_and_its_k_is_in_metrics",
             "test_auto_executions.py::test_what_refuses_k_above_one_falls_back_to_one_in_one_line",
         ),
-        note="K optimizer steps per loop iteration (default `auto`: timed; 1 where your code would see "
-        "executions); K > 1 refuses accumulate_grad_batches, gradient_clip_val, val_check_interval, "
-        "limit_train_batches, SWA, strategy=dp",
+        note="K optimizer steps per loop iteration (default `auto`: timed; 1 unless all run objects are dpddp's or "
+        "known by exact type); K > 1 refuses accumulate_grad_batches, val_check_interval, limit_train_batches, "
+        "profilers, LR schedulers, SWA, dp, your batch/step hooks",
     ),
     Setting(
         "run setting",
@@ -195,10 +195,11 @@ SURFACE: tuple[Setting, ...] = (
             "test_micro_batches.py::test_a_stop_inside_a_split_step_continues_exactly",
             "test_micro_batches.py::test_ddp_two_processes_split_equal_one_unsplit_process",
             "test_micro_batches.py::test_what_cannot_keep_the_promises_is_one_line",
+            "test_micro_batches.py::test_the_transformer_recipe_in_micro_batches_equals_the_unsplit_run_in_64_bits",
         ),
-        note="each rank's share in micro-batches, one optimizer step; auto halves the split when any rank runs out "
-        "of memory (one all-reduce of the flag a step); BatchNorm, accumulate_grad_batches, gradient_clip_val and "
-        "strategy=dp are refused",
+        note="each rank's share in micro-batches, one optimizer step (clipped, schedulers stepped); auto halves the "
+        "split when any rank runs out of memory (one all-reduce of the flag a step); BatchNorm, "
+        "accumulate_grad_batches and strategy=dp are refused",
     ),
     Setting(
         "run setting",
