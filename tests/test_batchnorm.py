@@ -206,6 +206,7 @@ def _cfg(sync, strategy: str = "ddp", devices: int = 2, accelerator: str = "cpu"
         "devices": devices,
         "num_nodes": num_nodes,
         "accelerator": accelerator,
+        "cluster": "auto",
     }
 
 

@@ -91,10 +91,9 @@ def test_each_start_logs_its_world_and_warns_when_a_joining_node_could_not_start
     _env(monkeypatch, **TORCHRUN, WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_PORT="29500")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared)
     cfg = compose_cfg("strategy=ddp", "devices=2", "num_nodes=auto", "accelerator=cpu")
-    check_config(cfg)
-    source, cfg.num_nodes = world_size_source(cfg), nodes(cfg)
+    world = check_config(cfg)
     with caplog.at_level("INFO", logger="dpddp.run.training"):
-        _log_world(cfg, True, source)
+        _log_world(world, True)
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == "world size 4: 2 nodes x 2 processes (torchrun WORLD_SIZE=4)"
     assert any("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line for line in lines[1:]) == warned

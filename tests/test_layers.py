@@ -244,6 +244,59 @@ def test_the_world_size_is_worked_out_in_one_function():
     assert not _multiplies_processes_by_nodes(ast.parse("n = batch_size * num_nodes_x if 0 else 2 * nodes"))
 
 
+WORLD_FUNCTIONS = {"world_size", "nodes", "replicas", "world_size_source", "processes_per_node"}
+"""``parallel/rules``' pieces of the world: outside it, the run reads them from a ``World``."""
+
+
+def _world_calls(tree: ast.AST) -> list[str]:
+    """The calls of ``WORLD_FUNCTIONS`` in ``tree``, by name or as ``rules.<name>``."""
+    found = []
+    for node in ast.walk(tree):
+        func = node.func if isinstance(node, ast.Call) else None
+        named = isinstance(func, ast.Name) and func.id in WORLD_FUNCTIONS
+        ruled = isinstance(func, ast.Attribute) and func.attr in WORLD_FUNCTIONS and ast.unparse(func.value) == "rules"
+        if named or ruled:
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_world_is_resolved_in_one_module():
+    """``parallel/rules.resolve_world`` (or ``world_of``, ``check_config``'s answer) makes the ``World``; no other
+    module calls its pieces."""
+    found = [
+        f"{name} {call}"
+        for name, tree in _trees().items()
+        if name != "parallel/rules.py"
+        for call in _world_calls(tree)
+    ]
+    assert found == []
+    assert _world_calls(ast.parse("n = world_size(cfg) + rules.nodes(cfg)")) == [
+        "line 1: world_size(cfg)",
+        "line 1: rules.nodes(cfg)",
+    ]
+    assert _world_calls(ast.parse("n = world.world_size + env.world_size()")) == []
+
+
+def _ddp_families(tree: ast.AST) -> list[int]:
+    """Lines of ``tree`` that write the DDP family out: a tuple, list or set of exactly ``ddp`` and ``ddp_spawn``
+    (others may sit beside them only as ``*DDP_FAMILY``)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            names = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+            if names == {"ddp", "ddp_spawn"}:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_ddp_family_is_written_once():
+    """``("ddp", "ddp_spawn")`` is ``parallel/rules.DDP_FAMILY``; everything else asks ``is_ddp_family``."""
+    found = {name: lines for name, tree in _trees().items() if (lines := _ddp_families(tree))}
+    assert list(found) == ["parallel/rules.py"] and len(found["parallel/rules.py"]) == 1, found
+    assert _ddp_families(ast.parse('ok = s in ["ddp_spawn", "ddp"] or s not in {"ddp", "ddp_spawn"}')) == [1, 1]
+    assert _ddp_families(ast.parse('ok = s in ("auto", "dp", "ddp", "ddp_spawn", *DDP_FAMILY)')) == []
+
+
 CHECKPOINT_HOOKS = {"on_save_checkpoint", "on_load_checkpoint", "state_dict", "load_state_dict"}
 
 

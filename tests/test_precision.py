@@ -115,7 +115,8 @@ def test_metrics_json_records_the_precision(tmp_path):
 
 
 def _cfg(precision, strategy, devices):
-    return {"trainer": {"precision": precision}, "strategy": {"name": strategy}, "devices": devices, "num_nodes": 1}
+    cfg = {"trainer": {"precision": precision}, "strategy": {"name": strategy}, "devices": devices, "num_nodes": 1}
+    return {**cfg, "accelerator": "cpu", "cluster": "auto"}
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "16-true", "transformer-engine"])

@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from dpddp._compat import BatchNormBase
 from dpddp.errors import ConfigError
-from dpddp.parallel.rules import is_ddp_family, replicas, resolve_accelerator, world_size
+from dpddp.parallel.rules import world_of
 from dpddp.parallel.whereabouts import BATCHNORM, entering
 
 __all__ = ["BatchNormSync", "GlobalBatchNorm", "batchnorm_modules", "batchnorm_plugins", "convert", "revert"]
@@ -257,14 +257,14 @@ def batchnorm_plugins(cfg: Mapping, model: nn.Module | None = None) -> list[Laye
             f"trainer.sync_batchnorm={sync!r} is invalid: use null (BatchNorm synced over the global batch when "
             "several processes train), true or false"
         )
-    strategy, devices, processes = cfg["strategy"]["name"], cfg["devices"], world_size(cfg)
-    if strategy == "dp" and replicas(cfg) > 1 and model is not None and (names := batchnorm_modules(model)):
+    world, devices = world_of(cfg), cfg["devices"]
+    if world.family == "dp" and world.replicas > 1 and model is not None and (names := batchnorm_modules(model)):
         raise ConfigError(
             f"strategy=dp with devices={devices} and BatchNorm modules ({_names(names)}): each DataParallel "
             "replica normalises its own chunk and the replicas' running statistics are dropped, so the model "
             f"drifts from one process's: use strategy=ddp devices={devices} (BatchNorm synced over the global batch)"
         )
-    if not is_ddp_family(strategy) or processes <= 1:
+    if world.family != "ddp" or world.world_size <= 1:
         return []
-    cuda = resolve_accelerator(cfg["accelerator"]) == "gpu"
-    return [BatchNormSync(sync=sync is not False, cuda=cuda, processes=processes)]
+    cuda = world.accelerator == "gpu"
+    return [BatchNormSync(sync=sync is not False, cuda=cuda, processes=world.world_size)]

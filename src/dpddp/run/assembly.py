@@ -33,7 +33,7 @@ from dpddp.parallel.batchnorm import batchnorm_plugins
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.parallel.rules import is_ddp_family, replicas, resolve_accelerator
+from dpddp.parallel.rules import is_ddp_family, resolve_accelerator, world_of
 from dpddp.parallel.single import OneProcessStrategy
 from dpddp.parallel.workers import start_workers_safely
 from dpddp.report.bars import RichBar, TQDMBar
@@ -150,7 +150,7 @@ def _build_callbacks(
     if executions is not None:
         callbacks.append(executions)
     callbacks.append(UnkeyedDraws())  # names a data set's draws that no keyed fetch serves
-    if replicas(cfg) > 1:
+    if world_of(cfg).replicas > 1:
         callbacks.append(SameDataOnEveryRank())  # the ranks' data compared once at a fit's start
     if any(is_tracker(spec) for _, spec in _logger_specs(cfg)):
         callbacks.append(TrackerRuns(cfg, output_dir))
@@ -265,7 +265,7 @@ def _warn_global_rng(model: pl.LightningModule, datamodule: pl.LightningDataModu
     """One line at start when ``model``'s training step draws from the global random streams (``find_draws``: by
     their effect) and the run has more than one process or DataParallel replica: each draws its own, so the
     weights depend on the world size (a continued run on the same world size still replays them)."""
-    count = replicas(cfg)
+    count = world_of(cfg).replicas
     if count < 2 or not _says():
         return
     draws = find_draws(model, datamodule)

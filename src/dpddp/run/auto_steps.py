@@ -38,7 +38,7 @@ from dpddp.continuity.stop import checkpoint_intervals
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.errors import first_line
 from dpddp.parallel.bandwidth import step_seconds
-from dpddp.parallel.rules import resolve_accelerator, world_size
+from dpddp.parallel.rules import resolve_accelerator, world_of
 from dpddp.run.config import execution_refusal
 from dpddp.run.executions import known
 from dpddp.run.keys import target_class
@@ -195,7 +195,7 @@ def _device(cfg: DictConfig) -> torch.device:
 def _independent_ranks(cfg: DictConfig) -> bool:
     """Whether this process is one of a run's ranks that started apart (torchrun, SLURM, a node started by hand),
     rather than a run whose ranks this process starts (and hands the resolved K) or one process."""
-    return world_size(cfg) > 1 and not launched_by_dpddp() and (in_cluster_job() or int(cfg.num_nodes) > 1)
+    return world_of(cfg).world_size > 1 and not launched_by_dpddp() and (in_cluster_job() or int(cfg.num_nodes) > 1)
 
 
 def _agreed(cfg: DictConfig, measure: Callable[[], tuple[int, str]]) -> tuple[int, str]:
@@ -238,7 +238,7 @@ def _resolve(cfg: DictConfig, model: pl.LightningModule, datamodule: pl.Lightnin
     if cfg.get("ckpt_path") is not None:
         return checkpoint_steps_per_execution(cfg.ckpt_path), "the checkpoint's"
     assert isinstance(datamodule, GlobalBatchDataModule)  # execution_refusal: global-batch data
-    share, every = int(datamodule.batch_size) // world_size(cfg), checkpoint_intervals(cfg)[0]
+    share, every = int(datamodule.batch_size) // world_of(cfg).world_size, checkpoint_intervals(cfg)[0]
 
     def measure() -> tuple[int, str]:
         device = _device(cfg)

@@ -34,16 +34,7 @@ from dpddp.data.sharded import ShardedDataModule
 from dpddp.errors import ConfigError, checked_float, checked_int, unwritable
 from dpddp.models.classifier import Classifier
 from dpddp.models.linear import OPTIMIZERS
-from dpddp.parallel.rules import (
-    DDP_FAMILY,
-    World,
-    check_devices,
-    nodes,
-    replicas,
-    world_of,
-    world_size,
-    world_size_source,
-)
+from dpddp.parallel.rules import DDP_FAMILY, World, resolve_world, world_of
 from dpddp.run.assembly import epoch_lines
 from dpddp.run.build import build
 from dpddp.run.compiling import COMPILE_LIMITS, compile_mode
@@ -90,9 +81,8 @@ def _check_model(model: Mapping) -> None:
             checked_int(f"model.{key}", model[key], 1, f"keep model.{key}: ${{data.{key}}}")
 
 
-def _check_sharding(cfg: Mapping) -> None:
+def _check_sharding(cfg: Mapping, n_procs: int) -> None:
     """Several processes need global-batch or sharded data: a user's own loaders would run whole on every rank."""
-    n_procs = world_size(cfg)
     if n_procs > 1 and not issubclass(target_class("data", cfg["data"]), (GlobalBatchDataModule, ShardedDataModule)):
         raise ConfigError(
             f"data._target_={cfg['data']['_target_']} would give each of {n_procs} processes every batch: shard it "
@@ -208,7 +198,7 @@ def check_precision(cfg: Mapping) -> None:
     16 bits, tests/surface.py). A precision with 16-bit weights sums 16-bit gradients: refused there."""
     precision = str((cfg["trainer"] or {}).get("precision"))
     dp = cfg["strategy"]["name"] == "dp"
-    count = replicas(cfg)
+    count = world_of(cfg).replicas
     if precision in HALF_WEIGHTS and count > 1:
         where = f"{count} GPUs under strategy=dp" if dp else f"{count} processes"
         raise ConfigError(
@@ -390,16 +380,16 @@ def _check_settings(cfg: DictConfig | Mapping, stage: str) -> None:
         check_keys(section, (cfg[section] or {}).keys(), keys[section], cfg[section] or {})
     check_targets(cfg)
     cfg = with_defaults(cfg)  # a model or data config may leave any key to its class's defaults
-    check_devices(cfg)
+    world = resolve_world(cfg)
     checked_int("seed", cfg["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
-    procs = world_size(cfg)  # after the devices: the world size needs them valid
+    procs = world.world_size
     if target_class("data", cfg["data"]) is RandomTensorDataModule:
-        num_train = check_random_tensors(cfg["data"], procs, world_size_source(cfg))[0]
+        num_train = check_random_tensors(cfg["data"], procs, world.world_size_source)[0]
         _check_val_interval(cfg["trainer"] or {}, num_train // cfg["data"]["batch_size"])
-        check_memory(cfg["data"], procs // nodes(cfg) if procs > 1 else 1, memory_bytes())
+        check_memory(cfg["data"], world.processes_per_node, memory_bytes())
     else:
-        check_divides(cfg["data"].get("batch_size"), procs, world_size_source(cfg))
-    _check_sharding(cfg)
+        check_divides(cfg["data"].get("batch_size"), procs, world.world_size_source)
+    _check_sharding(cfg, procs)
     _check_executions(cfg)
     _check_micro_batches(cfg)
     _check_compile(cfg)

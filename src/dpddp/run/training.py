@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 from dpddp._compat import agent_store_shared
-from dpddp.cluster import env_rank, launched_by_dpddp, writes_outputs
+from dpddp.cluster import launched_by_dpddp
 from dpddp.continuity.io import forget_checkpoints
 from dpddp.continuity.state import save_final_checkpoint
 from dpddp.continuity.stop import RunScope, StepBoundaryStop, run_stops, starting_up
@@ -27,7 +27,7 @@ from dpddp.data.built import data_streams
 from dpddp.errors import ConfigError, Preempted, RankFailed, ReplicasDiverged, first_line
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.parallel.rules import is_ddp_family, nodes, resolve_accelerator, world_size, world_size_source
+from dpddp.parallel.rules import World
 from dpddp.parallel.workers import loader_failed
 from dpddp.report.costs import Costs, peak_memory_mib
 from dpddp.report.epochs import EpochRecord
@@ -72,11 +72,11 @@ def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: di
 def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, running: RunScope) -> dict[str, Any]:
     start = time.perf_counter()
     with starting_up(running):
-        check_config(cfg, stage)
-        elastic, source = cfg.num_nodes == "auto", world_size_source(cfg)
-        cfg.num_nodes = nodes(cfg)  # num_nodes=auto: the launcher's, for this start
-        _log_world(cfg, elastic, source)
-        writer = writes_outputs()
+        world = check_config(cfg, stage)
+        elastic = cfg.num_nodes == "auto"
+        cfg.num_nodes = world.nodes  # num_nodes=auto: the launcher's, for this start
+        _log_world(world, elastic)
+        writer = world.writes_outputs
         if writer:
             check_output_dir(output_dir)
         if cfg.get("print_config") and writer:  # once per run
@@ -119,7 +119,7 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
         segment_world_sizes=_segment_world_sizes(trainer),
         world_size=trainer.world_size,
         strategy=cfg.strategy.name,
-        accelerator=resolve_accelerator(cfg.accelerator),
+        accelerator=world.accelerator,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
         precision=str(trainer.precision),  # Lightning's resolved flag: 16-mixed becomes bf16-mixed on CPU
@@ -186,19 +186,17 @@ def objective(cfg: DictConfig) -> str:
     return str(cfg.get("objective") or "val/loss")
 
 
-def _log_world(cfg: DictConfig, elastic: bool, source: str) -> None:
+def _log_world(world: World, elastic: bool) -> None:
     """Log the world size and node count of this start under DDP (once per node: launched ranks say nothing);
     with ``elastic`` (``num_nodes=auto``) under torchrun sharing its rendezvous store with the workers, warn that
     a node joining at a restart cannot start (torch 2.13 writes the workers' store address for the first round
     only: the new node's agent waits for it until its timeout)."""
-    if not is_ddp_family(cfg.strategy.name) or launched_by_dpddp():
+    if world.family != "ddp" or launched_by_dpddp():
         return
-    size, count = world_size(cfg), cfg.num_nodes
-    per = size // count
-    log.info(
-        f"world size {size}: {count} node{'s' if count > 1 else ''} x {per} process{'es' if per > 1 else ''} ({source})"
-    )
-    if elastic and agent_store_shared() and env_rank() == 0:
+    size, count, per = world.world_size, world.nodes, world.processes_per_node
+    nodes = f"{count} node{'s' if count > 1 else ''}"
+    log.info(f"world size {size}: {nodes} x {per} process{'es' if per > 1 else ''} ({world.world_size_source})")
+    if elastic and agent_store_shared() and world.global_rank == 0:
         log.warning(
             "torchrun shares its rendezvous store with the workers, so a node that joins at a restart cannot start "
             "(torch keeps the store's address for the first round only): start torchrun with "
