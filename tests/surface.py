@@ -83,7 +83,7 @@ SURFACE: tuple[Setting, ...] = (
         "callbacks=early_stopping",
         "callbacks.early_stopping.patience=0",
         "callbacks.early_stopping.min_delta=0.25",  # the contract test's run: it ends the run after epoch 2 of 3
-        note="a run it ended stays ended when continued",
+        note="a run it ended stays ended",
     ),
     Setting(
         "trainer flag",
@@ -102,7 +102,7 @@ SURFACE: tuple[Setting, ...] = (
         "callbacks=ema",
         "callbacks=ema",
         "callbacks.ema.decay=0.9",
-        note="last.ckpt, val/*, test/* are the average's",
+        note="last.ckpt, val/*, test/*: the average's",
     ),
     _flag("callbacks=model_checkpoint", "callbacks=model_checkpoint"),
     _flag(
@@ -259,7 +259,7 @@ SURFACE: tuple[Setting, ...] = (
             "test_presets.py::test_trainer_ddp_equals_strategy_ddp",
             "test_presets.py::test_trainer_presets_set_the_top_level_knobs",
         ),
-        note="strategy=ddp devices=2 (ddp_sim: accelerator=cpu)",
+        note="strategy=ddp devices=2",
     ),
     Setting(
         "run setting",
@@ -268,7 +268,6 @@ SURFACE: tuple[Setting, ...] = (
             "test_presets.py::test_trainer_presets_set_the_top_level_knobs",
             "test_presets.py::test_each_preset_trains_on_one_process",
         ),
-        note="accelerator=cpu or gpu, devices=1",
     ),
     Setting(
         "entry point",

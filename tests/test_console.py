@@ -32,7 +32,7 @@ def test_dpddp_check_env_prints_a_block_to_paste(tmp_path):
 
 
 def test_each_console_script_has_help(tmp_path):
-    """(dpddp-check's --help is argparse's, as its --env above shows the script runs.)"""
+    """(dpddp-check's --help is argparse's, as its --env above shows the script runs; dpddp-eval's: test_eval.)"""
     for name in ("dpddp-plot",):
         proc = _script(name, "--help", cwd=tmp_path)
         assert proc.returncode == 0 and proc.stdout.startswith("usage: "), (name, proc.stderr[-1000:])

@@ -219,12 +219,14 @@ class StartChecks(HydraCallback):
     directory (``hydra.run.dir``) or the sweep's (``hydra.sweep.dir``) resolves and can be written, and (one run)
     the job's config passes ``check_config`` (interpolations, values), and (a sweep) its syntax is its sweeper's
     (``sweep_refusal``); else one ``error:`` line, exit 2, and no other line before it. A sweep job's own config
-    is checked in its job (``run_job``): a bad one fails it only."""
+    is checked in its job (``run_job``): a bad one fails it only. ``stage``: what the run does (``train``'s)."""
+
+    stage = "fit"
 
     @override
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         job = OmegaConf.masked_copy(config, [str(k) for k in config if k != "hydra"])
-        _checked(job)
+        _checked(job, self.stage)
         try:
             check_file_stores([job])
         except ConfigError as err:
@@ -239,7 +241,7 @@ class StartChecks(HydraCallback):
             done = completed_metrics(output_dir)  # complete with the same overrides: the job skips it
             if not (done and done.get("overrides") == OmegaConf.to_container(config.hydra.overrides.task)):
                 job.ckpt_path = str(last)  # what the job continues from: refused now, before .hydra-N/, train.log
-                _checked(job)
+                _checked(job, self.stage)
         _check_writable(config, "run")
 
     @override
@@ -263,10 +265,10 @@ class StartChecks(HydraCallback):
             fail(str(err))
 
 
-def _checked(job: DictConfig) -> None:
-    """``check_config`` of the job's config, its refusal ended with ``fail``."""
+def _checked(job: DictConfig, stage: str = "fit") -> None:
+    """``check_config`` of the job's config for ``stage``, its refusal ended with ``fail``."""
     try:
-        check_config(job)
+        check_config(job, stage)
     except ConfigError as err:
         fail(str(err))
 

@@ -83,8 +83,8 @@ def write_plot(path: str | Path, out: str | Path | None = None) -> Path:
     fig = Figure(figsize=(10, 7), dpi=100)
     FigureCanvasAgg(fig)
     (loss_ax, acc_ax), (speed_ax, memory_ax) = fig.subplots(2, 2)
-    panels = (("train/loss", loss_ax, "--"), ("val/loss", loss_ax, "-"), ("val/acc", acc_ax, "-"))
-    panels += (("samples_per_sec", speed_ax, "-"), ("peak_mem_mib", memory_ax, "-"))
+    panels = [("train/loss", loss_ax, "--"), ("val/loss", loss_ax, "-"), ("val/acc", acc_ax, "-")]
+    panels += [("samples_per_sec", speed_ax, "-"), ("peak_mem_mib", memory_ax, "-")]
     for i, series in enumerate(data.values()):
         for key, ax, style in panels:
             if series[key]:

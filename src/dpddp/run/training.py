@@ -55,8 +55,8 @@ STAGES = ("fit", "validate", "test", "predict")
 
 def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: dict | None = None) -> dict[str, Any]:
     """Check ``cfg``, build its model and data, and run ``stage`` (``"fit"``: fit, test, and predict with
-    ``predict=true``; else that stage alone on ``ckpt_path``). Rank 0 writes checkpoints, ``metrics.json``,
-    ``metrics.csv`` and (with matplotlib) ``curves.png`` into ``output_dir``.
+    ``predict=true``; ``"eval"``: validate and test ``ckpt_path``; else that stage alone on it). Rank 0 writes
+    checkpoints, ``metrics.json``, ``metrics.csv`` and ``curves.png`` into ``output_dir``.
 
     Returns the metrics of ``metrics.json``, the same on every rank: losses are means over samples, accuracies
     fractions, ``samples_per_sec`` training samples/s over all processes and segments, ``wall_time_s`` and
@@ -151,7 +151,7 @@ def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, ru
     return result
 
 
-NOT_RUN = {"fit": (), "validate": ("train/", "test/"), "test": ("train/", "val/")}
+NOT_RUN = {"fit": (), "validate": ("train/", "test/"), "test": ("train/", "val/"), "eval": ("train/",)}
 NOT_RUN["predict"] = ("train/", "val/", "test/")
 """The metric prefixes a stage run alone does not make (nor ``TRAINING_KEYS``, outside a fit)."""
 TRAINING_KEYS = ("samples_per_sec", "train_time_s", "first_step_unix_s")
@@ -164,7 +164,7 @@ def _missing(
     ``dpddp.report.metrics.MISSING`` says: the stage ran alone (such keys are also left out of the log line), or
     the model logged a value that is not finite, or logged none in a stage that ran."""
     tally = next((cb for cb in trainer.callbacks if isinstance(cb, FitTally)), None)  # type: ignore[attr-defined]
-    logged = {"val/": stage == "validate" or (tally is not None and tally.validated_step is not None)}
+    logged = {"val/": "validate" in ran or (tally is not None and tally.validated_step is not None)}
     logged["test/"] = "test" in ran
     reasons: dict[str, str] = {}
     unshown = []
@@ -254,14 +254,17 @@ def _run_stages(
             if is_overridden("test_step", model):  # a user's model may have none: test/* are then null
                 trainer.test(model, datamodule=datamodule, verbose=False)
                 ran.add("test")
-        elif stage in ("validate", "test"):
-            getattr(trainer, stage)(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, verbose=False)
+        elif stage in ("validate", "test", "eval"):  # eval: validate, then test (eval.py)
             metrics = {}
+            for name in ("validate", "test") if stage == "eval" else (stage,):
+                getattr(trainer, name)(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, verbose=False)
+                metrics.update(_floats(trainer.callback_metrics))  # each stage's: the next one resets them
+                ran.add(name)
         else:
             metrics = {}
         metrics.update(_floats(trainer.callback_metrics))
         if cfg.predict or stage == "predict":
-            ckpt = cfg.ckpt_path if stage == "predict" else None
+            ckpt = cfg.ckpt_path if stage in ("predict", "eval") else None
             try:
                 trainer.predict(model, datamodule=datamodule, return_predictions=False, ckpt_path=ckpt)
             except Exception as err:

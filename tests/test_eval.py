@@ -1,0 +1,83 @@
+"""An evaluation run (eval.py, dpddp-eval): a checkpoint validated and tested exactly on any world size, nothing
+trained, metrics.json written; a checkpoint of another model is one line, exit 2."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, metrics
+
+from dpddp.entry import eval as eval_entry
+from dpddp.errors import ConfigError
+from dpddp.run.config import check_config
+from dpddp.run.training import train
+
+# 1001 samples: the validation and test splits (100 each) do not divide by 3; 48 divides by 2 and 3
+DATA = ["accelerator=cpu", "data.num_samples=1001", "data.batch_size=48"]
+KEYS = ("val/loss", "val/acc", "test/loss", "test/acc")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run = tmp_path_factory.mktemp("trained")
+    train(compose_cfg(*QUIET, *DATA, "trainer.max_epochs=2"), run)
+    return run
+
+
+def _evaluated(ckpt, out, *overrides):
+    return train(compose_cfg(*QUIET, *DATA, f"ckpt_path={ckpt}", *overrides), out, stage="eval")
+
+
+def test_eval_on_one_process_gives_the_runs_metrics_and_trains_nothing(trained, tmp_path):
+    result = _evaluated(trained / "checkpoints/last.ckpt", tmp_path)
+    for key in KEYS:
+        assert result[key] == pytest.approx(metrics(trained)[key], abs=1e-6), key
+    assert metrics(tmp_path)["train/loss"] is None and metrics(tmp_path)["missing"]["train/loss"]
+    assert not (tmp_path / "checkpoints").exists()  # nothing trained, nothing saved
+
+
+def test_a_weights_only_checkpoint_evaluates_to_the_same_metrics(trained, tmp_path):
+    """What a fit cannot continue from (no optimizer or loop state) an evaluation reads whole: the weights."""
+    full = torch.load(trained / "checkpoints/last.ckpt", weights_only=True)
+    kept = ("state_dict", "hyper_parameters", "pytorch-lightning_version", "epoch", "global_step")
+    torch.save({k: full[k] for k in kept if k in full}, tmp_path / "weights.ckpt")
+    result = _evaluated(tmp_path / "weights.ckpt", tmp_path / "eval")
+    assert all(result[key] == pytest.approx(metrics(trained)[key], abs=1e-6) for key in KEYS)
+
+
+def test_another_models_checkpoint_and_no_checkpoint_are_one_line_and_help(trained, monkeypatch, capsys):
+    cfg = compose_cfg(*DATA, "model=mlp", f"ckpt_path={trained / 'checkpoints/last.ckpt'}")
+    with pytest.raises(ConfigError, match="^ckpt_path=.* holds another model's weights \\(no net.0.weight"):
+        check_config(cfg, "eval")
+    monkeypatch.setattr(sys, "argv", ["dpddp-eval", "--help"])
+    with pytest.raises(SystemExit) as ended:
+        eval_entry.main()
+    assert ended.value.code == 0 and capsys.readouterr().out.startswith("usage: python eval.py ckpt_path=<")
+    monkeypatch.setattr(sys, "argv", ["eval.py", "accelerator=cpu"])
+    with pytest.raises(SystemExit) as ended:
+        eval_entry.main()
+    assert ended.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: ckpt_path is missing: python eval.py ckpt_path=<a run's checkpoints/last.ckpt> [key=value ...]\n"
+    )
+
+
+@pytest.mark.slow
+def test_eval_py_and_dpddp_eval_on_one_and_three_processes_give_the_runs_test_metrics(trained, tmp_path):
+    env, tag = child_env()
+    ckpt = trained / "checkpoints/last.ckpt"
+    commands = {
+        "one": [sys.executable, str(ROOT / "eval.py")],
+        "three": [str(Path(sys.executable).parent / "dpddp-eval")],  # the console script
+    }
+    for name, cmd in commands.items():
+        world = ["strategy=ddp", "devices=3"] if name == "three" else []
+        args = [*cmd, f"ckpt_path={ckpt}", *DATA, *world, *QUIET, f"hydra.run.dir={tmp_path / name}"]
+        proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert metrics(tmp_path / name)["world_size"] == (3 if name == "three" else 1)
+        for key in KEYS:
+            assert metrics(tmp_path / name)[key] == pytest.approx(metrics(trained)[key], abs=1e-6), (name, key)
+    assert leftover(tag) == []
