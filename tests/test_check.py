@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import torch
 from conftest import ROOT, child_env, run_project
 from test_bring_your_own import _project
 
-from dpddp.check import STOPS_TOLERANCE, TOLERANCE, _compose, compare, overrides_of
+from dpddp.check import RECORD, STOPS_TOLERANCE, TOLERANCE, _compose, compare, overrides_of
 
 
 def _check(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -180,8 +181,58 @@ def test_the_stops_comparison_names_the_first_piece_that_differs_and_by_how_much
     assert (gap, line) == (3.0, "callbacks.Counter: count 3 apart after a SIGTERM continue")
     gap, line = compare(straight, _last_ckpt(tmp_path / "both", count=3, lr=0.1 + 1e-3), "SIGKILL")
     assert gap > STOPS_TOLERANCE and line == (
-        "optimizer: 0.param_groups.0.lr 0.001 apart after a SIGKILL continue; callbacks.Counter: its count is 3 apart "
-        "at the end, and its state_dict does not restore it: keep it in the callback's state_dict and load_state_dict"
+        "callbacks.Counter: its count is 3 apart at the end, and its state_dict does not restore it: keep it in the "
+        "callback's state_dict and load_state_dict; first apart: optimizer: 0.param_groups.0.lr 0.001 apart after a "
+        "SIGKILL continue"
+    )
+
+
+def _edit(run_dir: Path, edit) -> Path:
+    """``run_dir`` with ``edit(checkpoint, record)`` applied to its ``last.ckpt`` and ``StopAt``'s record."""
+    ckpt, record = (torch.load(p, weights_only=True) for p in (run_dir / "checkpoints/last.ckpt", run_dir / RECORD))
+    edit(ckpt, record)
+    torch.save(ckpt, run_dir / "checkpoints/last.ckpt")
+    torch.save(record, run_dir / RECORD)
+    return run_dir
+
+
+def test_the_stops_comparison_leaves_out_state_no_load_restores_and_says_missing(tmp_path):
+    """Case 61: ``ModelCheckpoint.current_score`` (its ``load_state_dict`` never reads it) is not compared; a
+    value on one side only is said missing, not ``inf`` apart."""
+
+    def scores(straight: bool, read: list[str] | None):
+        def edit(ckpt, record):
+            ckpt["callbacks"]["Counter"]["current_score"] = torch.tensor(0.167) if straight else None
+            record["restored"] = {"Counter": read}
+
+        return edit
+
+    read = ["count", "path"]
+    straight = _edit(_last_ckpt(tmp_path / "straight", count=6, lr=0.1), scores(True, read))
+    continued = _edit(_last_ckpt(tmp_path / "continued", count=6, lr=0.1), scores(False, read))
+    assert compare(straight, continued, "SIGTERM") == (0.0, None)
+    _edit(straight, scores(True, None))  # a load that could not be watched: every key compared
+    assert compare(straight, continued, "SIGTERM") == (
+        math.inf,
+        "callbacks.Counter: current_score missing in the continued run after a SIGTERM continue",
+    )
+
+
+def test_the_stops_comparison_names_a_schedule_built_for_another_limit_first(tmp_path):
+    def built(total: int):
+        def edit(ckpt, record):
+            ckpt["dpddp"]["schedules"] = [{"total_steps": total, "base_lrs": [0.1]}]
+            ckpt["state_dict"]["net.weight"] += total / 1000
+            record["schedulers"] = ["OneCycleLR"]
+
+        return edit
+
+    straight = _edit(_last_ckpt(tmp_path / "straight", count=6, lr=0.1), built(24))
+    gap, line = compare(straight, _edit(_last_ckpt(tmp_path / "c", count=6, lr=0.1), built(13)), "limit")
+    assert line == (
+        "lr_schedulers.0 (OneCycleLR) was built with total_steps=13 for the stopped run's limit and with "
+        "total_steps=24 for the straight run's: the continued run follows the first schedule; keep the limit, or use "
+        "a schedule that does not depend on it; first apart: weights: net.weight 0.011 apart after a limit continue"
     )
 
 
@@ -212,9 +263,9 @@ def test_a_callback_whose_state_dict_leaves_out_its_count_fails_the_stops_check_
     proc = _check("--stops", "data.num_samples=1000", "+callbacks.counter._target_=users_models.BatchCounter")
     # 800 samples to train, 12 batches of 64 an epoch: 24 steps, the limit drawn at step 13 (seed 0)
     assert re.fullmatch(
-        r"error: weights: linear\.(weight|bias) \S+ apart after a limit continue; callbacks\.BatchCounter: its count "
-        r"is 13 apart at the end, and its state_dict does not restore it: keep it in the callback's state_dict and "
-        r"load_state_dict",
+        r"error: callbacks\.BatchCounter: its count is 13 apart at the end, and its state_dict does not restore it: "
+        r"keep it in the callback's state_dict and load_state_dict; first apart: weights: linear\.(weight|bias) \S+ "
+        r"apart after a limit continue",
         _error_line(proc),
     )
     assert "stops: the straight run takes 24 steps; a limit at step 13," in proc.stdout
@@ -243,3 +294,37 @@ def test_the_stops_check_passes_at_the_defaults_where_auto_takes_executions():
     found = [re.fullmatch(STOPS, line) for line in lines[1:]]
     assert [m.group(1) for m in found if m] == ["limit", "SIGTERM", "SIGKILL"] and len(lines) == 4
     assert all(float(m.group(2)) == 0.0 for m in found if m)
+
+
+@pytest.mark.slow
+def test_the_stops_check_passes_a_model_whose_last_epoch_is_not_its_best():
+    """Case 61: at lr 3.0 with noisy labels val/loss is best at epoch 0 (2.58, then 4.04);
+    ``ModelCheckpoint.current_score``, which Lightning never restores, is not compared (exit 1 before)."""
+    proc = _check("--stops", "--model", "lr=3.0", "data.num_samples=1000", "data.label_noise=0.3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = [re.fullmatch(STOPS, line) for line in proc.stdout.strip().splitlines()[1:]]
+    assert [m.group(1) for m in found if m] == ["limit", "SIGTERM", "SIGKILL"]
+
+
+@pytest.mark.slow
+def test_the_stops_check_names_a_schedule_built_from_estimated_stepping_batches():
+    """Limit-built schedules: ``OneCycleLR``'s total is in its state (the continue then fails stepping past it),
+    a ``LambdaLR``'s in its code; each is named before anything else, as train.py's continue names it."""
+    data = "data.num_samples=1000"  # 24 steps; the limit drawn at step 13 (seed 0)
+    proc = _check("--stops", "--model", "mlp", "--model", "_target_=users_models.OneCycleMLP", data)
+    assert re.fullmatch(
+        r"error: OneCycleLR was built with total_steps=13 for the limit the checkpoint's run had, and this run builds "
+        r"total_steps=24: the continued run follows the first schedule, so it cannot equal a straight run to this "
+        r"limit \(its learning rate from step 13: \S+, then its step raises ValueError: Tried to step 14 times\. .*\); "
+        r"keep the first run's limit, or use a schedule that does not depend on it; the limit continue then failed: "
+        r"ValueError: Tried to step 14 times\. The specified number of total steps is 13",
+        _error_line(proc),
+    )
+    proc = _check("--stops", "--model", "mlp", "--model", "_target_=text_models.LambdaCosineMLP", data)
+    assert re.fullmatch(
+        r"error: LambdaLR's lambda is code, not state: the checkpoint restores its step \(13\) .*, so it cannot "
+        r"equal a straight run to this limit \(its learning rate from step 13: 0, .*; a straight run's: .*\); keep the "
+        r"first run's limit, or use a schedule that does not depend on it; first apart: weights: \S+ \S+ apart after a "
+        r"limit continue",
+        _error_line(proc),
+    )

@@ -173,14 +173,17 @@ def _scheduled(model: str) -> list[str]:
         (
             "CosineMLP",
             "CosineAnnealingLR was built with T_max=2 for the limit the checkpoint's run had, and this run builds "
-            "T_max=3: the continued run follows the first schedule, so it cannot equal a straight run to this limit; "
-            "keep the first run's limit, or use a schedule that does not depend on it",
+            "T_max=3: the continued run follows the first schedule, so it cannot equal a straight run to this limit "
+            "(its learning rate from step 2: 0, 0.1, 0.2, 0.1; a straight run's: 0.05, 0, 0.05, 0.15); keep the first "
+            "run's limit, or use a schedule that does not depend on it",
         ),
         (
             "OneCycleMLP",
             "OneCycleLR was built with total_steps=24 for the limit the checkpoint's run had, and this run builds "
             "total_steps=36: the continued run follows the first schedule, so it cannot equal a straight run to this "
-            "limit; keep the first run's limit, or use a schedule that does not depend on it",
+            "limit (its learning rate from step 24: 0.00174, then its step raises ValueError: Tried to step 25 times. "
+            "The specified number of total steps is 24; a straight run's: 0.0802, 0.0682, 0.0566, 0.0457); keep the "
+            "first run's limit, or use a schedule that does not depend on it",
         ),
     ],
 )

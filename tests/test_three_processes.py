@@ -223,7 +223,8 @@ def test_a_schedule_built_for_the_first_limit_says_so_once_on_three_processes(tm
         said.append([line for line in (proc.stdout + proc.stderr).splitlines() if "the continued run" in line])
     line = (
         "CosineAnnealingLR was built with T_max=2 for the limit the checkpoint's run had, and this run builds "
-        "T_max=4: the continued run follows the first schedule, so it cannot equal a straight run to this limit; "
-        "keep the first run's limit, or use a schedule that does not depend on it"
+        "T_max=4: the continued run follows the first schedule, so it cannot equal a straight run to this limit "
+        "(its learning rate from step 2: 0, 0.1, 0.2, 0.1; a straight run's: 0.1, 0.0293, 0, 0.0293); keep the first "
+        "run's limit, or use a schedule that does not depend on it"
     )
     assert said[0] == [] and len(said[1]) == 1 and said[1][0].endswith(f"[dpddp.continuity.state][WARNING] - {line}")

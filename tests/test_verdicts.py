@@ -3,6 +3,8 @@ class), the model and the streams left as they were."""
 
 from __future__ import annotations
 
+import copy
+import math
 import random
 
 import numpy as np
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from text_models import NoisyTextTransformer, TextTransformer
 from torch import nn
 
+from dpddp.continuity.schedulers import limit_line
 from dpddp.models.mlp import MLPClassifier
 from dpddp.run.draws_seen import draws_line, global_draws
 
@@ -101,3 +104,61 @@ def test_a_step_that_needs_its_trainer_raises_for_the_caller_to_say_so():
 
     with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
         global_draws(NeedsTrainer(nn.Identity()), BATCH, keyed=True)
+
+
+def _warm_cosine(total: int):
+    """A LambdaLR factor: 2 warm-up steps, then cosine to 0 at ``total``."""
+    return lambda s: (s + 1) / 2 if s < 2 else 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
+
+
+def _continued(build, first: int, again: int, steps: int, lr: float = 0.1):
+    """A scheduler built by ``build(optimizer, limit)`` for ``first`` and stepped ``steps`` times (the first run),
+    then built for ``again`` with the first one's state restored, as Lightning restores it: the restored
+    scheduler, the first build's state and this build's."""
+    weight = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=lr)
+    scheduler = build(optimizer, first)
+    old = copy.deepcopy(scheduler.state_dict())
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+    state, groups = scheduler.state_dict(), copy.deepcopy(optimizer.state_dict())
+    optimizer = torch.optim.SGD([weight], lr=lr)
+    scheduler = build(optimizer, again)
+    new = copy.deepcopy(scheduler.state_dict())
+    optimizer.load_state_dict(groups)
+    scheduler.load_state_dict(state)
+    return scheduler, old, new
+
+
+def test_a_lambda_schedule_continued_to_another_limit_is_said_by_what_it_will_do():
+    """Issue 50: the first run's LambdaLR reached 0 at its limit; continued to twice the limit its lambda, code
+    the checkpoint cannot hold, takes the new limit's values from the restored step: the rate jumps back up."""
+    scheduler, old, new = _continued(lambda o, t: torch.optim.lr_scheduler.LambdaLR(o, _warm_cosine(t)), 10, 20, 10)
+    assert limit_line(scheduler, False, old, new) == (
+        "LambdaLR's lambda is code, not state: the checkpoint restores its step (10) and this run's lambda, built for "
+        "this run's limit, takes over from there, after steps the first run's lambda took, so it cannot equal a "
+        "straight run to this limit (its learning rate from step 10: 0, 0.0422, 0.0345, 0.0273; a straight run's: "
+        "0.05, 0.0422, 0.0345, 0.0273); keep the first run's limit, or use a schedule that does not depend on it"
+    )
+    assert scheduler.last_epoch == 10 and scheduler.optimizer.param_groups[0]["lr"] == 0  # measured, then restored
+    same, old, new = _continued(lambda o, t: torch.optim.lr_scheduler.LambdaLR(o, _warm_cosine(t)), 20, 20, 10)
+    assert limit_line(same, False, old, new) is None  # the same limit: the straight run's schedule
+
+
+def test_a_schedule_whose_state_holds_its_limit_is_said_with_its_rates_and_its_failing_step():
+    cosine = lambda o, t: torch.optim.lr_scheduler.CosineAnnealingLR(o, t)  # noqa: E731
+    line = limit_line(*_continued(cosine, 2, 3, 2)[:1], False, *_continued(cosine, 2, 3, 2)[1:])
+    assert line == (
+        "CosineAnnealingLR was built with T_max=2 for the limit the checkpoint's run had, and this run builds T_max=3: "
+        "the continued run follows the first schedule, so it cannot equal a straight run to this limit (its learning "
+        "rate from step 2: 0, 0.05, 0.1, 0.05; a straight run's: 0.025, 0, 0.025, 0.075); keep the first run's "
+        "limit, or use a schedule that does not depend on it"
+    )
+    one_cycle = lambda o, t: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=t)  # noqa: E731
+    line = limit_line(*_continued(one_cycle, 4, 6, 4)[:1], False, *_continued(one_cycle, 4, 6, 4)[1:])
+    assert line is not None and line.endswith(
+        "(its learning rate from step 4: 0.0283, then its step raises ValueError: Tried to step 5 times. The specified "
+        "number of total steps is 4; a straight run's: 0.0133, 4e-07, 0.0133); keep the first run's limit, or use a "
+        "schedule that does not depend on it"
+    )

@@ -7,6 +7,7 @@ promise 1's tolerance. Exit 0 when it holds, 1 with one ``error:`` line when it 
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import math
 import os
@@ -19,7 +20,8 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElastic
 from omegaconf import DictConfig
 
 from dpddp.cluster import launch_environment, master_address, register_resolvers
+from dpddp.continuity.schedulers import LIMIT_MARK, built_apart
 from dpddp.entry.run_dir import hydra_value
 from dpddp.errors import EXIT_PREEMPTED, ConfigError, PromiseBroken, first_line, shell
 from dpddp.network import choose_interface
@@ -200,7 +203,7 @@ def _side_run(cfg: DictConfig | str, run_dir: Path) -> tuple[dict[str, torch.Ten
     try:
         _train(cfg, run_dir)
     except Exception as err:  # a setting refused for this model, a model that cannot run in 64 bits: said, not fatal
-        return f"{type(err).__name__}: {first_line(err)}"
+        return first_line(err)
     return _weights(run_dir)
 
 
@@ -333,8 +336,10 @@ WALL_CLOCK = ("Timer",)  # callbacks whose state is time measured (trainer.max_t
 class StopAt(pl.Callback):
     """The ``--stops`` runs' callback: sends this process ``signal`` (``"SIGTERM"``, ``"SIGKILL"``; ``""``: none)
     before the training batch (or execution) that takes global step ``step + 1``. At the fit's end it writes
-    ``check_stops.pt`` into the run directory: the global steps at which this fit's later epochs started, and the
-    numbers and tensors each of the user's callbacks holds as attributes (what its ``state_dict`` may leave out)."""
+    ``check_stops.pt`` into the run directory: the global steps at which this fit's later epochs started, the
+    numbers and tensors each of the user's callbacks holds as attributes (what its ``state_dict`` may leave out),
+    the keys of each callback's state its ``load_state_dict`` reads (what a continued run can have) and the LR
+    schedulers' class names."""
 
     def __init__(self, signal: str = "", step: int = -1) -> None:
         self.signal, self.step = signal, step
@@ -354,7 +359,46 @@ class StopAt(pl.Callback):
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
         users = [cb for cb in callbacks if type(cb).__module__.split(".")[0] not in OWN_PACKAGES]
         record = {"epoch_starts": self.epoch_starts, "attributes": {cb.state_key: _numbers(cb) for cb in users}}
+        record["restored"] = {cb.state_key: _read_keys(cb) for cb in callbacks}
+        record["schedulers"] = [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs]
         torch.save(record, Path(trainer.default_root_dir) / RECORD)
+
+
+class _Reads(dict):
+    """A ``state_dict`` that records the keys read from it."""
+
+    def __init__(self, state: dict) -> None:
+        super().__init__(state)
+        self.read: set = set()
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __iter__(self) -> Any:  # also what dict.update(this) and **this read through
+        self.read.update(self.keys())
+        return super().__iter__()
+
+    def items(self) -> Any:
+        self.read.update(self.keys())
+        return super().items()
+
+
+def _read_keys(callback: pl.Callback) -> list[str] | None:
+    """The keys of ``callback``'s ``state_dict`` that its ``load_state_dict`` reads (on a shallow copy of it),
+    or ``None`` when that cannot be seen (it raised)."""
+    state = _Reads(callback.state_dict())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            copy.copy(callback).load_state_dict(state)
+    except Exception:  # a load that needs more than its own state: every key compared
+        return None
+    return sorted(str(k) for k in state.read)
 
 
 def _numbers(callback: pl.Callback) -> dict[str, Any]:
@@ -395,59 +439,88 @@ def _gap(a: Any, b: Any) -> float:
     return 0.0 if type(a) is type(b) and a == b else math.inf
 
 
-def _pieces(ckpt: dict) -> dict[str, Any]:
-    """A checkpoint's state in the order ``--stops`` compares it (``WALL_CLOCK`` callbacks left out)."""
+def _pieces(ckpt: dict, restored: dict[str, list[str] | None]) -> dict[str, Any]:
+    """A checkpoint's state in the order ``--stops`` compares it (``WALL_CLOCK`` callbacks left out; of a callback
+    in ``restored``, only the keys its ``load_state_dict`` reads)."""
     found = {"weights": ckpt.get("state_dict"), "optimizer": ckpt.get("optimizer_states")}
     found["schedulers"] = ckpt.get("lr_schedulers")
-    callbacks = (ckpt.get("callbacks") or {}).items()
-    found.update({f"callbacks.{key}": state for key, state in callbacks if key not in WALL_CLOCK})
+    for key, state in (ckpt.get("callbacks") or {}).items():
+        read = restored.get(key)
+        if key not in WALL_CLOCK:
+            found[f"callbacks.{key}"] = {k: v for k, v in state.items() if k in read} if read is not None else state
     found["random"] = (ckpt.get("dpddp") or {}).get("random")
     return found
 
 
-def compare(straight: Path, continued: Path, kind: str) -> tuple[float, str | None]:
+def compare(straight: Path, continued: Path, kind: str, cause: str = "") -> tuple[float, str | None]:
     """Compare two run directories' ``last.ckpt``: the weights (``state_dict``), the optimizer and scheduler
-    states, each ``checkpoint["callbacks"]`` entry and the random states (``checkpoint["dpddp"]["random"]``),
-    in that order. Returns the largest difference, and the one line (no ``error:``) naming the first piece that
-    differs by more than ``STOPS_TOLERANCE`` and by how much (with a user's callback attribute that differs too,
-    from ``StopAt``'s record), or ``None``."""
+    states, each ``checkpoint["callbacks"]`` entry (the keys its ``load_state_dict`` reads, by ``StopAt``'s
+    record: what a continued run can have) and the random states (``checkpoint["dpddp"]["random"]``), in that
+    order. Returns the largest difference, and the one line (no ``error:``) naming the first piece that differs by
+    more than ``STOPS_TOLERANCE`` and by how much (a value on one side only: missing), after the cause where one
+    is known (``cause``, the continue's own line; a scheduler built for another limit; a user's callback
+    attribute its state leaves out), or ``None``."""
     ckpts = [
         torch.load(d / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
         for d in (straight, continued)
     ]
-    ours, theirs = (_pieces(c) for c in ckpts)
+    records = [
+        torch.load(d / RECORD, weights_only=True) if (d / RECORD).is_file() else {} for d in (straight, continued)
+    ]
+    restored = records[0].get("restored", {})
+    ours, theirs = (_pieces(c, restored) for c in ckpts)
     worst = 0.0
     for name in [*ours, *(n for n in theirs if n not in ours)]:
         if name not in ours or name not in theirs:
             return (
                 math.inf,
-                f"{name}: in the {'straight' if name in ours else 'continued'} run only, after a {kind} continue",
+                f"{name}: missing in the {'continued' if name in ours else 'straight'} run, after a {kind} continue",
             )
         left, right = _leaves(ours[name], "", straight), _leaves(theirs[name], "", continued)
-        if left.keys() != right.keys():
-            odd = next(k for k in [*left, *right] if k not in left or k not in right)
-            return math.inf, f"{name}: {odd} is in one run's state only, after a {kind} continue"
-        gaps = {k: _gap(left[k], right[k]) for k in left}
-        where = max(gaps, key=gaps.__getitem__, default="")
-        if gaps.get(where, 0.0) > STOPS_TOLERANCE:
+        gaps = {k: _gap(left[k], right[k]) for k in left if k in right}
+        missing = [k for k in [*left, *right] if (left.get(k) is None) != (right.get(k) is None)]
+        where = missing[0] if missing else max(gaps, key=gaps.__getitem__, default="")
+        if missing or gaps.get(where, 0.0) > STOPS_TOLERANCE:
             steps = [int(c["global_step"]) for c in ckpts]
-            line = f"{name}: {where + ' ' if where else ''}{gaps[where]:.2g} apart after a {kind} continue"
+            side = "continued" if left.get(where) is not None else "straight"
+            apart = f"missing in the {side} run" if missing else f"{gaps[where]:.2g} apart"
+            line = f"{name}: {where + ' ' if where else ''}{apart} after a {kind} continue"
             line += f" (at step {steps[1]} against {steps[0]})" if steps[0] != steps[1] else ""
-            return gaps[where], line + ("" if name.startswith("callbacks.") else _attribute_cause(straight, continued))
+            own = name.startswith("callbacks.")  # its state holds what differs: no attribute left out
+            cause = cause or _schedule_cause(ckpts, records[0]) or ("" if own else _attribute_cause(records))
+            return gaps.get(where, math.inf), f"{cause}; first apart: {line}" if cause else line
         worst = max(worst, gaps.get(where, 0.0))
     return worst, None
 
 
-def _attribute_cause(straight: Path, continued: Path) -> str:
-    """``; callbacks.<key>: its <attribute> ...`` for the first user's callback attribute apart at the end."""
-    if not ((straight / RECORD).is_file() and (continued / RECORD).is_file()):
+def _schedule_cause(ckpts: list[dict], record: dict) -> str:
+    """The first LR scheduler the continued run follows as another limit built it (``checkpoint["dpddp"]``'s
+    ``schedules``: the builds each run follows), or ``""``."""
+    builds = [(c.get("dpddp") or {}).get("schedules") or [] for c in ckpts]
+    names = record.get("schedulers", [])
+    for i, (straight, continued) in enumerate(zip(*builds, strict=False)):
+        apart = built_apart(continued, straight)
+        if apart:
+            name = f"lr_schedulers.{i}" + (f" ({names[i]})" if i < len(names) else "")
+            return (
+                f"{name} was built with {apart[0]} for the stopped run's limit and with {apart[1]} for the straight "
+                "run's: the continued run follows the first schedule; keep the limit, or use a schedule that does not "
+                "depend on it"
+            )
+    return ""
+
+
+def _attribute_cause(records: list[dict]) -> str:
+    """``callbacks.<key>: its <attribute> ...`` for the first user's callback attribute apart at the end (the
+    straight and the continued run's ``StopAt`` records), or ``""``."""
+    if not all(records):
         return ""
-    ours, theirs = (torch.load(d / RECORD, weights_only=True)["attributes"] for d in (straight, continued))
+    ours, theirs = (r["attributes"] for r in records)
     for key, numbers in ours.items():
         for name, value in numbers.items():
             if name in theirs.get(key, {}) and (apart := _gap(value, theirs[key][name])) > STOPS_TOLERANCE:
                 return (
-                    f"; callbacks.{key}: its {name} is {apart:.2g} apart at the end, and its state_dict does not "
+                    f"callbacks.{key}: its {name} is {apart:.2g} apart at the end, and its state_dict does not "
                     "restore it: keep it in the callback's state_dict and load_state_dict"
                 )
     return ""
@@ -511,11 +584,34 @@ def check_stops(overrides: list[str], config_dir: str | None, work: Path) -> Non
     kinds: list[tuple[str, Callable[[Path], None]]] = [("limit", limit_stop), ("SIGTERM", sigterm_stop)]
     for kind, stop_and_continue in [*kinds, ("SIGKILL", sigkill_stop)]:
         run_dir = work / kind.lower()
-        stop_and_continue(run_dir)
-        gap, problem = compare(straight, run_dir, kind)
+        with _schedule_lines() as said:  # a continue's line on a schedule built for another limit: the cause
+            try:
+                stop_and_continue(run_dir)
+            except Exception as err:
+                if said:  # e.g. OneCycleLR stepped past the total it was built with
+                    raise PromiseBroken(f"{said[0]}; the {kind} continue then failed: {first_line(err)}") from err
+                raise
+        gap, problem = compare(straight, run_dir, kind, said[0] if said else "")
         if problem is not None:
             raise PromiseBroken(problem)
         print(f"stops: {kind} continued equals the straight run (max diff {gap:.2g})")
+
+
+@contextmanager
+def _schedule_lines() -> Iterator[list[str]]:
+    """The lines an in-process continue says about a schedule built for another limit (``LIMIT_MARK``)."""
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage()) if LIMIT_MARK in record.getMessage() else None  # type: ignore[method-assign]
+    logger = logging.getLogger("dpddp.continuity")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _model_step(cfg: DictConfig) -> tuple[int, Callable[[int], float] | None, str]:

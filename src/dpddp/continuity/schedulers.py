@@ -4,12 +4,23 @@ restored schedule built for another limit than the continued run's (docs/design-
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-__all__ = ["built_states", "due_plateau_values", "limit_lines", "take_skipped_plateau_steps"]
+from dpddp.errors import first_line
+
+__all__ = [
+    "LIMIT_MARK",
+    "built_apart",
+    "built_states",
+    "limit_line",
+    "due_plateau_values",
+    "limit_lines",
+    "take_skipped_plateau_steps",
+]
 
 
 def _due(trainer: pl.Trainer, epoch: int) -> list[tuple[int, Any]]:
@@ -45,23 +56,98 @@ def built_states(trainer: pl.Trainer) -> list[dict[str, Any]]:
     return [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
 
 
+LIMIT_MARK = "so it cannot equal a straight run to this limit"
+"""In each of ``limit_line``'s lines (``python -m dpddp.check --stops`` finds them in a continue's log by it)."""
+LOOK_AHEAD = 3
+"""Steps a continue's schedule line shows the learning rate at (after the restored one)."""
+
+
+def _stepped(scheduler: Any, build: dict[str, Any] | None = None, steps: int = 0) -> list[float | str]:
+    """The first param group's learning rate now and at ``scheduler``'s next ``LOOK_AHEAD`` steps (from ``build``
+    stepped ``steps`` times, when given), or what a step raises; the scheduler and its optimizer's param groups
+    (learning rates, momenta) are as they were after it."""
+    groups = scheduler.optimizer.param_groups
+    saved = copy.deepcopy(scheduler.state_dict()), [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    found: list[float | str] = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # step() before optimizer.step()
+            if build is not None:
+                scheduler.load_state_dict(copy.deepcopy(build))
+                for group, lr in zip(groups, build.get("_last_lr") or [], strict=False):
+                    group["lr"] = lr
+                for _ in range(steps):
+                    scheduler.step()
+            found.append(float(groups[0]["lr"]))
+            for _ in range(LOOK_AHEAD):
+                scheduler.step()
+                found.append(float(groups[0]["lr"]))
+    except Exception as err:  # what the continued run's next step will raise
+        return [*found, first_line(err)]
+    finally:
+        scheduler.load_state_dict(saved[0])
+        for group, kept in zip(groups, saved[1], strict=True):
+            group.update(kept)
+    return found
+
+
+def _shown(lrs: list[float | str], raised: bool = True) -> str:
+    """The rates; with ``raised``, what a step raised (a straight run never steps past its own limit)."""
+    numbers = ", ".join(f"{v:.3g}" for v in lrs if isinstance(v, float))
+    error = next((v for v in lrs if isinstance(v, str)), None)
+    return numbers + (f", then its step raises {error}" if error and raised else "")
+
+
+def limit_line(scheduler: Any, plateau: bool, old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """The line for ``scheduler`` restored in a continued run (its state the checkpoint's) whose first build
+    ``old`` differs from this run's ``new``, or whose learning rate at the restored step and the next
+    ``LOOK_AHEAD`` (measured on it) differs from a straight run's to this limit (``new`` stepped as far; a
+    ``plateau`` scheduler, stepped on a metric, is compared by its builds only); ``None`` when neither."""
+    name, apart = type(scheduler).__name__, built_apart(old, new)
+    at = int(getattr(scheduler, "last_epoch", 0))
+    plateau = plateau or getattr(scheduler, "optimizer", None) is None  # not stepped here: by its builds only
+    ahead = [] if plateau else _stepped(scheduler)
+    straight = [] if plateau else _stepped(scheduler, new, at)
+    if apart is None and ahead == straight:
+        return None
+    if "lr_lambdas" in new:  # LambdaLR, MultiplicativeLR: the checkpoint holds their step, not their lambdas
+        why = (
+            f"{name}'s lambda is code, not state: the checkpoint restores its step ({at}) and this run's lambda, "
+            "built for this run's limit, takes over from there, after steps the first run's lambda took"
+        )
+    elif apart is not None:
+        why = (
+            f"{name} was built with {apart[0]} for the limit the checkpoint's run had, and this run builds "
+            f"{apart[1]}: the continued run follows the first schedule"
+        )
+    else:
+        why = f"{name} continues another schedule than a straight run to this limit takes"
+    measured = f" (its learning rate from step {at}: {_shown(ahead)}; a straight run's: {_shown(straight, False)})"
+    return (
+        f"{why}, {LIMIT_MARK}{measured if ahead else ''}; keep the first run's "
+        "limit, or use a schedule that does not depend on it"
+    )
+
+
 def limit_lines(trainer: pl.Trainer, restored: list[dict[str, Any]], built: list[dict[str, Any]]) -> list[str]:
-    """One line per scheduler whose build ``restored`` (the first run's, from the checkpoint) differs from this
-    run's ``built``: its schedule depends on a limit (``T_max=max_epochs``, ``total_steps``) the continued run
-    changed, and the restored state follows the first one."""
-    lines = []
+    """``limit_line`` of each LR scheduler of ``trainer`` (its state restored), ``restored`` the first run's
+    builds (from the checkpoint) and ``built`` this run's."""
+    found = []
     for config, old, new in zip(trainer.lr_scheduler_configs, restored, built, strict=False):
-        keys = [k for k in new if k in old and not _same(old[k], new[k])]
-        shown = [k for k in keys if not k.startswith("_")] or keys
-        if shown:
-            was = ", ".join(f"{k}={old[k]}" for k in shown)
-            now = ", ".join(f"{k}={new[k]}" for k in shown)
-            lines.append(
-                f"{type(config.scheduler).__name__} was built with {was} for the limit the checkpoint's run had, and "
-                f"this run builds {now}: the continued run follows the first schedule, so it cannot equal a straight "
-                "run to this limit; keep the first run's limit, or use a schedule that does not depend on it"
-            )
-    return lines
+        line = limit_line(config.scheduler, config.reduce_on_plateau, old, new)
+        if line is not None:
+            found.append(line)
+    return found
+
+
+def built_apart(old: dict[str, Any], new: dict[str, Any]) -> tuple[str, str] | None:
+    """Where two builds of one scheduler (``state_dict``s) differ: ``("total_steps=50", "total_steps=102")``
+    (public keys first), or ``None``."""
+    keys = [k for k in new if k in old and not _same(old[k], new[k])]
+    shown = [k for k in keys if not k.startswith("_")] or keys
+    if not shown:
+        return None
+    return ", ".join(f"{k}={old[k]}" for k in shown), ", ".join(f"{k}={new[k]}" for k in shown)
 
 
 def _same(a: Any, b: Any) -> bool:

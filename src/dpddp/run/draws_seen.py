@@ -18,6 +18,7 @@ import torch
 import torchmetrics
 from torch import nn
 
+from dpddp.data.global_batch import YieldedIds
 from dpddp.errors import first_line
 from dpddp.nn import SampleDropout, assign_layer_keys, sample_keys
 
@@ -189,7 +190,9 @@ def probe_batch(datamodule: pl.LightningDataModule) -> tuple[Any, bool]:
         train = getattr(datamodule, "splits", {}).get("train")
         if train is not None:
             return train[torch.arange(min(PROBE_ROWS, len(train)))], True
-        return next(iter(datamodule.train_dataloader())), False
+        loader = datamodule.train_dataloader()  # data=sharded and data=stream record their ids: keyed too
+        parts = (getattr(loader, name, None) for name in ("sampler", "batch_sampler", "dataset"))
+        return next(iter(loader)), any(isinstance(part, YieldedIds) for part in parts)
 
 
 def find_draws(model: pl.LightningModule, datamodule: pl.LightningDataModule) -> list[Draw] | str:
@@ -198,7 +201,7 @@ def find_draws(model: pl.LightningModule, datamodule: pl.LightningDataModule) ->
         batch, keyed = probe_batch(datamodule)
         return global_draws(model, batch, keyed)
     except Exception as err:  # a data module or model that needs its Trainer: the caller says it could not look
-        return f"{type(err).__name__}: {first_line(err)}"
+        return first_line(err)
 
 
 def draws_line(draws: list[Draw]) -> str:
