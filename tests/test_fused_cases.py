@@ -127,3 +127,15 @@ def test_the_cases_at_the_defaults_end_as_one_does(tmp_path, extra, step):
     assert default["steps_per_execution"] == 1
     assert checkpoint(tmp_path / "auto")["global_step"] == checkpoint(tmp_path / "one")["global_step"] == step
     assert max_diff(*(weights(tmp_path / run / "checkpoints/last.ckpt") for run in ("auto", "one"))) == 0
+
+
+def test_case_65_the_loggers_record_at_the_optimizer_step(tmp_path):
+    """The defaults' model (K=32 when idle, 51 steps an epoch): ``logger=csv`` rows at steps 50, 101, 152 and the test's at
+    153, as K=1's (were 1, 3, 5 and 6), with the same values."""
+    args = [*QUIET, "accelerator=cpu", "trainer.max_epochs=3", "logger=csv"]
+    assert train(compose_cfg(*args, AUTO), tmp_path / "auto")["steps_per_execution"] > 1  # 32 when idle
+    train(compose_cfg(*args, "steps_per_execution=1"), tmp_path / "one")
+    auto, one = ((tmp_path / run / "csv/version_0/metrics.csv").read_text() for run in ("auto", "one"))
+    assert auto == one
+    rows = [line.split(",")[:2] for line in auto.splitlines()[1:]]
+    assert rows == [["0", "50"]] * 2 + [["1", "101"]] * 2 + [["2", "152"]] * 2 + [["3", "153"]]
