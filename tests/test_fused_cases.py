@@ -130,8 +130,8 @@ def test_the_cases_at_the_defaults_end_as_one_does(tmp_path, extra, step):
 
 
 def test_case_65_the_loggers_record_at_the_optimizer_step(tmp_path):
-    """The defaults' model (K=32 when idle, 51 steps an epoch): ``logger=csv`` rows at steps 50, 101, 152 and the test's at
-    153, as K=1's (were 1, 3, 5 and 6), with the same values."""
+    """The defaults' model (K=32 when idle, 51 steps an epoch): ``logger=csv`` rows at steps 50, 101, 152 and the
+    test's at 153, as K=1's (were 1, 3, 5 and 6), with the same values."""
     args = [*QUIET, "accelerator=cpu", "trainer.max_epochs=3", "logger=csv"]
     assert train(compose_cfg(*args, AUTO), tmp_path / "auto")["steps_per_execution"] > 1  # 32 when idle
     train(compose_cfg(*args, "steps_per_execution=1"), tmp_path / "one")
