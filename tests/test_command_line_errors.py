@@ -67,7 +67,8 @@ def _error_lines(stderr: str) -> list[str]:
             "data=dataset",  # a data config without the sizes the default model follows
             "model.num_features='${data.num_features}' cannot be resolved (Interpolation key 'data.num_features' not "
             "found): the data has no num_features to follow: give the model's sizes (model.num_features=<features "
-            "per sample> model.num_classes=<classes>)",
+            "per sample> model.num_classes=<classes>), or, for a class that takes neither, give model a yaml of its "
+            "own (conf/model/<name>.yaml)",
         ),
     ],
 )

@@ -77,10 +77,11 @@ def test_a_target_lacking_a_key_of_the_packaged_config_is_told_the_fix():
     with pytest.raises(ConfigError) as err:
         check_config(compose_cfg("model._target_=test_config.SizesOnly"))
     assert str(err.value) == (
-        "unknown setting model.optimizer: test_config.SizesOnly takes no optimizer, a key of the packaged config: give "
-        "model a yaml of its own (conf/model/<name>.yaml), or drop it with ~model.optimizer"
+        "unknown setting model.optimizer: test_config.SizesOnly takes no optimizer, momentum, weight_decay (of the "
+        "packaged config): give model a yaml of its own (conf/model/<name>.yaml), or drop them with ~model.optimizer "
+        "~model.momentum ~model.weight_decay"
     )
-    dropped = ("~model.optimizer", "~model.momentum", "~model.weight_decay")  # the fix, for each key it lacks
+    dropped = ("~model.optimizer", "~model.momentum", "~model.weight_decay")  # the fix, as the line gives it
     check_config(compose_cfg("model._target_=test_config.SizesOnly", *dropped))
 
 

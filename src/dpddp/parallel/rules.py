@@ -194,7 +194,10 @@ def check_devices(cfg: Mapping) -> None:
             f"for several CPU processes use strategy=ddp devices={devices}"
         )
     if strategy in ("auto", "dp") and num_nodes != "auto" and num_nodes > 1:
-        raise ConfigError(f"num_nodes={num_nodes} needs one process per device: use strategy=ddp")
+        raise ConfigError(
+            f"num_nodes={num_nodes} needs one process per device: use strategy=ddp, with each node started by torchrun "
+            "or SLURM, or with MASTER_ADDR (node 0's address), MASTER_PORT and NODE_RANK set on each"
+        )
     if strategy == "auto" and devices != 1:
         raise ConfigError(f"strategy=auto runs on one device, not devices={devices}: use strategy=ddp (or dp on GPUs)")
     if cfg["cluster"] not in CLUSTERS:

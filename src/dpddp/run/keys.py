@@ -30,7 +30,7 @@ TOP_LEVEL_RUN = ("steps_per_execution", "compile", "checkpoint", "check_replicas
 TOP_LEVEL_OUTPUT = ("epoch_lines", "print_config", "objective")  # how a run reports progress, its config, its result
 GROUPS = ("data", "model", "trainer", "logger", "callbacks")
 TOP_LEVEL_KEYS = (*TOP_LEVEL, *TOP_LEVEL_RUN, *TOP_LEVEL_OUTPUT, *GROUPS)
-FIX = "{t} takes no {k}, a key of the packaged config: give {s} a yaml of its own (conf/{s}/<name>.yaml){d}"
+FIX = "{t} takes no {k} (of the packaged config): give {s} a yaml of its own (conf/{s}/<name>.yaml){d}"
 # Trainer flags owned elsewhere: the top-level knobs, and what the global-batch contract and the run dir need.
 TRAINER_OWNED = {
     "strategy": "set it at the top level: strategy=ddp",
@@ -225,9 +225,12 @@ def _key_problem(section: str, key: str, allowed: list[str], spec: Mapping | Non
         )
     if section and key in TOP_LEVEL_ELSEWHERE:
         return f"unknown setting {prefix}{key}", TOP_LEVEL_ELSEWHERE[key]
-    hint = key_advice(prefix, key, allowed)
-    drop = f", or drop it with ~{prefix}{key}" if (spec or {}).get(key) is not None else ""  # Hydra keeps null
-    hint = FIX.format(t=(spec or {}).get("_target_"), k=key, s=section, d=drop) if key in builtin else hint
+    if key not in builtin:
+        return f"unknown setting {prefix}{key}", key_advice(prefix, key, allowed)
+    lacks = [str(k) for k in (spec or {}) if k in builtin and k not in allowed and k != "_target_"]  # all at once
+    drops = [f"~{prefix}{k}" for k in lacks if (spec or {}).get(k) is not None]  # Hydra keeps null
+    drop = f", or drop {'them' if len(lacks) > 1 else 'it'} with {' '.join(drops)}" if len(drops) == len(lacks) else ""
+    hint = FIX.format(t=(spec or {}).get("_target_"), k=", ".join(lacks), s=section, d=drop)
     return f"unknown setting {prefix}{key}", hint
 
 

@@ -63,7 +63,8 @@ def check_resolvable(cfg: DictConfig, skip: tuple[str, ...] = ("hydra",)) -> Non
                 else "give a value, or interpolate a key that exists (e.g. ${data.num_features})"
             )
             if path[0] == "model" and value == f"${{data.{path[-1]}}}":  # the model's sizes follow the data's
-                fix = f"the data has no {path[-1]} to follow: give the model's sizes ({SIZES_FIX})"
+                fix = f"the data has no {path[-1]} to follow: give the model's sizes ({SIZES_FIX}), or, for a class "
+                fix += "that takes neither, give model a yaml of its own (conf/model/<name>.yaml)"
             raise ConfigError(f"{_dotted(path)}={value!r} cannot be resolved ({reason}): {fix}") from err
 
 
