@@ -411,3 +411,19 @@ class StreamBlobs(IterableDataset):
         g = torch.Generator().manual_seed(0)
         for _ in range(64):
             yield torch.randn(4, generator=g), torch.randint(0, 3, (), generator=g)
+
+
+class ShuffledStream(IterableDataset):
+    """A stream that shuffles each pass with ``torch.randperm`` from the global stream (no generator), as a
+    shuffle buffer does: ``num_samples`` blobs of ``num_features`` features, 3 classes (``data=stream``)."""
+
+    def __init__(self, num_samples: int = 400, num_features: int = 4) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.y = torch.randint(0, 3, (num_samples,), generator=g)
+        self.x = 2 * torch.randn(3, num_features, generator=g)[self.y] + torch.randn(
+            num_samples, num_features, generator=g
+        )
+
+    def __iter__(self):
+        for i in torch.randperm(len(self.y)).tolist():
+            yield self.x[i], self.y[i]

@@ -17,7 +17,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from typing_extensions import override
 
 from dpddp._compat import data_position
-from dpddp._compat.hydra_main import locate
 from dpddp.data import rules
 from dpddp.data.batches import Batches, batch_indexable, defer_rows
 from dpddp.data.built import data_streams, in_data_streams
@@ -163,19 +162,6 @@ class GlobalBatchSampler(YieldedIds, DistributedSampler):
             step = end
 
 
-def _collate(given: Callable[[list], Any] | str | None) -> Callable[[list], Any] | None:
-    """``given``, or the function its dotted path names. Raises ConfigError: a path naming nothing callable."""
-    if not isinstance(given, str):
-        return given
-    try:
-        found = locate(given)
-    except (ImportError, ValueError) as err:
-        found = err
-    if not callable(found) or isinstance(found, Exception):
-        raise ConfigError(f"data.collate_fn={given!r} names no function: give my_pkg.my_collate (importable)")
-    return found
-
-
 def _check_collates(train: Any, collate_fn: Callable[[list], Any] | None) -> None:
     """Raises ConfigError: the first two training samples do not collate into a batch."""
     try:
@@ -234,7 +220,7 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         super().__init__()
         if isinstance(dataset, IterableDataset):
             raise ConfigError(rules.iterable_refusal(type(dataset).__name__))
-        self.collate_fn = _collate(collate_fn)
+        self.collate_fn = rules.collate_function(collate_fn)
         if isinstance(dataset, Dataset):  # at once, before the run starts: the samples collate
             _check_collates(Batches(dataset, None, self.collate_fn), self.collate_fn)
         self.dataset, self.batch_size, self.seed, self.num_workers = dataset, batch_size, seed, num_workers

@@ -29,12 +29,12 @@ def sample_key_callbacks(model: nn.Module) -> list[pl.Callback]:
 
 
 def _sampler(trainer: pl.Trainer) -> YieldedIds | None:
-    """The training loader's sampler or batch sampler that records its ids (dpddp's: ``data=dataset`` or
-    ``data=sharded``), else ``None``."""
+    """The training loader's sampler, batch sampler or data set that records its ids (dpddp's: ``data=dataset``,
+    ``data=sharded`` or ``data=stream``), else ``None``."""
     loader = trainer.train_dataloader
     if not isinstance(loader, DataLoader):
         return None
-    for sampler in (loader.sampler, loader.batch_sampler):
+    for sampler in (loader.sampler, loader.batch_sampler, loader.dataset):  # a stream's shares: the data set
         if isinstance(sampler, YieldedIds):
             return sampler
     return None

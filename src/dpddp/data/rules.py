@@ -3,9 +3,10 @@ data modules at ``setup``: each bad setting is one ``ConfigError`` line (the set
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from dpddp._compat.hydra_main import locate
 from dpddp.errors import ConfigError, checked_float, checked_int
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "check_random_tensors",
     "check_split_settings",
     "check_train_split",
+    "collate_function",
     "iterable_refusal",
     "split_sizes",
 ]
@@ -92,7 +94,23 @@ def iterable_refusal(name: str) -> str:
     """The one line for an ``IterableDataset`` (class ``name``) given to a global-batch data module."""
     return (
         f"data.dataset ({name}) is an IterableDataset (a stream: no len() or [i]), and data=dataset serves map-style "
-        "data sets only, so that every world size trains the same global batches and a continued run resumes at its "
-        "sample: give a map-style Dataset (__len__ and __getitem__), e.g. the stream read into memory or an indexed "
-        "copy of its shards"
+        f"data sets only: use data=stream +data.stream._target_=<it> data.num_samples=<samples in one pass> (every "
+        "rank reads the whole stream), or give a map-style Dataset (__len__ and __getitem__)"
     )
+
+
+def collate_function(given: Callable[[list], Any] | str | None) -> Callable[[list], Any] | None:
+    """``data.collate_fn``: ``given``, or the function its dotted path names.
+
+    Raises:
+        ConfigError: a path that names nothing callable.
+    """
+    if not isinstance(given, str):
+        return given
+    try:
+        found = locate(given)
+    except (ImportError, ValueError):
+        found = None
+    if not callable(found):
+        raise ConfigError(f"data.collate_fn={given!r} names no function: give my_pkg.my_collate (importable)")
+    return found

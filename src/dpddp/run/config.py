@@ -31,6 +31,7 @@ from dpddp.data.memory import check_memory, memory_bytes
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.data.rules import check_divides, check_micro_batch_size, check_random_tensors, iterable_refusal
 from dpddp.data.sharded import ShardedDataModule
+from dpddp.data.streams import StreamDataModule
 from dpddp.errors import ConfigError, checked_float, checked_int, unwritable
 from dpddp.models.classifier import Classifier
 from dpddp.models.linear import OPTIMIZERS
@@ -83,7 +84,8 @@ def _check_model(model: Mapping) -> None:
 
 def _check_sharding(cfg: Mapping, n_procs: int) -> None:
     """Several processes need global-batch or sharded data: a user's own loaders would run whole on every rank."""
-    if n_procs > 1 and not issubclass(target_class("data", cfg["data"]), (GlobalBatchDataModule, ShardedDataModule)):
+    served = (GlobalBatchDataModule, ShardedDataModule, StreamDataModule)
+    if n_procs > 1 and not issubclass(target_class("data", cfg["data"]), served):
         raise ConfigError(
             f"data._target_={cfg['data']['_target_']} would give each of {n_procs} processes every batch: shard it "
             "with data=sharded +data.module._target_=<it> (dpddp fit: --data=dpddp.data.sharded.ShardedDataModule "

@@ -1,0 +1,201 @@
+"""Exact streams: an ``IterableDataset`` of samples served in global batches (``StreamDataModule``, ``data=stream``).
+Every rank reads the whole stream and keeps its share of each global batch, so the global batch is the next
+``batch_size`` samples on any world size; a continued run reads past the samples already trained; evaluation
+counts each sample once. The cost: each rank reads (and decodes) every sample; ``bench/streams.py`` measures it."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections.abc import Callable, Iterator
+from functools import partial
+from itertools import islice
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, default_collate
+from typing_extensions import override
+
+from dpddp._compat import data_position
+from dpddp.data import rules
+from dpddp.data.batches import empty_batch
+from dpddp.data.draws import seed_streams
+from dpddp.data.global_batch import YieldedIds
+from dpddp.errors import ConfigError
+from dpddp.nn import key64
+
+__all__ = ["STREAM", "StreamDataModule", "StreamShares"]
+
+# Lightning's warning that an IterableDataset's __len__ may be wrong with several workers: no workers read a stream
+# here (each would read it again), and __len__ counts this rank's batches exactly.
+warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
+
+STREAM = 0x57EA_DA7A
+"""Folded into the seed first: the stream's own draws from the global streams stay apart from other keys."""
+
+
+class _OwnStreams:
+    """The global random streams (torch CPU, numpy, Python) a stream draws from while it is read, kept apart from
+    the rank's: seeded from ``key64(STREAM, seed, epoch)`` (the same on every rank) and swapped in around each read."""
+
+    def __init__(self, seed: int, epoch: int) -> None:
+        saved = self._get()
+        seed_streams(key64(STREAM, seed, epoch))
+        self.state = self._get()
+        self._set(saved)
+
+    @staticmethod
+    def _get() -> tuple:
+        return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+    @staticmethod
+    def _set(state: tuple) -> None:
+        torch.set_rng_state(state[0])
+        np.random.set_state(state[1])
+        random.setstate(state[2])
+
+    def read(self, samples: Iterator[Any], count: int) -> list[Any]:
+        """The next ``count`` samples (fewer at the stream's end), read with the stream's own random state."""
+        saved = self._get()
+        self._set(self.state)
+        try:
+            return list(islice(samples, count))
+        finally:
+            self.state = self._get()
+            self._set(saved)
+
+
+class StreamShares(YieldedIds, IterableDataset):
+    """Rank ``rank``'s share of each global batch of samples ``[start, start + length)`` of ``stream`` (chunk
+    ``rank`` of ``torch.tensor_split`` of ``batch_size`` consecutive samples), collated by ``collate``. ``train``:
+    ``length // batch_size`` full batches, skipping those trained (``position() -> (epoch, batches trained)``);
+    else every sample once, the last batch short. Each training batch's ids (its samples' positions in the split's
+    pass) are recorded for ``SampleDropout``'s keys (``YieldedIds``).
+
+    Raises:
+        ConfigError: the stream ends before ``start + length`` samples.
+    """
+
+    def __init__(
+        self,
+        stream: Any,
+        start: int,
+        length: int,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        train: bool = False,
+        seed: int = 0,
+        collate: Callable[[list], Any] = default_collate,
+    ) -> None:
+        self.stream, self.start, self.length, self.batch_size = stream, start, length, batch_size
+        self.rank, self.world_size, self.train, self.seed, self.collate = rank, world_size, train, seed, collate
+        self.position: Callable[[], tuple[int, int]] | None = None
+        self.epoch = 0
+        self._yielded: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return self.length // self.batch_size if self.train else -(-self.length // self.batch_size)
+
+    def _share(self, batch: list[Any], k: int, epoch: int) -> Any:
+        ids = torch.tensor_split(torch.arange(len(batch)), self.world_size)[self.rank]
+        if self.train:
+            self._record(k, epoch, ids + k * self.batch_size)
+        return self.collate([batch[i] for i in ids.tolist()]) if len(ids) else empty_batch(self.collate(batch[:1]))
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, skip = self.position() if self.position is not None else (self.epoch, 0)
+        if callable(set_epoch := getattr(self.stream, "set_epoch", None)):
+            set_epoch(epoch)
+        own, samples, b = _OwnStreams(self.seed, epoch), iter(self.stream), self.batch_size
+        self._yielded.clear()
+        read = 0
+        while read < self.start + skip * b:  # past the samples before this split and those already trained
+            count = len(own.read(samples, min(self.start + skip * b - read, 4096)))
+            if not count:
+                self._ended(read)
+            read += count
+        for k in range(skip, len(self)):
+            want = min(b, self.length - k * b)
+            batch = own.read(samples, want)
+            if len(batch) < want:
+                self._ended(read + len(batch))
+            read += want
+            yield self._share(batch, k, epoch)
+
+    def _ended(self, read: int) -> None:
+        raise ConfigError(
+            f"data: the stream ({type(self.stream).__name__}) ended after {read} samples, but data.num_samples says "
+            f"{self.start + self.length} or more: give the number of samples in one pass"
+        )
+
+
+class StreamDataModule(pl.LightningDataModule):
+    """An ``IterableDataset`` ``stream`` of ``num_samples`` samples a pass (``None``: ``len(stream)``), cut into
+    contiguous ``[train | val | test]`` (``rules.split_sizes``) and served in global batches of ``batch_size``
+    (``StreamShares``): each rank reads the whole stream. ``collate_fn``: as ``GlobalBatchDataModule``'s. The
+    stream's draws from the global random streams are its own, seeded by ``(seed, epoch)``: the same on every rank.
+
+    Raises ``ConfigError``: at construction, no ``num_samples`` and no ``len(stream)``, or a stream that is not an
+    ``IterableDataset``; at ``setup``, a setting that leaves the train split without a full batch.
+    """
+
+    def __init__(
+        self,
+        stream: Any = None,
+        num_samples: int | None = None,
+        batch_size: int = 64,
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.1,
+        seed: int = 0,
+        collate_fn: Callable[[list], Any] | str | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(stream, IterableDataset):
+            raise ConfigError(
+                f"data.stream={type(stream).__name__}: give an IterableDataset, data.stream._target_=my_pkg.MyStream"
+            )
+        if num_samples is None:
+            try:
+                num_samples = len(stream)  # type: ignore[arg-type]
+            except TypeError as err:
+                raise ConfigError(
+                    f"data.num_samples=null and {type(stream).__name__} has no len(): give data.num_samples, the "
+                    "samples in one pass of the stream"
+                ) from err
+        self.stream, self.num_samples, self.batch_size, self.seed = stream, num_samples, batch_size, seed
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.collate_fn = rules.collate_function(collate_fn) or default_collate
+        self.cuts: dict[str, tuple[int, int]] = {}
+
+    @override
+    def setup(self, stage: str) -> None:
+        rules.check_split_settings(self.batch_size, self.val_fraction, self.test_fraction)
+        n_train, n_val, n_test = rules.split_sizes(self.num_samples, self.val_fraction, self.test_fraction)
+        rules.check_train_split(self.batch_size, n_train, "raise data.num_samples")
+        self.cuts = {"train": (0, n_train), "val": (n_train, n_val), "test": (n_train + n_val, n_test)}
+
+    def _loader(self, split: str) -> DataLoader:
+        rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        rules.check_divides(self.batch_size, world_size)
+        start, length = self.cuts[split]
+        shares = StreamShares(
+            self.stream, start, length, self.batch_size, rank, world_size, split == "train", self.seed, self.collate_fn
+        )
+        if split == "train" and self.trainer is not None:
+            shares.position = partial(data_position, self.trainer, len(shares))
+        return DataLoader(shares, batch_size=None)
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train")
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
