@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import functools
 import importlib
 import inspect
 from collections.abc import Iterable, Mapping
@@ -50,10 +49,9 @@ PRESETS = ("experiment", "debug", "hparams_search")
 TOP_LEVEL_ELSEWHERE = {"compile": "set it at the top level: compile=true (torch.compile of the model's forward)"}
 
 
-@functools.lru_cache(maxsize=256)
 def _params(fn: Any) -> list[str]:
     """The keyword names ``fn`` takes; a class's ``**kwargs`` passed on to its bases adds theirs (a user's
-    subclass of a built-in model). Read once per ``fn`` (the caller does not change the list)."""
+    subclass of a built-in model)."""
     params = inspect.signature(fn).parameters.values()
     names = [p.name for p in params if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if isinstance(fn, type) and any(p.kind is p.VAR_KEYWORD for p in params):
