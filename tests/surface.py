@@ -129,7 +129,10 @@ SURFACE: tuple[Setting, ...] = (
     Setting(
         "trainer flag",
         "callbacks=none",
-        tested_by=("test_presets.py::test_callbacks_none_trains_without_configured_callbacks",),
+        tested_by=(
+            "test_presets.py::test_callbacks_none_trains_without_configured_callbacks",
+            "test_presets.py::test_trainer_ddp_equals_strategy_ddp",
+        ),
     ),
     _flag(
         "BackboneFinetuning (+callbacks.finetune, a model with a backbone)",

@@ -158,7 +158,8 @@ def test_callbacks_none_trains_without_configured_callbacks(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_ddp_equals_strategy_ddp(tmp_path):
-    """``trainer=ddp devices=2`` is ``strategy=ddp devices=2``: the same 2-process run, bit for bit."""
+    """``trainer=ddp devices=2`` is ``strategy=ddp devices=2``: the same 2-process run, bit for bit; and
+    ``trainer=ddp_sim callbacks=none`` keeps promise 1 (its metrics are one process's)."""
     args = ["accelerator=cpu", "data.num_samples=400", "trainer.max_epochs=1", "devices=2"]
     run_train("trainer=ddp", *args, "hydra.run.dir=preset", cwd=tmp_path, check=True)
     run_train("strategy=ddp", *args, "hydra.run.dir=knobs", cwd=tmp_path, check=True)
@@ -167,3 +168,9 @@ def test_trainer_ddp_equals_strategy_ddp(tmp_path):
     a, b = weights(tmp_path / "preset/checkpoints/last.ckpt"), weights(tmp_path / "knobs/checkpoints/last.ckpt")
     assert max_diff(a, b) == 0.0
     assert {k: preset[k] for k in ("val/loss", "test/acc")} == {k: knobs[k] for k in ("val/loss", "test/acc")}
+    # trainer=ddp_sim (2 CPU processes) with callbacks=none: no checkpoint, and the metrics of one process
+    run_train("trainer=ddp_sim", "callbacks=none", *args[:-1], "hydra.run.dir=sim", cwd=tmp_path, check=True)
+    one = train(compose_cfg(*QUIET, *args[:-1], "callbacks=none"), tmp_path / "one")
+    assert metrics(tmp_path / "sim")["world_size"] == 2 and not (tmp_path / "sim/checkpoints/last.ckpt").exists()
+    for key in ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc"):
+        assert metrics(tmp_path / "sim")[key] == pytest.approx(one[key], abs=1e-5), key
