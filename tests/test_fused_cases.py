@@ -7,12 +7,14 @@ with nothing of the user's copied or run by the probe; a K given explicitly refu
 import logging
 import os
 import threading
+from types import SimpleNamespace
 
 import pytest
 from conftest import QUIET, checkpoint, compose_cfg, max_diff, weights
 from lightning.pytorch.callbacks import Callback, EarlyStopping, LearningRateMonitor
 from lightning.pytorch.utilities import grad_norm
 
+from dpddp.errors import ConfigError
 from dpddp.models.linear import LinearClassifier
 from dpddp.run import auto_steps
 from dpddp.run.build import build
@@ -139,3 +141,22 @@ def test_case_65_the_loggers_record_at_the_optimizer_step(tmp_path):
     assert auto == one
     rows = [line.split(",")[:2] for line in auto.splitlines()[1:]]
     assert rows == [["0", "50"]] * 2 + [["1", "101"]] * 2 + [["2", "152"]] * 2 + [["3", "153"]]
+
+
+def test_an_object_the_rule_did_not_see_ends_the_run_in_one_line(tmp_path, monkeypatch):
+    """The guard after the Trainer is built: were the rule to miss an object (here it is told to see nothing),
+    auto's K above 1 is not run with it."""
+    monkeypatch.setattr(auto_steps, "seen_executions", lambda *args: None)
+    cfg = compose_cfg(*BASE, AUTO, "model._target_=test_fused_cases.BudgetNet")
+    with pytest.raises(ConfigError, match=r"^steps_per_execution=auto took \d+, but BudgetNet would see executions"):
+        train(cfg, tmp_path / "run")
+
+
+def test_a_callback_an_installed_package_adds_keeps_one(monkeypatch):
+    factory = [SimpleNamespace(name="their_callbacks")]
+    monkeypatch.setattr(
+        auto_steps, "entry_points", lambda group: factory if group == auto_steps.CALLBACKS_FACTORY else []
+    )
+    cfg = compose_cfg(*BASE, AUTO)
+    seen = auto_steps.seen_executions(cfg, build(cfg.model, "model"), build(cfg.data, "data"))
+    assert seen == "lightning.pytorch.callbacks_factory entry point their_callbacks: its callbacks could see executions"
