@@ -6,15 +6,18 @@ from __future__ import annotations
 import copy
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import global_step, run_train
 from text_models import NoisyTextTransformer, TextTransformer
 from torch import nn
 
 from dpddp.continuity.schedulers import limit_line
+from dpddp.entry.run_dir import other_run
 from dpddp.models.mlp import MLPClassifier
 from dpddp.run.draws_seen import draws_line, global_draws
 
@@ -162,3 +165,59 @@ def test_a_schedule_whose_state_holds_its_limit_is_said_with_its_rates_and_its_f
         "number of total steps is 4; a straight run's: 0.0133, 4e-07, 0.0133); keep the first run's limit, or use a "
         "schedule that does not depend on it"
     )
+
+
+TINY = ["trainer.max_epochs=1", "data.num_samples=512", "logger=none"]
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_different_sweep_into_a_used_sweep_directory_is_one_line_before_anything_is_written(tmp_path):
+    """Case 69, under the basic launcher and joblib: another global batch into the first sweep's directory is
+    refused before any job starts, naming the setting and another directory; the first sweep's files stay."""
+    run_train("-m", "model.lr=0.05,0.2", *TINY, "hydra.sweep.dir=sweeps/lr", cwd=tmp_path, check=True)
+    before = _files(tmp_path / "sweeps")
+    line = (
+        "error: hydra.sweep.dir=sweeps/lr holds the jobs of a sweep with other settings: this one gives "
+        "data.batch_size=128 where it had the config's data.batch_size, and a job continues only with its own "
+        "model, data, Trainer and seed settings (a limit aside): give this sweep its own directory "
+        "(hydra.sweep.dir=sweeps/lr-2)"
+    )
+    for launcher in ([], ["hydra/launcher=joblib"]):
+        again = ["-m", "model.lr=0.05,0.2", *TINY, "data.batch_size=128", *launcher, "hydra.sweep.dir=sweeps/lr"]
+        proc = run_train(*again, cwd=tmp_path)
+        assert (proc.returncode, proc.stderr.strip()) == (2, line), proc.stderr[-2000:]
+        assert _files(tmp_path / "sweeps") == before
+
+
+@pytest.mark.slow
+def test_resuming_a_run_with_another_setting_is_one_line_and_a_later_limit_continues(tmp_path):
+    run_train(*TINY, "hydra.run.dir=runs/a", cwd=tmp_path, check=True)
+    before = _files(tmp_path / "runs")
+    proc = run_train(*TINY, "model.lr=0.3", "resume=true", "hydra.run.dir=runs/a", cwd=tmp_path)
+    assert (proc.returncode, proc.stderr.strip()) == (
+        2,
+        "error: the run directory runs/a holds a run with other settings: this one gives model.lr=0.3 where it had "
+        "the config's model.lr, and a continue changes no setting of its model, data, Trainer or seed but a limit: "
+        "give this run its own directory (hydra.run.dir=runs/a-2)",
+    )
+    assert _files(tmp_path / "runs") == before
+    later = ["trainer.max_epochs=2", *TINY[1:], "resume=true", "hydra.run.dir=runs/a"]
+    run_train(*later, cwd=tmp_path, check=True)
+    assert global_step(tmp_path / "runs/a") == 2 * 6  # 409 training samples, 6 batches of 64 an epoch
+
+
+def test_a_continue_may_change_a_limit_and_what_does_not_say_what_is_trained(tmp_path):
+    (tmp_path / ".hydra").mkdir()
+    typed = "- model.lr=0.1\n- trainer.max_epochs=2\n- devices=1\n- +callbacks.kill._target_=conftest.SigtermAt\n"
+    (tmp_path / ".hydra" / "overrides.yaml").write_text(typed)
+    same = ["model.lr=0.1", "trainer.max_epochs=5", "resume=true", "strategy=ddp", "devices=2", "logger=csv"]
+    assert other_run(tmp_path, same, tmp_path / ".hydra") is None
+    assert other_run(tmp_path, same, None) is None  # nothing says how it was started
+    line = other_run(tmp_path, ["trainer.max_epochs=5"], tmp_path / ".hydra")
+    assert line is not None and "this one gives the config's model.lr where it had model.lr=0.1" in line
+    line = other_run(tmp_path, [*same, "trainer.precision=bf16-mixed"], tmp_path / ".hydra")
+    assert line is not None and "this one gives trainer.precision=bf16-mixed where it had the config's" in line

@@ -40,7 +40,7 @@ from dpddp.entry.command_line import (
     unknown_option,
     unreadable_override,
 )
-from dpddp.entry.run_dir import completed_metrics, continues, directory_problem, hydra_value
+from dpddp.entry.run_dir import completed_metrics, continues, directory_problem, hydra_value, other_run, other_sweep
 from dpddp.entry.sweeps import repeated_key, sweep_refusal, sweep_without_multirun
 from dpddp.errors import (
     KNOWN,
@@ -242,11 +242,18 @@ class StartChecks(HydraCallback):
             if not (done and done.get("overrides") == OmegaConf.to_container(config.hydra.overrides.task)):
                 job.ckpt_path = str(last)  # what the job continues from: refused now, before .hydra-N/, train.log
                 _checked(job, self.stage)
+        first = next(iter(config_dirs(output_dir)), None)  # case 69: a continue is the same run
+        if resume and (last.is_file() or (output_dir / "metrics.json").is_file()):
+            if problem := other_run(output_dir, [str(o) for o in config.hydra.overrides.task], first):
+                fail(problem)
         _check_writable(config, "run")
 
     @override
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if problem := sweep_refusal(config):  # a sweep syntax its sweeper cannot run
+            fail(problem)
+        sweep_dir = Path(_directory(config, "sweep"))  # case 69: its jobs continue only the same sweep's
+        if problem := other_sweep(sweep_dir, [str(o) for o in config.hydra.overrides.task]):
             fail(problem)
         if warning := repeated_key(config):
             print(warning, file=sys.stderr)

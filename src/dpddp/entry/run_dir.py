@@ -7,14 +7,29 @@ import json
 import re
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from dpddp.cluster import launch_id
 from dpddp.continuity.io import checkpoint_launch
 from dpddp.parallel.rendezvous import torchrun_restarted
 from dpddp.run.training import METRIC_KEYS
 
-__all__ = ["completed_metrics", "continues", "directory_problem", "hydra_value"]
+__all__ = [
+    "CONTINUE_MAY_CHANGE",
+    "WEIGHTS",
+    "completed_metrics",
+    "continues",
+    "directory_problem",
+    "hydra_value",
+    "other_run",
+    "other_sweep",
+]
+
+WEIGHTS = ("model", "data", "trainer", "seed")
+"""The overrides (and their sub-keys) that say what a run trains: its model, its data, its Trainer and its seed.
+The others (the world, callbacks, loggers, checkpoint cadence) a continue may give otherwise."""
+CONTINUE_MAY_CHANGE = ("trainer.max_epochs", "trainer.max_steps", "trainer.max_time", "trainer.enable_progress_bar")
+"""Of ``WEIGHTS``, what a continue may change: a later limit (and the progress bar)."""
 
 
 def completed_metrics(output_dir: Path) -> dict | None:
@@ -70,3 +85,65 @@ def directory_problem(cfg: DictConfig, output_dir: Path, resume: bool, named: bo
             "torchrun --rdzv-id=<job id>)"
         )
     return None
+
+
+def _settings(overrides: list[str]) -> dict[str, str]:
+    """``key: value`` of the Hydra overrides (as typed) under ``WEIGHTS`` but not ``CONTINUE_MAY_CHANGE``
+    (``+``/``~`` dropped from the key; a deletion's value ``~``)."""
+
+    def under(key: str, keys: tuple[str, ...]) -> bool:
+        return any(key == k or key.startswith(f"{k}.") for k in keys)
+
+    found = {}
+    for override in overrides:
+        key, sep, value = str(override).partition("=")
+        bare = key.lstrip("+~")
+        if under(bare, WEIGHTS) and not under(bare, CONTINUE_MAY_CHANGE):
+            found[bare] = value if sep and not key.startswith("~") else "~"
+    return found
+
+
+def _first_apart(before: list[str], now: list[str]) -> str | None:
+    old, new = _settings(before), _settings(now)
+    for key in [*new, *(k for k in old if k not in new)]:
+        if old.get(key) != new.get(key):
+            had = f"{key}={old[key]}" if key in old else f"the config's {key}"
+            return f"{key}={new[key]} where it had {had}" if key in new else f"the config's {key} where it had {had}"
+    return None
+
+
+def other_run(output_dir: Path, overrides: list[str], first: Path | None) -> str | None:
+    """Why a run given ``overrides`` must not continue the run in ``output_dir``, whose first invocation's
+    config directory is ``first`` (``.hydra``): one line naming the first setting of what it trains (``WEIGHTS``)
+    that differs other than a limit (``CONTINUE_MAY_CHANGE``), and another directory to use; ``None`` when none
+    differs (or nothing says how that run was started)."""
+    typed = first / "overrides.yaml" if first is not None else None
+    if typed is None or not typed.is_file():
+        return None
+    apart = _first_apart([str(o) for o in OmegaConf.load(typed)], overrides)
+    if apart is None:
+        return None
+    return (
+        f"the run directory {hydra_value(str(output_dir))} holds a run with other settings: this one gives {apart}, "
+        "and a continue changes no setting of its model, data, Trainer or seed but a limit: give this run its own "
+        f"directory (hydra.run.dir={hydra_value(str(output_dir))}-2)"
+    )
+
+
+def other_sweep(sweep_dir: Path, overrides: list[str]) -> str | None:
+    """Why a sweep given ``overrides`` must not continue the jobs of the sweep in ``sweep_dir`` (its
+    ``multirun.yaml``, where a job of it left a ``last.ckpt`` or ``metrics.json``): one line as ``other_run``'s,
+    naming ``hydra.sweep.dir``; ``None`` when no sweep's jobs are there or none of its settings differ."""
+    record = sweep_dir / "multirun.yaml"
+    held = any(sweep_dir.glob("*/checkpoints/last.ckpt")) or any(sweep_dir.glob("*/metrics.json"))
+    if not (record.is_file() and held):
+        return None
+    before = OmegaConf.load(record).hydra.overrides.task
+    apart = _first_apart([str(o) for o in before], overrides)
+    if apart is None:
+        return None
+    return (
+        f"hydra.sweep.dir={hydra_value(str(sweep_dir))} holds the jobs of a sweep with other settings: this one "
+        f"gives {apart}, and a job continues only with its own model, data, Trainer and seed settings (a limit "
+        f"aside): give this sweep its own directory (hydra.sweep.dir={hydra_value(str(sweep_dir))}-2)"
+    )
