@@ -36,6 +36,7 @@ def test_eval_on_one_process_gives_the_runs_metrics_and_trains_nothing(trained, 
         assert result[key] == pytest.approx(metrics(trained)[key], abs=1e-6), key
     assert metrics(tmp_path)["train/loss"] is None and metrics(tmp_path)["missing"]["train/loss"]
     assert not (tmp_path / "checkpoints").exists()  # nothing trained, nothing saved
+    assert not (tmp_path / "curves.png").exists()  # no epoch of a fit to draw
 
 
 def test_a_weights_only_checkpoint_evaluates_to_the_same_metrics(trained, tmp_path):

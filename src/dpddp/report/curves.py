@@ -8,7 +8,7 @@ import csv
 import textwrap
 from pathlib import Path
 
-__all__ = ["PLOT_NAME", "SERIES", "curves", "job_overrides", "varying", "write_plot"]
+__all__ = ["PLOT_NAME", "SERIES", "curves", "drawable", "job_overrides", "varying", "write_plot"]
 
 PLOT_NAME = "curves.png"
 SERIES = ("train/loss", "val/loss", "val/acc", "samples_per_sec", "peak_mem_mib")
@@ -63,6 +63,14 @@ def curves(path: str | Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
                         points.append((int(row["epoch"]), float(row[key])))
         found[label] = series
     return found
+
+
+def drawable(path: str | Path) -> bool:
+    """Whether the run or sweep at ``path`` has epochs of a fit to draw (an evaluation run has none)."""
+    try:
+        return any(points for series in curves(path).values() for points in series.values())
+    except FileNotFoundError:
+        return False
 
 
 def write_plot(path: str | Path, out: str | Path | None = None) -> Path:

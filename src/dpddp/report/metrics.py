@@ -9,7 +9,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from dpddp.report.curves import write_plot
+from dpddp.report.curves import drawable, write_plot
 
 __all__ = ["METRIC_KEYS", "MISSING", "strict", "write_metrics"]
 
@@ -62,5 +62,5 @@ def write_metrics(
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "metrics.json").write_text(json.dumps(strict(result, reasons), indent=2, allow_nan=False) + "\n")
     log.info("metrics: " + ", ".join(_shown(k, v) for k, v in result.items() if k not in unshown))
-    if (output_dir / "metrics.csv").is_file():
+    if drawable(output_dir):  # epochs of a fit: not an evaluation run's
         log.info(f"curves: {write_plot(output_dir)}")
