@@ -6,12 +6,11 @@ file ``<sweep dir>/.stop``). See docs/design-notes.md (continuity.stop)."""
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -23,15 +22,15 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from dpddp._compat import disable_sigterm_broadcast, restore_sigterm_broadcast
-from dpddp.cluster import cluster_world_size, launched, launched_by_dpddp
-from dpddp.continuity.io import BACKGROUND, AtomicCheckpointIO
+from dpddp.cluster import launched, launched_by_dpddp
+from dpddp.continuity.intervals import IntervalCheckpoints
 from dpddp.continuity.pace import Pace, agreed
 from dpddp.continuity.sweep_file import ENV, STOP_FILE, active, clear, request, requested
-from dpddp.errors import ConfigError, Preempted, checked_float, checked_int, local_rank, stop_line
+from dpddp.errors import Preempted, local_rank, stop_line
 
 __all__ = ["ENV", "STOP_FILE", "StepBoundaryStop", "active", "clear", "request", "requested", "run_stops"]
 __all__ += ["ON_SIGTERM", "TRANSITIONS", "Action", "Phase"]
-__all__ += ["CHECKPOINT_KEYS", "RunScope", "checkpoint_intervals", "command", "start", "starting_up", "watch"]
+__all__ += ["RunScope", "command", "start", "starting_up", "watch"]
 
 _watching = False
 
@@ -276,56 +275,22 @@ def starting_up(scope: RunScope) -> Iterator[None]:
 
 # -- the training loop -------------------------------------------------------------------------------------
 
-CHECKPOINT_KEYS = ("every_n_steps", "every_seconds")
-AUTO_EVERY_SECONDS = 600.0
-"""``checkpoint.every_seconds=auto`` under a cluster launcher (torchrun, SLURM, a PyTorchJob)."""
-
-
-def checkpoint_intervals(cfg: Mapping) -> tuple[int | None, float | None]:
-    """``checkpoint.every_n_steps`` (steps) and ``checkpoint.every_seconds`` (seconds; ``auto``: 600 under a
-    cluster launcher, else off), each ``None`` when off; both off with ``trainer.enable_checkpointing=false``.
-
-    Raises:
-        ConfigError: a value that is not ``null``, a positive integer / number (or ``auto``).
-    """
-    section = cfg.get("checkpoint") or {}
-    steps, seconds = section.get("every_n_steps"), section.get("every_seconds")
-    if steps is not None:
-        checked_int("checkpoint.every_n_steps", steps, 1, "use a positive number of optimizer steps, or null (off)")
-    if seconds == "auto":
-        seconds = AUTO_EVERY_SECONDS if cluster_world_size(cfg.get("cluster", "auto")) is not None else None
-    elif seconds is not None:
-        fix = "use a positive number of seconds, auto (600 under torchrun, SLURM, a PyTorchJob) or null (off)"
-        if checked_float("checkpoint.every_seconds", seconds, 0.0, math.inf, fix) <= 0:
-            raise ConfigError(f"checkpoint.every_seconds={seconds!r} is invalid: {fix}")
-    if (cfg.get("trainer") or {}).get("enable_checkpointing") is False:
-        return None, None
-    return steps, seconds
-
 
 class StepBoundaryStop(pl.Callback):
     """Stops every stage on SIGTERM to any rank within about ``interval_s`` seconds, on every rank together: the
     ranks agree at batch boundaries (one ``all_reduce(MAX)`` every 1 to 1000 batches of each loop: training,
     validation, test, predict) and at each stage's end. In a fit, at an optimizer-step boundary, it writes
     ``last.ckpt`` under ``dirpath``; then it raises ``Preempted`` (docs/design-notes.md, continuity.stop). The
-    run's scope (``RunScope.own``) sends it the signal (``request``). At the same boundaries, without stopping,
-    it writes ``last.ckpt`` in the background once ``global_step`` passes a multiple of ``every_n_steps``, and
-    once ``every_s`` seconds have passed since its last such write (agreed with the SIGTERM's)."""
+    run's scope (``RunScope.own``) sends it the signal (``request``). Its agreements carry ``intervals``' (the
+    checkpoints written without stopping), and its step boundaries are theirs."""
 
-    def __init__(
-        self,
-        dirpath: str | Path,
-        interval_s: float = 1.0,
-        every_n_steps: int | None = None,
-        every_s: float | None = None,
-    ) -> None:
+    def __init__(self, dirpath: str | Path, interval_s: float = 1.0, intervals: IntervalCheckpoints | None = None):
         self.dirpath, self.interval_s = Path(dirpath), interval_s
-        self.every_n_steps, self.every_s = every_n_steps, every_s
+        self.intervals = intervals or IntervalCheckpoints(dirpath)
         self.requested = False
         self._train, self._eval = Pace(), Pace()
         self._sweep_checked = 0.0
         self._agreed = False
-        self._saved_step, self._saved_at, self._save_due = 0, time.monotonic(), False
 
     def request(self) -> None:
         """A SIGTERM reached this rank: the next agreement stops every rank."""
@@ -338,7 +303,7 @@ class StepBoundaryStop(pl.Callback):
         self._train, self._agreed = Pace(), False
         self._sweep_checked = 0.0  # the first batch's agreement reads the sweep's stop file, whatever came before
         self.requested = self.requested or requested()  # the sweep stopped while this job was starting
-        self._saved_step, self._saved_at, self._save_due = trainer.global_step, time.monotonic(), False
+        self.intervals.start(trainer.global_step)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -350,17 +315,7 @@ class StepBoundaryStop(pl.Callback):
             return
         if self._agreed:
             self._save_and_stop(trainer)
-        every, step = self.every_n_steps, trainer.global_step
-        if step > self._saved_step and (self._save_due or (every and step // every > self._saved_step // every)):
-            self._saved_step, self._save_due = step, False
-            trainer.save_checkpoint(
-                self.dirpath / "last.ckpt", weights_only=False, storage_options=self._background(trainer)
-            )
-            self._saved_at = time.monotonic()
-
-    @staticmethod
-    def _background(trainer: pl.Trainer) -> dict[str, str] | None:
-        return BACKGROUND if isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO) else None
+        self.intervals.at_step_boundary(trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -441,7 +396,8 @@ class StepBoundaryStop(pl.Callback):
         if not self.requested and time.perf_counter() - self._sweep_checked >= 0.25:  # a stat, not every batch
             self._sweep_checked = time.perf_counter()
             self.requested = requested()
-        due = self.every_s is not None and time.monotonic() - self._saved_at >= self.every_s
+        due = self.intervals.time_due()
         level = agreed(2 if self.requested else int(due), trainer.strategy.root_device, pace, self.interval_s)
-        self._save_due = self._save_due or level == 1  # a time-interval write, at the next step boundary
+        if level == 1:  # a time-interval write, at the next step boundary
+            self.intervals.agreed_due()
         return level == 2

@@ -21,10 +21,11 @@ from typing_extensions import override
 from dpddp._compat import skip_empty_batch_hooks, softmax_per_sample
 from dpddp._compat.callbacks import mend_finetuning, mend_swa
 from dpddp.cluster import launch_id, writes_outputs
+from dpddp.continuity.intervals import IntervalCheckpoints, checkpoint_intervals
 from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.continuity.replicas import ReplicaGuard, check_every
 from dpddp.continuity.state import ResumableState
-from dpddp.continuity.stop import StepBoundaryStop, checkpoint_intervals
+from dpddp.continuity.stop import StepBoundaryStop
 from dpddp.data.built import SameDataOnEveryRank
 from dpddp.data.draws import UnkeyedDraws
 from dpddp.data.keys import sample_key_callbacks
@@ -142,8 +143,8 @@ def _build_callbacks(
         guard=(guard := ReplicaGuard(check_every(cfg))),
         batch_size=batch if isinstance(batch := (cfg.data or {}).get("batch_size"), int) else None,
     )
-    every_n_steps, every_s = checkpoint_intervals(cfg)
-    stop = StepBoundaryStop(output_dir / "checkpoints", every_n_steps=every_n_steps, every_s=every_s)
+    intervals = IntervalCheckpoints(output_dir / "checkpoints", *checkpoint_intervals(cfg))
+    stop = StepBoundaryStop(output_dir / "checkpoints", intervals=intervals)
     callbacks: list[pl.Callback] = [tally, throughput, costs, epochs, state, guard]
     if is_ddp_family(cfg.strategy.name):  # plain tensors logged with sync_dist over processes: exact
         callbacks.append(LoggedTensors())

@@ -33,8 +33,8 @@ from dpddp.cluster import (
     torchrun_restart_count,
     writes_outputs,
 )
+from dpddp.continuity.intervals import checkpoint_intervals
 from dpddp.continuity.io import checkpoint_steps_per_execution
-from dpddp.continuity.stop import checkpoint_intervals
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.errors import first_line
 from dpddp.parallel.bandwidth import step_seconds

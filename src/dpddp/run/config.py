@@ -23,9 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import IterableDataset
 
 from dpddp.cluster import launch_environment
+from dpddp.continuity.intervals import CHECKPOINT_KEYS, checkpoint_intervals
 from dpddp.continuity.io import ConfiguredModel, checkpoint_problem
 from dpddp.continuity.replicas import check_every
-from dpddp.continuity.stop import CHECKPOINT_KEYS, checkpoint_intervals
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.data.memory import check_memory, memory_bytes
 from dpddp.data.random_tensors import RandomTensorDataModule
