@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dpddp._compat.hydra_main import locate
 from dpddp.errors import ConfigError, checked_float, checked_int
 
 __all__ = [
@@ -108,6 +107,8 @@ def collate_function(given: Callable[[list], Any] | str | None) -> Callable[[lis
     if not isinstance(given, str):
         return given
     try:
+        from dpddp._compat.hydra_main import locate  # here: _compat imports Lightning, which the early answer avoids
+
         found = locate(given)
     except (ImportError, ValueError):
         found = None
