@@ -157,23 +157,77 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         return train(cfg, run_dir)
 
 
-def _advice(rows: list[dict[str, Any]]) -> str:
-    fastest = max(rows, key=lambda r: r["samples_per_sec"])
-    one = rows[0]
+ROUNDS = 4
+"""At most this many timings of one process against ddp(2) (the report's trainings, then alternated 1-epoch ones)."""
+MARGIN = 1.1
+"""A round decides when ddp(2)'s samples/s over one process's is above this, or below its inverse."""
+
+
+def _again(runs: list[tuple[str, int, DictConfig]], ddp: dict[str, Any], work: Path) -> Callable[[int], float]:
+    """A round of ``_ratios``: one epoch of one process and of ddp(2), in the order the round's parity gives."""
+    cfgs = {name: cfg.copy() for name, _, cfg in runs if name in ("1 process", ddp["name"])}
+    for cfg in cfgs.values():
+        cfg.trainer.max_epochs = 1
+
+    def again(round: int) -> float:
+        speeds: dict[str, float] = {}
+        for name in sorted(cfgs, reverse=bool(round % 2)):
+            run_dir = work / f"round{round}-{len(speeds)}"
+            run_dir.mkdir()
+            speeds[name] = _train(cfgs[name], run_dir)["samples_per_sec"]
+        return speeds[ddp["name"]] / speeds["1 process"]
+
+    return again
+
+
+def _ratios(first: float, again: Callable[[int], float]) -> list[float]:
+    """ddp(2)'s samples/s over one process's: ``first``, then ``again(round)``'s, until two rounds in a row agree
+    (both above ``MARGIN``, both below ``1 / MARGIN``, or both within) or ``ROUNDS`` are taken."""
+    ratios = [first]
+    while len(ratios) < ROUNDS:
+        ratios.append(again(len(ratios)))
+        if _agreed(ratios[-2:]):
+            break
+    return ratios
+
+
+def _agreed(last: list[float]) -> str | None:
+    """``"ddp"``, ``"one"`` or ``"even"`` when the ratios all say it, else ``None``."""
+    if len(last) < 2:
+        return None
+    if min(last) > MARGIN:
+        return "ddp"
+    if max(last) < 1 / MARGIN:
+        return "one"
+    return "even" if all(1 / MARGIN <= r <= MARGIN for r in last) else None
+
+
+def _advice(rows: list[dict[str, Any]], ratios: list[float]) -> str:
+    """The advice from ``ratios`` (``_ratios``): which of one process and ddp(2) is faster here, or that this
+    machine cannot tell now."""
     ddp = next(r for r in rows if r["name"].startswith("ddp"))
     share = ddp.get("allreduce_share")
     waits = f"the gradient all-reduce takes {share:.0%} of each ddp step" if share is not None else "ddp all-reduces"
-    ratio = fastest["samples_per_sec"] / one["samples_per_sec"]
-    if fastest is one:
-        slower = one["samples_per_sec"] / ddp["samples_per_sec"]
+    shown = ", ".join(f"{r:.2f}" for r in ratios)
+    rounds = f"{len(ratios)} alternated timings of ddp(2) over one process: {shown}"
+    verdict, last = _agreed(ratios[-2:]), ratios[-2:]
+    ratio = math.sqrt(last[0] * last[1])
+    if verdict == "one":
         return (
-            f"advice: one process is fastest here for this model size ({slower:.1f}x ddp(2)): {waits}, more than "
-            "the half step the second process saves; ddp pays off with heavier steps (a larger model or batch, "
-            "more features) or more cores"
+            f"advice: one process is fastest here for this model size ({1 / ratio:.1f}x ddp(2); {rounds}): {waits}, "
+            "more than the half step the second process saves; ddp pays off with heavier steps (a larger model or "
+            "batch, more features) or more cores"
         )
+    if verdict == "ddp":
+        return (
+            f"advice: ddp(2) is fastest here for this model size ({ratio:.1f}x one process; {rounds}): each replica's "
+            f"share of the step saves more than it waits ({waits})"
+        )
+    if verdict == "even":
+        return f"advice: one process and ddp(2) are about as fast here for this model size ({rounds}): {waits}"
     return (
-        f"advice: {fastest['name']} is fastest here for this model size ({ratio:.1f}x one process): each replica's "
-        f"share of the step saves more than it waits ({waits})"
+        f"advice: this machine cannot tell now whether one process or ddp(2) is faster ({rounds}): its load "
+        "changes between timings; run the check again when it is idle"
     )
 
 
@@ -300,7 +354,8 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
     drifting = [r for r in rows[1:] if r["diff"] > r["bound"] or r["step"] != rows[0]["step"]]
     print(f"promise 1 (the same math as one process; in {rows[0]['precision']}, a drift within rounding): ", end="")
     print("holds" if not (math_apart or drifting) else "does NOT hold")
-    print(_advice(rows))
+    ddp = next(r for r in rows if r["name"].startswith("ddp"))
+    print(_advice(rows, _ratios(ddp["samples_per_sec"] / rows[0]["samples_per_sec"], _again(runs, ddp, work))))
     if math_apart:
         row = math_apart[0]
         diff, relative, where, step, one_step = row["math"]
