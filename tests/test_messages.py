@@ -11,11 +11,14 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from dpddp._compat.hydra_main import hydra_argument_error
 from dpddp.messages import (
     argparse_choice,
+    dataloader_failure,
     defaults_list_parent,
+    hydra_override_reason,
     instantiate_key,
     instantiate_target,
     jsonargparse_refusal,
     mlflow_opt_out,
+    omegaconf_reason,
     unexpected_keyword,
     without_torch_prefixes,
 )
@@ -99,3 +102,45 @@ def test_mlflow_opt_out_reads_mlflows_refusal_of_a_file_store(tmp_path, monkeypa
         mlflow.MlflowClient(f"file://{tmp_path / 'mlruns'}")
     assert mlflow_opt_out(str(err.value)) == "MLFLOW_ALLOW_FILE_STORE"
     assert mlflow_opt_out("no such table: experiments") is None
+
+
+def test_omegaconf_reason_reads_a_failed_interpolation():
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("test_messages.fails"):
+        OmegaConf.register_new_resolver("test_messages.fails", lambda: int("x"))
+    cfg = OmegaConf.create({"a": "${data.nope}", "b": "${test_messages.fails:}"})
+    said = {}
+    for key in ("a", "b"):
+        with pytest.raises(Exception) as err:
+            cfg[key]  # noqa: B018
+        said[key] = omegaconf_reason(str(err.value).splitlines()[0])
+    assert said == {"a": "Interpolation key 'data.nope' not found", "b": "invalid literal for int() with base 10: 'x'"}
+
+
+def test_hydra_override_reason_reads_the_grammars_refusal():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    with pytest.raises(Exception) as err:
+        OverridesParser.create().parse_overrides(["model.lr=["])
+    reason = hydra_override_reason(str(err.value))
+    assert reason is not None and not reason.startswith(("Error parsing", "See https")) and "[" in str(err.value)
+
+
+class _Slow(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> int:
+        import time
+
+        time.sleep(3)
+        return i
+
+
+def test_dataloader_failure_reads_torchs_worker_timeout():
+    loader = torch.utils.data.DataLoader(_Slow(), num_workers=1, timeout=0.5)
+    with pytest.raises(RuntimeError) as err:
+        next(iter(loader))
+    assert dataloader_failure(str(err.value).splitlines()[0]) == "a DataLoader worker sent no batch for 0.5 s"
+    assert dataloader_failure("CUDA out of memory") is None

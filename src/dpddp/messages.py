@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-__all__ = ["JsonargparseRefusal", "argparse_choice", "defaults_list_parent", "instantiate_key"]
-__all__ += ["instantiate_target", "jsonargparse_refusal", "mlflow_opt_out", "unexpected_keyword"]
-__all__ += ["without_torch_prefixes"]
+__all__ = ["JsonargparseRefusal", "argparse_choice", "dataloader_failure", "defaults_list_parent"]
+__all__ += ["hydra_override_reason", "instantiate_key", "instantiate_target", "jsonargparse_refusal"]
+__all__ += ["mlflow_opt_out", "omegaconf_reason", "unexpected_keyword", "without_torch_prefixes"]
 
 
 def argparse_choice(message: str) -> tuple[str, str, list[str]] | None:
@@ -86,6 +86,29 @@ def jsonargparse_refusal(lines: list[str]) -> JsonargparseRefusal:
         class_path=first(r"Problem with given class_path '(.+)'"),
         expected=[m.group(1) or m.group(2) for line in inner if (m := JSONARGPARSE_EXPECTED.match(line))],
     )
+
+
+def omegaconf_reason(first_line: str) -> str:
+    """OmegaConf's reason an interpolation did not resolve, from its error's first line, without a resolver's
+    wrapper (``ValueError raised while resolving interpolation: ...``) and quotes."""
+    return re.sub(r"^\w+ raised while resolving interpolation: ", "", first_line).strip('"')
+
+
+def hydra_override_reason(message: str) -> str | None:
+    """Why Hydra's override grammar refused an override: its ``OverrideParseException`` message's first line that is
+    not the heading (``Error parsing override ...``) or the link (``See https://...``); ``None`` without one."""
+    lines = [x for x in message.splitlines() if x and not x.startswith(("Error parsing", "See https"))]
+    return lines[0] if lines else None
+
+
+def dataloader_failure(first_line: str) -> str | None:
+    """torch's ``RuntimeError`` of a stuck or dead DataLoader worker (its first line), as a phrase (``"a DataLoader
+    worker sent no batch for 60.0 s"``, ``"a DataLoader worker (pid(s) 42) exited unexpectedly"``), else ``None``
+    (torch 2.13's ``torch/utils/data/dataloader.py`` and its C++ SIGCHLD handler)."""
+    timed_out = re.fullmatch(r"DataLoader timed out after (\S+) seconds", first_line)
+    if timed_out:
+        return f"a DataLoader worker sent no batch for {timed_out[1]} s"
+    return f"a {first_line}" if first_line.startswith("DataLoader worker (pid") else None
 
 
 def mlflow_opt_out(text: str) -> str | None:

@@ -22,7 +22,7 @@ from dpddp._compat import hydra_command_line
 from dpddp._compat.hydra_main import hydra_argument_error
 from dpddp.entry.early import GROUPS, dotted_keys, key_hints, missing_key_line
 from dpddp.entry.early import unknown_option as _unknown_option
-from dpddp.messages import argparse_choice, defaults_list_parent, jsonargparse_refusal
+from dpddp.messages import argparse_choice, defaults_list_parent, hydra_override_reason, jsonargparse_refusal
 from dpddp.parallel.rules import lightning_name_line
 from dpddp.run.keys import key_hint
 from dpddp.run.trainer_flags import takes
@@ -161,8 +161,7 @@ def unreadable_override(argv: list[str]) -> str | None:
         try:
             parser.parse_overrides([given])
         except OverrideParseException as err:
-            lines = [x for x in str(err).splitlines() if x and not x.startswith(("Error parsing", "See https"))]
-            reason = lines[0] if lines else "not an override"
+            reason = hydra_override_reason(str(err)) or "not an override"
             return (
                 f"{given!r} cannot be read as an override ({reason}): write key=value, quoting a value with "
                 "special characters (key='a,b'); see https://hydra.cc/docs/advanced/override_grammar/basic/"

@@ -9,7 +9,6 @@ import atexit
 import builtins
 import multiprocessing
 import os
-import re
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -26,6 +25,7 @@ from dpddp._compat.processes import (
     stop_worker_servers,
 )
 from dpddp.errors import LoaderFailed, first_line
+from dpddp.messages import dataloader_failure
 from dpddp.parallel.launcher import die_with_parent
 
 __all__ = ["START_METHOD", "WORKER_TIMEOUT_S", "WorkerInitFailed", "WorkerStart", "loader_failed"]
@@ -153,13 +153,7 @@ def loader_worker_failure(err: BaseException) -> str | None:
     ``"a DataLoader worker (pid 42) is killed by signal: Killed."``), else ``None``. Its wording, torch 2.13
     (``torch/utils/data/dataloader.py`` and its C++ SIGCHLD handler); tests/test_loader_workers.py fails if it
     changes (the run then ends with torch's traceback instead of the one line)."""
-    if not isinstance(err, RuntimeError):
-        return None
-    text = (str(err).splitlines() or [""])[0]
-    timed_out = re.fullmatch(r"DataLoader timed out after (\S+) seconds", text)
-    if timed_out:
-        return f"a DataLoader worker sent no batch for {timed_out[1]} s"
-    return f"a {text}" if text.startswith("DataLoader worker (pid") else None
+    return dataloader_failure((str(err).splitlines() or [""])[0]) if isinstance(err, RuntimeError) else None
 
 
 def worker_start_failure(err: BaseException) -> str | None:

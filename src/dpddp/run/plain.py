@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpddp.data.rules import check_random_tensors
 from dpddp.errors import ConfigError, checked_int
+from dpddp.messages import omegaconf_reason
 from dpddp.parallel.settings import LIGHTNING_STRATEGIES, STRATEGIES, check_device_values
 
 __all__ = ["RANDOM_TENSORS", "check_plain", "check_resolvable", "key_advice"]
@@ -54,8 +55,7 @@ def check_resolvable(cfg: DictConfig, skip: tuple[str, ...] = ("hydra",)) -> Non
             for key in path:
                 node = node[key]
         except Exception as err:  # OmegaConf's resolution errors, or a resolver's own
-            reason = (str(err).splitlines() or [type(err).__name__])[0]
-            reason = re.sub(r"^\w+ raised while resolving interpolation: ", "", reason).strip('"')
+            reason = omegaconf_reason((str(err).splitlines() or [type(err).__name__])[0])
             env = re.search(r"\$\{oc\.env:([^,}]+)", value)
             fix = (
                 f"set {env.group(1)} in the environment, or give a default: ${{oc.env:{env.group(1)},<default>}}"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import re
 import types
 import typing
 import warnings
@@ -20,6 +19,7 @@ from jsonargparse import ArgumentError, ArgumentParser
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
+from dpddp.messages import jsonargparse_refusal
 from dpddp.run.keys import TRAINER_OWNED
 
 __all__ = ["TRAINER_ERRORS", "refused_flag", "takes"]
@@ -74,10 +74,10 @@ def _mistyped(flags: Mapping[str, Any]) -> str | None:
     try:
         parser.parse_object({"trainer": given})
     except ArgumentError as err:
-        found = re.search(r'key "trainer\.(\w+)"', str(err))
-        if found is None or found.group(1) not in given:
+        named = jsonargparse_refusal([x.strip() for x in str(err).splitlines()]).key or ""
+        key = named.removeprefix("trainer.")
+        if not named.startswith("trainer.") or key not in given:
             return f"trainer: {_line(err)}"
-        key = found.group(1)
         return f"trainer.{key}={given[key]!r} is invalid: pl.Trainer takes {takes(key)} for {key}"
     return None
 
