@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import global_step, run_train
+from conftest import run_train
 from text_models import NoisyTextTransformer, TextTransformer
 from torch import nn
 
@@ -194,7 +194,7 @@ def test_a_different_sweep_into_a_used_sweep_directory_is_one_line_before_anythi
 
 
 @pytest.mark.slow
-def test_resuming_a_run_with_another_setting_is_one_line_and_a_later_limit_continues(tmp_path):
+def test_resuming_a_run_with_another_setting_is_one_line_before_anything_is_written(tmp_path):
     run_train(*TINY, "hydra.run.dir=runs/a", cwd=tmp_path, check=True)
     before = _files(tmp_path / "runs")
     proc = run_train(*TINY, "model.lr=0.3", "resume=true", "hydra.run.dir=runs/a", cwd=tmp_path)
@@ -204,10 +204,7 @@ def test_resuming_a_run_with_another_setting_is_one_line_and_a_later_limit_conti
         "the config's model.lr, and a continue changes no setting of its model, data, Trainer or seed but a limit: "
         "give this run its own directory (hydra.run.dir=runs/a-2)",
     )
-    assert _files(tmp_path / "runs") == before
-    later = ["trainer.max_epochs=2", *TINY[1:], "resume=true", "hydra.run.dir=runs/a"]
-    run_train(*later, cwd=tmp_path, check=True)
-    assert global_step(tmp_path / "runs/a") == 2 * 6  # 409 training samples, 6 batches of 64 an epoch
+    assert _files(tmp_path / "runs") == before  # a later limit continues: test_a_continue_may_change_...
 
 
 def test_a_continue_may_change_a_limit_and_what_does_not_say_what_is_trained(tmp_path):

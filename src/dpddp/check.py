@@ -291,24 +291,33 @@ def _same_math(rows: list[dict[str, Any]], sixty_four: list[tuple[dict[str, torc
     return lines
 
 
-def _rounding(rows: list[dict[str, Any]], scaled: tuple[dict[str, torch.Tensor], int] | str, precision: str) -> str:
-    """The rounding line: the scale (one process against itself, its batch summed in 2 micro-batches) and each
+def _rounding(
+    rows: list[dict[str, Any]],
+    scaled: tuple[dict[str, torch.Tensor], int] | str,
+    wide: tuple[dict[str, torch.Tensor], int] | str,
+    precision: str,
+) -> str:
+    """The rounding line: the scale (one process against itself with its batch summed in 2 micro-batches; where a
+    model cannot take them, against its 64-bit run ``wide``: what rounding to ``precision`` costs it) and each
     replicated training's drift against its bound; sets ``row["bound"]``."""
-    if isinstance(scaled, str):
+    if isinstance(scaled, str) and isinstance(wide, str):
         for row in rows[1:]:
             row["bound"] = TOLERANCE
-        return f"rounding, in {precision}: the scale not measured ({scaled}); the bound is {TOLERANCE:.0e}"
-    scale, _ = _difference(scaled[0], rows[0]["weights"])
+        return f"rounding, in {precision}: the scale not measured ({scaled}; {wide}); the bound is {TOLERANCE:.0e}"
+    if isinstance(scaled, str):
+        assert not isinstance(wide, str)
+        scale, _ = _difference(wide[0], rows[0]["weights"])
+        how = f"one process ends {scale:.1e} from its 64-bit run (the scale; 2 micro-batches: {scaled})"
+    else:
+        scale, _ = _difference(scaled[0], rows[0]["weights"])
+        how = f"one process summing its batch in 2 micro-batches ends {scale:.1e} from itself (the scale)"
     parts = []
     for row in rows[1:]:
         row["bound"] = BOUND * max(TOLERANCE, scale)
         ratio = f"{row['diff'] / scale:.2f}x the scale" if scale else "the scale is 0"
         inside = "rounding" if row["diff"] <= row["bound"] else "beyond rounding"
         parts.append(f"{row['name']} drifts {row['diff']:.1e} ({ratio}; bound {row['bound']:.1e}): {inside}")
-    return (
-        f"rounding, in {precision}: one process summing its batch in 2 micro-batches ends {scale:.1e} from itself "
-        f"(the scale); bound {BOUND:g} x max({TOLERANCE:.0e}, scale); {'; '.join(parts)}"
-    )
+    return f"rounding, in {precision}: {how}; bound {BOUND:g} x max({TOLERANCE:.0e}, scale); {'; '.join(parts)}"
 
 
 def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
@@ -349,7 +358,7 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
     sixty_four = [_side_run(cfg, work / f"wide{i}") for i, cfg in enumerate(wide)]
     for line in _same_math(rows, sixty_four):
         print(line)
-    print(_rounding(rows, _side_run(micro, work / "micro"), rows[0]["precision"]))
+    print(_rounding(rows, _side_run(micro, work / "micro"), sixty_four[0], rows[0]["precision"]))
     math_apart = [r for r in rows[1:] if r["math"] and (r["math"][1] > SAME_MATH or r["math"][3] != r["math"][4])]
     drifting = [r for r in rows[1:] if r["diff"] > r["bound"] or r["step"] != rows[0]["step"]]
     print(f"promise 1 (the same math as one process; in {rows[0]['precision']}, a drift within rounding): ", end="")
