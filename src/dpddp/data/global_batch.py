@@ -215,7 +215,7 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         micro_batch_size: int | str | None = None,
-        collate_fn: Callable[[list], Any] | str | None = None,
+        collate_fn: Any = None,  # a function or its dotted path (Any: the Lightning CLI keeps a path as given)
     ) -> None:
         super().__init__()
         if isinstance(dataset, IterableDataset):

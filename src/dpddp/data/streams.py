@@ -150,7 +150,7 @@ class StreamDataModule(pl.LightningDataModule):
         val_fraction: float = 0.1,
         test_fraction: float = 0.1,
         seed: int = 0,
-        collate_fn: Callable[[list], Any] | str | None = None,
+        collate_fn: Any = None,  # a function or its dotted path (Any: the Lightning CLI keeps a path as given)
     ) -> None:
         super().__init__()
         if not isinstance(stream, IterableDataset):

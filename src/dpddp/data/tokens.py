@@ -72,7 +72,7 @@ class TokenDataModule(GlobalBatchDataModule):
         test_fraction: float = 0.1,
         seed: int = 0,
         micro_batch_size: int | str | None = None,
-        collate_fn: Any = pad_tokens,
+        collate_fn: Any = "dpddp.data.tokens.pad_tokens",  # Any: the Lightning CLI keeps a path as given
     ) -> None:
         super().__init__(
             batch_size=batch_size,
