@@ -182,8 +182,9 @@ def _rows(batch: Any) -> int:
 
 
 def probe_batch(datamodule: pl.LightningDataModule) -> tuple[Any, bool]:
-    """A few samples of a training batch of ``datamodule`` (set up for ``fit``; global random streams kept), and
-    whether dpddp keys its samples (a global-batch data module's split). Raises what the data module raises."""
+    """A few samples of a training batch of ``datamodule`` (set up for ``fit``; global random streams kept; a
+    loader's workers not started), and whether dpddp keys its samples (a global-batch data module's split).
+    Raises what the data module raises."""
     with torch.random.fork_rng(devices=[]), _global_streams_kept(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         datamodule.setup("fit")
@@ -192,7 +193,11 @@ def probe_batch(datamodule: pl.LightningDataModule) -> tuple[Any, bool]:
             return train[torch.arange(min(PROBE_ROWS, len(train)))], True
         loader = datamodule.train_dataloader()  # data=sharded and data=stream record their ids: keyed too
         parts = (getattr(loader, name, None) for name in ("sampler", "batch_sampler", "dataset"))
-        return next(iter(loader)), any(isinstance(part, YieldedIds) for part in parts)
+        keyed = any(isinstance(part, YieldedIds) for part in parts)
+        if not loader.num_workers or loader.batch_sampler is None:
+            return next(iter(loader)), keyed
+        ids = next(iter(loader.batch_sampler))  # no worker started for a look
+        return loader.collate_fn([loader.dataset[i] for i in ids]), keyed
 
 
 def find_draws(model: pl.LightningModule, datamodule: pl.LightningDataModule) -> list[Draw] | str:
