@@ -61,8 +61,8 @@ class _ModuleWithRandomSetup(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         self.x = torch.randn(5)
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(self.x), batch_size=1)
+    def train_dataloader(self) -> DataLoader:  # data built lazily in a loader hook, from the global stream
+        return DataLoader(TensorDataset(self.x + torch.randn(5)), batch_size=1)
 
 
 def test_a_subclass_setup_and_a_wrapped_modules_setup_draw_one_data_set():
@@ -70,6 +70,11 @@ def test_a_subclass_setup_and_a_wrapped_modules_setup_draw_one_data_set():
     assert torch.equal(a.splits["train"].tensors[0], b.splits["train"].tensors[0])
     c, d = (_built(lambda: ShardedDataModule(_ModuleWithRandomSetup(), seed=1), s) for s in (0, 99))
     assert torch.equal(c.module.x, d.module.x)
+    loaders = []
+    for data, rank_seed in ((c, 0), (d, 99)):
+        torch.manual_seed(rank_seed)
+        loaders.append(data.train_dataloader())
+    assert torch.equal(*(loader.dataset.dataset.tensors[0] for loader in loaders))
 
 
 def test_ranks_with_different_data_are_one_line_naming_the_data_module():

@@ -219,7 +219,7 @@ class ShardedDataModule(pl.LightningDataModule):
     plain DataLoaders, each rebuilt by ``shard_loader``: the training order is a function of ``(seed, epoch)``
     (``epoch_order``), so every world size trains the same batches and a stop continues exactly.
     ``batch_size`` is the training loader's, the global batch (set when the training loader is built). The
-    module's ``prepare_data``/``setup`` run inside ``dpddp.data.built.data_streams(seed)``."""
+    module's ``prepare_data``, ``setup`` and loader hooks run inside ``dpddp.data.built.data_streams(seed)``."""
 
     def __init__(self, module: pl.LightningDataModule, seed: int = 0) -> None:
         super().__init__()
@@ -253,13 +253,15 @@ class ShardedDataModule(pl.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.module.load_state_dict(state_dict)
 
-    def _shard(self, loader: Any, train: bool, with_rows: bool = False) -> DataLoader:
+    def _shard(self, make: Callable[[], Any], train: bool, with_rows: bool = False) -> DataLoader:
+        with data_streams(self.seed):  # a loader (or data) built from the global streams: the same on every rank
+            loader = make()
         rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         return shard_loader(loader, rank, world_size, train, self.seed, with_rows)
 
     @override
     def train_dataloader(self) -> DataLoader:
-        loader = self._shard(self.module.train_dataloader(), train=True)
+        loader = self._shard(self.module.train_dataloader, train=True)
         assert isinstance(loader.batch_sampler, ShardedBatchSampler)
         self.batch_size = loader.batch_sampler.batch_size
         if self.trainer is not None:
@@ -268,13 +270,13 @@ class ShardedDataModule(pl.LightningDataModule):
 
     @override
     def val_dataloader(self) -> DataLoader:
-        return self._shard(self.module.val_dataloader(), train=False)
+        return self._shard(self.module.val_dataloader, train=False)
 
     @override
     def test_dataloader(self) -> DataLoader:
-        return self._shard(self.module.test_dataloader(), train=False)
+        return self._shard(self.module.test_dataloader, train=False)
 
     @override
     def predict_dataloader(self) -> DataLoader:
         """The module's predict loader, sharded, each batch followed by its samples' rows in its data set."""
-        return self._shard(self.module.predict_dataloader(), train=False, with_rows=True)
+        return self._shard(self.module.predict_dataloader, train=False, with_rows=True)
