@@ -508,40 +508,6 @@ def test_float_batch_counts_makes_the_logged_means_sample_counts_float(world_of_
     assert trainer.callback_metrics["mean"].item() == pytest.approx((2 * 1 + 3 * 10) / 5)
 
 
-def test_the_optuna_plugin_launches_trials_through_the_launcher_the_recording_sweeper_wraps(tmp_path, monkeypatch):
-    """``RecordingOptunaSweeper`` replaces ``OptunaSweeper.sweeper.launcher`` after the plugin's setup
-    (hydra-optuna-sweeper 1.3.0): every trial goes through it, and with the packaged ``max_failure_rate`` a trial
-    that returned nan is a failed trial and the search goes on to the best of the others."""
-    optuna = pytest.importorskip("optuna")
-    from hydra.core.plugins import Plugins
-    from hydra.core.utils import JobReturn, JobStatus
-
-    from hydra_plugins.dpddp_sweeper.optuna_sweeper import RecordingOptunaSweeper
-
-    class Jobs:
-        values, launched = iter([0.5, math.nan, 0.25]), []
-
-        def launch(self, job_overrides, initial_job_idx):
-            self.launched.append(initial_job_idx)
-            ret = JobReturn(status=JobStatus.COMPLETED)
-            ret.return_value = next(self.values)
-            return [ret]
-
-    monkeypatch.setattr(Plugins, "instantiate_launcher", lambda self, **kwargs: Jobs())  # what setup instantiates
-    packaged = OmegaConf.load(Path(str(files("dpddp.conf"))) / "hydra" / "sweeper" / "dpddp_optuna.yaml")
-    sweeper = RecordingOptunaSweeper(
-        sampler=optuna.samplers.RandomSampler(seed=0), direction="minimize", storage=None, study_name="compat",
-        n_trials=3, n_jobs=1, max_failure_rate=packaged.max_failure_rate, search_space=None,
-        custom_search_space=None, params=None,
-    )  # fmt: skip
-    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
-    sweeper.setup(hydra_context=object(), task_function=lambda cfg: None, config=config)  # type: ignore[arg-type]
-    assert sweeper.sweeper.launcher is sweeper.recorder
-    sweeper.sweep(["x=interval(0,1)"])
-    assert Jobs.launched == [0, 1, 2] and sweeper.recorder.completed == 2
-    assert OmegaConf.load(tmp_path / "optimization_results.yaml").best_value == 0.25
-
-
 def test_a_cut_execution_is_uncounted_in_a_real_checkpoints_loop_layout(tmp_path):
     """``uncount_last_batch`` and ``epoch_finished_in`` on the checkpoint Lightning itself writes."""
     trainer = pl.Trainer(max_steps=3, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)

@@ -1,65 +1,199 @@
-"""What the Optuna sweeper of ``hparams_search=optuna`` (``hydra_plugins.dpddp_sweeper``) adds to
-hydra-optuna-sweeper's: a job returning ``nan`` is recorded as ``TrialState.FAIL`` instead of ending the search
-(``conf/hydra/sweeper/dpddp_optuna.yaml``); a search stopped by SIGTERM launches no further trials."""
+"""The Optuna search of ``hparams_search=optuna`` (``hydra/sweeper=dpddp_optuna``), on Optuna's ask-and-tell
+interface: the search space from ``hydra.sweeper.params`` and the command line, trials launched in batches of
+``n_jobs`` through the configured launcher into job directories named by trial number, a failed or ``nan`` job a
+``FAIL`` trial (the search goes on), ``optimization_results.yaml`` with the best trial. The study lives in its
+``storage`` (SQLite in the sweep directory by default): a search stopped by SIGTERM or a crash continues with the
+same command and ``hydra.sweep.dir``: finished trials are kept, the trials that were running run again in their own
+job directories (resuming from their ``last.ckpt``), and the study reaches ``n_trials``."""
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+import optuna
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import IntervalSweep, Transformer
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
-from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig
-from typing_extensions import override
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.trial import FrozenTrial, TrialState
 
 from dpddp.continuity import stop as sweep_stop
 from dpddp.entry.summary import end_sweep, objective_of
+from dpddp.errors import ConfigError
 
-__all__ = ["FailedTrial", "NanFailsLauncher"]
+__all__ = ["SearchSpace", "job_outcome", "search", "search_space"]
+
+log = logging.getLogger(__name__)
+
+SearchSpace = tuple[dict[str, BaseDistribution], list[str]]
+"""The sampled keys with their distributions, and the fixed overrides every trial takes."""
 
 
-class FailedTrial(RuntimeError):
-    """The return value of a job whose result is ``nan``: it failed (its ``error.txt`` says why)."""
+def search_space(params: Mapping[str, Any] | None, arguments: Sequence[str]) -> SearchSpace:
+    """The search of ``hydra.sweeper.params`` then the command line's ``arguments`` (a later key replaces an
+    earlier one): an ``interval`` (``int(interval(...))``: of integers; ``tag(log, ...)``: on a log scale) is
+    sampled from its range, any other sweep (a list, ``choice``, ``range``) is a choice among its values, a plain
+    ``key=value`` is fixed. Raises ``ConfigError`` for an interval tag other than ``log``."""
+    lines = [f"{k}={v}" for k, v in (params or {}).items()] + list(arguments)
+    space: dict[str, BaseDistribution] = {}
+    fixed: dict[str, str] = {}
+    for override in OverridesParser.create().parse_overrides(lines):
+        key = override.get_key_element()
+        space.pop(key, None)
+        fixed.pop(key, None)
+        if not override.is_sweep_override():
+            fixed[key] = str(override.input_line)
+            continue
+        value = override.value()
+        if isinstance(value, IntervalSweep):
+            if unknown := set(value.tags) - {"log"}:
+                raise ConfigError(
+                    f"{override.input_line}: the Optuna sweeper knows the interval tag log only, not "
+                    f"{', '.join(sorted(unknown))}: give tag(log, interval(a, b)) or interval(a, b)"
+                )
+            log_scale = "log" in value.tags
+            if isinstance(value.start, int) and isinstance(value.end, int):
+                space[key] = IntDistribution(value.start, value.end, log=log_scale)
+            else:
+                space[key] = FloatDistribution(float(value.start), float(value.end), log=log_scale)  # type: ignore[arg-type]
+        else:
+            values = override.sweep_iterator(transformer=Transformer.encode)
+            space[key] = CategoricalDistribution(list(values))  # type: ignore[arg-type]
+    return space, list(fixed.values())
 
 
-def _failed(ret: JobReturn) -> bool:
-    """Whether a finished job failed: it raised, or returned something that is not a finite number."""
+def trial_overrides(number: int, params: Mapping[str, Any], space: SearchSpace) -> list[str]:
+    """Trial ``number``'s overrides: its sampled ``params`` in the order of the search space, then the fixed ones
+    (the same list each time, so that a trial run again finds its job complete or continues it). Raises
+    ``ConfigError`` when ``params`` are not of the search space (a study of another search)."""
+    distributions, fixed = space
+    if set(params) != set(distributions):
+        raise ConfigError(
+            f"trial {number} of the study samples {', '.join(sorted(params))}, the search space "
+            f"{', '.join(distributions)}: continue it with its own search, or give this one its own hydra.sweep.dir"
+        )
+    return [f"{key}={Transformer.str(params[key])}" for key in distributions] + fixed
+
+
+def job_outcome(ret: JobReturn) -> float | None:
+    """A finished job's objective value, or ``None`` when it failed (it raised, or returned ``nan`` or something
+    that is not a number: its ``error.txt`` says why)."""
     if ret.status != JobStatus.COMPLETED:
-        return True
+        return None
     try:
-        return not math.isfinite(float(ret.return_value))
+        value = float(ret.return_value)
     except (TypeError, ValueError):
-        return True
+        return None
+    return value if math.isfinite(value) else None
 
 
-class NanFailsLauncher(Launcher):
-    """Wraps the sweeper's launcher: a job that returns ``nan`` comes back with status ``FAILED``, so the
-    Optuna sweeper records a failed trial; counts the jobs that did not fail. Once the sweep is stopped by
-    SIGTERM, ends it (``end_sweep``: summary, resume line, exit 143) instead of returning to the sweeper."""
+def _runs(trials: list[optuna.trial.Trial | FrozenTrial], size: int) -> Iterator[list[Any]]:
+    """``trials`` in launches of at most ``size`` consecutive trial numbers (a launch numbers its jobs from its
+    first)."""
+    run: list[Any] = []
+    for trial in trials:
+        if run and (len(run) == size or trial.number != run[-1].number + 1):
+            yield run
+            run = []
+        run.append(trial)
+    if run:
+        yield run
 
-    def __init__(self, launcher: Launcher) -> None:
-        self.launcher = launcher
-        self.completed = 0
-        self.sweep_dir: Path | None = None
-        self.objective = ("val/loss", False)
 
-    @override
-    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        self.launcher.setup(hydra_context=hydra_context, task_function=task_function, config=config)
-        self.sweep_dir = Path(config.hydra.sweep.dir)
-        self.objective = objective_of(config)
+def _checked(settings: Mapping[str, Any]) -> None:
+    """The sweeper's settings Optuna's search here runs; else ``ConfigError``."""
+    if settings["direction"] not in ("minimize", "maximize"):
+        raise ConfigError(
+            f"hydra.sweeper.direction={settings['direction']}: the search optimises one objective: give minimize "
+            "or maximize"
+        )
+    for key in ("n_trials", "n_jobs"):
+        if not isinstance(settings[key], int) or settings[key] < 1:
+            raise ConfigError(f"hydra.sweeper.{key}={settings[key]}: give a positive number of trials")
+    if not settings["storage"]:
+        raise ConfigError(
+            f"hydra.sweeper.storage={settings['storage']}: a search without a storage cannot continue after a stop: "
+            "keep the default (sqlite:///<sweep dir>/optuna.db) or give a database URL"
+        )
 
-    @override
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        returns = list(self.launcher.launch(job_overrides, initial_job_idx))
-        for num, ret in enumerate(returns, start=initial_job_idx):
-            if not _failed(ret):
-                self.completed += 1
-            elif ret.status == JobStatus.COMPLETED:
-                ret.return_value = FailedTrial(f"job {num} returned {ret.return_value!r} (see its error.txt)")
-                ret.status = JobStatus.FAILED
-        if sweep_stop.active() and sweep_stop.requested() and self.sweep_dir is not None:
-            end_sweep(self.sweep_dir, cut_short=True, objective=self.objective)
-        return returns
+
+def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], settings: Mapping[str, Any]) -> None:
+    """Run the search of ``settings`` (``hydra.sweeper``: ``sampler`` config, ``direction``, ``storage``,
+    ``study_name``, ``n_trials``, ``n_jobs``, ``params``) over ``arguments`` through ``launcher``, the job of
+    trial ``n`` in ``<sweep dir>/<n>``. Continues the study found in the storage: its trials left running (a
+    stop, a crash) run again first, then new ones until the study has ``n_trials``. Once a SIGTERM stopped the
+    sweep, ends it with the line that continues it (``end_sweep``). Raises ``ConfigError`` for a setting it
+    cannot run."""
+    _checked(settings)
+    space = search_space(settings.get("params"), arguments)
+    sweep_dir = Path(config.hydra.sweep.dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    objective = objective_of(config)
+    storage = str(settings["storage"])
+    study = optuna.create_study(
+        storage=storage, study_name=str(settings["study_name"]), direction=settings["direction"], load_if_exists=True
+    )
+    earlier = study.get_trials()
+    study.sampler = _sampler(settings["sampler"], len(earlier))
+    stale = [t for t in earlier if t.state == TrialState.RUNNING]
+    log.info(
+        f"Optuna study {study.study_name} in {storage}: {len(earlier) - len(stale)} finished trials, "
+        f"{len(stale)} to continue, {max(settings['n_trials'] - len(earlier), 0)} to sample"
+    )
+    for run in _runs(list(stale), settings["n_jobs"]):
+        _launch(launcher, study, run, space, sweep_dir, objective)
+    while (left := settings["n_trials"] - len(study.get_trials(deepcopy=False))) > 0:
+        asked = [study.ask(space[0]) for _ in range(min(left, settings["n_jobs"]))]
+        for run in _runs(list(asked), settings["n_jobs"]):
+            _launch(launcher, study, run, space, sweep_dir, objective)
+    try:
+        best = study.best_trial
+    except ValueError:  # no trial completed
+        log.error("no trial completed: no best parameters (optimization_results.yaml not written)")
+        return
+    results = {"name": "optuna", "best_trial": best.number, "best_params": best.params, "best_value": best.value}
+    OmegaConf.save(OmegaConf.create(results), sweep_dir / "optimization_results.yaml")
+    log.info(f"Best trial: {best.number} (job {best.number}), value {best.value}, parameters {best.params}")
+
+
+def _sampler(config: Any, trials: int) -> optuna.samplers.BaseSampler:
+    """The sampler of ``config`` (Optuna's default when ``None``); for a study with ``trials`` already, its
+    ``seed`` (if any) plus ``trials``, so that a continued search does not sample the first trials' values again."""
+    if config is None:
+        return optuna.samplers.TPESampler()
+    config = OmegaConf.create(config)
+    if config.get("seed") is not None and trials:
+        config.seed = int(config.seed) + trials
+    return instantiate(config)
+
+
+def _launch(
+    launcher: Launcher,
+    study: optuna.Study,
+    trials: list[Any],
+    space: SearchSpace,
+    sweep_dir: Path,
+    objective: tuple[str, bool],
+) -> None:
+    """Launch the jobs of ``trials`` (consecutive numbers) and tell the study each one's value, or ``FAIL``;
+    once a SIGTERM stopped the sweep, a trial whose job did not finish stays running (the next invocation
+    continues it) and the sweep ends (``end_sweep``)."""
+    overrides = [trial_overrides(t.number, t.params, space) for t in trials]
+    returns = launcher.launch(overrides, initial_job_idx=trials[0].number)
+    stopped = sweep_stop.active() and sweep_stop.requested()
+    for trial, ret in zip(trials, returns, strict=True):
+        value = job_outcome(ret)
+        if value is not None:
+            study.tell(trial.number, value)
+        elif not stopped or (sweep_dir / str(trial.number) / "error.txt").is_file():
+            study.tell(trial.number, state=TrialState.FAIL)
+            log.warning(f"trial {trial.number} failed (FAIL in the study; see {trial.number}/error.txt)")
+    if stopped:
+        end_sweep(sweep_dir, cut_short=True, objective=objective)
