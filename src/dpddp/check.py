@@ -1,7 +1,8 @@
 """``python -m dpddp.check``: is data parallelism working on this machine, and is it worth it? Prints the versions,
 the devices, the network interface and launcher variables, then trains one process against ``ddp`` with 2
-processes (and ``dp`` over the GPUs, where there are two or more) and compares their final weights with
-promise 1's tolerance. Exit 0 when it holds, 1 with one ``error:`` line when it does not, 2 for a bad setting.
+processes (and ``dp`` over the GPUs, where there are two or more): promise 1 is the same math (64 bits, to
+``SAME_MATH``) and, in the run's precision, a drift within rounding (``BOUND`` x a rounding scale measured on the
+model). Exit 0 when it holds, 1 with one ``error:`` line when it does not, 2 for a bad setting.
 ``--stops``: promise 3 instead, the tiny run stopped three ways and continued (``check_stops``)."""
 
 from __future__ import annotations

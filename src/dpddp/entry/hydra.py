@@ -242,7 +242,7 @@ class StartChecks(HydraCallback):
             if not (done and done.get("overrides") == OmegaConf.to_container(config.hydra.overrides.task)):
                 job.ckpt_path = str(last)  # what the job continues from: refused now, before .hydra-N/, train.log
                 _checked(job, self.stage)
-        first = next(iter(config_dirs(output_dir)), None)  # case 69: a continue is the same run
+        first = next(iter(config_dirs(output_dir)), None)  # a continue is the same run, or refused
         if resume and (last.is_file() or (output_dir / "metrics.json").is_file()):
             if problem := other_run(output_dir, [str(o) for o in config.hydra.overrides.task], first):
                 fail(problem)
@@ -252,7 +252,7 @@ class StartChecks(HydraCallback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if problem := sweep_refusal(config):  # a sweep syntax its sweeper cannot run
             fail(problem)
-        sweep_dir = Path(_directory(config, "sweep"))  # case 69: its jobs continue only the same sweep's
+        sweep_dir = Path(_directory(config, "sweep"))  # its jobs continue only the same sweep's
         if problem := other_sweep(sweep_dir, [str(o) for o in config.hydra.overrides.task]):
             fail(problem)
         if warning := repeated_key(config):
