@@ -70,8 +70,12 @@ def test_samples_that_do_not_stack_streams_and_executions_of_collated_batches_ar
     assert isinstance(model, TextClassifier) and model.hparams["vocab_size"] == cfg.data.vocab_size == 64
 
 
+MICRO = "data.micro_batch_size=5"
+
+
 @pytest.mark.slow
 def test_the_text_example_on_ddp_2_stopped_and_continued_on_ddp_3_ends_with_one_process_weights(tmp_path):
+    """Stopped and continued in micro-batches of 5 (each rank's collated share cut along dim 0)."""
     common = (
         "data=tokens", "model=transformer", "data.num_samples=480", "data.batch_size=24", "accelerator=cpu",
         "trainer.max_epochs=2",
@@ -79,8 +83,8 @@ def test_the_text_example_on_ddp_2_stopped_and_continued_on_ddp_3_ends_with_one_
     runs = {}
     for name, more in (
         ("one", ()),
-        ("stopped", ("strategy=ddp", "devices=2", "trainer.max_steps=7")),
-        ("continued", ("strategy=ddp", "devices=3", f"ckpt_path={tmp_path / 'stopped/checkpoints/last.ckpt'}")),
+        ("stopped", ("strategy=ddp", "devices=2", "trainer.max_steps=7", MICRO)),
+        ("continued", ("strategy=ddp", "devices=3", f"ckpt_path={tmp_path / 'stopped/checkpoints/last.ckpt'}", MICRO)),
     ):
         proc = run_train(*common, *more, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
