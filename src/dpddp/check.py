@@ -292,6 +292,11 @@ def _same_math(rows: list[dict[str, Any]], sixty_four: list[tuple[dict[str, torc
     return lines
 
 
+def _apart(row: dict[str, Any]) -> bool:
+    """Whether ``row``'s 64-bit training (``_same_math``) is another computation than one process's."""
+    return bool(row.get("math")) and (row["math"][1] > SAME_MATH or row["math"][3] != row["math"][4])
+
+
 def _rounding(
     rows: list[dict[str, Any]],
     scaled: tuple[dict[str, torch.Tensor], int] | str,
@@ -317,6 +322,7 @@ def _rounding(
         row["bound"] = BOUND * max(TOLERANCE, scale)
         ratio = f"{row['diff'] / scale:.2f}x the scale" if scale else "the scale is 0"
         inside = "rounding" if row["diff"] <= row["bound"] else "beyond rounding"
+        inside = "not rounding: in 64 bits another computation" if _apart(row) else inside
         parts.append(f"{row['name']} drifts {row['diff']:.1e} ({ratio}; bound {row['bound']:.1e}): {inside}")
     return f"rounding, in {precision}: {how}; bound {BOUND:g} x max({TOLERANCE:.0e}, scale); {'; '.join(parts)}"
 
@@ -360,7 +366,7 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
     for line in _same_math(rows, sixty_four):
         print(line)
     print(_rounding(rows, _side_run(micro, work / "micro"), sixty_four[0], rows[0]["precision"]))
-    math_apart = [r for r in rows[1:] if r["math"] and (r["math"][1] > SAME_MATH or r["math"][3] != r["math"][4])]
+    math_apart = [r for r in rows[1:] if _apart(r)]
     drifting = [r for r in rows[1:] if r["diff"] > r["bound"] or r["step"] != rows[0]["step"]]
     print(f"promise 1 (the same math as one process; in {rows[0]['precision']}, a drift within rounding): ", end="")
     print("holds" if not (math_apart or drifting) else "does NOT hold")
