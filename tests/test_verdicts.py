@@ -4,6 +4,7 @@ class), the model and the streams left as they were."""
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import random
 from pathlib import Path
@@ -12,13 +13,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_train
+from conftest import compose_cfg, run_train
+from hydra.utils import instantiate
 from text_models import NoisyTextTransformer, TextTransformer
 from torch import nn
 
 from dpddp.continuity.schedulers import limit_line
 from dpddp.entry.run_dir import other_run
 from dpddp.models.mlp import MLPClassifier
+from dpddp.run.assembly import _warn_global_rng
 from dpddp.run.draws_seen import draws_line, global_draws
 
 BATCH = (torch.randn(6, 16), torch.randint(0, 4, (6,)))
@@ -218,3 +221,28 @@ def test_a_continue_may_change_a_limit_and_what_does_not_say_what_is_trained(tmp
     assert line is not None and "this one gives the config's model.lr where it had model.lr=0.1" in line
     line = other_run(tmp_path, [*same, "trainer.precision=bf16-mixed"], tmp_path / ".hydra")
     assert line is not None and "this one gives trainer.precision=bf16-mixed where it had the config's" in line
+
+
+def test_the_start_line_names_attention_and_a_forwards_functional_dropout_and_not_a_zero_rate(caplog):
+    """The start line under ddp(2), on a training batch of the run's data: ``nn.MultiheadAttention``'s functional
+    dropout and ``F.dropout`` in a forward are named; dropout 0 everywhere says nothing."""
+    cfg = compose_cfg("accelerator=cpu", "strategy=ddp", "devices=2", "data.num_samples=512")
+    said = {}
+    for name, model in [("attention", TextTransformer(dropout=0.1)), ("forward", NoisyTextTransformer()),
+                        ("zero", TextTransformer(dropout=0.0))]:  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dpddp.run.assembly"):
+            _warn_global_rng(model, instantiate(cfg.data, _convert_="all"), cfg)
+        said[name] = [r.getMessage() for r in caplog.records]
+    assert said["zero"] == []
+    assert len(said["attention"]) == 1 and said["attention"][0].startswith(
+        "model.encoder.self_attn, model.encoder.dropout1, model.encoder.dropout and 1 more draw from the global "
+        "random streams; use dpddp.nn.SampleDropout(p) in place of model.encoder.dropout1, model.encoder.dropout, "
+        "model.encoder.dropout2; dropout=0 in model.encoder.self_attn and a dpddp.nn.SampleDropout(p) on its output: "
+        "with 2 replicas the weights differ from one process's"
+    )
+    assert said["forward"] == [
+        "model.forward draws from the global random streams; use draws keyed by the sample in model.forward "
+        "(dpddp.nn.SampleDropout, dpddp.nn.sample_generator): with 2 replicas the weights differ from one process's (a "
+        "continued run on the same world size still equals a straight one)"
+    ]
