@@ -117,7 +117,7 @@ ROWS = [
     ("glob(), Optuna", ["-m", OPTUNA, "model=glob(*)"], refused("model=glob(*)", "model=choice(default,mlp)")),
     (
         "interval(), Optuna",
-        ["-m", OPTUNA, "model.lr=interval(0.01,0.1)", "hydra.sweeper.n_trials=2"],
+        ["-m", OPTUNA, "model.lr=interval(0.01,0.1)", "hydra.sweeper.n_trials=2", "data.batch_size=32"],
         works(2),
     ),
 ]
