@@ -214,7 +214,7 @@ def test_a_continue_may_change_a_limit_and_what_does_not_say_what_is_trained(tmp
     (tmp_path / ".hydra").mkdir()
     typed = "- model.lr=0.1\n- trainer.max_epochs=2\n- devices=1\n- +callbacks.kill._target_=conftest.SigtermAt\n"
     (tmp_path / ".hydra" / "overrides.yaml").write_text(typed)
-    same = ["model.lr=0.1", "trainer.max_epochs=5", "resume=true", "strategy=ddp", "devices=2", "logger=csv"]
+    same = ["model.lr=0.1", "trainer.max_epochs=5", "resume=true", "trainer=ddp_sim", "devices=2", "logger=csv"]
     assert other_run(tmp_path, same, tmp_path / ".hydra") is None
     assert other_run(tmp_path, same, None) is None  # nothing says how it was started
     line = other_run(tmp_path, ["trainer.max_epochs=5"], tmp_path / ".hydra")

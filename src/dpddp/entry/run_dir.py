@@ -29,7 +29,8 @@ WEIGHTS = ("model", "data", "trainer", "seed")
 """The overrides (and their sub-keys) that say what a run trains: its model, its data, its Trainer and its seed.
 The others (the world, callbacks, loggers, checkpoint cadence) a continue may give otherwise."""
 CONTINUE_MAY_CHANGE = ("trainer.max_epochs", "trainer.max_steps", "trainer.max_time", "trainer.enable_progress_bar")
-"""Of ``WEIGHTS``, what a continue may change: a later limit (and the progress bar)."""
+"""Of ``WEIGHTS``, what a continue may change: a later limit (and the progress bar); and the ``trainer`` group's
+choice itself, whose presets (``trainer=cpu``, ``ddp_sim``, ...) set the world alone."""
 
 
 def completed_metrics(output_dir: Path) -> dict | None:
@@ -98,7 +99,7 @@ def _settings(overrides: list[str]) -> dict[str, str]:
     for override in overrides:
         key, sep, value = str(override).partition("=")
         bare = key.lstrip("+~")
-        if under(bare, WEIGHTS) and not under(bare, CONTINUE_MAY_CHANGE):
+        if under(bare, WEIGHTS) and not under(bare, CONTINUE_MAY_CHANGE) and bare != "trainer":
             found[bare] = value if sep and not key.startswith("~") else "~"
     return found
 
