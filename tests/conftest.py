@@ -24,7 +24,6 @@ from omegaconf import DictConfig
 
 from dpddp.cluster import register_resolvers
 from dpddp.continuity import stop as sweep_stop
-from dpddp.run.config import forget_checks
 
 # One intra-op thread per test process: pytest-xdist runs one worker per core, and two busy multi-threaded
 # torch processes on shared cores slow each other down many times over.
@@ -48,7 +47,6 @@ def compose_cfg(*overrides: str) -> DictConfig:
 def _restore_env():
     saved = dict(os.environ)
     threads = torch.get_num_threads()
-    forget_checks()  # a test may change the machine a passed config was checked on (devices, variables)
     yield
     os.environ.clear()
     os.environ.update(saved)

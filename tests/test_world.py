@@ -89,8 +89,9 @@ def _counted_run(tmp_path, *args: str) -> dict:
 
 
 def test_a_continued_run_checks_its_config_once_and_opens_last_ckpt_once_before_training(tmp_path):
-    """``python train.py resume=true``: Hydra's start checks and the job share one ``check_config`` and one load of
-    ``last.ckpt`` (dpddp's); the next load is Lightning's restore, as training starts."""
+    """``python train.py resume=true``: Hydra's start checks check the settings once and ``last.ckpt`` once, the job
+    takes their ``World`` (no check of its own), and dpddp loads ``last.ckpt`` once; the next load is Lightning's
+    restore, as training starts."""
     args = ["trainer.max_epochs=1", "data.num_samples=256", f"hydra.run.dir={tmp_path / 'run'}"]
     assert _counted_run(tmp_path, *args)["checks"] == ["_check_settings", "_check_checkpoint"]
     one_epoch = global_step(tmp_path / "run")

@@ -20,7 +20,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback as HydraCallback
 from hydra.types import RunMode
-from hydra.utils import to_absolute_path
+from hydra.utils import get_class, to_absolute_path
 from omegaconf import DictConfig, OmegaConf, open_dict
 from typing_extensions import override
 
@@ -54,11 +54,13 @@ from dpddp.errors import (
     shell,
     unwritable,
 )
+from dpddp.parallel.rules import World, world_of
 from dpddp.report.trackers import check_file_stores, open_stores
-from dpddp.run.config import check_config, check_resolvable
+from dpddp.run.config import check_checkpoint, check_config, check_resolvable
 from dpddp.run.training import isolated_job, objective, train
 
-__all__ = ["MODE_GROUPS", "StartChecks", "config_dirs", "config_subdir", "hydra_value", "main", "run_job"]
+__all__ = ["MODE_GROUPS", "StartChecks", "checked_world", "config_dirs", "config_subdir", "hydra_value", "main"]
+__all__ += ["run_job"]
 __all__ += ["sets_no_mode", "sweep_resume_command", "unknown_option"]
 
 log = logging.getLogger(__name__)
@@ -187,7 +189,7 @@ def run_job(cfg: DictConfig) -> float:
     with shell(_late_resume, log):  # a lost rank's line: into train.log too
         try:
             with isolated_job():
-                value = train(cfg, output_dir, extra={"overrides": overrides})[objective(cfg)]
+                value = train(cfg, output_dir, extra={"overrides": overrides}, world=checked_world(cfg))[objective(cfg)]
             if not multirun or math.isfinite(value):
                 return value
             line = f"{objective(cfg)} (the objective) is {value}: the training diverged, or no validation logged it"
@@ -241,7 +243,7 @@ class StartChecks(HydraCallback):
             done = completed_metrics(output_dir)  # complete with the same overrides: the job skips it
             if not (done and done.get("overrides") == OmegaConf.to_container(config.hydra.overrides.task)):
                 job.ckpt_path = str(last)  # what the job continues from: refused now, before .hydra-N/, train.log
-                _checked(job, self.stage)
+                _checked(job, self.stage, check_checkpoint)
         first = next(iter(config_dirs(output_dir)), None)  # a continue is the same run, or refused
         if resume and (last.is_file() or (output_dir / "metrics.json").is_file()):
             if problem := other_run(output_dir, [str(o) for o in config.hydra.overrides.task], first):
@@ -272,12 +274,25 @@ class StartChecks(HydraCallback):
             fail(str(err))
 
 
-def _checked(job: DictConfig, stage: str = "fit") -> None:
-    """``check_config`` of the job's config for ``stage``, its refusal ended with ``fail``."""
+def _checked(job: DictConfig, stage: str = "fit", check: Callable[[DictConfig, str], Any] = check_config) -> None:
+    """``check`` (``check_config``, or its ``check_checkpoint`` part) of the job's config for ``stage``, its
+    refusal ended with ``fail``."""
     try:
-        check_config(job, stage)
+        check(job, stage)
     except ConfigError as err:
         fail(str(err))
+
+
+def checked_world(cfg: DictConfig) -> World | None:
+    """The job's ``World`` when ``StartChecks`` (or a subclass) checked its config before Hydra started it: one run
+    under the packaged callback, whose decisions (``ckpt_path``, the resume) the job repeats; else ``None``, and
+    the job's ``train`` checks it (a sweep's job, a run whose Hydra config drops the callback)."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.RUN:
+        return None
+    targets = [spec.get("_target_") for spec in (hydra_cfg.callbacks or {}).values() if spec]
+    ours = any(isinstance(t, str) and issubclass(get_class(t), StartChecks) for t in targets)
+    return world_of(cfg) if ours else None
 
 
 def _named(hydra_cfg: Any) -> bool:

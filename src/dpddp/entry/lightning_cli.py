@@ -50,7 +50,7 @@ from dpddp.errors import (
     unwritable,
 )
 from dpddp.models.linear import LinearClassifier
-from dpddp.parallel.rules import lightning_equivalent, lightning_name_line
+from dpddp.parallel.rules import World, lightning_equivalent, lightning_name_line
 from dpddp.run.config import CLI_CALLBACKS, check_config
 from dpddp.run.training import STAGES, isolated_job, train
 
@@ -282,9 +282,9 @@ def main(args: list[str] | None = None) -> None:
                     sys.exit(0)
                 if stage not in STAGES:
                     fail(unknown_stage(stage, STAGES))
-                cfg, output_dir, made = _parsed(stage, rest)
+                cfg, world, output_dir, made = _parsed(stage, rest)
                 with isolated_job():
-                    train(cfg, output_dir, stage=stage)
+                    train(cfg, output_dir, stage=stage, world=world)
         except Preempted as err:
             if err.path is None and made and output_dir is not None:
                 # Stopped before its first checkpoint: nothing to continue from (--ckpt_path=last takes the newest
@@ -293,9 +293,9 @@ def main(args: list[str] | None = None) -> None:
             raise
 
 
-def _parsed(stage: str, rest: list[str]) -> tuple[DictConfig, Path, bool]:
-    """The run config and run directory of ``stage`` with arguments ``rest``, and whether this call made the
-    directory; on rank 0 the directory is made and the invocation's config saved in it."""
+def _parsed(stage: str, rest: list[str]) -> tuple[DictConfig, World, Path, bool]:
+    """The run config of ``stage`` with arguments ``rest``, checked (its ``World``), its run directory, and whether
+    this call made the directory; on rank 0 the directory is made and the invocation's config saved in it."""
     # Harmless: the subcommand is taken off sys.argv here, so LightningCLI gets the rest of the same command line.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     help_only = any(a in ("-h", "--help") for a in rest)
@@ -320,7 +320,7 @@ def _parsed(stage: str, rest: list[str]) -> tuple[DictConfig, Path, bool]:
     root = Path(cli.config.trainer.default_root_dir or os.getcwd())
     output_dir, cfg.ckpt_path = _output_dir(root, stage, cfg.ckpt_path)
     cfg.predict = stage == "predict"  # predictions.csv in the run directory
-    check_config(cfg, stage)  # before the run directory is made: a bad setting's line is the only one
+    world = check_config(cfg, stage)  # before the run directory is made: a bad setting's line is the only one
     made = False
     if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
         made = not output_dir.exists()
@@ -335,7 +335,7 @@ def _parsed(stage: str, rest: list[str]) -> tuple[DictConfig, Path, bool]:
         logging.getLogger(__name__).info(
             f"invocation {n} into this run directory ({stage}): {invocation_name(CONFIG, n)}"
         )
-    return cfg, output_dir, made
+    return cfg, world, output_dir, made
 
 
 def _resume_command(stage: str, rest: list[str], output_dir: Path) -> str:

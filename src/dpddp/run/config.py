@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import ast
 import inspect
-import json
 import math
-import os
 import re
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveragi
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import IterableDataset
 
-from dpddp.cluster import launch_environment
 from dpddp.continuity.intervals import CHECKPOINT_KEYS, checkpoint_intervals
 from dpddp.continuity.io import ConfiguredModel, checkpoint_problem
 from dpddp.continuity.replicas import check_every
@@ -44,7 +41,7 @@ from dpddp.run.plain import check_plain, check_resolvable
 from dpddp.run.trainer_flags import refused_flag
 
 __all__ = ["CLI_CALLBACKS", "check_config", "check_output_dir", "check_precision", "check_resolvable"]
-__all__ += ["execution_refusal", "forget_checks", "needs_logger"]
+__all__ += ["check_checkpoint", "execution_refusal", "needs_logger"]
 
 
 def _check_val_interval(trainer: Mapping, batches: int) -> None:
@@ -326,39 +323,10 @@ def _check_callback_needs(cfg: Mapping) -> None:
         )
 
 
-_PASSED: set[tuple] = set()
-"""What ``check_config`` passed in this process (``_passes_once``'s keys)."""
-
-
-def _passes_once(check: Callable[[Any, str], None], cfg: DictConfig | Mapping, stage: str, ckpt: bool) -> None:
-    """Run ``check(cfg, stage)`` unless it passed before in this process on an equal config text, stage, working
-    directory and launch environment (``dpddp.cluster.launch_environment``), and (``ckpt``: it reads ``ckpt_path``)
-    the same ``ckpt_path`` file (inode, size, modification time); without ``ckpt`` the text leaves ``ckpt_path`` out."""
-    try:
-        raw = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg)
-        given = raw.pop("ckpt_path", None) if isinstance(raw, dict) else None
-        stat = Path(str(given)).stat() if ckpt and given is not None and Path(str(given)).is_file() else None
-        version = (stat.st_ino, stat.st_size, stat.st_mtime_ns) if stat else None
-        text = json.dumps(raw, sort_keys=True, default=repr)
-        where = (given, version) if ckpt else ()
-        key = (check.__name__, text, stage, os.getcwd(), tuple(launch_environment().items()), *where)
-    except Exception:  # a config that cannot be written out: the check names what is wrong
-        check(cfg, stage)
-        return
-    if key not in _PASSED:
-        check(cfg, stage)
-        _PASSED.add(key)
-
-
-def forget_checks() -> None:
-    """Forget the configs ``check_config`` passed: each is checked again (a test that changes the machine)."""
-    _PASSED.clear()
-
-
 def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> World:
-    """Check a composed config (see ``conf/``) for ``stage``; return its ``World``, or raise one ``ConfigError`` line.
-    Each part runs once per process for a config (``_passes_once``): ``train.py``'s start checks and its job share
-    them, and a continued run's start checks its settings, then the ``ckpt_path`` it continues from.
+    """Check a composed config (see ``conf/``) for ``stage``: its settings, then its ``ckpt_path``
+    (``check_checkpoint``); return its ``World``, or raise one ``ConfigError`` line. An entry point checks once and
+    hands the ``World`` down (``dpddp.run.training.train``'s ``world``).
 
     Raises:
         ConfigError: an unknown key, a value out of range, a batch size that does not divide by the world size,
@@ -367,9 +335,15 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> World:
             epochs than ``trainer.max_epochs``, or (``resume=true``) was trained with other data settings, or (a fit)
             with another ``steps_per_execution``.
     """
-    _passes_once(_check_settings, cfg, stage, ckpt=False)
-    _passes_once(_check_checkpoint, cfg, stage, ckpt=True)
+    _check_settings(cfg, stage)
+    _check_checkpoint(cfg, stage)
     return world_of(cfg)
+
+
+def check_checkpoint(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
+    """The ``ckpt_path`` part of ``check_config`` alone (a continued run's start, once it knows what it continues
+    from). Raises ``ConfigError``."""
+    _check_checkpoint(cfg, stage)
 
 
 def _check_settings(cfg: DictConfig | Mapping, stage: str) -> None:

@@ -53,10 +53,13 @@ warnings.filterwarnings("ignore", message="You're resuming from a checkpoint tha
 STAGES = ("fit", "validate", "test", "predict")
 
 
-def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: dict | None = None) -> dict[str, Any]:
-    """Check ``cfg``, build its model and data, and run ``stage`` (``"fit"``: fit, test, and predict with
-    ``predict=true``; ``"eval"``: validate and test ``ckpt_path``; else that stage alone on it). Rank 0 writes
-    checkpoints, ``metrics.json``, ``metrics.csv`` and ``curves.png`` into ``output_dir``.
+def train(
+    cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: dict | None = None, world: World | None = None
+) -> dict[str, Any]:
+    """Check ``cfg`` (unless the caller did: ``world``, what ``check_config`` returned), build its model and data,
+    and run ``stage`` (``"fit"``: fit, test, and predict with ``predict=true``; ``"eval"``: validate and test
+    ``ckpt_path``; else that stage alone on it). Rank 0 writes checkpoints, ``metrics.json``, ``metrics.csv`` and
+    ``curves.png`` into ``output_dir``.
 
     Returns the metrics of ``metrics.json``, the same on every rank: losses are means over samples, accuracies
     fractions, ``samples_per_sec`` training samples/s over all processes and segments, ``wall_time_s`` and
@@ -66,13 +69,15 @@ def train(cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: di
     (SIGTERM, with a checkpoint to resume from).
     """
     with run_stops(Path(output_dir)) as running:
-        return _train(cfg, Path(output_dir), stage, extra, running)
+        return _train(cfg, Path(output_dir), stage, extra, running, world)
 
 
-def _train(cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, running: RunScope) -> dict[str, Any]:
+def _train(
+    cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, running: RunScope, world: World | None
+) -> dict[str, Any]:
     start = time.perf_counter()
     with starting_up(running):
-        world = check_config(cfg, stage)
+        world = world or check_config(cfg, stage)
         elastic = cfg.num_nodes == "auto"
         cfg.num_nodes = world.nodes  # num_nodes=auto: the launcher's, for this start
         _log_world(world, elastic)
