@@ -340,8 +340,9 @@ SURFACE: tuple[Setting, ...] = (
         tested_by=(
             "test_sweeps.py::test_optuna_search_minimises_val_loss",
             "test_sweeps.py::test_optuna_search_records_a_failed_trial_and_goes_on",
+            "test_optuna.py::test_a_stopped_search_continues_with_its_printed_command_to_n_trials_with_nan_trials_failed",
         ),
-        note="a failed or NaN trial is a FAIL trial in Optuna; the search goes on",
+        note="a failed or NaN trial is FAIL, the search goes on; a SIGTERM's line continues it, no trial run twice",
     ),
     Setting(
         "sweeper/launcher",

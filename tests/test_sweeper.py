@@ -87,7 +87,7 @@ def test_a_trial_left_running_is_run_again_under_its_number_and_the_study_reache
     [
         ({"direction": ["minimize", "maximize"]}, "hydra.sweeper.direction=['minimize', 'maximize']: the search "),
         ({"n_trials": 0}, "hydra.sweeper.n_trials=0: give a positive number of trials"),
-        ({"storage": None}, "hydra.sweeper.storage=None: a search without a storage cannot continue after a stop"),
+        ({"storage": None}, "hydra.sweeper.storage=null: a search without a storage cannot continue after a stop"),
     ],
 )
 def test_a_setting_the_search_cannot_run_is_one_line(tmp_path, changed, line):

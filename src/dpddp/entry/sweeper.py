@@ -119,8 +119,8 @@ def _checked(settings: Mapping[str, Any]) -> None:
             raise ConfigError(f"hydra.sweeper.{key}={settings[key]}: give a positive number of trials")
     if not settings["storage"]:
         raise ConfigError(
-            f"hydra.sweeper.storage={settings['storage']}: a search without a storage cannot continue after a stop: "
-            "keep the default (sqlite:///<sweep dir>/optuna.db) or give a database URL"
+            f"hydra.sweeper.storage={settings['storage'] or 'null'}: a search without a storage cannot continue after "
+            "a stop: keep the default (sqlite:///<sweep dir>/optuna.db) or give a database URL"
         )
 
 
