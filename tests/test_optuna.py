@@ -9,11 +9,15 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import ROOT, metrics, run_train
+from conftest import CONF, ROOT, metrics, run_train
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.types import RunMode
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from dpddp.entry.hydra import config_dirs
 from dpddp.entry.sweeper import search_space, trial_overrides
+from dpddp.entry.sweeps import sweep_refusal
 from dpddp.errors import ConfigError
 
 optuna = pytest.importorskip("optuna")
@@ -38,6 +42,24 @@ def test_the_search_space_of_the_packaged_params_and_the_command_line():
         trial_overrides(7, {"model.lr": 0.01}, (space, fixed))
     with pytest.raises(ConfigError, match=r"^model.lr=tag\(int,interval\(1,2\)\): the Optuna sweeper knows the "):
         search_space(None, ["model.lr=tag(int,interval(1,2))"])
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("model.lr=tag(log,interval(0.01,0.1))", None),
+        ("model.lr=tag(x,interval(0.01,0.1))", "model.lr=tag(x,interval(0.01,0.1)): the Optuna sweeper knows the "),
+        ("hydra.sweeper.storage=null", "hydra.sweeper.storage=null: a search without a storage cannot continue"),
+        ("hydra.sweeper.n_jobs=0", "hydra.sweeper.n_jobs=0: give a positive number of trials"),
+    ],
+)
+def test_a_search_its_sweeper_cannot_run_is_one_line_before_the_sweep_starts(override, line):
+    """``sweep_refusal`` (StartChecks, before the sweep's directory is made) answers for the Optuna search."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        config = loader.load_configuration("config", ["hparams_search=optuna", override], RunMode.MULTIRUN)
+        said = sweep_refusal(config)
+    assert said == line if line is None else said.startswith(line)
 
 
 class SigtermOnce(pl.Callback):

@@ -28,7 +28,7 @@ from dpddp.continuity import stop as sweep_stop
 from dpddp.entry.summary import end_sweep, objective_of
 from dpddp.errors import ConfigError
 
-__all__ = ["SearchSpace", "job_outcome", "search", "search_space"]
+__all__ = ["SearchSpace", "checked", "job_outcome", "search", "search_space"]
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def _runs(trials: list[optuna.trial.Trial | FrozenTrial], size: int) -> Iterator
         yield run
 
 
-def _checked(settings: Mapping[str, Any]) -> None:
+def checked(settings: Mapping[str, Any]) -> None:
     """The sweeper's settings Optuna's search here runs; else ``ConfigError``."""
     if settings["direction"] not in ("minimize", "maximize"):
         raise ConfigError(
@@ -131,7 +131,7 @@ def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], set
     stop, a crash) run again first, then new ones until the study has ``n_trials``. Once a SIGTERM stopped the
     sweep, ends it with the line that continues it (``end_sweep``). Raises ``ConfigError`` for a setting it
     cannot run."""
-    _checked(settings)
+    checked(settings)
     space = search_space(settings.get("params"), arguments)
     sweep_dir = Path(config.hydra.sweep.dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)

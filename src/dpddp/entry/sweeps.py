@@ -6,6 +6,7 @@ twice on a sweep's command line a warning."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
@@ -15,11 +16,12 @@ from omegaconf import DictConfig
 
 from dpddp._compat import hydra_command_line
 from dpddp.entry.command_line import sets_no_mode
+from dpddp.errors import ConfigError
 
 __all__ = ["SAMPLING", "repeated_key", "sweep_refusal", "sweep_without_multirun"]
 
-SAMPLING = ("dpddp_optuna", "optuna")
-"""The ``hydra/sweeper`` options that sample a search space (``hparams_search=optuna`` chooses the first)."""
+SAMPLING = ("dpddp_optuna",)
+"""The ``hydra/sweeper`` options that sample a search space (``hparams_search=optuna`` chooses it)."""
 
 
 def sweep_refusal(config: DictConfig) -> str | None:
@@ -36,6 +38,20 @@ def sweep_refusal(config: DictConfig) -> str | None:
     for override in parsed:
         if override.is_sweep_override() and (line := _refused(override, sweeper == "basic", choices, loader)):
             return line
+    return _search_refusal(config) if sweeper in SAMPLING else None
+
+
+def _search_refusal(config: DictConfig) -> str | None:
+    """The Optuna search's line for its settings or search space (``dpddp.entry.sweeper``), or Optuna missing."""
+    if importlib.util.find_spec("optuna") is None:
+        return "hparams_search=optuna needs Optuna: pip install 'optuna>=4' (or the extra: pip install -e '.[optuna]')"
+    from dpddp.entry.sweeper import checked, search_space  # Optuna: imported for its sweeps only
+
+    try:
+        checked(config.hydra.sweeper)
+        search_space(config.hydra.sweeper.get("params"), list(config.hydra.overrides.task))
+    except ConfigError as err:
+        return str(err)
     return None
 
 
