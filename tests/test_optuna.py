@@ -40,8 +40,6 @@ def test_the_search_space_of_the_packaged_params_and_the_command_line():
     ]  # fmt: skip
     with pytest.raises(ConfigError, match=r"^trial 7 of the study samples model.lr, the search space model.lr, seed"):
         trial_overrides(7, {"model.lr": 0.01}, (space, fixed))
-    with pytest.raises(ConfigError, match=r"^model.lr=tag\(int,interval\(1,2\)\): the Optuna sweeper knows the "):
-        search_space(None, ["model.lr=tag(int,interval(1,2))"])
 
 
 @pytest.mark.parametrize(

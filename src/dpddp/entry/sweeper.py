@@ -26,9 +26,10 @@ from optuna.trial import FrozenTrial, TrialState
 
 from dpddp.continuity import stop as sweep_stop
 from dpddp.entry.summary import end_sweep, objective_of
+from dpddp.entry.sweeps import search_refusal
 from dpddp.errors import ConfigError
 
-__all__ = ["SearchSpace", "checked", "job_outcome", "search", "search_space"]
+__all__ = ["SearchSpace", "job_outcome", "search", "search_space"]
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def search_space(params: Mapping[str, Any] | None, arguments: Sequence[str]) -> 
     """The search of ``hydra.sweeper.params`` then the command line's ``arguments`` (a later key replaces an
     earlier one): an ``interval`` (``int(interval(...))``: of integers; ``tag(log, ...)``: on a log scale) is
     sampled from its range, any other sweep (a list, ``choice``, ``range``) is a choice among its values, a plain
-    ``key=value`` is fixed. Raises ``ConfigError`` for an interval tag other than ``log``."""
+    ``key=value`` is fixed."""
     lines = [f"{k}={v}" for k, v in (params or {}).items()] + list(arguments)
     space: dict[str, BaseDistribution] = {}
     fixed: dict[str, str] = {}
@@ -52,12 +53,7 @@ def search_space(params: Mapping[str, Any] | None, arguments: Sequence[str]) -> 
             fixed[key] = str(override.input_line)
             continue
         value = override.value()
-        if isinstance(value, IntervalSweep):
-            if unknown := set(value.tags) - {"log"}:
-                raise ConfigError(
-                    f"{override.input_line}: the Optuna sweeper knows the interval tag log only, not "
-                    f"{', '.join(sorted(unknown))}: give tag(log, interval(a, b)) or interval(a, b)"
-                )
+        if isinstance(value, IntervalSweep):  # its tags: search_refusal
             log_scale = "log" in value.tags
             if isinstance(value.start, int) and isinstance(value.end, int):
                 space[key] = IntDistribution(value.start, value.end, log=log_scale)
@@ -107,23 +103,6 @@ def _runs(trials: list[optuna.trial.Trial | FrozenTrial], size: int) -> Iterator
         yield run
 
 
-def checked(settings: Mapping[str, Any]) -> None:
-    """The sweeper's settings Optuna's search here runs; else ``ConfigError``."""
-    if settings["direction"] not in ("minimize", "maximize"):
-        raise ConfigError(
-            f"hydra.sweeper.direction={settings['direction']}: the search optimises one objective: give minimize "
-            "or maximize"
-        )
-    for key in ("n_trials", "n_jobs"):
-        if not isinstance(settings[key], int) or settings[key] < 1:
-            raise ConfigError(f"hydra.sweeper.{key}={settings[key]}: give a positive number of trials")
-    if not settings["storage"]:
-        raise ConfigError(
-            f"hydra.sweeper.storage={settings['storage'] or 'null'}: a search without a storage cannot continue after "
-            "a stop: keep the default (sqlite:///<sweep dir>/optuna.db) or give a database URL"
-        )
-
-
 def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], settings: Mapping[str, Any]) -> None:
     """Run the search of ``settings`` (``hydra.sweeper``: ``sampler`` config, ``direction``, ``storage``,
     ``study_name``, ``n_trials``, ``n_jobs``, ``params``) over ``arguments`` through ``launcher``, the job of
@@ -131,7 +110,8 @@ def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], set
     stop, a crash) run again first, then new ones until the study has ``n_trials``. Once a SIGTERM stopped the
     sweep, ends it with the line that continues it (``end_sweep``). Raises ``ConfigError`` for a setting it
     cannot run."""
-    checked(settings)
+    if line := search_refusal(settings, arguments):
+        raise ConfigError(line)
     space = search_space(settings.get("params"), arguments)
     sweep_dir = Path(config.hydra.sweep.dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)

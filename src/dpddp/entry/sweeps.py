@@ -7,6 +7,7 @@ twice on a sweep's command line a warning."""
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
@@ -16,9 +17,8 @@ from omegaconf import DictConfig
 
 from dpddp._compat import hydra_command_line
 from dpddp.entry.command_line import sets_no_mode
-from dpddp.errors import ConfigError
 
-__all__ = ["SAMPLING", "repeated_key", "sweep_refusal", "sweep_without_multirun"]
+__all__ = ["SAMPLING", "repeated_key", "search_refusal", "sweep_refusal", "sweep_without_multirun"]
 
 SAMPLING = ("dpddp_optuna",)
 """The ``hydra/sweeper`` options that sample a search space (``hparams_search=optuna`` chooses it)."""
@@ -38,20 +38,34 @@ def sweep_refusal(config: DictConfig) -> str | None:
     for override in parsed:
         if override.is_sweep_override() and (line := _refused(override, sweeper == "basic", choices, loader)):
             return line
-    return _search_refusal(config) if sweeper in SAMPLING else None
+    return search_refusal(config.hydra.sweeper, list(config.hydra.overrides.task)) if sweeper in SAMPLING else None
 
 
-def _search_refusal(config: DictConfig) -> str | None:
-    """The Optuna search's line for its settings or search space (``dpddp.entry.sweeper``), or Optuna missing."""
+def search_refusal(settings: Mapping[str, Any], arguments: Sequence[str]) -> str | None:
+    """The one line for what the Optuna search (``dpddp.entry.sweeper``) cannot run: Optuna missing, a setting of
+    ``settings`` (``hydra.sweeper``: direction, n_trials, n_jobs, storage), an interval tag other than ``log`` in
+    its ``params`` or ``arguments``; ``None`` when it can."""
     if importlib.util.find_spec("optuna") is None:
         return "hparams_search=optuna needs Optuna: pip install 'optuna>=4' (or the extra: pip install -e '.[optuna]')"
-    from dpddp.entry.sweeper import checked, search_space  # Optuna: imported for its sweeps only
-
-    try:
-        checked(config.hydra.sweeper)
-        search_space(config.hydra.sweeper.get("params"), list(config.hydra.overrides.task))
-    except ConfigError as err:
-        return str(err)
+    if settings.get("direction") not in ("minimize", "maximize"):
+        direction = f"hydra.sweeper.direction={settings.get('direction')}"
+        return f"{direction}: the search optimises one objective: give minimize or maximize"
+    for key in ("n_trials", "n_jobs"):
+        if not isinstance(settings.get(key), int) or settings[key] < 1:
+            return f"hydra.sweeper.{key}={settings.get(key)}: give a positive number of trials"
+    if not settings.get("storage"):
+        return (
+            f"hydra.sweeper.storage={settings.get('storage') or 'null'}: a search without a storage cannot continue "
+            "after a stop: keep the default (sqlite:///<sweep dir>/optuna.db) or give a database URL"
+        )
+    lines = [f"{k}={v}" for k, v in (settings.get("params") or {}).items()] + list(arguments)
+    for override in OverridesParser.create().parse_overrides(lines):
+        value = override.value() if override.is_interval_sweep() else None
+        if isinstance(value, IntervalSweep) and (unknown := set(value.tags) - {"log"}):
+            return (
+                f"{override.input_line}: the Optuna sweeper knows the interval tag log only, not "
+                f"{', '.join(sorted(unknown))}: give tag(log, interval(a, b)) or interval(a, b)"
+            )
     return None
 
 
