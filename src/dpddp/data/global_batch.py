@@ -17,13 +17,14 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from typing_extensions import override
 
 from dpddp._compat import data_position
+from dpddp._compat.hydra_main import locate
 from dpddp.data import rules
 from dpddp.data.batches import Batches, batch_indexable, defer_rows
 from dpddp.data.built import data_streams, in_data_streams
 from dpddp.errors import ConfigError, first_line
 from dpddp.parallel.workers import start_workers_safely
 
-__all__ = ["GlobalBatchDataModule", "GlobalBatchSampler", "YieldedIds", "step_position"]
+__all__ = ["GlobalBatchDataModule", "GlobalBatchSampler", "YieldedIds", "collate_function", "step_position"]
 
 
 def step_position(trainer: pl.Trainer, steps_per_epoch: int) -> tuple[int, int]:
@@ -31,6 +32,23 @@ def step_position(trainer: pl.Trainer, steps_per_epoch: int) -> tuple[int, int]:
     executions of several steps."""
     epoch, skip = divmod(trainer.global_step, steps_per_epoch)
     return epoch, skip
+
+
+def collate_function(given: Callable[[list], Any] | str | None) -> Callable[[list], Any] | None:
+    """``data.collate_fn``: ``given``, or the function its dotted path names.
+
+    Raises:
+        ConfigError: a path that names nothing callable.
+    """
+    if not isinstance(given, str):
+        return given
+    try:
+        found = locate(given)
+    except (ImportError, ValueError):
+        found = None
+    if not callable(found):
+        raise ConfigError(f"data.collate_fn={given!r} names no function: give my_pkg.my_collate (importable)")
+    return found
 
 
 class YieldedIds:
@@ -220,7 +238,7 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         super().__init__()
         if isinstance(dataset, IterableDataset):
             raise ConfigError(rules.iterable_refusal(type(dataset).__name__))
-        self.collate_fn = rules.collate_function(collate_fn)
+        self.collate_fn = collate_function(collate_fn)
         if isinstance(dataset, Dataset):  # at once, before the run starts: the samples collate
             _check_collates(Batches(dataset, None, self.collate_fn), self.collate_fn)
         self.dataset, self.batch_size, self.seed, self.num_workers = dataset, batch_size, seed, num_workers

@@ -3,7 +3,7 @@ data modules at ``setup``: each bad setting is one ``ConfigError`` line (the set
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from dpddp.errors import ConfigError, checked_float, checked_int
@@ -14,7 +14,6 @@ __all__ = [
     "check_random_tensors",
     "check_split_settings",
     "check_train_split",
-    "collate_function",
     "iterable_refusal",
     "split_sizes",
 ]
@@ -96,22 +95,3 @@ def iterable_refusal(name: str) -> str:
         f"data sets only: use data=stream +data.stream._target_=<it> data.num_samples=<samples in one pass> (every "
         "rank reads the whole stream), or give a map-style Dataset (__len__ and __getitem__)"
     )
-
-
-def collate_function(given: Callable[[list], Any] | str | None) -> Callable[[list], Any] | None:
-    """``data.collate_fn``: ``given``, or the function its dotted path names.
-
-    Raises:
-        ConfigError: a path that names nothing callable.
-    """
-    if not isinstance(given, str):
-        return given
-    try:
-        from dpddp._compat.hydra_main import locate  # here: _compat imports Lightning, which the early answer avoids
-
-        found = locate(given)
-    except (ImportError, ValueError):
-        found = None
-    if not callable(found):
-        raise ConfigError(f"data.collate_fn={given!r} names no function: give my_pkg.my_collate (importable)")
-    return found

@@ -22,7 +22,7 @@ from dpddp._compat import data_position
 from dpddp.data import rules
 from dpddp.data.batches import empty_batch
 from dpddp.data.draws import seed_streams
-from dpddp.data.global_batch import YieldedIds
+from dpddp.data.global_batch import YieldedIds, collate_function
 from dpddp.errors import ConfigError
 from dpddp.nn import key64
 
@@ -167,7 +167,7 @@ class StreamDataModule(pl.LightningDataModule):
                 ) from err
         self.stream, self.num_samples, self.batch_size, self.seed = stream, num_samples, batch_size, seed
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
-        self.collate_fn = rules.collate_function(collate_fn) or default_collate
+        self.collate_fn = collate_function(collate_fn) or default_collate
         self.cuts: dict[str, tuple[int, int]] = {}
 
     @override
