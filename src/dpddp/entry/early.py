@@ -207,11 +207,16 @@ def key_hints(key: str, cfg: DictConfig, instead: str = "") -> str:
     group, _, rest = key.partition(".")
     if group in GROUPS and rest and group in cfg:
         options = sorted(Path(str(files("dpddp.conf"))).joinpath(group).glob("*.yaml"))
-        having = [p.stem for p in options if _has(p, rest)]
+        having = [p.stem for p in options if _has(p, key if _global_package(p) else rest)]
         if having:
             verb = "has" if len(having) == 1 else "have"
             said.append(f"the chosen {group} config has none; {group}={', '.join(having)} {verb} one")
     return f" ({'; '.join(said)})" if said else ""
+
+
+def _global_package(path: Path) -> bool:
+    """Whether the config file ``path`` puts its keys at the top level (Hydra's ``# @package _global_`` header)."""
+    return any(line.split() == ["#", "@package", "_global_"] for line in path.read_text().splitlines()[:3])
 
 
 def _has(path: Path, dotted: str) -> bool:
