@@ -110,11 +110,19 @@ ROWS = [
     # Hydra's sweep syntaxes, under the basic sweeper and Optuna's
     ("a comma list without -m", ["seed=0,1"], refused("seed=0,1", "add -m")),
     ("range()", ["-m", "seed=range(0,2)"], works(2)),
-    ("glob() and tag(choice())", ["-m", "model=glob(*)", "model.lr=tag(small,choice(0.1))"], works(2)),
+    (
+        "glob() and tag(choice())",
+        ["-m", "model=glob(*,exclude=transformer)", "model.lr=tag(small,choice(0.1))"],
+        works(2),
+    ),
     ("interval(), basic sweeper", ["-m", "model.lr=interval(0.01,0.1)"], refused("model.lr=", OPTUNA)),
     ("glob() matching nothing", ["-m", "model=glob(x*)"], refused("model=glob(x*)", "give a pattern")),
     ("range() with no values", ["-m", "seed=range(3,1)"], refused("seed=range(3,1)", "e.g. range(1,4)")),
-    ("glob(), Optuna", ["-m", OPTUNA, "model=glob(*)"], refused("model=glob(*)", "model=choice(default,mlp)")),
+    (
+        "glob(), Optuna",
+        ["-m", OPTUNA, "model=glob(*)"],
+        refused("model=glob(*)", "model=choice(default,mlp,transformer)"),
+    ),
     (
         "interval(), Optuna",
         ["-m", OPTUNA, "model.lr=interval(0.01,0.1)", "hydra.sweeper.n_trials=2", "data.batch_size=32"],

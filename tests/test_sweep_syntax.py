@@ -28,7 +28,7 @@ BASIC = [
     ("seed=sort(3,1,2)", ["seed=1", "seed=2", "seed=3"]),
     ("seed=shuffle(range(3))", {"seed=0", "seed=1", "seed=2"}),  # in an order of its own
     ("model.lr=tag(small,choice(0.1,0.2))", ["model.lr=0.1", "model.lr=0.2"]),
-    ("model=glob(*)", ["model=default", "model=mlp"]),
+    ("model=glob(*,exclude=transformer)", ["model=default", "model=mlp"]),
     ("logger=glob(*,exclude=[*_*,m*,w*,t*,c*])", ["logger=none"]),
     (
         "model.lr=interval(0.01,0.1)",
@@ -46,8 +46,9 @@ BASIC = [
     ),
     (
         "model=glob(x*)",
-        "model=glob(x*) matches none of the options of model (default, mlp): give a pattern that matches one",
-    ),  # fmt: skip
+        "model=glob(x*) matches none of the options of model (default, mlp, transformer): give a pattern that "
+        "matches one",
+    ),
     ("seed=range(3,1)", "seed=range(3,1) has no values: give a range whose start is below its stop, e.g. range(1,4)"),
     ("seed=range(1,2)", ["seed=1"]),  # one value from whole numbers: meant
     (
@@ -60,8 +61,8 @@ BASIC = [
 SAMPLED = {
     "model.lr=interval(0.01,0.1)": None,
     "model.lr=tag(log,interval(0.01,0.1))": None,
-    "model=glob(*)": "model=glob(*): glob() is the basic sweeper's; a sampling sweeper takes the options as "
-    "model=choice(default,mlp)",
+    "model=glob(*,exclude=transformer)": "model=glob(*,exclude=transformer): glob() is the basic sweeper's; a "
+    "sampling sweeper takes the options as model=choice(default,mlp)",
     "logger=glob(*,exclude=[*_*,m*,w*,t*,c*])": "logger=glob(*,exclude=[*_*,m*,w*,t*,c*]): glob() is the basic "
     "sweeper's; a sampling sweeper takes the options as logger=choice(none)",
 }
