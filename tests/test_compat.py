@@ -525,6 +525,20 @@ def test_a_cut_execution_is_uncounted_in_a_real_checkpoints_loop_layout(tmp_path
     assert _compat.epoch_finished_in(trainer, checkpoint)
 
 
+def test_both_step_counters_of_a_real_checkpoint_take_its_global_step(tmp_path):
+    """``step_count_either_way`` on the checkpoint Lightning writes (automatic optimization: manual's counter 0)."""
+    trainer = pl.Trainer(max_steps=3, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(BoringModel())
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    checkpoint = torch.load(tmp_path / "c.ckpt", weights_only=True)
+    loops = checkpoint["loops"]["fit_loop"]
+    manual = loops["epoch_loop.manual_optimization.optim_step_progress"]["total"]
+    assert manual == {"ready": 0, "completed": 0}
+    _compat.step_count_either_way(checkpoint)
+    assert manual == {"ready": 3, "completed": 3}
+    assert loops["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"] == manual
+
+
 def test_a_lightning_optimizer_has_the_step_counting_hooks_counted_step_calls():
     raw = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
     optimizer, seen = LightningOptimizer(raw), []

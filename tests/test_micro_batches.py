@@ -108,6 +108,18 @@ def test_a_stop_inside_a_split_step_continues_exactly(tmp_path, unsplit):
     assert resumed["micro_batch_size"] == 12
 
 
+@pytest.mark.parametrize(("first", "then"), [(["data.micro_batch_size=8"], []), ([], ["data.micro_batch_size=8"])])
+def test_a_stop_continued_with_or_without_micro_batches_keeps_its_global_step(tmp_path, unsplit, first, then):
+    """Micro-batches step under manual optimization, which counts steps in another loop counter than automatic
+    optimization: stopped at step 7 (trainer.max_steps) and continued in the other mode, the run ends at the
+    straight run's 48 steps with its weights (it ended at 41 before)."""
+    train(compose_cfg(*BASE, OOM, *first, "trainer.max_steps=7"), tmp_path / "run")
+    assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 7
+    train(compose_cfg(*BASE, OOM, *then, f"ckpt_path={tmp_path}/run/checkpoints/last.ckpt"), tmp_path / "resumed")
+    assert torch.load(tmp_path / "resumed/checkpoints/last.ckpt", weights_only=True)["global_step"] == 48
+    _same(tmp_path / "resumed", unsplit / "plain", 1e-5)
+
+
 @pytest.mark.parametrize(
     ("overrides", "line"),
     [

@@ -39,7 +39,7 @@ __all__ += ["keep_unfinished_epoch", "logged_metric_kinds", "logged_tensor_state
 __all__ += ["resolve_process_group_backend", "restore_logged_tensors", "restore_sigterm_broadcast", "counted_step"]
 __all__ += ["agent_store_shared", "epoch_cut", "restart_train_iterator", "skip_next_validation"]
 __all__ += ["set_num_threads_if_needed", "skip_empty_batch_hooks", "softmax_per_sample", "uncount_last_batch"]
-__all__ += ["count_logged_step"]
+__all__ += ["count_logged_step", "step_count_either_way"]
 
 CHECKED = {"lightning": "2.6.6", "torch": "2.13.0", "hydra-core": "1.3.8"}
 """The versions every entry below was read in and tested against."""
@@ -172,6 +172,21 @@ def uncount_last_batch(checkpoint: dict[str, Any]) -> None:
             progress[part][key] -= 1
     progress["is_last_batch"] = False
     _unfinish_epoch(checkpoint)
+
+
+def step_count_either_way(checkpoint: dict[str, Any]) -> None:
+    """Set both optimizer-step counters of ``checkpoint``'s fit loop to its ``global_step``: automatic
+    optimization's (``epoch_loop.automatic_optimization.optim_progress``) and manual's (``epoch_loop.manual_
+    optimization.optim_step_progress``), ``total`` ``ready`` and ``completed``; ``trainer.global_step`` reads the one
+    of the module's mode, and a fit saved in the other mode (``data.micro_batch_size`` or ``steps_per_execution``
+    added or removed) would restart it. Lightning 2.6.6; test_compat fails if they move."""
+    loops, step = checkpoint.get("loops", {}).get("fit_loop"), checkpoint.get("global_step")
+    if not loops or not isinstance(step, int):
+        return
+    automatic = loops["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"]
+    manual = loops["epoch_loop.manual_optimization.optim_step_progress"]["total"]
+    for total in (automatic, manual):
+        total["ready"] = total["completed"] = step
 
 
 def counted_step(optimizer: Any) -> None:

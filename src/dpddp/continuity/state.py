@@ -23,6 +23,7 @@ from dpddp._compat import (
     epoch_finished_in,
     keep_unfinished_epoch,
     restart_train_iterator,
+    step_count_either_way,
     uncount_last_batch,
 )
 from dpddp.continuity.io import AtomicCheckpointIO
@@ -186,6 +187,7 @@ class ResumableState(pl.Callback):
         self._should_stop = bool(entry.get("should_stop"))
         self._stopped_by = list(entry.get("stopped_by") or [])
         if trainer.state.fn == "fit" and "loops" in checkpoint:
+            step_count_either_way(checkpoint)  # before Lightning restores the loops: global_step goes on either way
             self._plateau = int(checkpoint.get("epoch", 0)), dict(entry.get("plateau") or {})
             self._restored_schedules = entry.get("schedules")
 
