@@ -35,8 +35,10 @@ from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from omegaconf import DictConfig
 
+from dpddp._compat import hydra_override_refused
 from dpddp.cluster import launch_environment, master_address, register_resolvers
 from dpddp.continuity.schedulers import LIMIT_MARK, built_apart
+from dpddp.entry.command_line import refused_override
 from dpddp.entry.run_dir import hydra_value
 from dpddp.errors import EXIT_PREEMPTED, ConfigError, PromiseBroken, first_line, shell
 from dpddp.network import choose_interface
@@ -110,15 +112,20 @@ def environment_lines() -> list[str]:
 def _compose(overrides: list[str], config_dir: str | None) -> DictConfig:
     """The config ``dpddp-train`` would compose (``--config-dir``: ``config_dir``), with the check's tiny run first.
 
-    Raises ``ConfigError``: Hydra could not compose it (an unknown option or key)."""
+    Raises ``ConfigError``: Hydra could not compose it (an unknown option or key: ``dpddp-train``'s line)."""
     extra = [f"hydra.searchpath=[file://{Path(config_dir).absolute()}]"] if config_dir else []
     try:
         with initialize_config_dir(config_dir=str(Path(__file__).parent / "conf"), version_base="1.3"):
-            return compose(config_name="config", overrides=[*TINY, *overrides, *extra])
+            with hydra_override_refused(_refused):
+                return compose(config_name="config", overrides=[*TINY, *overrides, *extra])
     except HydraException as err:
         line = (str(err).splitlines() or [type(err).__name__])[0]
         known = getattr(err, "options", None)  # a group option none of the config directories has
         raise ConfigError(f"{line}: choose one of {', '.join(known)}" if known else line) from err
+
+
+def _refused(override: Any, cfg: DictConfig, err: Exception) -> None:
+    raise ConfigError(refused_override(override, cfg, err)) from err
 
 
 def _weights(run_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
@@ -158,10 +165,13 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         return train(cfg, run_dir)
 
 
-ROUNDS = 4
-"""At most this many timings of one process against ddp(2) (the report's trainings, then alternated 1-epoch ones)."""
+ROUNDS = 3
+"""The advice decides on this many timings of ddp(2) against one process: the table's, then a 1-epoch round in
+each order (``_again``)."""
 MARGIN = 1.1
-"""A round decides when ddp(2)'s samples/s over one process's is above this, or below its inverse."""
+"""A ratio (ddp(2)'s samples/s over one process's) says "ddp" above this, "one" below its inverse, else "even"."""
+SPREAD = 1.5
+"""The advice decides only when every ratio says the same and the largest is below ``SPREAD`` x the smallest."""
 
 
 def _again(runs: list[tuple[str, int, DictConfig]], ddp: dict[str, Any], work: Path) -> Callable[[int], float]:
@@ -182,25 +192,26 @@ def _again(runs: list[tuple[str, int, DictConfig]], ddp: dict[str, Any], work: P
 
 
 def _ratios(first: float, again: Callable[[int], float]) -> list[float]:
-    """ddp(2)'s samples/s over one process's: ``first``, then ``again(round)``'s, until two rounds in a row agree
-    (both above ``MARGIN``, both below ``1 / MARGIN``, or both within) or ``ROUNDS`` are taken."""
+    """ddp(2)'s samples/s over one process's: ``first`` (the table's), then ``again(round)``'s, up to ``ROUNDS``
+    ratios, or fewer once they ``_split`` (no longer can agree)."""
     ratios = [first]
-    while len(ratios) < ROUNDS:
+    while len(ratios) < ROUNDS and not _split(ratios):
         ratios.append(again(len(ratios)))
-        if _agreed(ratios[-2:]):
-            break
     return ratios
 
 
-def _agreed(last: list[float]) -> str | None:
-    """``"ddp"``, ``"one"`` or ``"even"`` when the ratios all say it, else ``None``."""
-    if len(last) < 2:
+def _split(ratios: list[float]) -> bool:
+    """Whether ``ratios`` fall on two sides of ``MARGIN`` or spread ``SPREAD`` or more (largest over smallest)."""
+    sides = {"ddp" if r > MARGIN else "one" if r < 1 / MARGIN else "even" for r in ratios}
+    return len(sides) > 1 or max(ratios) >= SPREAD * min(ratios)
+
+
+def _agreed(ratios: list[float]) -> str | None:
+    """``"ddp"``, ``"one"`` or ``"even"`` when ``ROUNDS`` or more ``ratios`` all say it and do not ``_split``;
+    else ``None``: this machine cannot tell now."""
+    if len(ratios) < ROUNDS or _split(ratios):
         return None
-    if min(last) > MARGIN:
-        return "ddp"
-    if max(last) < 1 / MARGIN:
-        return "one"
-    return "even" if all(1 / MARGIN <= r <= MARGIN for r in last) else None
+    return "ddp" if ratios[0] > MARGIN else "one" if ratios[0] < 1 / MARGIN else "even"
 
 
 def _advice(rows: list[dict[str, Any]], ratios: list[float]) -> str:
@@ -211,8 +222,7 @@ def _advice(rows: list[dict[str, Any]], ratios: list[float]) -> str:
     waits = f"the gradient all-reduce takes {share:.0%} of each ddp step" if share is not None else "ddp all-reduces"
     shown = ", ".join(f"{r:.2f}" for r in ratios)
     rounds = f"{len(ratios)} alternated timings of ddp(2) over one process: {shown}"
-    verdict, last = _agreed(ratios[-2:]), ratios[-2:]
-    ratio = math.sqrt(last[0] * last[1])
+    verdict, ratio = _agreed(ratios), math.prod(ratios) ** (1 / len(ratios))
     if verdict == "one":
         return (
             f"advice: one process is fastest here for this model size ({1 / ratio:.1f}x ddp(2); {rounds}): {waits}, "
@@ -227,8 +237,9 @@ def _advice(rows: list[dict[str, Any]], ratios: list[float]) -> str:
     if verdict == "even":
         return f"advice: one process and ddp(2) are about as fast here for this model size ({rounds}): {waits}"
     return (
-        f"advice: this machine cannot tell now whether one process or ddp(2) is faster ({rounds}): its load "
-        "changes between timings; run the check again when it is idle"
+        f"advice: this machine cannot tell now whether one process or ddp(2) is faster ({rounds}): the timings "
+        f"fall on both sides of {MARGIN:g}x or spread {SPREAD:g}x or more, as a changing load makes them; run the "
+        "check again when it is idle"
     )
 
 
