@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import CONF, ROOT, child_env, compose_cfg
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -233,6 +234,24 @@ def test_a_second_run_never_writes_into_another_runs_directory(tmp_path, args, e
     named = args or [f"hydra.run.dir={run}"]
     again = _train_py(tmp_path, "trainer.max_epochs=2", *named, "resume=true", **env)
     assert again.returncode == 0, again.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_at_its_own_limit_trains_nothing_and_rewrites_nothing(tmp_path):
+    """A finished run resumed with the same trainer.max_epochs: one line says there is nothing to train, exit 0,
+    and last.ckpt (its epoch: the straight run's) and metrics.json are unchanged (it re-ran and wrote epoch 2 over
+    1 before)."""
+    args = ["trainer.max_epochs=2", "data.num_samples=300", "hydra.run.dir=run", "logger=none"]
+    assert _train_py(tmp_path, *args).returncode == 0
+    run = tmp_path / "run"
+    before = (run / "checkpoints/last.ckpt").read_bytes(), (run / "metrics.json").read_text()
+    assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["epoch"] == 1
+    again = _train_py(tmp_path, *args, "resume=true")
+    assert again.returncode == 0, again.stderr[-2000:]
+    said = [x for x in (again.stdout + again.stderr).splitlines() if "nothing to train" in x]
+    assert len(said) == 1 and "is already at trainer.max_epochs=2; raise it to continue the run" in said[0]
+    assert "continuing finished job" not in again.stdout + again.stderr
+    assert ((run / "checkpoints/last.ckpt").read_bytes(), (run / "metrics.json").read_text()) == before
 
 
 @pytest.mark.parametrize("limit_gib", [24, 8])

@@ -40,7 +40,15 @@ from dpddp.entry.command_line import (
     unknown_option,
     unreadable_override,
 )
-from dpddp.entry.run_dir import completed_metrics, continues, directory_problem, hydra_value, other_run, other_sweep
+from dpddp.entry.run_dir import (
+    completed_metrics,
+    continues,
+    directory_problem,
+    hydra_value,
+    other_run,
+    other_sweep,
+    reached_limit,
+)
 from dpddp.entry.sweeps import repeated_key, sweep_refusal, sweep_without_multirun
 from dpddp.errors import (
     KNOWN,
@@ -171,6 +179,10 @@ def run_job(cfg: DictConfig) -> float:
             (output_dir / "error.txt").unlink(missing_ok=True)  # an earlier try's failure, run again now
         _log_invocation(output_dir)
         if resume and cfg.get("ckpt_path") is None:
+            if last.is_file() and done is not None and (limit := reached_limit(cfg.trainer, last)):
+                log.info(f"nothing to train: {last} is already at {limit}; raise it to continue the run")
+                value = done.get(done.get("objective", "val/loss"))
+                return math.nan if value is None else value
             if last.is_file() and done is not None:
                 limits = ", ".join(
                     f"trainer.{k}={cfg.trainer.get(k)}"

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from dpddp._compat import processed_epochs
 from dpddp.cluster import launch_id
-from dpddp.continuity.io import checkpoint_launch
+from dpddp.continuity.io import checkpoint_launch, read_checkpoint
 from dpddp.parallel.rendezvous import torchrun_restarted
 from dpddp.run.training import METRIC_KEYS
 
@@ -23,6 +24,7 @@ __all__ = [
     "hydra_value",
     "other_run",
     "other_sweep",
+    "reached_limit",
 ]
 
 WEIGHTS = ("model", "data", "trainer", "seed")
@@ -55,6 +57,25 @@ def hydra_value(value: str) -> str:
     return (
         "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), value) + "'"
     )
+
+
+def reached_limit(trainer: DictConfig, last: Path) -> str | None:
+    """The limit of ``trainer`` (``max_epochs``, ``max_steps``) that the checkpoint ``last`` has already reached
+    (``trainer.max_epochs=40``), where a fit continued from it would train nothing; ``None`` if none is, or if it
+    cannot be read (the checkpoint check says why)."""
+    try:
+        ckpt = read_checkpoint(last)
+    except Exception:
+        return None
+    if not isinstance(ckpt, dict):
+        return None
+    epochs, steps = trainer.get("max_epochs"), trainer.get("max_steps")
+    done = processed_epochs(ckpt)
+    if epochs not in (None, -1) and done is not None and done >= epochs:
+        return f"trainer.max_epochs={epochs}"
+    if steps not in (None, -1) and int(ckpt.get("global_step", -1)) >= steps:
+        return f"trainer.max_steps={steps}"
+    return None
 
 
 def continues(cfg: DictConfig, output_dir: Path, multirun: bool) -> bool:
