@@ -299,6 +299,13 @@ class StepBoundaryStop(pl.Callback):
             request()  # the sweep's other jobs stop now, not after this one's checkpoint
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Every stage, once Lightning has added the model's configure_callbacks() after the Trainer's (its
+        # Checkpoints moved last): this stop runs last, so what it writes at a step's end holds every other
+        # callback's on_train_batch_end of that step (the list is replaced, not changed, while setup goes through it).
+        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]  # type: ignore[attr-defined]
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._train, self._agreed = Pace(), False
         self._sweep_checked = 0.0  # the first batch's agreement reads the sweep's stop file, whatever came before
