@@ -191,10 +191,21 @@ def test_a_continued_fit_takes_its_checkpoints_k_without_timing(tmp_path, straig
     assert max_diff(weights(straight[0] / "checkpoints/last.ckpt"), weights(tmp_path / "b/checkpoints/last.ckpt")) == 0
 
 
+def test_a_callback_auto_does_not_know_continues_a_k_5_checkpoint_from_an_epochs_end_at_one(tmp_path, straight):
+    """Issue 49's dead end: a K=5 fit stopped at an epoch's end (step 12), continued under auto with a user callback
+    (auto takes 1): it continues at K=1 to the straight run's 36 steps and weights, bit for bit."""
+    train(compose_cfg(*BASE, "trainer.max_epochs=3", "trainer.max_steps=12", "steps_per_execution=5"), tmp_path / "a")
+    user = ["+callbacks.user._target_=conftest.SigtermAtStep", "+callbacks.user.step=1000"]  # never fires
+    ckpt = f"ckpt_path={tmp_path}/a/checkpoints/last.ckpt"
+    continued = train(compose_cfg(*BASE, "trainer.max_epochs=3", AUTO, *user, ckpt), tmp_path / "b")
+    assert continued["steps_per_execution"] == 1 and checkpoint(tmp_path / "b")["global_step"] == 36
+    assert max_diff(weights(straight[0] / "checkpoints/last.ckpt"), weights(tmp_path / "b/checkpoints/last.ckpt")) == 0
+
+
 def test_a_refused_setting_continues_only_a_checkpoint_of_k_one(tmp_path):
     train(compose_cfg(*BASE, "trainer.max_steps=7", "steps_per_execution=5"), tmp_path / "a")
     ckpt = f"ckpt_path={tmp_path}/a/checkpoints/last.ckpt"
-    with pytest.raises(ConfigError, match=r"was trained with steps_per_execution=5: continue it with"):
+    with pytest.raises(ConfigError, match=r"stopped inside an epoch with steps_per_execution=5: continue it with"):
         train(compose_cfg(*BASE, AUTO, ckpt, "trainer.accumulate_grad_batches=2"), tmp_path / "b")
 
 

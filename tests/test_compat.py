@@ -537,6 +537,9 @@ def test_both_step_counters_of_a_real_checkpoint_take_its_global_step(tmp_path):
     _compat.step_count_either_way(checkpoint)
     assert manual == {"ready": 3, "completed": 3}
     assert loops["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"] == manual
+    checkpoint["global_step"] = 7  # as executions of 5, 2 (2 loop iterations) would leave it
+    _compat.batches_counted_as_steps(checkpoint)
+    assert loops["epoch_loop.batch_progress"]["total"] == {"ready": 7, "started": 7, "processed": 7, "completed": 7}
 
 
 def test_a_lightning_optimizer_has_the_step_counting_hooks_counted_step_calls():

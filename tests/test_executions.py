@@ -4,6 +4,7 @@ execution, SIGTERM) continued ends with a straight run's weights; ddp equals one
 refused in one line. The speed is the bench's (bench/RESULTS.md), not a test's."""
 
 import random
+import re
 
 import lightning.pytorch as pl
 import pytest
@@ -138,15 +139,29 @@ def test_sigterm_stops_on_a_step_boundary_and_resumes_exactly(tmp_path, straight
     assert resumed["train/loss"] == pytest.approx(straight[1]["train/loss"], abs=1e-6)
 
 
-def test_continuing_with_another_k_is_refused_before_training(tmp_path):
-    train(compose_cfg(*BASE, "trainer.max_steps=7", "steps_per_execution=5"), tmp_path / "run")
+def test_another_k_continues_from_an_epochs_end_and_the_refusal_inside_one_leads_there(tmp_path, straight):
+    """K=5 stopped inside epoch 1 (step 13) cannot continue with K=1 (the loop counted executions there): one line
+    says to finish the epoch with K=5 (trainer.max_epochs=2); done so, K=1 continues from step 24, and from the
+    epoch's end at step 12 too, to the straight run's 36 steps and weights (bit for bit)."""
+    args = [*BASE, "trainer.max_epochs=3"]
+    train(compose_cfg(*args, "trainer.max_steps=13", "steps_per_execution=5"), tmp_path / "run")
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    with pytest.raises(
-        ConfigError, match=r"trained with steps_per_execution=5: continue it with steps_per_execution=5"
-    ):
-        train(compose_cfg(*BASE, f"ckpt_path={ckpt}", "steps_per_execution=1"), tmp_path / "again")
+    line = (
+        "stopped inside an epoch with steps_per_execution=5: continue it with steps_per_execution=5 (and the "
+        "callbacks it ran with) to the epoch's end (trainer.max_epochs=2), then with steps_per_execution=1"
+    )
+    with pytest.raises(ConfigError, match=re.escape(line)):
+        train(compose_cfg(*args, f"ckpt_path={ckpt}", "steps_per_execution=1"), tmp_path / "again")
     test_only = train(compose_cfg(*BASE, f"ckpt_path={ckpt}"), tmp_path / "test", stage="test")  # any k evaluates
     assert 0 < test_only["test/acc"] <= 1
+    k5 = ["steps_per_execution=5", "trainer.max_epochs=2"]
+    train(compose_cfg(*BASE, *k5, f"ckpt_path={ckpt}"), tmp_path / "end")  # the advice, applied
+    assert _ckpt(tmp_path / "end")["global_step"] == 24
+    train(compose_cfg(*args, f"ckpt_path={tmp_path}/end/checkpoints/last.ckpt"), tmp_path / "k1")
+    _same_run(tmp_path / "k1", straight[0], tol=0.0)
+    train(compose_cfg(*args, "trainer.max_steps=12", "steps_per_execution=5"), tmp_path / "at12")
+    train(compose_cfg(*args, f"ckpt_path={tmp_path}/at12/checkpoints/last.ckpt"), tmp_path / "k1_12")
+    _same_run(tmp_path / "k1_12", straight[0], tol=0.0)
 
 
 ONE = "use steps_per_execution=1"

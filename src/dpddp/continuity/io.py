@@ -19,7 +19,7 @@ from dpddp._compat.callbacks import swapped_average
 from dpddp.errors import WriteFailed
 
 __all__ = ["BACKGROUND", "AtomicCheckpointIO", "ConfiguredModel", "checkpoint_launch", "checkpoint_problem"]
-__all__ += ["checkpoint_steps_per_execution", "forget_checkpoints", "read_checkpoint"]
+__all__ += ["checkpoint_steps_per_execution", "forget_checkpoints", "other_steps_problem", "read_checkpoint"]
 
 BACKGROUND = {"dpddp": "background"}
 """``storage_options`` that make ``AtomicCheckpointIO`` write in its background thread."""
@@ -170,6 +170,22 @@ def _is_full(path: Path) -> bool:
     return isinstance(ckpt, dict) and "optimizer_states" in ckpt
 
 
+def other_steps_problem(ckpt: dict, steps_per_execution: int) -> str | None:
+    """Why the checkpoint ``ckpt`` cannot be continued with ``steps_per_execution`` (one line, ending with what to
+    do), or ``None``: another K continues exactly from an epoch's end (the position is in global batches), not
+    from inside an epoch (the loop's count of its executions there is the saved K's)."""
+    entry = ckpt.get("dpddp") or {}
+    k = entry.get("steps_per_execution", 1)  # the resumable state's entry; none: 1
+    if k == steps_per_execution or not entry.get("mid_epoch"):
+        return None
+    end = int(ckpt.get("epoch", 0)) + 1
+    return (
+        f"stopped inside an epoch with steps_per_execution={k}: continue it with steps_per_execution={k} (and the "
+        f"callbacks it ran with) to the epoch's end (trainer.max_epochs={end}), then with "
+        f"steps_per_execution={steps_per_execution}"
+    )
+
+
 def checkpoint_problem(
     path: str | Path,
     max_epochs: int | None = None,
@@ -190,8 +206,8 @@ def checkpoint_problem(
             holds the average a ``StochasticWeightAveraging`` swapped in at its end.
         data: the run's data settings, for a resume of the same run (``resume=true``): refused if they differ
             from the checkpoint's (another data set or batch order would continue silently).
-        steps_per_execution: the fit's: refused if the checkpoint's differs (``global_step`` and the loop's
-            batch count mean other things under each: ``dpddp.run.executions``); ``None``: not a fit.
+        steps_per_execution: the fit's: refused if the checkpoint's differs and it stopped inside an epoch
+            (``other_steps_problem``); ``None``: not a fit.
         fit: the run continues a fit from it: refused if it holds the weights only (no ``optimizer_states``:
             ``save_checkpoint(weights_only=True)``, a ``ModelCheckpoint(save_weights_only=True)``).
         model: the configured model (``ConfiguredModel``): refused if the checkpoint's weights do not load into
@@ -218,9 +234,8 @@ def checkpoint_problem(
             "window follows max_epochs, and training would go on from the average, not the raw weights); start a "
             f"new run with trainer.max_epochs={max_epochs}"
         )
-    k = (ckpt.get("dpddp") or {}).get("steps_per_execution", 1)  # the resumable state's entry; none: 1
-    if steps_per_execution is not None and k != steps_per_execution:
-        return f"was trained with steps_per_execution={k}: continue it with steps_per_execution={k}"
+    if steps_per_execution is not None and (problem := other_steps_problem(ckpt, steps_per_execution)):
+        return problem
     entry = ckpt.get("dpddp") or {}
     was = entry.get("batch_size")
     if fit and entry.get("mid_epoch") and batch_size is not None and was is not None and was != batch_size:

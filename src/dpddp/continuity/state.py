@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 from typing_extensions import override
 
 from dpddp._compat import (
+    batches_counted_as_steps,
     epoch_cut,
     epoch_finished_in,
     keep_unfinished_epoch,
@@ -26,7 +27,7 @@ from dpddp._compat import (
     step_count_either_way,
     uncount_last_batch,
 )
-from dpddp.continuity.io import AtomicCheckpointIO
+from dpddp.continuity.io import AtomicCheckpointIO, other_steps_problem
 from dpddp.continuity.replicas import ReplicaGuard
 from dpddp.continuity.schedulers import built_states, due_plateau_values, limit_lines, take_skipped_plateau_steps
 from dpddp.errors import ConfigError
@@ -94,7 +95,7 @@ class ResumableState(pl.Callback):
     whose schedulers build otherwise (another limit) is warned in one line each (rank 0). Collective at save (a
     sum and a gather, two with PowerSGD). The order of save and load: docs/design-notes.md (continuity.state).
 
-    Raises ``ConfigError`` at load: a checkpoint of another ``steps_per_execution``.
+    Raises ``ConfigError`` at load: a checkpoint of another ``steps_per_execution`` written inside an epoch.
     """
 
     def __init__(
@@ -162,12 +163,11 @@ class ResumableState(pl.Callback):
     @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         entry = checkpoint.get(KEY) or {}
-        saved = entry.get("steps_per_execution", 1)
-        if trainer.state.fn == "fit" and saved != self.steps_per_execution:
-            raise ConfigError(
-                f"steps_per_execution={self.steps_per_execution} differs from the checkpoint's {saved}: continue "
-                f"this run with steps_per_execution={saved}"
-            )
+        fitting = trainer.state.fn == "fit" and "loops" in checkpoint
+        if fitting and (problem := other_steps_problem(checkpoint, self.steps_per_execution)):
+            raise ConfigError(f"the checkpoint {problem}")
+        if fitting and self.steps_per_execution == 1 and entry.get("steps_per_execution", 1) != 1:
+            batches_counted_as_steps(checkpoint)  # an epoch's end: its executions counted as global batches
         for name, value in entry.get("throughput", {}).items():
             setattr(self.throughput, name, value)
         self.epochs.table = EpochTable(**entry["epochs"]) if "epochs" in entry else EpochTable()
