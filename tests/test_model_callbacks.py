@@ -1,6 +1,6 @@
 """Callbacks a model returns from ``configure_callbacks()`` (Lightning adds them after the Trainer's): a stateful
-one continues exactly from a checkpoint written inside an epoch (a SIGTERM's, an interval's). In-process, one
-process."""
+one continues exactly from a checkpoint written inside an epoch (a SIGTERM's, an interval's), and one that needs a
+logger is refused in one line without one. In-process, one process."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import QUIET, compose_cfg, global_step, max_diff, weights
+from lightning.pytorch.callbacks import LearningRateMonitor
 
 from dpddp.check import STOP_CALLBACK, compare
-from dpddp.errors import Preempted
+from dpddp.errors import Preempted, shell
 from dpddp.models.mlp import MLPClassifier
 from dpddp.run.training import train
 
@@ -90,3 +91,27 @@ def test_a_models_stateful_callback_continues_from_a_checkpoint_inside_an_epoch(
     straight_weights = weights(straight / "checkpoints/last.ckpt")
     assert max_diff(straight_weights, weights(tmp_path / "continued/checkpoints/last.ckpt")) <= 1e-6
     assert compare(straight, tmp_path / "continued", "stop") == (0.0, None)  # what `dpddp.check --stops` compares
+
+
+class LrMonitorMLP(MLPClassifier):
+    """The MLP whose ``configure_callbacks()`` returns a ``LearningRateMonitor`` (it needs a logger)."""
+
+    def configure_callbacks(self):
+        return LearningRateMonitor()
+
+
+@pytest.mark.parametrize("strategy", [[], ["strategy=ddp", "devices=2"]], ids=["one process", "ddp(2)"])
+def test_a_models_callback_that_needs_a_logger_without_one_is_one_line(tmp_path, capsys, strategy):
+    """As ``callbacks.<key>``'s is (it was Lightning's traceback, exit 1, from every rank): before any rank starts."""
+    args = [*BASE, "model._target_=test_model_callbacks.LrMonitorMLP", *strategy]
+    with pytest.raises(SystemExit) as end, shell():
+        train(compose_cfg(*args), tmp_path / "run")
+    assert end.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: LrMonitorMLP.configure_callbacks() returns LearningRateMonitor, which needs a logger, and logger=none: "
+        "use logger=csv (or tensorboard, mlflow, wandb), or leave it out of configure_callbacks\n"
+    )
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    if not strategy:  # with a logger it runs
+        train(compose_cfg(*args, "logger=csv", "trainer.max_steps=2"), tmp_path / "logged")
+        assert global_step(tmp_path / "logged") == 2

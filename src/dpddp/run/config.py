@@ -10,13 +10,14 @@ import inspect
 import math
 import re
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import IterableDataset
 
@@ -41,7 +42,7 @@ from dpddp.run.plain import check_plain, check_resolvable
 from dpddp.run.trainer_flags import refused_flag
 
 __all__ = ["CLI_CALLBACKS", "check_config", "check_output_dir", "check_precision", "check_resolvable"]
-__all__ += ["check_checkpoint", "execution_refusal", "needs_logger"]
+__all__ += ["check_checkpoint", "check_model_callbacks", "execution_refusal", "needs_logger"]
 
 
 def _check_val_interval(trainer: Mapping, batches: int) -> None:
@@ -321,6 +322,27 @@ def _check_callback_needs(cfg: Mapping) -> None:
             f"callbacks.{key} ({cls.__name__}) needs a logger, and logger=none: use logger=csv (or tensorboard, "
             f"mlflow, wandb), or drop it with callbacks.{key}=null"
         )
+
+
+def check_model_callbacks(cfg: Mapping, model: pl.LightningModule, trainer: pl.Trainer) -> None:
+    """What ``model.configure_callbacks()`` returns (called with ``model`` attached to ``trainer``, as Lightning
+    calls it at each stage to add its callbacks to the Trainer's), refused as ``callbacks.<key>``'s is: a callback
+    that needs a logger (``needs_logger``) with ``logger=none``.
+
+    Raises:
+        ConfigError: naming the model's callback and the fix.
+    """
+    if _has_logger(cfg) or not is_overridden("configure_callbacks", model):
+        return
+    model.trainer = trainer
+    returned = model.configure_callbacks()
+    for callback in returned if isinstance(returned, Sequence) else [returned]:
+        if needs_logger(type(callback)):
+            raise ConfigError(
+                f"{type(model).__name__}.configure_callbacks() returns {type(callback).__name__}, which needs a "
+                "logger, and logger=none: use logger=csv (or tensorboard, mlflow, wandb), or leave it out of "
+                "configure_callbacks"
+            )
 
 
 def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> World:

@@ -40,7 +40,7 @@ from dpddp.run.assembly import build_trainer
 from dpddp.run.auto_steps import resolve_steps
 from dpddp.run.build import build
 from dpddp.run.compiling import compile_mode, compile_model
-from dpddp.run.config import check_config, check_output_dir
+from dpddp.run.config import check_config, check_model_callbacks, check_output_dir
 from dpddp.run.executions import StepsPerExecution
 
 __all__ = ["METRIC_KEYS", "STAGES", "isolated_job", "objective", "train", "train_rank"]
@@ -108,6 +108,7 @@ def _train(
         trainer = build_trainer(
             cfg, output_dir, job, executions, model=model, predicts_forward=forward, datamodule=datamodule
         )
+        check_model_callbacks(cfg, model, trainer)
         if executions is not None:
             executions.check_observers(trainer, datamodule)
         running.own(trainer)
