@@ -184,7 +184,7 @@ ONE = "use steps_per_execution=1"
             ONE,
         ),
         (
-            "model._target_=test_fused_cases.MonitoredLinear",
+            "model._target_=test_fused_cases.MonitoredLinear logger=csv",  # its monitor needs a logger
             "steps_per_execution=4: LearningRateMonitor.on_train_batch_start would see executions of 4 steps",
             ONE,
         ),
@@ -219,7 +219,7 @@ ONE = "use steps_per_execution=1"
     ],
 )
 def test_what_cannot_keep_the_promises_is_one_line(tmp_path, override, line, fix):
-    args = [*BASE, "steps_per_execution=4", override]
+    args = [*BASE, "steps_per_execution=4", *override.split(" ")]
     if override == "data=sharded":  # a user's own loaders, sharded by dpddp
         args = [a for a in args if not a.startswith("data.")]
         args += ["+data.module._target_=lightning.pytorch.demos.boring_classes.BoringDataModule"]
