@@ -193,7 +193,7 @@ def test_the_cli_applies_the_checks_of_train_py(tmp_path, cli_status, args, line
         ),
         (
             ["fit", "--trainer.strategy=ddpp"],  # a strategy with no packaged config: no traceback from composing
-            "--trainer.strategy=ddpp is unknown: choose one of auto, ddp, ddp_spawn, dp",
+            "--trainer.strategy=ddpp is unknown (did you mean ddp?): choose one of auto, ddp, ddp_spawn, dp",
         ),
         (["fit", "--trainer.max_epochs"], "argument --trainer.max_epochs: expected one argument: see dpddp fit --help"),
         (
