@@ -11,7 +11,7 @@ import sys
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, metrics
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, metrics, run_train
 from omegaconf import OmegaConf
 
 from dpddp.errors import ConfigError, Preempted
@@ -253,17 +253,7 @@ def test_the_transformer_recipe_in_micro_batches_in_32_bits_is_within_its_roundi
 @pytest.mark.slow
 def test_the_transformer_recipe_in_micro_batches_on_two_processes_equals_one_unsplit_process(tmp_path):
     train(compose_cfg(*TRANSFORMER, "steps_per_execution=1"), tmp_path / "one")
-    env, tag = child_env(PYTHONPATH=str(ROOT / "tests"))
     args = [*TRANSFORMER, "strategy=ddp", "devices=2", "data.micro_batch_size=7", "hydra.run.dir=two"]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert leftover(tag) == []
+    run_train(*args, cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "tests")}, timeout=300, check=True)
     assert metrics(tmp_path / "two")["world_size"] == 2
     print("ddp(2) micro", _same(tmp_path / "one", tmp_path / "two", tol=1e-10))
