@@ -1,11 +1,10 @@
-"""What the cluster says: the world size it started, the run directory its processes share, this process's rank.
-The resolvers keep ``.hydra/`` and ``train.log`` to global rank 0 (others log to ``rank<N>.log``)."""
+"""What the launcher says (torchrun, SLURM, a PyTorchJob, dpddp's own): ranks, world size, rendezvous, run name.
+The only reader of the launcher's variables (docs/design-notes.md, cluster)."""
 
 from __future__ import annotations
 
 import os
 import re
-import socket
 import time
 
 from omegaconf import OmegaConf
@@ -23,7 +22,6 @@ __all__ = [
     "launched_by_dpddp",
     "launch_environment",
     "local_rank",
-    "loopback_interface",
     "master_address",
     "node_rank",
     "process_name",
@@ -39,7 +37,7 @@ __all__ = [
 
 
 def env_rank() -> int:
-    """Global rank given by a launcher: ``RANK`` (torchrun, a PyTorchJob), ``SLURM_PROCID``, else 0."""
+    """``RANK`` (torchrun, a PyTorchJob), else ``SLURM_PROCID``, else 0."""
     for key in ("RANK", "SLURM_PROCID"):
         if key in os.environ:
             return int(os.environ[key])
@@ -47,56 +45,53 @@ def env_rank() -> int:
 
 
 def writes_outputs() -> bool:
-    """Whether this process writes the run's outputs (its directory, trackers, start-up lines): global rank 0,
-    not a rank that dpddp's launcher started (``LAUNCHED_ENV``: those are the other ranks of rank 0's run)."""
+    """Whether this process writes the run's outputs: global rank 0, not started by dpddp's launcher."""
     return env_rank() == 0 and not launched_by_dpddp()
 
 
 def launched_by_dpddp() -> bool:
-    """Whether dpddp's own launcher started this process (``LAUNCHED_ENV``): rank 0's run has its other ranks."""
+    """Whether dpddp's own launcher started this process (``LAUNCHED_ENV``)."""
     return bool(os.environ.get(LAUNCHED_ENV))
 
 
 def node_rank() -> int:
-    """This node's rank among the run's nodes: ``NODE_RANK`` (Lightning's, set by hand or by dpddp), else 0."""
+    """``NODE_RANK``, else 0."""
     return int(os.environ.get("NODE_RANK", 0))
 
 
 def master_address() -> tuple[str | None, str | None]:
-    """``MASTER_ADDR`` and ``MASTER_PORT`` as the environment gives them (``None`` where unset, unchecked)."""
+    """``MASTER_ADDR`` and ``MASTER_PORT`` (``None`` where unset)."""
     return os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
 
 
 def torchrun_run_id() -> str | None:
-    """torchrun's ``TORCHELASTIC_RUN_ID`` (``"none"`` without ``--rdzv-id``), or ``None`` outside torchrun."""
+    """``TORCHELASTIC_RUN_ID`` (``"none"`` without ``--rdzv-id``), or ``None`` outside torchrun."""
     return os.environ.get("TORCHELASTIC_RUN_ID")
 
 
 def torchrun_local_world_size() -> str | None:
-    """Under torchrun, the processes it started on this node (``LOCAL_WORLD_SIZE``, unchecked); else ``None``."""
+    """Under torchrun, ``LOCAL_WORLD_SIZE`` (unchecked); else ``None``."""
     return os.environ.get("LOCAL_WORLD_SIZE") if torchrun_run_id() is not None else None
 
 
 def torchrun_restart_count() -> int:
-    """How many times torchrun restarted this job's workers (``TORCHELASTIC_RESTART_COUNT``), 0 outside it."""
+    """``TORCHELASTIC_RESTART_COUNT``, 0 outside torchrun."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def in_cluster_job() -> bool:
-    """Whether a cluster started this process as one of a job's (``RANK``: torchrun, a PyTorchJob; SLURM)."""
+    """Whether ``RANK`` (torchrun, a PyTorchJob) or ``SLURM_JOB_ID`` is set."""
     return "RANK" in os.environ or "SLURM_JOB_ID" in os.environ
 
 
 def launch_environment() -> dict[str, str]:
-    """The environment's variables that say how this process was launched and where it may run (``RANK_VARIABLES``,
-    the rendezvous address, visible devices, threads, interfaces, SLURM's, torchrun's, ...), sorted by name."""
+    """The environment's variables that say how this process was launched, sorted by name."""
     names, prefixes = LAUNCHER_NAMES, LAUNCHER_PREFIXES
     return {k: os.environ[k] for k in sorted(os.environ) if k in names or k.startswith(prefixes)}
 
 
 def process_name() -> str:
-    """``""`` on global rank 0; else ``rank<N>`` (torchrun, SLURM, a PyTorchJob), or ``node<N>`` for the first
-    process of node N started by hand (``NODE_RANK=N python train.py``: Lightning starts that node's ranks)."""
+    """``""`` on global rank 0; else ``rank<N>``, or ``node<N>`` for node N's first process started by hand."""
     if env_rank():
         return f"rank{env_rank()}"
     node = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
@@ -104,9 +99,8 @@ def process_name() -> str:
 
 
 def run_name() -> str:
-    """A run directory name every process of one run computes alike: ``slurm-<SLURM_JOB_ID>``,
-    ``torchrun-<run id>``, ``torchrun-<date>-port<MASTER_PORT>``, ``job-<MASTER_ADDR>-port<MASTER_PORT>`` (``RANK``
-    set: a PyTorchJob, whose master's address names the job, so a restarted pod finds the run), else
+    """The run directory's name, alike on every process and restart of one job: ``slurm-<SLURM_JOB_ID>``,
+    ``torchrun-<run id>`` (or ``-<date>-port<MASTER_PORT>``), ``job-<MASTER_ADDR>-port<MASTER_PORT>``, else
     ``<YYYY-MM-DD>/<HH-MM-SS>``."""
     if "SLURM_JOB_ID" in os.environ and "SLURM_NTASKS" in os.environ:
         return f"slurm-{os.environ['SLURM_JOB_ID']}"
@@ -121,10 +115,8 @@ def run_name() -> str:
 
 
 def launch_id() -> str | None:
-    """The job a launcher started this process for, alike on all its processes and every (re)start of it, or
-    ``None`` (no launcher, dpddp's own, or torchrun without ``--rdzv-id``): ``slurm:<SLURM_JOB_ID>`` (a requeue
-    keeps it), ``torchrun:<run id>`` (``--rdzv-id``; ``--standalone`` makes one per command),
-    ``job:<MASTER_ADDR>:<MASTER_PORT>`` (``RANK`` set: a PyTorchJob's master service)."""
+    """The launcher's job id, alike on its processes and restarts: ``slurm:<id>``, ``torchrun:<run id>``,
+    ``job:<MASTER_ADDR>:<MASTER_PORT>``; ``None`` without one (or dpddp's, or torchrun without ``--rdzv-id``)."""
     env = os.environ
     if "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env:
         return f"slurm:{env['SLURM_JOB_ID']}"
@@ -136,9 +128,8 @@ def launch_id() -> str | None:
 
 
 def register_resolvers() -> None:
-    """Resolvers for ``conf/hydra``: ``${dpddp.run_name:}``, ``${dpddp.rank_zero:a,b}`` (``a`` on global rank 0,
-    else ``b``), ``${dpddp.job_name:}`` (``train`` on rank 0, else ``rank<N>``/``node<N>``: the log file's
-    name), ``${dpddp.rank_tag:}`` (``[rank<N>]`` in log lines of processes other than global rank 0)."""
+    """``conf/hydra``'s resolvers: ``dpddp.run_name``, ``dpddp.rank_zero:a,b`` (``a`` on rank 0),
+    ``dpddp.job_name`` (the log file's name), ``dpddp.rank_tag`` (the log lines' prefix)."""
     if not OmegaConf.has_resolver("dpddp.run_name"):
         OmegaConf.register_new_resolver("dpddp.run_name", run_name, use_cache=True)
         OmegaConf.register_new_resolver("dpddp.rank_zero", lambda a, b: b if process_name() else a)
@@ -147,9 +138,7 @@ def register_resolvers() -> None:
 
 
 def cluster_world_size(cluster: str = "auto") -> tuple[int, str] | None:
-    """The world size a cluster launcher started and where it was read, or ``None`` outside one: torchrun's
-    ``WORLD_SIZE``, SLURM's ``SLURM_NTASKS`` (Lightning's ``SLURMEnvironment.detect``), a PyTorchJob's
-    ``WORLD_SIZE`` with ``cluster=kubeflow``."""
+    """The world size a cluster launcher started and the variable it came from, or ``None`` outside one."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     if cluster == "kubeflow" or ("TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ):
@@ -160,14 +149,9 @@ def cluster_world_size(cluster: str = "auto") -> tuple[int, str] | None:
     return None
 
 
-LAUNCHED_ENV = "DPDDP_LAUNCHED"
-"""Set (to ``1``) in the environment of every rank dpddp's own launcher starts: its rank variables are trusted."""
-
+LAUNCHED_ENV = "DPDDP_LAUNCHED"  # set in every rank dpddp's own launcher starts
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
-"""Variables that tell a process it is one rank of many (torch.distributed's env:// contract, Lightning's)."""
-
-KUBEFLOW_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
-"""What a Kubernetes PyTorchJob sets in every replica."""
+KUBEFLOW_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")  # what a PyTorchJob sets
 
 LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PET_", "OMPI_", "PMI_", "KUBERNETES_SERVICE_HOST")
 LAUNCHER_NAMES: tuple[str, ...] = (*RANK_VARIABLES, "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
@@ -175,15 +159,9 @@ LAUNCHER_NAMES += ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"
 
 
 def stray_rank_variables(cluster: str, num_nodes: int) -> str | None:
-    """Why this process's rank variables cannot be trusted (one line, ending with what to do), or ``None``.
-
-    Trusted under torchrun, SLURM, dpddp's launcher (``LAUNCHED_ENV``), ``cluster=kubeflow`` with all of
-    ``KUBEFLOW_VARIABLES``, or ``NODE_RANK`` alone with ``num_nodes > 1``.
-    """
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
+    """Why this process's rank variables cannot be trusted (one line, with what to do), or ``None``."""
     env = os.environ
-    if env.get(LAUNCHED_ENV) or "TORCHELASTIC_RUN_ID" in env or SLURMEnvironment.detect():
+    if launched():
         return None
     if cluster == "kubeflow":
         missing = [k for k in KUBEFLOW_VARIABLES if k not in env]
@@ -203,17 +181,15 @@ def stray_rank_variables(cluster: str, num_nodes: int) -> str | None:
 
 
 def launched() -> bool:
-    """Whether a launcher that sets the rendezvous variables started this process (torchrun, SLURM, dpddp's)."""
+    """Whether torchrun, SLURM or dpddp's launcher started this process."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     return bool(os.environ.get(LAUNCHED_ENV)) or "TORCHELASTIC_RUN_ID" in os.environ or SLURMEnvironment.detect()
 
 
 def stray_address_variables(cluster: str, num_nodes: int) -> str | None:
-    """Why ``MASTER_ADDR``/``MASTER_PORT`` cannot serve a DDP run started without a launcher (one line, ending with
-    what to do), or ``None``. Node 0 (every node of a one-machine run) serves the rendezvous, so its
-    ``MASTER_ADDR`` must be one of this machine's; several nodes started by hand need both variables on each.
-    Not checked under torchrun, SLURM, dpddp's launcher or ``cluster=kubeflow``, which set them."""
+    """Why ``MASTER_ADDR``/``MASTER_PORT`` cannot serve a DDP run started without a launcher (one line, with
+    what to do), or ``None``: node 0 serves the rendezvous, so its ``MASTER_ADDR`` must be this machine's."""
     env = os.environ
     if cluster == "kubeflow" or launched():
         return None
@@ -244,12 +220,3 @@ def stray_address_variables(cluster: str, num_nodes: int) -> str | None:
         f"MASTER_ADDR={address} (environment) {what}, but this is node 0 (NODE_RANK unset or 0), which serves the "
         "rendezvous: give every node this machine's address as MASTER_ADDR, or set NODE_RANK to this node's rank"
     )
-
-
-def loopback_interface() -> str | None:
-    """The name of the loopback network interface (``lo`` on Linux), for ``GLOO_SOCKET_IFNAME``."""
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    return next((n for n in names if n.startswith("lo")), None)

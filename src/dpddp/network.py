@@ -1,5 +1,5 @@
-"""Which local network interface the ranks of a multi-node run should use to reach each other (stdlib only).
-See docs/design-notes.md (network)."""
+"""Which local network interface the ranks of a multi-node run use to reach each other (stdlib only; see
+docs/design-notes.md, network)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,19 @@ import os
 import socket
 import struct
 from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["IFNAME_VARS", "choose_interface", "interface_address", "interface_for_address", "is_local_address"]
 __all__ += ["route_interface"]
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-"""The variables ``choose_interface`` sets; a user's value of either one leaves both untouched."""
 
 _SIOCGIFADDR = 0x8915  # <linux/sockios.h>: get an interface's (primary) IPv4 address
 _IF_INET6 = "/proc/net/if_inet6"  # Linux: one line per IPv6 address: hex address, index, prefix, scope, flags, name
 
 
 def interface_address(name: str) -> str | None:
-    """The primary IPv4 address of interface ``name`` (e.g. ``"198.18.0.2"``), or ``None`` (none, no such
-    interface, or no ``SIOCGIFADDR``: Linux ``netdevice(7)``)."""
+    """The primary IPv4 address of interface ``name``, or ``None`` (none, or no such interface)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
             reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
@@ -32,7 +31,6 @@ def interface_address(name: str) -> str | None:
 
 
 def _ipv6_interface(address: ipaddress.IPv6Address) -> str | None:
-    """The interface holding the IPv6 ``address``, from Linux's ``/proc/net/if_inet6``; ``None`` elsewhere."""
     try:
         with open(_IF_INET6) as table:
             for line in table:
@@ -45,8 +43,7 @@ def _ipv6_interface(address: ipaddress.IPv6Address) -> str | None:
 
 
 def interface_for_address(address: str) -> str | None:
-    """The name of the local interface holding ``address`` (an IP literal, IPv6 with an optional ``%scope``), or
-    ``None``."""
+    """The local interface holding ``address`` (an IP literal, IPv6 with an optional ``%scope``), or ``None``."""
     host, _, scope = address.partition("%")
     try:
         ip = ipaddress.ip_address(host)
@@ -66,12 +63,17 @@ def interface_for_address(address: str) -> str | None:
     return next((name for name in names if interface_address(name) == str(ip)), None)
 
 
-def is_local_address(address: str) -> bool | None:
-    """Whether ``address`` (a host name or IP) is one of this machine's, as a socket bound to it would be (any
-    address it resolves to binds); ``None`` when it does not resolve. Never raises ``OSError``."""
+def _resolve(address: str, port: int, kind: int) -> list[tuple[Any, ...]] | None:
     try:
-        infos = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)
+        return socket.getaddrinfo(address, port, type=kind)
     except (OSError, UnicodeError):
+        return None
+
+
+def is_local_address(address: str) -> bool | None:
+    """Whether a socket binds to ``address`` (a host name or IP) here; ``None`` when it does not resolve."""
+    infos = _resolve(address, 0, socket.SOCK_STREAM)
+    if infos is None:
         return None
     for family, kind, proto, _, sockaddr in infos:
         try:
@@ -84,17 +86,9 @@ def is_local_address(address: str) -> bool | None:
 
 
 def route_interface(address: str, port: int = 9) -> tuple[str, str] | None:
-    """The kernel's choice of local interface and source address to reach ``address`` (host name or IP), e.g.
-    ``("eth1", "10.1.2.3")``, from a ``connect()``-ed UDP socket (no packet sent).
-
-    ``None`` when the name does not resolve, nothing routes to it, or no interface holds the source address.
-    Never raises ``OSError``.
-    """
-    try:
-        infos = socket.getaddrinfo(address, port, type=socket.SOCK_DGRAM)
-    except (OSError, UnicodeError):
-        return None
-    for family, kind, proto, _, sockaddr in infos:
+    """The kernel's local interface and source address to reach ``address`` (a connected UDP socket, no packet
+    sent), e.g. ``("eth1", "10.1.2.3")``; ``None`` when it does not resolve or route."""
+    for family, kind, proto, _, sockaddr in _resolve(address, port, socket.SOCK_DGRAM) or []:
         try:
             with socket.socket(family, kind, proto) as sock:
                 sock.connect(sockaddr)
@@ -111,10 +105,8 @@ def route_interface(address: str, port: int = 9) -> tuple[str, str] | None:
 
 
 def choose_interface(master_addr: str, environ: Mapping[str, str] | None = None) -> tuple[dict[str, str], str]:
-    """The ``IFNAME_VARS`` to set for rank 0 at ``master_addr`` (``route_interface``) and a line for the log:
-    ``({"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "=eth1"}, "GLOO_SOCKET_IFNAME=eth1 (routes to ...)")``.
-    ``({}, why)`` when ``environ`` (default ``os.environ``) sets either variable or no interface routes there.
-    """
+    """The ``IFNAME_VARS`` to set for reaching ``master_addr``, and the reason for the log; ``({}, why)`` when
+    ``environ`` (default ``os.environ``) sets either one or nothing routes there."""
     env = os.environ if environ is None else environ
     given = [f"{var}={env[var]}" for var in IFNAME_VARS if env.get(var)]
     if given:

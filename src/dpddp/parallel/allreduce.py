@@ -17,61 +17,53 @@ from dpddp.parallel.whereabouts import GRADIENTS, mark
 __all__ = ["COMM_HOOKS", "AllReduceTimer"]
 
 COMM_HOOKS = {"fp16_compress": fp16_compress_hook, "bf16_compress": bf16_compress_hook, "powersgd": powerSGD_hook}
-"""``strategy.ddp_comm_hook``'s names: torch's hooks that all-reduce the gradients in 16 bits (bf16: NCCL only),
-or as low-rank factors (PowerSGD, with a ``PowerSGDState``: ``strategy.powersgd_rank``, ``powersgd_start_iter``)."""
+"""``strategy.ddp_comm_hook``'s names for torch's hooks (PowerSGD takes a ``PowerSGDState``)."""
 
 
 class AllReduceTimer:
-    """DDP's communication hook ``hook``: torch's ``allreduce_hook`` (what DDP does without a hook: the same
-    sums, the same mean), timed. ``seconds`` adds up, per backward, the time from the launch of the last
-    gradient bucket (all gradients computed) to the end of its all-reduce: what backward waits for once its own
-    work is done. Buckets are launched in index order and complete in order on one process group, so the last
-    one's end is the end of the wait. On CPU ``time.perf_counter``; on CUDA events on the current stream
-    (``seconds`` counts the events finished so far; ``settle`` waits for the rest)."""
+    """DDP's communication hook ``hook``: ``inner`` (the same sums and mean as DDP without a hook), timed.
+
+    ``seconds`` adds up, per backward, the time from the launch of the last bucket to the end of its all-reduce
+    (CUDA: events, counted once finished; ``settle`` waits for them). ``buckets``: hook calls so far."""
 
     def __init__(self, inner: Any = allreduce_hook) -> None:
-        self.inner = inner  # the hook timed (``COMM_HOOKS``' compress the buckets first)
-        self._seconds = 0.0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.buckets = 0  # hook calls so far
+        self.inner = inner
+        self.reset()
 
     def hook(self, state: Any, bucket):  # no annotations on bucket and the return: DDP checks them
         self.buckets += 1
-        if bucket.index() == 0:  # the first launched; unmarked when the last one's all-reduce has ended well
+        if bucket.index() == 0:  # unmarked when the last bucket's all-reduce has ended well
             mark(GRADIENTS)
         if not bucket.is_last():
             return self.inner(state, bucket)
-        if bucket.buffer().is_cuda:
-            start = torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True) if bucket.buffer().is_cuda else None
+        if start is not None:
             start.record()
-            future = self.inner(state, bucket)
+        began = time.perf_counter()
 
-            def done_cuda(fut: torch.futures.Future) -> torch.Tensor:
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            if start is None:
+                self._seconds += time.perf_counter() - began
+            else:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()  # the callback's stream waits for the all-reduce
                 self._events.append((start, end))
-                value = fut.value()
-                mark(None)
-                return value
-
-            return future.then(done_cuda)
-        began = time.perf_counter()
-        future = self.inner(state, bucket)
-
-        def done(fut: torch.futures.Future) -> torch.Tensor:
-            self._seconds += time.perf_counter() - began
             value = fut.value()
             mark(None)
             return value
 
-        return future.then(done)
+        return self.inner(state, bucket).then(done)
 
     @property
     def seconds(self) -> float:
-        """Seconds of waiting so far (CUDA: the finished events only, without waiting for the others)."""
-        finished = [pair for pair in self._events if pair[1].query()]
-        self._events = [pair for pair in self._events if not pair[1].query()]
-        self._seconds += sum(start.elapsed_time(end) for start, end in finished) / 1000.0
+        """Seconds of waiting so far (CUDA: the finished events only)."""
+        pending = []
+        for start, end in self._events:
+            if end.query():
+                self._seconds += start.elapsed_time(end) / 1000.0
+            else:
+                pending.append((start, end))
+        self._events = pending
         return self._seconds
 
     def settle(self) -> float:
@@ -81,4 +73,5 @@ class AllReduceTimer:
         return self.seconds
 
     def reset(self) -> None:
-        self._seconds, self._events, self.buckets = 0.0, [], 0
+        self._seconds, self.buckets = 0.0, 0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []

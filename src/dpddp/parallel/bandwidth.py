@@ -1,9 +1,5 @@
-"""All-reduce latency and bandwidth between the ranks of a process group, and what they predict for a model's
-gradient all-reduce (``python -m dpddp.check --network``).
-
-The model is the alpha-beta cost of a ring all-reduce: ``latency + 2(N-1)/N x bytes / bus bandwidth`` for ``N``
-ranks (Patarasuk and Yuan, 2009; the bus bandwidth is nccl-tests' ``busbw``, the link rate a ring reaches).
-"""
+"""All-reduce latency and bus bandwidth between ranks, and the ring all-reduce cost they predict
+(``python -m dpddp.check --network``; docs/design-notes.md, network)."""
 
 from __future__ import annotations
 
@@ -22,14 +18,12 @@ import torch.distributed as dist
 __all__ = ["BIG_BYTES", "Collective", "bus_bandwidth", "measure", "measure_spawned", "recommend", "ring_seconds"]
 __all__ += ["step_seconds"]
 
-BIG_BYTES = 32 * 2**20
-"""The buffer whose all-reduce sets the bus bandwidth (large enough that the latency is a small part)."""
+BIG_BYTES = 32 * 2**20  # the buffer whose all-reduce sets the bus bandwidth (latency a small part)
 
 
 @dataclass(frozen=True)
 class Collective:
-    """What ``measure`` found: ``world_size`` ranks over ``backend``; ``latency_s``, the median seconds of an
-    all-reduce of one float32; ``times``, bytes -> median seconds of an all-reduce of that many bytes."""
+    """What ``measure`` found: ``latency_s`` of one float32's all-reduce, ``times``: bytes -> seconds (medians)."""
 
     world_size: int
     backend: str
@@ -37,22 +31,22 @@ class Collective:
     times: dict[int, float]
 
     def bus_bandwidth(self) -> float:
-        """Bytes/s a ring reaches on the largest buffer measured (``bus_bandwidth``)."""
+        """Bytes/s a ring reaches on the largest buffer measured."""
         size = max(self.times)
         return bus_bandwidth(size, self.times[size] - self.latency_s, self.world_size)
 
 
 def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:
-    """Bytes/s of a ring all-reduce of ``nbytes`` over ``world_size`` ranks that took ``seconds``:
-    ``2(N-1)/N x nbytes / seconds`` (nccl-tests' ``busbw``). Raises ``ValueError`` for ``world_size < 2``."""
+    """nccl-tests' ``busbw`` of an all-reduce of ``nbytes`` that took ``seconds``: ``2(N-1)/N x nbytes / seconds``.
+
+    Raises ``ValueError`` for ``world_size < 2``."""
     if world_size < 2:
         raise ValueError(f"an all-reduce over {world_size} rank moves nothing")
     return 2 * (world_size - 1) / world_size * nbytes / max(seconds, 1e-9)
 
 
 def ring_seconds(nbytes: int, world_size: int, latency_s: float, bus_bytes_per_s: float) -> float:
-    """The ring bound on an all-reduce of ``nbytes`` over ``world_size`` ranks: ``latency_s`` + ``2(N-1)/N x
-    nbytes / bus_bytes_per_s`` (seconds)."""
+    """Seconds of a ring all-reduce of ``nbytes``: ``latency_s + 2(N-1)/N x nbytes / bus_bytes_per_s``."""
     return latency_s + 2 * (world_size - 1) / world_size * nbytes / bus_bytes_per_s
 
 
@@ -72,9 +66,8 @@ def _median_seconds(tensor: torch.Tensor, reps: int) -> float:
 
 
 def measure(sizes: list[int], device: torch.device, reps: int = 10) -> Collective:
-    """Time all-reduces (float32, summed) of one float and of each of ``sizes`` bytes on ``device``, in the
-    initialized default process group; every rank calls it and gets the same figures (the slowest rank's median
-    of ``reps``)."""
+    """Time float32 all-reduces of one float and of each of ``sizes`` bytes on ``device`` in the default group;
+    every rank calls it and gets the slowest rank's medians of ``reps``."""
     latency = _median_seconds(torch.zeros(1, device=device), reps)
     times = {n: _median_seconds(torch.zeros(max(n // 4, 1), device=device), reps) for n in sorted(set(sizes))}
     return Collective(dist.get_world_size(), str(dist.get_backend()), latency, times)
@@ -97,22 +90,18 @@ def _spawned_rank(rank: int, world: int, port: int, sizes: list[int], out: str) 
 
 
 def measure_spawned(world_size: int, sizes: list[int], port: int, out: Path) -> Collective:
-    """``measure`` over ``world_size`` processes started here (torch.multiprocessing, loopback; NCCL with a GPU
-    each, else gloo); ``out``: the file rank 0 writes its figures to. Raises what a rank raised
-    (``torch.multiprocessing.ProcessRaisedException``)."""
+    """``measure`` over ``world_size`` processes spawned here (loopback; NCCL with a GPU each, else gloo), through
+    the file ``out``. Raises ``torch.multiprocessing.ProcessRaisedException`` when a rank raised."""
     torch.multiprocessing.start_processes(
         _spawned_rank, args=(world_size, port, sizes, str(out)), nprocs=world_size, start_method="spawn"
     )
     found = json.loads(out.read_text())
-    return Collective(
-        found["world_size"], found["backend"], found["latency_s"], {int(k): v for k, v in found["times"].items()}
-    )
+    return Collective(**{**found, "times": {int(k): v for k, v in found["times"].items()}})
 
 
 def recommend(share: float, compressible: bool) -> str:
-    """The advice for a predicted all-reduce ``share`` of a ddp step (0-1): ddp below 20%, ddp with gradient
-    compression (``compressible``: a comm hook) or a larger per-device batch up to 50%, else one process (or dp
-    over one machine's GPUs)."""
+    """The advice for an all-reduce ``share`` (0-1) of a ddp step: ddp below 20%, ddp with care below 50%, else
+    one process; ``compressible``: advise a comm hook."""
     if share < 0.2:
         return "ddp: the all-reduce is a small part of each step; more processes train faster"
     if share < 0.5:
