@@ -26,6 +26,8 @@ class AllReduceTimer:
     ``seconds`` adds up, per backward, the time from the launch of the last bucket to the end of its all-reduce
     (CUDA: events, counted once finished; ``settle`` waits for them). ``buckets``: hook calls so far."""
 
+    _events: list[tuple[torch.cuda.Event, torch.cuda.Event]]
+
     def __init__(self, inner: Any = allreduce_hook) -> None:
         self.inner = inner
         self.reset()
@@ -73,5 +75,4 @@ class AllReduceTimer:
         return self.seconds
 
     def reset(self) -> None:
-        self._seconds, self.buckets = 0.0, 0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._seconds, self._events, self.buckets = 0.0, [], 0
