@@ -1,5 +1,5 @@
 """An evaluation run (eval.py, dpddp-eval): a checkpoint validated and tested exactly on any world size, nothing
-trained, metrics.json written; a checkpoint of another model is one line, exit 2."""
+trained, metrics.json written; a checkpoint of another model or a weights-only one is one line, exit 2."""
 
 import subprocess
 import sys
@@ -39,13 +39,31 @@ def test_eval_on_one_process_gives_the_runs_metrics_and_trains_nothing(trained, 
     assert not (tmp_path / "curves.png").exists()  # no epoch of a fit to draw
 
 
-def test_a_weights_only_checkpoint_evaluates_to_the_same_metrics(trained, tmp_path):
-    """What a fit cannot continue from (no optimizer or loop state) an evaluation reads whole: the weights."""
+@pytest.mark.parametrize("saved", ["lightning", "torch", "other model"])
+def test_a_weights_only_or_other_models_checkpoint_is_one_line_exit_2(saved, trained, tmp_path, monkeypatch, capsys):
+    """Lightning's ``save_weights_only=True`` (no optimizer or callback states), ``torch.save(state_dict())``, and
+    a full checkpoint of the default model given to ``model=mlp``: one line naming ckpt_path, nothing written."""
     full = torch.load(trained / "checkpoints/last.ckpt", weights_only=True)
-    kept = ("state_dict", "hyper_parameters", "pytorch-lightning_version", "epoch", "global_step")
-    torch.save({k: full[k] for k in kept if k in full}, tmp_path / "weights.ckpt")
-    result = _evaluated(tmp_path / "weights.ckpt", tmp_path / "eval")
-    assert all(result[key] == pytest.approx(metrics(trained)[key], abs=1e-6) for key in KEYS)
+    kept = ("state_dict", "hyper_parameters", "pytorch-lightning_version", "epoch", "global_step", "loops")
+    chosen = {"lightning": {k: full[k] for k in kept}, "torch": full["state_dict"], "other model": full}[saved]
+    torch.save(chosen, tmp_path / "w.ckpt")
+    model = ["model=mlp"] if saved == "other model" else []
+    monkeypatch.chdir(tmp_path)
+    run = f"hydra.run.dir={tmp_path / 'run'}"
+    monkeypatch.setattr(sys, "argv", ["eval.py", f"ckpt_path={tmp_path / 'w.ckpt'}", *DATA, *model, run])
+    with pytest.raises(SystemExit) as ended:
+        eval_entry.main()
+    said = {
+        "lightning": "holds the model's weights only (no optimizer_states or callback states: saved with "
+        "weights_only=True), so eval.py cannot restore the run it came from: give a full checkpoint (its run's "
+        "checkpoints/last.ckpt)",
+        "torch": "is not a Lightning checkpoint (no state_dict): give a last.ckpt or best.ckpt written by dpddp",
+        "other model": "holds another model's weights (no net.0.weight",
+    }[saved]
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: ckpt_path={str(tmp_path / 'w.ckpt')!r} {said}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.ckpt"]  # no run directory, nothing written
 
 
 def test_another_models_checkpoint_and_no_checkpoint_are_one_line_and_help(trained, monkeypatch, capsys):

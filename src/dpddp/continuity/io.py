@@ -193,6 +193,7 @@ def checkpoint_problem(
     steps_per_execution: int | None = None,
     *,
     fit: bool = False,
+    whole: bool = False,
     model: ConfiguredModel | None = None,
     batch_size: int | None = None,
 ) -> str | None:
@@ -210,6 +211,7 @@ def checkpoint_problem(
             (``other_steps_problem``); ``None``: not a fit.
         fit: the run continues a fit from it: refused if it holds the weights only (no ``optimizer_states``:
             ``save_checkpoint(weights_only=True)``, a ``ModelCheckpoint(save_weights_only=True)``).
+        whole: an evaluation (``eval.py``) of it: refused likewise if it holds the weights only.
         model: the configured model (``ConfiguredModel``): refused if the checkpoint's weights do not load into
             it (another model's, or other sizes), naming the settings its saved hyper-parameters differ in.
         batch_size: the fit's ``data.batch_size``: refused if the checkpoint stopped inside an epoch with another
@@ -257,13 +259,15 @@ def checkpoint_problem(
             f"holds another model's weights ({other}): give a checkpoint of this model, or the model settings it "
             "was trained with" + (f" ({' '.join(was)})" if was else "")
         )
-    if fit and "optimizer_states" not in ckpt:
+    if (fit or whole) and "optimizer_states" not in ckpt:
         last = Path(path).parent / "last.ckpt"
-        whole = last.name != Path(path).name and _is_full(last)
-        instead = f"ckpt_path={last}" if whole else "a full checkpoint (its run's checkpoints/last.ckpt)"
+        beside = last.name != Path(path).name and _is_full(last)
+        instead = f"ckpt_path={last}" if beside else "a full checkpoint (its run's checkpoints/last.ckpt)"
+        only = "holds the model's weights only (no optimizer_states or callback states: saved with weights_only=True)"
+        if not fit:
+            return f"{only}, so eval.py cannot restore the run it came from: give {instead}"
         return (
-            "holds the model's weights only (no optimizer_states or callback states: saved with weights_only=True), "
-            f"so a fit cannot continue from it: continue from {instead}, or load the weights in the model yourself "
-            "and start without ckpt_path"
+            f"{only}, so a fit cannot continue from it: continue from {instead}, or load the weights in the model "
+            "yourself and start without ckpt_path"
         )
     return None

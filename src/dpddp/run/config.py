@@ -449,7 +449,14 @@ def _check_checkpoint(cfg: DictConfig | Mapping, stage: str) -> None:
     batch = batch if isinstance(batch, int) else None
     if ckpt is not None and (
         problem := checkpoint_problem(
-            ckpt, max_epochs, data, k, fit=stage == "fit", model=_configured_model(cfg), batch_size=batch
+            ckpt,
+            max_epochs,
+            data,
+            k,
+            fit=stage == "fit",
+            whole=stage == "eval",
+            model=_configured_model(cfg),
+            batch_size=batch,
         )
     ):
         raise ConfigError(f"ckpt_path={str(ckpt)!r} {problem}")
