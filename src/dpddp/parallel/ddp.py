@@ -24,7 +24,7 @@ from dpddp._compat.strategies import UNUSED_PARAMETERS, wrapping_frozen
 from dpddp.errors import ConfigError, Preempted, ReplicasDiverged, StepFailed, first_line
 from dpddp.network import choose_interface, interface_address
 from dpddp.parallel.allreduce import COMM_HOOKS, AllReduceTimer
-from dpddp.parallel.launcher import JobLauncher, RankJob, Supervisor
+from dpddp.parallel.launcher import JobLauncher, RankJob
 from dpddp.parallel.peers import PeerWatch
 from dpddp.parallel.rank import run_rank
 from dpddp.parallel.rendezvous import join_start
@@ -131,7 +131,7 @@ class DDPStrategy(LightningDDPStrategy):
         return self._job_launcher
 
     @property
-    def supervisor(self) -> Supervisor | None:
+    def supervisor(self) -> JobLauncher | None:
         """The launcher that started this node's other ranks, if ours did; ``None`` otherwise."""
         return self._job_launcher
 

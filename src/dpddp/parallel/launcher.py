@@ -1,11 +1,5 @@
-"""Starting and supervising the local ranks of a DDP run: the job they run, the launcher, the rank watcher.
-
-``JobLauncher`` starts local ranks 1..n-1 from a ``RankJob`` instead of re-running ``sys.argv``: forked on CPU,
-``python -m dpddp.parallel.rank`` on GPUs. How many: Lightning's ``Trainer(devices=, num_nodes=)`` gives the
-strategy its ``num_processes`` per node (``dpddp.parallel.ddp.DDPStrategy.launcher`` passes them here);
-``dpddp.parallel.rules.world_size`` is the same count worked out from the config, for the checks before any process
-starts. See docs/design-notes.md (parallel.launcher).
-"""
+"""Starting and supervising a DDP run's local ranks from a ``RankJob`` (docs/design-notes.md, parallel.launcher).
+Lightning's ``Trainer(devices=, num_nodes=)`` gives the strategy the processes per node it passes here."""
 
 from __future__ import annotations
 
@@ -24,7 +18,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import ClusterEnvironment
@@ -36,7 +30,7 @@ from dpddp.cluster import LAUNCHED_ENV, master_address
 from dpddp.errors import EXIT_CRASH, EXIT_PREEMPTED, ConfigError, RankFailed, first_line
 from dpddp.network import route_interface
 
-__all__ = ["JobLauncher", "RankJob", "Supervisor", "bind_store_socket", "die_with_parent"]
+__all__ = ["JobLauncher", "RankJob", "bind_store_socket", "die_with_parent"]
 __all__ += ["STOPPED", "rank_ended"]
 
 log = logging.getLogger(__name__)
@@ -57,7 +51,7 @@ class RankJob:
     sys_path: tuple[str, ...] = dataclasses.field(default_factory=lambda: tuple(sys.path))
 
     def to_env(self) -> dict[str, str]:
-        """The job as environment variables (``{RankJob.ENV: <json>}``) for an exec'd rank."""
+        """``{RankJob.ENV: <json>}`` for an exec'd rank."""
         return {self.ENV: json.dumps(dataclasses.asdict(self))}
 
     @classmethod
@@ -73,30 +67,13 @@ class RankJob:
         return getattr(importlib.import_module(module), name)
 
 
-class Supervisor(Protocol):
-    """What the run asks of a launcher that started ranks: who failed, and waiting for them to end."""
-
-    def failed_ranks(self, wait_s: float) -> list[str]:
-        """Launched ranks that ended with a non-zero status, waiting up to ``wait_s`` seconds in all."""
-        ...
-
-    def join(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` seconds for launched ranks to exit, then kill any left."""
-        ...
-
-    def stopped(self) -> bool:
-        """Whether a launched rank that has ended was stopped by SIGTERM (exit 143, or killed by it)."""
-        ...
-
-
 def die_with_parent() -> None:
     """In a launched rank: get SIGKILL when the launching process dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
-STOPPED = (EXIT_PREEMPTED, -signal.SIGTERM)
-"""A rank's exit status when SIGTERM stopped it: ``Preempted``'s, or killed by the signal."""
+STOPPED = (EXIT_PREEMPTED, -signal.SIGTERM)  # a rank's exit status when SIGTERM stopped it
 
 
 def rank_ended(rank: int, proc: Any) -> str:
@@ -107,9 +84,8 @@ def rank_ended(rank: int, proc: Any) -> str:
 
 
 class _RankWatcher(threading.Thread):
-    """When a launched rank exits non-zero, kills the others and, unless rank 0 fails within ``grace_s``
-    seconds, ends it with exit status 1. A rank stopped by SIGTERM (``STOPPED``) is given ``grace_s`` first,
-    quietly: rank 0 stops with it at the same agreement, or maps its stop when it joins it (a late signal)."""
+    """When a launched rank exits non-zero, kills the others and, unless rank 0 fails within ``grace_s`` seconds,
+    ends it with exit status 1; a rank ``STOPPED`` by SIGTERM first gets ``grace_s`` for rank 0 to stop too."""
 
     def __init__(self, procs: list[Any], grace_s: float = 10.0) -> None:
         super().__init__(daemon=True, name="dpddp-rank-watcher")
@@ -135,10 +111,9 @@ class _RankWatcher(threading.Thread):
 
 
 def bind_store_socket(address: str) -> socket.socket:
-    """A listening socket for rank 0's TCPStore on ``address`` only, on ``$MASTER_PORT`` if set, else a free port.
+    """A listening socket for rank 0's TCPStore on ``address`` only, on ``$MASTER_PORT`` or a free port.
 
-    Raises ``ConfigError`` if ``MASTER_PORT`` is in use (before any rank starts).
-    """
+    Raises ``ConfigError`` if ``MASTER_PORT`` is in use."""
     port = int(master_address()[1] or 0)
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -155,7 +130,7 @@ def bind_store_socket(address: str) -> socket.socket:
 
 
 class _ForkedRank:
-    """A forked local rank with the ``subprocess.Popen`` interface the launcher and watcher use."""
+    """A forked local rank with the ``subprocess.Popen`` methods the launcher and watcher use."""
 
     def __init__(self, pid: int) -> None:
         self.pid: int = pid
@@ -188,7 +163,8 @@ class _ForkedRank:
 
 class JobLauncher(SubprocessScriptLauncher):
     """Lightning's ``_SubprocessScriptLauncher`` starting local ranks from ``job``: forked (``fork``, running
-    ``run_forked(job)`` for an exit status) or ``python -m dpddp.parallel.rank``."""
+    ``run_forked(job)`` for an exit status) or ``python -m dpddp.parallel.rank``. ``explain_failure``, set by the
+    strategy: the line naming the peer to blame for a failed run, or ``None``."""
 
     def __init__(
         self,
@@ -204,7 +180,6 @@ class JobLauncher(SubprocessScriptLauncher):
         self.watcher: _RankWatcher | None = None
         self.listen_socket: socket.socket | None = None
         self.explain_failure: Callable[[BaseException], str | None] | None = None
-        """Set by the strategy: the line naming the peer to blame for a failed run (multi-node), or ``None``."""
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -250,8 +225,7 @@ class JobLauncher(SubprocessScriptLauncher):
             log.info(f"local ranks 1-{self.num_processes - 1} {how}: pids {[p.pid for p in self.procs]}")
 
     def _fork_rank(self, local_rank: int) -> _ForkedRank:
-        """Fork local rank ``local_rank``: it runs ``run_forked(job)`` and ``os._exit``s with its status (what it
-        returns, or the status its shell exits with)."""
+        """Fork local rank ``local_rank``: it runs ``run_forked(job)`` and ``os._exit``s with its status."""
         sys.stdout.flush()
         sys.stderr.flush()
         parent = os.getpid()
@@ -282,8 +256,7 @@ class JobLauncher(SubprocessScriptLauncher):
                 os._exit(code)
 
     def failed_ranks(self, wait_s: float) -> list[str]:
-        """Launched ranks that ended non-zero, waiting up to ``wait_s`` seconds in all, e.g.
-        ``["rank 1 (pid 4242) was killed by SIGKILL"]``."""
+        """Lines for the launched ranks that ended non-zero, waiting up to ``wait_s`` seconds in all."""
         deadline = time.monotonic() + wait_s
         failed = []
         for rank, proc in enumerate(self.procs, 1):
@@ -296,7 +269,7 @@ class JobLauncher(SubprocessScriptLauncher):
         return failed
 
     def stopped(self) -> bool:
-        """Whether a launched rank that has ended was stopped by SIGTERM (``STOPPED``)."""
+        """Whether a launched rank was ``STOPPED`` by SIGTERM."""
         return any(proc.poll() in STOPPED for proc in self.procs)
 
     def join(self, timeout_s: float) -> None:
