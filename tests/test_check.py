@@ -32,10 +32,11 @@ from dpddp.check import (
 )
 
 
-def _check(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _check(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m dpddp.check ARGS`` in ``cwd`` (a check of promise 1 writes check.png there)."""
     env, _ = child_env(PYTHONPATH=str(ROOT / "tests"))
     return subprocess.run(
-        [sys.executable, "-m", "dpddp.check", *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "dpddp.check", *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd
     )
 
 
@@ -79,8 +80,8 @@ def test_a_config_dir_of_the_users_own_is_composed(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_check_passes_here_and_prints_its_parts():
-    proc = _check()
+def test_the_check_passes_here_and_prints_its_parts(tmp_path):
+    proc = _check(cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     versions = r"^versions: Python 3\.\d+\.\d+, torch \S+, lightning 2\.\S+, hydra-core 1\.3\.\S+, dpddp \S+$"
@@ -112,6 +113,11 @@ def test_the_check_passes_here_and_prints_its_parts():
     assert rounding and float(rounding.group(2)) == float(ddp[-1])
     assert "promise 1 (the same math as one process; in 32-true, a drift within rounding): holds" in out
     assert re.search(r"^advice: (one process|ddp\(2\)|this machine cannot tell now)", out, re.M)
+    assert out.splitlines()[-1] == f"picture: {tmp_path / 'check.png'}"  # the trainings' curves, one colour each
+    png = (tmp_path / "check.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR" and len(png) > 10_000
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert width >= 900 and height >= 700  # write_plot's 10 x 7 inches at 100 dpi, grown for the legend
     assert proc.stderr.strip() == ""
 
 

@@ -51,6 +51,7 @@ from dpddp.parallel.bandwidth import (
     ring_seconds,
     step_seconds,
 )
+from dpddp.report.curves import write_plot
 from dpddp.run.draws_seen import draws_line, find_draws
 from dpddp.run.executions import execution_steps
 from dpddp.run.training import isolated_job, train
@@ -64,6 +65,8 @@ BOUND = 3.0
 SAME_MATH = 1e-9
 """Promise 1 in 64 bits: ddp and dp end with one process's weights to this, relative to the largest weight."""
 SIXTY_FOUR = "trainer.precision=64-true"
+PICTURE = "check.png"
+"""The trainings' loss, accuracy, samples/s and memory per epoch (``write_plot``), written in the working directory."""
 TINY = ["trainer.max_epochs=2", "logger=none", "epoch_lines=false", "trainer.enable_progress_bar=false"]
 
 
@@ -352,9 +355,10 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
     half = max(int(runs[0][2].data.batch_size) // 2, 1)
     micro = _composed([*planned[0][2], *overrides, f"data.micro_batch_size={half}"], config_dir)
     rows: list[dict[str, Any]] = []
-    for name, count, cfg in runs:
-        run_dir = work / f"run{len(rows)}"
-        run_dir.mkdir()  # the launched ranks log into it from their start
+    for (name, count, cfg), (_, _, settings) in zip(runs, planned, strict=True):
+        run_dir = work / str(len(rows))  # a sweep's job directory to write_plot, labelled by its overrides
+        (run_dir / ".hydra").mkdir(parents=True)  # the launched ranks log into it from their start
+        (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {s}\n" for s in settings))
         result = _train(cfg, run_dir)
         weights, step = _weights(run_dir)
         share = result.get("allreduce_share")
@@ -383,6 +387,7 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
     print("holds" if not (math_apart or drifting) else "does NOT hold")
     ddp = next(r for r in rows if r["name"].startswith("ddp"))
     print(_advice(rows, _ratios(ddp["samples_per_sec"] / rows[0]["samples_per_sec"], _again(runs, ddp, work))))
+    print(f"picture: {write_plot(work, Path(PICTURE).absolute())}")
     if math_apart:
         row = math_apart[0]
         diff, relative, where, step, one_step = row["math"]

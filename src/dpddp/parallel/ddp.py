@@ -1,6 +1,5 @@
-"""Lightning's DDP strategy with a launcher that is safe inside Hydra sweeps, a timeout in seconds, a
-rendezvous store that listens only where the other ranks reach it, the network interface chosen for the user,
-and (multi-node) ranks that watch each other so that a lost node ends the run everywhere."""
+"""Lightning's DDP strategy with dpddp's launcher, network interface, rendezvous, peer watch and whereabouts
+(docs/design-notes.md, parallel.ddp)."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ def _is_loopback(address: str | None) -> bool:
 
 
 def apply_interface(master_addr: str, num_nodes: int) -> str:
-    """Set ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` to the interface that routes to ``master_addr``
-    unless the user set either (``dpddp.network.choose_interface``); return the reason, for the log.
+    """Set the variables ``choose_interface`` gives for ``master_addr``; return its reason, for the log.
 
     Raises ``ConfigError`` if ``num_nodes > 1`` and a non-loopback ``master_addr`` is reached through loopback here.
     """
@@ -66,18 +64,15 @@ UNUSED_PARAMETERS_LINE = (
     "a parameter got no gradient in the last training step (DDP waits for each one's): set "
     "strategy.find_unused_parameters=true (CLI: --trainer.strategy=ddp_find_unused_parameters_true) or use it"
 )
-"""What a run says for DDP's error of a parameter the loss did not use (``UNUSED_PARAMETERS``): dpddp's setting."""
 
 
 class DDPStrategy(LightningDDPStrategy):
-    """Lightning's ``DDPStrategy`` whose launcher starts ranks from ``job`` (``None``: Lightning's, outside Hydra
-    only); ``timeout_s``: seconds a collective waits for a lost peer. ``launch``: ``"fork"``, ``"exec"``
-    (``python -m dpddp.parallel.rank``) or ``"auto"`` (fork on CPU while CUDA is not initialised).
-    ``**kwargs`` go to Lightning's ``DDPStrategy``. Without a ``ddp_comm_hook`` of the user's, or with one named
-    in ``COMM_HOOKS``, the gradients go through ``allreduce_timer`` (``AllReduceTimer``: that hook, timed).
-    ``ddp_comm_hook="powersgd"``: torch's PowerSGD hook with ``comm_state``, a ``PowerSGDState`` of rank
-    ``powersgd_rank`` that compresses from backward ``powersgd_start_iter`` on (error feedback and warm start on;
-    ``ResumableState`` saves and restores it)."""
+    """Lightning's ``DDPStrategy`` whose launcher starts ranks from ``job`` (``None``: Lightning's).
+
+    ``timeout_s``: seconds a collective waits for a lost peer; ``launch``: ``"fork"``, ``"exec"`` or ``"auto"``
+    (fork on CPU while CUDA is not initialised). No ``ddp_comm_hook``, or one of ``COMM_HOOKS``: timed by
+    ``allreduce_timer``; ``"powersgd"`` keeps a ``PowerSGDState`` (``comm_state``) of ``powersgd_rank`` from
+    backward ``powersgd_start_iter``. ``**kwargs`` go to Lightning's."""
 
     def __init__(
         self,
@@ -100,8 +95,9 @@ class DDPStrategy(LightningDDPStrategy):
         self._restored_layout: list[list[int]] | None = None
         self._param_index: dict[int, int] = {}
         timer = AllReduceTimer(COMM_HOOKS[hook]) if hook in COMM_HOOKS else AllReduceTimer() if hook is None else None
-        if timer is not None:
-            kwargs["ddp_comm_hook"] = timer.hook if self.comm_state is None else self._recording_hook
+        self._hook = None if timer is None else timer.hook if self.comm_state is None else self._recording_hook
+        if self._hook is not None:
+            kwargs["ddp_comm_hook"] = self._hook
         super().__init__(timeout=self.pg_timeout, **kwargs)
         self.allreduce_timer = timer
         self.job, self.launch_mode = job, launch
@@ -109,13 +105,12 @@ class DDPStrategy(LightningDDPStrategy):
         self._job_launcher: JobLauncher | None = None
         self._peer_watch: PeerWatch | None = None
         self._whereabouts: Whereabouts | None = None
-        self._prefix = "dpddp/0/"
-        """The key prefix of this start in the rendezvous store: its own under torchrun (``join_start``)."""
+        self._prefix = "dpddp/0/"  # this start's keys in the rendezvous store (``join_start`` under torchrun)
 
     @property
     @override
     def launcher(self) -> Launcher | None:
-        """Our ``JobLauncher`` for a ``popen`` launch with a job; else Lightning's (read at every ``fit``/``test``)."""
+        """A ``JobLauncher`` for a ``popen`` launch with a job; else Lightning's."""
         if self.job is None or self.start_method != "popen":
             return super().launcher
         if self._job_launcher is None:
@@ -137,12 +132,8 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        """Lightning's, after ``apply_interface``; under torchrun in this start's key prefix (``join_start``);
-        starts the ``PeerWatch`` on more than one node; rank 0's store takes the launcher's socket (``rank0_store``);
-        then starts publishing this rank's ``Whereabouts``.
-
-        Raises ``ConfigError`` (``apply_interface``), or ``RankFailed`` if a torchrun rank did not join in time.
-        """
+        """Lightning's, on the chosen interface, in this start's keys, with a ``PeerWatch`` (several nodes) and
+        ``Whereabouts``. Raises ``ConfigError`` (``apply_interface``), or ``RankFailed`` (``join_start``)."""
         self._setup_group()
         if self._whereabouts is None:
             assert self.cluster_environment is not None
@@ -153,7 +144,7 @@ class DDPStrategy(LightningDDPStrategy):
             self._whereabouts.start()
 
     def _position(self) -> tuple[str, int]:
-        """``(stage, step)``: the trainer's stage (``"train"``, ``"validate"``, ...) and its global step."""
+        """The trainer's ``(stage, global_step)``, ``("setup", 0)`` before one."""
         module = self.lightning_module
         try:
             trainer = module.trainer if module is not None else None
@@ -200,9 +191,8 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """Lightning's; the communication hook also on CPU (Lightning registers one on CUDA only); with a
-        ``BaseFinetuning`` callback, over the parameters it froze too (``wrapping_frozen``): they are all-reduced
-        once it unfreezes them."""
+        """Lightning's, with the communication hook on CPU too, and over the parameters a ``BaseFinetuning``
+        callback froze (all-reduced once it unfreezes them)."""
         module = self.lightning_module
         assert module is not None
         callbacks: list = getattr(module.trainer, "callbacks", [])
@@ -215,20 +205,18 @@ class DDPStrategy(LightningDDPStrategy):
             super().configure_ddp()
         if self.comm_state is not None:
             self._param_index = {id(p): i for i, p in enumerate(params)}
-        if self.root_device.type != "cuda" and self.allreduce_timer is not None:
+        if self.root_device.type != "cuda" and self._hook is not None:
             assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
-            hook = self.allreduce_timer.hook if self.comm_state is None else self._recording_hook
-            self.model.register_comm_hook(self.comm_state, hook)
+            self.model.register_comm_hook(self.comm_state, self._hook)
 
     def _recording_hook(self, state: Any, bucket):  # no annotations on bucket and the return: DDP checks them
-        """The timed hook, recording the bucket's parameters (``comm_state_dict``'s layout)."""
+        """The timed hook, recording the bucket's parameters for ``comm_state_dict``."""
         self._layout[bucket.index()] = [self._param_index[id(p)] for p in bucket.parameters()]
         assert self.allreduce_timer is not None
         return self.allreduce_timer.hook(state, bucket)
 
     def comm_state_dict(self) -> dict[str, Any] | None:
-        """This rank's PowerSGD state (``powersgd_state``) and the bucket layout it was kept in, or ``None``
-        without PowerSGD."""
+        """This rank's PowerSGD state and its bucket layout, or ``None`` without PowerSGD."""
         if self.comm_state is None:
             return None
         layout = [self._layout[i] for i in sorted(self._layout)]
@@ -242,9 +230,7 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's; DistributedDataParallel's error for a parameter the last step's loss did not use names
-        dpddp's setting that allows it (Lightning's own advice names a strategy name dpddp does not take, and
-        comes after the cut of a one-line report)."""
+        """Lightning's. Raises ``StepFailed`` with ``UNUSED_PARAMETERS_LINE`` for DDP's unused-parameter error."""
         try:
             return super().training_step(*args, **kwargs)
         except RuntimeError as err:
@@ -252,34 +238,30 @@ class DDPStrategy(LightningDDPStrategy):
                 raise
             raise StepFailed(f"rank {self.global_rank}: {UNUSED_PARAMETERS_LINE}") from err
 
+    # The collectives below are Lightning's, marked for ``Whereabouts``.
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Lightning's, marked (``whereabouts``)."""
         with entering(METRIC_SYNC):
             return super().reduce(tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        """Lightning's, marked (``whereabouts``)."""
         with entering("Lightning's all_gather"):
             return super().all_gather(tensor, group, sync_grads)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        """Lightning's, marked (``whereabouts``)."""
         with entering("a barrier"):
             super().barrier(*args, **kwargs)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Lightning's, marked (``whereabouts``)."""
         with entering("a broadcast"):
             return super().broadcast(obj, src)
 
     def explain_failure(self, err: BaseException) -> str | None:
-        """The line naming the peer to blame for ``err`` (``PeerWatch.explain``, else ``Whereabouts.explain``: the
-        ranks that did not reach the collective this rank failed in), or ``None`` (this rank's own failure,
-        reported to the peers). Stops the watch."""
+        """The line naming the peer to blame for ``err`` (``PeerWatch``'s, else ``Whereabouts``'), or ``None``
+        (this rank's own failure, reported to the peers). Stops the watch."""
         watch, self._peer_watch = self._peer_watch, None
         if isinstance(err, (ConfigError, Preempted, ReplicasDiverged)):  # every rank's own
             return None
@@ -293,12 +275,12 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Every loader of every stage, the user's own too: workers started safely (``start_workers_safely``)."""
+        """Every loader of every stage, its workers started safely (``start_workers_safely``)."""
         return start_workers_safely(dataloader, self.global_rank)
 
     @override
     def teardown(self) -> None:
-        """Stop this rank's ``PeerWatch`` cleanly and its ``Whereabouts``, then Lightning's teardown."""
+        """Stop the ``PeerWatch`` cleanly and the ``Whereabouts``, then Lightning's teardown."""
         if self._peer_watch is not None:
             self._peer_watch.stop()
             self._peer_watch = None
