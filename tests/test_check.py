@@ -135,7 +135,7 @@ def test_a_transformer_with_adamw_is_the_same_math_and_its_32_bit_drift_is_round
     from itself with its batch summed in 2 micro-batches; in 64 bits 5e-13 apart. Exit 0."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "text.yaml").write_text(TEXT)
-    proc = _check("--config-dir", str(tmp_path), "--model", "text", "data.num_samples=1024")
+    proc = _check("--config-dir", str(tmp_path), "--model", "text", "data.num_samples=1024", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     math = re.search(
         r"^same math, in 64 bits: ddp\(2\) ends (\S+) from one process \((\S+) of the largest", proc.stdout, re.M
@@ -156,7 +156,7 @@ def test_a_transformer_drawing_in_its_own_forward_fails_the_check_naming_it(tmp_
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "text.yaml").write_text(TEXT)
     noisy = ["--model", "_target_=text_models.NoisyTextTransformer"]
-    proc = _check("--config-dir", str(tmp_path), "--model", "text", *noisy, "data.num_samples=1024")
+    proc = _check("--config-dir", str(tmp_path), "--model", "text", *noisy, "data.num_samples=1024", cwd=tmp_path)
     assert re.fullmatch(
         r"error: promise 1 does not hold for this model: in 64 bits ddp\(2\) ends \S+ from one process's weights "
         r"\(\S+ of the largest weight; tolerance 1e-09; the largest in \S+\): another computation, not rounding; "
