@@ -1,8 +1,5 @@
-"""Every private Lightning, torch and Hydra name and behaviour dpddp relies on; CPython's are in ``processes``.
-
-Each entry names what it relies on, the version checked (``CHECKED``) and what breaks if it moves;
-``tests/test_compat.py`` fails when one moves. See docs/design-notes.md (_compat).
-"""
+"""Every private Lightning, torch and Hydra name dpddp relies on, each with the version checked; its test in
+tests/test_compat.py fails when one moves (docs/design-notes.md, _compat). CPython's are in ``processes``."""
 
 from __future__ import annotations
 
@@ -19,14 +16,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 
-# Lightning >= 2.2: used by Lightning's DDPStrategy.setup_distributed, which DDPStrategy.setup_distributed copies
-# for rank 0's own store. If renamed: `import dpddp.parallel.ddp` fails (test_compat names it).
+# Lightning 2.6.6, as its DDPStrategy.setup_distributed uses them.
 from lightning.fabric.utilities.distributed import _init_dist_connection, _set_num_threads_if_needed
-
-# Lightning's guard of the `device_id` argument of init_process_group (torch >= 2.3); the copied code keeps it.
 from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_3
 
-# JobLauncher's base: Lightning's `_call_and_handle_interrupt` kills the children of this type of launcher on Ctrl-C.
+# Lightning 2.6.6: `_call_and_handle_interrupt` kills the children of a launcher of this type on Ctrl-C.
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
@@ -46,22 +40,14 @@ CHECKED = {"lightning": "2.6.6", "torch": "2.13.0", "hydra-core": "1.3.8"}
 
 SubprocessScriptLauncher = _SubprocessScriptLauncher
 Launcher = _Launcher
-"""The base class of Lightning's launchers (the type of ``Strategy.launcher``); for annotations only."""
+set_num_threads_if_needed = _set_num_threads_if_needed
 
 HOOK_NAME_ATTRIBUTE = "_current_fx_name"
-"""``LightningModule._current_fx_name``, set around every hook call; the built-in models set it with
-``object.__setattr__``. Lightning 2.6.6. If renamed: only that speed-up is lost."""
-
-
-def set_num_threads_if_needed(num_processes: int) -> None:
-    """Lightning's ``_set_num_threads_if_needed``: cores / ``num_processes`` threads unless ``OMP_NUM_THREADS``
-    is set. Lightning 2.6.6. If renamed: import fails."""
-    _set_num_threads_if_needed(num_processes=num_processes)
+"""Lightning 2.6.6's ``LightningModule._current_fx_name``, set around every hook call."""
 
 
 def resolve_process_group_backend(strategy: pl.strategies.DDPStrategy) -> str:
-    """``DDPStrategy._get_process_group_backend()`` (configured, else gloo on CPU, nccl on CUDA), stored in
-    ``strategy._process_group_backend`` as ``setup_distributed`` does. Lightning 2.6.6. If renamed: ddp setup fails."""
+    """Lightning 2.6.6's ``DDPStrategy._get_process_group_backend()``, stored as ``setup_distributed`` does."""
     strategy._process_group_backend = strategy._get_process_group_backend()
     return strategy._process_group_backend
 
@@ -69,8 +55,7 @@ def resolve_process_group_backend(strategy: pl.strategies.DDPStrategy) -> str:
 def init_process_group(
     env: ClusterEnvironment, backend: str, timeout: timedelta, device: torch.device, store: Any = None
 ) -> None:
-    """Lightning's ``_init_dist_connection`` with its ``device_id`` guard (torch >= 2.3; ``None`` on CPU) and an
-    optional ``store``. Source: ``lightning.pytorch.strategies.DDPStrategy.setup_distributed`` (2.6.6)."""
+    """Lightning 2.6.6's ``_init_dist_connection`` as ``DDPStrategy.setup_distributed`` calls it, with ``store``."""
     kwargs: dict[str, Any] = {"timeout": timeout}
     if store is not None:
         kwargs["store"] = store
@@ -80,9 +65,8 @@ def init_process_group(
 
 
 def rank0_store(sock: socket.socket, world_size: int, timeout: timedelta) -> torch.distributed.Store:
-    """Rank 0's rendezvous store on the bound, listening ``sock``, under ``PrefixStore("default_pg", ...)``: relies
-    on ``TCPStore(master_listen_fd=..., use_libuv=False)`` and that prefix of ``env://`` ranks (torch 2.13; design
-    notes). If either changes, single-node ddp ranks cannot meet (``test_runs``)."""
+    """Rank 0's store on the listening ``sock`` (torch 2.13: ``TCPStore(master_listen_fd=...)``, under the
+    ``PrefixStore("default_pg", ...)`` that ``env://`` ranks use)."""
     address, port = sock.getsockname()[:2]
     store = torch.distributed.TCPStore(
         address, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
@@ -92,28 +76,24 @@ def rank0_store(sock: socket.socket, world_size: int, timeout: timedelta) -> tor
 
 
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
-"""Set to ``"True"`` by torchrun's ``LocalElasticAgent._start_workers`` when ``MASTER_ADDR:MASTER_PORT`` is the
-agent's own store (torch 2.13)."""
+"""Set to ``"True"`` by torch 2.13's ``LocalElasticAgent._start_workers`` when the master is the agent's store."""
 
 
 def agent_store_shared() -> bool:
-    """Whether torchrun handed this worker its agent's own store as ``MASTER_ADDR:MASTER_PORT``
-    (``AGENT_STORE_ENV``)."""
+    """Whether torchrun handed this worker its agent's store (``AGENT_STORE_ENV``)."""
     return os.environ.get(AGENT_STORE_ENV) == str(True)
 
 
 def agent_store(address: str, port: int, timeout: timedelta) -> torch.distributed.Store | None:
-    """A client of torchrun's agent store when this worker was handed one (``AGENT_STORE_ENV``), else ``None``;
-    the agent keeps it across ``--max-restarts`` with no per-attempt prefix (torch 2.13; design notes, _compat)."""
+    """A client of torchrun's agent store when this worker was handed one, else ``None`` (torch 2.13)."""
     if not agent_store_shared():
         return None
     return torch.distributed.TCPStore(address, port, is_master=False, timeout=timeout)
 
 
 def disable_sigterm_broadcast(trainer: pl.Trainer) -> None:
-    """Turn off Lightning's SIGTERM collectives for one Trainer (2.6.6; docs/design-notes.md, continuity.stop):
-    ``_TrainingEpochLoop._broadcast_sigterm_tensor`` and ``_SignalConnector._sigterm_notifier_fn`` (on a rank
-    other than 0 it waits for the group's timeout). Raises ``RuntimeError`` if one moved; test_compat."""
+    """Turn off Lightning 2.6.6's SIGTERM collectives for ``trainer``: ``_TrainingEpochLoop._broadcast_sigterm_tensor``
+    and ``_SignalConnector._sigterm_notifier_fn``. Raises ``RuntimeError`` if one moved."""
     loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
     for owner, name in ((loop, "_broadcast_sigterm_tensor"), (connector, "_sigterm_notifier_fn")):
         if not callable(getattr(type(owner), name, None)):
@@ -128,9 +108,8 @@ def restore_sigterm_broadcast(trainer: pl.Trainer) -> None:
 
 
 def data_position(trainer: pl.Trainer, length: int | None = None) -> tuple[int, int]:
-    """``(epoch, batches of it trained)`` from ``fit_loop.epoch_loop.batch_progress.total`` (``processed`` counts: a
-    save in ``on_train_batch_end``) and ``num_training_batches``, or, before Lightning counts them, ``length`` cut as
-    ``_parse_num_batches`` does (docs/design-notes.md). Lightning 2.6.6; test_compat fails if it moves."""
+    """``(epoch, batches of it trained)`` from Lightning 2.6.6's ``fit_loop.epoch_loop.batch_progress.total`` and
+    ``num_training_batches`` (before it is counted: ``length`` cut by ``_parse_num_batches``)."""
     per_epoch = trainer.num_training_batches
     if per_epoch == float("inf") and length:
         per_epoch = _parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches)
@@ -142,16 +121,13 @@ def data_position(trainer: pl.Trainer, length: int | None = None) -> tuple[int, 
 
 
 def keep_unfinished_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
-    """Mark an epoch that fit left before its last batch as unfinished in ``checkpoint``
-    (``["loops"]["fit_loop"]["epoch_progress"]`` ``processed``/``completed``), so a continued run restores
-    mid-epoch (docs/design-notes.md). Lightning 2.6.6; test_compat and the limit-resume tests fail if it moves."""
+    """Mark an epoch the fit cut as unfinished in ``checkpoint`` (Lightning 2.6.6's ``fit_loop`` ``epoch_progress``)."""
     if epoch_cut(trainer):
         _unfinish_epoch(checkpoint)
 
 
 def epoch_cut(trainer: pl.Trainer) -> bool:
-    """Whether fit is leaving (or left) the current epoch before its last batch: a limit, or a stop, cut it
-    (``fit_loop.epoch_loop.batch_progress.current.processed``). Lightning 2.6.6; test_compat fails if it moves."""
+    """Whether the fit leaves the epoch before its last batch (Lightning 2.6.6's ``batch_progress.current``)."""
     done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
     return bool(done < trainer.num_training_batches)
 
@@ -163,9 +139,8 @@ def _unfinish_epoch(checkpoint: dict[str, Any]) -> None:
 
 
 def uncount_last_batch(checkpoint: dict[str, Any]) -> None:
-    """Count the fit's last loop iteration in ``checkpoint`` as not done and its epoch as unfinished (an execution
-    ``max_steps`` cut short): ``["loops"]["fit_loop"]["epoch_loop.batch_progress"]`` counters each one less.
-    Lightning 2.6.6; test_compat and the steps-per-execution resume tests fail if it moves."""
+    """Count the fit's last loop iteration in ``checkpoint`` as not done, its epoch unfinished (Lightning 2.6.6's
+    ``fit_loop`` ``epoch_loop.batch_progress``)."""
     progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
     for part in ("total", "current"):
         for key in ("ready", "started", "processed", "completed"):
@@ -175,11 +150,8 @@ def uncount_last_batch(checkpoint: dict[str, Any]) -> None:
 
 
 def step_count_either_way(checkpoint: dict[str, Any]) -> None:
-    """Set both optimizer-step counters of ``checkpoint``'s fit loop to its ``global_step``: automatic
-    optimization's (``epoch_loop.automatic_optimization.optim_progress``) and manual's (``epoch_loop.manual_
-    optimization.optim_step_progress``), ``total`` ``ready`` and ``completed``; ``trainer.global_step`` reads the one
-    of the module's mode, and a fit saved in the other mode (``data.micro_batch_size`` or ``steps_per_execution``
-    added or removed) would restart it. Lightning 2.6.6; test_compat fails if they move."""
+    """Set the automatic and manual optimizer-step counters of ``checkpoint``'s fit loop to its ``global_step``
+    (Lightning 2.6.6), so a fit continued in the other optimization mode keeps its step."""
     loops, step = checkpoint.get("loops", {}).get("fit_loop"), checkpoint.get("global_step")
     if not loops or not isinstance(step, int):
         return
@@ -190,42 +162,37 @@ def step_count_either_way(checkpoint: dict[str, Any]) -> None:
 
 
 def batches_counted_as_steps(checkpoint: dict[str, Any]) -> None:
-    """Set ``checkpoint``'s fit-loop ``epoch_loop.batch_progress`` ``total`` counters to its ``global_step``: the
-    loop iterations of a fit without executions (one global batch each), which ``data_position`` reads; for a
-    checkpoint written at an epoch's end with ``steps_per_execution`` above 1 (iterations are executions there)
-    continued with 1. Lightning 2.6.6; test_compat fails if it moves."""
+    """Set ``checkpoint``'s ``epoch_loop.batch_progress`` ``total`` counters to its ``global_step`` (Lightning
+    2.6.6): a ``steps_per_execution`` checkpoint continued with 1."""
     total = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
     for key in total:
         total[key] = int(checkpoint["global_step"])
 
 
 def counted_step(optimizer: Any) -> None:
-    """``LightningOptimizer.step`` without strategy and precision wrappers: ``_on_before_step``, the raw
-    ``step``, ``_on_after_step`` (which count ``trainer.global_step``). Lightning 2.6.6; if they move,
-    ``global_step`` stops counting (test_compat)."""
+    """Lightning 2.6.6's ``LightningOptimizer.step`` without wrappers: ``_on_before_step``, ``step``,
+    ``_on_after_step`` (which count ``global_step``)."""
     optimizer._on_before_step()
     optimizer.optimizer.step()
     optimizer._on_after_step()
 
 
 def epoch_finished_in(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
-    """Whether ``checkpoint`` records the current epoch as fully trained (``"epoch_loop.batch_progress"``
-    ``current.processed``). Lightning 2.6.6; test_compat fails if it moves."""
+    """Whether ``checkpoint`` records the current epoch as trained (Lightning 2.6.6's ``batch_progress``)."""
     progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
     return bool(progress["current"]["processed"] >= trainer.num_training_batches)
 
 
 def processed_epochs(checkpoint: dict[str, Any]) -> int | None:
-    """``checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"]``, else ``None``.
-    Lightning 2.6.6; test_compat fails if it moves."""
+    """Lightning 2.6.6's ``fit_loop`` ``epoch_progress.current.processed`` of ``checkpoint``, else ``None``."""
     loop = checkpoint.get("loops", {}).get("fit_loop", {})
     done = loop.get("epoch_progress", {}).get("current", {}).get("processed")
     return done if isinstance(done, int) else None
 
 
 def skip_next_validation(trainer: pl.Trainer) -> None:
-    """Lightning's epoch loop skips the validation it would run after the current training batch
-    (``fit_loop.epoch_loop._skip_next_val``). Lightning 2.6.6; raises ``RuntimeError`` if it moved (test_compat)."""
+    """Skip the validation due after this batch (Lightning 2.6.6's ``epoch_loop._skip_next_val``). Raises
+    ``RuntimeError`` if it moved."""
     loop = trainer.fit_loop.epoch_loop
     if not hasattr(loop, "_skip_next_val"):
         raise RuntimeError("lightning's fit_loop.epoch_loop._skip_next_val moved: dpddp._compat needs an update")
@@ -233,9 +200,8 @@ def skip_next_validation(trainer: pl.Trainer) -> None:
 
 
 def count_logged_step(trainer: pl.Trainer) -> None:
-    """One more optimizer step on the loggers' step axis: ``fit_loop.epoch_loop._batches_that_stepped``, the step
-    Lightning logs at and counts once a loop iteration, so that an execution's steps each count one. Lightning
-    2.6.6; raises ``RuntimeError`` if it moved (test_compat)."""
+    """One more step on the loggers' axis (Lightning 2.6.6's ``epoch_loop._batches_that_stepped``). Raises
+    ``RuntimeError`` if it moved."""
     loop = trainer.fit_loop.epoch_loop
     if not isinstance(getattr(loop, "_batches_that_stepped", None), int):
         raise RuntimeError("lightning's fit_loop.epoch_loop._batches_that_stepped moved: dpddp._compat needs an update")
@@ -243,12 +209,9 @@ def count_logged_step(trainer: pl.Trainer) -> None:
 
 
 def restart_train_iterator(trainer: pl.Trainer) -> None:
-    """At an epoch's ``on_train_epoch_start``: make the training loader's iterator again
-    (``iter(trainer.fit_loop._data_fetcher)``) unless the epoch loop makes this epoch's itself
-    (``_TrainingEpochLoop.on_run_start``: after epoch 0, neither resuming nor restarting). A ``DataLoader``
-    iterator draws its base seed from the global stream; Lightning 2.6.6 makes a fit's first one in
-    ``setup_data``, before any hook, and a fit resumed at an epoch's start makes no other for that epoch.
-    Raises ``RuntimeError`` if it moved; test_compat."""
+    """At ``on_train_epoch_start``: make the loader's iterator again (Lightning 2.6.6's ``fit_loop._data_fetcher``)
+    unless the epoch loop makes it itself (docs/design-notes.md, continuity.state). Raises ``RuntimeError`` if it
+    moved."""
     loop = trainer.fit_loop
     if not hasattr(loop, "_data_fetcher"):
         raise RuntimeError("lightning moved _FitLoop._data_fetcher: update dpddp._compat")
@@ -259,8 +222,8 @@ def restart_train_iterator(trainer: pl.Trainer) -> None:
 
 
 def logged_metric_kinds(trainer: pl.Trainer) -> dict[str, tuple[bool, bool]]:
-    """``{name: (is a torchmetrics Metric, sync_dist)}`` logged in the running loop, from ``trainer._results``;
-    ``{}`` outside a loop. Lightning 2.6.6; if moved, only the metric-contract warning goes quiet."""
+    """``{name: (is a torchmetrics Metric, sync_dist)}`` logged in the running loop (Lightning 2.6.6's
+    ``trainer._results``)."""
     results = trainer._results
     found: dict[str, tuple[bool, bool]] = {}
     for value in (results or {}).values():
@@ -271,9 +234,8 @@ def logged_metric_kinds(trainer: pl.Trainer) -> dict[str, tuple[bool, bool]]:
 
 
 def logged_tensor_states(trainer: pl.Trainer) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """``{key: (accumulated value, accumulated batch size or None)}`` of the plain tensors logged in the running
-    loop so far, from ``trainer._results`` (Lightning 2.6.6's ``_ResultMetric`` states ``value`` and
-    ``cumulated_batch_size``), for ``restore_logged_tensors``."""
+    """``{key: (value, batch size or None)}`` of the plain tensors logged in the running loop (Lightning 2.6.6's
+    ``_ResultMetric``)."""
     found: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for key, value in (trainer._results or {}).items():
         if getattr(value, "is_tensor", False):
@@ -283,8 +245,7 @@ def logged_tensor_states(trainer: pl.Trainer) -> dict[str, tuple[torch.Tensor, t
 
 
 def restore_logged_tensors(trainer: pl.Trainer, states: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
-    """Put the logged plain tensors back to ``states`` (``logged_tensor_states``); one first logged since then
-    goes back to holding nothing: 0 (a mean's or sum's), or -inf/inf (a max's/min's), over 0 samples."""
+    """Put the logged plain tensors back to ``states`` (``logged_tensor_states``); one logged since holds nothing."""
     for key, value in (trainer._results or {}).items():
         if not getattr(value, "is_tensor", False):
             continue
@@ -299,9 +260,7 @@ def restore_logged_tensors(trainer: pl.Trainer, states: dict[str, tuple[torch.Te
 
 
 def float_batch_counts(trainer: pl.Trainer) -> None:
-    """Make the accumulated batch sizes of the plain tensors logged in the running loop float64
-    (``_ResultMetric.cumulated_batch_size``, int64) before the epoch's ``compute``, so that their ``sync_dist``
-    mean over ranks is not floored (Lightning 2.6.6 ``_sync_ddp``; design notes, _compat)."""
+    """Make the logged tensors' ``cumulated_batch_size`` (Lightning 2.6.6, int64) float64 before ``compute``."""
     for value in (trainer._results or {}).values():
         count = getattr(value, "cumulated_batch_size", None)
         if getattr(value, "is_tensor", False) and count is not None and not torch.is_floating_point(count):
@@ -313,7 +272,7 @@ TORCHMETRICS_SOFTMAX_MODULES = (
     "torchmetrics.functional.classification.calibration_error",
     "torchmetrics.functional.classification.hinge",
 )
-"""The torchmetrics 1.9 modules whose multiclass formats call ``normalize_logits_if_needed(preds, "softmax")``."""
+"""The torchmetrics 1.9 modules that call ``normalize_logits_if_needed(preds, "softmax")``."""
 
 
 def _softmax_per_sample(tensor: torch.Tensor, normalization: Any, original: Any) -> torch.Tensor:
@@ -325,9 +284,8 @@ def _softmax_per_sample(tensor: torch.Tensor, normalization: Any, original: Any)
 
 
 def softmax_per_sample() -> None:
-    """Make torchmetrics 1.9's multiclass metrics that take logits or probabilities decide it for each sample (in
-    [0, 1] summing to 1 within 1e-4: probabilities), not each update (design notes, _compat): replaces
-    ``normalize_logits_if_needed`` in ``TORCHMETRICS_SOFTMAX_MODULES`` (its sigmoid uses kept); idempotent."""
+    """Make torchmetrics 1.9's ``normalize_logits_if_needed`` in ``TORCHMETRICS_SOFTMAX_MODULES`` decide softmax
+    per sample, not per update; idempotent."""
     import importlib
     from functools import partial
 
@@ -343,13 +301,12 @@ PER_BATCH_HOOKS = (
     "on_before_zero_grad", "on_train_batch_end", "on_validation_batch_start", "on_validation_batch_end",
     "on_test_batch_start", "on_test_batch_end", "on_predict_batch_start", "on_predict_batch_end",
 )  # fmt: skip
-"""The callback hooks Lightning calls for every batch, only through ``trainer.call._call_callback_hooks`` (2.6.6)."""
+"""The hooks Lightning 2.6.6 calls every batch, through ``trainer.call._call_callback_hooks`` only."""
 
 
 def skip_empty_batch_hooks(callbacks: Iterable[pl.Callback]) -> None:
-    """Set to ``None`` on each callback every ``PER_BATCH_HOOKS`` hook its class does not override, so that
-    ``_call_callback_hooks`` (which skips non-callables) skips it. Lightning 2.6.6; if that check goes, the first
-    batch raises ``TypeError`` (test_compat)."""
+    """Set each ``PER_BATCH_HOOKS`` hook a callback does not override to ``None``: Lightning 2.6.6's
+    ``_call_callback_hooks`` skips it."""
     for callback in callbacks:
         for name in PER_BATCH_HOOKS:
             if getattr(type(callback), name, None) is getattr(pl.Callback, name):
@@ -357,9 +314,7 @@ def skip_empty_batch_hooks(callbacks: Iterable[pl.Callback]) -> None:
 
 
 def hydra_command_line(argv: list[str]) -> argparse.Namespace | None:
-    """``argv`` as ``hydra.main`` reads it, by Hydra's own parser (``hydra._internal.utils.get_args_parser``,
-    hydra-core 1.3.8: ``run``, ``multirun``, ``cfg``, ``info``, ``shell_completion``, ``resolve``, ``help``...);
-    ``None`` where the parser refuses it or would act on it (``--version`` prints and exits): Hydra then answers."""
+    """``argv`` as hydra-core 1.3.8's ``get_args_parser`` reads it; ``None`` where it refuses or acts on it."""
     from hydra._internal.utils import get_args_parser
 
     if "--version" in argv:
@@ -374,8 +329,7 @@ def hydra_command_line(argv: list[str]) -> argparse.Namespace | None:
 
 @contextmanager
 def hydra_mode_unset() -> Iterator[None]:
-    """Inside the block ``hydra._internal.hydra.Hydra.get_mode`` returns ``None`` without composing, for callers
-    whose config sets no ``hydra.mode``. hydra-core 1.3.8; test_compat fails if ``_run_hydra`` stops using it."""
+    """Inside it, hydra-core 1.3.8's ``Hydra.get_mode`` returns ``None`` without composing."""
     from hydra._internal.hydra import Hydra
 
     get_mode = Hydra.get_mode
@@ -388,7 +342,8 @@ def hydra_mode_unset() -> Iterator[None]:
 
 @contextmanager
 def hydra_override_refused(refused: Callable[[Any, Any, Exception], None]) -> Iterator[None]:
-    """Hydra's ``ConfigLoaderImpl._apply_overrides_to_config`` (1.3.8) calls ``refused(override, cfg, err)`` first."""
+    """Inside it, hydra-core 1.3.8's ``ConfigLoaderImpl._apply_overrides_to_config`` calls ``refused(override,
+    cfg, err)`` before it raises."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.errors import ConfigCompositionException
 
@@ -410,10 +365,8 @@ def hydra_override_refused(refused: Callable[[Any, Any, Exception], None]) -> It
 
 
 BatchNormBase = torch.nn.modules.batchnorm._BatchNorm
-"""``torch.nn.modules.batchnorm._BatchNorm``, base of every BatchNorm and of ``GlobalBatchNorm`` (torch 2.13).
-If renamed: importing ``dpddp.parallel.batchnorm`` fails."""
+"""torch 2.13's ``_BatchNorm``, base of every BatchNorm."""
 
 
 HYDRA_BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
-"""The private ``_target_`` of Hydra's basic launcher (hydra-core 1.3.8), in ``dpddp.entry.summary.LOCAL_LAUNCHERS``.
-If it moves, a SIGTERM no longer stops a basic sweep as one (test_compat fails)."""
+"""The ``_target_`` of hydra-core 1.3.8's basic launcher."""

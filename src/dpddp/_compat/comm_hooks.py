@@ -1,6 +1,5 @@
-"""torch's PowerSGD communication-hook state read and written as plain data: the fields its own ``__getstate__``
-pickles (without the process group, and without the warning it logs on each call), with its numpy generator as a
-tensor, loadable with ``weights_only=True``. Checked in torch ``CHECKED``; tests/test_compat.py fails if it moves."""
+"""torch's PowerSGD hook state as plain data (loadable with ``weights_only=True``) and DDP's bucket assignment,
+checked in torch ``CHECKED``; tests/test_compat.py fails if they move."""
 
 from __future__ import annotations
 
@@ -19,15 +18,11 @@ CHECKED = "2.13.0"
 """The torch version every entry below was read in and tested against."""
 
 POWERSGD_FIELDS = ("rng", "error_dict", "p_memory_dict", "q_memory_dict", "iter")
-"""``PowerSGDState``'s fields that change as training runs (torch 2.13: in ``__slots__``, pickled by
-``__getstate__``): its numpy generator (``np.random.RandomState``, Q's seeds), the per-bucket error feedback and
-P/Q memories (``{bucket index: 1-D tensor}``), and the backward count. If one moves: ``powersgd_state`` raises
-``AttributeError``, named by test_compat."""
+"""``PowerSGDState``'s fields that change as training runs (torch 2.13, pickled by its ``__getstate__``)."""
 
 
 def powersgd_state(state: PowerSGDState) -> dict[str, Any]:
-    """``POWERSGD_FIELDS`` of ``state`` as plain data: tensors copied to the CPU, the generator as
-    ``[kind, keys (int64 tensor), pos, has_gauss, gauss]``."""
+    """``POWERSGD_FIELDS`` of ``state``, tensors on the CPU, the numpy generator's keys as a tensor."""
     kind, keys, pos, has_gauss, gauss = state.rng.get_state(legacy=True)
     out: dict[str, Any] = {"rng": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, gauss]}
     for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
@@ -47,13 +42,10 @@ def load_powersgd_state(state: PowerSGDState, saved: dict[str, Any], device: tor
 
 @contextmanager
 def bucket_assignment(layout: list[list[int]] | None) -> Iterator[list[torch.Tensor]]:
-    """Inside it, a ``DistributedDataParallel`` built starts with the buckets ``layout`` (per bucket index, the
-    indices of its parameters in DDP's parameter list, in bucket order), not its own first guess; ``None``: DDP's.
-    Yields the list of the parameters DDP buckets, filled once it is built. DDP's first layout follows the
-    parameters' order and is rebuilt after the first backward by the gradients' ready order; a hook state saved
-    per bucket (PowerSGD's) must meet the rebuilt layout on a continued run's first backward. Relies on DDP calling
-    ``torch.distributed._compute_bucket_assignment_by_size`` once with its parameter list and reversing the bucket
-    list it returns for its Reducer (torch 2.13). If it moves: test_compat fails."""
+    """Inside it, a ``DistributedDataParallel`` built starts with the buckets ``layout`` (each bucket's parameter
+    indices; ``None``: DDP's own), so a saved per-bucket hook state meets its buckets. Yields DDP's parameter list,
+    filled once built. Relies on torch 2.13's DDP calling ``dist._compute_bucket_assignment_by_size`` once and
+    reversing its buckets."""
     real = dist._compute_bucket_assignment_by_size
     seen: list[torch.Tensor] = []
 

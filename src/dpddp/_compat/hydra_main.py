@@ -1,6 +1,5 @@
-"""Hydra's private names around ``hydra.main`` that dpddp relies on, and only here: how it reports a failure of its
-search path, composition or run (``run_and_report``) and how ``instantiate`` finds a ``_target_`` (``_locate``).
-Checked in hydra-core ``CHECKED`` (1.3.8); tests/test_compat.py fails when one moves."""
+"""Hydra's private names around ``hydra.main`` (``run_and_report``, ``_locate``, its parser), checked in
+hydra-core 1.3.8 (``CHECKED``); tests/test_compat.py fails when one moves."""
 
 from __future__ import annotations
 
@@ -19,10 +18,8 @@ class _Refused(Exception):
 
 
 def hydra_argument_error(argv: list[str]) -> str | None:
-    """What Hydra's own parser (``hydra._internal.utils.get_args_parser``, read by ``hydra.main`` with
-    ``parse_args``: unknown options refused too) says of ``argv`` where it refuses it (``argument --cfg/-c: invalid
-    choice: 'jobb' (choose from 'job', 'hydra', 'all')``: argparse's ``error`` message, without its usage and exit
-    2); ``None`` where it reads it, or would act on it (``--version`` prints and exits)."""
+    """argparse's message where Hydra's ``get_args_parser`` refuses ``argv`` (without usage and exit); ``None``
+    where it reads it or acts on it (``--version``)."""
     from hydra._internal.utils import get_args_parser
 
     if "--version" in argv:
@@ -36,21 +33,15 @@ def hydra_argument_error(argv: list[str]) -> str | None:
     parser.exit_on_error = False
     try:
         parser.parse_args(argv)
-    except _Refused as err:
-        return str(err)
-    except argparse.ArgumentError as err:
+    except (_Refused, argparse.ArgumentError) as err:
         return str(err)
     return None
 
 
 @contextmanager
 def hydra_reported(report: Callable[[Exception], None], kinds: tuple[type[Exception], ...]) -> Iterator[None]:
-    """Inside the block, ``hydra._internal.utils.run_and_report`` (which ``hydra.main``'s ``_run_hydra`` calls on
-    adding ``--config-dir``, on starting, and on each run, ``--cfg`` or sweep; it prints a failure in several lines
-    and exits 1) calls ``report(err)`` first for an error of ``kinds``; ``report`` may end the process
-    (``SystemExit`` passes through), else Hydra reports it as before. ``--info`` (``Hydra.show_info``, which Hydra
-    does not wrap, and which prints its first sections before it composes) composes first, so that an error of
-    ``kinds`` is reported before anything is printed."""
+    """Inside it, ``hydra._internal.utils.run_and_report`` calls ``report(err)`` first for an error of ``kinds``
+    (``report`` may exit), and ``Hydra.show_info`` (``--info``) composes before it prints, to report one first."""
     from hydra._internal import utils
     from hydra._internal.hydra import Hydra
 
@@ -83,13 +74,8 @@ def hydra_reported(report: Callable[[Exception], None], kinds: tuple[type[Except
 
 
 def locate(path: str) -> Any:
-    """What ``hydra.utils.instantiate`` builds for ``_target_: <path>`` (``hydra._internal.utils._locate``: the
-    longest importable module, then attributes), without ``hydra.utils.get_class``'s ``[HYDRA]`` log lines.
-
-    Raises:
-        ImportError: ``path`` names nothing importable (the cause chained), or is empty.
-        ValueError: ``path`` has an empty part (``pkg..Class``, a relative import).
-    """
+    """What ``instantiate`` builds for ``_target_: <path>`` (``hydra._internal.utils._locate``), without
+    ``get_class``'s log lines. Raises ``ImportError`` (nothing importable) or ``ValueError`` (an empty part)."""
     from hydra._internal.utils import _locate
 
     return _locate(path)

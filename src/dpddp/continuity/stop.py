@@ -1,8 +1,6 @@
-"""The one owner of SIGTERM: every handler dpddp installs is installed here, composing with the one it finds and
-putting it back when its scope ends. Scopes, innermost first: the training loop (``StepBoundaryStop``), a run
-(``run_stops``: its ``Phase``s, ``ON_SIGTERM`` and ``TRANSITIONS``), an entry point's command (``command``: held,
-blocked, from its first line; exiting after it, with the line and 143), a sweep (``start``, ``watch``: the stop
-file ``<sweep dir>/.stop``). See docs/design-notes.md (continuity.stop)."""
+"""The one owner of SIGTERM. Scopes, innermost first: the training loop (``StepBoundaryStop``), a run
+(``run_stops``), an entry point's command (``command``), a sweep (``start``, ``watch``); docs/design-notes.md
+(continuity.stop)."""
 
 from __future__ import annotations
 
@@ -40,7 +38,6 @@ def _on_main_thread() -> bool:
 
 
 def _install(handler: Callable[[int, Any], None]) -> Any:
-    """Install ``handler`` for SIGTERM; return the handler it replaced."""
     return signal.signal(signal.SIGTERM, handler)
 
 
@@ -48,12 +45,16 @@ def _put_back(previous: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
+def _preempted(dirpath: Path, step: int) -> Preempted:
+    last = dirpath / "last.ckpt"
+    return Preempted(last if last.is_file() else None, step)
+
+
 # -- the sweep ---------------------------------------------------------------------------------------------
 
 
 def start(sweep_dir: str | Path) -> None:
-    """In the sweep's own process, before any job starts: forget an earlier invocation's stop, name the stop
-    file for the processes started from now on (``$DPDDP_SWEEP_STOP``), and ``watch``."""
+    """In the sweep's own process, before any job: name a fresh stop file in ``$DPDDP_SWEEP_STOP``, and ``watch``."""
     path = Path(sweep_dir).absolute() / STOP_FILE
     path.unlink(missing_ok=True)
     os.environ[ENV] = str(path)
@@ -61,8 +62,7 @@ def start(sweep_dir: str | Path) -> None:
 
 
 def watch() -> None:
-    """From now on, for this process's life, a SIGTERM stops the sweep (``request``) instead of ending the
-    process; the inner scopes compose with this handler."""
+    """From now on a SIGTERM stops the sweep (``request``) instead of ending this process."""
     global _watching
     if not _watching and _on_main_thread():
         _install(lambda signum, frame: request())
@@ -75,8 +75,7 @@ def watch() -> None:
 
 
 class Phase(Enum):
-    """Where a run is, for SIGTERM (``RunScope.phase``); ``ON_SIGTERM`` says what a SIGTERM does in each and
-    ``TRANSITIONS`` which event leads where."""
+    """Where a run is, for SIGTERM (``ON_SIGTERM``, ``TRANSITIONS``)."""
 
     OPEN = "open"  # the scope entered, nothing started yet
     STARTING = "starting"  # the check, building the model, data and trainer (``starting_up``)
@@ -85,16 +84,19 @@ class Phase(Enum):
 
 
 class Action(Enum):
-    """What a SIGTERM does: ``RAISE`` ``Preempted`` at once; ``HOLD`` it to the phase's end (then raised, or
-    requested of the ranks, ``starting_up``); ``REQUEST`` a stop that the ranks agree on at a step boundary."""
+    """What a SIGTERM does: raise ``Preempted``, hold it to the phase's end, or request a step-boundary stop."""
 
     RAISE = "raise"
     HOLD = "hold"
     REQUEST = "request"
 
 
-ON_SIGTERM = {Phase.OPEN: Action.RAISE, Phase.STARTING: Action.HOLD, Phase.RUNNING: Action.REQUEST}
-ON_SIGTERM[Phase.TAIL] = Action.HOLD
+ON_SIGTERM = {
+    Phase.OPEN: Action.RAISE,
+    Phase.STARTING: Action.HOLD,
+    Phase.RUNNING: Action.REQUEST,
+    Phase.TAIL: Action.HOLD,
+}
 
 TRANSITIONS = {
     (Phase.OPEN, "start"): Phase.STARTING,  # starting_up begins
@@ -107,8 +109,7 @@ TRANSITIONS = {
 
 @dataclass
 class RunScope:
-    """A run's SIGTERM scope: its phase (``Phase``), its trainer once built, whether a SIGTERM came in a phase
-    that holds it (``held``), and the trainer's ``StepBoundaryStop`` (``stop``, while running)."""
+    """A run's SIGTERM scope: its phase, trainer, a held SIGTERM, and the trainer's ``StepBoundaryStop``."""
 
     output_dir: Path
     trainer: pl.Trainer | None = None
@@ -117,7 +118,7 @@ class RunScope:
     stop: StepBoundaryStop | None = None
 
     def go(self, event: str) -> None:
-        """Take the transition ``TRANSITIONS[(phase, event)]``; raises ``RuntimeError`` for any other."""
+        """Take ``TRANSITIONS[(phase, event)]``; raises ``RuntimeError`` for any other."""
         if (self.phase, event) not in TRANSITIONS:
             raise RuntimeError(f"no transition from {self.phase.value} on {event!r}")
         self.phase = TRANSITIONS[(self.phase, event)]
@@ -128,21 +129,17 @@ class RunScope:
         return Action.RAISE if action is Action.REQUEST and self.stop is None else action
 
     def preempted(self) -> Preempted:
-        last = self.output_dir / "checkpoints" / "last.ckpt"
         step = self.trainer.global_step if self.trainer is not None else 0
-        return Preempted(last if last.is_file() else None, step)
+        return _preempted(self.output_dir / "checkpoints", step)
 
     def own(self, trainer: pl.Trainer) -> None:
-        """From now to ``finish``, every stage of ``trainer`` leaves SIGTERM to its ``StepBoundaryStop``
-        (Lightning's notifier and per-step broadcast off)."""
+        """From now to ``finish``, ``trainer``'s ``StepBoundaryStop`` takes SIGTERM, not Lightning."""
         self.trainer = trainer
         self.stop = next(cb for cb in trainer.callbacks if isinstance(cb, StepBoundaryStop))  # type: ignore[attr-defined]
         disable_sigterm_broadcast(trainer)
 
     def finish(self) -> None:
-        """After the run's last stage, on every rank: the ranks agree once more (a SIGTERM since the last
-        agreement raises ``Preempted`` on every rank); a later one raises it at the end of the run of the rank it
-        reached (rank 0 maps a launched rank's when it joins it)."""
+        """After the run's last stage, on every rank: agree once more; raises ``Preempted`` on a SIGTERM."""
         stop, self.stop = self.stop, None
         self.go("finish")
         if stop is not None and self.trainer is not None:
@@ -153,10 +150,8 @@ class RunScope:
 
 @contextmanager
 def run_stops(output_dir: Path) -> Iterator[RunScope]:
-    """A run's scope: a SIGTERM raises ``Preempted`` with ``<output_dir>/checkpoints/last.ckpt`` (if written)
-    and the global step, or is held, or is a request to the ``StepBoundaryStop`` (``RunScope``); a handler found
-    here (a sweep's) is called first, then takes the signal instead of the raise. A forked rank's copy of its
-    launcher's handler is not its own: a SIGTERM it took is this run's start-up's."""
+    """A run's scope: a SIGTERM raises ``Preempted`` (``<output_dir>/checkpoints/last.ckpt``), is held, or is
+    requested of the ``StepBoundaryStop``, as ``ON_SIGTERM`` says; a sweep's handler found here is called first."""
     scope = RunScope(output_dir)
     if not _on_main_thread():
         yield scope
@@ -198,9 +193,8 @@ def run_stops(output_dir: Path) -> Iterator[RunScope]:
 
 @dataclass
 class _Outside:
-    """SIGTERM outside a run's own scope (``_outside``, set up by ``command``): ``came``, one that no scope has
-    answered (in a command before its run or after its end; in a forked rank before its run's scope); ``command``,
-    inside ``command``; ``ended``, the run that ended last in it; ``resume``, the command's resume command."""
+    """SIGTERM outside a run's scope: ``came`` (one no scope answered), inside ``command``, the run that ``ended``
+    last in it, the command's ``resume`` command."""
 
     command: bool = False
     came: bool = False
@@ -223,7 +217,7 @@ def _record(signum: int, frame: Any) -> None:
 
 
 def _at_exit(signum: int, frame: Any) -> None:
-    """While the process exits after its command: the stop line (each node's first process), 143 at once."""
+    """While the process exits after its command: the stop line, exit 143."""
     if local_rank() == 0:
         os.write(2, f"error: {stop_line(_outside.preempted(), _outside.resume)}\n".encode())
     os._exit(128 + signal.SIGTERM)
@@ -231,10 +225,8 @@ def _at_exit(signum: int, frame: Any) -> None:
 
 @contextmanager
 def command(resume: Callable[[], str]) -> Iterator[None]:
-    """An entry point's command (``train.py``, the Lightning CLI; SIGTERM blocked from its first line): a SIGTERM
-    before its run (the run takes it as its start-up's) or after its end raises ``Preempted`` as the scope ends
-    (the run's ``last.ckpt`` and step, its outputs standing; no run: none, step 0); after a run, one while the
-    process then exits ends it with 143 and the line (``resume``: the command's resume command)."""
+    """An entry point's command (SIGTERM blocked from its first line): a SIGTERM outside its run raises
+    ``Preempted`` as the scope ends; one while the process then exits ends it with 143 and the stop line."""
     _outside.command, _outside.came, _outside.ended, _outside.resume = True, False, None, resume
     _install(_record)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one held since the first line comes now
@@ -256,9 +248,8 @@ def command(resume: Callable[[], str]) -> Iterator[None]:
 
 @contextmanager
 def starting_up(scope: RunScope) -> Iterator[None]:
-    """The run's start-up (the check, building the model, data and trainer): a SIGTERM in it raises
-    ``Preempted`` when it ends; in a rank whose peers start by themselves (a launched rank, torchrun, SLURM) it
-    is the first agreement's instead, so every rank stops together."""
+    """The run's start-up: a SIGTERM in it raises ``Preempted`` at its end, or, in a launched rank, is requested
+    of the first agreement, so every rank stops together."""
     scope.go("start")
     try:
         yield
@@ -277,12 +268,9 @@ def starting_up(scope: RunScope) -> Iterator[None]:
 
 
 class StepBoundaryStop(pl.Callback):
-    """Stops every stage on SIGTERM to any rank within about ``interval_s`` seconds, on every rank together: the
-    ranks agree at batch boundaries (one ``all_reduce(MAX)`` every 1 to 1000 batches of each loop: training,
-    validation, test, predict) and at each stage's end. In a fit, at an optimizer-step boundary, it writes
-    ``last.ckpt`` under ``dirpath``; then it raises ``Preempted`` (docs/design-notes.md, continuity.stop). The
-    run's scope (``RunScope.own``) sends it the signal (``request``). Its agreements carry ``intervals``' (the
-    checkpoints written without stopping), and its step boundaries are theirs."""
+    """Stops every stage on a SIGTERM to any rank, every rank together, within about ``interval_s``: in a fit it
+    writes ``<dirpath>/last.ckpt`` at a step boundary, then raises ``Preempted``. Its agreements and step boundaries
+    serve ``intervals`` too."""
 
     def __init__(self, dirpath: str | Path, interval_s: float = 1.0, intervals: IntervalCheckpoints | None = None):
         self.dirpath, self.interval_s = Path(dirpath), interval_s
@@ -300,9 +288,7 @@ class StepBoundaryStop(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # Every stage, once Lightning has added the model's configure_callbacks() after the Trainer's (its
-        # Checkpoints moved last): this stop runs last, so what it writes at a step's end holds every other
-        # callback's on_train_batch_end of that step (the list is replaced, not changed, while setup goes through it).
+        # Last, after configure_callbacks(): its checkpoint holds every other callback's step (the list is replaced).
         trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]  # type: ignore[attr-defined]
 
     @override
@@ -330,57 +316,32 @@ class StepBoundaryStop(pl.Callback):
         self._agreed = self._agreed or self.agree(trainer)
 
     def stop_after_fit(self, trainer: pl.Trainer) -> None:
-        """After a fit that ended with a SIGTERM agreed at its end, once ``last.ckpt`` holds the final weights:
-        raise ``Preempted`` (on every rank: they agreed)."""
+        """Once ``last.ckpt`` holds the final weights: raise ``Preempted`` if the fit's end agreed on a SIGTERM."""
         if self._agreed:
             raise self._preempted(trainer)
 
     # Evaluation (validation in a fit or alone, its sanity check, test, predict): the same agreement per batch.
     @override
-    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval = Pace()
-
-    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._eval = Pace()
 
-    @override
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval = Pace()
-
-    @override
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval = Pace()
+    on_sanity_check_start = on_test_start = on_predict_start = on_validation_start
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._evaluated(trainer, at_end=False)
 
-    @override
-    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self._evaluated(trainer, at_end=False)
-
-    @override
-    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self._evaluated(trainer, at_end=False)
+    on_test_batch_end = on_predict_batch_end = on_validation_batch_end  # type: ignore[assignment]
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._evaluated(trainer, at_end=True)
 
-    @override
-    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._evaluated(trainer, at_end=True)
-
-    @override
-    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._evaluated(trainer, at_end=True)
+    on_test_end = on_predict_end = on_validation_end
 
     def _evaluated(self, trainer: pl.Trainer, at_end: bool) -> None:
-        """After an evaluation batch (``at_end``: the loop's end): once the ranks agree on a SIGTERM, stop; in a
-        validation inside a fit, at the next step boundary (``on_train_batch_end``) or the fit's end, so that the
-        validation, the epoch's end and what they decide (a plateau scheduler, checkpoints, the epoch's row) are
-        the straight run's."""
+        """After an evaluation batch or loop: on an agreed SIGTERM, stop; in a fit's validation, at the next step
+        boundary or the fit's end (docs/design-notes.md, continuity.stop)."""
         if not self._agreed:
             self._agreed = self.agree(trainer, None if at_end else self._eval)
         if self._agreed and not (trainer.state.fn == "fit" and not trainer.sanity_checking):
@@ -392,12 +353,11 @@ class StepBoundaryStop(pl.Callback):
         raise Preempted(path, trainer.global_step)
 
     def _preempted(self, trainer: pl.Trainer) -> Preempted:
-        last = self.dirpath / "last.ckpt"
-        return Preempted(last if last.is_file() else None, trainer.global_step)
+        return _preempted(self.dirpath, trainer.global_step)
 
     def agree(self, trainer: pl.Trainer, pace: Pace | None = None) -> bool:
-        """Whether any rank got SIGTERM (or its sweep is stopping), agreed by every rank: now, or with ``pace``
-        at its due batches only (``False`` in between, no collective)."""
+        """Whether any rank got SIGTERM (or its sweep stops), agreed by every rank: now, or at ``pace``'s due
+        batches (``False`` in between, no collective)."""
         if pace is not None and not pace.due():
             return False
         if not self.requested and time.perf_counter() - self._sweep_checked >= 0.25:  # a stat, not every batch
