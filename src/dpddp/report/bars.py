@@ -15,20 +15,19 @@ from dpddp.data.global_batch import GlobalBatchSampler
 __all__ = ["BAR_INTERVAL_S", "RichBar", "TQDMBar"]
 
 
-def _bar_metrics(items: dict[str, Any]) -> dict[str, Any]:
-    """The bar's items without ``v_num`` (a directory name) and ``train/loss`` (logged after the bar's epoch end,
-    so the bar would show the previous epoch's value)."""
-    return {k: v for k, v in items.items() if k not in ("v_num", "train/loss")}
-
-
 BAR_INTERVAL_S = 0.1
-"""Seconds between two bar updates of a loop (Lightning's update at every batch, which can cost more than a tiny
-step); a loop's last batch is always shown."""
+"""Seconds between two bar updates of a loop; a loop's last batch is always shown."""
 
 
 class _ThrottledBar(ProgressBar):
-    """A bar's per-batch updates at most every ``BAR_INTERVAL_S`` seconds per loop (train, validate, test,
-    predict), and always at a loop's last batch, so the bar ends where Lightning's would."""
+    """A bar updated at most every ``BAR_INTERVAL_S`` seconds per loop and at a loop's last batch, showing
+    current metrics only."""
+
+    @override
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        # train/loss is logged after the bar's epoch end: it would show the previous epoch's value
+        items = super().get_metrics(trainer, pl_module)
+        return {k: v for k, v in items.items() if k not in ("v_num", "train/loss")}
 
     def _due(self, loop: str, n: int, total: float) -> bool:
         now, shown = time.monotonic(), self.__dict__.setdefault("_shown_at", {})
@@ -38,8 +37,7 @@ class _ThrottledBar(ProgressBar):
         return False
 
     def _steps_per_epoch(self) -> int | None:
-        """An epoch's global batches when a training item is an execution of several (``steps_per_execution``),
-        else ``None`` (an item is a global batch)."""
+        """An epoch's global batches when a training item is an execution of several, else ``None``."""
         sampler = getattr(self.trainer.train_dataloader, "sampler", None)
         if isinstance(sampler, GlobalBatchSampler) and sampler.steps_per_execution > 1:
             return sampler.steps_per_epoch
@@ -48,7 +46,6 @@ class _ThrottledBar(ProgressBar):
     @property
     @override
     def total_train_batches(self) -> int | float:
-        """An epoch's global batches (optimizer steps), executions or not."""
         steps = self._steps_per_epoch()
         return super().total_train_batches if steps is None else steps
 
@@ -78,21 +75,11 @@ class _ThrottledBar(ProgressBar):
 
 
 class RichBar(_ThrottledBar, RichProgressBar):
-    """Lightning's rich progress bar, showing only current metrics (see ``_bar_metrics``), updated and redrawn at
-    most 10 times a second (``BAR_INTERVAL_S``; Lightning's redraws 100 times a second in a thread of its own)."""
+    """Lightning's rich bar, throttled; redrawn at most 1 / ``BAR_INTERVAL_S`` times a second."""
 
     def __init__(self) -> None:
         super().__init__(refresh_rate=round(1 / BAR_INTERVAL_S))
 
-    @override
-    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        return _bar_metrics(super().get_metrics(trainer, pl_module))
-
 
 class TQDMBar(_ThrottledBar, TQDMProgressBar):
-    """Lightning's tqdm progress bar (when ``rich`` is not installed), showing only current metrics, updated at
-    most 10 times a second (``BAR_INTERVAL_S``)."""
-
-    @override
-    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        return _bar_metrics(super().get_metrics(trainer, pl_module))
+    """Lightning's tqdm bar (without ``rich``), throttled."""

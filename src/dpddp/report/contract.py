@@ -1,5 +1,4 @@
-"""The metric contract a model meets for dpddp's promises (docs/your-model-and-data.md), and the
-warning that names what is lost when a model breaks it."""
+"""The metric contract a model meets for dpddp's promises (docs/your-model-and-data.md)."""
 
 from __future__ import annotations
 
@@ -8,27 +7,23 @@ import logging
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from dpddp._compat import float_batch_counts, logged_metric_kinds, logged_tensor_states, restore_logged_tensors
 from dpddp.errors import ConfigError
-from dpddp.report.tally import FitTally
+from dpddp.report.tally import FitTally, rows
 
 __all__ = ["REQUIRED", "LoggedTensors", "MetricContract"]
 
 log = logging.getLogger(__name__)
 
 REQUIRED = {"fit": ("train/loss", "val/loss", "val/acc"), "test": ("test/loss", "test/acc")}
-"""The metric names a model logs, per stage."""
 
 
 class MetricContract(pl.Callback):
-    """Warns, once per name, when the model breaks the metric contract: a name of ``REQUIRED`` not logged
-    (``metrics.json`` has ``null``), or, under more than one process, a name it reads (``REQUIRED``, a monitor)
-    logged as a plain tensor instead of a torchmetrics ``Metric`` (what the value then is: ``_check_exact``).
-    A monitor the model does not log is refused at the end of the first validation (``_check_monitors``)."""
+    """Warns once per name of ``REQUIRED`` not logged, or (several processes) of a name read that is logged as a
+    plain tensor; refuses a monitor the model does not log (``_check_monitors``)."""
 
     def __init__(self, tally: FitTally | None = None) -> None:
         self.warned: set[str] = set()
@@ -50,8 +45,7 @@ class MetricContract(pl.Callback):
             rank_zero_warn(f"metric contract: {what}")
 
     def _check_exact(self, trainer: pl.Trainer) -> None:
-        """Under more than one process, a name the contract reads (``REQUIRED``, a callback's ``monitor``) that the
-        running loop logs as a plain tensor: one warning saying what the value is."""
+        """Under several processes, one warning per name read that the loop logs as a plain tensor."""
         if trainer.world_size < 2:
             return
         read = {n for names in REQUIRED.values() for n in names}
@@ -81,9 +75,8 @@ class MetricContract(pl.Callback):
             self._warn(name, f"the model logs no {name}: metrics.json has null for it and nothing can monitor it")
 
     def _check_monitors(self, trainer: pl.Trainer) -> None:
-        """At the end of the first validation (before the checkpoints', which Lightning calls last): a callback's
-        ``monitor`` or a scheduler's that the model does not log is one ``ConfigError`` line naming the setting
-        and what the model logs (Lightning would raise a traceback from the checkpoint instead)."""
+        """Raises ``ConfigError``: a callback's or scheduler's ``monitor`` that the model does not log (at the
+        first validation's end, before Lightning's checkpoint would raise a traceback)."""
         self.monitors_checked = True
         logged = sorted(trainer.callback_metrics)
         monitors = [
@@ -122,33 +115,20 @@ class MetricContract(pl.Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check_exact(trainer)  # what training logged (train/loss), in its steps and its epoch-end hooks
-        if (
-            trainer.current_epoch > 0 and self.tally is not None and self.tally.stepped
-        ):  # at least one whole epoch, and a step in this fit (a run
-            self._check_names(trainer, "fit")  # that EarlyStopping ended, continued, logs nothing)
-
-
-def _rows(batch: Any) -> int | None:
-    """The samples in ``batch``: the length of its first tensor (as Lightning infers a batch size)."""
-    if isinstance(batch, torch.Tensor):
-        return len(batch) if batch.dim() else None
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
-    return next((n for n in map(_rows, items) if n is not None), None)
+        # at least one whole epoch, and a step in this fit (a run EarlyStopping ended, continued, logs nothing)
+        if trainer.current_epoch > 0 and self.tally is not None and self.tally.stepped:
+            self._check_names(trainer, "fit")
 
 
 class LoggedTensors(pl.Callback):
-    """Under more than one process, a value the model logs as a plain tensor with ``sync_dist`` is the mean over
-    every sample once, as Lightning means it (each step's value weighted by its chunk's samples, summed over the
-    ranks): an evaluation step on an empty chunk (a split's last batch with fewer samples than processes) adds
-    nothing (its mean over no samples is nan, which Lightning would weigh by 0 and still add: nan * 0 = nan), the
-    states logged before it are put back after it (``dpddp._compat.restore_logged_tensors``); and the sample
-    counts are summed over the ranks as floats (``dpddp._compat.float_batch_counts``), not floored."""
+    """A tensor logged with ``sync_dist`` is the mean over every sample once: an evaluation step on an empty
+    chunk adds nothing (its nan is undone), and sample counts sum as floats. See docs/design-notes.md."""
 
     def __init__(self) -> None:
         self.saved: dict[str, Any] | None = None
 
     def _start(self, trainer: pl.Trainer, batch: Any) -> None:
-        self.saved = logged_tensor_states(trainer) if _rows(batch) == 0 else None
+        self.saved = logged_tensor_states(trainer) if rows(batch) == 0 else None
 
     def _end(self, trainer: pl.Trainer) -> None:
         if self.saved is not None:

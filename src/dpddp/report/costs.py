@@ -1,6 +1,5 @@
-"""Where a run's memory and time go: peak memory per process and the share of the training steps spent waiting
-on the gradient all-reduce, the largest (memory) and the mean (share) over ranks; under ddp each rank's compute and
-wait seconds per epoch, the slowest rank and a warning naming a straggler."""
+"""Where a run's memory and time go: peak memory, the all-reduce's share of step time, each rank's compute and
+wait seconds, and the straggler warning."""
 
 from __future__ import annotations
 
@@ -27,28 +26,24 @@ __all__ = ["STRAGGLER_RATIO", "Costs", "peak_memory_mib", "slowest", "straggler_
 log = logging.getLogger(__name__)
 
 STRAGGLER_RATIO = 1.5
-"""A rank whose epoch compute time is at least this many times the median over ranks is warned about."""
+"""An epoch's compute time, over the ranks' median, from which a rank is warned about."""
 
 
 def slowest(compute_s: Sequence[float]) -> tuple[int, float]:
-    """The rank with the largest compute time in ``compute_s`` (one entry per rank, seconds; a tie: the lowest
-    rank) and its ratio to the median over all ranks (``statistics.median``: with 2 ranks their mean, so the ratio
-    is below 2); ``nan`` when the median is not positive.
+    """The rank with the largest of ``compute_s`` (seconds per rank; a tie: the lowest) and its ratio to the
+    median (with 2 ranks their mean; ``nan`` when the median is not positive).
 
     Raises:
         ValueError: ``compute_s`` is empty.
     """
-    if not compute_s:
-        raise ValueError("no ranks: compute_s is empty")
     rank = max(range(len(compute_s)), key=lambda r: (compute_s[r], -r))
     median = statistics.median(compute_s)
     return rank, compute_s[rank] / median if median > 0 else math.nan
 
 
 def straggler_line(compute_s: Sequence[float], epoch: int, hosts: Sequence[str] | None = None) -> str | None:
-    """The warning for epoch ``epoch`` when its slowest rank's compute time (``compute_s``, seconds per rank) is at
-    least ``STRAGGLER_RATIO`` times the median, else ``None``: ``straggler: rank 1 (host h) took 2.10x the median
-    compute time in epoch 3 (...)``; the host where ``hosts`` (one name per rank) gives it.
+    """The straggler line for ``epoch`` when ``slowest(compute_s)``'s ratio is at least ``STRAGGLER_RATIO``,
+    naming the rank's host from ``hosts``; else ``None``.
 
     Raises:
         ValueError: ``compute_s`` is empty.
@@ -65,9 +60,8 @@ def straggler_line(compute_s: Sequence[float], epoch: int, hosts: Sequence[str] 
 
 
 def peak_memory_mib(trainer: pl.Trainer) -> tuple[float, str]:
-    """This process's peak memory in MiB and what it counts: ``"rss"`` (CPU: the resident set's high-water mark,
-    ``getrusage``), ``"cuda_max_allocated"`` (GPUs: ``torch.cuda.max_memory_allocated``, the largest over the
-    GPUs this process drives)."""
+    """This process's peak memory in MiB and its kind: ``"rss"`` (CPU) or ``"cuda_max_allocated"`` (the largest
+    over the GPUs it drives)."""
     strategy = trainer.strategy
     if strategy.root_device.type == "cuda":
         devices = strategy.parallel_devices if isinstance(strategy, DataParallelStrategy) else [strategy.root_device]
@@ -77,14 +71,9 @@ def peak_memory_mib(trainer: pl.Trainer) -> tuple[float, str]:
 
 
 class Costs(pl.Callback):
-    """At each epoch's end ``epoch`` holds the peak memory (MiB, the largest over ranks) and, under ddp, the
-    epoch's share of step time (``on_train_batch_start`` to ``_end``) that backward waited on the all-reduce
-    (``dpddp.parallel.allreduce.AllReduceTimer``; the mean over ranks), the slowest rank by compute time (step
-    time less that wait) and its ratio to the median (``slowest_rank``, ``slowest_ratio``); published at
-    ``on_fit_end`` over the run (``counts``, resumable) under ``MEMORY_KEY`` and ``SHARE_KEY``. Each rank's
-    compute and wait seconds of the last finished epoch are in ``counts`` (``rank_figures``). An epoch a stop did
-    not cut whose slowest rank is ``STRAGGLER_RATIO`` times the median is warned in one line (rank 0). One
-    all-gather per epoch and one at the end (and, at the first straggler of a fit, one of the host names)."""
+    """Fills ``epoch`` at each epoch's end (peak memory, and under ddp the all-reduce share and slowest rank),
+    keeps the run's figures in ``counts`` (resumable) and publishes them at ``on_fit_end`` under ``MEMORY_KEY``
+    and ``SHARE_KEY``; warns of a straggler (rank 0). One all-gather per epoch and one at the end."""
 
     MEMORY_KEY = "perf/peak_mem_mib"
     SHARE_KEY = "perf/allreduce_share"
@@ -148,9 +137,7 @@ class Costs(pl.Callback):
             trainer.callback_metrics[self.SHARE_KEY] = torch.tensor(found["allreduce_share"], dtype=torch.float64)
 
     def rank_figures(self) -> dict[str, Any]:
-        """``metrics.json``'s per-rank entries, of the last finished epoch: ``compute_s_per_rank`` and
-        ``allreduce_wait_s_per_rank`` (seconds, one per rank), ``slowest_rank`` and ``slowest_ratio``; each
-        ``nan`` when not measured (no ddp epoch timed)."""
+        """``metrics.json``'s per-rank entries of the last finished epoch, ``nan`` when none was timed."""
         compute, wait = self.counts.compute_s_per_rank, self.counts.wait_s_per_rank
         if not compute:
             keys = ("compute_s_per_rank", "allreduce_wait_s_per_rank", "slowest_rank", "slowest_ratio")
@@ -175,9 +162,8 @@ class Costs(pl.Callback):
     def _over_ranks(
         self, trainer: pl.Trainer, waited: float | None, stepped: float, epoch: int | None = None
     ) -> dict[str, float]:
-        """The peak memory (largest over ranks) and ``waited / stepped`` (the ranks' sums), when timed; for an
-        ``epoch``, also each rank's compute (``stepped - waited``) and wait seconds, into ``counts``, and the slowest
-        rank. One all-gather of ``[peak, waited, stepped]`` per rank."""
+        """The peak memory (largest over ranks) and ``waited / stepped`` (summed over ranks) when timed; for an
+        ``epoch``, each rank's compute and wait seconds into ``counts`` and the slowest rank. One all-gather."""
         peak, self.kind = peak_memory_mib(trainer)
         mine = torch.tensor([peak, waited or 0.0, stepped], dtype=torch.float64, device=trainer.strategy.root_device)
         rows = [mine]

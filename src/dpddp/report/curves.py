@@ -1,6 +1,5 @@
-"""Loss, accuracy, throughput and memory against epoch from ``metrics.csv``: one run, or one line per job of a
-sweep. matplotlib is imported only inside ``write_plot``, so that importing this module (every run does) stays
-free."""
+"""Loss, accuracy, throughput and memory against epoch from ``metrics.csv``, for a run or a sweep's jobs
+(matplotlib is imported only inside ``write_plot``)."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ def job_overrides(job_dir: Path) -> list[str]:
 
 
 def varying(overrides: list[list[str]]) -> tuple[list[list[str]], list[str]]:
-    """Each job's overrides without those every job has, and those common ones (with fewer than two jobs nothing
-    is common): what tells a sweep's jobs apart."""
+    """Each job's overrides without those every job has (none with fewer than two jobs), and the common ones."""
     if len(overrides) < 2:
         return overrides, []
     common = [o for o in overrides[0] if all(o in other for other in overrides[1:])]
@@ -32,10 +30,8 @@ def varying(overrides: list[list[str]]) -> tuple[list[list[str]], list[str]]:
 
 
 def curves(path: str | Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """The ``fit`` rows of the ``metrics.csv`` under ``path``: ``{label: {column: [(epoch, value), ...]}}`` for
-    each of ``SERIES``. ``path`` is a run directory (label: its name) or a sweep
-    directory (one label per numbered job directory that has a ``metrics.csv``: ``"<job> <overrides>"``, only the
-    overrides that differ between those jobs: ``varying``).
+    """``{label: {column: [(epoch, value), ...]}}`` of ``SERIES`` from the ``fit`` rows of ``metrics.csv`` in the
+    run directory ``path`` (label: its name) or in each numbered job directory of a sweep (``"<job> <overrides>"``).
 
     Raises:
         FileNotFoundError: no ``metrics.csv`` in ``path`` or in a job directory under it.
@@ -74,10 +70,8 @@ def drawable(path: str | Path) -> bool:
 
 
 def write_plot(path: str | Path, out: str | Path | None = None) -> Path:
-    """Draw loss (train dashed, validation solid), validation accuracy, training samples/s and peak memory
-    against epoch (from 0, as ``metrics.csv``) for the run or sweep at ``path`` (see ``curves``) into a PNG; one
-    colour per run, named in one legend under the plots (several runs), which the PNG grows to hold. Returns the
-    PNG's path (default ``<path>/curves.png``).
+    """Draw ``curves(path)`` into a PNG, one colour per run (a legend for several), and return its path
+    (default ``<path>/curves.png``).
 
     Raises:
         FileNotFoundError: see ``curves``.

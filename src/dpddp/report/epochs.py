@@ -24,16 +24,13 @@ log = logging.getLogger(__name__)
 EPOCH_COLUMNS: tuple[str, ...] = ("stage", "epoch", "step", "train/loss", "val/loss", "val/acc", "test/loss")
 EPOCH_COLUMNS += ("test/acc", "epoch_s", "samples_per_sec", "peak_mem_mib", "allreduce_share", "world_size")
 EPOCH_COLUMNS += ("slowest_rank", "slowest_ratio")
-"""The columns of ``metrics.csv``, fixed whatever was logged: one ``fit`` row per epoch, one ``test`` row;
-``world_size``: the processes that ran the epoch's last step (or the test); ``slowest_rank`` (ddp): the rank with the
-largest compute time in the epoch and ``slowest_ratio`` its ratio to the median over ranks."""
+"""The columns of ``metrics.csv``, fixed whatever was logged: one ``fit`` row per epoch, one ``test`` row."""
 
 
 @dataclass
 class EpochTable:
-    """The resumable part of the record: the ``fit`` rows of epochs ``0..``, the training seconds of the
-    segments before the running one, the number of segments (fits that took a step) and each one's world size, and
-    the running epoch's last validation (``val/loss``, ``val/acc``: a stop inside the epoch keeps it for its row)."""
+    """The resumable part of the record: the ``fit`` rows, the earlier segments' training seconds, the segments
+    (fits that took a step) and their world sizes, and the running epoch's last validation."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     train_time_s: float = 0.0
@@ -43,9 +40,8 @@ class EpochTable:
 
 
 def early_stops(trainer: pl.Trainer) -> list[str]:
-    """One line per ``EarlyStopping`` of ``trainer`` that has stopped the run: the epoch (from 0), the one it
-    tripped after where ``min_epochs`` or ``min_steps`` held the run longer, and Lightning's own reason
-    (``stopping_reason_message``, Lightning >= 2.6). Called at the fit's end."""
+    """One line per ``EarlyStopping`` of ``trainer`` that stopped the fit: the epoch, where it tripped when
+    ``min_epochs``/``min_steps`` held the run, and Lightning's reason."""
     lines = []
     last, loop = trainer.current_epoch - 1, trainer.fit_loop
     held = f"trainer.min_epochs={loop.min_epochs}" if loop.min_epochs else f"trainer.min_steps={loop.min_steps}"
@@ -61,14 +57,9 @@ def early_stops(trainer: pl.Trainer) -> list[str]:
 
 
 class EpochRecord(pl.Callback):
-    """One ``fit`` row per finished epoch in ``<output_dir>/metrics.csv`` (rank 0; ``EPOCH_COLUMNS``), with
-    ``lines=True`` one log line each (``epoch 3/9: train/loss=... (0.21 s, 24,300 samples/s)``: epochs from 0,
-    as in ``metrics.csv``, the plot and Lightning's progress bar, out of the last, ``max_epochs - 1``; under ddp of 2
-    or more ranks ``slowest rank 1 x1.23``: the rank with the most compute time and its ratio to the median), and a
-    ``test`` row after a test. An ``EarlyStopping`` that ended the fit says so in one log line (rank 0).
-    ``epoch_s`` (seconds) includes validation; ``train_time_s`` sums the segments. A resumed run extends the
-    checkpoint's rows. A row is completed at ``flush``, the next epoch's start or the fit's end.
-    """
+    """Writes ``<output_dir>/metrics.csv`` on rank 0: one ``fit`` row per finished epoch (completed at ``flush``)
+    and, with ``lines``, one log line each; a ``test`` row after a test; the early-stop lines. A resumed run
+    extends the checkpoint's rows."""
 
     TIME_KEY = "perf/train_time_s"
     SEGMENTS_KEY = "perf/segments"

@@ -31,9 +31,8 @@ MISSING = {
 
 
 def strict(result: dict[str, Any], reasons: dict[str, str] | None = None) -> dict[str, Any]:
-    """``result`` as strict JSON (RFC 8259 has no NaN): a value that does not exist is ``null``, and
-    ``"missing"`` says why (``reasons[key]``, else ``MISSING``'s by prefix), e.g. ``{"val/loss": null, ...,
-    "missing": {"val/loss": "no validation ran ..."}}``."""
+    """``result`` as strict JSON: a non-finite value is ``null`` and ``"missing"`` says why (``reasons[key]``,
+    else ``MISSING``'s by prefix)."""
     reasons = reasons or {}
     missing = {
         key: reasons.get(key) or next((why for pre, why in MISSING.items() if key.startswith(pre)), "not measured")
@@ -45,8 +44,7 @@ def strict(result: dict[str, Any], reasons: dict[str, str] | None = None) -> dic
 
 
 def _shown(key: str, value: Any) -> str:
-    """``key=value`` for the log: counts and rates grouped (``samples_per_sec=33,560``), other floats to 4
-    significant digits, the first step's time as a local ISO time."""
+    """``key=value`` for the log line (large floats grouped, others to 4 digits, the first step's time ISO)."""
     if key == "first_step_unix_s":
         return f"first_step={datetime.fromtimestamp(value).isoformat(timespec='seconds')}" if value else "first_step=-"
     if isinstance(value, float) and math.isfinite(value):
@@ -57,8 +55,8 @@ def _shown(key: str, value: Any) -> str:
 def write_metrics(
     output_dir: Path, result: dict[str, Any], reasons: dict[str, str] | None = None, unshown: tuple[str, ...] = ()
 ) -> None:
-    """Write ``<output_dir>/metrics.json`` (``strict(result, reasons)``), log its line (without the keys of
-    ``unshown``: what the stage does not make, explained in the file), and draw the curves."""
+    """Write ``<output_dir>/metrics.json`` (``strict``), log its line without the keys of ``unshown``, and draw
+    the curves."""
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "metrics.json").write_text(json.dumps(strict(result, reasons), indent=2, allow_nan=False) + "\n")
     log.info("metrics: " + ", ".join(_shown(k, v) for k, v in result.items() if k not in unshown))

@@ -1,5 +1,4 @@
-"""``predictions.csv``: the predictions of the predict split (the test split), each sample once with its row in
-the data set, gathered from all ranks; and the predictions of a model without a ``predict_step``."""
+"""``predictions.csv``: the test split's predictions, each sample once, gathered from all ranks."""
 
 from __future__ import annotations
 
@@ -26,12 +25,11 @@ log = logging.getLogger(__name__)
 
 
 class PredictFailed(RuntimeError):
-    """The predict stage failed after the fit and test, whose outputs (``metrics.json``) are written."""
+    """The predict stage failed after the fit and test wrote their outputs."""
 
 
 def check_predictable(model: pl.LightningModule) -> bool:
-    """Whether ``model``'s predictions are its ``forward`` (it has no ``predict_step`` of its own; Lightning's
-    default would call ``forward`` on the whole batch, targets included).
+    """Whether ``model`` predicts with its ``forward`` (it has no ``predict_step`` of its own).
 
     Raises:
         ConfigError: it has neither a ``predict_step`` nor a ``forward``.
@@ -47,10 +45,8 @@ def check_predictable(model: pl.LightningModule) -> bool:
 
 
 def predict_forward(model: pl.LightningModule) -> None:
-    """Give ``model`` (one ``check_predictable`` says has no ``predict_step``) a ``predict_step`` that returns
-    ``model(inputs)``, ``inputs`` the batch's by the data modules' rule (``dpddp.data.batches.batch_inputs``: the
-    first element of a tuple batch). An instance attribute: Lightning's loop and its DDP wrapper look it up
-    there. A batch without such inputs (a dict) raises ``TypeError`` naming the fix."""
+    """Give ``model`` an instance ``predict_step`` returning ``model(batch_inputs(batch))``; it raises
+    ``TypeError`` on a batch without inputs."""
 
     def predict_step(batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         inputs = batch_inputs(batch)
@@ -65,7 +61,7 @@ def predict_forward(model: pl.LightningModule) -> None:
 
 
 def _target(batch: Any) -> torch.Tensor | None:
-    """``batch``'s target by the data modules' rule (``(inputs, target, ..., rows)``), if it has one."""
+    """``batch``'s target (``(inputs, target, ..., rows)``), if it has one."""
     target = batch[1] if isinstance(batch, (tuple, list)) and len(batch) >= 3 else None
     return target if isinstance(target, torch.Tensor) and target.dim() == 1 else None
 
@@ -75,18 +71,10 @@ def _number(value: float) -> int | str:
 
 
 class PredictionWriter(BasePredictionWriter):
-    """Writes ``predictions.csv`` (columns ``index, target, pred`` and, for ``[b, C]`` scores,
-    ``<scores>_0 .. <scores>_{C-1}``) for the predict split, gathered from all ranks
-    (``torch.distributed.all_gather_object``) and sorted by ``index``, each sample once: ``index`` is the
-    sample's row in the whole data set (the last element of each batch, or its ``"index"`` key), ``target`` the
-    batch's second element (empty without one), ``pred`` the argmax of ``[b, C]`` scores or the ``[b]`` value.
-
-    Args:
-        output_dir: where to write; ``None`` = ``trainer.log_dir`` (or ``default_root_dir``).
-        scores: the name of the score columns (``prob`` for probabilities, ``out`` for a forward's outputs).
-        forward: the model predicts with its ``forward`` (``predict_forward``): at setup, data of a
-            ``GlobalBatchDataModule`` whose batches have no inputs to give it are refused (``ConfigError``).
-    """
+    """Writes ``predictions.csv`` (``index, target, pred`` and ``<scores>_<c>`` for ``[b, C]`` scores), sorted
+    by ``index`` (the sample's row: a batch's last element or ``"index"`` key), on rank 0. ``output_dir``:
+    ``None`` for ``trainer.log_dir``. ``forward``: the model predicts with its ``forward``; setup raises
+    ``ConfigError`` when the data's batches give it no inputs."""
 
     def __init__(self, output_dir: str | Path | None = None, scores: str = "prob", forward: bool = False) -> None:
         super().__init__(write_interval="batch")

@@ -1,4 +1,4 @@
-"""What a fit has done so far, counted once for every reporter: steps taken, validations run, global batches."""
+"""What a fit has done so far, counted once for every reporter."""
 
 from __future__ import annotations
 
@@ -12,23 +12,21 @@ from typing_extensions import override
 __all__ = ["FitTally", "rows"]
 
 
-def rows(batch: Any) -> int:
-    """The samples in ``batch``: its first tensor's first dimension (a plain tuple or list read directly, any
-    other collection through Lightning's ``extract_batch_size``; 0 when it holds no tensor)."""
+def rows(batch: Any) -> int | None:
+    """The samples in ``batch``: its first tensor's first dimension (Lightning's ``extract_batch_size``), or
+    ``None`` when it holds no tensor."""
     if type(batch) in (tuple, list) and batch and isinstance(batch[0], torch.Tensor) and batch[0].ndim:
         return int(batch[0].shape[0])
     try:
         return extract_batch_size(batch)
-    except Exception:  # MisconfigurationException: no tensor in it (nothing counted)
-        return 0
+    except Exception:  # MisconfigurationException: no tensor in it
+        return None
 
 
 class FitTally(pl.Callback):
-    """Counts of the running fit, read by the other reporters (it must come before them in the callback list):
-    ``stepped`` (a training step taken), ``validated_step`` (global step of the last validation, or ``None``),
-    ``batches`` (global batches the last training batch trained) and ``samples`` (the samples they hold over
-    all processes: the batch's first dimension times the world size, whatever the data module; with
-    ``steps_per_execution`` > 1, global-batch data, ``batches`` times its ``batch_size``)."""
+    """Counts of the running fit, read by the reporters after it in the callback list: ``stepped``,
+    ``validated_step`` (``None`` before a validation), ``batches`` (global batches of the last training batch)
+    and ``samples`` (theirs, over all processes)."""
 
     def __init__(self, steps_per_execution: int = 1) -> None:
         self.by_steps = steps_per_execution > 1
@@ -52,7 +50,7 @@ class FitTally(pl.Callback):
             self.batches = trainer.global_step - self._step
             self.samples = self.batches * trainer.datamodule.batch_size  # type: ignore[attr-defined]
         else:
-            self.samples = rows(batch) * trainer.world_size  # ddp: every rank's share of a batch is as large
+            self.samples = (rows(batch) or 0) * trainer.world_size  # ddp: every rank's share is as large
         self.stepped = True
 
     @override

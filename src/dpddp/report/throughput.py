@@ -17,10 +17,8 @@ __all__ = ["Throughput", "ThroughputCounts"]
 
 @dataclass
 class ThroughputCounts:
-    """The counts behind the figure (resumable state: they travel in the checkpoint). ``samples`` over
-    ``seconds``: intervals between consecutive step ends within an epoch; ``fallback_*``: the steps' own times;
-    ``allreduce_seconds`` of them waiting on the gradient all-reduce and the peak memory in MiB (``Costs``); under
-    ddp the last finished epoch's (``ranks_epoch``) compute and all-reduce wait seconds of each rank (``Costs``)."""
+    """The resumable counts behind the throughput and ``Costs``: ``samples`` over ``seconds`` between step ends
+    within an epoch; ``fallback_*`` the steps' own times."""
 
     samples: int = 0
     seconds: float = 0.0
@@ -35,20 +33,15 @@ class ThroughputCounts:
     @property
     def samples_per_sec(self) -> float:
         """Samples per second (``nan`` before any step)."""
-        samples, seconds = (self.samples, self.seconds) if self.samples else self.fallback
+        samples, seconds = self.samples, self.seconds
+        if not samples:
+            samples, seconds = self.fallback_samples, self.fallback_seconds
         return samples / seconds if seconds > 0 else float("nan")
-
-    @property
-    def fallback(self) -> tuple[int, float]:
-        return self.fallback_samples, self.fallback_seconds
 
 
 class Throughput(pl.Callback):
-    """Counts each interval between consecutive ``on_train_batch_end`` calls of an epoch (data loading and the
-    step in; start-up, each epoch's first step and validation out) as the ``tally.samples`` the step trained;
-    with one step per epoch, the step times alone. One ``time.perf_counter()`` per step, no sync. Published at
-    ``on_fit_end`` in ``trainer.callback_metrics[KEY]`` (what ``ddp_spawn`` carries back to the caller), so a
-    finished run continued keeps its figure."""
+    """Steady-state samples/s: each interval between an epoch's step ends counts the ``tally.samples`` of its
+    step (one step an epoch: the step times). Published at ``on_fit_end`` under ``KEY``."""
 
     KEY = "perf/samples_per_sec"
     FIRST_STEP_KEY = "perf/first_step_unix_s"

@@ -1,8 +1,6 @@
-"""Experiment trackers (Lightning's ``MLFlowLogger`` and ``WandbLogger``) done right under DDP and sweeps: one
-tracker run per dpddp run, opened by global rank 0 only; its id kept in ``<run dir>/trackers.json``, so that a
-resume, a ``ckpt_path`` inside the run directory and a sweep's resume continue the same tracker run; a sweep's
-jobs in one experiment (W&B: one group), each named and tagged with its job number and overrides; the resolved
-config logged once, as parameters, when the tracker run is new."""
+"""Experiment trackers (Lightning's ``MLFlowLogger`` and ``WandbLogger``): one tracker run per dpddp run, opened
+by global rank 0, its id kept in ``<run dir>/trackers.json`` so that a continued run continues it. See
+docs/trackers.md."""
 
 from __future__ import annotations
 
@@ -25,8 +23,8 @@ from dpddp.cluster import writes_outputs
 from dpddp.errors import ConfigError, first_line
 from dpddp.messages import mlflow_opt_out
 
-__all__ = ["IDS_FILE", "TrackerRuns", "check_file_stores", "close_trackers", "is_tracker", "open_stores", "opens_runs"]
-__all__ += ["open_store", "tracker_options"]
+__all__ = ["IDS_FILE", "TrackerRuns", "check_file_stores", "close_trackers", "is_tracker", "logger_specs"]
+__all__ += ["open_store", "open_stores", "opens_runs", "tracker_options"]
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +34,13 @@ KINDS = {"MLFlowLogger": "mlflow", "WandbLogger": "wandb"}
 
 
 def is_tracker(spec: Any) -> str | None:
-    """``"mlflow"`` or ``"wandb"`` for a logger spec whose ``_target_`` is Lightning's tracker logger, else ``None``."""
+    """``"mlflow"`` or ``"wandb"`` for a spec of Lightning's tracker logger, else ``None``."""
     target = str(spec.get("_target_", "")) if hasattr(spec, "get") else ""
     return KINDS.get(target.rsplit(".", 1)[-1]) if target.startswith("lightning.pytorch.loggers") else None
 
 
 def opens_runs() -> bool:
-    """Whether this process is global rank 0 of its run, the one process that opens a tracker run (a rank that
-    dpddp's launcher started, or a torchrun/SLURM rank other than 0, builds no tracker logger)."""
+    """Whether this process opens the tracker runs (it writes the outputs)."""
     return writes_outputs()
 
 
@@ -56,7 +53,7 @@ def kept_ids(output_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 def _identity(output_dir: Path) -> tuple[str, str, dict[str, str]]:
-    """Experiment (a sweep: one per sweep directory), run name and tags, from Hydra's job when there is one."""
+    """Experiment, run name and tags, from Hydra's job when there is one."""
     if not HydraConfig.initialized():
         return "dpddp", output_dir.name, {"dpddp.run_dir": str(output_dir)}
     hydra = HydraConfig.get()
@@ -84,26 +81,36 @@ def _mlflow_uri(root: Path) -> str:
     return f"sqlite:///{root / 'mlflow.db'}"
 
 
+def logger_specs(cfg: Any) -> list[tuple[str, Any]]:
+    """``(key, spec)`` of each logger of ``cfg``: ``logger`` itself, or each non-null ``logger.<name>``."""
+    loggers = cfg.get("logger") or {}
+    if "_target_" in loggers:
+        return [("logger", loggers)]
+    return [(f"logger.{name}", spec) for name, spec in loggers.items() if spec]
+
+
 def _mlflow_specs(configs: list[DictConfig]) -> list[tuple[str, Any]]:
-    """``(key, spec)`` of each MLflow logger of ``configs`` (``logger`` or ``logger.<name>``), with MLflow there."""
-    found = []
-    for cfg in configs:
-        logger = cfg.get("logger")
-        named = (
-            [("logger", logger)]
-            if logger and "_target_" in logger
-            else [(f"logger.{k}", v) for k, v in (logger or {}).items()]
-        )
-        found += [(key, spec) for key, spec in named if is_tracker(spec) == "mlflow"]
+    """``(key, spec)`` of each MLflow logger of ``configs``, when MLflow is installed."""
+    found = [(key, spec) for cfg in configs for key, spec in logger_specs(cfg) if is_tracker(spec) == "mlflow"]
     return found if found and importlib.util.find_spec("mlflow") is not None else []
 
 
+def _opened(key: str, uri: str, experiment: str, artifact_location: str | None) -> None:
+    """``open_store``, its failure refused as a ``ConfigError`` naming ``key``."""
+    try:
+        open_store(uri, experiment, artifact_location)
+    except Exception as err:
+        raise ConfigError(
+            f"{key} (MLflow) cannot open its store {uri} ({first_line(err)}): the tracker's own failure: "
+            f"give {key}.tracking_uri a store it can open"
+        ) from err
+
+
 def check_file_stores(configs: list[DictConfig]) -> None:
-    """Before a run or sweep writes anything: each MLflow file store of ``configs`` (``tracking_uri`` a path or
-    ``file:``) opens; MLflow 3 refuses one unless the variable its message names is set.
+    """Check that each MLflow file store of ``configs`` opens (MLflow 3 refuses one without an opt-out).
 
     Raises:
-        ConfigError: it does not open (the tracker's own failure, with MLflow's way out where it names one).
+        ConfigError: one does not open, with MLflow's way out where it names one.
     """
     for key, spec in _mlflow_specs(configs):
         uri = str(spec.get("tracking_uri") or "")
@@ -123,30 +130,20 @@ def check_file_stores(configs: list[DictConfig]) -> None:
 
 
 def open_stores(configs: list[DictConfig], sweep_dir: str, cwd: Path) -> None:
-    """In a sweep's own process, before its jobs start: each SQLite MLflow store the jobs of ``configs`` will
-    share is made (created and migrated) and their experiment created, once (``open_store``); file stores are
-    ``check_file_stores``'s, before the sweep's directory is made.
+    """Make each MLflow store and experiment the sweep's jobs will share, once, before they start.
 
     Raises:
-        ConfigError: the store cannot be opened (the tracker's own failure, named as such).
+        ConfigError: a store cannot be opened.
     """
     for key, spec in _mlflow_specs(configs):
         uri = str(spec.get("tracking_uri") or _mlflow_uri(cwd / "outputs"))
         name = str(spec.get("experiment_name") or sweep_experiment(sweep_dir))
-        try:
-            open_store(uri, name, spec.get("artifact_location"))
-        except Exception as err:
-            raise ConfigError(
-                f"{key} (MLflow) cannot open its store {uri} ({first_line(err)}): the tracker's own failure: "
-                f"give {key}.tracking_uri a store it can open"
-            ) from err
+        _opened(key, uri, name, spec.get("artifact_location"))
 
 
 def open_store(uri: str, experiment: str, artifact_location: str | None = None) -> None:
-    """Make the SQLite MLflow store ``uri`` (its file's directory, its tables) and its ``experiment``, holding a
-    lock beside the file (``<db>.lock``): runs and sweeps that start at once on a fresh store would each migrate it
-    and all but one fail (``table metrics already exists``). Another store (a server's): nothing. Raises what
-    MLflow raises."""
+    """Make the SQLite MLflow store ``uri`` and its ``experiment`` under a lock beside the file (runs starting at
+    once would each migrate it); another store: nothing. Raises what MLflow raises."""
     if not uri.startswith("sqlite:///"):
         return
     from mlflow.tracking import MlflowClient
@@ -161,26 +158,18 @@ def open_store(uri: str, experiment: str, artifact_location: str | None = None) 
 
 
 def tracker_options(kind: str, spec: DictConfig, output_dir: Path, key: str = "logger") -> dict[str, Any]:
-    """Keyword arguments to instantiate the tracker logger ``spec`` with (a setting of the spec wins): the run id
-    kept in ``output_dir``; MLflow: a SQLite store ``outputs/mlflow.db`` under where the command ran (made here,
-    with the run's experiment, by ``open_store``), W&B: offline unless ``WANDB_MODE`` is set, its files under the
-    run directory. ``key``: the spec's, for the line.
+    """Keyword arguments for the tracker logger ``spec`` (a setting of the spec wins): the id kept in
+    ``output_dir``, MLflow's store (made here), W&B offline unless ``WANDB_MODE`` is set.
 
     Raises:
-        ConfigError: the MLflow store cannot be made (the tracker's own failure, named as such).
+        ConfigError: the MLflow store cannot be made.
     """
     experiment, name, tags = _identity(output_dir)
     kept = kept_ids(output_dir).get(kind, {})
     if kind == "mlflow":
         root = _outputs_root()
         uri = str(spec.get("tracking_uri") or _mlflow_uri(root))
-        try:
-            open_store(uri, str(spec.get("experiment_name") or experiment), spec.get("artifact_location"))
-        except Exception as err:
-            raise ConfigError(
-                f"{key} (MLflow) cannot open its store {uri} ({first_line(err)}): the tracker's own failure: "
-                f"give {key}.tracking_uri a store it can open"
-            ) from err
+        _opened(key, uri, str(spec.get("experiment_name") or experiment), spec.get("artifact_location"))
         options: dict[str, Any] = {
             "tracking_uri": _mlflow_uri(root),
             "experiment_name": experiment,
@@ -207,8 +196,8 @@ def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
 
 
 class TrackerRuns(pl.Callback):
-    """On global rank 0 at ``setup``: opens (or, with a kept id, continues) each tracker logger's run, keeps its id
-    in ``<run dir>/trackers.json`` and, for a new run, logs ``cfg`` resolved and flattened as parameters."""
+    """On global rank 0 at ``setup``: keeps each tracker run's id in ``IDS_FILE`` and logs ``cfg`` as parameters
+    of a new one."""
 
     def __init__(self, cfg: DictConfig, output_dir: Path) -> None:
         self.cfg, self.output_dir = cfg, output_dir
@@ -235,8 +224,7 @@ class TrackerRuns(pl.Callback):
 
 
 def close_trackers(trainer: pl.Trainer) -> None:
-    """Finish this process's W&B run at the end of a dpddp run (Lightning leaves it open, and the next job of a
-    sweep would log into it); MLflow's runs are finished by Lightning's ``finalize``."""
+    """Finish this process's W&B run (Lightning leaves it open for a sweep's next job to log into)."""
     if any(KINDS.get(type(logger).__name__) == "wandb" for logger in trainer.loggers):
         import wandb
 
