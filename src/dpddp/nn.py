@@ -1,11 +1,8 @@
-"""Per-sample randomness for users' models: the same draws for a sample on every world size and across a resume.
+"""Per-sample randomness: the same draws for a sample on every world size and across a resume.
 
 ``SampleDropout`` keeps element ``e`` of sample ``i`` in layer ``L`` when ``u >= p``, ``u = (mix64(key64(seed,
-epoch, i) + key64(L, e)) >> 11) / 2**53``; ``key64`` folds each integer ``v`` as ``h -> mix64(h + (v + 1) *
-GAMMA)`` from 0 (mod 2**64), ``mix64`` and ``GAMMA`` being splitmix64's (Steele, Lea and Flood, OOPSLA 2014); on
-tensors, int64 arithmetic with masked (logical) shifts, on the input's device. The keys (``SampleKeys``) are set
-per training batch by ``dpddp.data.keys.SampleKeyCallback``; in a loop of your own, ``sample_keys(...)`` and
-``assign_layer_keys(model)``. In a data set: ``sample_generator(seed, epoch, index)``.
+epoch, i) + key64(L, e)) >> 11) / 2**53``, with splitmix64's ``mix64`` and ``GAMMA``. The keys are set per training
+batch by ``dpddp.data.keys.SampleKeyCallback``; in a data set, ``sample_generator(seed, epoch, index)``.
 """
 
 from __future__ import annotations
@@ -14,33 +11,14 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
-__all__ = [
-    "GAMMA",
-    "SampleDropout",
-    "SampleKeys",
-    "assign_layer_keys",
-    "clear_sample_keys",
-    "current_sample_keys",
-    "key64",
-    "mix64",
-    "replica_ids",
-    "sample_generator",
-    "sample_keys",
-    "sample_states",
-    "select_sample_part",
-    "select_sample_row",
-    "set_sample_keys",
-]
-
 _U64 = (1 << 64) - 1
-GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment: the odd integer nearest 2**64 over the golden ratio
+GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
@@ -50,7 +28,7 @@ def _signed(value: int) -> int:  # value mod 2**64 as the int64 with the same bi
 
 
 def mix64(z: int) -> int:
-    """splitmix64's finaliser on ``z`` mod ``2**64``: a bijection of 64-bit integers, result in ``[0, 2**64)``."""
+    """splitmix64's finaliser on ``z`` mod ``2**64``: a bijection, result in ``[0, 2**64)``."""
     z &= _U64
     z = ((z ^ (z >> 30)) * _M1) & _U64
     z = ((z ^ (z >> 27)) * _M2) & _U64
@@ -90,18 +68,12 @@ def sample_states(seed: int, epoch: int, ids: torch.Tensor) -> torch.Tensor:
     return _fold(key64(seed, epoch), ids)
 
 
-@lru_cache(maxsize=32)
-def _element_keys(layer: int, numel: int, device: torch.device) -> torch.Tensor:  # key64(layer, e), e < numel
-    return _fold(key64(layer), torch.arange(numel, dtype=torch.int64, device=device))
+_BLOCK = 1 << 16  # elements hashed at a time on CPU: the int64 scratch stays in cache
 
 
-_BLOCK = 1 << 16  # elements hashed at a time on CPU: the int64 scratch stays in cache and takes no fresh pages
-
-
-def _keep_mask(states: torch.Tensor, layer: int, numel: int, p: float) -> torch.Tensor:
-    """bool ``[len(states), numel]``: whether element ``e`` of the sample of ``states[j]`` is kept."""
-    device, n = states.device, len(states)
-    elements = _element_keys(layer, numel, device)
+def _keep_mask(states: torch.Tensor, elements: torch.Tensor, p: float) -> torch.Tensor:
+    """bool ``[len(states), len(elements)]``: whether element ``e`` of the sample of ``states[j]`` is kept."""
+    device, n, numel = states.device, len(states), len(elements)
     keep = torch.empty(n, numel, dtype=torch.bool, device=device)
     rows = max(1, _BLOCK // max(numel, 1)) if device.type == "cpu" else max(n, 1)
     z_block = torch.empty(min(rows, n) * numel, dtype=torch.int64, device=device)
@@ -118,8 +90,8 @@ def _keep_mask(states: torch.Tensor, layer: int, numel: int, p: float) -> torch.
 
 
 def replica_ids(ids: torch.Tensor, rows: int, device: torch.device, devices: Sequence[int] | None) -> torch.Tensor:
-    """The ids of ``rows`` samples on ``device``: ``ids`` itself, or under ``DataParallel`` over CUDA ``devices``
-    (its ``device_ids``) chunk ``devices.index(device)`` of ``ids.chunk(len(devices))``, as torch's scatter cuts.
+    """The ids of ``rows`` samples on ``device``: ``ids``, or under ``DataParallel`` over CUDA ``devices`` the
+    chunk of ``ids.chunk(len(devices))`` torch's scatter gives ``device``.
 
     Raises:
         ValueError: no chunk of ``rows`` ids belongs to ``device``.
@@ -139,9 +111,8 @@ def replica_ids(ids: torch.Tensor, rows: int, device: torch.device, devices: Seq
 
 @dataclass
 class SampleKeys:
-    """One training batch's keys: ``ids`` int64 ``[b]`` (or ``[k, b]`` for an execution's ``k`` steps, ``row``
-    the current one; ``part``: the ``[start, stop)`` of the step's samples a micro-batch runs), ``devices``:
-    ``DataParallel``'s device ids when it scatters the batch, else ``None``."""
+    """One training batch's keys: ``ids`` int64 ``[b]``, or ``[k, b]`` with ``row`` the current step; ``part``:
+    the ``[start, stop)`` a micro-batch runs; ``devices``: DataParallel's device ids, else ``None``."""
 
     seed: int
     epoch: int
@@ -177,7 +148,7 @@ _current: list[SampleKeys | None] = [None]  # one slot per process: DataParallel
 
 
 def set_sample_keys(seed: int, epoch: int, ids: torch.Tensor, devices: Sequence[int] | None = None) -> SampleKeys:
-    """Make ``(seed, epoch, ids)`` the keys of the training batch now running (see ``SampleKeys``)."""
+    """Make ``(seed, epoch, ids)`` the keys of the training batch now running; returns them."""
     keys = SampleKeys(int(seed), int(epoch), ids, tuple(devices) if devices else None)
     _current[0] = keys
     return keys
@@ -195,32 +166,27 @@ def current_sample_keys() -> SampleKeys | None:
 
 def select_sample_row(row: int) -> None:
     """Step ``row`` of an execution: the layers take row ``row`` of ``[k, b]`` ids (no-op without keys)."""
-    keys = _current[0]
-    if keys is not None:
-        keys.row = row
+    if _current[0] is not None:
+        _current[0].row = row
 
 
 def select_sample_part(part: tuple[int, int] | None) -> None:
-    """A micro-batch: the layers take samples ``[start, stop)`` of the step's ids (``None``: all; no-op without
-    keys)."""
-    keys = _current[0]
-    if keys is not None:
-        keys.part = part
+    """A micro-batch: the layers take the step's ids ``[start, stop)`` (``None``: all; no-op without keys)."""
+    if _current[0] is not None:
+        _current[0].part = part
 
 
 @contextmanager
 def sample_keys(seed: int, epoch: int, ids: torch.Tensor, devices: Sequence[int] | None = None) -> Iterator[SampleKeys]:
     """``set_sample_keys`` for the block, then ``clear_sample_keys``."""
-    keys = set_sample_keys(seed, epoch, ids, devices)
     try:
-        yield keys
+        yield set_sample_keys(seed, epoch, ids, devices)
     finally:
         clear_sample_keys()
 
 
 def assign_layer_keys(model: nn.Module) -> int:
-    """Key each ``SampleDropout`` of ``model`` by its position among them in ``model.modules()`` (registration
-    order: the same in every process); returns their number."""
+    """Key each ``SampleDropout`` of ``model`` by its place in ``model.modules()``; returns their number."""
     layers = [m for m in model.modules() if isinstance(m, SampleDropout)]
     for index, layer in enumerate(layers):
         layer.layer_key = index
@@ -233,11 +199,8 @@ def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
 
 
 class SampleDropout(nn.Dropout):
-    """``nn.Dropout(p, inplace)`` with a keyed mask (see the module): ``x: [n, ...]``, samples along dim 0.
-
-    Eval: the identity. Training with keys set: the keyed mask, kept values scaled by ``1 / (1 - p)``. Training
-    with no keys (outside dpddp's loop): exactly ``nn.Dropout`` (torch's global RNG). One instance called twice
-    in a step draws the same mask twice.
+    """``nn.Dropout(p, inplace)`` with the keyed mask (see the module) when keys are set in training, samples
+    along dim 0; else exactly ``nn.Dropout``.
 
     Raises:
         ValueError: ``p`` outside ``[0, 1]``; with keys, a 0-dim input or samples not matching the ids.
@@ -245,7 +208,14 @@ class SampleDropout(nn.Dropout):
     """
 
     layer_key: int | None = None
-    """The layer's ``L`` in the hash (``assign_layer_keys``)."""
+
+    def _elements(self, layer: int, numel: int, device: torch.device) -> torch.Tensor:
+        """``key64(layer, e)`` for ``e < numel`` on ``device``, built once a shape (kept on the layer)."""
+        built = self.__dict__.setdefault("_element_keys", {})
+        key = (layer, numel, device)
+        if key not in built:
+            built[key] = _fold(key64(layer), torch.arange(numel, dtype=torch.int64, device=device))
+        return built[key]
 
     @override
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -262,7 +232,8 @@ class SampleDropout(nn.Dropout):
         if self.p == 1:  # as torch's dropout: zeros and a zero gradient (not 0 * inf)
             zero = torch.zeros((), dtype=input.dtype, device=input.device)
             return input.mul_(zero) if self.inplace else input * zero
-        keep = _keep_mask(states, self.layer_key, math.prod(input.shape[1:]), self.p).view(input.shape)
+        elements = self._elements(self.layer_key, math.prod(input.shape[1:]), input.device)
+        keep = _keep_mask(states, elements, self.p).view(input.shape)
         scale = 1 / (1 - self.p)
         if self.inplace:
             return input.mul_(scale).masked_fill_(~keep, 0)
