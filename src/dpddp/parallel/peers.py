@@ -1,9 +1,5 @@
-"""Heartbeats through the rendezvous store, so that a lost node ends a multi-node run everywhere within
-``strategy.timeout_s + 2 x BEAT_S`` seconds (plus a store round trip) with one line that names it.
-
-Keys: ``<prefix>beat/<rank>`` (a counter), ``<prefix>cause`` (the first failure reported). Costs: two threads
-and ``world_size + 2`` store operations per rank every ``BEAT_S`` seconds. See docs/design-notes.md (parallel.peers).
-"""
+"""Heartbeats through the rendezvous store: a lost node ends a multi-node run everywhere within about
+``strategy.timeout_s + 2 x BEAT_S`` seconds, with one line naming it (docs/design-notes.md, parallel.peers)."""
 
 from __future__ import annotations
 
@@ -20,24 +16,16 @@ __all__ = ["BEAT_S", "CAUSE_GRACE_S", "LEFT", "STALE_S", "PeerWatch", "StoreClie
 
 log = logging.getLogger(__name__)
 
-BEAT_S = 0.5
-"""Seconds between two heartbeats (and reads of the peers' heartbeats)."""
-
-STALE_S = 3.0
-"""Seconds without a heartbeat after which ``explain`` calls a peer lost (the run has failed already then)."""
-
-CAUSE_GRACE_S = 5.0
-"""Seconds the main thread gets to fail by itself after a peer reported its failure, before the watch ends it."""
-
-LEFT = 1 << 40
-"""What a rank that stops its watch cleanly takes off its heartbeat counter (negative: not lost, only gone)."""
-
+BEAT_S = 0.5  # seconds between two heartbeats (and reads of the peers')
+STALE_S = 3.0  # seconds without a heartbeat after which ``explain`` calls a peer lost (the run has failed then)
+CAUSE_GRACE_S = 5.0  # seconds the main thread gets to fail by itself after a peer reported a failure
+LEFT = 1 << 40  # taken off the heartbeat counter of a rank that stops cleanly (negative: gone, not lost)
 _STORE_OP_S = 5.0  # seconds one store operation may take before it counts as unanswered
 
 
 class StoreClient:
-    """One rank's client of the rendezvous store at ``address:port``, connected on first use and shared by the
-    rank's threads under ``lock``; each store operation may take ``_STORE_OP_S`` seconds."""
+    """A client of the store at ``address:port``, connected on first use, shared by the rank's threads under
+    ``lock``."""
 
     def __init__(self, address: str, port: int) -> None:
         self.address, self.port = address, port
@@ -45,7 +33,7 @@ class StoreClient:
         self._store: torch.distributed.Store | None = None
 
     def connect(self) -> torch.distributed.Store:
-        """The client (the caller holds ``lock``); raises what ``TCPStore`` raises when the store does not answer."""
+        """The client (the caller holds ``lock``). Raises what ``TCPStore`` raises when the store does not answer."""
         if self._store is None:
             self._store = torch.distributed.TCPStore(
                 self.address, self.port, is_master=False, timeout=timedelta(seconds=_STORE_OP_S)
@@ -53,9 +41,8 @@ class StoreClient:
         return self._store
 
     def bounded(self, what: str, op: Callable[[torch.distributed.Store], object], connect: bool = True) -> bool:
-        """Run ``op`` on the client from a helper thread, as a silent store never answers; wait at most about
-        ``2 x _STORE_OP_S`` seconds. ``connect=False``: only on a client already connected. Never raises; ``True``
-        if ``op`` returned in time."""
+        """Whether ``op`` ran on the client (``connect=False``: one already connected) within about ``2 x
+        _STORE_OP_S`` seconds, from a helper thread (a silent store never answers). Never raises."""
         done = threading.Event()
 
         def call() -> None:
@@ -87,9 +74,8 @@ def describe_ranks(ranks: list[int], ranks_per_node: int) -> str:
 
 
 class PeerWatch(threading.Thread):
-    """One rank's watch of the store at ``address:port``: exits this process with status 1 after ``timeout_s``
-    seconds without a peer's heartbeat or a store answer, or ``CAUSE_GRACE_S`` after a peer reported a failure.
-    Node of rank r: ``r // ranks_per_node``; ``prefix``: this start's keys (``join_start``)."""
+    """Exits this process with status 1 after ``timeout_s`` seconds without a peer's heartbeat or a store answer,
+    or ``CAUSE_GRACE_S`` after a peer reported a failure. ``prefix``: this start's keys (``join_start``)."""
 
     def __init__(
         self, address: str, port: int, rank: int, world_size: int, ranks_per_node: int, timeout_s: float, prefix: str
@@ -110,8 +96,7 @@ class PeerWatch(threading.Thread):
         self._beater = threading.Thread(target=self._beat_loop, daemon=True, name="dpddp-peer-beat")
 
     def stop(self, clean: bool = True) -> None:
-        """End the watch (``clean``: tell the peers this rank left, so its silence is not a loss). Never raises;
-        waits at most about ``_STORE_OP_S`` seconds for the store."""
+        """End the watch (``clean``: tell the peers this rank left, so its silence is not a loss). Never raises."""
         self.stopped.set()
         if clean:
             self._client.bounded("tell the peers that this rank left", self._leave, connect=False)
@@ -175,8 +160,8 @@ class PeerWatch(threading.Thread):
         os._exit(1)
 
     def explain(self) -> str | None:
-        """The peer to blame for the run's failure (``"node 1 (rank 1) lost: no heartbeat for 5 s"``, a reported
-        cause, or node 0's store), or ``None`` if all still beat; blocks up to ``STALE_S`` + 1 seconds."""
+        """The peer to blame for the run's failure (a lost node, a reported cause, node 0's store), or ``None`` if
+        all still beat; blocks up to ``STALE_S + 1`` seconds."""
         deadline = time.monotonic() + STALE_S + 1.0
         while True:
             now = time.monotonic()
@@ -193,8 +178,7 @@ class PeerWatch(threading.Thread):
             time.sleep(0.1)
 
     def report(self, line: str) -> None:
-        """Tell the peers why this rank is failing (the first report wins). Never raises; waits at most about
-        ``_STORE_OP_S`` seconds."""
+        """Tell the peers why this rank is failing (the first report wins). Never raises."""
         self._client.bounded(
             "report the failure to the store",
             lambda store: store.compare_set(f"{self.prefix}cause", "", line),

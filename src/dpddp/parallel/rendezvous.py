@@ -1,7 +1,5 @@
-"""One start of a run's ranks agrees on a key prefix of its own (``dpddp/<name>/``) in a rendezvous store that
-outlives it (torchrun's agent store). Keys: ``dpddp/start``, ``dpddp/<name>/join/<rank>``, ``dpddp/<name>/members``.
-See docs/design-notes.md (parallel.rendezvous).
-"""
+"""One start of a run's ranks agrees on a key prefix of its own (``dpddp/<name>/``) in torchrun's agent store,
+which outlives it (docs/design-notes.md, parallel.rendezvous)."""
 
 from __future__ import annotations
 
@@ -21,8 +19,7 @@ __all__ = ["START_KEY", "join_start", "torchrun_restarted"]
 
 log = logging.getLogger(__name__)
 
-START_KEY = "dpddp/start"
-"""Where rank 0 of the latest start writes its name."""
+START_KEY = "dpddp/start"  # where rank 0 of the latest start writes its name
 
 _POLL_S = 0.05
 
@@ -32,12 +29,9 @@ def _key(name: str, *parts: str) -> str:
 
 
 def join_start(store: Any, rank: int, world_size: int, ranks_per_node: int, timeout_s: float) -> str:
-    """Agree with this start's other ranks on a fresh key prefix in ``store`` (a ``torch.distributed.Store``
-    shared with earlier starts) and return it, e.g. ``"dpddp/3f2a.../"``. Node of rank r: ``r // ranks_per_node``.
+    """A fresh key prefix in ``store`` agreed with this start's other ranks, e.g. ``"dpddp/3f2a.../"``.
 
-    Raises ``RankFailed`` naming the missing node(s) and rank(s) if one did not join within ``timeout_s`` seconds
-    (``"node 1 (rank 1) lost: not started within 30 s"``).
-    """
+    Raises ``RankFailed`` naming the nodes and ranks that did not join within ``timeout_s`` seconds."""
     if rank == 0:
         return _lead(store, world_size, ranks_per_node, timeout_s)
     token = uuid.uuid4().hex
@@ -75,9 +69,8 @@ def _lead(store: Any, world_size: int, ranks_per_node: int, timeout_s: float) ->
 
 
 def torchrun_restarted() -> bool:
-    """Whether this worker belongs to a restart of its torchrun job: ``TORCHELASTIC_RESTART_COUNT`` > 0, or the
-    agent's store holds an earlier start (``START_KEY``). ``False`` outside torchrun or if the store does not
-    answer within 10 s."""
+    """Whether this worker belongs to a restart of its torchrun job (a restart count, or an earlier start in the
+    agent's store); ``False`` outside torchrun or if the store does not answer within 10 s."""
     if torchrun_restart_count() > 0:
         return True
     address, port = master_address()

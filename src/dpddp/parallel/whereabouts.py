@@ -1,10 +1,5 @@
 """Where each rank is (stage, step, collective), published through the rendezvous store, so that a collective that
-times out ends the run with one line naming the ranks that did not arrive and where they were instead.
-
-Keys: ``<prefix>where/<rank>``, ``"<stage>|<step>|<collective>"``. Costs: one thread per rank and one store
-``set`` every ``BEAT_S`` seconds; marking a collective is an assignment. See docs/design-notes.md
-(parallel.whereabouts).
-"""
+fails names the ranks that did not arrive and where they were (docs/design-notes.md, parallel.whereabouts)."""
 
 from __future__ import annotations
 
@@ -17,17 +12,8 @@ import torch
 
 from dpddp.parallel.peers import BEAT_S, StoreClient
 
-__all__ = [
-    "AGREEMENT",
-    "BATCHNORM",
-    "GRADIENTS",
-    "METRIC_SYNC",
-    "Whereabouts",
-    "current",
-    "describe",
-    "entering",
-    "mark",
-]
+__all__ = ["AGREEMENT", "BATCHNORM", "GRADIENTS", "METRIC_SYNC", "Whereabouts", "current", "describe", "entering"]
+__all__ += ["mark"]
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +48,8 @@ def current() -> str | None:
 
 
 def describe(rank: int, mine: tuple[str, int, str], others: dict[int, tuple[str, int, str] | None]) -> str | None:
-    """The line for rank ``rank``, failed in collective ``mine = (stage, step, collective)``, given the other ranks'
-    whereabouts (``None``: not published); ``None`` if every other rank was in the same place (nobody to blame).
-
-    ``"rank 1 did not reach the gradient all-reduce (training, step 5): it is in training, step 5, outside any
-    collective (rank 0 waited in it)"``."""
+    """The line for rank ``rank``, failed in ``mine = (stage, step, collective)``, given the others' whereabouts
+    (``None``: not published); ``None`` if every other rank was in the same place."""
     stage, step, collective = mine
     waiting = [rank] + [r for r, where in others.items() if where == mine]
     absent = {r: where for r, where in others.items() if where != mine}
@@ -104,8 +87,8 @@ def _decode(text: str) -> tuple[str, int, str]:
 
 
 class Whereabouts(threading.Thread):
-    """Publishes ``position()`` (``(stage, step)``) and ``current()`` of rank ``rank`` to the store at
-    ``address:port`` every ``BEAT_S`` seconds under ``prefix``; ``explain`` reads the others' after a failure."""
+    """Publishes ``(*position(), current())`` of rank ``rank`` to the store at ``address:port`` every ``BEAT_S``
+    seconds under ``prefix``; ``explain`` reads the others' after a failure."""
 
     def __init__(
         self,
@@ -143,9 +126,8 @@ class Whereabouts(threading.Thread):
         self.stopped.set()
 
     def explain(self) -> str | None:
-        """The line naming the ranks that did not reach the collective this rank failed in (``describe``), or
-        ``None`` (this rank failed outside a collective, every rank was there, or the store did not answer in time:
-        ``StoreClient.bounded``)."""
+        """``describe``'s line for the collective this rank failed in, or ``None`` (outside one, nobody to blame, or
+        the store did not answer)."""
         mine = self.here()
         if not mine[2]:
             return None
