@@ -1,7 +1,5 @@
-"""DataLoader worker processes that end with their rank: started from a fork server (a single-threaded process),
-never forked from a rank that runs threads; killed when their parent dies; one that is stuck or dies ends the
-run with one line. See docs/design-notes.md (parallel.workers).
-"""
+"""DataLoader workers that start from a fork server, end with their rank, and end the run with one line when
+stuck or dead (docs/design-notes.md, parallel.workers)."""
 
 from __future__ import annotations
 
@@ -31,16 +29,12 @@ from dpddp.parallel.launcher import die_with_parent
 __all__ = ["START_METHOD", "WORKER_TIMEOUT_S", "WorkerInitFailed", "WorkerStart", "loader_failed"]
 __all__ += ["loader_worker_failure", "start_workers_safely", "worker_start_failure"]
 
-START_METHOD = "forkserver"
-"""How a loader without a ``multiprocessing_context`` of its own starts its workers: forked from a fork server
-that runs no thread (a fork of a rank that runs threads can deadlock in the child before any of its code runs)."""
-
-WORKER_TIMEOUT_S = 60.0
-"""Seconds a rank waits for its workers' next batch, for a loader without a ``timeout`` of its own."""
+START_METHOD = "forkserver"  # a fork of a rank that runs threads can deadlock in the child
+WORKER_TIMEOUT_S = 60.0  # seconds a rank waits for its workers' next batch, unless the loader has a timeout
 
 
 def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie does not, on Linux)."""
+    """Whether process ``pid`` runs (a zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -58,15 +52,12 @@ def _alive(pid: int) -> bool:
 
 class WorkerInitFailed(RuntimeError):
     """Raised in a DataLoader worker whose loader's own ``worker_init_fn`` raised; torch re-raises it in the rank,
-    its message then torch's ``Caught WorkerInitFailed in DataLoader worker process N`` and the worker's
-    traceback, whose last line is ``...WorkerInitFailed: <this message>``."""
+    the worker's traceback's last line ``...WorkerInitFailed: <this message>``."""
 
 
 class WorkerStart:
-    """A loader's ``worker_init_fn`` in each worker: SIGKILL when its parent dies (``die_with_parent``; the parent
-    is the fork server, which ends when the rank closes its keep-alive pipe, so the worker drops its own copy of
-    that pipe, ``forget_forkserver``), exit at once if the rank ``rank_pid`` is gone already, then
-    ``then(worker_id)`` (the loader's own ``worker_init_fn``, or Lightning's worker seeding). Picklable."""
+    """A loader's ``worker_init_fn``: die with the fork server, exit at once if the rank ``rank_pid`` is gone, then
+    ``then(worker_id)``. Raises ``WorkerInitFailed`` when ``then`` raises. Picklable."""
 
     def __init__(self, rank_pid: int, then: Callable[[int], None] | None = None) -> None:
         self.rank_pid, self.then = rank_pid, then
@@ -86,9 +77,7 @@ class WorkerStart:
 
 
 def _end_fork_server_at_once() -> None:
-    """In the fork server, which imports this module among its preload modules: exit at once when it exits (its
-    rank's keep-alive pipe closed: the rank ended, SIGKILLed too), without finalizing torch and the rest it
-    imported (seconds, while its workers, which die with it, run on). It has nothing to flush or remove."""
+    """In the fork server (it preloads this module): exit at once, without finalizing what it imported."""
     if in_fork_server():
         atexit.register(os._exit, 0)  # the last registered runs first
 
@@ -99,25 +88,22 @@ _servers_end_in: list[int] = []  # the pid whose exit stops its fork server and 
 
 
 def _end_servers_at_exit() -> None:
-    """Have this process stop and reap its fork server and resource tracker when it exits (``stop_worker_servers``,
-    after multiprocessing's own exit work), so that none outlives the run; once per process (a forked rank, which
-    ends with ``os._exit``, stops them itself: ``JobLauncher``)."""
+    """Have this process stop and reap its fork server and resource tracker when it exits; once per process."""
     if _servers_end_in != [os.getpid()]:
         _servers_end_in[:] = [os.getpid()]
         at_multiprocessing_exit(stop_worker_servers)
 
 
 def _modules_of(*objects: object) -> set[str]:
-    """The importable modules that define ``objects`` (a module, or a class or function's ``__module__``)."""
+    """The importable modules that define ``objects``."""
     names = {o.__name__ if isinstance(o, ModuleType) else getattr(o, "__module__", None) for o in objects}
     names |= {getattr(type(o), "__module__", None) for o in objects if not isinstance(o, (ModuleType, type))}
     return {n for n in names if isinstance(n, str) and n not in ("__main__", "__mp_main__", "builtins")}
 
 
 def _preload(loader: DataLoader) -> None:
-    """Name what the fork server imports once, before it forks a worker (it starts on the first worker): torch,
-    this module, the modules of the loader's data set and collate_fn and of what the main module imported (each
-    worker runs the main module again; CPython 3.11's fork server does not preload it, whatever it is told)."""
+    """Add to the fork server's preload: the modules of the loader's data set and collate_fn and of what the main
+    module imported (each worker runs the main module again)."""
     main = vars(sys.modules["__main__"]).values() if "__main__" in sys.modules else ()
     imported = [v for v in main if isinstance(v, (ModuleType, type, FunctionType)) and v is not builtins]
     inner = getattr(loader.dataset, "dataset", None)  # a wrapper's (a Subset's, dpddp's keyed samples)
@@ -128,10 +114,9 @@ def _preload(loader: DataLoader) -> None:
 
 
 def start_workers_safely(loader: object, rank: int) -> object:
-    """``loader``, changed in place when it is a ``DataLoader`` with workers: a ``multiprocessing_context`` of
-    ``START_METHOD`` unless it has its own, a ``WorkerStart`` around its ``worker_init_fn`` (Lightning's seeding of
-    global rank ``rank`` where it has none and ``seed_everything(workers=True)`` ran, as Lightning would add it) and a
-    ``timeout`` of ``WORKER_TIMEOUT_S`` unless it has its own. Any other object is returned as it is."""
+    """``loader``, changed in place when it is a ``DataLoader`` with workers: ``START_METHOD`` and a ``timeout`` of
+    ``WORKER_TIMEOUT_S`` unless it has its own, a ``WorkerStart`` around its ``worker_init_fn`` (or Lightning's
+    seeding of global rank ``rank``, as Lightning would add it). Any other object is returned as it is."""
     if not isinstance(loader, DataLoader) or not loader.num_workers or isinstance(loader.worker_init_fn, WorkerStart):
         return loader
     if loader.multiprocessing_context is None and START_METHOD in multiprocessing.get_all_start_methods():
@@ -148,18 +133,14 @@ def start_workers_safely(loader: object, rank: int) -> object:
 
 
 def loader_worker_failure(err: BaseException) -> str | None:
-    """What torch's ``RuntimeError`` ``err`` says of a stuck or dead DataLoader worker, as a phrase (``"a
-    DataLoader worker sent no batch for 60.0 s"``, ``"a DataLoader worker (pid(s) 42) exited unexpectedly"``,
-    ``"a DataLoader worker (pid 42) is killed by signal: Killed."``), else ``None``. Its wording, torch 2.13
-    (``torch/utils/data/dataloader.py`` and its C++ SIGCHLD handler); tests/test_loader_workers.py fails if it
-    changes (the run then ends with torch's traceback instead of the one line)."""
+    """What torch's ``RuntimeError`` ``err`` says of a stuck or dead DataLoader worker, as a phrase, else ``None``
+    (``messages.dataloader_failure``)."""
     return dataloader_failure((str(err).splitlines() or [""])[0]) if isinstance(err, RuntimeError) else None
 
 
 def worker_start_failure(err: BaseException) -> str | None:
-    """What ``err`` says of a DataLoader worker that could not start, with what to do, else ``None``: the loader
-    could not be pickled for the fork server (raised in the rank while starting the worker), or its own
-    ``worker_init_fn`` raised in the worker (``WorkerInitFailed``, re-raised in the rank by torch)."""
+    """What ``err`` says of a DataLoader worker that could not start (a loader the fork server cannot get, or
+    ``WorkerInitFailed``), with what to do, else ``None``."""
     if isinstance(err, WorkerInitFailed):
         said = str(err).rstrip().splitlines()[-1]
         said = said.split(f"{WorkerInitFailed.__name__}: ", 1)[-1]
@@ -175,9 +156,7 @@ def worker_start_failure(err: BaseException) -> str | None:
 
 
 def loader_failed(err: BaseException, rank: int) -> LoaderFailed | None:
-    """The one-line error for ``err`` when it is torch's report of a stuck or dead DataLoader worker or a worker
-    that could not start (``worker_start_failure``), else ``None``: ``"rank 1: a DataLoader worker sent no batch
-    for 60 s ... (data.num_workers > 0): ..."``."""
+    """The one-line ``LoaderFailed`` for a worker that is stuck, dead or could not start, else ``None``."""
     start = worker_start_failure(err)
     if start is not None:
         return LoaderFailed(f"rank {rank}: a DataLoader worker could not start (data.num_workers > 0): {start}")
