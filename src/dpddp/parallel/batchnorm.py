@@ -1,5 +1,5 @@
-"""BatchNorm over the global batch on any backend (torch's ``nn.SyncBatchNorm`` is CUDA-only): ``GlobalBatchNorm``,
-the ``BatchNormSync`` plugin that swaps it in for a fit, and ``batchnorm_plugins``, the decision from the config."""
+"""BatchNorm over the global batch on any backend (torch's ``nn.SyncBatchNorm`` is CUDA-only), the plugin that swaps
+it in for a fit, and the decision from the config (docs/design-notes.md, parallel.batchnorm)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,11 @@ __all__ = ["BatchNormSync", "GlobalBatchNorm", "batchnorm_modules", "batchnorm_p
 
 log = logging.getLogger(__name__)
 
-ORIGINAL = "_dpddp_original"
-"""Where a converted layer keeps the module it replaced, for ``revert`` (outside ``state_dict``)."""
+ORIGINAL = "_dpddp_original"  # where a converted layer keeps the module it replaced (outside ``state_dict``)
 
 
 class _GroupSum(torch.autograd.Function):
-    """``all_reduce`` (sum over ``group``) whose backward sums the gradients over ``group``; as the deprecated
-    ``torch.distributed.nn.functional.all_reduce``."""
+    """A sum over ``group`` whose backward sums the gradients over ``group``."""
 
     @staticmethod
     @override
@@ -56,12 +54,8 @@ def _group_size(group: Any) -> int:
 
 
 class GlobalBatchNorm(BatchNormBase):
-    """BatchNorm with the global batch's training statistics over ``process_group`` (``None``: the world).
-
-    Input ``[N, C, *]`` (``C = num_features``), output the same shape. Batch statistics (training, or any forward
-    without running statistics) on more than one process: the per-channel count, sum and sum of squares
-    (float64) are summed over the group; running statistics as ``nn.BatchNorm*``. Otherwise ``nn.BatchNorm*``'s
-    forward; same parameters, buffers and ``state_dict`` keys.
+    """``nn.BatchNorm*`` whose batch statistics, on more than one process, are over ``process_group`` (``None``:
+    the world): per-channel count, sum and sum of squares summed in float64. Input ``[N, C, *]``.
 
     Raises ``ValueError``: input of fewer than 2 dims; in training, at most one value per channel globally.
     """
@@ -117,7 +111,7 @@ class GlobalBatchNorm(BatchNormBase):
         return out
 
     def _update_running_stats(self, mean: Tensor, unbiased_var: Tensor) -> None:
-        """``nn.BatchNorm*``'s update (``_BatchNorm.forward`` and ATen's ``batch_norm``)."""
+        """``nn.BatchNorm*``'s update of the running statistics."""
         factor = 0.0 if self.momentum is None else self.momentum
         if self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -133,27 +127,18 @@ def batchnorm_modules(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if isinstance(module, BatchNormBase)]
 
 
-def _tracked(module: nn.Module) -> bool:
-    return getattr(module, "running_mean", None) is not None
-
-
 def _lazy(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params()
 
 
-STATE = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
-"""A BatchNorm's parameters and buffers, moved between a layer and its replacement (the same tensors)."""
-
-
 def _move_state(source: nn.Module, target: nn.Module) -> None:
-    for name in STATE:
+    for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
         setattr(target, name, getattr(source, name))
     target.train(source.training)
 
 
 def _replace_each(model: nn.Module, swap: Callable[[nn.Module], nn.Module]) -> nn.Module:
-    """``model`` with every module ``m`` replaced by ``swap(m)`` in place (shared modules once); returns ``model``
-    or its replacement."""
+    """``model`` (or its replacement) with every module ``m`` replaced by ``swap(m)`` in place, once each."""
     done: dict[int, nn.Module] = {}
 
     def replaced(module: nn.Module) -> nn.Module:
@@ -169,8 +154,8 @@ def _replace_each(model: nn.Module, swap: Callable[[nn.Module], nn.Module]) -> n
 
 
 def convert(module: nn.Module, cuda: bool = False, process_group: Any = None) -> nn.Module:
-    """``module`` with every initialised BatchNorm replaced by a ``GlobalBatchNorm`` (``cuda``: ``nn.SyncBatchNorm``)
-    holding the same tensors, as ``nn.SyncBatchNorm.convert_sync_batchnorm``. Returns ``module`` or its replacement."""
+    """``module`` (or its replacement) with every initialised BatchNorm replaced by a ``GlobalBatchNorm`` (``cuda``:
+    ``nn.SyncBatchNorm``) holding the same tensors."""
     target = nn.SyncBatchNorm if cuda else GlobalBatchNorm
 
     def synced(old: nn.Module) -> nn.Module:
@@ -187,7 +172,7 @@ def convert(module: nn.Module, cuda: bool = False, process_group: Any = None) ->
 
 
 def revert(module: nn.Module) -> nn.Module:
-    """Undo ``convert``, keeping the current parameters, buffers, training flag, ``eps`` and ``momentum``."""
+    """Undo ``convert``, keeping the current tensors, training flag, ``eps`` and ``momentum``."""
 
     def original(new: nn.Module) -> nn.Module:
         old = new.__dict__.pop(ORIGINAL, None)
@@ -206,8 +191,8 @@ def _names(names: list[str], most: int = 4) -> str:
 
 
 class BatchNormSync(LayerSync):
-    """Lightning's ``LayerSync`` plugin for BatchNorm under DDP: ``sync`` converts (``cuda``: ``SyncBatchNorm``);
-    else rank 0 warns once, naming the modules, for ``processes`` processes."""
+    """Lightning's ``LayerSync`` for BatchNorm under DDP: ``sync`` converts (``cuda``: ``SyncBatchNorm``), else rank 0
+    warns, naming the modules."""
 
     def __init__(self, sync: bool = True, cuda: bool = False, processes: int = 2) -> None:
         self.sync, self.cuda, self.processes = sync, cuda, processes
@@ -218,7 +203,9 @@ class BatchNormSync(LayerSync):
             converted = convert(model, self.cuda)
             if lazy := [name for name, module in converted.named_modules() if _lazy(module)]:
                 _warn(f"lazy BatchNorm modules not yet initialised are not synced: {_names(lazy)}")
-            untracked = [n for n, m in converted.named_modules() if isinstance(m, BatchNormBase) and not _tracked(m)]
+            untracked = [
+                n for n, m in converted.named_modules() if isinstance(m, BatchNormBase) and m.running_mean is None
+            ]
             if untracked:
                 _warn(
                     f"{_names(untracked)} keep no running statistics (track_running_stats=False): validation in the "
@@ -245,11 +232,11 @@ def _warn(message: str) -> None:
 
 
 def batchnorm_plugins(cfg: Mapping, model: nn.Module | None = None) -> list[LayerSync]:
-    """``[BatchNormSync]`` under ``ddp``/``ddp_spawn`` with more than one process, else ``[]``; the Trainer then
-    takes ``sync_batchnorm=False``. ``trainer.sync_batchnorm``: ``null``/``auto``/``true`` sync, ``false`` warns.
+    """``[BatchNormSync]`` under ddp with more than one process, else ``[]`` (the Trainer takes
+    ``sync_batchnorm=False``).
 
-    Raises ``ConfigError``: another ``sync_batchnorm`` value, or ``strategy=dp`` over several devices with
-    BatchNorm modules in ``model`` (``None``: that check skipped).
+    Raises ``ConfigError``: a ``trainer.sync_batchnorm`` other than null/auto/true/false, or ``strategy=dp`` over
+    several devices with BatchNorm modules in ``model`` (``None``: not checked).
     """
     sync = (cfg.get("trainer") or {}).get("sync_batchnorm")
     if not (sync is None or isinstance(sync, bool) or sync == "auto"):
