@@ -1,5 +1,4 @@
-"""``last.ckpt`` at intervals, without stopping: ``checkpoint.every_n_steps`` and ``checkpoint.every_seconds``,
-written in the background by the atomic writer (``dpddp.continuity.io``)."""
+"""``last.ckpt`` at intervals, without stopping (``checkpoint.every_n_steps``, ``checkpoint.every_seconds``)."""
 
 from __future__ import annotations
 
@@ -22,12 +21,8 @@ AUTO_EVERY_SECONDS = 600.0
 
 
 def checkpoint_intervals(cfg: Mapping) -> tuple[int | None, float | None]:
-    """``checkpoint.every_n_steps`` (steps) and ``checkpoint.every_seconds`` (seconds; ``auto``: 600 under a
-    cluster launcher, else off), each ``None`` when off; both off with ``trainer.enable_checkpointing=false``.
-
-    Raises:
-        ConfigError: a value that is not ``null``, a positive integer / number (or ``auto``).
-    """
+    """``(checkpoint.every_n_steps, checkpoint.every_seconds)``, ``None`` when off (``auto``: 600 s under a cluster
+    launcher). Raises ``ConfigError`` for a value that is not null, positive (or ``auto``)."""
     section = cfg.get("checkpoint") or {}
     steps, seconds = section.get("every_n_steps"), section.get("every_seconds")
     if steps is not None:
@@ -44,9 +39,8 @@ def checkpoint_intervals(cfg: Mapping) -> tuple[int | None, float | None]:
 
 
 class IntervalCheckpoints:
-    """Writes ``<dirpath>/last.ckpt`` in the background at the first optimizer-step boundary after ``global_step``
-    passes a multiple of ``every_n_steps``, and after ``every_s`` seconds since its last write once every rank
-    agrees that it is due (the agreement rides on ``StepBoundaryStop``'s, one collective for both)."""
+    """Writes ``<dirpath>/last.ckpt`` in the background at a step boundary once ``global_step`` passes a multiple
+    of ``every_n_steps``, or ``every_s`` seconds passed and the ranks agreed (in ``StepBoundaryStop``'s agreement)."""
 
     def __init__(self, dirpath: str | Path, every_n_steps: int | None = None, every_s: float | None = None) -> None:
         self.path, self.every_n_steps, self.every_s = Path(dirpath) / "last.ckpt", every_n_steps, every_s
@@ -57,11 +51,11 @@ class IntervalCheckpoints:
         self._step, self._at, self._due = step, time.monotonic(), False
 
     def time_due(self) -> bool:
-        """Whether ``every_s`` has passed on this rank (what it brings to the agreement)."""
+        """Whether ``every_s`` has passed on this rank."""
         return self.every_s is not None and time.monotonic() - self._at >= self.every_s
 
     def agreed_due(self) -> None:
-        """Some rank found the time due: write at the next step boundary, on every rank."""
+        """Some rank found the time due: write at the next step boundary."""
         self._due = True
 
     def at_step_boundary(self, trainer: pl.Trainer) -> None:

@@ -12,8 +12,7 @@ __all__ = ["Pace", "agreed"]
 
 
 class Pace:
-    """When a loop's ranks agree: every ``every`` batches, ``every`` set from the slowest rank's batch time so
-    that agreements fall about ``interval_s`` apart (1 to 1000 batches)."""
+    """Every ``every`` batches (1 to 1000, from the slowest rank's batch time): about ``interval_s`` apart."""
 
     def __init__(self) -> None:
         self.every, self.batches, self.since = 1, 0, time.perf_counter()
@@ -31,9 +30,8 @@ class Pace:
 
 
 def agreed(flag: int, device: torch.device, pace: Pace | None, interval_s: float) -> int:
-    """The largest ``flag`` (a bool, or a small level) of the ranks of the process group (one ``all_reduce(MAX)``
-    on ``device``; ``flag`` itself without a group); with ``pace``, the slowest rank's batch time sets its next
-    due batch (``Pace.agreed``)."""
+    """The ranks' largest ``flag`` (one ``all_reduce(MAX)``; ``flag`` without a group); with ``pace``, the slowest
+    rank's batch time sets its next due batch."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return int(flag)
     batch_s = pace.batch_s() if pace is not None else 0.0

@@ -1,5 +1,4 @@
-"""The replica-consistency guard: ddp's ranks hold bit-identical weights and optimizer state, or the run ends
-before a checkpoint of a divergent replica is written (``ReplicaGuard``)."""
+"""ddp's ranks hold bit-identical weights and optimizer state, or the run ends before a checkpoint of them."""
 
 from __future__ import annotations
 
@@ -19,11 +18,7 @@ _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def check_every(cfg: Mapping) -> int | None:
-    """``check_replicas`` (optimizer steps), ``None`` when off.
-
-    Raises:
-        ConfigError: not ``null`` or a positive integer.
-    """
+    """``check_replicas`` (optimizer steps), ``None`` when off. Raises ``ConfigError``: not null or positive."""
     every = cfg.get("check_replicas")
     if every is not None:
         checked_int("check_replicas", every, 1, "use a positive number of optimizer steps, or null (off)")
@@ -31,7 +26,7 @@ def check_every(cfg: Mapping) -> int | None:
 
 
 def _checksum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum of the elements' bit patterns as integers (int64, wrapping): any one changed element changes it."""
+    """The sum of the elements' bit patterns as int64: any one changed element changes it."""
     flat = tensor.detach().contiguous().reshape(-1)
     kind = _AS_INT.get(flat.element_size())
     bits = flat.view(kind) if kind is not None else flat.view(torch.uint8)
@@ -39,8 +34,7 @@ def _checksum(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def checksums(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> tuple[list[str], torch.Tensor]:
-    """The names and checksums (``[n]`` int64, on the parameters' device) of ``module``'s parameters, then of each
-    optimizer's tensors of state, per parameter (``linear.weight``, ``optimizer 0 exp_avg of linear.weight``)."""
+    """Names and ``[n]`` int64 checksums of ``module``'s parameters, then of the optimizers' state tensors."""
     names, sums = [], []
     named = {id(p): n for n, p in module.named_parameters()}
     for name, param in module.named_parameters():
@@ -57,9 +51,8 @@ def checksums(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) 
 
 
 def divergent(table: list[list[int]]) -> tuple[int, int] | None:
-    """In ``table`` (a row of checksums per rank), the first column where the ranks differ and the first rank
-    whose value there is not the majority's (a tie: rank 0's value is taken as right), as ``(rank, column)``;
-    ``None`` when every rank agrees."""
+    """``(rank, column)``: the first column of ``table`` (a row per rank) where ranks differ, and the first rank off
+    the majority there (a tie: rank 0 is right); ``None`` when all agree."""
     for column in range(len(table[0]) if table else 0):
         values = [row[column] for row in table]
         counts = Counter(values)
@@ -72,13 +65,8 @@ def divergent(table: list[list[int]]) -> tuple[int, int] | None:
 
 
 class ReplicaGuard(pl.Callback):
-    """Every ``every_n_steps`` optimizer steps of a fit (``global_step`` passing a multiple of it), and before
-    every checkpoint (``check``, called by the resumable state), each rank checksums its parameters and optimizer
-    state and one ``all_gather`` of the ``[n]`` int64 checksums compares them. Nothing without a process group of
-    more than one rank.
-
-    Raises ``ReplicasDiverged`` on every rank: a rank differs (the line names it, the step and the first tensor).
-    """
+    """Compares the ranks' ``checksums`` (one ``all_gather``) every ``every_n_steps`` optimizer steps and before
+    every checkpoint (``check``). Raises ``ReplicasDiverged`` on every rank when one differs."""
 
     def __init__(self, every_n_steps: int | None) -> None:
         self.every_n_steps = every_n_steps
@@ -95,7 +83,7 @@ class ReplicaGuard(pl.Callback):
             self.check(trainer)
 
     def check(self, trainer: pl.Trainer) -> None:
-        """Compare the ranks' checksums now (a collective: every rank calls it at the same point)."""
+        """Compare the ranks' checksums now (a collective)."""
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return
         world = torch.distributed.get_world_size()

@@ -1,5 +1,5 @@
-"""The epoch-interval ``ReduceLROnPlateau`` steps Lightning skips across a stop, found and taken again, and a
-restored schedule built for another limit than the continued run's (docs/design-notes.md, continuity.schedulers)."""
+"""The plateau steps Lightning skips across a stop, taken again, and a restored schedule built for another limit
+(docs/design-notes.md, continuity.schedulers)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,8 @@ import torch
 
 from dpddp.errors import first_line
 
-__all__ = [
-    "LIMIT_MARK",
-    "built_apart",
-    "built_states",
-    "limit_line",
-    "due_plateau_values",
-    "limit_lines",
-    "take_skipped_plateau_steps",
-]
+__all__ = ["LIMIT_MARK", "built_apart", "built_states", "due_plateau_values", "limit_line", "limit_lines"]
+__all__ += ["take_skipped_plateau_steps"]
 
 
 def _due(trainer: pl.Trainer, epoch: int) -> list[tuple[int, Any]]:
@@ -34,15 +27,13 @@ def _due(trainer: pl.Trainer, epoch: int) -> list[tuple[int, Any]]:
 
 
 def due_plateau_values(trainer: pl.Trainer) -> dict[int, float]:
-    """At a checkpoint written after the current epoch's last batch and before its end: the monitored value of
-    each plateau step still due, by scheduler index (a value not logged yet is left out)."""
+    """``{scheduler index: monitored value}`` of the plateau steps still due at the current epoch's end."""
     metrics = trainer.callback_metrics
     return {i: float(metrics[c.monitor]) for i, c in _due(trainer, trainer.current_epoch) if c.monitor in metrics}
 
 
 def take_skipped_plateau_steps(trainer: pl.Trainer, epoch: int, saved: dict[int, float]) -> None:
-    """Take the plateau steps of the end of ``epoch`` (the restored one, now ended): with the value ``saved``
-    at the checkpoint, or else the one this fit logged."""
+    """Take the plateau steps of ``epoch``'s end, with the values ``saved``, else the ones logged now."""
     module, metrics = trainer.lightning_module, trainer.callback_metrics
     for i, config in _due(trainer, epoch):
         value = saved.get(i, metrics[config.monitor] if config.monitor in metrics else None)
@@ -51,21 +42,18 @@ def take_skipped_plateau_steps(trainer: pl.Trainer, epoch: int, saved: dict[int,
 
 
 def built_states(trainer: pl.Trainer) -> list[dict[str, Any]]:
-    """Each LR scheduler's ``state_dict`` as ``configure_optimizers`` built it (called at ``on_fit_start``, before
-    Lightning restores their states)."""
+    """Each LR scheduler's ``state_dict`` (at ``on_fit_start``: as built, before Lightning restores it)."""
     return [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
 
 
 LIMIT_MARK = "so it cannot equal a straight run to this limit"
-"""In each of ``limit_line``'s lines (``python -m dpddp.check --stops`` finds them in a continue's log by it)."""
+"""In each ``limit_line`` (``dpddp.check --stops`` finds them by it)."""
 LOOK_AHEAD = 3
-"""Steps a continue's schedule line shows the learning rate at (after the restored one)."""
 
 
 def _stepped(scheduler: Any, build: dict[str, Any] | None = None, steps: int = 0) -> list[float | str]:
-    """The first param group's learning rate now and at ``scheduler``'s next ``LOOK_AHEAD`` steps (from ``build``
-    stepped ``steps`` times, when given), or what a step raises; the scheduler and its optimizer's param groups
-    (learning rates, momenta) are as they were after it."""
+    """The first group's learning rate now and at the next ``LOOK_AHEAD`` steps (from ``build`` stepped ``steps``
+    times, when given), then what a step raised; ``scheduler`` and its optimizer are left as they were."""
     groups = scheduler.optimizer.param_groups
     saved = copy.deepcopy(scheduler.state_dict()), [{k: v for k, v in g.items() if k != "params"} for g in groups]
     found: list[float | str] = []
@@ -92,17 +80,15 @@ def _stepped(scheduler: Any, build: dict[str, Any] | None = None, steps: int = 0
 
 
 def _shown(lrs: list[float | str], raised: bool = True) -> str:
-    """The rates; with ``raised``, what a step raised (a straight run never steps past its own limit)."""
+    """The rates; with ``raised``, what a step raised."""
     numbers = ", ".join(f"{v:.3g}" for v in lrs if isinstance(v, float))
     error = next((v for v in lrs if isinstance(v, str)), None)
     return numbers + (f", then its step raises {error}" if error and raised else "")
 
 
 def limit_line(scheduler: Any, plateau: bool, old: dict[str, Any], new: dict[str, Any]) -> str | None:
-    """The line for ``scheduler`` restored in a continued run (its state the checkpoint's) whose first build
-    ``old`` differs from this run's ``new``, or whose learning rate at the restored step and the next
-    ``LOOK_AHEAD`` (measured on it) differs from a straight run's to this limit (``new`` stepped as far; a
-    ``plateau`` scheduler, stepped on a metric, is compared by its builds only); ``None`` when neither."""
+    """The warning for a restored ``scheduler`` whose first build ``old`` differs from this run's ``new``, or
+    whose next rates differ from a straight run's (a ``plateau`` one: by builds only); else ``None``."""
     name, apart = type(scheduler).__name__, built_apart(old, new)
     at = int(getattr(scheduler, "last_epoch", 0))
     plateau = plateau or getattr(scheduler, "optimizer", None) is None  # not stepped here: by its builds only
@@ -130,19 +116,14 @@ def limit_line(scheduler: Any, plateau: bool, old: dict[str, Any], new: dict[str
 
 
 def limit_lines(trainer: pl.Trainer, restored: list[dict[str, Any]], built: list[dict[str, Any]]) -> list[str]:
-    """``limit_line`` of each LR scheduler of ``trainer`` (its state restored), ``restored`` the first run's
-    builds (from the checkpoint) and ``built`` this run's."""
-    found = []
-    for config, old, new in zip(trainer.lr_scheduler_configs, restored, built, strict=False):
-        line = limit_line(config.scheduler, config.reduce_on_plateau, old, new)
-        if line is not None:
-            found.append(line)
-    return found
+    """``limit_line`` of each of ``trainer``'s schedulers, from the checkpoint's builds and this run's."""
+    found = zip(trainer.lr_scheduler_configs, restored, built, strict=False)
+    lines = [limit_line(c.scheduler, c.reduce_on_plateau, old, new) for c, old, new in found]
+    return [line for line in lines if line is not None]
 
 
 def built_apart(old: dict[str, Any], new: dict[str, Any]) -> tuple[str, str] | None:
-    """Where two builds of one scheduler (``state_dict``s) differ: ``("total_steps=50", "total_steps=102")``
-    (public keys first), or ``None``."""
+    """Where two builds of a scheduler differ (``("total_steps=50", "total_steps=102")``), or ``None``."""
     keys = [k for k in new if k in old and not _same(old[k], new[k])]
     shown = [k for k in keys if not k.startswith("_")] or keys
     if not shown:

@@ -1,5 +1,4 @@
-"""The one owner of the resumable state: every entry dpddp keeps in a checkpoint, and every edit of Lightning's
-loop counters, saved and loaded here in one written order."""
+"""The one owner of the resumable state: dpddp's checkpoint entry and every edit of Lightning's loop counters."""
 
 from __future__ import annotations
 
@@ -45,14 +44,14 @@ KEY = "dpddp"
 
 @runtime_checkable
 class TrainLossSums(Protocol):
-    """A module whose epoch train loss survives a mid-epoch checkpoint (the built-in ``Classifier``)."""
+    """A module whose epoch train loss survives a mid-epoch checkpoint."""
 
     def train_loss_sums(self) -> torch.Tensor:
-        """``[2]`` float64: this rank's sum of per-sample losses and its sample count, this epoch so far."""
+        """``[2]`` float64: this rank's loss sum and sample count this epoch."""
         ...
 
     def carry_train_loss(self, total: float, samples: int) -> None:
-        """Add a restored ``(sum, samples)`` of the epoch before the checkpoint (called on global rank 0 only)."""
+        """Add a restored ``(sum, samples)`` (on global rank 0 only)."""
         ...
 
 
@@ -64,8 +63,7 @@ def rank_seed(seed: int, global_rank: int) -> int:
 
 
 def random_state() -> dict[str, Any]:
-    """This process's global random state (torch CPU and CUDA, numpy, Python), loadable with
-    ``weights_only=True`` (numpy's key array as a tensor)."""
+    """This process's global random state (torch, CUDA, numpy, Python), loadable with ``weights_only=True``."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     version, python, python_gauss = random.getstate()
     return {
@@ -88,15 +86,9 @@ def set_random_state(state: dict[str, Any]) -> None:
 
 
 class ResumableState(pl.Callback):
-    """Saves and loads ``checkpoint["dpddp"]`` (throughput counts, epoch table, train-loss sums, every rank's random
-    state, due plateau values, ``should_stop`` as a callback latched it, the LR schedulers as first built,
-    ``steps_per_execution``, ``launch``: the launcher's job id, every rank's PowerSGD state under
-    ``strategy.ddp_comm_hook=powersgd``) and edits the checkpoint's loop counters, on every rank. A continued run
-    whose schedulers build otherwise (another limit) is warned in one line each (rank 0). Collective at save (a
-    sum and a gather, two with PowerSGD). The order of save and load: docs/design-notes.md (continuity.state).
-
-    Raises ``ConfigError`` at load: a checkpoint of another ``steps_per_execution`` written inside an epoch.
-    """
+    """Saves and loads ``checkpoint["dpddp"]`` and edits the checkpoint's loop counters, on every rank (collective
+    at save); the order: docs/design-notes.md (continuity.state). Raises ``ConfigError`` at load: a checkpoint of
+    another ``steps_per_execution`` written inside an epoch."""
 
     def __init__(
         self,
@@ -186,7 +178,7 @@ class ResumableState(pl.Callback):
         self._mid_epoch = bool(entry.get("mid_epoch"))
         self._should_stop = bool(entry.get("should_stop"))
         self._stopped_by = list(entry.get("stopped_by") or [])
-        if trainer.state.fn == "fit" and "loops" in checkpoint:
+        if fitting:
             step_count_either_way(checkpoint)  # before Lightning restores the loops: global_step goes on either way
             self._plateau = int(checkpoint.get("epoch", 0)), dict(entry.get("plateau") or {})
             self._restored_schedules = entry.get("schedules")
@@ -248,7 +240,7 @@ class ResumableState(pl.Callback):
         self._check_again()
 
     def _check_again(self) -> None:
-        """The EarlyStoppings a cut epoch's end skipped check at the next epoch end again."""
+        """The EarlyStoppings a cut epoch's end skipped check again."""
         for cb in self._unchecked:
             cb.__dict__.pop("on_train_epoch_end", None)
         self._unchecked = []
@@ -266,14 +258,13 @@ class ResumableState(pl.Callback):
             self._random = None
 
     def _comm_state(self, trainer: pl.Trainer) -> list[dict[str, Any]] | None:
-        """Every rank's PowerSGD state (its error feedback is its own), or ``None`` without one."""
+        """Every rank's PowerSGD state, or ``None`` without one."""
         state = getattr(trainer.strategy, "comm_state_dict", lambda: None)()
         return None if state is None else self._gather(trainer, state)
 
     @staticmethod
     def _load_comm_state(trainer: pl.Trainer, saved: list[dict[str, Any]] | None) -> None:
-        """This rank's saved PowerSGD state into the strategy's; a checkpoint without one, or of another world
-        size, leaves it fresh (said once, rank 0)."""
+        """This rank's saved PowerSGD state into the strategy's; none, or another world size's: left fresh."""
         if getattr(trainer.strategy, "comm_state", None) is None or trainer.state.fn != "fit":
             return
         if saved is not None and len(saved) == trainer.world_size:
@@ -284,12 +275,10 @@ class ResumableState(pl.Callback):
 
     @staticmethod
     def _latched_stop(trainer: pl.Trainer) -> bool:
-        """``trainer.should_stop``, less a ``Timer``'s (``max_time``, a limit a continued run may raise): with
-        one run out, only an ``EarlyStopping`` that has stopped counts."""
+        """``trainer.should_stop``, less a ``Timer``'s (a limit a continued run may raise)."""
         remaining = [cb.time_remaining() for cb in trainer.callbacks if isinstance(cb, Timer)]  # type: ignore[attr-defined]
         if any(left is not None and left <= 0 for left in remaining):
-            stops = trainer.early_stopping_callbacks
-            return any(_stopped(cb) for cb in stops)
+            return any(_stopped(cb) for cb in trainer.early_stopping_callbacks)
         return bool(trainer.should_stop)
 
     @staticmethod
@@ -314,9 +303,8 @@ def _not_checked(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
 
 
 def save_final_checkpoint(trainer: pl.Trainer) -> bool:
-    """Make ``last.ckpt`` the final weights: write it if its last write was at another global step or holds other
-    weights (a weight-averaging callback, ``StochasticWeightAveraging``, swapped its average in at the fit's end),
-    on every rank; rank 0 writes and compares. Returns whether the weights differed (validate them again)."""
+    """Make ``last.ckpt`` the final weights (on every rank): write it if it holds another step or other weights (a
+    swapped-in average). Returns whether the weights differed (validate them again)."""
     io = trainer.strategy.checkpoint_io
     last = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.filename == "last"]
     if not (last and last[0].dirpath and isinstance(io, AtomicCheckpointIO)):

@@ -1,6 +1,4 @@
-"""A sweep's stop file, ``<sweep dir>/.stop``: how every process of a sweep learns that it stops (its SIGTERM
-handler is ``dpddp.continuity.stop.watch``'s). Launchers' workers outlive the sweep's process and end jobs
-without a checkpoint, so they cannot be asked."""
+"""A sweep's stop file, ``<sweep dir>/.stop``: how every process of a sweep learns that it stops."""
 
 from __future__ import annotations
 
@@ -10,19 +8,18 @@ from pathlib import Path
 __all__ = ["ENV", "STOP_FILE", "active", "clear", "request", "requested"]
 
 ENV = "DPDDP_SWEEP_STOP"
-"""The environment variable naming the stop file of the sweep this process belongs to."""
 STOP_FILE = ".stop"
 
 _requested = False
 
 
 def active() -> bool:
-    """Whether this process belongs to a sweep that stops as one (its process called ``start``)."""
+    """Whether this process belongs to a sweep that stops as one."""
     return ENV in os.environ
 
 
 def request() -> None:
-    """Stop the sweep: this process starts no more jobs, and the stop file tells every other one."""
+    """Stop the sweep: here, and through the stop file, everywhere."""
     global _requested
     _requested = True
     if path := os.environ.get(ENV):
@@ -34,12 +31,12 @@ def request() -> None:
 
 
 def requested() -> bool:
-    """Whether this process's sweep is stopping (``False`` outside a sweep that stops as one)."""
+    """Whether this process's sweep is stopping."""
     path = os.environ.get(ENV)
     return path is not None and (_requested or os.path.exists(path))
 
 
 def clear() -> None:
-    """In the sweep's own process, when it ends: remove the stop file (the summary records the stop)."""
+    """Remove the stop file (the sweep's process, at its end)."""
     if path := os.environ.get(ENV):
         Path(path).unlink(missing_ok=True)
