@@ -1,6 +1,5 @@
-"""Data sets indexed by whole batches: ``ds[idx]`` with ``idx`` an int64 tensor of ids (``[b]``, or ``[k, b]`` for the
-``k`` steps of one execution) returns the whole batch in one call, with no per-sample collate where the data
-allows. ``GlobalBatchDataModule`` (``dpddp.data.global_batch``) serves its splits through them."""
+"""Data sets indexed by whole batches: ``ds[idx]``, ``idx`` int64 ``[b]`` (or ``[k, b]`` for the ``k`` steps of
+one execution), returns the whole batch in one call."""
 
 from __future__ import annotations
 
@@ -12,31 +11,16 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
-from dpddp.data.draws import sample_seeds, seed_streams, streams_kept
-
-__all__ = ["Batches", "TensorBatches", "batch_indexable", "batch_inputs", "dataset_rows", "empty_batch", "gather"]
-__all__ += ["DEFER_BYTES", "DeferredRows", "defer_rows", "rows_of"]
+from dpddp.data.draws import fetch_keyed, sample_seeds
 
 DEFER_BYTES = 2**20
-"""An execution's rows of one tensor above this many bytes are gathered step by step (``DeferredRows``): about a
-core's L2 cache, which the whole ``[k, b, ...]`` would leave."""
-
-
-def gather(tensor: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows ``idx`` of ``tensor`` (int64 ``[b]`` or ``[k, b]``), as ``tensor[idx]`` gives them: ``index_select``
-    on the flattened ids, faster than advanced indexing on CPU, and contiguous."""
-    if idx.dim() == 1:  # one step's batch: no reshape and view (microseconds a step on tiny batches)
-        return tensor.index_select(0, idx)
-    rows = tensor.index_select(0, idx.reshape(-1))
-    return rows.view(*idx.shape, *tensor.shape[1:])
+"""An execution's rows of one tensor above this many bytes are gathered step by step (about a core's L2 cache)."""
 
 
 @dataclass(init=False)
 class DeferredRows:
-    """The rows ``ids`` (int64 ``[k, b]``) of ``source`` (``[n, ...]``) for the ``k`` steps of one execution, not
-    gathered yet: ``rows[i]`` gathers step ``i``'s ``[b, ...]`` (on ``device``) as the step runs, so each step reads
-    rows it has just written (in cache) rather than a ``[k, b, ...]`` written out beforehand. Lightning's batch
-    transfer calls ``to``; its batch-size inference reads the one field, ``ids``: ``k``, as from gathered rows."""
+    """Rows ``ids`` (int64 ``[k, b]``) of ``source`` not gathered yet: ``rows[i]`` gathers step ``i``'s rows (on
+    ``device``) as the step runs. Lightning's batch transfer calls ``to``; its batch-size inference reads ``ids``."""
 
     ids: torch.Tensor
 
@@ -53,16 +37,18 @@ class DeferredRows:
 
 
 def rows_of(tensor: torch.Tensor, idx: torch.Tensor, defer: bool) -> torch.Tensor | DeferredRows:
-    """``gather(tensor, idx)``; with ``defer``, an ``idx`` of ``[k, b]`` whose rows take more than ``DEFER_BYTES``
-    gives ``DeferredRows`` instead."""
-    if defer and idx.dim() == 2 and idx.numel() * math.prod(tensor.shape[1:]) * tensor.element_size() > DEFER_BYTES:
+    """``tensor[idx]`` (``idx`` int64 ``[b]`` or ``[k, b]``), contiguous; with ``defer``, ``[k, b]`` rows over
+    ``DEFER_BYTES`` as ``DeferredRows``."""
+    if idx.dim() == 1:
+        return tensor.index_select(0, idx)
+    if defer and idx.numel() * math.prod(tensor.shape[1:]) * tensor.element_size() > DEFER_BYTES:
         return DeferredRows(idx, tensor)
-    return gather(tensor, idx)
+    return tensor.index_select(0, idx.reshape(-1)).view(*idx.shape, *tensor.shape[1:])
 
 
 def defer_rows(dataset: Any) -> bool:
-    """Let ``dataset`` (a ``TensorBatches``, or a ``Batches`` and the ``Batches`` or ``TensorBatches`` it wraps) give
-    ``DeferredRows`` for ``[k, b]`` ids; whether it can (another data set gathers every row itself)."""
+    """Let ``dataset`` (``TensorBatches``, ``Batches``) give ``DeferredRows`` for ``[k, b]`` ids; returns whether
+    it can."""
     if isinstance(dataset, Batches):
         dataset.defer = True
         inner = dataset.dataset
@@ -74,15 +60,13 @@ def defer_rows(dataset: Any) -> bool:
 
 
 def batch_indexable(dataset: Any) -> bool:
-    """Whether ``dataset[idx]`` with ``idx`` an int64 ``[b]`` (or ``[k, b]``) tensor returns the whole batch in
-    one index (a ``TensorDataset``, or a class with ``batch_indexable = True``), with no per-sample collate."""
+    """Whether ``dataset[idx]`` takes an int64 ids tensor: a ``TensorDataset``, or ``batch_indexable = True``."""
     return isinstance(dataset, TensorDataset) or bool(getattr(dataset, "batch_indexable", False))
 
 
 def dataset_rows(dataset: Any, positions: torch.Tensor) -> torch.Tensor:
-    """The rows of the whole data set that ``positions`` (int64 ``[b]``) of ``dataset`` hold: ``dataset.rows``
-    where it has one (a split of ``Batches``, ``TensorBatches`` or ``StreamingTensors``), through a torch
-    ``Subset``'s ``indices``, else the positions themselves (``dataset`` is the whole data set)."""
+    """The whole data set's rows at ``positions`` (int64 ``[b]``) of ``dataset``: its ``rows``, through a
+    ``Subset``'s ``indices``, else ``positions``."""
     rows = getattr(dataset, "rows", None)
     if callable(rows):
         return rows(positions)
@@ -92,10 +76,7 @@ def dataset_rows(dataset: Any, positions: torch.Tensor) -> torch.Tensor:
 
 
 def batch_inputs(batch: Any) -> Any:
-    """The model's inputs in ``batch`` by the rule of dpddp's data modules: a batch is what the samples collate
-    to, and a tuple or list batch is ``(inputs, target, ...)``, so its first element; a tensor batch is the
-    inputs itself. ``None`` for a dict (or any other) batch, whose inputs only the model's own
-    ``predict_step`` knows."""
+    """The model's inputs in ``batch``: a tensor batch itself, a tuple or list's first element, else ``None``."""
     if isinstance(batch, torch.Tensor):
         return batch
     if isinstance(batch, (tuple, list)) and batch:
@@ -103,13 +84,14 @@ def batch_inputs(batch: Any) -> Any:
     return None
 
 
+def empty_batch(batch: Any) -> Any:
+    """``batch`` with every tensor cut to 0 rows."""
+    return apply_to_collection(batch, torch.Tensor, lambda t: t[:0])
+
+
 class TensorBatches(Dataset):
-    """A dataset indexed by whole batches: ``ds[idx]`` with ``idx`` an int64 ``[b]`` tensor returns
-    ``(x[idx], y[idx])`` in one gather (``gather``), shapes ``[b, num_features]`` and ``[b]`` (no per-sample
-    collate; an ``idx`` of ``[k, b]`` gives ``[k, b, num_features]`` and ``[k, b]``); with ``with_index=True``
-    also ``idx`` itself (for predictions in dataset order). ``first_row``: the row of the whole data set that
-    position 0 holds (a contiguous split), for ``rows``. ``defer``: ``[k, b]`` ids may give ``DeferredRows``
-    (``rows_of``)."""
+    """``ds[idx]`` is ``(x[idx], y[idx])`` (``rows_of``), and ``idx`` with ``with_index``. ``first_row``: the
+    whole data set's row at position 0 (a contiguous split)."""
 
     batch_indexable = True
     defer = False
@@ -129,22 +111,11 @@ class TensorBatches(Dataset):
         return (x, y, idx) if self.with_index else (x, y)
 
 
-def empty_batch(batch: Any) -> Any:
-    """``batch`` with every tensor cut to 0 rows (tuples, lists and dicts followed)."""
-    return apply_to_collection(batch, torch.Tensor, lambda t: t[:0])
-
-
 class Batches(Dataset):
-    """Any map-style data set, indexed by whole batches: ``view[idx]`` (int64 ``[b]`` positions in this view)
-    is the batch of samples ``ids[idx]`` of ``dataset`` (all of it when ``ids`` is ``None``), fetched in one index
-    (``batch_indexable``), one ``__getitems__`` call, or one ``dataset[i]`` per sample collated by ``collate``.
-    An ``idx`` of ``[k, b]`` gives every tensor a leading ``[k, b]``; an empty one, 0 rows of a real batch's
-    structure. ``with_index=True`` appends the data set's own rows of the batch (``rows``; an ``"index"`` key
-    for a dict batch). ``defer``: a ``TensorDataset``'s (or a batch-indexable data set's) ``[k, b]`` rows may be
-    ``DeferredRows`` (``rows_of``). A data set's own code runs with the global random streams keyed by ``(seed,
-    epoch, id)`` for each sample it fetches (by its first id for one ``__getitems__`` or batch index: one a global
-    batch, so ``[k, b]`` fetches what ``k`` fetches of ``[b]`` would) and kept
-    as they were around it (``dpddp.data.draws``); ``set_epoch`` sets ``epoch`` and tells the data set's own."""
+    """Any map-style ``dataset`` by whole batches: ``view[idx]`` is the collated batch of samples ``ids[idx]``
+    (all of ``dataset`` for ``ids=None``); ``[k, b]`` gives a leading ``[k, b]``. ``with_index``: the whole data
+    set's rows appended (a dict's ``"index"``). Each fetch's draws are keyed by ``(seed, epoch, first id)``
+    (``dpddp.data.draws``)."""
 
     batch_indexable = True
     defer = False
@@ -159,11 +130,11 @@ class Batches(Dataset):
         return len(self.ids) if self.ids is not None else len(self.dataset)
 
     def rows(self, positions: torch.Tensor) -> torch.Tensor:
-        """The rows of the whole data set (``dataset_rows`` of ``dataset``) at ``positions`` of this view."""
+        """The whole data set's rows at ``positions`` of this view."""
         return dataset_rows(self.dataset, positions if self.ids is None else self.ids[positions])
 
     def set_epoch(self, epoch: int) -> None:
-        """Key the samples' draws by ``epoch`` and call the data set's own ``set_epoch``, if it has one."""
+        """Key the draws by ``epoch``; tell the data set's own ``set_epoch``."""
         self.epoch = epoch
         if callable(set_epoch := getattr(self.dataset, "set_epoch", None)):
             set_epoch(epoch)
@@ -176,27 +147,16 @@ class Batches(Dataset):
         if ids.dim() > 1 and (batch_indexable(self.dataset) or hasattr(self.dataset, "__getitems__")):
             return default_collate([self._fetch(row) for row in ids])  # each global batch keyed as with K=1
         if batch_indexable(self.dataset):
-            with streams_kept():
-                seed_streams(sample_seeds(self.seed, self.epoch, ids.reshape(-1)[:1])[0] if ids.numel() else 0)
-                return self.dataset[ids]
+            first = sample_seeds(self.seed, self.epoch, ids.reshape(-1)[:1])
+            return fetch_keyed(self.dataset, ids, first, self.dataset.__getitem__)
         if ids.dim() > 1:  # one fetch of all the execution's samples, then [k * b, ...] -> [k, b, ...]
             return apply_to_collection(
                 self._fetch(ids.reshape(-1)), torch.Tensor, lambda t: t.view(*ids.shape, *t.shape[1:])
             )
         if not len(ids):
             return empty_batch(self._fetch(torch.zeros(1, dtype=torch.long)))
-        items, keys = ids.tolist(), sample_seeds(self.seed, self.epoch, ids)
-        getitems = getattr(self.dataset, "__getitems__", None)
-        with streams_kept():
-            if getitems is not None:
-                seed_streams(keys[0])
-                samples = getitems(items)
-            else:
-                samples = []
-                for i, key in zip(items, keys, strict=True):
-                    seed_streams(key)
-                    samples.append(self.dataset[i])
-        return self.collate(samples)
+        keys, getitems = sample_seeds(self.seed, self.epoch, ids), getattr(self.dataset, "__getitems__", None)
+        return self.collate(fetch_keyed(self.dataset, ids.tolist(), keys, getitems))
 
     def __getitem__(self, idx: torch.Tensor) -> Any:
         batch = self._fetch(idx if self.ids is None else self.ids[idx])

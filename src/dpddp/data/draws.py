@@ -1,16 +1,12 @@
-"""A data set's draws from the global random streams (torch's CPU stream, numpy's and Python's, which torchvision's
-transforms and most augmentation code use), keyed by the sample: ``Batches`` fetches sample ``i`` of epoch
-``epoch`` with the three streams seeded from ``sample_seeds(seed, epoch, i)``, and in the rank leaves them as they
-were before the batch. A sample's draws then depend on ``(seed, epoch, i)`` alone, not on the loader's workers,
-the batches fetched ahead, the world size or a stop; and the model's draws from those streams do not depend on
-the data's. See docs/design-notes.md (data.draws).
-"""
+"""A data set's draws from the global random streams (torch's CPU stream, numpy's, Python's), keyed by the sample:
+sample ``i`` of epoch ``epoch`` is fetched with them seeded from ``sample_seeds(seed, epoch, i)`` and, in the rank,
+put back afterwards. See docs/design-notes.md (data.draws)."""
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,8 +17,6 @@ from torch.utils.data import Dataset, Subset, get_worker_info
 from typing_extensions import override
 
 from dpddp.nn import key64, sample_states
-
-__all__ = ["STREAMS", "EpochIds", "KeyedSamples", "UnkeyedDraws", "sample_seeds", "seed_streams", "streams_kept"]
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +38,43 @@ def seed_streams(key: int) -> None:
     random.seed(key)
 
 
+def get_streams() -> tuple:
+    """The three global streams' states, for ``set_streams``."""
+    return torch.default_generator.get_state(), np.random.get_state(), random.getstate()
+
+
+def set_streams(state: tuple) -> None:
+    """Put back states ``get_streams`` returned."""
+    torch.default_generator.set_state(state[0])
+    np.random.set_state(state[1])
+    random.setstate(state[2])
+
+
 @contextmanager
 def streams_kept() -> Iterator[None]:
-    """The three global streams as they were before the block, after it; in a loader worker, whose streams serve
-    only its data set, nothing is kept."""
+    """The global streams as they were before the block, after it (in a loader worker: nothing kept)."""
     if get_worker_info() is not None:
         yield
         return
-    saved = torch.default_generator.get_state(), np.random.get_state(), random.getstate()
+    saved = get_streams()
     try:
         yield
     finally:
-        torch.default_generator.set_state(saved[0])
-        np.random.set_state(saved[1])
-        random.setstate(saved[2])
+        set_streams(saved)
+
+
+def fetch_keyed(dataset: Any, ids: Any, keys: list[int], getitems: Callable[[Any], Any] | None) -> Any:
+    """``dataset[i]`` for each of ``ids``, each under its key of ``keys``; with ``getitems``, one
+    ``getitems(ids)`` under the first key (0 for no ids). The streams are kept around it."""
+    with streams_kept():
+        if getitems is not None:
+            seed_streams(keys[0] if keys else 0)
+            return getitems(ids)
+        samples = []
+        for i, key in zip(ids, keys, strict=True):
+            seed_streams(key)
+            samples.append(dataset[i])
+        return samples
 
 
 class EpochIds(list):
@@ -69,10 +86,8 @@ class EpochIds(list):
 
 
 class KeyedSamples(Dataset):
-    """A map-style data set whose batches torch's loader fetches by ``__getitems__(ids)``: each sample's draws from
-    the global streams keyed by ``(seed, epoch, id)``, ``epoch`` that of ``EpochIds`` (else 0), one key for the
-    batch where ``dataset`` has a ``__getitems__`` of its own (not a ``Subset``'s of one without); the streams
-    kept around the batch. ``dataset[i]`` alone is not keyed."""
+    """``dataset`` for torch's loader: ``__getitems__(ids)`` keys each sample's draws by ``(seed, epoch, id)``
+    (``epoch`` that of ``EpochIds``, else 0), one key a batch where ``dataset`` has its own ``__getitems__``."""
 
     def __init__(self, dataset: Any, seed: int = 0) -> None:
         self.dataset, self.seed = dataset, seed
@@ -84,27 +99,16 @@ class KeyedSamples(Dataset):
         return self.dataset[i]
 
     def __getitems__(self, ids: list[int]) -> list[Any]:
-        epoch = getattr(ids, "epoch", 0)
-        keys = sample_seeds(self.seed, epoch, torch.tensor(ids, dtype=torch.long)) if ids else []
+        keys = sample_seeds(self.seed, getattr(ids, "epoch", 0), torch.tensor(ids, dtype=torch.long)) if ids else []
         getitems = getattr(self.dataset, "__getitems__", None)
         if isinstance(self.dataset, Subset) and not callable(getattr(self.dataset.dataset, "__getitems__", None)):
             getitems = None  # torch's Subset has one that fetches its data set's samples one by one: key each
-        with streams_kept():
-            if getitems is not None:
-                seed_streams(keys[0] if keys else 0)
-                return getitems(ids)
-            samples = []
-            for i, key in zip(ids, keys, strict=True):
-                seed_streams(key)
-                samples.append(self.dataset[i])
-            return samples
+        return fetch_keyed(self.dataset, ids, keys, getitems)
 
 
 class UnkeyedDraws(pl.Callback):
-    """One warning line (global rank 0) when torch's global stream moved between the fit's first two training
-    batches of an epoch, where only the next batch's fetch runs: a data set's draws that no keyed fetch serves
-    (a data module's own loaders on one process), which a continued run cannot replay. Draws in loader workers
-    leave the rank's stream as it was and are not seen."""
+    """One warning line (global rank 0) when torch's global stream moved between a fit's first two training
+    batches of an epoch, where only the next fetch runs: data draws no keyed fetch serves."""
 
     def __init__(self) -> None:
         self._after: tuple[int, int, torch.Tensor] | None = None

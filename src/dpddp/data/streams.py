@@ -1,11 +1,8 @@
-"""Exact streams: an ``IterableDataset`` of samples served in global batches (``StreamDataModule``, ``data=stream``).
-Every rank reads the whole stream and keeps its share of each global batch, so the global batch is the next
-``batch_size`` samples on any world size; a continued run reads past the samples already trained; evaluation
-counts each sample once. The cost: each rank reads (and decodes) every sample; ``bench/streams.py`` measures it."""
+"""An ``IterableDataset`` served in global batches (``data=stream``): every rank reads the whole stream and keeps
+its share of each global batch of the next ``batch_size`` samples."""
 
 from __future__ import annotations
 
-import random
 import warnings
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -13,7 +10,6 @@ from itertools import islice
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 from typing_extensions import override
@@ -21,58 +17,43 @@ from typing_extensions import override
 from dpddp._compat import data_position
 from dpddp.data import rules
 from dpddp.data.batches import empty_batch
-from dpddp.data.draws import seed_streams
+from dpddp.data.draws import get_streams, seed_streams, set_streams
 from dpddp.data.global_batch import YieldedIds, collate_function
 from dpddp.errors import ConfigError
 from dpddp.nn import key64
 
-__all__ = ["STREAM", "StreamDataModule", "StreamShares"]
-
-# Lightning's warning that an IterableDataset's __len__ may be wrong with several workers: no workers read a stream
-# here (each would read it again), and __len__ counts this rank's batches exactly.
+# No workers read a stream here, and __len__ counts this rank's batches exactly.
 warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
 
 STREAM = 0x57EA_DA7A
-"""Folded into the seed first: the stream's own draws from the global streams stay apart from other keys."""
+"""Folded into the seed first: the stream's own draws stay apart from other keys."""
 
 
 class _OwnStreams:
-    """The global random streams (torch CPU, numpy, Python) a stream draws from while it is read, kept apart from
-    the rank's: seeded from ``key64(STREAM, seed, epoch)`` (the same on every rank) and swapped in around each read."""
+    """The global random streams a stream draws from while it is read, seeded from ``key64(STREAM, seed, epoch)``
+    and swapped in around each read, apart from the rank's."""
 
     def __init__(self, seed: int, epoch: int) -> None:
-        saved = self._get()
+        saved = get_streams()
         seed_streams(key64(STREAM, seed, epoch))
-        self.state = self._get()
-        self._set(saved)
-
-    @staticmethod
-    def _get() -> tuple:
-        return torch.get_rng_state(), np.random.get_state(), random.getstate()
-
-    @staticmethod
-    def _set(state: tuple) -> None:
-        torch.set_rng_state(state[0])
-        np.random.set_state(state[1])
-        random.setstate(state[2])
+        self.state = get_streams()
+        set_streams(saved)
 
     def read(self, samples: Iterator[Any], count: int) -> list[Any]:
         """The next ``count`` samples (fewer at the stream's end), read with the stream's own random state."""
-        saved = self._get()
-        self._set(self.state)
+        saved = get_streams()
+        set_streams(self.state)
         try:
             return list(islice(samples, count))
         finally:
-            self.state = self._get()
-            self._set(saved)
+            self.state = get_streams()
+            set_streams(saved)
 
 
 class StreamShares(YieldedIds, IterableDataset):
-    """Rank ``rank``'s share of each global batch of samples ``[start, start + length)`` of ``stream`` (chunk
-    ``rank`` of ``torch.tensor_split`` of ``batch_size`` consecutive samples), collated by ``collate``. ``train``:
-    ``length // batch_size`` full batches, skipping those trained (``position() -> (epoch, batches trained)``);
-    else every sample once, the last batch short. Each training batch's ids (its samples' positions in the split's
-    pass) are recorded for ``SampleDropout``'s keys (``YieldedIds``).
+    """Rank ``rank``'s chunk (``torch.tensor_split``) of each global batch of samples ``[start, start + length)``
+    of ``stream``, collated. ``train``: full batches only, from ``position() -> (epoch, batches trained)``; else
+    every sample once. Training ids (positions in the split) are recorded (``YieldedIds``).
 
     Raises:
         ConfigError: the stream ends before ``start + length`` samples.
@@ -133,13 +114,10 @@ class StreamShares(YieldedIds, IterableDataset):
 
 
 class StreamDataModule(pl.LightningDataModule):
-    """An ``IterableDataset`` ``stream`` of ``num_samples`` samples a pass (``None``: ``len(stream)``), cut into
-    contiguous ``[train | val | test]`` (``rules.split_sizes``) and served in global batches of ``batch_size``
-    (``StreamShares``): each rank reads the whole stream. ``collate_fn``: as ``GlobalBatchDataModule``'s. The
-    stream's draws from the global random streams are its own, seeded by ``(seed, epoch)``: the same on every rank.
+    """``stream`` (``num_samples`` a pass; ``None``: its ``len``) cut into contiguous ``[train | val | test]``,
+    served by ``StreamShares``; its global draws seeded by ``(seed, epoch)``.
 
-    Raises ``ConfigError``: at construction, no ``num_samples`` and no ``len(stream)``, or a stream that is not an
-    ``IterableDataset``; at ``setup``, a setting that leaves the train split without a full batch.
+    Raises ``ConfigError``: no ``IterableDataset``, or no sample count (construction); bad split settings (setup).
     """
 
     def __init__(
