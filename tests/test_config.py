@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import ConfigError
 from dpddp.models.linear import LinearClassifier
-from dpddp.parallel.single import OneProcessStrategy
+from dpddp.parallel.dp import OneProcessStrategy
 from dpddp.run.assembly import build_strategy
 from dpddp.run.config import check_config
 

@@ -1,7 +1,5 @@
-"""The ``dp`` strategy that Lightning 2.x removed: one process, the forward replicated over GPUs by
-``torch.nn.DataParallel``; loss, backward, optimizer step and metrics run once on the root device. Relies on
-Lightning's accelerator connector filling ``parallel_devices`` (Lightning 2.6.6; ``test_strategies`` fails if not).
-"""
+"""One process: ``strategy=auto`` on one device, and the ``dp`` strategy that Lightning 2.x removed (the forward
+replicated over GPUs by ``torch.nn.DataParallel``; docs/design-notes.md, parallel.dp)."""
 
 from __future__ import annotations
 
@@ -14,12 +12,12 @@ from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from torch import nn
 from typing_extensions import override
 
-__all__ = ["ConnectorDevices", "DataParallelStrategy", "replicate_forward", "restore_forward"]
+__all__ = ["DataParallelStrategy", "OneProcessStrategy", "replicate_forward", "restore_forward"]
 
 
 class _Forward(nn.Module):
-    """Runs ``type(module).forward`` on ``module``; replicated by DataParallel, each replica calls the class's
-    forward on its own copy of the LightningModule (the instance-level patch is bypassed, so no recursion)."""
+    """Runs ``type(module).forward`` on ``module``: each DataParallel replica calls the class's forward on its own
+    copy (the instance-level patch is bypassed, so no recursion)."""
 
     def __init__(self, module: pl.LightningModule) -> None:
         super().__init__()
@@ -30,9 +28,8 @@ class _Forward(nn.Module):
 
 
 def replicate_forward(module: pl.LightningModule, device_ids: list[int]) -> nn.DataParallel:
-    """Route ``module(x)`` through ``nn.DataParallel`` over ``device_ids`` (root: ``device_ids[0]``) until
-    ``restore_forward(module)``. Only the forward is replicated; the module itself, its hooks, metrics and
-    state dict are untouched (the wrapper is an instance attribute, not a registered submodule)."""
+    """Route ``module(x)`` through ``nn.DataParallel`` over ``device_ids`` until ``restore_forward(module)``; the
+    module, its hooks, metrics and state dict stay as they are (the wrapper is not a submodule)."""
     out = device_ids[0] if device_ids else None
     replicated = nn.DataParallel(_Forward(module), device_ids=device_ids, output_device=out)
     module.__dict__["forward"] = replicated.__call__  # nn.Module.__call__ looks up self.forward
@@ -44,11 +41,10 @@ def restore_forward(module: pl.LightningModule) -> None:
     module.__dict__.pop("forward", None)
 
 
-class ConnectorDevices(SingleDeviceStrategy):
-    """One process whose root device is the first of the devices Lightning's accelerator connector puts in
-    ``parallel_devices`` (from ``accelerator`` and ``devices``; CPU before it does); ``check_devices`` may refuse
-    them (raising there, at Trainer construction). ``start_workers(loader, global_rank)``, when given, returns each
-    loader of every stage as it is to run (``dpddp.parallel.workers.start_workers_safely``)."""
+class OneProcessStrategy(SingleDeviceStrategy):
+    """Lightning's single-device strategy on the first of the devices Lightning's accelerator connector puts in
+    ``parallel_devices``; ``start_workers(loader, global_rank)`` returns each loader of every stage as it is to
+    run (``parallel.workers.start_workers_safely``)."""
 
     def __init__(self, start_workers: Callable[[Any, int], Any] | None = None, **kwargs: Any) -> None:
         super().__init__(device="cpu", **kwargs)
@@ -68,7 +64,7 @@ class ConnectorDevices(SingleDeviceStrategy):
         self._parallel_devices = self.check_devices(devices or [torch.device("cpu")])
 
     def check_devices(self, devices: list[torch.device]) -> list[torch.device]:
-        """``devices``, or raises ``ValueError`` when this strategy cannot run on them (here: any)."""
+        """``devices``. Raises ``ValueError`` when this strategy cannot run on them."""
         return devices
 
     @property
@@ -77,10 +73,9 @@ class ConnectorDevices(SingleDeviceStrategy):
         return self._parallel_devices[0] if self._parallel_devices else torch.device("cpu")
 
 
-class DataParallelStrategy(ConnectorDevices):
-    """Single-process data parallelism over several GPUs with ``torch.nn.DataParallel``: the whole global batch
-    ``[B, ...]`` is split along dim 0 over the GPUs (any size) and the outputs gathered on the first. Checkpoints
-    hold the plain module's weights, loadable under any strategy; one device runs the module unwrapped.
+class DataParallelStrategy(OneProcessStrategy):
+    """``torch.nn.DataParallel`` over several GPUs: the global batch split along dim 0, the outputs gathered on the
+    first; checkpoints hold the plain module's weights. One device runs the module unwrapped.
 
     Raises:
         ValueError: at Trainer construction, more than one CPU device (use ``strategy=ddp``).

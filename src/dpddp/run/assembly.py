@@ -32,10 +32,9 @@ from dpddp.data.keys import sample_key_callbacks
 from dpddp.errors import ConfigError, first_line
 from dpddp.parallel.batchnorm import batchnorm_plugins
 from dpddp.parallel.ddp import DDPStrategy
-from dpddp.parallel.dp import DataParallelStrategy
+from dpddp.parallel.dp import DataParallelStrategy, OneProcessStrategy
 from dpddp.parallel.launcher import RankJob
 from dpddp.parallel.rules import is_ddp_family, resolve_accelerator, world_of
-from dpddp.parallel.single import OneProcessStrategy
 from dpddp.parallel.workers import start_workers_safely
 from dpddp.report.bars import RichBar, TQDMBar
 from dpddp.report.contract import LoggedTensors, MetricContract
@@ -121,7 +120,7 @@ def build_strategy(cfg: DictConfig, job: RankJob | None) -> pl.strategies.Strate
         return DDPStrategy(job=job, **options)
     if name == "ddp_spawn":
         return DDPStrategy(job=job, **{**options, "launch": "exec", "start_method": "popen"})
-    return OneProcessStrategy()
+    return OneProcessStrategy(start_workers=start_workers_safely)
 
 
 def _build_callbacks(
