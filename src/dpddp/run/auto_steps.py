@@ -1,7 +1,5 @@
-"""``steps_per_execution=auto``: the fit's K, resolved once before its training loader is built, from the
-measured seconds of one optimizer step of the run's model, so that the loop's cost per iteration
-(``LOOP_OVERHEAD_S``) is at most ``OVERHEAD_SHARE`` of an execution. See docs/performance.md (tiny steps).
-"""
+"""``steps_per_execution=auto``: the fit's K, from the measured seconds of one optimizer step, so that the loop's
+cost per iteration is at most ``OVERHEAD_SHARE`` of an execution. See docs/performance.md (tiny steps)."""
 
 from __future__ import annotations
 
@@ -39,6 +37,7 @@ from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.errors import first_line
 from dpddp.parallel.bandwidth import step_seconds
 from dpddp.parallel.rules import resolve_accelerator, world_of
+from dpddp.report.trackers import logger_specs
 from dpddp.run.config import execution_refusal
 from dpddp.run.executions import known
 from dpddp.run.keys import target_class
@@ -48,19 +47,15 @@ __all__ = ["LOOP_OVERHEAD_S", "MAX_AUTO_STEPS", "OVERHEAD_SHARE", "auto_steps", 
 log = logging.getLogger(__name__)
 
 LOOP_OVERHEAD_S = 1.0e-3
-"""Seconds one Lightning loop iteration costs beside its steps (bench/PROFILE.md: 1.06 ms on W2, 0.81 ms on W3,
-from K=1 against K=16 on 2 CPU cores)."""
+"""Seconds one Lightning loop iteration costs beside its steps (bench/PROFILE.md)."""
 OVERHEAD_SHARE = 0.05
 """The largest share of an execution's time the loop's cost may take."""
 MAX_AUTO_STEPS = 256
-"""The largest K auto chooses. The rule itself keeps a probed execution under ``2 * LOOP_OVERHEAD_S /
-OVERHEAD_SHARE`` (40 ms), what progress, checkpoints and a SIGTERM wait for at most; this bounds K where a step
-is too short to time."""
+"""The largest K auto chooses (a bound where a step is too short to time)."""
 PROBE_STEPS = 5
-"""Timed steps of the probe (after one warm-up), when the first is shorter than an execution needs."""
+"""Timed steps of the probe after its warm-up, when the warm-up is short."""
 
-CALLBACKS_FACTORY = "lightning.pytorch.callbacks_factory"
-"""The entry-point group whose callbacks Lightning adds to every Trainer."""
+CALLBACKS_FACTORY = "lightning.pytorch.callbacks_factory"  # entry points Lightning adds to every Trainer
 _resolutions = itertools.count()  # the resolutions of this process, alike on every rank (the same jobs, in order)
 
 
@@ -69,9 +64,8 @@ def _floor_power_of_two(n: int) -> int:
 
 
 def auto_steps(step_s: float, steps_per_epoch: int) -> int:
-    """The smallest power of two ``K`` with ``LOOP_OVERHEAD_S <= OVERHEAD_SHARE * K * step_s`` (``step_s``:
-    seconds of one optimizer step), at most ``MAX_AUTO_STEPS`` and the largest power of two within
-    ``steps_per_epoch``; 1 for a step that is not a positive finite time."""
+    """The smallest power of two ``K`` with ``LOOP_OVERHEAD_S <= OVERHEAD_SHARE * K * step_s``, within
+    ``MAX_AUTO_STEPS`` and ``steps_per_epoch``; 1 for a step time that is not positive and finite."""
     if not math.isfinite(step_s) or step_s <= 0:
         return 1
     need = LOOP_OVERHEAD_S / (OVERHEAD_SHARE * step_s)
@@ -89,26 +83,16 @@ def _seen_by_callback(section: str, spec: Mapping) -> str | None:
     return None
 
 
-def _logger_specs(cfg: Mapping) -> list[tuple[str, Mapping]]:
-    loggers = cfg.get("logger") or {}
-    if "_target_" in loggers:
-        return [("logger", loggers)]
-    return [(f"logger.{name}", spec) for name, spec in loggers.items() if spec]
-
-
 def seen_executions(cfg: Mapping, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> str | None:
-    """The first object of ``cfg``'s run that could see an execution where ``steps_per_execution=1`` shows it a
-    global batch, as ``"<what>: <why>"``, or ``None``: the model or data module, a configured callback or a logger
-    that is not exactly of a class of dpddp's or of ``executions.KNOWN`` (a subclass is the user's), a
-    ``ModelCheckpoint`` with a step or time trigger, ``trainer.max_time`` (Lightning's ``Timer``), or a callback
-    an installed package adds to every Trainer. Runs nothing of the objects'. ``auto`` keeps K=1 for these."""
+    """``"<what>: <why>"`` for the first object of ``cfg``'s run that could see an execution (one not ``known``,
+    a step or time trigger, ``trainer.max_time``, an installed callbacks factory), or ``None``."""
     for what, obj in (("model", model), ("data", datamodule)):
         if not known(obj):
             return f"{what}._target_ ({type(obj).__name__}) is not one of dpddp's own classes: it could see executions"
     for key, spec in (cfg.get("callbacks") or {}).items():
         if spec is not None and (seen := _seen_by_callback(f"callbacks.{key}", spec)):
             return seen
-    for key, spec in _logger_specs(cfg):
+    for key, spec in logger_specs(cfg):
         if not known(cls := target_class(key, spec)):
             return f"{key} ({cls.__name__}) is not one of the loggers known by exact type"
     if (limit := (cfg.get("trainer") or {}).get("max_time")) is not None:
@@ -134,10 +118,8 @@ def _single_optimizer(conf: Any) -> torch.optim.Optimizer | None:
 def _probe(
     model: pl.LightningModule, datamodule: GlobalBatchDataModule, share: int, device: torch.device
 ) -> float | str:
-    """The median seconds of one optimizer step (this rank's ``share`` of a global batch gathered, then
-    ``zero_grad``, ``training_step``, backward, ``step``) of a copy of ``model`` after a warm-up step (a warm-up of
-    at least 20 ms: the one step after it), or a string saying why there is none. The run's model, random streams
-    and weights are untouched; its data module is set up."""
+    """The median seconds of one optimizer step of a copy of ``model`` on this rank's ``share`` of a global batch
+    after a warm-up, or why there is none. The model and random streams are untouched; the data is set up."""
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log outside a Trainer
@@ -186,21 +168,20 @@ def _probe(
 
 
 def _device(cfg: DictConfig) -> torch.device:
-    """The device this rank trains on: the CPU, or its GPU (``LOCAL_RANK``'s) when the run's accelerator is one."""
+    """The device this rank trains on."""
     if resolve_accelerator(str(cfg.accelerator)) != "gpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", local_rank())
 
 
 def _independent_ranks(cfg: DictConfig) -> bool:
-    """Whether this process is one of a run's ranks that started apart (torchrun, SLURM, a node started by hand),
-    rather than a run whose ranks this process starts (and hands the resolved K) or one process."""
+    """Whether this process is one of a run's ranks that started apart (torchrun, SLURM, by hand)."""
     return world_of(cfg).world_size > 1 and not launched_by_dpddp() and (in_cluster_job() or int(cfg.num_nodes) > 1)
 
 
 def _agreed(cfg: DictConfig, measure: Callable[[], tuple[int, str]]) -> tuple[int, str]:
-    """``measure()`` on global rank 0, the same ``(K, why)`` on every rank: rank 0's, through torchrun's agent
-    store where the ranks started apart; ``(1, why)`` where they did and no store is shared."""
+    """``measure()``'s ``(K, why)`` of rank 0 on every rank (through torchrun's agent store where the ranks
+    started apart; without one, 1)."""
     if not _independent_ranks(cfg):
         return measure()
     address, port = master_address()
@@ -218,12 +199,9 @@ def _agreed(cfg: DictConfig, measure: Callable[[], tuple[int, str]]) -> tuple[in
 
 
 def resolve_steps(cfg: DictConfig, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> int:
-    """The K of a fit with ``steps_per_execution=auto``, the same on every rank, logged once in one line
-    (``steps_per_execution=auto: 8 (a step 0.16 ms: ...)``): 1 where a K above 1 is refused (``execution_refusal``),
-    where an object could see executions (``seen_executions``: the first one named; dpddp's models optimize
-    automatically, one optimizer), or where the probe cannot run; the checkpoint's K when the fit
-    continues one (``ckpt_path``); else ``auto_steps`` of the probed step (a copy of ``model`` on this rank's
-    share of a global batch). Raises nothing of its own."""
+    """The K of a ``steps_per_execution=auto`` fit, the same on every rank, logged with why: 1 where K above 1 is
+    refused, seen or cannot be probed; the checkpoint's K when continuing (``ckpt_path``); else ``auto_steps`` of
+    the probed step."""
     k, why = _resolve(cfg, model, datamodule)
     if writes_outputs():
         log.info(f"steps_per_execution=auto: {k} ({why})")

@@ -1,6 +1,5 @@
-"""Which parts of a model draw from the global random streams, found by their effect: one training step's forward
-on a real batch, with each module's forward watched for a change of torch's CPU (and CUDA) stream, numpy's and
-Python's. The start-up line and ``python -m dpddp.check`` name what this finds."""
+"""Which parts of a model draw from the global random streams (torch's, CUDA's, numpy's, Python's), found by
+watching each module's forward in one training step on a real batch."""
 
 from __future__ import annotations
 
@@ -21,20 +20,19 @@ from torch import nn
 from dpddp.data.global_batch import YieldedIds
 from dpddp.errors import first_line
 from dpddp.nn import SampleDropout, assign_layer_keys, sample_keys
+from dpddp.report.tally import rows
 
 __all__ = ["Draw", "draws_line", "find_draws", "global_draws", "probe_batch"]
 
 PLAIN = (list, dict, set, tuple, int, float, bool, str, type(None))
 PROBE_ROWS = 8
-"""Samples of the probe batch (a training batch's first ones, at most)."""
+"""Samples of the probe batch, at most."""
 
 
 @dataclass(frozen=True)
 class Draw:
-    """A module whose own code (not its children's) drew from global ``streams``: ``name`` (``model.x.y``,
-    ``model.forward``, or ``model.training_step`` for draws outside any forward) and ``kind``: ``"dropout"`` (a
-    layer with a float rate ``p``), ``"attention"`` (a float ``dropout`` rate: ``nn.MultiheadAttention``'s
-    functional dropout) or ``"code"``."""
+    """A module whose own code drew from global ``streams``: ``name`` (``model.x.y``, ``model.forward`` or
+    ``model.training_step``) and ``kind`` (a key of ``FIXES``)."""
 
     name: str
     streams: tuple[str, ...]
@@ -78,9 +76,8 @@ def _kind(module: nn.Module | None) -> str:
 
 @contextmanager
 def _model_kept(model: nn.Module) -> Iterator[None]:
-    """``model`` as it was after the block: its modules' train/eval modes, its buffers (BatchNorm's running
-    statistics), its torchmetrics' states, its ``SampleDropout`` layer keys and the model's own plain attributes
-    (numbers, strings, tensors and shallow copies of lists, dicts and sets: a step counter, kept losses)."""
+    """``model`` as it was after the block: modes, buffers, torchmetrics' states, ``SampleDropout`` keys and the
+    model's own plain attributes."""
     internals = set(vars(nn.Module()))
     plain = {k: v.clone() if isinstance(v, torch.Tensor) else copy.copy(v) for k, v in vars(model).items()
              if k not in internals and isinstance(v, (*PLAIN, torch.Tensor))}  # fmt: skip
@@ -112,12 +109,10 @@ def _copy(value: Any) -> Any:
 
 
 def global_draws(model: pl.LightningModule, batch: Any, keyed: bool) -> list[Draw]:
-    """The draws one ``training_step`` of ``model`` (the class's, in the modes its modules have) takes on
-    ``batch`` from the global random streams, innermost module first seen first; with ``keyed``, sample keys set
-    as a dpddp run sets them (``SampleDropout`` then draws from its keys). ``model``, its buffers and metrics and
-    every random stream are as they were after it (no copy of the model is made).
+    """The draws from the global random streams of one ``training_step`` of ``model`` on ``batch`` (with
+    ``keyed``, sample keys set as a run sets them); ``model`` and every stream are left as they were.
 
-    Raises whatever the step raises (a model that needs its Trainer)."""
+    Raises whatever the step raises."""
     names = {id(m): f"model.{n}" if n else "model.forward" for n, m in model.named_modules()}
     stack: list[nn.Module] = []
     seen: dict[str, tuple[nn.Module | None, set[str]]] = {}
@@ -140,7 +135,7 @@ def global_draws(model: pl.LightningModule, batch: Any, keyed: bool) -> list[Dra
         note()
         stack.pop()
 
-    step, rows = type(model).training_step, _rows(batch)
+    step, samples = type(model).training_step, rows(batch) or 0
     compiled = model.__dict__.pop("forward", None)  # compile_model's: the class's forward is watched, not traced
     with ExitStack() as scope:
         if compiled is not None:
@@ -155,9 +150,9 @@ def global_draws(model: pl.LightningModule, batch: Any, keyed: bool) -> list[Dra
         for module in model.modules():
             scope.callback(module.register_forward_pre_hook(before).remove)
             scope.callback(module.register_forward_hook(after).remove)
-        if keyed and rows:
+        if keyed and samples:
             assign_layer_keys(model)
-            scope.enter_context(sample_keys(0, 0, torch.arange(rows)))
+            scope.enter_context(sample_keys(0, 0, torch.arange(samples)))
         last[0] = _streams()
         step(model, batch, 0)
         note()
@@ -174,17 +169,9 @@ def _global_streams_kept() -> Iterator[None]:
         random.setstate(saved[1])
 
 
-def _rows(batch: Any) -> int:
-    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
-    if isinstance(batch, dict) and batch:
-        first = next(iter(batch.values()))
-    return len(first) if isinstance(first, torch.Tensor) and first.dim() else 0
-
-
 def probe_batch(datamodule: pl.LightningDataModule) -> tuple[Any, bool]:
-    """A few samples of a training batch of ``datamodule`` (set up for ``fit``; global random streams kept; a
-    loader's workers not started), and whether dpddp keys its samples (a global-batch data module's split).
-    Raises what the data module raises."""
+    """A few samples of a training batch of ``datamodule`` (no worker started, streams kept), and whether dpddp
+    keys its samples. Raises what the data module raises."""
     with torch.random.fork_rng(devices=[]), _global_streams_kept(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         datamodule.setup("fit")
@@ -201,7 +188,7 @@ def probe_batch(datamodule: pl.LightningDataModule) -> tuple[Any, bool]:
 
 
 def find_draws(model: pl.LightningModule, datamodule: pl.LightningDataModule) -> list[Draw] | str:
-    """``global_draws`` on ``probe_batch``, or why the step could not be run before the fit (one phrase)."""
+    """``global_draws`` on ``probe_batch``, or why the step could not run (one phrase)."""
     try:
         batch, keyed = probe_batch(datamodule)
         return global_draws(model, batch, keyed)

@@ -1,9 +1,5 @@
-"""``steps_per_execution=K`` (as Keras's): one Lightning loop iteration carries ``K`` global batches and takes
-``K`` optimizer steps through manual optimization; ``trainer.global_step`` counts optimizer steps. Every tensor
-of a training batch has a leading ``[k, b]`` (``GlobalBatchSampler``). ``data.micro_batch_size=N|auto``: each
-step's share runs in micro-batches whose gradients accumulate into its one optimizer step. See
-docs/design-notes.md (run.executions).
-"""
+"""``steps_per_execution=K``: one loop iteration takes ``K`` optimizer steps on ``[k, b, ...]`` batches, and
+``data.micro_batch_size``: a step's share in micro-batches. See docs/design-notes.md (run.executions)."""
 
 from __future__ import annotations
 
@@ -35,21 +31,18 @@ __all__ += ["lean_steps", "skipped_hook"]
 log = logging.getLogger(__name__)
 
 STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
-"""The hooks Lightning calls inside each optimizer step (callbacks and the module; the module's ``backward`` too)."""
+"""The hooks Lightning calls inside each optimizer step."""
 SKIPPED_HOOKS = ("optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping", "on_before_zero_grad")
 """The module's hooks that automatic optimization calls each step and an execution's steps do not."""
 BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end")
-"""A training loop iteration's hooks: with K above 1 they see executions, not global batches."""
 KNOWN: tuple[type, ...] = (EarlyStopping, ModelSummary, RichModelSummary, ModelCheckpoint)
 KNOWN += (CSVLogger, TensorBoardLogger, MLFlowLogger, WandbLogger)
-"""Lightning's classes whose objects see nothing an execution changes, matched by exact type (never a subclass):
-epoch-end stops and checkpoints, the fit's summary, and the loggers, which record at the optimizer step."""
+"""Lightning's classes, matched by exact type, whose objects see nothing an execution changes."""
 TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
-"""The batch hooks of a module or data module, which would see an execution's ``DeferredRows``."""
 
 
 def known(obj: object) -> bool:
-    """Whether ``obj`` (an instance or a class) is exactly of a class in dpddp's package or of ``KNOWN``."""
+    """Whether ``obj`` (an instance or a class) is exactly of a dpddp class or of ``KNOWN``."""
     cls = obj if isinstance(obj, type) else type(obj)
     return cls.__module__.split(".")[0] == "dpddp" or cls in KNOWN
 
@@ -60,14 +53,13 @@ def skipped_hook(module: pl.LightningModule) -> str | None:
 
 
 def execution_steps(batch: Any, steps: int) -> int:
-    """The global batches a training batch carries: an execution's leading ``k`` (a ``DeferredRows``' too) under
-    ``steps_per_execution`` ``steps`` above 1, else 1."""
+    """The global batches a training batch carries: its leading ``k`` when ``steps`` is above 1, else 1."""
     return extract_batch_size(batch) if steps > 1 else 1
 
 
 def lean_steps(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
-    """Whether a step may skip Lightning's per-step wrappers: plain 32-bit ``Precision`` and no callback or module
-    override of ``STEP_HOOKS`` (nor of the module's ``backward``)."""
+    """Whether a step may skip Lightning's per-step wrappers: plain ``Precision`` and no ``STEP_HOOKS`` (nor
+    ``backward``) overridden."""
     if type(trainer.precision_plugin) is not Precision:
         return False
     if any(is_overridden(hook, module, pl.LightningModule) for hook in (*STEP_HOOKS, "backward")):
@@ -76,38 +68,21 @@ def lean_steps(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
 
 
 def _step_rows(batch: Any, i: int) -> Any:
-    """Global batch ``i`` of an execution batch: row ``i`` of every tensor (a ``DeferredRows`` gathers it); a plain
-    tuple or list of them without ``apply_to_collection``'s walk, microseconds a step on tiny steps."""
+    """Global batch ``i`` of an execution batch: row ``i`` of every tensor (a plain tuple without a walk)."""
     if type(batch) in (tuple, list) and all(isinstance(t, (torch.Tensor, DeferredRows)) for t in batch):
         return type(batch)(t[i] for t in batch)
     return apply_to_collection(batch, (torch.Tensor, DeferredRows), lambda t: t[i])
 
 
 class StepsPerExecution(pl.Callback):
-    """Runs ``module``'s ``training_step`` (one global batch ``[b, ...]``, returning its loss) for each of the
-    ``k`` rows of an execution batch ``[k, b, ...]`` (``steps`` >= 2; with 1, the batch is one global batch),
-    each followed by ``zero_grad``, backward and ``step``, so the weights equal ``K=1``'s; ``module``'s
-    ``training_step`` is replaced on the instance. An execution stops at ``trainer.max_steps`` and sets ``cut``.
+    """Replaces ``module``'s ``training_step`` by manual optimization: ``zero_grad``, backward, ``clip`` and
+    ``step`` for each of the ``steps`` global batches of an execution (stopping at ``max_steps``: ``cut``), so
+    the weights equal ``K=1``'s. ``micro`` (a sample count or ``"auto"``, halved on out of memory): each step's
+    share in micro-batches, the gradients averaged once. ``auto``: K was chosen by ``steps_per_execution=auto``.
 
-    ``micro``: ``None``, a sample count ``N``, or ``"auto"``. With it each step runs this rank's share ``n`` in
-    micro-batches of at most ``N`` samples, each loss (a mean over its batch) backpropagated with weight
-    ``len / n`` and no gradient sync, then the gradients averaged over the ranks once (32-bit), then ``step``.
-    ``"auto"`` starts from the whole share; when ``torch.OutOfMemoryError`` is raised on any rank, every rank
-    learns it from one all-reduce of the flag per step, discards the step's gradients and retries it with half
-    the micro-batch size, which it keeps (``micro_size``; logged).
-
-    As automatic optimization does after each optimizer step's gradients (the whole global batch's, averaged):
-    ``clip`` (``trainer.gradient_clip_val`` and ``_algorithm``, which the Trainer must not get: Lightning refuses
-    them under manual optimization) clips them before ``step``; with ``micro``, each LR scheduler of ``interval:
-    step`` steps after it, each ``interval: epoch`` one at a trained epoch's end, every ``frequency``. Each step
-    counts one on the loggers' step axis (``_compat.count_logged_step``): values are logged at ``global_step``.
-    ``auto``: K was chosen by ``steps_per_execution=auto`` (``check_observers``).
-
-    Raises ``ConfigError``: a module with manual optimization, or with BatchNorm and ``micro`` (at construction);
-    more than one optimizer, an LR scheduler with ``steps`` above 1 (``trainer.estimated_stepping_batches`` counts
-    loop iterations), a plateau scheduler, or clipping with a gradient scaler (``on_train_start``); a
-    ``training_step`` that returned ``None``. ``torch.OutOfMemoryError``: ``"auto"`` out of memory with
-    micro-batches of one sample.
+    Raises ``ConfigError``: manual optimization, an overridden ``SKIPPED_HOOKS``, BatchNorm with ``micro``; at
+    ``on_train_start`` several optimizers, a scheduler with K above 1, a plateau scheduler, clipping under a
+    gradient scaler; a ``training_step`` returning ``None``.
     """
 
     def __init__(
@@ -164,20 +139,20 @@ class StepsPerExecution(pl.Callback):
                 select_sample_row(i)  # the sample keys of global batch i
                 one = _step_rows(batch, i)
             optimizer.zero_grad()  # type: ignore[union-attr]
+            lean = self.lean and self.micro is None
             if self.micro is not None:
                 self._split_step(one, batch_idx)
-                self._clip(optimizer)
-                optimizer.step()  # type: ignore[union-attr]
-            elif self.lean:
+            elif lean:
                 loss = self._loss(one, batch_idx)
                 strategy.pre_backward(loss)
                 loss.backward()
                 strategy.post_backward(loss)
-                self._clip(optimizer)
-                counted_step(optimizer)
             else:
                 module.manual_backward(self._loss(one, batch_idx))
-                self._clip(optimizer)
+            self._clip(optimizer)
+            if lean:
+                counted_step(optimizer)
+            else:
                 optimizer.step()  # type: ignore[union-attr]
             if trainer.lr_scheduler_configs:
                 self._step_schedulers("step", batch_idx * self.steps + i + 1)
@@ -188,9 +163,7 @@ class StepsPerExecution(pl.Callback):
             self.module.clip_gradients(optimizer, gradient_clip_val=value, gradient_clip_algorithm=algorithm)
 
     def _step_schedulers(self, interval: str, count: int) -> None:
-        """Step each LR scheduler of ``interval`` whose ``frequency`` divides ``count`` (the epoch's optimizer steps,
-        or the epochs), through the module's ``lr_scheduler_step``, as Lightning's loop does: outside the step's
-        precision context (its default dtype)."""
+        """Step each LR scheduler of ``interval`` whose ``frequency`` divides ``count``, in the loop's dtype."""
         inside = torch.get_default_dtype()
         torch.set_default_dtype(self.loop_dtype)
         try:
@@ -210,8 +183,8 @@ class StepsPerExecution(pl.Callback):
         return loss
 
     def _split_step(self, batch: Any, batch_idx: int) -> None:
-        """This rank's share ``batch`` in micro-batches, gradients accumulated (see the class); retried smaller
-        under ``"auto"`` when any rank ran out of memory."""
+        """This rank's share ``batch`` in micro-batches, retried smaller under ``"auto"`` when a rank ran out of
+        memory; then the gradients averaged."""
         module, trainer, n = self.module, self.module.trainer, extract_batch_size(batch)
         if self.micro_size is None:  # auto: the whole share first
             self.micro_size = n
@@ -247,7 +220,7 @@ class StepsPerExecution(pl.Callback):
         self._average_gradients()
 
     def _average_gradients(self) -> None:
-        """The mean over the ranks of every parameter's gradient, in one all-reduce of their dtype (32-bit)."""
+        """The mean over the ranks of every parameter's gradient, in one all-reduce."""
         strategy = self.module.trainer.strategy
         if self.module.trainer.world_size == 1:
             return
@@ -258,10 +231,8 @@ class StepsPerExecution(pl.Callback):
             p.grad = g.view_as(p)
 
     def check_observers(self, trainer: pl.Trainer, datamodule: pl.LightningDataModule) -> None:
-        """Before the fit, with K above 1: what would see executions where K=1 shows it each step. Under ``auto``
-        (which took K above 1 for dpddp's own and ``KNOWN`` objects only), any other model, data module,
-        callback (Lightning's or the model's ``configure_callbacks``) or logger; with K given, one of those that
-        overrides ``BATCH_HOOKS`` or ``STEP_HOOKS`` (its per-step logs would be lost). Raises ``ConfigError``."""
+        """Raises ``ConfigError`` (K above 1) for an object of the fit that would see executions: under ``auto``
+        any not ``known``; else one overriding ``BATCH_HOOKS`` or ``STEP_HOOKS``."""
         if self.steps < 2:
             return
         module = self.module

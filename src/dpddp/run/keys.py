@@ -1,5 +1,5 @@
-"""The keys a run config may have: per section, from the signatures of the classes the section feeds (one source
-of truth), and the closest valid key for an unknown one (``+devises=2``: ``did you mean devices?``)."""
+"""The keys a run config may have, per section from the signatures of the classes it feeds, and the advice for
+an unknown one."""
 
 from __future__ import annotations
 
@@ -49,42 +49,32 @@ PRESETS = ("experiment", "debug", "hparams_search")
 TOP_LEVEL_ELSEWHERE = {"compile": "set it at the top level: compile=true (torch.compile of the model's forward)"}
 
 
-def _params(fn: Any) -> list[str]:
-    """The keyword names ``fn`` takes; a class's ``**kwargs`` passed on to its bases adds theirs (a user's
-    subclass of a built-in model)."""
-    params = inspect.signature(fn).parameters.values()
-    names = [p.name for p in params if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+def _parameters(fn: Any) -> list[inspect.Parameter]:
+    """The parameters ``fn`` takes; a class's ``**kwargs`` adds those of the first base with an ``__init__``."""
+    params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
     if isinstance(fn, type) and any(p.kind is p.VAR_KEYWORD for p in params):
-        for base in fn.__mro__[1:]:
-            if "__init__" in vars(base) and base is not object:
-                names += [n for n in _params(base) if n not in names]
-                break
-    return names
+        base = next((b for b in fn.__mro__[1:] if "__init__" in vars(b) and b is not object), None)
+        names = {p.name for p in params}
+        params += [p for p in (_parameters(base) if base is not None else []) if p.name not in names]
+    return params
 
 
-def _defaults(cls: type) -> dict[str, Any]:
-    """The keyword arguments ``cls`` gives defaults to, with them; a class's ``**kwargs`` passed on to its bases
-    adds theirs (as ``_params``)."""
-    params = inspect.signature(cls).parameters.values()
-    found = {p.name: p.default for p in params if p.default is not p.empty and p.name != "self"}
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        base = next((b for b in cls.__mro__[1:] if "__init__" in vars(b) and b is not object), None)
-        found = {**(_defaults(base) if base is not None else {}), **found}
-    return found
+def _params(fn: Any) -> list[str]:
+    """The keyword names ``fn`` takes (see ``_parameters``)."""
+    return [p.name for p in _parameters(fn) if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def with_defaults(cfg: DictConfig | Mapping, sections: tuple[str, ...] = ("model", "data")) -> DictConfig | Mapping:
-    """A copy of ``cfg`` whose ``sections`` have, besides the keys they give, each key their ``_target_`` class
-    takes with a default, at that default (a config may leave any key to the class, as Hydra's ``_target_``
-    configs do): what the checks read. A default that is not a plain value (a class, a module) is not copied: the
-    checks read plain settings only. ``cfg`` is unchanged; its classes import (``check_targets`` ran)."""
+    """A copy of ``cfg`` whose ``sections`` also have each plain default of their ``_target_`` class's keys: what
+    the checks read. ``check_targets`` ran first."""
     filled: Any = copy.deepcopy(cfg) if isinstance(cfg, DictConfig) else {**cfg}
     for section in sections:
         spec = cfg.get(section)
         if not isinstance(spec, Mapping) or not spec.get("_target_"):
             continue
         plain = (bool, int, float, str, type(None), list, tuple, dict)
-        missing = {k: v for k, v in _defaults(target_class(section, spec)).items() if k not in spec}
+        params = _parameters(target_class(section, spec))
+        missing = {p.name: p.default for p in params if p.default is not p.empty and p.name not in spec}
         missing = {k: list(v) if isinstance(v, tuple) else v for k, v in missing.items() if isinstance(v, plain)}
         if isinstance(filled, DictConfig):
             with open_dict(filled):
@@ -95,9 +85,8 @@ def with_defaults(cfg: DictConfig | Mapping, sections: tuple[str, ...] = ("model
 
 
 def import_problem(target: str) -> str | None:
-    """Why the ``_target_`` ``target`` cannot be imported, in one line: no such module (``is it installed, or on
-    PYTHONPATH?``), a module that fails to import (its error), or a name its module or class lacks (with the
-    nearest of its names: ``mine has no TwoLayerNett (did you mean TwoLayerNet?)``); ``None`` when it imports."""
+    """Why the ``_target_`` ``target`` cannot be imported, in one line (a missing module, its import's error, or
+    a missing name with the nearest one), or ``None``."""
     try:
         locate(target)
         return None
@@ -129,7 +118,7 @@ def import_problem(target: str) -> str | None:
 
 
 def target_class(section: str, spec: Mapping) -> type:
-    """The class a config node ``section`` (``model``, ``data``, ``callbacks.<name>``) builds (its ``_target_``).
+    """The class the config node ``section`` builds (its ``_target_``).
 
     Raises:
         ConfigError: no ``_target_``, one that cannot be imported (``import_problem``), or not a class.
@@ -150,9 +139,8 @@ INJECTED = {"logger": ("save_dir",)}
 
 
 def missing_argument(node: Mapping, injected: tuple[str, ...] = ()) -> str | None:
-    """The first required argument of the callable ``node["_target_"]`` names (one without a default) that
-    ``node`` does not give, nor ``injected``; ``None`` for a ``_partial_`` node, one with ``_args_``, or a callable
-    whose signature cannot be read."""
+    """The first required argument of ``node["_target_"]`` that neither ``node`` nor ``injected`` gives, or
+    ``None`` (also for a ``_partial_`` node, ``_args_``, or a signature that cannot be read)."""
     if node.get("_partial_") or node.get("_args_"):
         return None
     try:
@@ -165,9 +153,7 @@ def missing_argument(node: Mapping, injected: tuple[str, ...] = ()) -> str | Non
 
 
 def check_targets(cfg: Mapping, sections: tuple[str, ...] = ("data", "model", "callbacks", "logger")) -> None:
-    """Every ``_target_`` under ``sections`` of ``cfg`` (``data.dataset``, ``callbacks.<name>``, a logger's) can
-    be imported and is given its required arguments, before Hydra makes the run directory
-    (``hydra.utils.instantiate`` would fail only in the run).
+    """Check that every ``_target_`` under ``sections`` of ``cfg`` imports and is given its required arguments.
 
     Raises:
         ConfigError: ``<key>._target_='<target>' cannot be imported (<import_problem>): check the name``, or
@@ -189,8 +175,7 @@ def check_targets(cfg: Mapping, sections: tuple[str, ...] = ("data", "model", "c
 
 
 def allowed_keys(cfg: Mapping | None = None) -> dict[str, list[str]]:
-    """Valid keys per section, from the signatures of the classes each section configures (``model`` and
-    ``data``: their ``_target_``, the built-in classes when ``cfg`` is not given)."""
+    """Valid keys per section, from its classes' signatures (``model``, ``data``: the built-ins without ``cfg``)."""
     ddp = list(DDP_OPTIONS) + _params(torch.nn.parallel.DistributedDataParallel.__init__)[1:]
     trainer = [k for k in _params(pl.Trainer.__init__) if k not in TRAINER_OWNED]
     model = target_class("model", cfg["model"]) if cfg else LinearClassifier
@@ -209,8 +194,8 @@ CHECKED = ("", "data", "model", "trainer", "strategy")
 
 
 def _key_problem(section: str, key: str, allowed: list[str], spec: Mapping | None = None) -> tuple[str, str] | None:
-    """What the key check says of ``key`` of ``section``: ``(what is wrong, what to do instead)``, ``None`` when
-    ``allowed`` has it (``spec``: the section as given, for the packaged keys a user's class lacks)."""
+    """``(what is wrong, what to do instead)`` for ``key`` of ``section``, or ``None`` when ``allowed`` has it
+    (``spec``: the section as given)."""
     prefix, builtin = f"{section}." if section else "", allowed_keys()[section] if spec is not None else []
     if section == "trainer" and key in TRAINER_OWNED:
         return f"trainer.{key} is not set in the trainer group", TRAINER_OWNED[key]
@@ -233,19 +218,15 @@ def _key_problem(section: str, key: str, allowed: list[str], spec: Mapping | Non
 
 
 def check_keys(section: str, keys: Iterable[str], allowed: list[str], spec: Mapping | None = None) -> None:
-    """Raises ``ConfigError``: ``unknown setting <section>.<key>: <closest key, or what to do instead>``, for the
-    first of ``keys`` that ``allowed`` lacks."""
+    """Raises ``ConfigError`` for the first of ``keys`` that ``allowed`` lacks, with what to do instead."""
     for key in keys:
         if problem := _key_problem(section, key, allowed, spec):
             raise ConfigError(": ".join(problem))
 
 
 def key_hint(cfg: Mapping, key: str) -> str | None:
-    """What ``check_config`` would say to do instead of the dotted ``key`` added to the composed ``cfg``
-    (``+trainer.max_epoch=2``: ``did you mean trainer.max_epochs?``; ``+trainer.accelerator=cpu``: ``set it at
-    the top level: accelerator=cpu``), so that a refused override's line never suggests an addition the check
-    refuses next; ``None`` when the check would take it (an unchecked section, a key the class takes, a class
-    that cannot be imported: its own line comes later)."""
+    """What ``check_config`` would advise instead of the dotted ``key`` added to ``cfg``, so that a refused
+    override's line never suggests what the check refuses next; ``None`` when the check would take it."""
     section, _, rest = key.partition(".")
     if section == "hydra":
         return None
