@@ -930,8 +930,9 @@ def test_restart_train_iterator_makes_the_fits_loader_iterator_again_from_the_gl
 
 def test_lightnings_strategy_registry_and_its_unused_parameter_pattern_are_where_dpddp_reads_them():
     """``dpddp._compat.strategies``: the registry's entries as (class, arguments), and torch's error text that
-    Lightning's ``DDPStrategy.on_exception`` matches, Lightning 2.6.6."""
-    from dpddp._compat.strategies import UNUSED_PARAMETERS, registered_strategies
+    Lightning's ``DDPStrategy.on_exception`` matches (``dpddp.messages``), Lightning 2.6.6."""
+    from dpddp._compat.strategies import registered_strategies
+    from dpddp.messages import UNUSED_PARAMETERS
 
     found = registered_strategies()
     assert found["ddp_find_unused_parameters_true"] == (

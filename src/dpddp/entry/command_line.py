@@ -22,7 +22,14 @@ from dpddp._compat import hydra_command_line
 from dpddp._compat.hydra_main import hydra_argument_error
 from dpddp.entry.early import GROUPS, dotted_keys, key_hints, missing_key_line
 from dpddp.entry.early import unknown_option as _unknown_option
-from dpddp.messages import argparse_choice, defaults_list_parent, hydra_override_reason, jsonargparse_refusal
+from dpddp.messages import (
+    argparse_choice,
+    defaults_list_parent,
+    hydra_override_reason,
+    jsonargparse_refusal,
+    missing_primary_config,
+    unrecognized,
+)
 from dpddp.parallel.rules import lightning_name_line
 from dpddp.run.keys import key_hint
 from dpddp.run.trainer_flags import takes
@@ -134,7 +141,7 @@ def hydra_failure(err: Exception, argv: list[str]) -> str:
         given = getattr(args, option[2:].replace("-", "_"), None) if args is not None else None
         return f"{option} {given} cannot be used ({first.rstrip('.')}): give a directory of configs, or drop {option}"
     name = (args.config_name if args is not None else None) or "config"
-    if missing == name and first.startswith("Cannot find primary config"):
+    if missing == name and missing_primary_config(first):
         known = [o for o in (loader.get_group_options("") if loader else []) if not o.startswith("_")]
         where = ", ".join(s.full_path() for s in loader.get_sources()) if loader else "the config search path"
         return (
@@ -245,8 +252,7 @@ def argument_error(message: str, args: list[str], options: list[str], prog: str)
     of its parameters; a value of the wrong type; a class that cannot be used) and ``--help``."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     head, see = (lines or [message])[0], f"see {prog} --help"
-    if head.startswith("unrecognized arguments: "):
-        given = head.removeprefix("unrecognized arguments: ")
+    if (given := unrecognized(head)) is not None:
         nearest = nearest_option(given.split()[0].split("=")[0].lstrip("-"), options)
         return f"{given}: no such option{f' (nearest: --{nearest})' if nearest else ''}: {see}"
     inner = [line.lstrip("- ") for line in lines[1:] if not line.lstrip("- ").startswith(BOILERPLATE)]
@@ -272,8 +278,8 @@ def argument_error(message: str, args: list[str], options: list[str], prog: str)
         return f"{given} is invalid: pl.Trainer takes {accepts} for {flag}: {see}"
     if expected:
         return f"{given} is invalid (expected {' or '.join(expected)}): give a value of that type, {see}"
-    detail = reason or next((line for line in inner if not line.startswith("Problem with")), "")
+    detail = reason or said.detail
     if cls is not None:
-        cause = next((line for line in inner if not line.startswith(("Problem with", "Expected a path"))), detail)
+        cause = said.cause or detail
         return f"{given}: {cls} cannot be used ({cause}): give an importable class, e.g. --{key}=pkg.Class"
     return f"{given}: {detail or head}: {see}"

@@ -19,8 +19,9 @@ from typing_extensions import override
 
 from dpddp._compat import Launcher, agent_store, init_process_group, rank0_store, resolve_process_group_backend
 from dpddp._compat.comm_hooks import bucket_assignment, load_powersgd_state, powersgd_state
-from dpddp._compat.strategies import UNUSED_PARAMETERS, wrapping_frozen
+from dpddp._compat.strategies import wrapping_frozen
 from dpddp.errors import ConfigError, Preempted, ReplicasDiverged, StepFailed, first_line
+from dpddp.messages import unused_parameters
 from dpddp.network import choose_interface, interface_address
 from dpddp.parallel.allreduce import COMM_HOOKS, AllReduceTimer
 from dpddp.parallel.launcher import JobLauncher, RankJob
@@ -102,7 +103,7 @@ class DDPStrategy(LightningDDPStrategy):
         self.allreduce_timer = timer
         self.job, self.launch_mode = job, launch
         self.start_method = kwargs.get("start_method", "popen")
-        self._job_launcher: JobLauncher | None = None
+        self.supervisor: JobLauncher | None = None  # the launcher that started this node's other ranks, if ours did
         self._peer_watch: PeerWatch | None = None
         self._whereabouts: Whereabouts | None = None
         self._prefix = "dpddp/0/"  # this start's keys in the rendezvous store (``join_start`` under torchrun)
@@ -113,22 +114,17 @@ class DDPStrategy(LightningDDPStrategy):
         """A ``JobLauncher`` for a ``popen`` launch with a job; else Lightning's."""
         if self.job is None or self.start_method != "popen":
             return super().launcher
-        if self._job_launcher is None:
+        if self.supervisor is None:
             assert self.cluster_environment is not None
             devices = self.parallel_devices or []
             on_cpu = bool(devices) and devices[0].type == "cpu"
             cpu_fork = self.launch_mode == "auto" and on_cpu and not torch.cuda.is_initialized()
             fork = self.launch_mode == "fork" or cpu_fork
-            self._job_launcher = JobLauncher(
+            self.supervisor = JobLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes, self.job, fork, run_forked=run_rank
             )
-            self._job_launcher.explain_failure = self.explain_failure
-        return self._job_launcher
-
-    @property
-    def supervisor(self) -> JobLauncher | None:
-        """The launcher that started this node's other ranks, if ours did; ``None`` otherwise."""
-        return self._job_launcher
+            self.supervisor.explain_failure = self.explain_failure
+        return self.supervisor
 
     @override
     def setup_distributed(self) -> None:
@@ -176,7 +172,7 @@ class DDPStrategy(LightningDDPStrategy):
                 self.num_processes, self.pg_timeout.total_seconds(), self._prefix,
             )  # fmt: skip
             self._peer_watch.start()
-        launcher = self._job_launcher
+        launcher = self.supervisor
         sock = launcher.listen_socket if launcher is not None else None
         if initialized or (store is None and sock is None):
             return super().setup_distributed()
@@ -234,7 +230,7 @@ class DDPStrategy(LightningDDPStrategy):
         try:
             return super().training_step(*args, **kwargs)
         except RuntimeError as err:
-            if UNUSED_PARAMETERS not in str(err):
+            if not unused_parameters(str(err)):
                 raise
             raise StepFailed(f"rank {self.global_rank}: {UNUSED_PARAMETERS_LINE}") from err
 

@@ -1,6 +1,5 @@
-"""The strategy, accelerator and cluster names a run may have, the strategy names Lightning registers, and the checks
-of the device settings' values: all of it without torch or Lightning, so that a bad value is answered before they
-are imported (``dpddp.run.plain``; the rest of the device check is ``parallel.rules``)."""
+"""The strategy, accelerator and cluster names a run may have and the checks of their values, without torch or
+Lightning, so that a bad value is answered before they are imported."""
 
 from __future__ import annotations
 
@@ -22,17 +21,13 @@ LIGHTNING_STRATEGIES = frozenset(
     | {"deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", "dp", "fsdp", "fsdp_cpu_offload"}
     | {"single_device", "single_tpu", "single_xla", "xla", "xla_debug"}
 )
-"""The names in Lightning's ``StrategyRegistry`` (Lightning 2.6.6; tests/test_early.py fails when it registers one
-more). One that dpddp has no config for is described after the imports (``rules.lightning_name_line``)."""
+"""The names in Lightning 2.6.6's ``StrategyRegistry`` (tests/test_early.py fails when it registers one more)."""
 
 
 def check_device_values(cfg: Mapping) -> None:
-    """The values of the top-level ``strategy`` (its name), ``accelerator``, ``devices`` and ``num_nodes``, read
-    alone (what this machine can run is ``rules.check_devices``'s).
+    """Check the top-level ``strategy.name``, ``accelerator``, ``devices`` and ``num_nodes`` alone.
 
-    Raises:
-        ConfigError: the first that is not one of the names, or not a positive number.
-    """
+    Raises ``ConfigError``: the first that is not one of the names, or not a positive number."""
     strategy, devices, num_nodes = cfg["strategy"]["name"], cfg["devices"], cfg["num_nodes"]
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}")

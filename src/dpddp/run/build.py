@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import re
 from typing import Any
 
 from hydra.errors import InstantiationException
@@ -14,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpddp._compat.hydra_main import locate
 from dpddp.errors import ConfigError
-from dpddp.messages import instantiate_key, instantiate_target, unexpected_keyword
+from dpddp.messages import instantiate_key, instantiate_target, locating_failed, named_setting, unexpected_keyword
 from dpddp.report.trackers import is_tracker
 from dpddp.run.keys import import_problem
 
@@ -46,7 +45,7 @@ def build_error(node: DictConfig, key: str, err: InstantiationException) -> Conf
     spec = OmegaConf.to_container(inner, resolve=False) if isinstance(inner, DictConfig) else {}
     assert isinstance(spec, dict)
     target = str(spec.get("_target_") or instantiate_target(text) or "?")  # as given
-    if text.startswith("Error locating target"):
+    if locating_failed(text):
         problem = import_problem(target) or "it cannot be imported"
         return ConfigError(f"{full_key}._target_={target!r} cannot be imported ({problem}): check the name")
     cause = err.__cause__ or err
@@ -65,9 +64,7 @@ def build_error(node: DictConfig, key: str, err: InstantiationException) -> Conf
             f"{full_key}.{given}={spec.get(given)!r}: {target} takes no {given} ({hint}): drop it with "
             f"~{full_key}.{given}, or give an argument it takes"
         )
-    keys = [str(k) for k in spec if k != "_target_" and re.search(rf"\b{re.escape(str(k))}\b", reason)]
-    quoted = [k for k in keys if f"`{k}`" in reason or f"'{k}'" in reason]
-    setting = (quoted or keys)[0] if len(quoted or keys) == 1 else None
+    setting = named_setting(reason, [str(k) for k in spec if k != "_target_"])
     why = f"{type(cause).__name__}: {reason}" if reason else type(cause).__name__
     if setting is not None:
         return ConfigError(
