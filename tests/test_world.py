@@ -90,7 +90,7 @@ def _counted_run(tmp_path, *args: str) -> dict:
 
 def test_a_continued_run_checks_its_config_once_and_opens_last_ckpt_once_before_training(tmp_path):
     """``python train.py resume=true``: Hydra's start checks check the settings once and ``last.ckpt`` once, the job
-    takes their ``World`` (no check of its own), and dpddp loads ``last.ckpt`` once; the next load is Lightning's
+    takes their decision (no check of its own) and reads ``last.ckpt``'s facts once; the next load is Lightning's
     restore, as training starts."""
     args = ["trainer.max_epochs=1", "data.num_samples=256", f"hydra.run.dir={tmp_path / 'run'}"]
     assert _counted_run(tmp_path, *args)["checks"] == ["_check_settings", "_check_checkpoint"]
@@ -98,5 +98,7 @@ def test_a_continued_run_checks_its_config_once_and_opens_last_ckpt_once_before_
     counts = _counted_run(tmp_path, *args[1:], "trainer.max_epochs=2", "resume=true")
     assert counts["checks"] == ["_check_settings", "_check_checkpoint", "_check_checkpoint"]  # none, then last.ckpt
     last = [who for path, who in counts["loads"] if path.endswith("last.ckpt")]
-    assert last[:2] == ["dpddp.continuity.io", "lightning.fabric.utilities.cloud_io"]  # Lightning's: an fsspec file
+    # the start callback's read (its decision and check), the job's (its plan's facts: Hydra hands it the config
+    # only), then Lightning's restore (an fsspec file)
+    assert last[:3] == ["dpddp.continuity.io", "dpddp.continuity.io", "lightning.fabric.utilities.cloud_io"]
     assert global_step(tmp_path / "run") == 2 * one_epoch > 0

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -18,8 +18,8 @@ from dpddp._compat import processed_epochs
 from dpddp._compat.callbacks import swapped_average
 from dpddp.errors import WriteFailed
 
-__all__ = ["BACKGROUND", "AtomicCheckpointIO", "ConfiguredModel", "checkpoint_launch", "checkpoint_problem"]
-__all__ += ["checkpoint_steps_per_execution", "forget_checkpoints", "other_steps_problem", "read_checkpoint"]
+__all__ = ["BACKGROUND", "AtomicCheckpointIO", "CheckpointFacts", "ConfiguredModel", "checkpoint_problem"]
+__all__ += ["other_steps_problem", "read_checkpoint", "readable"]
 
 BACKGROUND = {"dpddp": "background"}
 """``storage_options`` that make ``AtomicCheckpointIO`` write in its background thread."""
@@ -93,46 +93,43 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 def read_checkpoint(path: str | Path) -> Any:
     """The checkpoint at ``path``, loaded with ``weights_only=True`` (no code runs from the file) and ``mmap=True``
-    (tensors mapped, not read). Each version of a file (its inode, size and modification time) is opened once per
-    process until ``forget_checkpoints``: the checks before a run share one load, so treat it as read-only. Raises
-    what ``torch.load`` and ``os.stat`` raise (``FileNotFoundError``, a truncated zip's ``RuntimeError``, ...)."""
-    resolved = Path(path).resolve()
-    stat = resolved.stat()
-    return _load(str(resolved), stat.st_ino, stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=2)
-def _load(path: str, inode: int, size: int, mtime_ns: int) -> Any:
+    (tensors mapped, not read). Raises what ``torch.load`` raises."""
     return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
-def forget_checkpoints() -> None:
-    """Drop the loads ``read_checkpoint`` keeps (a run calls it as it starts training): a replaced ``last.ckpt``
-    mapped here would hold its disk space until the process ends."""
-    _load.cache_clear()
-
-
-def checkpoint_launch(path: str | Path) -> str | None:
-    """The launcher's job id of the run that wrote the checkpoint at ``path`` (``dpddp.cluster.launch_id``, kept
-    by ``ResumableState``), or ``None``: none recorded, or the file cannot be read (the config check says why)."""
+def readable(path: str | Path) -> dict | None:
+    """``read_checkpoint(path)`` when it gives a dict, else ``None`` (none there, or unreadable: the check says
+    why)."""
     try:
         ckpt = read_checkpoint(path)
     except Exception:
         return None
-    entry = ckpt.get("dpddp") if isinstance(ckpt, dict) else None
-    return entry.get("launch") if isinstance(entry, dict) else None
+    return ckpt if isinstance(ckpt, dict) else None
 
 
-def checkpoint_steps_per_execution(path: str | Path) -> int:
-    """The ``steps_per_execution`` the checkpoint at ``path`` was trained with (``ResumableState``'s entry; 1
-    when it has none, or the file cannot be read: the config check says why); mapped, not read."""
-    try:
-        ckpt = read_checkpoint(path)
-    except Exception:
-        return 1
-    entry = ckpt.get("dpddp") if isinstance(ckpt, dict) else None
-    k = entry.get("steps_per_execution", 1) if isinstance(entry, dict) else 1
-    return k if isinstance(k, int) and k >= 1 else 1
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What a run takes from the checkpoint it continues from, read once: the launcher's job id of the run that
+    wrote it (``ResumableState``'s entry), its ``steps_per_execution`` (1 when it has none), epochs done and
+    global step."""
+
+    path: str
+    launch: str | None = None
+    steps_per_execution: int = 1
+    epochs_done: int | None = None
+    global_step: int = -1
+
+    @classmethod
+    def of(cls, path: str | Path, ckpt: dict | None) -> CheckpointFacts:
+        """The facts of ``ckpt``, the checkpoint read from ``path`` (``None``: unreadable, none known)."""
+        if ckpt is None:
+            return cls(str(path))
+        entry = ckpt.get("dpddp")
+        entry = entry if isinstance(entry, dict) else {}
+        k = entry.get("steps_per_execution", 1)
+        k = k if isinstance(k, int) and k >= 1 else 1
+        step = int(ckpt.get("global_step", -1))
+        return cls(str(path), entry.get("launch"), k, processed_epochs(ckpt), step)
 
 
 class ConfiguredModel(NamedTuple):
@@ -163,11 +160,7 @@ def _other_model(saved: dict, shapes: dict[str, tuple[int, ...]], strict: bool) 
 
 def _is_full(path: Path) -> bool:
     """Whether ``path`` is a checkpoint a fit can continue from (it has ``optimizer_states``); mapped, not read."""
-    try:
-        ckpt = read_checkpoint(path)
-    except Exception:  # none there, or unreadable: not one to name
-        return False
-    return isinstance(ckpt, dict) and "optimizer_states" in ckpt
+    return "optimizer_states" in (readable(path) or {})
 
 
 def other_steps_problem(ckpt: dict, steps_per_execution: int) -> str | None:
@@ -196,6 +189,7 @@ def checkpoint_problem(
     whole: bool = False,
     model: ConfiguredModel | None = None,
     batch_size: int | None = None,
+    loaded: dict | None = None,
 ) -> str | None:
     """Why ``path`` cannot be resumed from (one line, ending with what to do), or ``None``. Loads it with
     ``weights_only=True`` (no code runs from the file), as ``Trainer.fit(weights_only=True)`` will, and
@@ -216,9 +210,10 @@ def checkpoint_problem(
             it (another model's, or other sizes), naming the settings its saved hyper-parameters differ in.
         batch_size: the fit's ``data.batch_size``: refused if the checkpoint stopped inside an epoch with another
             (the epoch's remaining batches are the saved batch size's).
+        loaded: the checkpoint, already read from ``path`` (else it is read here).
     """
     try:
-        ckpt = read_checkpoint(path)
+        ckpt = read_checkpoint(path) if loaded is None else loaded
     except Exception as err:  # a truncated zip, a pickle, not a checkpoint at all: all one answer to the user
         detail = (str(err).splitlines() or [""])[0][:120]
         what = f"{type(err).__name__}{': ' + detail if detail else ''}"

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpddp._compat.hydra_main import hydra_reported
 from dpddp.entry.command_line import HYDRA_FAILURES, hydra_failure, unknown_option, unreadable_override
-from dpddp.entry.hydra import StartChecks, checked_world
+from dpddp.entry.hydra import StartChecks, job_plan
 from dpddp.errors import fail, shell
 from dpddp.run.training import isolated_job, objective, train
 
@@ -37,9 +37,9 @@ def run_eval(cfg: DictConfig) -> float:
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     overrides = OmegaConf.to_container(HydraConfig.get().overrides.task)
     with shell(log=log), isolated_job():
-        return train(cfg, output_dir, stage="eval", extra={"overrides": overrides}, world=checked_world(cfg))[
-            objective(cfg)
-        ]
+        plan = job_plan(cfg, "eval")
+        assert not isinstance(plan, str)  # an evaluation continues no run
+        return train(cfg, output_dir, stage="eval", extra={"overrides": overrides}, plan=plan)[objective(cfg)]
 
 
 _hydra_main = hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(run_eval)

@@ -11,6 +11,7 @@ import math
 import sys
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from dpddp._compat import hydra_mode_unset, hydra_override_refused
 from dpddp._compat.hydra_main import hydra_reported
 from dpddp.cluster import register_resolvers, run_name
 from dpddp.continuity import stop as sweep_stop
+from dpddp.continuity.io import CheckpointFacts, readable
 from dpddp.entry.command_line import (
     HYDRA_FAILURES,
     MODE_GROUPS,
@@ -62,13 +64,13 @@ from dpddp.errors import (
     shell,
     unwritable,
 )
-from dpddp.parallel.rules import World, world_of
+from dpddp.parallel.rules import world_of
 from dpddp.report.trackers import check_file_stores, open_stores
-from dpddp.run.config import check_checkpoint, check_config, check_resolvable
+from dpddp.run.config import Plan, check_checkpoint, check_config
 from dpddp.run.training import isolated_job, objective, train
 
-__all__ = ["MODE_GROUPS", "StartChecks", "checked_world", "config_dirs", "config_subdir", "hydra_value", "main"]
-__all__ += ["run_job"]
+__all__ = ["MODE_GROUPS", "StartChecks", "config_dirs", "config_subdir", "hydra_value", "main"]
+__all__ += ["job_plan", "run_job"]
 __all__ += ["sets_no_mode", "sweep_resume_command", "unknown_option"]
 
 log = logging.getLogger(__name__)
@@ -137,71 +139,44 @@ def invoked_as() -> list[str]:
     return [*_program(), *_config_options(sys.argv[1:])]
 
 
-def run_job(cfg: DictConfig) -> float:
-    """Run one Hydra job, the composed ``cfg``, in Hydra's output directory; return its ``objective`` (by default
-    ``val/loss``, the best checkpoint's monitor) for sweepers.
-
-    A relative ``ckpt_path`` is taken from where the command ran. Sweep jobs, and a run with ``resume=true``,
-    continue from ``checkpoints/last.ckpt`` (a complete job is skipped). A known error is one ``error:`` line and
-    its exit status; in a sweep, a failed or diverged job writes ``error.txt`` and returns ``nan``. A SIGTERM stops
-    the whole sweep under a local launcher, else ends the process with the line that resumes it.
-    """
+def run_job(cfg: DictConfig, stage: str = "fit") -> float:
+    """Run one Hydra job, the composed ``cfg``, in Hydra's output directory for ``stage``; return its ``objective``
+    (by default ``val/loss``) for sweepers. Its ``Plan`` is ``StartChecks``' (one run: the callback decided and
+    checked, and ``cfg`` holds its ``ckpt_path``) or made here once (``_plan``). A known error is one ``error:``
+    line and its exit status; in a sweep, a failed or diverged job writes ``error.txt`` and returns ``nan``. A
+    SIGTERM stops the whole sweep under a local launcher, else ends the process with the line that resumes it."""
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     overrides = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)  # as typed: ${...} kept
     assert isinstance(overrides, list)
     try:
-        check_resolvable(cfg)
+        plan = job_plan(cfg, stage)
     except ConfigError as err:
         if not multirun:
             fail(str(err))
         return _job_failed(hydra_cfg.job.num, output_dir, str(err))
-    with open_dict(cfg):
-        if cfg.get("ckpt_path"):
-            cfg.ckpt_path = to_absolute_path(str(cfg.ckpt_path))
-        last = output_dir / "checkpoints" / "last.ckpt"
-        resume = continues(cfg, output_dir, multirun)
-        if problem := directory_problem(cfg, output_dir, resume, multirun or _named(hydra_cfg), cfg.ckpt_path):
-            fail(problem)
-        done = completed_metrics(output_dir) if resume else None
-        if done is not None and done.get("overrides") == overrides:
-            log.info(f"already complete with the same overrides, skipping: {output_dir / 'metrics.json'}")
-            value = done.get(done.get("objective", "val/loss"))
-            return math.nan if value is None else value  # null: it failed (error.txt)
-        stops = multirun and sweep_stop.active()
-        if stops:
-            sweep_stop.watch()  # in this job's process (a worker's, submitit's: its own handler only logs it)
-            if sweep_stop.requested():
-                log.info("the sweep is stopping (SIGTERM): this job does not start; resuming the sweep runs it")
-                return math.nan
-        if multirun:
-            (output_dir / "error.txt").unlink(missing_ok=True)  # an earlier try's failure, run again now
-        _log_invocation(output_dir)
-        if resume and cfg.get("ckpt_path") is None:
-            if last.is_file() and done is not None and (limit := reached_limit(cfg.trainer, last)):
-                log.info(f"nothing to train: {last} is already at {limit}; raise it to continue the run")
-                value = done.get(done.get("objective", "val/loss"))
-                return math.nan if value is None else value
-            if last.is_file() and done is not None:
-                limits = ", ".join(
-                    f"trainer.{k}={cfg.trainer.get(k)}"
-                    for k in ("max_epochs", "max_steps", "max_time")
-                    if cfg.trainer.get(k) not in (None, -1)
-                )
-                log.info(f"continuing finished job from {last} to {limits}")
-                cfg.ckpt_path = str(last)
-            elif last.is_file():
-                log.info(f"resuming interrupted job from {last}")
-                cfg.ckpt_path = str(last)
-            elif cfg.get("resume"):
-                log.info(f"resume=true but there is no {last}: starting fresh")
+    if isinstance(plan, str):  # nothing to train
+        log.info(plan)
+        done = completed_metrics(output_dir) or {}
+        value = done.get(done.get("objective", "val/loss"))
+        return math.nan if value is None else value  # null: it failed (error.txt)
+    stops = multirun and sweep_stop.active()
+    if stops:
+        sweep_stop.watch()  # in this job's process (a worker's, submitit's: its own handler only logs it)
+        if sweep_stop.requested():
+            log.info("the sweep is stopping (SIGTERM): this job does not start; resuming the sweep runs it")
+            return math.nan
+    if multirun:
+        (output_dir / "error.txt").unlink(missing_ok=True)  # an earlier try's failure, run again now
+    _log_invocation(output_dir)
+    _log_resume(plan)
     global _late_resume
     _late_resume = partial(_resume_command, overrides, output_dir, multirun)  # for a SIGTERM after the run's end
     with shell(_late_resume, log):  # a lost rank's line: into train.log too
         try:
             with isolated_job():
-                value = train(cfg, output_dir, extra={"overrides": overrides}, world=checked_world(cfg))[objective(cfg)]
+                value = train(cfg, output_dir, stage, extra={"overrides": overrides}, plan=plan)[objective(cfg)]
             if not multirun or math.isfinite(value):
                 return value
             line = f"{objective(cfg)} (the objective) is {value}: the training diverged, or no validation logged it"
@@ -219,6 +194,82 @@ def run_job(cfg: DictConfig) -> float:
             log.exception("job failed")
             line = first_line(err)
     return _job_failed(hydra_cfg.job.num, output_dir, line)
+
+
+def job_plan(cfg: DictConfig, stage: str) -> Plan | str:
+    """The ``Plan`` of the Hydra job ``cfg`` for ``stage``: ``StartChecks``' (``_taken``), or made now (``_plan``);
+    or the line that says why nothing trains. Raises ``ConfigError``."""
+    hydra_cfg = HydraConfig.get()
+    if _checked_before(hydra_cfg):
+        return _taken(cfg, stage)
+    return _plan(cfg, lambda: Path(hydra_cfg.runtime.output_dir), stage)
+
+
+def _plan(job: DictConfig, directory: Callable[[], Path], stage: str) -> Plan | str:
+    """The job's ``Plan``, made once in its process: ``check_config`` of ``job``, then whether it continues the run
+    in ``directory()`` from its ``last.ckpt`` (read once, and checked: ``job.ckpt_path`` is set to it); or the line
+    that says why nothing trains (complete with the same overrides, or at its limit). Raises ``ConfigError``."""
+    plan = check_config(job, stage)
+    output_dir = directory()
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    if job.get("ckpt_path"):
+        job.ckpt_path = to_absolute_path(str(job.ckpt_path))
+    last = output_dir / "checkpoints" / "last.ckpt"
+    loaded = readable(last) if last.is_file() else None
+    facts = CheckpointFacts.of(last, loaded)
+    resume = continues(job, multirun, facts)
+    if problem := directory_problem(job, output_dir, resume, multirun or _named(hydra_cfg), job.ckpt_path):
+        raise ConfigError(problem)
+    overrides = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)
+    first = next(iter(config_dirs(output_dir)), None)  # a continue is the same run, or refused
+    if resume and not multirun and (last.is_file() or (output_dir / "metrics.json").is_file()):
+        if problem := other_run(output_dir, [str(o) for o in overrides], first):  # type: ignore[union-attr]
+            raise ConfigError(problem)
+    done = completed_metrics(output_dir) if resume else None
+    if done is not None and done.get("overrides") == overrides:
+        return f"already complete with the same overrides, skipping: {output_dir / 'metrics.json'}"
+    if not (resume and job.get("ckpt_path") is None and last.is_file()):
+        return plan
+    if done is not None and (limit := reached_limit(job.trainer, facts)):
+        return f"nothing to train: {last} is already at {limit}; raise it to continue the run"
+    job.ckpt_path = str(last)
+    return replace(plan, checkpoint=check_checkpoint(job, stage, loaded), resume=_resume_kind(job, output_dir))
+
+
+def _resume_kind(cfg: DictConfig, output_dir: Path) -> str | None:
+    """Why ``cfg.ckpt_path`` is the run's own ``last.ckpt``: ``"finished"`` (it wrote ``metrics.json``),
+    ``"interrupted"``; ``None``: given, or none."""
+    if cfg.get("ckpt_path") != str(output_dir / "checkpoints" / "last.ckpt"):
+        return None
+    return "finished" if (output_dir / "metrics.json").is_file() else "interrupted"
+
+
+def _taken(cfg: DictConfig, stage: str) -> Plan:
+    """The ``Plan`` of a job ``StartChecks`` checked and decided (``cfg.ckpt_path``: what it continues from): its
+    world read, its checkpoint's facts read once; nothing checked again."""
+    ckpt = cfg.get("ckpt_path")
+    if ckpt:
+        cfg.ckpt_path = ckpt = to_absolute_path(str(ckpt))
+    facts = CheckpointFacts.of(ckpt, readable(ckpt)) if ckpt else None
+    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    return Plan(cfg, stage, world_of(cfg), facts, _resume_kind(cfg, output_dir))
+
+
+def _log_resume(plan: Plan) -> None:
+    """Say in ``train.log`` what the job continues from, when it continues its run."""
+    cfg = plan.cfg
+    if plan.resume == "finished":
+        limits = ", ".join(
+            f"trainer.{k}={cfg.trainer.get(k)}"
+            for k in ("max_epochs", "max_steps", "max_time")
+            if cfg.trainer.get(k) not in (None, -1)
+        )
+        log.info(f"continuing finished job from {cfg.ckpt_path} to {limits}")
+    elif plan.resume == "interrupted":
+        log.info(f"resuming interrupted job from {cfg.ckpt_path}")
+    elif cfg.get("resume") and cfg.get("ckpt_path") is None:
+        log.info("resume=true but there is no checkpoints/last.ckpt in the run directory: starting fresh")
 
 
 def _job_failed(num: int, output_dir: Path, line: str) -> float:
@@ -240,27 +291,17 @@ class StartChecks(HydraCallback):
     @override
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         job = OmegaConf.masked_copy(config, [str(k) for k in config if k != "hydra"])
-        _checked(job, self.stage)
         try:
+            plan = _plan(job, lambda: Path(_directory(config, "run")), self.stage)
             check_file_stores([job])
         except ConfigError as err:
             fail(str(err))
-        output_dir = Path(_directory(config, "run"))
-        ckpt = to_absolute_path(str(job.ckpt_path)) if job.get("ckpt_path") else None
-        resume = continues(job, output_dir, False)
-        if problem := directory_problem(job, output_dir, resume, _named(config.hydra), ckpt):
-            fail(problem)
-        last = output_dir / "checkpoints" / "last.ckpt"
-        if resume and ckpt is None and last.is_file():
-            done = completed_metrics(output_dir)  # complete with the same overrides: the job skips it
-            if not (done and done.get("overrides") == OmegaConf.to_container(config.hydra.overrides.task)):
-                job.ckpt_path = str(last)  # what the job continues from: refused now, before .hydra-N/, train.log
-                _checked(job, self.stage, check_checkpoint)
-        first = next(iter(config_dirs(output_dir)), None)  # a continue is the same run, or refused
-        if resume and (last.is_file() or (output_dir / "metrics.json").is_file()):
-            if problem := other_run(output_dir, [str(o) for o in config.hydra.overrides.task], first):
-                fail(problem)
+        if isinstance(plan, str):  # nothing to train: nothing is made
+            print(plan)
+            sys.exit(0)
         _check_writable(config, "run")
+        with open_dict(config):  # the decision, in the config Hydra hands the job (a deep copy of it)
+            config.ckpt_path = job.ckpt_path
 
     @override
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -286,25 +327,13 @@ class StartChecks(HydraCallback):
             fail(str(err))
 
 
-def _checked(job: DictConfig, stage: str = "fit", check: Callable[[DictConfig, str], Any] = check_config) -> None:
-    """``check`` (``check_config``, or its ``check_checkpoint`` part) of the job's config for ``stage``, its
-    refusal ended with ``fail``."""
-    try:
-        check(job, stage)
-    except ConfigError as err:
-        fail(str(err))
-
-
-def checked_world(cfg: DictConfig) -> World | None:
-    """The job's ``World`` when ``StartChecks`` (or a subclass) checked its config before Hydra started it: one run
-    under the packaged callback, whose decisions (``ckpt_path``, the resume) the job repeats; else ``None``, and
-    the job's ``train`` checks it (a sweep's job, a run whose Hydra config drops the callback)."""
-    hydra_cfg = HydraConfig.get()
+def _checked_before(hydra_cfg: Any) -> bool:
+    """Whether ``StartChecks`` (or a subclass) checked and decided this job before Hydra started it: one run under
+    the packaged callback; else (a sweep's job, a run whose Hydra config drops the callback) the job plans."""
     if hydra_cfg.mode != RunMode.RUN:
-        return None
+        return False
     targets = [spec.get("_target_") for spec in (hydra_cfg.callbacks or {}).values() if spec]
-    ours = any(isinstance(t, str) and issubclass(get_class(t), StartChecks) for t in targets)
-    return world_of(cfg) if ours else None
+    return any(isinstance(t, str) and issubclass(get_class(t), StartChecks) for t in targets)
 
 
 def _named(hydra_cfg: Any) -> bool:

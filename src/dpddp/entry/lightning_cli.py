@@ -50,8 +50,8 @@ from dpddp.errors import (
     unwritable,
 )
 from dpddp.models.linear import LinearClassifier
-from dpddp.parallel.rules import World, lightning_equivalent, lightning_name_line
-from dpddp.run.config import CLI_CALLBACKS, check_config
+from dpddp.parallel.rules import lightning_equivalent, lightning_name_line
+from dpddp.run.config import CLI_CALLBACKS, Plan, check_config
 from dpddp.run.training import STAGES, isolated_job, train
 
 __all__ = ["DPDDPCLI", "main", "run_config"]
@@ -282,9 +282,9 @@ def main(args: list[str] | None = None) -> None:
                     sys.exit(0)
                 if stage not in STAGES:
                     fail(unknown_stage(stage, STAGES))
-                cfg, world, output_dir, made = _parsed(stage, rest)
+                plan, output_dir, made = _parsed(stage, rest)
                 with isolated_job():
-                    train(cfg, output_dir, stage=stage, world=world)
+                    train(plan.cfg, output_dir, stage=stage, plan=plan)
         except Preempted as err:
             if err.path is None and made and output_dir is not None:
                 # Stopped before its first checkpoint: nothing to continue from (--ckpt_path=last takes the newest
@@ -293,8 +293,8 @@ def main(args: list[str] | None = None) -> None:
             raise
 
 
-def _parsed(stage: str, rest: list[str]) -> tuple[DictConfig, World, Path, bool]:
-    """The run config of ``stage`` with arguments ``rest``, checked (its ``World``), its run directory, and whether
+def _parsed(stage: str, rest: list[str]) -> tuple[Plan, Path, bool]:
+    """The ``Plan`` of ``stage`` with arguments ``rest`` (its config checked), its run directory, and whether
     this call made the directory; on rank 0 the directory is made and the invocation's config saved in it."""
     # Harmless: the subcommand is taken off sys.argv here, so LightningCLI gets the rest of the same command line.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
@@ -320,7 +320,7 @@ def _parsed(stage: str, rest: list[str]) -> tuple[DictConfig, World, Path, bool]
     root = Path(cli.config.trainer.default_root_dir or os.getcwd())
     output_dir, cfg.ckpt_path = _output_dir(root, stage, cfg.ckpt_path)
     cfg.predict = stage == "predict"  # predictions.csv in the run directory
-    world = check_config(cfg, stage)  # before the run directory is made: a bad setting's line is the only one
+    plan = check_config(cfg, stage)  # before the run directory is made: a bad setting's line is the only one
     made = False
     if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
         made = not output_dir.exists()
@@ -335,7 +335,7 @@ def _parsed(stage: str, rest: list[str]) -> tuple[DictConfig, World, Path, bool]
         logging.getLogger(__name__).info(
             f"invocation {n} into this run directory ({stage}): {invocation_name(CONFIG, n)}"
         )
-    return cfg, world, output_dir, made
+    return plan, output_dir, made
 
 
 def _resume_command(stage: str, rest: list[str], output_dir: Path) -> str:

@@ -1,5 +1,5 @@
-"""One run's directory rules, decided before Hydra writes into the directory (``StartChecks``) and again in the
-job (``run_job``): whether the job continues what the directory holds, and when it must not start there."""
+"""One run's directory rules, decided once per process (``StartChecks``, or a job it did not check): whether the
+job continues what the directory holds, and when it must not start there."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from dpddp._compat import processed_epochs
 from dpddp.cluster import launch_id
-from dpddp.continuity.io import checkpoint_launch, read_checkpoint
+from dpddp.continuity.io import CheckpointFacts
 from dpddp.parallel.rendezvous import torchrun_restarted
 from dpddp.run.training import METRIC_KEYS
 
@@ -59,32 +58,23 @@ def hydra_value(value: str) -> str:
     )
 
 
-def reached_limit(trainer: DictConfig, last: Path) -> str | None:
+def reached_limit(trainer: DictConfig, last: CheckpointFacts) -> str | None:
     """The limit of ``trainer`` (``max_epochs``, ``max_steps``) that the checkpoint ``last`` has already reached
-    (``trainer.max_epochs=40``), where a fit continued from it would train nothing; ``None`` if none is, or if it
-    cannot be read (the checkpoint check says why)."""
-    try:
-        ckpt = read_checkpoint(last)
-    except Exception:
-        return None
-    if not isinstance(ckpt, dict):
-        return None
+    (``trainer.max_epochs=40``), where a fit continued from it would train nothing; else ``None``."""
     epochs, steps = trainer.get("max_epochs"), trainer.get("max_steps")
-    done = processed_epochs(ckpt)
-    if epochs not in (None, -1) and done is not None and done >= epochs:
+    if epochs not in (None, -1) and last.epochs_done is not None and last.epochs_done >= epochs:
         return f"trainer.max_epochs={epochs}"
-    if steps not in (None, -1) and int(ckpt.get("global_step", -1)) >= steps:
+    if steps not in (None, -1) and last.global_step >= steps:
         return f"trainer.max_steps={steps}"
     return None
 
 
-def continues(cfg: DictConfig, output_dir: Path, multirun: bool) -> bool:
-    """Whether the job continues the run in ``output_dir``: a sweep job, ``resume=true``, or a launcher's (re)start
-    of its own job (same directory: ``cluster.run_name``; its ``last.ckpt`` names the job): torchrun
+def continues(cfg: DictConfig, multirun: bool, last: CheckpointFacts) -> bool:
+    """Whether the job continues the run whose ``last.ckpt`` is ``last``: a sweep job, ``resume=true``, or a
+    launcher's (re)start of its own job (same directory: ``cluster.run_name``; ``last`` names the job): torchrun
     ``--max-restarts``, a membership change, a SLURM requeue, a pod restart."""
-    last = output_dir / "checkpoints" / "last.ckpt"
     job = launch_id()
-    own = job is not None and last.is_file() and checkpoint_launch(last) == job
+    own = job is not None and last.launch == job
     return bool(multirun or cfg.get("resume") or own or torchrun_restarted())
 
 

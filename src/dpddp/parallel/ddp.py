@@ -19,8 +19,9 @@ from typing_extensions import override
 
 from dpddp._compat import Launcher, agent_store, init_process_group, rank0_store, resolve_process_group_backend
 from dpddp._compat.comm_hooks import bucket_assignment, load_powersgd_state, powersgd_state
-from dpddp._compat.strategies import UNUSED_PARAMETERS, wrapping_frozen
+from dpddp._compat.strategies import wrapping_frozen
 from dpddp.errors import ConfigError, Preempted, ReplicasDiverged, StepFailed, first_line
+from dpddp.messages import unused_parameters
 from dpddp.network import choose_interface, interface_address
 from dpddp.parallel.allreduce import COMM_HOOKS, AllReduceTimer
 from dpddp.parallel.launcher import JobLauncher, RankJob
@@ -229,7 +230,7 @@ class DDPStrategy(LightningDDPStrategy):
         try:
             return super().training_step(*args, **kwargs)
         except RuntimeError as err:
-            if UNUSED_PARAMETERS not in str(err):
+            if not unused_parameters(str(err)):
                 raise
             raise StepFailed(f"rank {self.global_rank}: {UNUSED_PARAMETERS_LINE}") from err
 

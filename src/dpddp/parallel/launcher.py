@@ -39,14 +39,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RankJob:
     """What a launched rank needs, without Hydra or ``sys.argv``: ``entry`` (``"module:function"``, called with
-    the job), the resolved ``config`` (JSON types), the shared ``output_dir``, and the launcher's ``cwd`` and
-    ``sys_path``."""
+    the job), the resolved ``config`` (JSON types), the shared ``output_dir``, the ``stage``, and the launcher's
+    ``cwd`` and ``sys_path``."""
 
     ENV: ClassVar[str] = "DPDDP_JOB"
 
     entry: str
     config: dict[str, Any]
     output_dir: str
+    stage: str = "fit"
     cwd: str = dataclasses.field(default_factory=os.getcwd)
     sys_path: tuple[str, ...] = dataclasses.field(default_factory=lambda: tuple(sys.path))
 

@@ -32,7 +32,6 @@ from dpddp.cluster import (
     writes_outputs,
 )
 from dpddp.continuity.intervals import checkpoint_intervals
-from dpddp.continuity.io import checkpoint_steps_per_execution
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.errors import first_line
 from dpddp.parallel.bandwidth import step_seconds
@@ -198,23 +197,27 @@ def _agreed(cfg: DictConfig, measure: Callable[[], tuple[int, str]]) -> tuple[in
     return int(k), str(why)
 
 
-def resolve_steps(cfg: DictConfig, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> int:
+def resolve_steps(
+    cfg: DictConfig, model: pl.LightningModule, datamodule: pl.LightningDataModule, saved: int | None = None
+) -> int:
     """The K of a ``steps_per_execution=auto`` fit, the same on every rank, logged with why: 1 where K above 1 is
-    refused, seen or cannot be probed; the checkpoint's K when continuing (``ckpt_path``); else ``auto_steps`` of
+    refused, seen or cannot be probed; the checkpoint's K when continuing (``saved``); else ``auto_steps`` of
     the probed step."""
-    k, why = _resolve(cfg, model, datamodule)
+    k, why = _resolve(cfg, model, datamodule, saved)
     if writes_outputs():
         log.info(f"steps_per_execution=auto: {k} ({why})")
     return k
 
 
-def _resolve(cfg: DictConfig, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> tuple[int, str]:
+def _resolve(
+    cfg: DictConfig, model: pl.LightningModule, datamodule: pl.LightningDataModule, saved: int | None
+) -> tuple[int, str]:
     if refusal := execution_refusal(cfg):
         return 1, refusal
     if seen := seen_executions(cfg, model, datamodule):
         return 1, f"{seen}; give steps_per_execution=K to take K anyway (docs/performance.md)"
-    if cfg.get("ckpt_path") is not None:
-        return checkpoint_steps_per_execution(cfg.ckpt_path), "the checkpoint's"
+    if saved is not None:
+        return saved, "the checkpoint's"
     assert isinstance(datamodule, GlobalBatchDataModule)  # execution_refusal: global-batch data
     share, every = int(datamodule.batch_size) // world_of(cfg).world_size, checkpoint_intervals(cfg)[0]
 

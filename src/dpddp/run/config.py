@@ -11,6 +11,7 @@ import math
 import re
 import textwrap
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import IterableDataset
 
 from dpddp.continuity.intervals import CHECKPOINT_KEYS, checkpoint_intervals
-from dpddp.continuity.io import ConfiguredModel, checkpoint_problem
+from dpddp.continuity.io import CheckpointFacts, ConfiguredModel, checkpoint_problem, readable
 from dpddp.continuity.replicas import check_every
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.data.memory import check_memory, memory_bytes
@@ -42,7 +43,7 @@ from dpddp.run.plain import check_plain, check_resolvable
 from dpddp.run.trainer_flags import refused_flag
 
 __all__ = ["CLI_CALLBACKS", "check_config", "check_output_dir", "check_precision", "check_resolvable"]
-__all__ += ["check_checkpoint", "check_model_callbacks", "execution_refusal", "needs_logger"]
+__all__ += ["Plan", "check_checkpoint", "check_model_callbacks", "execution_refusal", "needs_logger"]
 
 
 def _check_val_interval(trainer: Mapping, batches: int) -> None:
@@ -273,8 +274,8 @@ def _refuses_without_logger(test: ast.expr) -> bool:
 def needs_logger(cls: type) -> bool:
     """Whether the callback class ``cls`` raises when the Trainer has no logger: one of its methods, or a base's
     below ``pl.Callback``, has Lightning's own test (``if not trainer.loggers: raise ...``, as
-    ``LearningRateMonitor.on_train_start`` and ``DeviceStatsMonitor.setup`` do). Read from the source, so no
-    callback is built or run for it."""
+    ``LearningRateMonitor.on_train_start`` and ``DeviceStatsMonitor.setup`` do). Read from the source of the
+    methods that name a logger, so no callback is built or run for it."""
     for base in cls.__mro__:
         if base in (pl.Callback, object):
             continue
@@ -345,10 +346,22 @@ def check_model_callbacks(cfg: Mapping, model: pl.LightningModule, trainer: pl.T
             )
 
 
-def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> World:
-    """Check a composed config (see ``conf/``) for ``stage``: its settings, then its ``ckpt_path``
-    (``check_checkpoint``); return its ``World``, or raise one ``ConfigError`` line. An entry point checks once and
-    hands the ``World`` down (``dpddp.run.training.train``'s ``world``).
+@dataclass(frozen=True)
+class Plan:
+    """One run's plan, made by ``check_config``'s one pass and handed down as an argument: the checked config, the
+    stage, the ``World``, the checkpoint ``ckpt_path`` names (its facts, read once; ``None``: none), and why it is
+    the run's own ``last.ckpt`` (``resume``: ``"interrupted"``, ``"finished"``; ``None``: given or none)."""
+
+    cfg: Any
+    stage: str
+    world: World
+    checkpoint: CheckpointFacts | None = None
+    resume: str | None = None
+
+
+def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> Plan:
+    """Check a composed config for ``stage``: its settings, then its ``ckpt_path``; return its ``Plan``. An entry
+    point calls it once and hands the plan down.
 
     Raises:
         ConfigError: an unknown key, a value out of range, a batch size that does not divide by the world size,
@@ -358,14 +371,13 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> World:
             with another ``steps_per_execution``.
     """
     _check_settings(cfg, stage)
-    _check_checkpoint(cfg, stage)
-    return world_of(cfg)
+    return Plan(cfg, stage, world_of(cfg), _check_checkpoint(cfg, stage, None))
 
 
-def check_checkpoint(cfg: DictConfig | Mapping, stage: str = "fit") -> None:
-    """The ``ckpt_path`` part of ``check_config`` alone (a continued run's start, once it knows what it continues
-    from). Raises ``ConfigError``."""
-    _check_checkpoint(cfg, stage)
+def check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None) -> CheckpointFacts | None:
+    """The ``ckpt_path`` part of ``check_config`` alone, for a run that decides what it continues from after the
+    check (``loaded``: that file, already read); its facts. Raises ``ConfigError``."""
+    return _check_checkpoint(cfg, stage, loaded)
 
 
 def _check_settings(cfg: DictConfig | Mapping, stage: str) -> None:
@@ -434,12 +446,15 @@ def _check_settings(cfg: DictConfig | Mapping, stage: str) -> None:
         checked_int("trainer.check_val_every_n_epoch", every, 1, fix)
 
 
-def _check_checkpoint(cfg: DictConfig | Mapping, stage: str) -> None:
+def _check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None) -> CheckpointFacts | None:
     ckpt = cfg["ckpt_path"]
-    if ckpt is not None and not Path(str(ckpt)).is_file():
+    if ckpt is None:
+        return None
+    if not Path(str(ckpt)).is_file():
         raise ConfigError(
             f"ckpt_path={str(ckpt)!r} does not exist: give a checkpoint file, e.g. <run dir>/checkpoints/last.ckpt"
         )
+    loaded = readable(ckpt) if loaded is None else loaded
     max_epochs = (cfg["trainer"] or {}).get("max_epochs")
     data = dict(cfg["data"]) if cfg.get("resume") else None  # resume=true continues the same run: same data
     k = cfg.get("steps_per_execution", 1) if stage == "fit" else None
@@ -447,19 +462,19 @@ def _check_checkpoint(cfg: DictConfig | Mapping, stage: str) -> None:
         k = 1 if execution_refusal(cfg) else None
     batch = (cfg["data"] or {}).get("batch_size")
     batch = batch if isinstance(batch, int) else None
-    if ckpt is not None and (
-        problem := checkpoint_problem(
-            ckpt,
-            max_epochs,
-            data,
-            k,
-            fit=stage == "fit",
-            whole=stage == "eval",
-            model=_configured_model(cfg),
-            batch_size=batch,
-        )
+    if problem := checkpoint_problem(
+        ckpt,
+        max_epochs,
+        data,
+        k,
+        fit=stage == "fit",
+        whole=stage == "eval",
+        model=_configured_model(cfg),
+        batch_size=batch,
+        loaded=loaded,
     ):
         raise ConfigError(f"ckpt_path={str(ckpt)!r} {problem}")
+    return CheckpointFacts.of(ckpt, loaded)
 
 
 def _configured_model(cfg: Mapping) -> ConfiguredModel | None:

@@ -20,7 +20,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpddp._compat import agent_store_shared
 from dpddp.cluster import launched_by_dpddp
-from dpddp.continuity.io import forget_checkpoints
 from dpddp.continuity.state import save_final_checkpoint
 from dpddp.continuity.stop import RunScope, StepBoundaryStop, run_stops, starting_up
 from dpddp.data.built import data_streams
@@ -40,7 +39,7 @@ from dpddp.run.assembly import build_trainer
 from dpddp.run.auto_steps import resolve_steps
 from dpddp.run.build import build
 from dpddp.run.compiling import compile_mode, compile_model
-from dpddp.run.config import check_config, check_model_callbacks, check_output_dir
+from dpddp.run.config import Plan, check_config, check_model_callbacks, check_output_dir
 from dpddp.run.executions import StepsPerExecution
 
 __all__ = ["METRIC_KEYS", "STAGES", "isolated_job", "objective", "train", "train_rank"]
@@ -54,9 +53,9 @@ STAGES = ("fit", "validate", "test", "predict")
 
 
 def train(
-    cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: dict | None = None, world: World | None = None
+    cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: dict | None = None, plan: Plan | None = None
 ) -> dict[str, Any]:
-    """Check ``cfg`` (unless the caller did: ``world``, what ``check_config`` returned), build its model and data,
+    """Check ``cfg`` (unless the caller did: ``plan``, what ``check_config`` returned), build its model and data,
     and run ``stage`` (``"fit"``: fit, test, and predict with ``predict=true``; ``"eval"``: validate and test
     ``ckpt_path``; else that stage alone on it). Rank 0 writes checkpoints, ``metrics.json``, ``metrics.csv`` and
     ``curves.png`` into ``output_dir``.
@@ -69,15 +68,13 @@ def train(
     (SIGTERM, with a checkpoint to resume from).
     """
     with run_stops(Path(output_dir)) as running:
-        return _train(cfg, Path(output_dir), stage, extra, running, world)
+        return _train(cfg, Path(output_dir), extra, running, plan or check_config(cfg, stage))
 
 
-def _train(
-    cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, running: RunScope, world: World | None
-) -> dict[str, Any]:
+def _train(cfg: DictConfig, output_dir: Path, extra: dict | None, running: RunScope, plan: Plan) -> dict[str, Any]:
     start = time.perf_counter()
+    stage, world = plan.stage, plan.world
     with starting_up(running):
-        world = world or check_config(cfg, stage)
         elastic = cfg.num_nodes == "auto"
         cfg.num_nodes = world.nodes  # num_nodes=auto: the launcher's, for this start
         _log_world(world, elastic)
@@ -96,7 +93,8 @@ def _train(
         steps, micro = cfg.get("steps_per_execution", 1), getattr(datamodule, "micro_batch_size", None)
         auto = steps == "auto"
         if auto:
-            steps = resolve_steps(cfg, model, datamodule) if stage == "fit" else 1
+            saved = plan.checkpoint.steps_per_execution if plan.checkpoint else None
+            steps = resolve_steps(cfg, model, datamodule, saved) if stage == "fit" else 1
             cfg.steps_per_execution = steps  # what the launched ranks' job, the tally and the checkpoint see
         clip = ((cfg.trainer or {}).get("gradient_clip_val"), (cfg.trainer or {}).get("gradient_clip_algorithm"))
         fused = (steps > 1 or micro) and stage == "fit"
@@ -104,7 +102,8 @@ def _train(
         if executions is not None:
             datamodule.steps_per_execution = steps
         compile_model(model, compile_mode(cfg))  # after resolve_steps: steps_per_execution=auto times eager steps
-        job = RankJob(entry=f"{__name__}:train_rank", config=_resolved(cfg, stage), output_dir=str(output_dir))
+        config = {str(k): v for k, v in OmegaConf.to_container(cfg, resolve=True).items()}  # type: ignore[union-attr]
+        job = RankJob(entry=f"{__name__}:train_rank", config=config, output_dir=str(output_dir), stage=stage)
         trainer = build_trainer(
             cfg, output_dir, job, executions, model=model, predicts_forward=forward, datamodule=datamodule
         )
@@ -112,7 +111,6 @@ def _train(
         if executions is not None:
             executions.check_observers(trainer, datamodule)
         running.own(trainer)
-    forget_checkpoints()  # the checks' loads: a replaced last.ckpt would stay on disk while mapped
     metrics, ran, predict_error = _run_stages(trainer, model, datamodule, cfg, stage, running)
     result: dict[str, Any] = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(
@@ -227,15 +225,7 @@ def _segment_world_sizes(trainer: pl.Trainer) -> list[int]:
 
 def train_rank(job: RankJob) -> None:
     """A launched rank's share of a run: ``train`` on the job's resolved config (the ``RankJob.entry``)."""
-    config = dict(job.config)
-    stage = config.pop("_stage", "fit")
-    train(OmegaConf.create(config), job.output_dir, stage=stage)
-
-
-def _resolved(cfg: DictConfig, stage: str) -> dict[str, Any]:
-    config = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(config, dict)
-    return {**config, "_stage": stage}
+    train(OmegaConf.create(job.config), job.output_dir, stage=job.stage)
 
 
 def _run_stages(
