@@ -6,12 +6,6 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-__all__ = ["JsonargparseRefusal", "argparse_choice", "dataloader_failure", "defaults_list_parent"]
-__all__ += ["hydra_override_reason", "instantiate_key", "instantiate_target", "jsonargparse_refusal"]
-__all__ += ["mlflow_opt_out", "omegaconf_reason", "unexpected_keyword", "without_torch_prefixes"]
-__all__ += ["UNUSED_PARAMETERS", "locating_failed", "missing_primary_config", "named_setting", "unrecognized"]
-__all__ += ["unused_parameters"]
-
 UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"
 """How torch's DDP error for a parameter the last loss did not use begins (as Lightning 2.6.6 matches it)."""
 

@@ -10,8 +10,6 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-__all__ = ["CHECKED", "registered_strategies", "wrapping_frozen"]
-
 CHECKED = "2.6.6"
 """The Lightning version every entry below was read in and tested against."""
 

@@ -13,8 +13,6 @@ from dpddp.cluster import cluster_world_size
 from dpddp.continuity.io import BACKGROUND, AtomicCheckpointIO
 from dpddp.errors import ConfigError, checked_float, checked_int
 
-__all__ = ["CHECKPOINT_KEYS", "IntervalCheckpoints", "checkpoint_intervals"]
-
 CHECKPOINT_KEYS = ("every_n_steps", "every_seconds")
 AUTO_EVERY_SECONDS = 600.0
 """``checkpoint.every_seconds=auto`` under a cluster launcher (torchrun, SLURM, a PyTorchJob)."""
