@@ -156,9 +156,9 @@ class DDPStrategy(LightningDDPStrategy):
         env = self.cluster_environment
         initialized = torch.distributed.is_initialized()  # fit, then test: one group
         store: torch.distributed.Store | None = None
+        self.set_world_ranks()
         if not initialized:
             log.info(f"network: {apply_interface(env.main_address, self.num_nodes)}")
-            self.set_world_ranks()
             client = agent_store(env.main_address, env.main_port, self.pg_timeout)
             if client is not None:
                 self._prefix = join_start(
@@ -166,7 +166,6 @@ class DDPStrategy(LightningDDPStrategy):
                 )
                 store = torch.distributed.PrefixStore(f"{self._prefix}default_pg", client)
         if self.num_nodes > 1 and self._peer_watch is None:
-            self.set_world_ranks()
             self._peer_watch = PeerWatch(
                 env.main_address, env.main_port, self.global_rank, self.world_size,
                 self.num_processes, self.pg_timeout.total_seconds(), self._prefix,
@@ -177,7 +176,6 @@ class DDPStrategy(LightningDDPStrategy):
         if initialized or (store is None and sock is None):
             return super().setup_distributed()
         reset_seed()
-        self.set_world_ranks()
         backend = resolve_process_group_backend(self)
         if sock is not None:
             assert launcher is not None
