@@ -127,27 +127,16 @@ class LoggedTensors(pl.Callback):
     def __init__(self) -> None:
         self.saved: dict[str, Any] | None = None
 
-    def _start(self, trainer: pl.Trainer, batch: Any) -> None:
+    @override
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any):
         self.saved = logged_tensor_states(trainer) if rows(batch) == 0 else None
 
-    def _end(self, trainer: pl.Trainer) -> None:
+    @override
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.saved is not None:
             restore_logged_tensors(trainer, self.saved)
             self.saved = None
         float_batch_counts(trainer)  # (Lightning computes the epoch's values right after the last batch)
 
-    @override
-    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any):
-        self._start(trainer, batch)
-
-    @override
-    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self._end(trainer)
-
-    @override
-    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any):
-        self._start(trainer, batch)
-
-    @override
-    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self._end(trainer)
+    on_test_batch_start = on_validation_batch_start  # type: ignore[assignment]
+    on_test_batch_end = on_validation_batch_end  # type: ignore[assignment]

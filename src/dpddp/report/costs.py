@@ -125,10 +125,9 @@ class Costs(pl.Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        seconds = self._timer_seconds(trainer, settle=True)
-        if seconds is not None:
-            self.counts.allreduce_seconds = seconds
-        waited = self.counts.allreduce_seconds if seconds is not None else None
+        waited = self._timer_seconds(trainer, settle=True)
+        if waited is not None:
+            self.counts.allreduce_seconds = waited
         found = self._over_ranks(trainer, waited, self.counts.fallback_seconds)
         peak = max(found["peak_mem_mib"], self.counts.peak_mem_mib)  # a continued run: its earlier segments too
         self.counts.peak_mem_mib = peak

@@ -72,11 +72,6 @@ def sweep_experiment(sweep_dir: str) -> str:
     return f"dpddp sweep {sweep_dir}"
 
 
-def _outputs_root() -> Path:
-    cwd = Path(HydraConfig.get().runtime.cwd) if HydraConfig.initialized() else Path.cwd()
-    return cwd / "outputs"
-
-
 def _mlflow_uri(root: Path) -> str:
     return f"sqlite:///{root / 'mlflow.db'}"
 
@@ -167,7 +162,7 @@ def tracker_options(kind: str, spec: DictConfig, output_dir: Path, key: str = "l
     experiment, name, tags = _identity(output_dir)
     kept = kept_ids(output_dir).get(kind, {})
     if kind == "mlflow":
-        root = _outputs_root()
+        root = (Path(HydraConfig.get().runtime.cwd) if HydraConfig.initialized() else Path.cwd()) / "outputs"
         uri = str(spec.get("tracking_uri") or _mlflow_uri(root))
         _opened(key, uri, str(spec.get("experiment_name") or experiment), spec.get("artifact_location"))
         options: dict[str, Any] = {

@@ -26,7 +26,7 @@ from dpddp.models.classifier import Classifier
 from dpddp.nn import select_sample_part, select_sample_row
 
 __all__ = ["BATCH_HOOKS", "KNOWN", "SKIPPED_HOOKS", "STEP_HOOKS", "StepsPerExecution", "execution_steps", "known"]
-__all__ += ["lean_steps", "skipped_hook"]
+__all__ += ["lean_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,6 @@ def known(obj: object) -> bool:
     """Whether ``obj`` (an instance or a class) is exactly of a dpddp class or of ``KNOWN``."""
     cls = obj if isinstance(obj, type) else type(obj)
     return cls.__module__.split(".")[0] == "dpddp" or cls in KNOWN
-
-
-def skipped_hook(module: pl.LightningModule) -> str | None:
-    """The first of ``SKIPPED_HOOKS`` that ``module`` overrides, or ``None``."""
-    return next((hook for hook in SKIPPED_HOOKS if is_overridden(hook, module, pl.LightningModule)), None)
 
 
 def execution_steps(batch: Any, steps: int) -> int:
@@ -101,7 +96,7 @@ class StepsPerExecution(pl.Callback):
                 f"{setting} needs a model with automatic optimization ({type(module).__name__} steps its "
                 f"optimizers itself): {self.fix}"
             )
-        if hook := skipped_hook(module):
+        if hook := next((h for h in SKIPPED_HOOKS if is_overridden(h, module, pl.LightningModule)), None):
             raise ConfigError(
                 f"{setting} skips {type(module).__name__}.{hook}, which automatic optimization calls each step: "
                 f"{self.fix}"

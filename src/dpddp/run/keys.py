@@ -117,6 +117,12 @@ def import_problem(target: str) -> str | None:
     return (str(located).splitlines() or [type(located).__name__])[0]
 
 
+def _importable(key: str, target: str) -> None:
+    """Raises ``ConfigError`` naming ``key`` when ``target`` cannot be imported (``import_problem``)."""
+    if problem := import_problem(target):
+        raise ConfigError(f"{key}._target_={target!r} cannot be imported ({problem}): check the name")
+
+
 def target_class(section: str, spec: Mapping) -> type:
     """The class the config node ``section`` builds (its ``_target_``).
 
@@ -126,8 +132,7 @@ def target_class(section: str, spec: Mapping) -> type:
     target = spec.get("_target_")
     if not target:
         raise ConfigError(f"{section}._target_ is missing: name the class to build, e.g. {section}._target_=pkg.Class")
-    if problem := import_problem(str(target)):
-        raise ConfigError(f"{section}._target_={target!r} cannot be imported ({problem}): check the name")
+    _importable(section, str(target))
     found = locate(str(target))
     if not isinstance(found, type):
         raise ConfigError(f"{section}._target_={target!r} is not a class: name the class to build")
@@ -163,8 +168,8 @@ def check_targets(cfg: Mapping, sections: tuple[str, ...] = ("data", "model", "c
     def walk(node: Any, key: str, injected: tuple[str, ...] = ()) -> None:
         if isinstance(node, Mapping):
             target = node.get("_target_")
-            if isinstance(target, str) and (problem := import_problem(target)):
-                raise ConfigError(f"{key}._target_={target!r} cannot be imported ({problem}): check the name")
+            if isinstance(target, str):
+                _importable(key, target)
             if isinstance(target, str) and (name := missing_argument(node, injected)):
                 raise ConfigError(f"{key}: {target} needs {name} (it has no default): set +{key}.{name}")
             for name, value in node.items():
