@@ -40,6 +40,19 @@ def _check(*args: str, timeout: float = 300, cwd: Path | None = None) -> subproc
     )
 
 
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    """``main(args)`` in this process (its loggers' levels restored): the exit status, stdout and stderr."""
+    levels = {n: logging.getLogger(n).level for n in ("lightning", "lightning.pytorch", "lightning.fabric", "dpddp")}
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main(list(args))
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+    out, err = capsys.readouterr()
+    return int(exited.value.code or 0), out, err
+
+
 def _error_line(proc: subprocess.CompletedProcess) -> str:
     """The one ``error:`` line of a check that exited 1 (asserted: status 1, one line on stderr)."""
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -167,13 +180,11 @@ def test_a_transformer_drawing_in_its_own_forward_fails_the_check_naming_it(tmp_
     assert "NOT the same math" in proc.stdout and "does NOT hold" in proc.stdout
 
 
-def test_a_bad_override_is_one_line_and_exit_2_before_training():
-    proc = _check("--model", "nosuch")
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == (
-        "error: In 'config': Could not find 'model/nosuch': choose one of default, mlp, transformer"
-    )
-    assert "samples/s" not in proc.stdout
+def test_a_bad_override_is_one_line_and_exit_2_before_training(capsys):
+    code, out, err = _main(capsys, "--model", "nosuch")
+    assert code == 2
+    assert err.strip() == "error: In 'config': Could not find 'model/nosuch': choose one of default, mlp, transformer"
+    assert "samples/s" not in out
 
 
 def _last_ckpt(run_dir: Path, count: int, lr: float) -> Path:
@@ -303,15 +314,15 @@ def test_a_callback_whose_state_dict_leaves_out_its_count_fails_the_stops_check_
     assert "continued equals" not in proc.stdout
 
 
-@pytest.mark.slow
-def test_the_stops_check_of_one_epoch_is_one_line_and_exit_2():
-    proc = _check("--stops", "trainer.max_epochs=1", "data.num_samples=500")
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == (
+def test_the_stops_check_of_one_epoch_is_one_line_and_exit_2(capsys):
+    """In this process: the straight run (6 steps) trains, then the line."""
+    code, out, err = _main(capsys, "--stops", "trainer.max_epochs=1", "data.num_samples=500")
+    assert code == 2
+    assert err.strip() == (
         "error: --stops needs 2 epochs and 3 steps or more (this run: 6 steps in 1 epoch): set trainer.max_epochs=2 "
         "or more"
     )
-    assert "continued" not in proc.stdout
+    assert "continued" not in out
 
 
 @pytest.mark.slow
@@ -399,15 +410,9 @@ def test_the_advice_decides_only_when_every_ratio_agrees_within_a_spread(ratios,
 def test_an_unknown_key_is_refused_with_dpddp_trains_line(capsys):
     """A user's report: ``--model bias=true`` said Hydra's ``Could not override 'model.bias'.``; the check now says
     ``dpddp-train model.bias=true``'s line (``refused_override``), exit 2, before anything trains."""
-    levels = {n: logging.getLogger(n).level for n in ("lightning", "lightning.pytorch", "lightning.fabric", "dpddp")}
-    try:
-        with pytest.raises(SystemExit) as exited:
-            main(["--model", "bias=true"])
-    finally:
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
-    assert exited.value.code == 2
-    assert capsys.readouterr().err.splitlines() == [
+    code, _, err = _main(capsys, "--model", "bias=true")
+    assert code == 2
+    assert err.splitlines() == [
         "error: model.bias=true: the config has no key model.bias: valid keys: _target_, lr, momentum, num_classes, "
         "num_features, optimizer, weight_decay"
     ]

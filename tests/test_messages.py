@@ -10,6 +10,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 from dpddp._compat.hydra_main import hydra_argument_error
 from dpddp.messages import (
+    UNUSED_PARAMETERS,
     argparse_choice,
     dataloader_failure,
     defaults_list_parent,
@@ -17,9 +18,13 @@ from dpddp.messages import (
     instantiate_key,
     instantiate_target,
     jsonargparse_refusal,
+    locating_failed,
+    missing_primary_config,
     mlflow_opt_out,
+    named_setting,
     omegaconf_reason,
     unexpected_keyword,
+    unrecognized,
     without_torch_prefixes,
 )
 
@@ -39,6 +44,11 @@ def test_defaults_list_parent_reads_hydras_missing_option(tmp_path):
             compose("broken")
     assert defaults_list_parent(str(err.value).splitlines()[0]) == "broken"
     assert defaults_list_parent("Could not find 'model/nope'") is None
+    assert not missing_primary_config(str(err.value).splitlines()[0])
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        with pytest.raises(MissingConfigException) as primary:
+            compose("nope")
+    assert missing_primary_config(str(primary.value).splitlines()[0])
 
 
 class Holder:
@@ -57,6 +67,38 @@ def test_instantiate_readers_name_the_failed_node_its_target_and_the_refused_arg
         instantiate({"_target_": "dpddp.nope.Nope"})
     assert instantiate_key(str(top.value)) is None
     assert instantiate_target(str(top.value)) == "dpddp.nope.Nope"
+    assert locating_failed(str(top.value)) and not locating_failed(str(err.value))
+
+
+def test_named_setting_reads_the_argument_a_class_refused():
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    with pytest.raises(Exception) as err:
+        ModelCheckpoint(monitor="val/loss", mode="bad")
+    assert named_setting(str(err.value), ["monitor", "mode", "save_top_k"]) == "mode"
+    assert named_setting(str(err.value), ["monitor", "save_top_k"]) is None
+
+
+class OneUsed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_unused_parameters_begins_torchs_ddp_error_for_a_parameter_the_loss_did_not_use(tmp_path):
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(OneUsed())
+        with pytest.raises(RuntimeError) as err:
+            for _ in range(2):
+                ddp(torch.ones(1, 2)).sum().backward()
+    finally:
+        torch.distributed.destroy_process_group()
+    assert str(err.value).startswith(UNUSED_PARAMETERS)
 
 
 class Trainerish:
@@ -81,6 +123,16 @@ def test_jsonargparse_refusal_reads_a_wrong_type_a_refused_option_and_a_config_f
     assert (refused.key, refused.class_path, refused.option) == ("model", "torch.nn.Linear", "nope")
     (tmp_path / "bad.yaml").write_text("trainer:\n  nope: 1\n")
     assert _refusal(parser, [f"--config={tmp_path / 'bad.yaml'}"]).group_key == "trainer.nope"
+    missing = _refusal(parser, ["--model=pkg.Nope"])
+    assert (missing.class_path, missing.detail, missing.cause) == (
+        "pkg.Nope",
+        "No module named 'pkg'",
+        "No module named 'pkg'",
+    )
+    with pytest.raises(Exception) as err:
+        parser.parse_args(["--nope=1"])
+    assert unrecognized(str(err.value)) == "--nope=1"
+    assert unrecognized('Parser key "trainer.max_epochs":') is None
 
 
 def test_without_torch_prefixes_reads_a_chained_futures_error():

@@ -1,13 +1,5 @@
-"""dpddp: data-parallel training with Lightning and Hydra, from one CPU to many nodes.
-
-Importing the package registers the ``dp`` strategy in Lightning's ``StrategyRegistry`` (``Trainer(strategy="dp")``
-and ``--trainer.strategy=dp`` then work) as soon as ``lightning.pytorch`` is imported, and does nothing else (in
-dpddp's own commands, it holds SIGTERM first): ``import dpddp`` imports neither torch nor Lightning, so a bad
-setting is answered before them (``dpddp.entry.early``).
-The layers, from the bottom up: ``errors``, ``_compat`` (Lightning's private names), ``cluster``, ``parallel``
-(strategies, launcher, launched-rank entry), ``data`` and ``models`` (built-ins), ``run`` (config check, trainer
-assembly, the one ``train`` function) and ``entry`` (Hydra and the Lightning CLI). Imports run one way, down.
-"""
+"""dpddp: data-parallel training with Lightning and Hydra. Importing it registers the ``dp`` strategy once
+``lightning.pytorch`` is imported, and imports neither torch nor Lightning itself."""
 
 import importlib.abc
 import importlib.util
@@ -47,7 +39,7 @@ class _RegisterDp(importlib.abc.MetaPathFinder):
 
 
 def __getattr__(name: str) -> Any:
-    """``dpddp.DataParallelStrategy``, imported (with Lightning) when it is first asked for."""
+    """``dpddp.DataParallelStrategy``, imported when first asked for."""
     if name != "DataParallelStrategy":
         raise AttributeError(f"module 'dpddp' has no attribute {name!r}")
     from dpddp.parallel.dp import DataParallelStrategy

@@ -1,9 +1,6 @@
-"""``python -m dpddp.check``: is data parallelism working on this machine, and is it worth it? Prints the versions,
-the devices, the network interface and launcher variables, then trains one process against ``ddp`` with 2
-processes (and ``dp`` over the GPUs, where there are two or more): promise 1 is the same math (64 bits, to
-``SAME_MATH``) and, in the run's precision, a drift within rounding (``BOUND`` x a rounding scale measured on the
-model). Exit 0 when it holds, 1 with one ``error:`` line when it does not, 2 for a bad setting.
-``--stops``: promise 3 instead, the tiny run stopped three ways and continued (``check_stops``)."""
+"""``dpddp-check``: is data parallelism working here, and is it worth it? One process against ``ddp`` on 2 (and
+``dp`` over 2+ GPUs): promise 1 as the same math in 64 bits and a drift within rounding; exit 0 when it holds, 1
+with one ``error:`` line when not, 2 for a bad setting. ``--stops``: promise 3; ``--network``: the all-reduce."""
 
 from __future__ import annotations
 
@@ -59,21 +56,19 @@ from dpddp.run.training import isolated_job, train
 __all__ = ["STOPS_TOLERANCE", "TOLERANCE", "StopAt", "check_network", "check_stops", "compare", "main", "overrides_of"]
 
 TOLERANCE = 1e-5
-"""Promise 1 in 32 bits: what the built-in models reach (largest absolute difference); the floor of the rounding
-bound: ddp drifts from one process at most ``BOUND`` x max(``TOLERANCE``, the rounding scale)."""
+"""The floor of the rounding bound: ddp drifts from one process at most ``BOUND`` x max(this, the scale)."""
 BOUND = 3.0
 SAME_MATH = 1e-9
 """Promise 1 in 64 bits: ddp and dp end with one process's weights to this, relative to the largest weight."""
 SIXTY_FOUR = "trainer.precision=64-true"
 PICTURE = "check.png"
-"""The trainings' loss, accuracy, samples/s and memory per epoch (``write_plot``), written in the working directory."""
+"""The trainings' curves per epoch (``write_plot``), in the working directory."""
 TINY = ["trainer.max_epochs=2", "logger=none", "epoch_lines=false", "trainer.enable_progress_bar=false"]
 
 
 def overrides_of(group: str, values: list[str]) -> list[str]:
-    """Hydra overrides for ``--model``/``--data`` values: ``mlp`` chooses the group's option (``model=mlp``),
-    ``key=value`` sets ``model.key=value`` (``+key=value`` adds it), and an override naming the group already
-    (``model.hidden=[64]``, ``+data.x=1``) is taken as it is."""
+    """Hydra overrides for ``--model``/``--data`` values: ``mlp`` -> ``model=mlp``, ``key=value`` ->
+    ``model.key=value`` (``+key`` adds it); one naming the group already (``+data.x=1``) as it is."""
     found = []
     for value in values:
         key, sep, _ = value.partition("=")
@@ -113,8 +108,7 @@ def environment_lines() -> list[str]:
 
 
 def _compose(overrides: list[str], config_dir: str | None) -> DictConfig:
-    """The config ``dpddp-train`` would compose (``--config-dir``: ``config_dir``), with the check's tiny run first.
-
+    """The config ``dpddp-train`` composes (``--config-dir``: ``config_dir``) after the tiny run's overrides.
     Raises ``ConfigError``: Hydra could not compose it (an unknown option or key: ``dpddp-train``'s line)."""
     extra = [f"hydra.searchpath=[file://{Path(config_dir).absolute()}]"] if config_dir else []
     try:
@@ -138,8 +132,7 @@ def _weights(run_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
 
 
 def _difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """The largest absolute difference of two state dicts (in float64), and the entry it is in (``inf`` when keys
-    differ)."""
+    """The largest absolute difference of two state dicts and its entry (``inf`` when the keys differ)."""
     if a.keys() != b.keys():
         return float("inf"), "the state dict's keys"
     diffs = {k: (a[k].double() - b[k].double()).abs().max().item() for k in a}
@@ -152,14 +145,10 @@ def _largest(weights: dict[str, torch.Tensor]) -> float:
 
 
 def _runs(gpus: int) -> list[tuple[str, int, list[str]]]:
-    """The trainings and their replicas: one process, ddp(2) and, on two GPUs or more, dp over them (else all on
-    CPU)."""
-    if gpus >= 2:
-        one = ["accelerator=gpu", "strategy=auto", "devices=1"]
-        return [("1 process", 1, one), ("ddp(2)", 2, ["accelerator=gpu", "strategy=ddp", "devices=2"]),
-                (f"dp({gpus})", gpus, ["accelerator=gpu", "strategy=dp", f"devices={gpus}"])]  # fmt: skip
-    return [("1 process", 1, ["accelerator=cpu", "strategy=auto", "devices=1"]),
-            ("ddp(2)", 2, ["accelerator=cpu", "strategy=ddp", "devices=2"])]  # fmt: skip
+    """The trainings (name, replicas, overrides): one process, ddp(2) and, on 2+ GPUs, dp over them."""
+    runs = [("1 process", 1, "auto"), ("ddp(2)", 2, "ddp"), *([(f"dp({gpus})", gpus, "dp")] if gpus >= 2 else [])]
+    on = "gpu" if gpus >= 2 else "cpu"
+    return [(name, count, [f"accelerator={on}", f"strategy={how}", f"devices={count}"]) for name, count, how in runs]
 
 
 def _train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -169,12 +158,11 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
 
 ROUNDS = 3
-"""The advice decides on this many timings of ddp(2) against one process: the table's, then a 1-epoch round in
-each order (``_again``)."""
+"""Timings of ddp(2) against one process the advice needs: the table's, then a round in each order."""
 MARGIN = 1.1
 """A ratio (ddp(2)'s samples/s over one process's) says "ddp" above this, "one" below its inverse, else "even"."""
 SPREAD = 1.5
-"""The advice decides only when every ratio says the same and the largest is below ``SPREAD`` x the smallest."""
+"""The advice decides only when the largest ratio is below this x the smallest."""
 
 
 def _again(runs: list[tuple[str, int, DictConfig]], ddp: dict[str, Any], work: Path) -> Callable[[int], float]:
@@ -210,16 +198,14 @@ def _split(ratios: list[float]) -> bool:
 
 
 def _agreed(ratios: list[float]) -> str | None:
-    """``"ddp"``, ``"one"`` or ``"even"`` when ``ROUNDS`` or more ``ratios`` all say it and do not ``_split``;
-    else ``None``: this machine cannot tell now."""
+    """``"ddp"``, ``"one"`` or ``"even"`` when ``ROUNDS`` ratios say it and do not ``_split``; else ``None``."""
     if len(ratios) < ROUNDS or _split(ratios):
         return None
     return "ddp" if ratios[0] > MARGIN else "one" if ratios[0] < 1 / MARGIN else "even"
 
 
 def _advice(rows: list[dict[str, Any]], ratios: list[float]) -> str:
-    """The advice from ``ratios`` (``_ratios``): which of one process and ddp(2) is faster here, or that this
-    machine cannot tell now."""
+    """The advice line from ``ratios``: which of one process and ddp(2) is faster here, or cannot tell now."""
     ddp = next(r for r in rows if r["name"].startswith("ddp"))
     share = ddp.get("allreduce_share")
     waits = f"the gradient all-reduce takes {share:.0%} of each ddp step" if share is not None else "ddp all-reduces"
@@ -247,8 +233,8 @@ def _advice(rows: list[dict[str, Any]], ratios: list[float]) -> str:
 
 
 def _draws(cfg: DictConfig, stepped: bool = False) -> str:
-    """``; <draws_line>`` for the config's model on a training batch of its data, or why it could not look;
-    ``stepped``: with none found, that the computation depends on the process."""
+    """``; <draws_line>`` for the config's model, or why it could not look; ``stepped``: with none found, that
+    the computation depends on the process."""
     with isolated_job():
         pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
         draws = find_draws(instantiate(cfg.model, _convert_="all"), instantiate(cfg.data, _convert_="all"))
@@ -264,28 +250,19 @@ def _draws(cfg: DictConfig, stepped: bool = False) -> str:
     )
 
 
-def _side_run(cfg: DictConfig | str, run_dir: Path) -> tuple[dict[str, torch.Tensor], int] | str:
+def _side_run(overrides: list[str], config_dir: str | None, run_dir: Path) -> tuple[dict[str, torch.Tensor], int] | str:
     """The final weights and step of a training this model may not allow (64 bits, micro-batches), or why not."""
-    if isinstance(cfg, str):
-        return cfg
     run_dir.mkdir()
     try:
-        _train(cfg, run_dir)
+        _train(_compose(overrides, config_dir), run_dir)
     except Exception as err:  # a setting refused for this model, a model that cannot run in 64 bits: said, not fatal
         return first_line(err)
     return _weights(run_dir)
 
 
-def _composed(overrides: list[str], config_dir: str | None) -> DictConfig | str:
-    try:
-        return _compose(overrides, config_dir)
-    except ConfigError as err:
-        return str(err)
-
-
 def _same_math(rows: list[dict[str, Any]], sixty_four: list[tuple[dict[str, torch.Tensor], int] | str]) -> list[str]:
-    """Each replicated training's 64-bit line, after one process's; sets ``row["math"]``: ``(difference, relative,
-    where, step)`` or ``None`` (not measured)."""
+    """Each replicated training's 64-bit line; sets ``row["math"]``: ``(diff, relative, where, step, one's step)``
+    or ``None`` (not measured)."""
     one, lines = sixty_four[0], []
     for row, found in zip(rows[1:], sixty_four[1:], strict=True):
         why = found if isinstance(found, str) else one if isinstance(one, str) else ""
@@ -317,9 +294,8 @@ def _rounding(
     wide: tuple[dict[str, torch.Tensor], int] | str,
     precision: str,
 ) -> str:
-    """The rounding line: the scale (one process against itself with its batch summed in 2 micro-batches; where a
-    model cannot take them, against its 64-bit run ``wide``: what rounding to ``precision`` costs it) and each
-    replicated training's drift against its bound; sets ``row["bound"]``."""
+    """The rounding line: the scale (one process against itself in 2 micro-batches, ``scaled``, else against its
+    64-bit run ``wide``) and each replicated training's drift against its bound; sets ``row["bound"]``."""
     if isinstance(scaled, str) and isinstance(wide, str):
         for row in rows[1:]:
             row["bound"] = TOLERANCE
@@ -342,18 +318,12 @@ def _rounding(
 
 
 def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
-    """Print the report: the trainings' figures, promise 1 as the same math (64 bits) and, in the run's precision,
-    the drift against a rounding scale measured on the same model.
-
-    Raises ``ConfigError`` (a setting, or an override Hydra cannot compose) before anything trains, and
-    ``PromiseBroken`` (its one line) when promise 1 does not hold."""
+    """Print the report (figures, same math, rounding, advice) and draw ``PICTURE``. Raises ``ConfigError``
+    before anything trains, ``PromiseBroken`` (its one line) when promise 1 does not hold."""
     for line in environment_lines():
         print(line)
     planned = _runs(torch.cuda.device_count())
     runs = [(name, count, _compose([*settings, *overrides], config_dir)) for name, count, settings in planned]
-    wide = [_composed([*settings, *overrides, SIXTY_FOUR], config_dir) for _, _, settings in planned]
-    half = max(int(runs[0][2].data.batch_size) // 2, 1)
-    micro = _composed([*planned[0][2], *overrides, f"data.micro_batch_size={half}"], config_dir)
     rows: list[dict[str, Any]] = []
     for (name, count, cfg), (_, _, settings) in zip(runs, planned, strict=True):
         run_dir = work / str(len(rows))  # a sweep's job directory to write_plot, labelled by its overrides
@@ -377,10 +347,14 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
             f"{row['name']:<10} {row['samples_per_sec']:>10,.0f} {scaling:>8.0%} {row['peak_mem_mib']:>9,.0f} "
             f"{share:>10} {row['step']:>6} {row['diff']:>13.1e}"
         )
-    sixty_four = [_side_run(cfg, work / f"wide{i}") for i, cfg in enumerate(wide)]
+    sixty_four = [
+        _side_run([*s, *overrides, SIXTY_FOUR], config_dir, work / f"wide{i}") for i, (_, _, s) in enumerate(planned)
+    ]
     for line in _same_math(rows, sixty_four):
         print(line)
-    print(_rounding(rows, _side_run(micro, work / "micro"), sixty_four[0], rows[0]["precision"]))
+    half = f"data.micro_batch_size={max(int(runs[0][2].data.batch_size) // 2, 1)}"
+    scaled = _side_run([*planned[0][2], *overrides, half], config_dir, work / "micro")
+    print(_rounding(rows, scaled, sixty_four[0], rows[0]["precision"]))
     math_apart = [r for r in rows[1:] if _apart(r)]
     drifting = [r for r in rows[1:] if r["diff"] > r["bound"] or r["step"] != rows[0]["step"]]
     print(f"promise 1 (the same math as one process; in {rows[0]['precision']}, a drift within rounding): ", end="")
@@ -409,7 +383,7 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
 
 
 STOPS_TOLERANCE = 1e-6
-"""Promise 3: a continued run ends with the straight run's state to this (largest absolute difference)."""
+"""Promise 3: a continued run ends with the straight run's state to this."""
 ONE_PROCESS = ["accelerator=cpu", "strategy=auto", "devices=1"]
 STOP_CALLBACK = "+callbacks.check_stop._target_=dpddp.check.StopAt"
 RECORD = "check_stops.pt"
@@ -421,12 +395,9 @@ WALL_CLOCK = ("Timer",)  # callbacks whose state is time measured (trainer.max_t
 
 
 class StopAt(pl.Callback):
-    """The ``--stops`` runs' callback: sends this process ``signal`` (``"SIGTERM"``, ``"SIGKILL"``; ``""``: none)
-    before the training batch (or execution) that takes global step ``step + 1``. At the fit's end it writes
-    ``check_stops.pt`` into the run directory: the global steps at which this fit's later epochs started, the
-    numbers and tensors each of the user's callbacks holds as attributes (what its ``state_dict`` may leave out),
-    the keys of each callback's state its ``load_state_dict`` reads (what a continued run can have) and the LR
-    schedulers' class names."""
+    """Sends this process ``signal`` (``""``: none) before the batch that takes global step ``step + 1``; at the
+    fit's end writes ``RECORD``: the later epochs' first steps, the user's callbacks' number attributes, the keys
+    each callback's ``load_state_dict`` reads, and the LR schedulers' class names."""
 
     def __init__(self, signal: str = "", step: int = -1) -> None:
         self.signal, self.step = signal, step
@@ -476,8 +447,7 @@ class _Reads(dict):
 
 
 def _read_keys(callback: pl.Callback) -> list[str] | None:
-    """The keys of ``callback``'s ``state_dict`` that its ``load_state_dict`` reads (on a shallow copy of it),
-    or ``None`` when that cannot be seen (it raised)."""
+    """The keys of ``callback``'s ``state_dict`` its ``load_state_dict`` reads (on a copy); ``None`` if it raised."""
     state = _Reads(callback.state_dict())
     try:
         with warnings.catch_warnings():
@@ -489,11 +459,8 @@ def _read_keys(callback: pl.Callback) -> list[str] | None:
 
 
 def _numbers(callback: pl.Callback) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    for name, value in vars(callback).items():
-        if isinstance(value, (bool, int, float, torch.Tensor)):
-            found[name] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-    return found
+    found = {k: v for k, v in vars(callback).items() if isinstance(v, (bool, int, float, torch.Tensor))}
+    return {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in found.items()}
 
 
 def _leaves(value: Any, name: str, run_dir: Path) -> dict[str, Any]:
@@ -509,8 +476,8 @@ def _leaves(value: Any, name: str, run_dir: Path) -> dict[str, Any]:
 
 
 def _gap(a: Any, b: Any) -> float:
-    """How far apart two leaves are: numbers and tensors by their largest absolute difference (equal values, NaN
-    and infinities included, are 0 apart); anything else 0 when equal, else ``inf``."""
+    """How far apart two leaves are: numbers and tensors by their largest absolute difference (equal NaN and
+    infinities: 0); anything else 0 when equal, else ``inf``."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.shape != b.shape:
             return math.inf
@@ -527,8 +494,7 @@ def _gap(a: Any, b: Any) -> float:
 
 
 def _pieces(ckpt: dict, restored: dict[str, list[str] | None]) -> dict[str, Any]:
-    """A checkpoint's state in the order ``--stops`` compares it (``WALL_CLOCK`` callbacks left out; of a callback
-    in ``restored``, only the keys its ``load_state_dict`` reads)."""
+    """A checkpoint's pieces in compared order (no ``WALL_CLOCK`` callback; of one in ``restored``, its keys)."""
     found = {"weights": ckpt.get("state_dict"), "optimizer": ckpt.get("optimizer_states")}
     found["schedulers"] = ckpt.get("lr_schedulers")
     for key, state in (ckpt.get("callbacks") or {}).items():
@@ -540,13 +506,9 @@ def _pieces(ckpt: dict, restored: dict[str, list[str] | None]) -> dict[str, Any]
 
 
 def compare(straight: Path, continued: Path, kind: str, cause: str = "") -> tuple[float, str | None]:
-    """Compare two run directories' ``last.ckpt``: the weights (``state_dict``), the optimizer and scheduler
-    states, each ``checkpoint["callbacks"]`` entry (the keys its ``load_state_dict`` reads, by ``StopAt``'s
-    record: what a continued run can have) and the random states (``checkpoint["dpddp"]["random"]``), in that
-    order. Returns the largest difference, and the one line (no ``error:``) naming the first piece that differs by
-    more than ``STOPS_TOLERANCE`` and by how much (a value on one side only: missing), after the cause where one
-    is known (``cause``, the continue's own line; a scheduler built for another limit; a user's callback
-    attribute its state leaves out), or ``None``."""
+    """Compare two run directories' ``last.ckpt`` piece by piece (``_pieces``). Returns the largest difference,
+    and ``None`` or one line naming the first piece apart by more than ``STOPS_TOLERANCE`` (or missing on one
+    side), after its cause where known (``cause``; a schedule built for another limit; a callback attribute)."""
     ckpts = [
         torch.load(d / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
         for d in (straight, continued)
@@ -581,8 +543,8 @@ def compare(straight: Path, continued: Path, kind: str, cause: str = "") -> tupl
 
 
 def _schedule_cause(ckpts: list[dict], record: dict) -> str:
-    """The first LR scheduler the continued run follows as another limit built it (``checkpoint["dpddp"]``'s
-    ``schedules``: the builds each run follows), or ``""``."""
+    """The first LR scheduler built for another limit in the continued run (``ckpt["dpddp"]["schedules"]``), or
+    ``""``."""
     builds = [(c.get("dpddp") or {}).get("schedules") or [] for c in ckpts]
     names = record.get("schedulers", [])
     for i, (straight, continued) in enumerate(zip(*builds, strict=False)):
@@ -598,8 +560,7 @@ def _schedule_cause(ckpts: list[dict], record: dict) -> str:
 
 
 def _attribute_cause(records: list[dict]) -> str:
-    """``callbacks.<key>: its <attribute> ...`` for the first user's callback attribute apart at the end (the
-    straight and the continued run's ``StopAt`` records), or ``""``."""
+    """The line for the first user's callback attribute apart in the two ``StopAt`` records, or ``""``."""
     if not all(records):
         return ""
     ours, theirs = (r["attributes"] for r in records)
@@ -623,12 +584,9 @@ def _entry_point(args: list[str], expect: int, what: str) -> None:
 
 
 def check_stops(overrides: list[str], config_dir: str | None, work: Path) -> None:
-    """``--stops``: train the tiny run straight on one process, then stopped at seeded random steps (a limit, a
-    SIGTERM mid-epoch, a SIGKILL after an epoch's ``last.ckpt``) and continued; print one line per stop kind.
-
-    Raises ``ConfigError`` (a setting; a run of fewer than 2 epochs or 3 steps), ``PromiseBroken`` (a continued
-    run that does not ``compare`` equal) and ``RuntimeError`` (a stop or a continue that did not end as it
-    should)."""
+    """``--stops``: the tiny run straight, then stopped at seeded steps (a limit, a SIGTERM, a SIGKILL) and
+    continued; one line per stop. Raises ``ConfigError`` (fewer than 2 epochs or 3 steps), ``PromiseBroken`` (a
+    continue not equal) and ``RuntimeError`` (a stop or continue that did not exit as it should)."""
     base = [*overrides, *ONE_PROCESS, STOP_CALLBACK]
     straight = work / "straight"
     straight.mkdir()
@@ -702,8 +660,8 @@ def _schedule_lines() -> Iterator[list[str]]:
 
 
 def _model_step(cfg: DictConfig) -> tuple[int, Callable[[int], float] | None, str]:
-    """The config's model: its gradient's bytes, and a function giving the median seconds of one training step
-    (forward, backward) on the first ``n`` samples of a training batch, or ``None`` with why it cannot be timed."""
+    """The model's gradient bytes, and the median seconds of a training step on ``n`` samples of a batch (or
+    ``None`` and why it cannot be timed)."""
     model = instantiate(cfg.model, _convert_="all")
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     try:
@@ -730,8 +688,7 @@ def _model_step(cfg: DictConfig) -> tuple[int, Callable[[int], float] | None, st
 
 
 def _collective(processes: int, sizes: list[int], work: Path) -> Collective | None:
-    """All-reduce figures between this launcher's ranks (torchrun, SLURM: every rank calls it; ``None`` on ranks
-    other than 0) or between ``processes`` started here."""
+    """All-reduce figures between a launcher's ranks (``None`` on ranks but 0) or ``processes`` started here."""
     env = next((e for e in (TorchElasticEnvironment, SLURMEnvironment) if e.detect()), None)
     if env is None:
         return measure_spawned(processes, sizes, _free_port(), work / "network.json")
@@ -756,10 +713,8 @@ def _free_port() -> int:
 
 
 def check_network(overrides: list[str], config_dir: str | None, work: Path, processes: int) -> None:
-    """Print the all-reduce latency and bus bandwidth between ``processes`` ranks started here (or a launcher's),
-    the ring bound for the config's gradient, the predicted ddp step and a recommendation.
-
-    Raises ``ConfigError`` (a setting, or ``processes`` < 2) before anything is measured."""
+    """Print the all-reduce latency and bandwidth, the ring bound for the gradient, the predicted ddp step and a
+    recommendation. Raises ``ConfigError`` (a setting, or ``processes`` < 2) before anything is measured."""
     if processes < 2:
         raise ConfigError(f"--processes={processes} is too few: an all-reduce needs 2 or more, e.g. --processes=2")
     cfg = _compose(overrides, config_dir)

@@ -12,28 +12,10 @@ from omegaconf import OmegaConf
 from dpddp.errors import local_rank
 from dpddp.network import is_local_address
 
-__all__ = [
-    "LAUNCHED_ENV",
-    "cluster_world_size",
-    "env_rank",
-    "in_cluster_job",
-    "launch_id",
-    "launched",
-    "launched_by_dpddp",
-    "launch_environment",
-    "local_rank",
-    "master_address",
-    "node_rank",
-    "process_name",
-    "register_resolvers",
-    "run_name",
-    "stray_address_variables",
-    "stray_rank_variables",
-    "torchrun_local_world_size",
-    "torchrun_restart_count",
-    "torchrun_run_id",
-    "writes_outputs",
-]
+__all__ = ["LAUNCHED_ENV", "cluster_world_size", "env_rank", "in_cluster_job", "launch_id", "launched"]
+__all__ += ["launched_by_dpddp", "launch_environment", "local_rank", "master_address", "node_rank", "process_name"]
+__all__ += ["register_resolvers", "run_name", "stray_address_variables", "stray_rank_variables"]
+__all__ += ["torchrun_local_world_size", "torchrun_restart_count", "torchrun_run_id", "writes_outputs"]
 
 
 def env_rank() -> int:

@@ -1,23 +1,22 @@
-"""Other libraries' error messages read as data, and only here: each function reads one message format of argparse
-(through Hydra's parser), Hydra (composition, ``instantiate``), jsonargparse (LightningCLI's parser), Python's
-``TypeError`` or torch, as written by the versions in ``dpddp._compat.CHECKED`` (jsonargparse: 4.x). It imports
-nothing (``dpddp.errors`` reads torch's with it before Lightning is imported). tests/test_messages.py feeds each
-the real message, made by the library at test time; the callers turn what these return into one-line errors."""
+"""Other libraries' messages read as data, and only here, as the versions in ``dpddp._compat.CHECKED`` write them
+(jsonargparse 4.x); it imports nothing. tests/test_messages.py feeds each reader the library's real message."""
 
 from __future__ import annotations
 
 import re
 from typing import NamedTuple
 
-__all__ = ["JsonargparseRefusal", "argparse_choice", "dataloader_failure", "defaults_list_parent"]
-__all__ += ["hydra_override_reason", "instantiate_key", "instantiate_target", "jsonargparse_refusal"]
-__all__ += ["mlflow_opt_out", "omegaconf_reason", "unexpected_keyword", "without_torch_prefixes"]
+UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"
+"""How torch's DDP error for a parameter the last loss did not use begins (as Lightning 2.6.6 matches it)."""
+
+
+def unused_parameters(text: str) -> bool:
+    """Whether ``text`` is torch's DDP error for a parameter the last loss did not use."""
+    return UNUSED_PARAMETERS in text
 
 
 def argparse_choice(message: str) -> tuple[str, str, list[str]] | None:
-    """argparse's refusal of a value that is not one of an option's choices (``argument --cfg/-c: invalid choice:
-    'jobb' (choose from 'job', 'hydra', 'all')``): (the option's first name, the value, the choices); else
-    ``None``."""
+    """``(option, value, choices)`` of argparse's ``invalid choice`` refusal, else ``None``."""
     found = re.match(r"argument (\S+?)(?:/\S+)?: invalid choice: '(.*?)' \(choose from (.*)\)$", message)
     if found is None:
         return None
@@ -26,39 +25,52 @@ def argparse_choice(message: str) -> tuple[str, str, list[str]] | None:
 
 
 def defaults_list_parent(first_line: str) -> str | None:
-    """The config whose defaults list names a missing config group option, from the first line of Hydra's
-    ``MissingConfigException`` (``In 'config': Could not find 'model/foo'``); ``None`` when an override named it."""
+    """The config whose defaults list names a missing option (Hydra's ``In 'config': Could not find ...``), else
+    ``None``."""
     found = re.match(r"In '(.+?)':", first_line)
     return found.group(1) if found else None
 
 
+def missing_primary_config(first_line: str) -> bool:
+    """Whether Hydra's ``MissingConfigException`` is for the primary config (``--config-name``)."""
+    return first_line.startswith("Cannot find primary config")
+
+
 def instantiate_key(text: str) -> str | None:
-    """The key of the node ``hydra.utils.instantiate`` failed to build, from its ``InstantiationException``'s
-    text (``... full_key: data.dataset``); ``None`` for the top node (no ``full_key``)."""
+    """The ``full_key`` of the node Hydra's ``InstantiationException`` failed to build; ``None`` for the top node."""
     found = re.search(r"full_key: (\S+)\s*$", text)
     return found.group(1) if found else None
 
 
 def instantiate_target(text: str) -> str | None:
-    """The ``_target_`` named in an ``InstantiationException``'s text (``Error locating target 'pkg.Nope'``,
-    ``Error in call to target 'pkg.Class'``); ``None`` when it names none."""
+    """The ``_target_`` an ``InstantiationException`` names, else ``None``."""
     found = re.search(r"target '([^']+)'", text)
     return found.group(1) if found else None
 
 
+def locating_failed(text: str) -> bool:
+    """Whether an ``InstantiationException`` says its ``_target_`` could not be imported."""
+    return text.startswith("Error locating target")
+
+
 def unexpected_keyword(reason: str) -> str | None:
-    """The argument a callable refused, from Python's ``TypeError`` (``__init__() got an unexpected keyword
-    argument 'lr'``); else ``None``."""
+    """The argument Python's ``TypeError`` says a callable refused, else ``None``."""
     found = re.search(r"unexpected keyword argument '(\w+)'", reason)
     return found.group(1) if found else None
 
 
+def named_setting(reason: str, keys: list[str]) -> str | None:
+    """The one of ``keys`` an error's ``reason`` names (quoted ones first), else ``None``."""
+    named = [k for k in keys if re.search(rf"\b{re.escape(k)}\b", reason)]
+    quoted = [k for k in named if f"`{k}`" in reason or f"'{k}'" in reason]
+    return (quoted or named)[0] if len(quoted or named) == 1 else None
+
+
 JSONARGPARSE_EXPECTED = re.compile(r"Expected a (?:<class '(.+)'>|typing\.Literal\[(.+?)\])")
-"""jsonargparse's line for a value of the wrong type: a class's name, or a ``Literal``'s values."""
 
 
 class JsonargparseRefusal(NamedTuple):
-    """What a jsonargparse ``ArgumentError`` says (``jsonargparse_refusal``); a part its message lacks is ``None``."""
+    """What a jsonargparse ``ArgumentError`` says; a part its message lacks is ``None``."""
 
     group_key: str | None  # ``a.b``: a key of a ``--config`` file that its group does not accept
     key: str | None  # ``Parser key "trainer.max_epochs": <reason>``
@@ -66,17 +78,20 @@ class JsonargparseRefusal(NamedTuple):
     option: str | None  # ``Option 'x' is not accepted``
     class_path: str | None  # ``Problem with given class_path 'pkg.C'``
     expected: list[str]  # the types of ``Expected a <class 'int'>`` lines
+    detail: str  # the first cause that is not a ``Problem with`` line
+    cause: str | None  # the first that is not an ``Expected a path`` line either
 
 
 def jsonargparse_refusal(lines: list[str]) -> JsonargparseRefusal:
-    """Read jsonargparse's ``ArgumentError`` from its message's stripped lines: the first is its head, the rest its
-    causes (``- `` bullets removed by the caller)."""
+    """Read jsonargparse's ``ArgumentError`` from its message's stripped lines (its head, then its causes)."""
     head, inner = (lines or [""])[0], lines[1:]
     grouped = re.match(r"Group '(.+)' does not accept option '(.+)'", head)
     parsed = re.match(r'Parser key "(.+?)":\s*(.*)', head)
 
     def first(pattern: str) -> str | None:
         return next((m.group(1) for line in inner if (m := re.match(pattern, line))), None)
+
+    detail = next((line for line in inner if not line.startswith("Problem with")), "")
 
     return JsonargparseRefusal(
         group_key=".".join(grouped.groups()) if grouped else None,
@@ -85,26 +100,29 @@ def jsonargparse_refusal(lines: list[str]) -> JsonargparseRefusal:
         option=first(r"Option '(.+)' is not accepted"),
         class_path=first(r"Problem with given class_path '(.+)'"),
         expected=[m.group(1) or m.group(2) for line in inner if (m := JSONARGPARSE_EXPECTED.match(line))],
+        detail=detail,
+        cause=next((line for line in inner if not line.startswith(("Problem with", "Expected a path"))), None),
     )
 
 
+def unrecognized(head: str) -> str | None:
+    """The arguments argparse's (jsonargparse's) ``unrecognized arguments: ...`` line names, else ``None``."""
+    return head.removeprefix("unrecognized arguments: ") if head.startswith("unrecognized arguments: ") else None
+
+
 def omegaconf_reason(first_line: str) -> str:
-    """OmegaConf's reason an interpolation did not resolve, from its error's first line, without a resolver's
-    wrapper (``ValueError raised while resolving interpolation: ...``) and quotes."""
+    """OmegaConf's reason an interpolation did not resolve, without a resolver's wrapper and quotes."""
     return re.sub(r"^\w+ raised while resolving interpolation: ", "", first_line).strip('"')
 
 
 def hydra_override_reason(message: str) -> str | None:
-    """Why Hydra's override grammar refused an override: its ``OverrideParseException`` message's first line that is
-    not the heading (``Error parsing override ...``) or the link (``See https://...``); ``None`` without one."""
+    """Why Hydra's ``OverrideParseException`` refused an override (its first line of substance), else ``None``."""
     lines = [x for x in message.splitlines() if x and not x.startswith(("Error parsing", "See https"))]
     return lines[0] if lines else None
 
 
 def dataloader_failure(first_line: str) -> str | None:
-    """torch's ``RuntimeError`` of a stuck or dead DataLoader worker (its first line), as a phrase (``"a DataLoader
-    worker sent no batch for 60.0 s"``, ``"a DataLoader worker (pid(s) 42) exited unexpectedly"``), else ``None``
-    (torch 2.13's ``torch/utils/data/dataloader.py`` and its C++ SIGCHLD handler)."""
+    """torch's ``RuntimeError`` first line of a stuck or dead DataLoader worker as a phrase, else ``None``."""
     timed_out = re.fullmatch(r"DataLoader timed out after (\S+) seconds", first_line)
     if timed_out:
         return f"a DataLoader worker sent no batch for {timed_out[1]} s"
@@ -112,20 +130,15 @@ def dataloader_failure(first_line: str) -> str | None:
 
 
 def mlflow_opt_out(text: str) -> str | None:
-    """The environment variable an MLflow refusal says to set to opt out of it (``... set
-    `MLFLOW_ALLOW_FILE_STORE=true` to opt out of this exception``, MLflow 3.17's file store), else ``None``."""
+    """The variable an MLflow 3.17 refusal says to set ``=true`` to opt out of it, else ``None``."""
     found = re.search(r"set `?(MLFLOW_\w+)=true`? to opt out", text)
     return found.group(1) if found else None
 
 
-_WRAPPED = re.compile(r"(?:Got the following error when running the callback: \w+: )+")
-"""torch's ``Future.then`` wrapping of a callback's error, once per chained callback (torch 2.13)."""
-
-_SOURCE = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h):\d+\] ")
-"""The C++ source location that torch's and gloo's messages start with (``[.../unbound_buffer.cc:81] ``)."""
+_WRAPPED = re.compile(r"(?:Got the following error when running the callback: \w+: )+")  # torch's Future.then
+_SOURCE = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h):\d+\] ")  # a C++ source location (torch, gloo)
 
 
 def without_torch_prefixes(text: str) -> str:
-    """``text`` without torch's ``Future.then`` wrappings of a callback's error and the first C++ source location
-    (``[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out ...``: ``Timed out ...``)."""
+    """``text`` without torch's ``Future.then`` wrappings and its first C++ source location."""
     return _SOURCE.sub("", _WRAPPED.sub("", text), count=1)

@@ -1,6 +1,5 @@
-"""``dpddp-plot RUN_OR_SWEEP_DIR [-o OUT.png]`` (or ``python -m dpddp.plot``): loss, accuracy, samples/s and memory
-against epoch as a PNG. A run directory gives one line per curve; a sweep directory one colour per job. Exits 2
-with one line when there is nothing to plot."""
+"""``dpddp-plot RUN_OR_SWEEP_DIR [-o OUT.png]``: loss, accuracy, samples/s and memory per epoch as a PNG, one
+colour per job of a sweep. Exits 2 with one line when there is nothing to plot."""
 
 from __future__ import annotations
 

@@ -26,15 +26,6 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage
 
-__all__ = ["AGENT_STORE_ENV", "CHECKED", "HOOK_NAME_ATTRIBUTE", "Launcher", "SubprocessScriptLauncher", "agent_store"]
-__all__ += ["disable_sigterm_broadcast", "hydra_command_line", "hydra_mode_unset", "data_position"]
-__all__ += ["epoch_finished_in", "float_batch_counts", "init_process_group", "hydra_override_refused"]
-__all__ += ["keep_unfinished_epoch", "logged_metric_kinds", "logged_tensor_states", "processed_epochs", "rank0_store"]
-__all__ += ["resolve_process_group_backend", "restore_logged_tensors", "restore_sigterm_broadcast", "counted_step"]
-__all__ += ["agent_store_shared", "epoch_cut", "restart_train_iterator", "skip_next_validation"]
-__all__ += ["set_num_threads_if_needed", "skip_empty_batch_hooks", "softmax_per_sample", "uncount_last_batch"]
-__all__ += ["batches_counted_as_steps", "count_logged_step", "step_count_either_way"]
-
 CHECKED = {"lightning": "2.6.6", "torch": "2.13.0", "hydra-core": "1.3.8"}
 """The versions every entry below was read in and tested against."""
 

@@ -8,8 +8,6 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
 
-__all__ = ["mend_finetuning", "mend_swa", "swapped_average"]
-
 
 def swapped_average(checkpoint: dict[str, Any]) -> tuple[str, int] | None:
     """``(state key, epochs averaged)`` of a ``StochasticWeightAveraging`` whose average of 2 or more epochs

@@ -12,8 +12,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-__all__ = ["CHECKED", "POWERSGD_FIELDS", "bucket_assignment", "load_powersgd_state", "powersgd_state"]
-
 CHECKED = "2.13.0"
 """The torch version every entry below was read in and tested against."""
 

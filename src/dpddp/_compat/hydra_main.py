@@ -10,8 +10,6 @@ from typing import Any
 
 from hydra.types import RunMode
 
-__all__ = ["hydra_argument_error", "hydra_reported", "locate"]
-
 
 class _Refused(Exception):
     pass

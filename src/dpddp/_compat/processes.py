@@ -15,9 +15,6 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["CHECKED", "at_multiprocessing_exit", "forget_forkserver", "raised_pickling_a_process"]
-__all__ += ["FORK_SERVER_COMMAND", "forget_resource_sharer", "in_fork_server", "stop_worker_servers"]
-
 CHECKED = "3.11.7"
 """The CPython version every entry below was read in and tested against."""
 

@@ -10,15 +10,8 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-__all__ = ["CHECKED", "UNUSED_PARAMETERS", "registered_strategies", "wrapping_frozen"]
-
 CHECKED = "2.6.6"
 """The Lightning version every entry below was read in and tested against."""
-
-UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"
-"""How torch's ``DistributedDataParallel`` error for a parameter that took no part in the last step's loss begins
-(the pattern Lightning's ``DDPStrategy.on_exception`` matches, Lightning 2.6.6). If it changes: the error keeps
-torch's own text, cut at the line's length."""
 
 
 def registered_strategies() -> dict[str, tuple[type, dict[str, Any]]]:

@@ -11,9 +11,7 @@ import lightning.pytorch as pl
 
 from dpddp.cluster import cluster_world_size
 from dpddp.continuity.io import BACKGROUND, AtomicCheckpointIO
-from dpddp.errors import ConfigError, checked_float, checked_int
-
-__all__ = ["CHECKPOINT_KEYS", "IntervalCheckpoints", "checkpoint_intervals"]
+from dpddp.errors import checked_float, checked_int
 
 CHECKPOINT_KEYS = ("every_n_steps", "every_seconds")
 AUTO_EVERY_SECONDS = 600.0
@@ -31,8 +29,7 @@ def checkpoint_intervals(cfg: Mapping) -> tuple[int | None, float | None]:
         seconds = AUTO_EVERY_SECONDS if cluster_world_size(cfg.get("cluster", "auto")) is not None else None
     elif seconds is not None:
         fix = "use a positive number of seconds, auto (600 under torchrun, SLURM, a PyTorchJob) or null (off)"
-        if checked_float("checkpoint.every_seconds", seconds, 0.0, math.inf, fix) <= 0:
-            raise ConfigError(f"checkpoint.every_seconds={seconds!r} is invalid: {fix}")
+        checked_float("checkpoint.every_seconds", seconds, math.nextafter(0.0, 1.0), math.inf, fix)
     if (cfg.get("trainer") or {}).get("enable_checkpointing") is False:
         return None, None
     return steps, seconds

@@ -8,8 +8,6 @@ import torch
 
 from dpddp.parallel.whereabouts import AGREEMENT, entering
 
-__all__ = ["Pace", "agreed"]
-
 
 class Pace:
     """Every ``every`` batches (1 to 1000, from the slowest rank's batch time): about ``interval_s`` apart."""

@@ -12,8 +12,6 @@ from typing_extensions import override
 from dpddp.errors import ReplicasDiverged, checked_int
 from dpddp.parallel.whereabouts import entering
 
-__all__ = ["ReplicaGuard", "check_every", "checksums", "divergent"]
-
 _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -12,9 +12,6 @@ import torch
 
 from dpddp.errors import first_line
 
-__all__ = ["LIMIT_MARK", "built_apart", "built_states", "due_plateau_values", "limit_line", "limit_lines"]
-__all__ += ["take_skipped_plateau_steps"]
-
 
 def _due(trainer: pl.Trainer, epoch: int) -> list[tuple[int, Any]]:
     """``(index, config)`` of the epoch-interval plateau schedulers Lightning steps at the end of ``epoch``."""

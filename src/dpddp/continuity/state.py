@@ -34,8 +34,6 @@ from dpddp.parallel.whereabouts import entering
 from dpddp.report.epochs import EpochRecord, EpochTable
 from dpddp.report.throughput import ThroughputCounts
 
-__all__ = ["KEY", "ResumableState", "TrainLossSums", "random_state", "rank_seed", "save_final_checkpoint"]
-
 log = logging.getLogger(__name__)
 
 KEY = "dpddp"

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["ENV", "STOP_FILE", "active", "clear", "request", "requested"]
-
 ENV = "DPDDP_SWEEP_STOP"
 STOP_FILE = ".stop"
 

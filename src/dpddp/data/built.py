@@ -1,7 +1,5 @@
-"""Data built in code is the same on every rank: a data module's ``prepare_data``/``setup`` (and the data set
-constructors the run builds) run with the global random streams seeded from the data seed alone
-(``data_streams``), then put back; where a data module's own code escapes that, ``SameDataOnEveryRank`` compares a
-checksum of the splits the ranks built, once at the start of a fit. See docs/your-model-and-data.md."""
+"""Data built in code is the same on every rank: built inside ``data_streams(seed)``, and checked by
+``SameDataOnEveryRank``. See docs/your-model-and-data.md."""
 
 from __future__ import annotations
 
@@ -20,16 +18,13 @@ from dpddp.data.draws import seed_streams, streams_kept
 from dpddp.errors import ConfigError
 from dpddp.nn import key64
 
-__all__ = ["BUILD", "SameDataOnEveryRank", "data_checksum", "data_streams", "in_data_streams"]
-
-BUILD = 0xB111_DA7A
-"""Folded into the seed first: the streams data is built from stay apart from the samples' (``draws.STREAMS``)."""
+BUILD = 0xB111_DA7A  # folded into the seed first: apart from the samples' keys (draws.STREAMS)
 
 
 @contextmanager
 def data_streams(seed: int) -> Iterator[None]:
-    """The block runs with torch's CPU stream (and every initialized CUDA device's), numpy's and Python's seeded
-    from ``key64(BUILD, seed)``: the same on every rank and world size; afterwards they are as before."""
+    """The block runs with the global streams (and initialized CUDA devices') seeded from ``key64(BUILD, seed)``;
+    afterwards they are as before."""
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices), streams_kept():
         key = key64(BUILD, int(seed))
@@ -51,8 +46,7 @@ def in_data_streams(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def data_checksum(splits: Mapping[str, Any]) -> int:
-    """A 63-bit checksum of batch-indexed ``splits`` (name -> data set): each one's length and its first, middle
-    and last samples' tensors (values and shapes)."""
+    """A 63-bit checksum of batch-indexed ``splits``: each one's length and first, middle and last samples."""
     digest = hashlib.blake2b(digest_size=8)
     for name in sorted(splits):
         split = splits[name]
@@ -69,8 +63,8 @@ def data_checksum(splits: Mapping[str, Any]) -> int:
 
 
 class SameDataOnEveryRank(pl.Callback):
-    """At a fit's ``setup`` (after the data module's), on more than one process: the ranks compare
-    ``data_checksum`` of the data module's ``splits`` (one all-gather).
+    """At a fit's ``setup`` on several processes, the ranks compare ``data_checksum`` of the data module's
+    ``splits``.
 
     Raises:
         ConfigError: the ranks built different data; the line names the data module.
@@ -78,7 +72,7 @@ class SameDataOnEveryRank(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        data = getattr(trainer, "datamodule", None)  # the data module of the fit
+        data = getattr(trainer, "datamodule", None)
         splits = getattr(data, "splits", None)
         if stage != "fit" or trainer.world_size < 2 or not isinstance(splits, Mapping) or not splits:
             return

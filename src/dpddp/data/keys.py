@@ -1,5 +1,4 @@
-"""Each training batch's keys of per-sample randomness (``dpddp.nn``), from the ids its sampler yielded:
-``sample_key_callbacks(model)`` is what a run adds to its Trainer."""
+"""Each training batch's keys of per-sample randomness (``dpddp.nn``), from the ids its sampler yielded."""
 
 from __future__ import annotations
 
@@ -15,22 +14,19 @@ from dpddp.errors import ConfigError
 from dpddp.nn import SampleDropout, assign_layer_keys, clear_sample_keys, set_sample_keys
 from dpddp.parallel.dp import DataParallelStrategy
 
-__all__ = ["SampleKeyCallback", "sample_key_callbacks", "uses_sample_keys"]
-
 
 def uses_sample_keys(model: nn.Module) -> bool:
-    """Whether ``model`` has a ``SampleDropout`` or sets ``uses_sample_keys = True`` (its own keyed draws)."""
+    """Whether ``model`` has a ``SampleDropout`` or sets ``uses_sample_keys = True``."""
     return bool(getattr(model, "uses_sample_keys", False)) or any(isinstance(m, SampleDropout) for m in model.modules())
 
 
 def sample_key_callbacks(model: nn.Module) -> list[pl.Callback]:
-    """``[SampleKeyCallback()]`` for a model that uses sample keys, else ``[]`` (no per-batch hooks)."""
+    """``[SampleKeyCallback()]`` for a model that uses sample keys, else ``[]``."""
     return [SampleKeyCallback()] if uses_sample_keys(model) else []
 
 
 def _sampler(trainer: pl.Trainer) -> YieldedIds | None:
-    """The training loader's sampler, batch sampler or data set that records its ids (dpddp's: ``data=dataset``,
-    ``data=sharded`` or ``data=stream``), else ``None``."""
+    """The training loader's ``YieldedIds`` (its sampler, batch sampler or data set), else ``None``."""
     loader = trainer.train_dataloader
     if not isinstance(loader, DataLoader):
         return None
@@ -41,13 +37,11 @@ def _sampler(trainer: pl.Trainer) -> YieldedIds | None:
 
 
 class SampleKeyCallback(pl.Callback):
-    """At ``on_train_batch_start``, keys ``(data seed, epoch, ids)`` of the batch the ``GlobalBatchSampler``
-    recorded at ``batch_idx`` (``[k, b]`` ids for an execution; DataParallel's device ids under ``dp``);
-    cleared at its end. ``on_train_start`` keys the layers (``assign_layer_keys``).
+    """Sets each training batch's keys ``(seed, epoch, ids)`` from the ids recorded at its ``batch_idx``, and
+    clears them at its end; keys the layers at the fit's start.
 
     Raises:
-        ConfigError: at ``on_train_start``, training data served by no sampler of dpddp's (``YieldedIds``: a data
-            module's own loaders outside ``data=sharded``), which gives no keys.
+        ConfigError: training data served by no ``YieldedIds`` (no keys).
         RuntimeError: no ids recorded for a batch's ``batch_idx``.
     """
 

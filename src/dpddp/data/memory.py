@@ -1,5 +1,4 @@
-"""The memory model of the built-in data: what a run's processes on one node will hold, checked against what the
-machine or its container allows before anything is drawn."""
+"""What the built-in data's processes on one node will hold, against what the machine or container allows."""
 
 from __future__ import annotations
 
@@ -10,17 +9,12 @@ from pathlib import Path
 from dpddp.data.synthetic import BLOCK
 from dpddp.errors import ConfigError
 
-__all__ = ["CGROUP_LIMITS", "PROCESS_BASE_BYTES", "check_memory", "data_bytes", "memory_bytes"]
-
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v2, v1
-PROCESS_BASE_BYTES = 600 * 2**20
-"""What one training process holds before any data (torch, Lightning, Hydra with the CPU build of torch), rounded
-up; ``bench/RESULTS.md`` has the measurement."""
+PROCESS_BASE_BYTES = 600 * 2**20  # one process before any data (bench/RESULTS.md)
 
 
 def memory_bytes() -> int:
-    """Memory the processes of this run may use (bytes): the machine's physical memory, or the container's
-    cgroup limit where that is lower (``memory.max``, cgroup v2; ``memory.limit_in_bytes``, v1)."""
+    """Bytes this run may use: the physical memory, or the container's cgroup limit where lower."""
     try:
         limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -36,10 +30,8 @@ def memory_bytes() -> int:
 
 
 def data_bytes(num_samples: int, num_features: int, num_classes: int, batch_size: int, streaming: bool) -> int:
-    """Bytes one process holds for the built-in data: in memory, ``x`` float32 ``[N, F]``, ``y`` and the
-    training order int64 ``[N]``; streaming, the cached blocks (``cache_blocks`` + the one being built, of
-    ``BLOCK x (F + 2)`` float32) and the block order; either way the teacher ``[F, C]`` and about three batches
-    in flight (the prefetched, the gathered and the one in the step: ``3 x batch_size x F`` float32)."""
+    """Bytes one process holds for the built-in data: the tensors (in memory) or five cached blocks
+    (streaming), the training order, the teacher and three batches in flight."""
     per_batch = 3 * batch_size * num_features * 4 + num_features * num_classes * 4
     if streaming:
         return 5 * BLOCK * (num_features + 2) * 4 + num_samples // BLOCK * 8 + per_batch
@@ -47,8 +39,8 @@ def data_bytes(num_samples: int, num_features: int, num_classes: int, batch_size
 
 
 def check_memory(data: Mapping, per_node: int, available: int) -> None:
-    """Raises: ConfigError: the built-in data ``data`` on one node, ``per_node`` processes each with its own copy,
-    needs more than 80% of ``available`` bytes (the rest: headroom); the advice names settings that fit."""
+    """Raises ConfigError: ``per_node`` processes of the built-in data ``data`` need more than 80% of
+    ``available`` bytes; the advice names settings that fit."""
     limit = available * 0.8
     n, f, c, b = (data[k] for k in ("num_samples", "num_features", "num_classes", "batch_size"))
     streaming = bool(data.get("streaming"))

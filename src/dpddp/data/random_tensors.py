@@ -1,5 +1,4 @@
-"""``RandomTensorDataModule``: the built-in data, a learnable task from random tensors (``dpddp.data.synthetic``),
-served in global batches (``dpddp.data.global_batch``)."""
+"""``RandomTensorDataModule``: the built-in data (``dpddp.data.synthetic``) in global batches."""
 
 from __future__ import annotations
 
@@ -10,19 +9,16 @@ from typing_extensions import override
 
 from dpddp.data.batches import TensorBatches
 from dpddp.data.global_batch import GlobalBatchDataModule
+from dpddp.data.rules import split_sizes
 from dpddp.data.synthetic import BLOCK, StreamingTensors, checksum, make_tensors
-
-__all__ = ["RandomTensorDataModule"]
 
 log = logging.getLogger(__name__)
 
 
 class RandomTensorDataModule(GlobalBatchDataModule):
-    """A learnable classification task of ``num_samples`` samples from random tensors, in global batches (a
-    ``GlobalBatchDataModule``: ``batch_size`` is the GLOBAL batch). ``label_noise``: the fraction of labels
-    replaced by a random class; ``streaming``: samples generated as batches need them (``StreamingTensors``),
-    memory independent of ``num_samples``. The splits are the contiguous slices ``[train | val | test]`` of the
-    i.i.d. samples (``dpddp.data.rules.split_sizes``)."""
+    """A learnable task of ``num_samples`` random samples (``make_tensors``), split into contiguous ``[train | val
+    | test]``. ``label_noise``: the fraction of random labels; ``streaming``: samples generated as batches need
+    them (``StreamingTensors``)."""
 
     def __init__(
         self,
@@ -47,7 +43,7 @@ class RandomTensorDataModule(GlobalBatchDataModule):
         self.save_hyperparameters()
         self.num_samples, self.num_features, self.num_classes = num_samples, num_features, num_classes
         self.label_noise, self.streaming = label_noise, streaming
-        self.num_train, self.num_val, self.num_test = self.split_sizes(num_samples)
+        self.num_train, self.num_val, self.num_test = split_sizes(num_samples, val_fraction, test_fraction)
         self.block_size = BLOCK if streaming else None
 
     @override

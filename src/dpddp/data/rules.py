@@ -1,5 +1,4 @@
-"""The data settings a run may have and the split rule, once, for the config check (``dpddp.run.config``) and the
-data modules at ``setup``: each bad setting is one ``ConfigError`` line (the setting, the value, the fix)."""
+"""The data settings' rules and the split rule, for the config check and the data modules' ``setup``."""
 
 from __future__ import annotations
 
@@ -8,26 +7,15 @@ from typing import Any
 
 from dpddp.errors import ConfigError, checked_float, checked_int
 
-__all__ = [
-    "check_divides",
-    "check_micro_batch_size",
-    "check_random_tensors",
-    "check_split_settings",
-    "check_train_split",
-    "iterable_refusal",
-    "split_sizes",
-]
-
 
 def split_sizes(n: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
-    """``(train, val, test)`` sample counts of ``n`` samples: ``int(n * fraction)`` held out for each."""
+    """``(train, val, test)`` sample counts of ``n``: ``int(n * fraction)`` held out for each."""
     num_val, num_test = int(n * val_fraction), int(n * test_fraction)
     return n - num_val - num_test, num_val, num_test
 
 
 def check_split_settings(batch_size: Any, val_fraction: Any, test_fraction: Any) -> None:
-    """Raises: ConfigError: a global batch that is not a positive integer, or fractions outside ``[0, 0.9]`` or
-    leaving no training samples (the settings every global-batch data module has)."""
+    """Raises ConfigError: a batch size below 1, or fractions outside ``[0, 0.9]`` or leaving no training."""
     checked_int("data.batch_size", batch_size, 1, "use a positive global batch size (samples per step)")
     for key, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
         checked_float(f"data.{key}", value, 0.0, 0.9, "use a fraction in [0, 0.9]")
@@ -39,8 +27,7 @@ def check_split_settings(batch_size: Any, val_fraction: Any, test_fraction: Any)
 
 
 def check_train_split(batch_size: int, num_train: int, more: str) -> None:
-    """Raises: ConfigError: a train split of ``num_train`` samples has no full global batch (``more``: how to get
-    more samples)."""
+    """Raises ConfigError: ``num_train`` samples hold no full global batch (``more``: how to get more)."""
     if num_train < batch_size:
         raise ConfigError(
             f"data.batch_size={batch_size} is larger than the train split ({num_train} samples): lower "
@@ -49,8 +36,7 @@ def check_train_split(batch_size: int, num_train: int, more: str) -> None:
 
 
 def check_divides(batch_size: Any, world_size: int, source: str = "devices x num_nodes") -> None:
-    """Raises: ConfigError: an integer global batch that the ``world_size`` processes cannot share evenly
-    (``source``: where the world size came from, e.g. ``"torchrun WORLD_SIZE=3"``)."""
+    """Raises ConfigError: an integer batch size that ``world_size`` does not divide (``source``: its origin)."""
     if isinstance(batch_size, int) and batch_size % world_size:
         raise ConfigError(
             f"data.batch_size={batch_size} (global) does not divide by the world size {world_size} ({source}): use "
@@ -59,15 +45,16 @@ def check_divides(batch_size: Any, world_size: int, source: str = "devices x num
 
 
 def check_micro_batch_size(value: Any) -> None:
-    """Raises: ConfigError: a ``data.micro_batch_size`` that is not ``null``, ``auto`` or a positive integer."""
+    """Raises ConfigError: not ``null``, ``auto`` or a positive integer."""
     if value is not None and value != "auto":
         checked_int("data.micro_batch_size", value, 1, "use null, auto, or a positive number of samples")
 
 
 def check_random_tensors(data: Mapping, world_size: int, source: str = "devices x num_nodes") -> tuple[int, int, int]:
-    """The ``(train, val, test)`` sample counts of the built-in data's settings (``RandomTensorDataModule``'s), from
-    the values alone. Raises: ConfigError: a value out of range, an empty split, no full global batch to train, or
-    one that does not divide by ``world_size``."""
+    """The ``(train, val, test)`` sample counts of ``RandomTensorDataModule``'s settings ``data``.
+
+    Raises ConfigError: a value out of range, an empty split, or a batch size that does not fit.
+    """
     n = checked_int("data.num_samples", data["num_samples"], 1, "use a positive number of samples")
     checked_int("data.num_features", data["num_features"], 1, "use a positive number of features")
     checked_int("data.num_classes", data["num_classes"], 2, "use at least 2 classes")
@@ -89,7 +76,7 @@ def check_random_tensors(data: Mapping, world_size: int, source: str = "devices 
 
 
 def iterable_refusal(name: str) -> str:
-    """The one line for an ``IterableDataset`` (class ``name``) given to a global-batch data module."""
+    """The refusal of an ``IterableDataset`` (class ``name``) given to a global-batch data module."""
     return (
         f"data.dataset ({name}) is an IterableDataset (a stream: no len() or [i]), and data=dataset serves map-style "
         f"data sets only: use data=stream +data.stream._target_=<it> data.num_samples=<samples in one pass> (every "

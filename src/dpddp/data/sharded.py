@@ -1,5 +1,5 @@
-"""A user's own LightningDataModule with its own DataLoaders, sharded: each global batch of its loaders split
-over the ranks (``ShardedDataModule``), never the whole epoch on every rank."""
+"""A user's LightningDataModule with plain DataLoaders, sharded: each batch of its loaders is a global batch split
+over the ranks. See docs/design-notes.md (data.sharded)."""
 
 from __future__ import annotations
 
@@ -22,31 +22,25 @@ from typing_extensions import override
 
 from dpddp._compat import data_position
 from dpddp.data.batches import dataset_rows, empty_batch
-from dpddp.data.built import data_streams
+from dpddp.data.built import data_streams, in_data_streams
 from dpddp.data.draws import EpochIds, KeyedSamples
-from dpddp.data.global_batch import YieldedIds
+from dpddp.data.global_batch import YieldedIds, epoch_generator
 from dpddp.errors import ConfigError
 from dpddp.parallel.workers import start_workers_safely
 
-__all__ = ["ShardedBatchSampler", "ShardedDataModule", "epoch_order", "shard_loader"]
-
 
 def epoch_order(sampler: Sampler, seed: int) -> Callable[[int], list[int]]:
-    """The training order of each epoch of a user's ``sampler``, a function of ``(seed, epoch)``: a
-    ``RandomSampler`` (``shuffle=True``, with or without a ``generator``) is drawn again from ``(seed, epoch)``
-    (with replacement, or whole permutations for its ``num_samples``), a ``SequentialSampler`` is in order, and
-    any other sampler is told ``set_epoch(epoch)`` (if it has one) and iterated.
+    """The training order of each epoch of ``sampler``, a function of the epoch: a ``RandomSampler`` drawn again
+    from ``(seed, epoch)``, any other told ``set_epoch(epoch)`` (if it has one) and iterated.
 
     Raises:
-        ConfigError: another sampler whose order is not the same each time it is iterated for an epoch (a
-            ``generator`` drawn once per fit, the global RNG): a continued run or another world size would see
-            other batches than a straight run.
+        ConfigError: a sampler (not sequential) whose order differs between two iterations for one epoch.
     """
     if isinstance(sampler, RandomSampler):
         n, count, replace = len(sampler.data_source), sampler.num_samples, sampler.replacement
 
         def drawn(epoch: int) -> list[int]:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)  # as the global-batch sampler's
+            gen = epoch_generator(seed, epoch)
             if replace:
                 return torch.randint(n, (count,), generator=gen).tolist()
             return torch.cat([torch.randperm(n, generator=gen) for _ in range(-(-count // n))])[:count].tolist()
@@ -69,19 +63,12 @@ def epoch_order(sampler: Sampler, seed: int) -> Callable[[int], list[int]]:
 
 
 class ShardedBatchSampler(YieldedIds, Sampler[list[int]]):
-    """This rank's share of each GLOBAL batch: rank ``r`` of ``W`` takes chunk ``r`` of
-    ``torch.tensor_split(batch, W)``.
-
-    Training (``train``: ``batches`` is the loader's ``torch.utils.data.BatchSampler``): the epoch's order comes
-    from ``epoch_order`` (a function of ``(seed, epoch)``), cut into full batches of ``batch_size`` (the short
-    last one dropped, and not counted in ``len``, on every world size); ``position() -> (epoch, batches
-    trained)``, read as an epoch's iteration starts, picks the epoch and skips the batches already trained
-    (mid-epoch resume). Evaluation: ``batches`` (any batch sampler) as they come, every sample once. Training
-    ids are recorded for ``SampleDropout``'s keys (``YieldedIds``: ``(seed, epoch, id in the loader's data set)``).
+    """Rank ``r``'s chunk (``torch.tensor_split``) of each global batch of ``batches``. Training: ``epoch_order``
+    cut into full batches, from ``position() -> (epoch, batches trained)``, ids recorded (``YieldedIds``);
+    evaluation: ``batches`` as they come.
 
     Raises:
-        ConfigError: a training batch that does not divide by ``world_size``, or a sampler ``epoch_order``
-            refuses.
+        ConfigError: a training batch that does not divide by ``world_size``, or a sampler ``epoch_order`` refuses.
     """
 
     def __init__(self, batches: Any, rank: int, world_size: int, train: bool, seed: int = 0) -> None:
@@ -100,11 +87,11 @@ class ShardedBatchSampler(YieldedIds, Sampler[list[int]]):
             self.order = epoch_order(self.sampler, seed)  # type: ignore[arg-type]
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch to iterate when no ``position`` is set (Lightning calls it at each epoch start)."""
+        """The epoch to iterate when no ``position`` is set."""
         self.epoch = epoch
 
     def __len__(self) -> int:
-        """Batches per epoch: training, full global batches only."""
+        """Batches per epoch (training: full ones)."""
         return len(self.sampler) // self.batch_size if self.train else len(self.batches)  # type: ignore[arg-type]
 
     def _chunk(self, batch: list[int]) -> list[int]:
@@ -118,14 +105,14 @@ class ShardedBatchSampler(YieldedIds, Sampler[list[int]]):
         epoch, skip = self.position() if self.position is not None else (self.epoch, 0)
         order, b = self.order(epoch), self.batch_size
         self._yielded.clear()
-        for k in range(skip, len(order) // b):  # the epoch travels with the ids, to a worker's copy of the data set
+        for k in range(skip, len(order) // b):  # the epoch travels with the ids, to a worker's data set
             ids = self._chunk(order[k * b : (k + 1) * b])
             self._record(k, epoch, torch.tensor(ids, dtype=torch.long))
             yield EpochIds(ids, epoch)
 
 
 class _CollateOrEmpty:
-    """The loader's ``collate_fn``, with an empty list collated as one sample cut to 0 rows."""
+    """``collate``, with an empty list collated as one sample cut to 0 rows."""
 
     def __init__(self, collate: Any, dataset: Any) -> None:
         self.collate, self.dataset = collate, dataset
@@ -135,7 +122,7 @@ class _CollateOrEmpty:
 
 
 class _WithRows(Dataset):
-    """A map-style data set whose samples come with their index: ``(dataset[i], i)``."""
+    """``(dataset[i], i)``."""
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
@@ -148,8 +135,7 @@ class _WithRows(Dataset):
 
 
 class _CollateWithRows:
-    """``collate`` of the samples of ``_WithRows``, their rows in the whole data set appended (``(*batch, rows)``,
-    a dict's ``"index"``; ``dpddp.data.batches.dataset_rows``: through a ``Subset``'s indices)."""
+    """``collate`` of ``_WithRows``' samples, their rows in the whole data set appended (a dict's ``"index"``)."""
 
     def __init__(self, collate: Any, dataset: Any) -> None:
         self.collate, self.dataset = collate, dataset
@@ -165,16 +151,12 @@ class _CollateWithRows:
 def shard_loader(
     loader: Any, rank: int, world_size: int, train: bool, seed: int = 0, with_rows: bool = False
 ) -> DataLoader:
-    """``loader`` (a plain ``torch.utils.data.DataLoader`` over a map-style data set, batched by a sampler)
-    rebuilt with a ``ShardedBatchSampler``: its batch size becomes the global batch, its samples' draws from the
-    global streams keyed (``dpddp.data.draws.KeyedSamples``, with ``seed``). ``with_rows``: each batch
-    followed by its samples' rows in the loader's data set (for ``predictions.csv``). Its workers start safely
-    (``dpddp.parallel.workers.start_workers_safely``).
+    """``loader`` (a plain ``DataLoader`` over a map-style data set) rebuilt with a ``ShardedBatchSampler``, its
+    draws keyed (``KeyedSamples``); ``with_rows``: each batch followed by its rows in the data set.
 
     Raises:
-        ConfigError: a loader that cannot be sharded this way (another class, an iterable data set, no batch
-            sampler, or for training a batch sampler of its own or fewer samples than one batch), with what to do
-            instead; or one ``ShardedBatchSampler`` refuses.
+        ConfigError: a loader that cannot be sharded (another class, an iterable data set, no batch sampler; for
+            training, a batch sampler of its own or less than one batch), or one ``ShardedBatchSampler`` refuses.
     """
     fix = (
         "return a plain DataLoader(dataset, batch_size=...), or subclass dpddp.data.global_batch.GlobalBatchDataModule"
@@ -215,11 +197,8 @@ def shard_loader(
 
 
 class ShardedDataModule(pl.LightningDataModule):
-    """Wraps a user's ``LightningDataModule`` (``data.module._target_=my_pkg.MyDataModule``) whose loaders are
-    plain DataLoaders, each rebuilt by ``shard_loader``: the training order is a function of ``(seed, epoch)``
-    (``epoch_order``), so every world size trains the same batches and a stop continues exactly.
-    ``batch_size`` is the training loader's, the global batch (set when the training loader is built). The
-    module's ``prepare_data``, ``setup`` and loader hooks run inside ``dpddp.data.built.data_streams(seed)``."""
+    """A user's ``module`` whose loaders, each rebuilt by ``shard_loader``, give the same batches on every world
+    size; its hooks run inside ``data_streams(seed)``. ``batch_size``: the training loader's (the global batch)."""
 
     def __init__(self, module: pl.LightningDataModule, seed: int = 0) -> None:
         super().__init__()
@@ -227,19 +206,19 @@ class ShardedDataModule(pl.LightningDataModule):
         self.batch_size = 0
 
     @override
+    @in_data_streams
     def prepare_data(self) -> None:
         if isinstance(self.module, pl.LightningDataModule):
-            with data_streams(self.seed):  # data drawn from the global streams: the same on every rank
-                self.module.prepare_data()
+            self.module.prepare_data()
 
     @override
+    @in_data_streams
     def setup(self, stage: str) -> None:
-        """Raises: ConfigError: ``module`` is not a LightningDataModule (``data.module._target_`` unset)."""
+        """Raises ConfigError: ``module`` is not a LightningDataModule (``data.module._target_`` unset)."""
         if not isinstance(self.module, pl.LightningDataModule):
             raise ConfigError(f"data.module={self.module!r} is not a data module: set data.module._target_=pkg.MyData")
         self.module.trainer = self.trainer
-        with data_streams(self.seed):  # data drawn from the global streams: the same on every rank
-            self.module.setup(stage)
+        self.module.setup(stage)
 
     @override
     def teardown(self, stage: str) -> None:
@@ -254,7 +233,7 @@ class ShardedDataModule(pl.LightningDataModule):
         self.module.load_state_dict(state_dict)
 
     def _shard(self, make: Callable[[], Any], train: bool, with_rows: bool = False) -> DataLoader:
-        with data_streams(self.seed):  # a loader (or data) built from the global streams: the same on every rank
+        with data_streams(self.seed):
             loader = make()
         rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         return shard_loader(loader, rank, world_size, train, self.seed, with_rows)
@@ -278,5 +257,5 @@ class ShardedDataModule(pl.LightningDataModule):
 
     @override
     def predict_dataloader(self) -> DataLoader:
-        """The module's predict loader, sharded, each batch followed by its samples' rows in its data set."""
+        """The module's predict loader, sharded, each batch followed by its rows in its data set."""
         return self._shard(self.module.predict_dataloader, train=False, with_rows=True)

@@ -1,12 +1,6 @@
-"""Random-tensor classification data, identical on every rank: the whole set, or generated block by block (torch
-only: ``bench/``'s plain-PyTorch baselines import it).
-
-The task: ``x ~ N(0, 1)`` of ``[num_samples, num_features]``, labels ``argmax(x @ W + b)`` of a fixed random
-teacher, a fraction ``label_noise`` of them random. One generator seeded with ``seed`` draws everything: the
-tensors are a pure function of ``(seed, sizes)`` on every world size. Streaming, sample ``i`` comes from block
-``i // BLOCK``, drawn from ``(seed, block)`` when a batch needs it (the same teacher): memory does not grow with
-``num_samples``, and training visits the blocks in a block shuffle (``GlobalBatchSampler``).
-"""
+"""Random-tensor classification data, a pure function of ``(seed, sizes)``: ``x ~ N(0, 1)``, labels
+``argmax(x @ W + b)`` of a random teacher, a fraction ``label_noise`` random; whole, or block by block from
+``(seed, block)``. Torch only: ``bench/``'s plain-PyTorch baselines import it."""
 
 from __future__ import annotations
 
@@ -15,10 +9,7 @@ import zlib
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["BLOCK", "CHECKSUM_BYTES", "StreamingTensors", "checksum", "label", "make_tensors", "teacher"]
-
-BLOCK = 4096
-"""Samples per generated block in streaming mode (a power of two: the in-block order is affine mod ``BLOCK``)."""
+BLOCK = 4096  # samples a streamed block (a power of two: the in-block order is affine mod BLOCK)
 
 
 def _draw_teacher(gen: torch.Generator, num_features: int, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,16 +17,14 @@ def _draw_teacher(gen: torch.Generator, num_features: int, num_classes: int) -> 
 
 
 def teacher(seed: int, num_features: int, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The teacher ``W: [num_features, num_classes]`` and bias ``[num_classes]`` of seed ``seed``: the first draws
-    of ``make_tensors``'s generator."""
+    """The teacher ``W: [num_features, num_classes]`` and bias of ``seed``, as ``make_tensors`` draws them."""
     return _draw_teacher(torch.Generator().manual_seed(seed), num_features, num_classes)
 
 
 def label(
     x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, label_noise: float, num_classes: int, gen: torch.Generator
 ) -> torch.Tensor:
-    """Labels of ``x: [n, num_features]``: ``argmax(x @ w + b)``, int64 ``[n]``, with a fraction ``label_noise`` of
-    them (drawn from ``gen``) replaced by a uniformly random class."""
+    """int64 ``argmax(x @ w + b)``, a fraction ``label_noise`` (drawn from ``gen``) replaced by a random class."""
     y = (x @ w + b).argmax(dim=1)
     if label_noise > 0:
         flip = torch.rand(len(x), generator=gen) < label_noise
@@ -46,26 +35,18 @@ def label(
 def make_tensors(
     seed: int, num_samples: int, num_features: int, num_classes: int, label_noise: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw the whole data set from a generator seeded with ``seed``.
-
-    Returns:
-        ``x``: float32 ``[num_samples, num_features]``; ``y``: int64 ``[num_samples]`` in ``[0, num_classes)``.
-    """
+    """``x`` float32 ``[num_samples, num_features]`` and ``y`` int64 ``[num_samples]``, drawn from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     w, b = _draw_teacher(gen, num_features, num_classes)
     x = torch.randn(num_samples, num_features, generator=gen)
     return x, label(x, w, b, label_noise, num_classes, gen)
 
 
-CHECKSUM_BYTES = 1 << 24
-"""The most bytes of one tensor that ``checksum`` reads (16 MiB)."""
+CHECKSUM_BYTES = 1 << 24  # the most bytes of one tensor that checksum reads
 
 
 def checksum(*tensors: torch.Tensor) -> str:
-    """CRC32 of the tensors' bytes, as 8 hex digits: equal on two ranks that built the same data, different when
-    one drew other tensors (another seed, size or generator). A tensor over ``CHECKSUM_BYTES`` counts by
-    ``CHECKSUM_BYTES`` worth of its rows, evenly spaced from the first to the last: the check costs a bounded time
-    before the first step, however large the data set."""
+    """CRC32 of the tensors' bytes as 8 hex digits; of a tensor over ``CHECKSUM_BYTES``, evenly spaced rows."""
     crc = 0
     for t in tensors:
         if t.dim() and len(t) > 1 and t.nbytes > CHECKSUM_BYTES:
@@ -76,11 +57,10 @@ def checksum(*tensors: torch.Tensor) -> str:
 
 
 class StreamingTensors(Dataset):
-    """Samples ``[offset, offset + length)`` of an unbounded stream, generated on demand: a sample depends only on
-    ``(seed, id)``. ``ds[ids]`` (split-local int64 ``[b]``) returns ``(x [b, num_features], y [b])`` (and ``ids``
-    with ``with_index=True``); the last ``cache_blocks`` blocks are kept."""
+    """Samples ``[offset, offset + length)`` of an unbounded stream, each a function of ``(seed, id)``: ``ds[ids]``
+    is ``(x [b, num_features], y [b])`` (and ``ids`` with ``with_index``); the last ``cache_blocks`` blocks kept."""
 
-    batch_indexable = True  # ds[ids] gathers a whole batch (dpddp.data.batches.batch_indexable)
+    batch_indexable = True
 
     def __init__(
         self,
@@ -102,7 +82,7 @@ class StreamingTensors(Dataset):
         return self.length
 
     def rows(self, positions: torch.Tensor) -> torch.Tensor:
-        """The stream's sample ids (rows) at ``positions`` of this split."""
+        """The stream's rows at ``positions`` of this split."""
         return positions + self.offset
 
     def block(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,4 @@
-"""Real data with no download: scikit-learn's bundled tables (``digits``, ``breast_cancer``), served in global
-batches by ``GlobalBatchDataModule``."""
+"""Real data with no download: scikit-learn's bundled tables in global batches."""
 
 from __future__ import annotations
 
@@ -14,22 +13,16 @@ from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.data.synthetic import checksum
 from dpddp.errors import ConfigError
 
-__all__ = ["TABLES", "TableDataModule"]
-
 log = logging.getLogger(__name__)
 
 TABLES = {"digits": datasets.load_digits, "breast_cancer": datasets.load_breast_cancer}
-"""The bundled tables: ``digits`` (1797 8x8 images, 64 features, 10 classes), ``breast_cancer`` (569 samples,
-30 features, 2 classes)."""
 
 
 class TableDataModule(GlobalBatchDataModule):
-    """The bundled table ``name`` (``TABLES``), each feature standardized over the whole table (a constant one
-    keeps scale 1), split by the seed. ``num_features`` and ``num_classes`` state the table's sizes in the config,
-    for the model's to follow; the other arguments are ``GlobalBatchDataModule``'s.
+    """The table ``name`` of ``TABLES``, each feature standardized; ``num_features`` and ``num_classes`` state its
+    sizes in the config, for the model's to follow.
 
-    Raises (at ``setup``):
-        ConfigError: an unknown ``name``, or sizes that differ from the table's.
+    Raises ``ConfigError`` (setup): an unknown ``name``, or sizes that differ from the table's.
     """
 
     def __init__(

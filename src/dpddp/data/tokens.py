@@ -1,6 +1,4 @@
-"""The built-in text task: variable-length token sequences with a class label (``RandomTokens``), padded per batch
-by ``pad_tokens``, served in global batches by ``TokenDataModule`` (``data=tokens``; the model: ``model=transformer``).
-See docs/your-model-and-data.md (Text)."""
+"""The built-in text task (``data=tokens``): variable-length token sequences with a label, padded per batch."""
 
 from __future__ import annotations
 
@@ -12,16 +10,12 @@ from typing_extensions import override
 
 from dpddp.data.global_batch import GlobalBatchDataModule
 
-__all__ = ["PAD", "RandomTokens", "TokenDataModule", "pad_tokens"]
-
-PAD = 0
-"""The padding token id; real tokens are ``1 .. vocab_size - 1``."""
+PAD = 0  # the padding token; real tokens are 1 .. vocab_size - 1
 
 
 class RandomTokens(Dataset):
-    """``num_samples`` sequences of ``min_len .. max_len`` tokens (int64 ``[length]``) and a label in
-    ``[0, num_classes)``, a pure function of ``seed``: each class has its own band of the vocabulary, and a
-    sequence's tokens come from its class's band with probability ``signal``, else from the whole vocabulary."""
+    """``num_samples`` sequences (int64 ``[min_len .. max_len]``) and labels, a pure function of ``seed``: a token
+    comes from its class's band of the vocabulary with probability ``signal``, else from all of it."""
 
     def __init__(
         self,
@@ -51,14 +45,13 @@ class RandomTokens(Dataset):
 
 
 def pad_tokens(samples: list[tuple[torch.Tensor, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens, label)`` samples -> ``(tokens [b, longest] int64 padded with PAD, labels [b])``."""
+    """``(tokens, label)`` samples -> ``(tokens [b, longest] padded with PAD, labels [b])``."""
     tokens = torch.nn.utils.rnn.pad_sequence([t for t, _ in samples], batch_first=True, padding_value=PAD)
     return tokens, torch.stack([torch.as_tensor(y) for _, y in samples])
 
 
 class TokenDataModule(GlobalBatchDataModule):
-    """``RandomTokens`` in global batches of ``batch_size``, each rank's share padded by ``pad_tokens`` (a
-    ``GlobalBatchDataModule`` with a ``collate_fn``)."""
+    """``RandomTokens`` in global batches, each rank's share padded by ``pad_tokens``."""
 
     def __init__(
         self,

@@ -1,7 +1,5 @@
-"""The command line of ``train.py`` checked before Hydra reads it, and of ``dpddp`` (LightningCLI) as jsonargparse
-refuses it: each problem Hydra or jsonargparse would end in a traceback or many lines (modes that cannot be
-combined, an override its grammar cannot read, an unknown config option, an override of a key the composed config
-lacks, an option the CLI does not take) is one line for ``dpddp.errors.fail``."""
+"""The command lines of ``train.py`` (before Hydra reads it) and ``dpddp`` (as jsonargparse refuses it): each
+problem Hydra or jsonargparse would end in a traceback or many lines is one line for ``dpddp.errors.fail``."""
 
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from dpddp._compat import hydra_command_line
 from dpddp._compat.hydra_main import hydra_argument_error
-from dpddp.entry.early import GROUPS, dotted_keys, key_hints, missing_key_line
+from dpddp.entry.early import key_hints, missing_key_line
 from dpddp.entry.early import unknown_option as _unknown_option
 from dpddp.messages import (
     argparse_choice,
@@ -35,11 +33,9 @@ from dpddp.run.keys import key_hint
 from dpddp.run.trainer_flags import takes
 
 __all__ = [
-    "GROUPS",
     "HYDRA_FAILURES",
     "MODES",
     "MODE_GROUPS",
-    "dotted_keys",
     "hydra_failure",
     "mode_conflict",
     "refused_arguments",
@@ -51,23 +47,21 @@ __all__ = [
 
 
 def unknown_option(argv: list[str]) -> str | None:
-    """``dpddp.entry.early.unknown_option``, with a Lightning strategy name said as Lightning's
-    (``lightning_name_line``)."""
+    """``early.unknown_option`` with Lightning's strategy names (``lightning_name_line``)."""
     return _unknown_option(argv, lightning_name_line)
 
 
 MODES: tuple[tuple[str, str], ...] = (("run", "--run (-r)"), ("multirun", "--multirun (-m)"), ("cfg", "--cfg (-c)"))
 MODES += (("info", "--info (-i)"), ("shell_completion", "--shell-completion (-sc)"))
-"""Hydra's command-line modes, of which a command takes one: the parsed flag, and its spellings."""
+"""Hydra's command-line modes (a command takes one): the parsed flag, and its spellings."""
 MODE_USES = {"run": "runs one job", "multirun": "runs a sweep", "cfg": "prints the composed config"}
 MODE_USES |= {"info": "prints what Hydra composes it from", "shell_completion": "sets up shell completion"}
 """What each of ``MODES`` does, for the line that asks to keep one."""
 
 
 def mode_conflict(argv: list[str]) -> str | None:
-    """One line naming the Hydra modes of ``argv`` that cannot be combined (``-m --cfg job``), or ``--resolve``
-    without ``--cfg``; ``None`` when Hydra can run it as given (by Hydra's own parser:
-    ``dpddp._compat.hydra_command_line``)."""
+    """One line naming the Hydra modes of ``argv`` that cannot be combined, or ``--resolve`` without ``--cfg``;
+    else ``None``."""
     args = hydra_command_line(argv)
     if args is None or args.help or args.hydra_help:
         return None
@@ -88,15 +82,12 @@ def mode_conflict(argv: list[str]) -> str | None:
 
 
 MODE_GROUPS = ("hparams_search",)
-"""The packaged config groups whose options may set ``hydra.mode`` (``hparams_search=optuna`` sweeps without
-``-m``); no other packaged config sets it (tests/test_compat.py composes each option)."""
+"""The packaged config groups whose options may set ``hydra.mode`` (tests/test_compat.py composes each)."""
 
 
 def sets_no_mode(argv: list[str]) -> bool:
-    """Whether the config of this command line surely sets no ``hydra.mode``: packaged configs only (no
-    ``--config-dir``, ``--config-path`` or ``--config-name``, no ``hydra.searchpath``), no option of
-    ``MODE_GROUPS`` chosen and no ``hydra.mode`` override. Hydra's first composition, which only reads that mode,
-    is then skipped (``dpddp._compat.hydra_mode_unset``)."""
+    """Whether ``argv``'s config surely sets no ``hydra.mode``: packaged configs only, no option of ``MODE_GROUPS``
+    and no ``hydra.mode`` override (Hydra's first composition is then skipped: ``_compat.hydra_mode_unset``)."""
     for arg in argv:
         key = arg.partition("=")[0].lstrip("+~")
         if key in MODE_GROUPS or "hydra.mode" in arg or "hydra.searchpath" in arg:
@@ -107,10 +98,8 @@ def sets_no_mode(argv: list[str]) -> bool:
 
 
 def refused_arguments(argv: list[str], prog: str) -> str | None:
-    """One line for a command line Hydra's own parser refuses (``hydra.main`` would print its 8-line usage): an
-    option's value that is not one of its choices (``--cfg jobb``), an option without its value, an unknown option;
-    ``None`` when the parser takes it (``dpddp._compat.hydra_main.hydra_argument_error``). ``prog``: the command
-    (``python train.py``), for its ``--help``."""
+    """One line for a command line Hydra's own parser refuses (a value not of its choices, a missing value, an
+    unknown option), naming ``prog --help``; ``None`` when the parser takes it."""
     message = hydra_argument_error(argv)
     if message is None:
         return None
@@ -122,15 +111,12 @@ def refused_arguments(argv: list[str], prog: str) -> str | None:
 
 
 HYDRA_FAILURES = (MissingConfigException, SearchPathException)
-"""Hydra's errors of the search path and of a config file or config group option it cannot find: each is one line
-(``hydra_failure``) where Hydra prints several."""
+"""Hydra's errors of a search path, config file or group option it cannot find: each one line (``hydra_failure``)."""
 
 
 def hydra_failure(err: Exception, argv: list[str]) -> str:
-    """One line for ``err``, one of ``HYDRA_FAILURES`` that Hydra raised for ``argv`` (as ``main`` reads it): a
-    ``--config-dir`` or ``--config-path`` that is not a directory, a ``--config-name`` no config directory has (with
-    those there are), a config group option none has, chosen by an override or a defaults list (with Hydra's list of
-    the options there are)."""
+    """One line for ``err`` (one of ``HYDRA_FAILURES``) raised for ``argv``: a config directory that is not one, a
+    ``--config-name`` or group option no directory has (with those there are)."""
     args = hydra_command_line(argv)
     first = (str(err).splitlines() or [type(err).__name__])[0]
     hydra = GlobalHydra.instance()
@@ -159,9 +145,7 @@ def hydra_failure(err: Exception, argv: list[str]) -> str:
 
 
 def unreadable_override(argv: list[str]) -> str | None:
-    """One line naming the first override of ``argv`` that Hydra's override grammar cannot read (``model.lr=[``,
-    a nested ``${...}``), with its reason; ``None`` when all can be read (``OverridesParser``, Hydra's public
-    parser, which Hydra runs on the same overrides next)."""
+    """One line naming the first override of ``argv`` Hydra's grammar cannot read, with its reason; else ``None``."""
     args = hydra_command_line(argv)
     parser = OverridesParser.create()
     for given in args.overrides if args is not None else []:
@@ -177,11 +161,8 @@ def unreadable_override(argv: list[str]) -> str | None:
 
 
 def refused_override(override: Any, cfg: DictConfig, err: Exception) -> str:
-    """One line for an override Hydra refused to apply to the composed config ``cfg`` (``err``, its
-    ``ConfigCompositionException``; ``override``, Hydra's parsed ``Override``): the override as typed, what the
-    config has, the nearest key it has, and what to write instead (``+key=value`` adds a key, ``++`` adds or
-    sets, ``~key`` deletes one), or, where ``check_config`` would refuse that addition, what it says instead
-    (``dpddp.run.keys.key_hint``). Hydra's own text takes 7 lines."""
+    """One line for Hydra's parsed ``override`` it refused to apply to ``cfg`` (``err``): what the config has, the
+    nearest key and what to write instead (``+``, ``++``, ``~``; or ``key_hint``'s line where ``+`` is refused)."""
     line, key = override.input_line, override.key_or_group
     if override.package is not None:
         return f"{line}: there is no config group {key} for @ to place: give a config group, or a key without @"
@@ -200,11 +181,8 @@ def refused_override(override: Any, cfg: DictConfig, err: Exception) -> str:
 
 
 def sweep_variants(config: DictConfig) -> list[list[str]]:
-    """For a sweep under Hydra's basic sweeper (``config``, the sweep's own), the overrides of its first job for
-    each combination of config-group options it takes (``data=default,digits``: two jobs), so that composing them
-    finds a key one of them lacks before Hydra writes the sweep's directory and ``multirun.yaml`` (Hydra checks
-    every job only after). ``[]`` with one job (the sweep's composition applied its overrides), or under another
-    sweeper (Optuna's trials set keys of the packaged search space)."""
+    """The overrides of a basic sweep's first job for each combination of group options, to compose before Hydra
+    writes the sweep's directory; ``[]`` with one job or under another sweeper."""
     choices = config.hydra.runtime.choices
     if choices.get("hydra/sweeper") != "basic":
         return []
@@ -234,9 +212,8 @@ BOILERPLATE = ("Does not validate against", "Subtypes:", "Errors:", "Given value
 
 
 def nearest_option(name: str, options: list[str]) -> str | None:
-    """The option of ``options`` (dotted, without ``--``) nearest to ``name``; else, for a dotted ``name`` whose
-    first part is near an option that takes a class (``modle.lr`` by ``model``), that option with ``name``'s rest:
-    its class's own keys are known only once the class is parsed. ``None`` when nothing is near."""
+    """The option of ``options`` nearest to ``name``; else, for ``modle.lr``, the near group with ``name``'s rest
+    (a class's keys are known only once it is parsed); ``None`` when nothing is near."""
     near = difflib.get_close_matches(name, options, n=1, cutoff=0.8)
     if near:
         return near[0]
@@ -246,10 +223,8 @@ def nearest_option(name: str, options: list[str]) -> str | None:
 
 
 def argument_error(message: str, args: list[str], options: list[str], prog: str) -> str:
-    """One line for jsonargparse's refusal ``message`` (its ``ArgumentError``, many lines) of the arguments
-    ``args`` of ``prog`` (``dpddp fit``), whose options are ``options`` (dotted, without ``--``): the argument as
-    given, what is wrong (an unknown option, with the nearest; an option the class does not take, with the nearest
-    of its parameters; a value of the wrong type; a class that cannot be used) and ``--help``."""
+    """One line for jsonargparse's refusal ``message`` of ``args`` of ``prog`` (``options``: dotted, no ``--``): the
+    argument as given, what is wrong (with the nearest option or parameter) and ``--help``."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     head, see = (lines or [message])[0], f"see {prog} --help"
     if (given := unrecognized(head)) is not None:

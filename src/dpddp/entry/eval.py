@@ -1,8 +1,6 @@
-"""The evaluation entry point (``eval.py``, ``dpddp-eval``): ``python eval.py ckpt_path=<checkpoint> [key=value ...]``
-validates and tests the checkpoint's weights, exactly (every sample once) on any world size, without training,
-and writes ``metrics.json`` (``val/*``, ``test/*``) into a run directory of its own; ``predict=true`` adds
-``predictions.csv``. The config is ``train.py``'s: give the model and data settings the checkpoint was trained
-with. A checkpoint of another model, or one that cannot be read, is one line, exit 2, before anything starts."""
+"""Validate and test a run's full checkpoint exactly on any world size, train nothing, and write ``metrics.json``
+(``predict=true``: ``predictions.csv``). The config is ``train.py``'s. A checkpoint of another model, a weights-only
+or an unreadable one is one line, exit 2, before anything starts."""
 
 from __future__ import annotations
 
@@ -27,13 +25,13 @@ USAGE = "python eval.py ckpt_path=<a run's checkpoints/last.ckpt> [key=value ...
 
 
 class EvalChecks(StartChecks):
-    """``StartChecks`` for an evaluation: the config and the checkpoint are checked for ``eval``, not a fit."""
+    """``StartChecks`` for stage ``eval``."""
 
     stage = "eval"
 
 
 def run_eval(cfg: DictConfig) -> float:
-    """Hydra's task: evaluate ``cfg.ckpt_path`` into the run directory; return the objective (``val/loss``)."""
+    """Hydra's task: evaluate ``cfg.ckpt_path`` into the run directory; return the objective."""
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     overrides = OmegaConf.to_container(HydraConfig.get().overrides.task)
     with shell(log=log), isolated_job():
@@ -46,8 +44,7 @@ _hydra_main = hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", con
 
 
 def main() -> None:
-    """``python eval.py ckpt_path=... [key=value ...]`` or ``dpddp-eval ...``; ``--help``: this and Hydra's help.
-    A missing ``ckpt_path``, a sweep (``-m``), an unknown override or config option: one line, exit 2."""
+    """``eval.py``/``dpddp-eval``. A missing ``ckpt_path``, ``-m``, an unknown override or option: one line, exit 2."""
     argv = sys.argv[1:]
     if any(a in ("-h", "--help") for a in argv):
         print(f"usage: {USAGE}\n\n{__doc__}")

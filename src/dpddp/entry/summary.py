@@ -1,5 +1,4 @@
-"""The sweep summary: a Hydra callback that writes one table of all jobs at the end of a multirun, and ends a
-sweep stopped by SIGTERM with the line that resumes it."""
+"""The sweep summary (one table of all jobs at a multirun's end) and the end of a sweep stopped by SIGTERM."""
 
 from __future__ import annotations
 
@@ -33,16 +32,14 @@ LOCAL_LAUNCHERS = (
     "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher",
     "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
 )
-"""The launchers whose jobs run on this machine, under the sweep's process: a SIGTERM stops their sweep as one
-(``dpddp.continuity.stop``). Under any other (``hydra/launcher=slurm``) the jobs are the cluster's."""
+"""The launchers whose jobs run under the sweep's process: a SIGTERM stops their sweep as one."""
 
 SUMMARY_COLUMNS: tuple[str, ...] = ("job", "overrides", "status", "val/loss", "val/acc", "test/acc")
 SUMMARY_COLUMNS += ("samples_per_sec", "world_size", "wall_time_s", "train_time_s", "segments")
 
 
 def _job_row(job_dir: Path) -> dict[str, Any]:
-    """One summary row from a job directory: its ``metrics.json`` (and its objective, when that is a metric of
-    the user's own name), or its ``error.txt`` line."""
+    """One summary row from a job directory: its ``metrics.json`` (and objective), or its ``error.txt`` line."""
     row: dict[str, Any] = {"job": job_dir.name, "overrides": job_overrides(job_dir)}
     metrics_file, error_file = job_dir / "metrics.json", job_dir / "error.txt"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else None
@@ -70,8 +67,8 @@ def _cell(value: Any) -> str:
 
 
 def objective_of(config: DictConfig) -> tuple[str, bool]:
-    """The metric a sweep's jobs return and whether higher is better: the sweeper's ``direction`` where it has
-    one (Optuna's), else ``callbacks.model_checkpoint.mode``; ``("val/loss", False)`` by default."""
+    """The metric a sweep's jobs return and whether higher is better (the sweeper's ``direction``, else
+    ``callbacks.model_checkpoint.mode``)."""
     name = str(config.get("objective") or "val/loss")
     direction = config.hydra.sweeper.get("direction") if "hydra" in config else None
     if isinstance(direction, str):
@@ -81,8 +78,7 @@ def objective_of(config: DictConfig) -> tuple[str, bool]:
 
 
 def best_row(rows: list[dict[str, Any]], objective: tuple[str, bool]) -> dict[str, Any] | None:
-    """The finished row with the best finite ``objective`` value (``(name, higher is better)``); the first of equals,
-    ``None`` when no row has one."""
+    """The finished row with the best finite ``objective`` (the first of equals), or ``None``."""
     name, maximize = objective
     scored = [r for r in rows if r["status"] == "ok" and isinstance(r.get(name), (int, float)) and r[name] == r[name]]
     if not scored:
@@ -91,11 +87,8 @@ def best_row(rows: list[dict[str, Any]], objective: tuple[str, bool]) -> dict[st
 
 
 def write_summary(sweep_dir: Path, objective: tuple[str, bool] = ("val/loss", False)) -> list[dict[str, Any]]:
-    """Write ``summary.csv`` and ``summary.md`` at ``sweep_dir``, one row per job directory (see
-    ``SweepSummary``) with the overrides that differ between jobs (those of every job: one line above the table in
-    ``summary.md`` and the printout) and a ``best`` column marking the best job by ``objective`` (see ``best_row``;
-    named in a line after the printed table), print the table, draw ``curves.png``;
-    return the rows."""
+    """Write ``summary.csv`` and ``summary.md`` (a row per job directory: the overrides that differ, a ``best``
+    column by ``objective``), print the table, draw ``curves.png``; return the rows."""
     job_dirs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     rows = [_job_row(p) for p in job_dirs]
     best = best_row(rows, objective)
@@ -126,10 +119,8 @@ def write_summary(sweep_dir: Path, objective: tuple[str, bool] = ("val/loss", Fa
 
 
 def end_sweep(sweep_dir: Path, cut_short: bool = False, objective: tuple[str, bool] = ("val/loss", False)) -> None:
-    """In the sweep's process, once its jobs have returned: write the summary (``write_summary``), then exit
-    with status 143 and one line with the command that resumes the sweep if it was stopped by SIGTERM before
-    every job finished (``cut_short``: a sweeper had more jobs to launch), or with status 1 and one line if a
-    job failed or did not finish."""
+    """Write the summary; exit 143 with the resume command if SIGTERM stopped the sweep before every job finished
+    (``cut_short``: more jobs were to launch), or 1 with one line if a job failed or did not finish."""
     rows = write_summary(sweep_dir, objective)
     stopped = sweep_stop.active() and sweep_stop.requested()
     sweep_stop.clear()
@@ -154,10 +145,7 @@ def _jobs(names: list[str]) -> str:
 
 
 class SweepSummary(HydraCallback):
-    """Hydra callback: at a multirun's end, writes ``summary.csv``, ``summary.md`` (one row per job directory,
-    resumed ones included; ``wall_time_s``: the last invocation, ``train_time_s``: all) and
-    ``curves.png`` at the sweep root, and prints the table. Exits 1 if a job failed or did not finish; 143 with
-    the resume command if a SIGTERM stopped the sweep under a ``LOCAL_LAUNCHERS`` launcher."""
+    """Hydra callback: a SIGTERM stops a ``LOCAL_LAUNCHERS`` sweep as one; at its end, ``end_sweep``."""
 
     @override
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:

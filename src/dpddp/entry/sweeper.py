@@ -1,10 +1,5 @@
-"""The Optuna search of ``hparams_search=optuna`` (``hydra/sweeper=dpddp_optuna``), on Optuna's ask-and-tell
-interface: the search space from ``hydra.sweeper.params`` and the command line, trials launched in batches of
-``n_jobs`` through the configured launcher into job directories named by trial number, a failed or ``nan`` job a
-``FAIL`` trial (the search goes on), ``optimization_results.yaml`` with the best trial. The study lives in its
-``storage`` (SQLite in the sweep directory by default): a search stopped by SIGTERM or a crash continues with the
-same command and ``hydra.sweep.dir``: finished trials are kept, the trials that were running run again in their own
-job directories (resuming from their ``last.ckpt``), and the study reaches ``n_trials``."""
+"""The Optuna search of ``hparams_search=optuna`` on Optuna's ask-and-tell interface (docs/sweeps.md): a failed
+or ``nan`` job is a ``FAIL`` trial; the study in its ``storage`` continues after a stop with the same command."""
 
 from __future__ import annotations
 
@@ -38,10 +33,8 @@ SearchSpace = tuple[dict[str, BaseDistribution], list[str]]
 
 
 def search_space(params: Mapping[str, Any] | None, arguments: Sequence[str]) -> SearchSpace:
-    """The search of ``hydra.sweeper.params`` then the command line's ``arguments`` (a later key replaces an
-    earlier one): an ``interval`` (``int(interval(...))``: of integers; ``tag(log, ...)``: on a log scale) is
-    sampled from its range, any other sweep (a list, ``choice``, ``range``) is a choice among its values, a plain
-    ``key=value`` is fixed."""
+    """The search of ``params`` then ``arguments`` (a later key replaces an earlier one): an ``interval`` is a
+    range (of integers, ``log``-scaled by its tag), any other sweep a choice, a plain ``key=value`` fixed."""
     lines = [f"{k}={v}" for k, v in (params or {}).items()] + list(arguments)
     space: dict[str, BaseDistribution] = {}
     fixed: dict[str, str] = {}
@@ -66,8 +59,7 @@ def search_space(params: Mapping[str, Any] | None, arguments: Sequence[str]) -> 
 
 
 def trial_overrides(number: int, params: Mapping[str, Any], space: SearchSpace) -> list[str]:
-    """Trial ``number``'s overrides: its sampled ``params`` in the order of the search space, then the fixed ones
-    (the same list each time, so that a trial run again finds its job complete or continues it). Raises
+    """Trial ``number``'s overrides, the same each time (a trial run again continues its job). Raises
     ``ConfigError`` when ``params`` are not of the search space (a study of another search)."""
     distributions, fixed = space
     if set(params) != set(distributions):
@@ -79,8 +71,7 @@ def trial_overrides(number: int, params: Mapping[str, Any], space: SearchSpace) 
 
 
 def job_outcome(ret: JobReturn) -> float | None:
-    """A finished job's objective value, or ``None`` when it failed (it raised, or returned ``nan`` or something
-    that is not a number: its ``error.txt`` says why)."""
+    """A finished job's objective value, or ``None`` when it raised or returned no finite number."""
     if ret.status != JobStatus.COMPLETED:
         return None
     try:
@@ -91,8 +82,7 @@ def job_outcome(ret: JobReturn) -> float | None:
 
 
 def _runs(trials: list[optuna.trial.Trial | FrozenTrial], size: int) -> Iterator[list[Any]]:
-    """``trials`` in launches of at most ``size`` consecutive trial numbers (a launch numbers its jobs from its
-    first)."""
+    """``trials`` in launches of at most ``size`` consecutive numbers (a launch numbers jobs from its first)."""
     run: list[Any] = []
     for trial in trials:
         if run and (len(run) == size or trial.number != run[-1].number + 1):
@@ -104,12 +94,9 @@ def _runs(trials: list[optuna.trial.Trial | FrozenTrial], size: int) -> Iterator
 
 
 def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], settings: Mapping[str, Any]) -> None:
-    """Run the search of ``settings`` (``hydra.sweeper``: ``sampler`` config, ``direction``, ``storage``,
-    ``study_name``, ``n_trials``, ``n_jobs``, ``params``) over ``arguments`` through ``launcher``, the job of
-    trial ``n`` in ``<sweep dir>/<n>``. Continues the study found in the storage: its trials left running (a
-    stop, a crash) run again first, then new ones until the study has ``n_trials``. Once a SIGTERM stopped the
-    sweep, ends it with the line that continues it (``end_sweep``). Raises ``ConfigError`` for a setting it
-    cannot run."""
+    """Run the search of ``settings`` (``hydra.sweeper``) over ``arguments`` through ``launcher``, trial ``n`` in
+    ``<sweep dir>/<n>``: trials left running first, then new ones until the study has ``n_trials``. Raises
+    ``ConfigError`` for a setting it cannot run."""
     if line := search_refusal(settings, arguments):
         raise ConfigError(line)
     space = search_space(settings.get("params"), arguments)
@@ -144,8 +131,7 @@ def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], set
 
 
 def _sampler(config: Any, trials: int) -> optuna.samplers.BaseSampler:
-    """The sampler of ``config`` (Optuna's default when ``None``); for a study with ``trials`` already, its
-    ``seed`` (if any) plus ``trials``, so that a continued search does not sample the first trials' values again."""
+    """The sampler of ``config`` (TPE when ``None``), its ``seed`` moved by ``trials`` (no repeated samples)."""
     if config is None:
         return optuna.samplers.TPESampler()
     config = OmegaConf.create(config)
@@ -162,9 +148,8 @@ def _launch(
     sweep_dir: Path,
     objective: tuple[str, bool],
 ) -> None:
-    """Launch the jobs of ``trials`` (consecutive numbers) and tell the study each one's value, or ``FAIL``;
-    once a SIGTERM stopped the sweep, a trial whose job did not finish stays running (the next invocation
-    continues it) and the sweep ends (``end_sweep``)."""
+    """Launch ``trials`` and tell the study each value, or ``FAIL``; after a SIGTERM, an unfinished trial stays
+    running (the next invocation continues it) and the sweep ends (``end_sweep``)."""
     overrides = [trial_overrides(t.number, t.params, space) for t in trials]
     returns = launcher.launch(overrides, initial_job_idx=trials[0].number)
     stopped = sweep_stop.active() and sweep_stop.requested()

@@ -1,8 +1,5 @@
-"""Hydra's sweep syntax (a list, ``choice``, ``range``, ``interval``, ``glob``, ``tag``, ``sort``, ``shuffle``)
-against the sweeper that runs it: a sweep it cannot expand, or one with no values, is one line before the sweep
-starts (Hydra's basic sweeper raises a 19-line traceback for ``interval``, runs no job for an empty one and one
-for a float ``range`` without a step); a sweep in a command that runs one job is one line too, and a key given
-twice on a sweep's command line a warning."""
+"""Hydra's sweep syntax against the sweeper that runs it: a sweep it cannot expand or with no values, and a sweep
+in a command that runs one job, are one line before the sweep starts; a key given twice is a warning."""
 
 from __future__ import annotations
 
@@ -25,9 +22,8 @@ SAMPLING = ("dpddp_optuna",)
 
 
 def sweep_refusal(config: DictConfig) -> str | None:
-    """One line for the first sweep override of ``config`` (the sweep's own: its ``hydra.sweeper.params`` and
-    command-line overrides) that its sweeper cannot run; ``None`` when all can, or under a sweeper not known
-    here."""
+    """One line for the first sweep override of ``config`` its sweeper cannot run; ``None`` when all can, or under
+    a sweeper not known here."""
     choices = config.hydra.runtime.choices
     sweeper = choices.get("hydra/sweeper")
     if sweeper != "basic" and sweeper not in SAMPLING:
@@ -42,9 +38,8 @@ def sweep_refusal(config: DictConfig) -> str | None:
 
 
 def search_refusal(settings: Mapping[str, Any], arguments: Sequence[str]) -> str | None:
-    """The one line for what the Optuna search (``dpddp.entry.sweeper``) cannot run: Optuna missing, a setting of
-    ``settings`` (``hydra.sweeper``: direction, n_trials, n_jobs, storage), an interval tag other than ``log`` in
-    its ``params`` or ``arguments``; ``None`` when it can."""
+    """One line for what the Optuna search cannot run (Optuna missing, a setting, an interval tag but ``log``);
+    ``None`` when it can."""
     if importlib.util.find_spec("optuna") is None:
         return "hparams_search=optuna needs Optuna: pip install 'optuna>=4' (or the extra: pip install -e '.[optuna]')"
     if settings.get("direction") not in ("minimize", "maximize"):
@@ -103,8 +98,7 @@ def _refused(override: Override, basic: bool, choices: Any, loader: Any) -> str 
 
 
 def sweep_without_multirun(argv: list[str]) -> str | None:
-    """One line for the first sweep override of ``argv`` when the command surely runs one job (no ``-m``, and
-    nothing that may set ``hydra.mode``: ``command_line.sets_no_mode``); Hydra's own takes 4 lines, exit 1."""
+    """One line for the first sweep override of ``argv`` when the command surely runs one job."""
     args = hydra_command_line(argv)
     if args is None or args.multirun or args.help or args.hydra_help or args.info or not sets_no_mode(argv):
         return None
@@ -123,8 +117,7 @@ def sweep_without_multirun(argv: list[str]) -> str | None:
 
 
 def repeated_key(config: DictConfig) -> str | None:
-    """A warning for the first key that a sweep's command line sets twice (``model.lr=0.1,0.2 model.lr=0.3``: Hydra
-    sweeps the last alone, silently); ``None`` when each is given once."""
+    """A warning for the first key a sweep's command line sets twice (Hydra sweeps the last silently), or ``None``."""
     parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
     seen: dict[str, str] = {}
     for override in parsed:

@@ -1,5 +1,4 @@
-"""``Classifier``: the training, metrics and optimizer of the built-in models, which add only their layers; it
-meets dpddp's metric contract (docs/your-model-and-data.md)."""
+"""``Classifier``: the training, metrics and optimizer the built-in models share (docs/your-model-and-data.md)."""
 
 from __future__ import annotations
 
@@ -12,19 +11,13 @@ from typing_extensions import override
 
 from dpddp._compat import HOOK_NAME_ATTRIBUTE
 
-__all__ = ["OPTIMIZERS", "Classifier"]
-
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 
 
 class Classifier(pl.LightningModule):
-    """Cross-entropy classification over ``num_classes``; a subclass builds its layers and ``forward``
-    (``x: [batch, ...] -> logits [batch, num_classes]``) and calls ``save_hyperparameters()`` (``optimizer``,
-    ``lr``, ``momentum``, ``weight_decay``).
-
-    Logs at epoch end, from sums and counts synced over all processes: ``train/loss``, ``val/loss``, ``val/acc``,
-    ``test/loss``, ``test/acc`` (losses are means over samples). The train loss's running sum survives a
-    mid-epoch checkpoint (``train_loss_sums``, ``carry_train_loss``).
+    """Cross-entropy over ``num_classes``: a subclass builds ``forward`` (``x -> logits [batch, num_classes]``)
+    and saves ``optimizer``, ``lr``, ``momentum``, ``weight_decay`` as hyperparameters. Logs ``train/loss``,
+    ``val/loss``, ``val/acc``, ``test/loss``, ``test/acc`` at epoch end, from sums and counts over all processes.
     """
 
     # Set around every hook call (dpddp._compat.HOOK_NAME_ATTRIBUTE): skip nn.Module.__setattr__'s checks.
@@ -33,7 +26,6 @@ class Classifier(pl.LightningModule):
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()
-        # One metric object per stage (sums and counts; synced across processes at compute()).
         self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
@@ -59,8 +51,7 @@ class Classifier(pl.LightningModule):
 
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """Mean cross-entropy of this rank's chunk ``x: [b, num_features]``, ``y: [b]`` (``b`` = per-device batch
-        size, never 0 in training)."""
+        """Mean cross-entropy of this rank's chunk ``(x, y)``."""
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         self._step_losses.append((loss.detach(), len(y)))  # summed in float64 every _FOLD_EVERY steps, not each step
@@ -69,7 +60,7 @@ class Classifier(pl.LightningModule):
         return loss
 
     def _fold_train_losses(self) -> None:
-        """Add the kept step losses (each a mean over its samples) to this epoch's float64 sum and sample count."""
+        """Add the kept step losses to this epoch's float64 sum and sample count."""
         if not self._step_losses:
             return
         losses, counts = zip(*self._step_losses, strict=True)
@@ -93,8 +84,7 @@ class Classifier(pl.LightningModule):
         return self(batch[0]).softmax(dim=1)
 
     def _log_epoch(self, stage: str) -> None:
-        # Logged as Metric objects at epoch end: Lightning calls compute() (one torchmetrics sync of sums and
-        # counts across processes) and reset(); no per-step logging cost.
+        # Metric objects: Lightning calls compute() (one sync of sums and counts) and reset()
         metrics = {f"{stage}/loss": getattr(self, f"{stage}_loss")}
         if stage != "train":
             metrics[f"{stage}/acc"] = getattr(self, f"{stage}_acc")
@@ -102,9 +92,7 @@ class Classifier(pl.LightningModule):
 
     @override
     def on_train_epoch_start(self) -> None:
-        # Reset here, not at the epoch's end: a fit stopped inside an epoch (max_steps, max_time) still runs the
-        # epoch-end hooks, and its checkpoint, written after them, must carry the sums (train_loss_sums).
-        # A fit restored mid-epoch gets no epoch start for that epoch, so what it loaded is kept.
+        # Not at the epoch's end: a checkpoint written after a mid-epoch stop's epoch-end hooks carries the sums.
         self._train_loss_sum, self._train_samples, self._carried = None, 0, (0.0, 0)
         self._step_losses.clear()
 
@@ -118,8 +106,7 @@ class Classifier(pl.LightningModule):
         self._log_epoch("train")
 
     def train_loss_sums(self) -> torch.Tensor:
-        """``[2]`` float64: this rank's sum of per-sample train losses and its sample count this epoch (rank 0
-        adds what a mid-epoch checkpoint carried), for the resumable state."""
+        """float64 ``[sum of per-sample train losses, samples]`` this epoch on this rank (rank 0 adds the carried)."""
         self._fold_train_losses()
         local = self._train_loss_sum if self._train_loss_sum is not None else torch.zeros((), dtype=torch.float64)
         carried = self._carried if self.global_rank == 0 else (0.0, 0)
@@ -127,7 +114,7 @@ class Classifier(pl.LightningModule):
         return torch.stack([local.to(torch.float64) + carried[0], samples])
 
     def train_loss_mark(self) -> tuple[torch.Tensor | None, int]:
-        """This epoch's running train-loss sum and sample count so far (a copy), for ``rewind_train_loss``."""
+        """A copy of this epoch's train-loss sum and sample count, for ``rewind_train_loss``."""
         self._fold_train_losses()
         total = self._train_loss_sum
         return (None if total is None else total.clone(), self._train_samples)
@@ -138,8 +125,7 @@ class Classifier(pl.LightningModule):
         self._step_losses.clear()
 
     def carry_train_loss(self, total: float, samples: int) -> None:
-        """Take a restored ``(sum, samples)`` of the epoch before a mid-epoch checkpoint (global rank 0 only: the
-        epoch-end sync of sums and counts then counts it once, on any world size)."""
+        """Take a restored ``(sum, samples)`` of the epoch before a mid-epoch checkpoint (global rank 0 only)."""
         self._carried = (total, samples)
 
     @override

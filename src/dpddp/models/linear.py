@@ -1,4 +1,4 @@
-"""The linear classifier: one ``nn.Linear``, cross-entropy, exact per-stage metrics (``Classifier``)."""
+"""The linear classifier: one ``nn.Linear`` (``Classifier``'s training and metrics)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ __all__ = ["OPTIMIZERS", "LinearClassifier"]
 
 
 class LinearClassifier(Classifier):
-    """Logistic regression: ``logits = x @ W.T + b``, ``x: [batch, num_features] -> [batch, num_classes]``.
-    ``optimizer``: ``"sgd"`` (with ``momentum``) or ``"adam"``; ``weight_decay``: L2 penalty. Training, metrics
-    and the optimizer: ``Classifier``."""
+    """Logistic regression, ``x: [batch, num_features] -> logits [batch, num_classes]``; ``optimizer``: ``"sgd"``
+    (with ``momentum``) or ``"adam"``."""
 
     def __init__(
         self,
@@ -31,5 +30,4 @@ class LinearClassifier(Classifier):
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: [batch, num_features]`` float -> logits ``[batch, num_classes]``."""
         return self.linear(x)

@@ -1,4 +1,4 @@
-"""A small multi-layer perceptron, the second built-in model (``Classifier``'s training and metrics)."""
+"""A small multi-layer perceptron (``Classifier``'s training and metrics)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,10 @@ from typing_extensions import override
 from dpddp.models.classifier import Classifier
 from dpddp.nn import SampleDropout
 
-__all__ = ["MLPClassifier"]
-
 
 class MLPClassifier(Classifier):
     """``x: [batch, num_features] -> logits [batch, num_classes]`` through ``Linear -> ReLU`` layers of widths
-    ``hidden`` (each followed by ``SampleDropout(dropout)`` when ``dropout > 0``). ``optimizer``: ``"sgd"`` (with
-    ``momentum``) or ``"adam"``; ``weight_decay``: L2 penalty. Training and metrics: ``Classifier``.
+    ``hidden``, each followed by ``SampleDropout(dropout)`` when ``dropout > 0``.
 
     Raises ``ValueError``: ``hidden`` empty or with a width below 1, or ``dropout`` outside ``[0, 1)``.
     """
@@ -46,5 +43,4 @@ class MLPClassifier(Classifier):
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: [batch, num_features]`` float -> logits ``[batch, num_classes]``."""
         return self.net(x)

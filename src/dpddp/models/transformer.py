@@ -1,5 +1,4 @@
-"""A small Transformer text classifier, the built-in model for token data (``model=transformer``, ``data=tokens``):
-its dropout is ``SampleDropout`` on per-position tensors, so ddp equals one process (docs/your-model-and-data.md,
+"""A small Transformer text classifier for ``data=tokens``, its dropout ``SampleDropout`` (docs/your-model-and-data.md,
 Text)."""
 
 from __future__ import annotations
@@ -12,18 +11,15 @@ from dpddp.data.tokens import PAD
 from dpddp.models.classifier import Classifier
 from dpddp.nn import SampleDropout
 
-__all__ = ["EncoderLayer", "TextClassifier"]
-
 
 class EncoderLayer(nn.Module):
-    """``nn.TransformerEncoderLayer``'s post-norm block with ``SampleDropout(dropout)`` after the attention and in
-    and after the feed-forward, on ``[b, length, width]`` tensors: a position's mask does not depend on the
-    length a batch is padded to. The attention weights themselves are not dropped (their mask would)."""
+    """``nn.TransformerEncoderLayer``'s post-norm block with ``SampleDropout`` after the attention and in and after
+    the feed-forward (not on the attention weights, whose mask would depend on the padded length)."""
 
     def __init__(self, width: int, heads: int, feedforward: int, dropout: float) -> None:
         super().__init__()
-        # No biases: the key projection's has a zero gradient (softmax ignores a shift shared by all keys), whose
-        # rounding noise Adam would scale into steps that differ between world sizes (outputs the same).
+        # No biases: the key projection's gradient is zero, and Adam would scale its rounding noise into steps
+        # that differ between world sizes
         self.attention = nn.MultiheadAttention(width, heads, dropout=0.0, bias=False, batch_first=True)
         self.attention_dropout = SampleDropout(dropout)
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
@@ -41,9 +37,8 @@ class EncoderLayer(nn.Module):
 
 
 class TextClassifier(Classifier):
-    """``tokens: [b, length]`` int64 (``PAD`` = 0 where padded) -> logits ``[b, num_classes]``: token and position
-    embeddings, ``layers`` ``EncoderLayer``s, the mean over the real positions, a linear head. ``optimizer``,
-    ``lr``, ``momentum``, ``weight_decay`` as ``MLPClassifier``'s; training and metrics: ``Classifier``.
+    """``tokens: [b, length]`` (``PAD`` where padded) -> logits ``[b, num_classes]``: embeddings, ``layers``
+    ``EncoderLayer``s, the mean over the real positions, a linear head.
 
     Raises ``ValueError``: ``width`` not divisible by ``heads``, or ``dropout`` outside ``[0, 1)``.
     """

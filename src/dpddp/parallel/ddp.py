@@ -19,8 +19,9 @@ from typing_extensions import override
 
 from dpddp._compat import Launcher, agent_store, init_process_group, rank0_store, resolve_process_group_backend
 from dpddp._compat.comm_hooks import bucket_assignment, load_powersgd_state, powersgd_state
-from dpddp._compat.strategies import UNUSED_PARAMETERS, wrapping_frozen
+from dpddp._compat.strategies import wrapping_frozen
 from dpddp.errors import ConfigError, Preempted, ReplicasDiverged, StepFailed, first_line
+from dpddp.messages import unused_parameters
 from dpddp.network import choose_interface, interface_address
 from dpddp.parallel.allreduce import COMM_HOOKS, AllReduceTimer
 from dpddp.parallel.launcher import JobLauncher, RankJob
@@ -155,9 +156,9 @@ class DDPStrategy(LightningDDPStrategy):
         env = self.cluster_environment
         initialized = torch.distributed.is_initialized()  # fit, then test: one group
         store: torch.distributed.Store | None = None
+        self.set_world_ranks()
         if not initialized:
             log.info(f"network: {apply_interface(env.main_address, self.num_nodes)}")
-            self.set_world_ranks()
             client = agent_store(env.main_address, env.main_port, self.pg_timeout)
             if client is not None:
                 self._prefix = join_start(
@@ -165,7 +166,6 @@ class DDPStrategy(LightningDDPStrategy):
                 )
                 store = torch.distributed.PrefixStore(f"{self._prefix}default_pg", client)
         if self.num_nodes > 1 and self._peer_watch is None:
-            self.set_world_ranks()
             self._peer_watch = PeerWatch(
                 env.main_address, env.main_port, self.global_rank, self.world_size,
                 self.num_processes, self.pg_timeout.total_seconds(), self._prefix,
@@ -176,7 +176,6 @@ class DDPStrategy(LightningDDPStrategy):
         if initialized or (store is None and sock is None):
             return super().setup_distributed()
         reset_seed()
-        self.set_world_ranks()
         backend = resolve_process_group_backend(self)
         if sock is not None:
             assert launcher is not None
@@ -229,7 +228,7 @@ class DDPStrategy(LightningDDPStrategy):
         try:
             return super().training_step(*args, **kwargs)
         except RuntimeError as err:
-            if UNUSED_PARAMETERS not in str(err):
+            if not unused_parameters(str(err)):
                 raise
             raise StepFailed(f"rank {self.global_rank}: {UNUSED_PARAMETERS_LINE}") from err
 

@@ -1,6 +1,5 @@
-"""``hydra/sweeper=dpddp_optuna`` (``hparams_search=optuna``): dpddp's Optuna sweeper, on Optuna's ask-and-tell
-interface (``dpddp.entry.sweeper.search``). Hydra imports this module whenever it composes a config (its plugin
-scan), so Optuna and dpddp's sweeper code, which needs Lightning, are imported only when a search runs."""
+"""``hydra/sweeper=dpddp_optuna``: dpddp's Optuna sweeper (``dpddp.entry.sweeper.search``). Hydra's plugin scan
+imports this module at every composition: Optuna and Lightning are imported only when a search runs."""
 
 from __future__ import annotations
 
@@ -15,9 +14,7 @@ from typing_extensions import override
 
 
 class OptunaSweeper(Sweeper):
-    """Takes ``hydra.sweeper``'s settings (``conf/hydra/sweeper/dpddp_optuna.yaml``: the ``sampler`` config, not
-    instantiated, ``direction``, ``storage``, ``study_name``, ``n_trials``, ``n_jobs``, ``params``); ``sweep``
-    runs the search through the configured launcher."""
+    """Takes ``hydra.sweeper``'s settings (the ``sampler`` config not instantiated); ``sweep`` runs the search."""
 
     def __init__(self, **settings: Any) -> None:
         self.settings = settings
