@@ -26,18 +26,13 @@ def check_every(cfg: Mapping) -> int | None:
 def _checksum(tensor: torch.Tensor) -> torch.Tensor:
     """The sum of the elements' bit patterns as int64: any one changed element changes it."""
     flat = tensor.detach().contiguous().reshape(-1)
-    kind = _AS_INT.get(flat.element_size())
-    bits = flat.view(kind) if kind is not None else flat.view(torch.uint8)
-    return bits.sum(dtype=torch.int64)
+    return flat.view(_AS_INT.get(flat.element_size(), torch.uint8)).sum(dtype=torch.int64)
 
 
 def checksums(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> tuple[list[str], torch.Tensor]:
     """Names and ``[n]`` int64 checksums of ``module``'s parameters, then of the optimizers' state tensors."""
-    names, sums = [], []
     named = {id(p): n for n, p in module.named_parameters()}
-    for name, param in module.named_parameters():
-        names.append(name)
-        sums.append(_checksum(param))
+    names, sums = list(named.values()), [_checksum(p) for p in module.parameters()]
     for i, optimizer in enumerate(optimizers):
         for group in optimizer.param_groups:
             for param in group["params"]:
