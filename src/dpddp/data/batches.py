@@ -1,5 +1,4 @@
-"""Data sets indexed by whole batches: ``ds[idx]``, ``idx`` int64 ``[b]`` (or ``[k, b]`` for the ``k`` steps of
-one execution), returns the whole batch in one call."""
+"""Data sets indexed by whole batches: ``ds[idx]``, ``idx`` int64 ``[b]`` or ``[k, b]``, is the whole batch."""
 
 from __future__ import annotations
 
@@ -84,6 +83,13 @@ def batch_inputs(batch: Any) -> Any:
     return None
 
 
+def with_rows(batch: Any, rows: torch.Tensor) -> Any:
+    """``batch`` followed by ``rows``: a dict's ``"index"``, a tuple's last element, else ``(batch, rows)``."""
+    if isinstance(batch, dict):
+        return {**batch, "index": rows}
+    return (*batch, rows) if isinstance(batch, (tuple, list)) else (batch, rows)
+
+
 def empty_batch(batch: Any) -> Any:
     """``batch`` with every tensor cut to 0 rows."""
     return apply_to_collection(batch, torch.Tensor, lambda t: t[:0])
@@ -160,7 +166,4 @@ class Batches(Dataset):
 
     def __getitem__(self, idx: torch.Tensor) -> Any:
         batch = self._fetch(idx if self.ids is None else self.ids[idx])
-        if not self.with_index:
-            return batch
-        rows = self.rows(idx)
-        return {**batch, "index": rows} if isinstance(batch, dict) else (*batch, rows)
+        return with_rows(batch, self.rows(idx)) if self.with_index else batch

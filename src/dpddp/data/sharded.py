@@ -21,7 +21,7 @@ from torch.utils.data import (
 from typing_extensions import override
 
 from dpddp._compat import data_position
-from dpddp.data.batches import dataset_rows, empty_batch
+from dpddp.data.batches import dataset_rows, empty_batch, with_rows
 from dpddp.data.built import data_streams, in_data_streams
 from dpddp.data.draws import EpochIds, KeyedSamples
 from dpddp.data.global_batch import YieldedIds, epoch_generator
@@ -111,14 +111,19 @@ class ShardedBatchSampler(YieldedIds, Sampler[list[int]]):
             yield EpochIds(ids, epoch)
 
 
-class _CollateOrEmpty:
-    """``collate``, with an empty list collated as one sample cut to 0 rows."""
+class _Collate:
+    """``collate``, an empty list collated as one sample cut to 0 rows; with ``rows``, of ``_WithRows``' samples,
+    their rows in ``dataset`` appended (``with_rows``)."""
 
-    def __init__(self, collate: Any, dataset: Any) -> None:
-        self.collate, self.dataset = collate, dataset
+    def __init__(self, collate: Any, dataset: Any, rows: bool) -> None:
+        self.collate, self.dataset, self.rows = collate, dataset, rows
 
     def __call__(self, samples: list) -> Any:
-        return self.collate(samples) if len(samples) else empty_batch(self.collate([self.dataset[0]]))
+        items = [sample for sample, _ in samples] if self.rows else samples
+        batch = self.collate(items) if items else empty_batch(self.collate([self.dataset[0]]))
+        if not self.rows:
+            return batch
+        return with_rows(batch, dataset_rows(self.dataset, torch.tensor([i for _, i in samples], dtype=torch.long)))
 
 
 class _WithRows(Dataset):
@@ -132,20 +137,6 @@ class _WithRows(Dataset):
 
     def __getitem__(self, i: int) -> tuple[Any, int]:
         return self.dataset[i], i
-
-
-class _CollateWithRows:
-    """``collate`` of ``_WithRows``' samples, their rows in the whole data set appended (a dict's ``"index"``)."""
-
-    def __init__(self, collate: Any, dataset: Any) -> None:
-        self.collate, self.dataset = collate, dataset
-
-    def __call__(self, samples: list) -> Any:
-        batch = self.collate([sample for sample, _ in samples])
-        rows = dataset_rows(self.dataset, torch.tensor([i for _, i in samples], dtype=torch.long))
-        if isinstance(batch, dict):
-            return {**batch, "index": rows}
-        return (*batch, rows) if isinstance(batch, (tuple, list)) else (batch, rows)
 
 
 def shard_loader(
@@ -179,12 +170,11 @@ def shard_loader(
             f"{batches.batch_size}: no step would train; use a smaller batch_size or more data"
         )
     workers = loader.num_workers
-    collate = _CollateOrEmpty(loader.collate_fn, loader.dataset)
     sharded = DataLoader(
         _WithRows(loader.dataset) if with_rows else KeyedSamples(loader.dataset, seed),
         batch_sampler=batches,
         num_workers=workers,
-        collate_fn=_CollateWithRows(collate, loader.dataset) if with_rows else collate,
+        collate_fn=_Collate(loader.collate_fn, loader.dataset, with_rows),
         pin_memory=loader.pin_memory,
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
