@@ -1,9 +1,6 @@
-"""Per-sample randomness: the same draws for a sample on every world size and across a resume.
-
-``SampleDropout`` keeps element ``e`` of sample ``i`` in layer ``L`` when ``u >= p``, ``u = (mix64(key64(seed,
-epoch, i) + key64(L, e)) >> 11) / 2**53``, with splitmix64's ``mix64`` and ``GAMMA``. The keys are set per training
-batch by ``dpddp.data.keys.SampleKeyCallback``; in a data set, ``sample_generator(seed, epoch, index)``.
-"""
+"""Per-sample randomness, the same on every world size and across a resume: ``SampleDropout`` keeps element ``e``
+of sample ``i`` in layer ``L`` when ``(mix64(key64(seed, epoch, i) + key64(L, e)) >> 11) / 2**53 >= p`` (splitmix64's
+``mix64``); in a data set, ``sample_generator(seed, epoch, index)``."""
 
 from __future__ import annotations
 
@@ -111,8 +108,8 @@ def replica_ids(ids: torch.Tensor, rows: int, device: torch.device, devices: Seq
 
 @dataclass
 class SampleKeys:
-    """One training batch's keys: ``ids`` int64 ``[b]``, or ``[k, b]`` with ``row`` the current step; ``part``:
-    the ``[start, stop)`` a micro-batch runs; ``devices``: DataParallel's device ids, else ``None``."""
+    """One training batch's keys: ``ids`` ``[b]`` or ``[k, b]`` (``row``: the step), ``part``: a micro-batch's
+    ``[start, stop)``, ``devices``: DataParallel's."""
 
     seed: int
     epoch: int
@@ -199,8 +196,7 @@ def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
 
 
 class SampleDropout(nn.Dropout):
-    """``nn.Dropout(p, inplace)`` with the keyed mask (see the module) when keys are set in training, samples
-    along dim 0; else exactly ``nn.Dropout``.
+    """``nn.Dropout`` with the keyed mask (samples along dim 0) when keys are set in training.
 
     Raises:
         ValueError: ``p`` outside ``[0, 1]``; with keys, a 0-dim input or samples not matching the ids.
