@@ -12,6 +12,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, compose_cfg, run_cli, run_train
 
 from dpddp.errors import ConfigError
@@ -176,8 +177,21 @@ def test_every_command_composes_and_passes_the_config_check(page, command, error
         assert f"error: {refused.value}" == error
 
 
-RUN = [f for f in CHECKED if f[2] is None and "compile=" not in f[1]]
-"""The commands that run (a refused one's line is checked above), each run for real by the next test."""
+def same_run(command: str) -> tuple[str, ...]:
+    """What a command runs: its arguments, in order, without ``accelerator=cpu`` where there is no CUDA (``auto``
+    resolves to ``cpu`` there: ``rules.resolve_accelerator``)."""
+    cpu = () if torch.cuda.is_available() else ("accelerator=cpu",)
+    return tuple(sorted(a for a in shlex.split(command)[2:] if a not in cpu))
+
+
+RUNS: dict[tuple[str, ...], tuple[str, str, None]] = {}
+for _page, _command_shown, _error in CHECKED:
+    if _error is None and "compile=" not in _command_shown:
+        RUNS.setdefault(same_run(_command_shown), (_page, _command_shown, None))
+RUN = list(RUNS.values())
+"""The commands that run (a refused one's line is checked above), each run for real by the next test; a command
+shown on several pages (or with ``accelerator=cpu`` added, on a machine without CUDA) runs once, under the first
+page that shows it."""
 LIMITS = ["trainer.max_steps=32", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]
 LIMITS += ["trainer.enable_progress_bar=false", "hydra.run.dir=run", "hydra.sweep.dir=sweep"]
 
