@@ -60,13 +60,9 @@ def describe(rank: int, mine: tuple[str, int, str], others: dict[int, tuple[str,
     who = f"rank {ranks}" if len(absent) == 1 else f"ranks {ranks}"
     waited = ", ".join(map(str, sorted(waiting)))
     return (
-        f"{who} did not reach {collective} ({_stage(stage)}, step {step}): {places} "
+        f"{who} did not reach {collective} ({_STAGES.get(stage, stage)}, step {step}): {places} "
         f"(rank{'s' if len(waiting) > 1 else ''} {waited} waited in it)"
     )
-
-
-def _stage(stage: str) -> str:
-    return _STAGES.get(stage, stage)
 
 
 def _place(where: tuple[str, int, str] | None) -> str:
@@ -74,11 +70,7 @@ def _place(where: tuple[str, int, str] | None) -> str:
         return "published no whereabouts"
     stage, step, collective = where
     inside = f"in {collective}" if collective else "outside any collective"
-    return f"is in {_stage(stage)}, step {step}, {inside}"
-
-
-def _encode(where: tuple[str, int, str]) -> str:
-    return "|".join(map(str, where))
+    return f"is in {_STAGES.get(stage, stage)}, step {step}, {inside}"
 
 
 def _decode(text: str) -> tuple[str, int, str]:
@@ -115,7 +107,7 @@ class Whereabouts(threading.Thread):
         while not self.stopped.wait(BEAT_S):
             try:
                 with self._client.lock:
-                    text = _encode(self.here())
+                    text = "|".join(map(str, self.here()))
                     if text != self._published:
                         self._client.connect().set(f"{self.prefix}where/{self.rank}", text)
                         self._published = text

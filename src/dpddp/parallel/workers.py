@@ -76,13 +76,8 @@ class WorkerStart:
                 raise WorkerInitFailed(f"its worker_init_fn {name} raised {first_line(err)}") from err
 
 
-def _end_fork_server_at_once() -> None:
-    """In the fork server (it preloads this module): exit at once, without finalizing what it imported."""
-    if in_fork_server():
-        atexit.register(os._exit, 0)  # the last registered runs first
-
-
-_end_fork_server_at_once()
+if in_fork_server():  # it preloads this module: exit at once, without finalizing what it imported
+    atexit.register(os._exit, 0)  # the last registered runs first
 _preloaded: set[str] = {"torch", __name__}
 _servers_end_in: list[int] = []  # the pid whose exit stops its fork server and tracker (once per process)
 
