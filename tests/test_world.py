@@ -11,7 +11,6 @@ from conftest import QUIET, ROOT, child_env, compose_cfg, global_step
 
 from dpddp import cluster, errors
 from dpddp.cluster import LAUNCHED_ENV, writes_outputs
-from dpddp.parallel.rank import global_rank
 from dpddp.parallel.rules import world_of
 
 
@@ -42,7 +41,7 @@ def test_a_launched_ranks_global_rank_counts_the_visible_gpus_for_devices_minus_
             monkeypatch.setenv("NODE_RANK", str(node))
         monkeypatch.setenv("LOCAL_RANK", str(local))
         config = compose_cfg("strategy=ddp", f"devices={devices}", "accelerator=cpu")
-        assert global_rank(config) == rank
+        assert world_of(config).global_rank == rank
         assert not world_of(config).writes_outputs
 
 

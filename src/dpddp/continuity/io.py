@@ -26,10 +26,8 @@ BACKGROUND = {"dpddp": "background"}
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's ``TorchCheckpointIO``, writing ``<name>.tmp`` beside the target, then ``os.replace``: a
-    process killed mid-write leaves the previous ``last.ckpt`` whole (Lightning writes the file in place). With
-    ``storage_options=BACKGROUND`` the tensors are copied to the CPU here and the file written in one background
-    thread; every other save, ``wait`` and ``teardown`` first wait for that write (one in flight, in order)."""
+    """``TorchCheckpointIO`` writing ``<name>.tmp``, then ``os.replace``: a kill mid-write leaves the previous file
+    whole. ``storage_options=BACKGROUND``: a CPU copy written in one background thread, one write in flight."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -39,12 +37,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
-        """Write ``checkpoint`` to ``path`` atomically (``BACKGROUND``: from a copy, in the background).
-
-        Raises:
-            WriteFailed: this write or the background one before it failed (a full disk, an I/O error): the
-                temporary file is removed and the previous file at ``path`` is left whole.
-        """
+        """Write ``checkpoint`` to ``path`` atomically. Raises ``WriteFailed``: this write or the background one
+        before it failed (the previous file is left whole)."""
         self.wait()
         if storage_options == BACKGROUND:
             copy = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
@@ -55,11 +49,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             self._write(checkpoint, Path(path), storage_options)
 
     def wait(self) -> None:
-        """Wait for the background write, if one is in flight.
-
-        Raises:
-            WriteFailed: it failed.
-        """
+        """Wait for the background write in flight, if any (``WriteFailed``: it failed)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
@@ -92,14 +82,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def read_checkpoint(path: str | Path) -> Any:
-    """The checkpoint at ``path``, loaded with ``weights_only=True`` (no code runs from the file) and ``mmap=True``
-    (tensors mapped, not read). Raises what ``torch.load`` raises."""
+    """The checkpoint at ``path``, loaded ``weights_only`` and mapped (``mmap``). Raises what ``torch.load`` raises."""
     return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
 def readable(path: str | Path) -> dict | None:
-    """``read_checkpoint(path)`` when it gives a dict, else ``None`` (none there, or unreadable: the check says
-    why)."""
+    """``read_checkpoint(path)`` when it gives a dict, else ``None`` (the check says why)."""
     try:
         ckpt = read_checkpoint(path)
     except Exception:
@@ -109,9 +97,8 @@ def readable(path: str | Path) -> dict | None:
 
 @dataclass(frozen=True)
 class CheckpointFacts:
-    """What a run takes from the checkpoint it continues from, read once: the launcher's job id of the run that
-    wrote it (``ResumableState``'s entry), its ``steps_per_execution`` (1 when it has none), epochs done and
-    global step."""
+    """What a run takes from the checkpoint it continues from, read once (``ResumableState``'s entry and the
+    loops'): the launch id that wrote it, its ``steps_per_execution``, epochs done and global step."""
 
     path: str
     launch: str | None = None
@@ -121,7 +108,7 @@ class CheckpointFacts:
 
     @classmethod
     def of(cls, path: str | Path, ckpt: dict | None) -> CheckpointFacts:
-        """The facts of ``ckpt``, the checkpoint read from ``path`` (``None``: unreadable, none known)."""
+        """The facts of ``ckpt``, read from ``path`` (``None``: unreadable)."""
         if ckpt is None:
             return cls(str(path))
         entry = ckpt.get("dpddp")
@@ -134,8 +121,7 @@ class CheckpointFacts:
 
 class ConfiguredModel(NamedTuple):
     """What a checkpoint's weights must load into: the configured model's ``state_dict`` shapes, its
-    ``strict_loading``, and its settings by hyper-parameter name: ``(the setting that gives it, its value)``
-    (``num_features``: ``("data.num_features", 16)``, the model's following the data's)."""
+    ``strict_loading``, and its settings by hyper-parameter name: ``(the setting that gives it, its value)``."""
 
     shapes: dict[str, tuple[int, ...]]
     strict: bool
@@ -143,9 +129,8 @@ class ConfiguredModel(NamedTuple):
 
 
 def _other_model(saved: dict, shapes: dict[str, tuple[int, ...]], strict: bool) -> str | None:
-    """How the checkpoint's ``state_dict`` ``saved`` differs from the configured model's (``shapes``: each entry's
-    shape), as Lightning's load would find it (``strict``: the model's ``strict_loading``; missing and unexpected
-    entries count only then); ``None`` when it loads."""
+    """How ``saved`` differs from the configured ``shapes`` as Lightning's load (``strict`` or not) would find it;
+    ``None`` when it loads."""
     resized = [
         f"{k} is {list(v.shape)} there, {list(shapes[k])} here"
         for k, v in saved.items()
@@ -159,14 +144,13 @@ def _other_model(saved: dict, shapes: dict[str, tuple[int, ...]], strict: bool) 
 
 
 def _is_full(path: Path) -> bool:
-    """Whether ``path`` is a checkpoint a fit can continue from (it has ``optimizer_states``); mapped, not read."""
+    """Whether ``path`` is a checkpoint a fit can continue from (it has ``optimizer_states``)."""
     return "optimizer_states" in (readable(path) or {})
 
 
 def other_steps_problem(ckpt: dict, steps_per_execution: int) -> str | None:
-    """Why the checkpoint ``ckpt`` cannot be continued with ``steps_per_execution`` (one line, ending with what to
-    do), or ``None``: another K continues exactly from an epoch's end (the position is in global batches), not
-    from inside an epoch (the loop's count of its executions there is the saved K's)."""
+    """Why ``ckpt`` cannot be continued with ``steps_per_execution``: another K continues only from an epoch's end
+    (one line, ending with what to do), or ``None``."""
     entry = ckpt.get("dpddp") or {}
     k = entry.get("steps_per_execution", 1)  # the resumable state's entry; none: 1
     if k == steps_per_execution or not entry.get("mid_epoch"):
@@ -191,27 +175,10 @@ def checkpoint_problem(
     batch_size: int | None = None,
     loaded: dict | None = None,
 ) -> str | None:
-    """Why ``path`` cannot be resumed from (one line, ending with what to do), or ``None``. Loads it with
-    ``weights_only=True`` (no code runs from the file), as ``Trainer.fit(weights_only=True)`` will, and
-    ``mmap=True``: the tensors are mapped, not read, so the check costs little for any size of model.
-
-    Args:
-        max_epochs: the run's ``trainer.max_epochs``: refused if the checkpoint has finished more epochs
-            (Lightning would refuse it in every process after starting them); a fit to more, if the checkpoint
-            holds the average a ``StochasticWeightAveraging`` swapped in at its end.
-        data: the run's data settings, for a resume of the same run (``resume=true``): refused if they differ
-            from the checkpoint's (another data set or batch order would continue silently).
-        steps_per_execution: the fit's: refused if the checkpoint's differs and it stopped inside an epoch
-            (``other_steps_problem``); ``None``: not a fit.
-        fit: the run continues a fit from it: refused if it holds the weights only (no ``optimizer_states``:
-            ``save_checkpoint(weights_only=True)``, a ``ModelCheckpoint(save_weights_only=True)``).
-        whole: an evaluation (``eval.py``) of it: refused likewise if it holds the weights only.
-        model: the configured model (``ConfiguredModel``): refused if the checkpoint's weights do not load into
-            it (another model's, or other sizes), naming the settings its saved hyper-parameters differ in.
-        batch_size: the fit's ``data.batch_size``: refused if the checkpoint stopped inside an epoch with another
-            (the epoch's remaining batches are the saved batch size's).
-        loaded: the checkpoint, already read from ``path`` (else it is read here).
-    """
+    """Why ``path`` (or ``loaded``, the checkpoint read from it) cannot be resumed from: one line ending with what
+    to do, or ``None``. Refused: more epochs done than ``max_epochs``; a fit to more from a swapped-in SWA average;
+    another ``steps_per_execution`` or ``batch_size`` inside an epoch; other ``data`` settings (a resume); weights
+    that do not load into ``model``; a weights-only file for a fit or a ``whole`` evaluation."""
     try:
         ckpt = read_checkpoint(path) if loaded is None else loaded
     except Exception as err:  # a truncated zip, a pickle, not a checkpoint at all: all one answer to the user

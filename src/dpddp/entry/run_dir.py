@@ -14,29 +14,17 @@ from dpddp.continuity.io import CheckpointFacts
 from dpddp.parallel.rendezvous import torchrun_restarted
 from dpddp.run.training import METRIC_KEYS
 
-__all__ = [
-    "CONTINUE_MAY_CHANGE",
-    "WEIGHTS",
-    "completed_metrics",
-    "continues",
-    "directory_problem",
-    "hydra_value",
-    "other_run",
-    "other_sweep",
-    "reached_limit",
-]
+__all__ = ["CONTINUE_MAY_CHANGE", "WEIGHTS", "completed_metrics", "continues", "directory_problem", "hydra_value"]
+__all__ += ["other_run", "other_sweep", "reached_limit"]
 
 WEIGHTS = ("model", "data", "trainer", "seed")
-"""The overrides (and their sub-keys) that say what a run trains: its model, its data, its Trainer and its seed.
-The others (the world, callbacks, loggers, checkpoint cadence) a continue may give otherwise."""
+"""The overrides (and their sub-keys) that say what a run trains; a continue may change the others."""
 CONTINUE_MAY_CHANGE = ("trainer.max_epochs", "trainer.max_steps", "trainer.max_time", "trainer.enable_progress_bar")
-"""Of ``WEIGHTS``, what a continue may change: a later limit (and the progress bar); and the ``trainer`` group's
-choice itself, whose presets (``trainer=cpu``, ``ddp_sim``, ...) set the world alone."""
+"""Of ``WEIGHTS``, what a continue may change (and the ``trainer`` group's choice, whose presets set the world)."""
 
 
 def completed_metrics(output_dir: Path) -> dict | None:
-    """The job's ``metrics.json`` if it holds every metric key and its predict (if any) did not fail, else
-    ``None``."""
+    """The job's ``metrics.json`` if it holds every metric key and no predict error, else ``None``."""
     path = output_dir / "metrics.json"
     try:
         metrics = json.loads(path.read_text())
@@ -46,10 +34,8 @@ def completed_metrics(output_dir: Path) -> dict | None:
 
 
 def hydra_value(value: str) -> str:
-    """``value`` written so that Hydra's override parser reads it back unchanged, as a string: as it is when it
-    is a plain path (letters, digits, ``_ . / : + -`` and at least one ``/``), else single-quoted with its quotes
-    and the backslashes before them escaped (Hydra 1.3's grammar for quoted values). Shell quoting comes on top
-    (``shlex.join``)."""
+    """``value`` as Hydra 1.3's override parser reads it back unchanged, as a string: a plain path as it is, else
+    single-quoted with its quotes (and the backslashes before them) escaped."""
     if "/" in value and re.fullmatch(r"[A-Za-z0-9_./:+-]+", value):  # a path: never read as a number or a bool
         return value
     # backslashes before a quote, or before the closing quote, are doubled; each quote gets one
@@ -59,8 +45,7 @@ def hydra_value(value: str) -> str:
 
 
 def reached_limit(trainer: DictConfig, last: CheckpointFacts) -> str | None:
-    """The limit of ``trainer`` (``max_epochs``, ``max_steps``) that the checkpoint ``last`` has already reached
-    (``trainer.max_epochs=40``), where a fit continued from it would train nothing; else ``None``."""
+    """The limit of ``trainer`` that the checkpoint ``last`` has reached (``trainer.max_epochs=40``), else ``None``."""
     epochs, steps = trainer.get("max_epochs"), trainer.get("max_steps")
     if epochs not in (None, -1) and last.epochs_done is not None and last.epochs_done >= epochs:
         return f"trainer.max_epochs={epochs}"
@@ -71,18 +56,15 @@ def reached_limit(trainer: DictConfig, last: CheckpointFacts) -> str | None:
 
 def continues(cfg: DictConfig, multirun: bool, last: CheckpointFacts) -> bool:
     """Whether the job continues the run whose ``last.ckpt`` is ``last``: a sweep job, ``resume=true``, or a
-    launcher's (re)start of its own job (same directory: ``cluster.run_name``; ``last`` names the job): torchrun
-    ``--max-restarts``, a membership change, a SLURM requeue, a pod restart."""
+    launcher's restart of the job that wrote ``last`` (torchrun, a SLURM requeue, a pod restart)."""
     job = launch_id()
     own = job is not None and last.launch == job
     return bool(multirun or cfg.get("resume") or own or torchrun_restarted())
 
 
 def directory_problem(cfg: DictConfig, output_dir: Path, resume: bool, named: bool, ckpt: str | None) -> str | None:
-    """Why one run must not start in ``output_dir`` (one line ending with what to do), or ``None``: ``resume=true``
-    without a directory named for it (``named``: ``hydra.run.dir`` given, or a cluster job's own name), or a
-    directory holding another run (its ``last.ckpt`` or ``metrics.json``) that this one neither continues
-    (``resume``) nor starts from (``ckpt``: its ``ckpt_path``, absolute): it would be overwritten."""
+    """Why one run must not start in ``output_dir``, or ``None``: ``resume=true`` in a directory not ``named`` for
+    it, or a directory holding another run that it neither continues (``resume``) nor starts from (``ckpt``)."""
     if cfg.get("resume") and not named:
         return (
             "resume=true needs the run to resume: add hydra.run.dir=<its directory> (e.g. "
@@ -100,8 +82,7 @@ def directory_problem(cfg: DictConfig, output_dir: Path, resume: bool, named: bo
 
 
 def _settings(overrides: list[str]) -> dict[str, str]:
-    """``key: value`` of the Hydra overrides (as typed) under ``WEIGHTS`` but not ``CONTINUE_MAY_CHANGE``
-    (``+``/``~`` dropped from the key; a deletion's value ``~``)."""
+    """``key: value`` of the overrides under ``WEIGHTS`` but not ``CONTINUE_MAY_CHANGE`` (a deletion's: ``~``)."""
 
     def under(key: str, keys: tuple[str, ...]) -> bool:
         return any(key == k or key.startswith(f"{k}.") for k in keys)
@@ -125,10 +106,8 @@ def _first_apart(before: list[str], now: list[str]) -> str | None:
 
 
 def other_run(output_dir: Path, overrides: list[str], first: Path | None) -> str | None:
-    """Why a run given ``overrides`` must not continue the run in ``output_dir``, whose first invocation's
-    config directory is ``first`` (``.hydra``): one line naming the first setting of what it trains (``WEIGHTS``)
-    that differs other than a limit (``CONTINUE_MAY_CHANGE``), and another directory to use; ``None`` when none
-    differs (or nothing says how that run was started)."""
+    """Why a run given ``overrides`` must not continue the run in ``output_dir`` (its first config directory:
+    ``first``): the first setting of ``WEIGHTS`` that differs, not a limit; ``None`` when none does."""
     typed = first / "overrides.yaml" if first is not None else None
     if typed is None or not typed.is_file():
         return None
@@ -143,9 +122,7 @@ def other_run(output_dir: Path, overrides: list[str], first: Path | None) -> str
 
 
 def other_sweep(sweep_dir: Path, overrides: list[str]) -> str | None:
-    """Why a sweep given ``overrides`` must not continue the jobs of the sweep in ``sweep_dir`` (its
-    ``multirun.yaml``, where a job of it left a ``last.ckpt`` or ``metrics.json``): one line as ``other_run``'s,
-    naming ``hydra.sweep.dir``; ``None`` when no sweep's jobs are there or none of its settings differ."""
+    """``other_run``'s line for a sweep given ``overrides`` and the jobs of the sweep in ``sweep_dir``."""
     record = sweep_dir / "multirun.yaml"
     held = any(sweep_dir.glob("*/checkpoints/last.ckpt")) or any(sweep_dir.glob("*/metrics.json"))
     if not (record.is_file() and held):
