@@ -116,13 +116,12 @@ class EpochRecord(pl.Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         seconds = time.perf_counter() - self._epoch_start
-        samples = self._samples
         self._pending = {
             "stage": "fit",
             "epoch": trainer.current_epoch,
             "step": trainer.global_step,
             "epoch_s": seconds,
-            "samples_per_sec": samples / seconds if seconds > 0 else float("nan"),
+            "samples_per_sec": self._samples / seconds if seconds > 0 else float("nan"),
             "world_size": trainer.world_size,
             "validation": dict(self.table.validation),
             **(self.costs.epoch if self.costs is not None else {}),

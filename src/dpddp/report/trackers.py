@@ -19,12 +19,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
-from dpddp.cluster import writes_outputs
 from dpddp.errors import ConfigError, first_line
 from dpddp.messages import mlflow_opt_out
 
 __all__ = ["IDS_FILE", "TrackerRuns", "check_file_stores", "close_trackers", "is_tracker", "logger_specs"]
-__all__ += ["open_store", "open_stores", "opens_runs", "tracker_options"]
+__all__ += ["open_store", "open_stores", "tracker_options"]
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +36,6 @@ def is_tracker(spec: Any) -> str | None:
     """``"mlflow"`` or ``"wandb"`` for a spec of Lightning's tracker logger, else ``None``."""
     target = str(spec.get("_target_", "")) if hasattr(spec, "get") else ""
     return KINDS.get(target.rsplit(".", 1)[-1]) if target.startswith("lightning.pytorch.loggers") else None
-
-
-def opens_runs() -> bool:
-    """Whether this process opens the tracker runs (it writes the outputs)."""
-    return writes_outputs()
 
 
 def kept_ids(output_dir: Path) -> dict[str, dict[str, Any]]:

@@ -43,7 +43,7 @@ from dpddp.report.epochs import EpochRecord
 from dpddp.report.predictions import PredictionWriter
 from dpddp.report.tally import FitTally
 from dpddp.report.throughput import Throughput
-from dpddp.report.trackers import TrackerRuns, is_tracker, opens_runs, tracker_options
+from dpddp.report.trackers import TrackerRuns, is_tracker, logger_specs, tracker_options
 from dpddp.run.build import build
 from dpddp.run.draws_seen import draws_line, find_draws
 from dpddp.run.executions import StepsPerExecution
@@ -152,7 +152,7 @@ def _build_callbacks(
     callbacks.append(UnkeyedDraws())  # names a data set's draws that no keyed fetch serves
     if world_of(cfg).replicas > 1:
         callbacks.append(SameDataOnEveryRank())  # the ranks' data compared once at a fit's start
-    if any(is_tracker(spec) for _, spec in _logger_specs(cfg)):
+    if any(is_tracker(spec) for _, spec in logger_specs(cfg)):
         callbacks.append(TrackerRuns(cfg, output_dir))
     if cfg.predict:  # every callback costs each hook of each step, even one it does not override
         scores = "out" if predicts_forward else "prob"
@@ -210,15 +210,6 @@ def _own_checkpoint(callback: ModelCheckpoint, setting: str, dirpath: Path, othe
         callback.__class__ = type(base.__name__, (base,), {"state_key": property(lambda self: key)})
 
 
-def _logger_specs(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
-    """``(its config key, its spec)`` of each logger of the ``logger`` group."""
-    if not cfg.logger:
-        return []
-    if "_target_" in cfg.logger:
-        return [("logger", cfg.logger)]
-    return [(f"logger.{name}", spec) for name, spec in cfg.logger.items() if spec]
-
-
 class RankLogger(Logger):
     """The logger of a process that opens no tracker run (a rank other than 0 under a tracker): it logs nothing,
     so that every rank has the run's logger, as with a CSV one, and a callback that needs one
@@ -248,15 +239,15 @@ def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
     named specs, e.g. ``logger=csv_tensorboard``), each writing under the run directory. A tracker (MLflow, W&B)
     only on the process that opens the run (``dpddp.report.trackers``), with its kept id."""
     loggers = []
-    for key, spec in _logger_specs(cfg):
+    for key, spec in logger_specs(cfg):
         kind = is_tracker(spec)
         if kind is None:
             loggers.append(build(spec, key, save_dir=str(output_dir)))
         elif importlib.util.find_spec(kind) is None:
             raise ConfigError(f"logger {spec._target_} needs {kind}: pip install {kind} (or dpddp's extra [{kind}])")
-        elif opens_runs():
+        elif writes_outputs():
             loggers.append(build(spec, key, save_dir=str(output_dir), **tracker_options(kind, spec, output_dir, key)))
-    if _logger_specs(cfg) and not loggers:  # trackers only, on a rank that opens none
+    if logger_specs(cfg) and not loggers:  # trackers only, on a rank that opens none
         loggers.append(RankLogger())
     return loggers or False
 

@@ -101,10 +101,6 @@ def seen_executions(cfg: Mapping, model: pl.LightningModule, datamodule: pl.Ligh
     return None
 
 
-def _largest_power_of_two_dividing(n: int) -> int:
-    return n & -n
-
-
 def _single_optimizer(conf: Any) -> torch.optim.Optimizer | None:
     """The one optimizer of a ``configure_optimizers`` result with no LR scheduler, else ``None``."""
     if isinstance(conf, (list, tuple)) and len(conf) == 1:
@@ -230,7 +226,7 @@ def _resolve(
             return 1, seconds
         per_epoch = len(datamodule.splits["train"]) // int(datamodule.batch_size)  # type: ignore[arg-type]
         k, need = auto_steps(seconds, per_epoch), LOOP_OVERHEAD_S / (OVERHEAD_SHARE * seconds)
-        if every and k > (most := _largest_power_of_two_dividing(every)):
+        if every and k > (most := every & -every):  # the largest power of two dividing it
             return most, f"checkpoint.every_n_steps={every}: a K dividing it keeps each write at its step"
         why = (
             f"a step {seconds * 1e3:.3g} ms; the loop's {LOOP_OVERHEAD_S * 1e3:.3g} ms within {OVERHEAD_SHARE:.0%} "
