@@ -82,13 +82,17 @@ def agent_store(address: str, port: int, timeout: timedelta) -> torch.distribute
     return torch.distributed.TCPStore(address, port, is_master=False, timeout=timeout)
 
 
+def _present(owner: Any, name: str) -> None:
+    if not hasattr(owner, name):
+        raise RuntimeError(f"lightning moved {type(owner).__name__}.{name}: update dpddp._compat")
+
+
 def disable_sigterm_broadcast(trainer: pl.Trainer) -> None:
     """Turn off Lightning 2.6.6's SIGTERM collectives for ``trainer``: ``_TrainingEpochLoop._broadcast_sigterm_tensor``
     and ``_SignalConnector._sigterm_notifier_fn``. Raises ``RuntimeError`` if one moved."""
     loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
-    for owner, name in ((loop, "_broadcast_sigterm_tensor"), (connector, "_sigterm_notifier_fn")):
-        if not callable(getattr(type(owner), name, None)):
-            raise RuntimeError(f"lightning moved {type(owner).__name__}.{name}: update dpddp._compat")
+    _present(loop, "_broadcast_sigterm_tensor")
+    _present(connector, "_sigterm_notifier_fn")
     loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
     connector._sigterm_notifier_fn = lambda signum, _: None  # type: ignore[method-assign]
 
@@ -185,8 +189,7 @@ def skip_next_validation(trainer: pl.Trainer) -> None:
     """Skip the validation due after this batch (Lightning 2.6.6's ``epoch_loop._skip_next_val``). Raises
     ``RuntimeError`` if it moved."""
     loop = trainer.fit_loop.epoch_loop
-    if not hasattr(loop, "_skip_next_val"):
-        raise RuntimeError("lightning's fit_loop.epoch_loop._skip_next_val moved: dpddp._compat needs an update")
+    _present(loop, "_skip_next_val")
     loop._skip_next_val = True
 
 
@@ -194,8 +197,7 @@ def count_logged_step(trainer: pl.Trainer) -> None:
     """One more step on the loggers' axis (Lightning 2.6.6's ``epoch_loop._batches_that_stepped``). Raises
     ``RuntimeError`` if it moved."""
     loop = trainer.fit_loop.epoch_loop
-    if not isinstance(getattr(loop, "_batches_that_stepped", None), int):
-        raise RuntimeError("lightning's fit_loop.epoch_loop._batches_that_stepped moved: dpddp._compat needs an update")
+    _present(loop, "_batches_that_stepped")
     loop._batches_that_stepped += 1
 
 
