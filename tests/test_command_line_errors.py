@@ -575,10 +575,10 @@ def test_an_override_hydra_cannot_read_is_one_line(override, reason):
     "args,start",
     [
         (["model.lr=${nope}"], "error: model.lr='${nope}' cannot be resolved (Interpolation key 'nope' not found)"),
-        (["data.batch_size=${oc.env:DPDDP_NOPE_UNSET}"], "error: data.batch_size='${oc.env:DPDDP_NOPE_UNSET}' cannot"),
+        # (an oc.env interpolation: model.lr's path; its line in test_an_interpolation_that_does_not_resolve_...)
         (["hydra.run.dir=${nope}"], "error: hydra.run.dir='${nope}' cannot be resolved (Interpolation key 'nope'"),
         (["-m", "--cfg", "job", "seed=0,1"], "error: --multirun (-m) and --cfg (-c) cannot be given together"),
-        (["--resolve"], "error: --resolve works only with --cfg"),
+        # (--resolve without --cfg: -m --cfg's path, mode_conflict; its line in test_hydra_modes_that_cannot_be_...)
         (["model.lr=["], "error: 'model.lr=[' cannot be read as an override (no viable alternative at input '[')"),
         (["devises=2"], "error: devises=2: the config has no key devises: did you mean devices?"),
         # a key one job of the sweep lacks: no sweep directory, no multirun.yaml
