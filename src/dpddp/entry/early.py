@@ -1,8 +1,6 @@
 """What ``train.py`` answers before torch and Lightning are imported (``answer``): ``--help``, and the first bad
-setting of a command line of overrides that needs neither to be judged: an unknown config group option, an override
-of a top-level key the config lacks (``devises=2``), a value ``dpddp.run.plain`` reads alone (``devices=0``). Each
-gets the line and exit status ``dpddp.entry.hydra.main`` gives it; what this module cannot judge is left to that.
-Also the override helpers both use (``unknown_option``, ``missing_key_line``)."""
+setting that needs neither (an unknown group option, a missing top-level key, a value read alone), with
+``dpddp.entry.hydra.main``'s line and exit status."""
 
 from __future__ import annotations
 
@@ -34,10 +32,8 @@ HELP = ("--help", "-h", "--hydra-help")
 
 
 def answer(argv: list[str]) -> None:
-    """Before the imports: print Hydra's help for ``--help`` (or ``-h``, ``--hydra-help``) given alone and exit 0;
-    for a command line of overrides only, end the first bad setting judged without torch and Lightning with
-    ``fail`` (its one line, exit 2). Return where there is none, or one only the full check can judge (an option,
-    a sweep, an override Hydra cannot read, a key under a config group)."""
+    """Before the imports: print Hydra's help for a help option given alone (exit 0), or ``fail`` with the first
+    bad setting judged without torch and Lightning (exit 2); return where there is none to judge here."""
     register_resolvers()
     if argv in (["--help"], ["-h"]) and (text := app_help()) is not None:
         print(text)
@@ -67,10 +63,8 @@ def answer(argv: list[str]) -> None:
 
 
 def app_help() -> str | None:
-    """Hydra's ``--help`` text for the packaged config, as ``hydra.main`` prints it: its ``hydra.help.template``
-    with the app's config groups and the config. The groups are read from the packaged ``conf/`` (Hydra's own
-    listing builds a config repository for each of its ~100 groups and options: most of its second); ``None``
-    where the template asks for what only Hydra's run gives (``$FLAGS_HELP``, ``$HYDRA_CONFIG_GROUPS``)."""
+    """Hydra's ``--help`` text for the packaged config, read from ``conf/`` (faster than Hydra's listing); ``None``
+    where its template needs what only Hydra's run gives."""
     with initialize_config_module(config_module="dpddp.conf", version_base="1.3"):
         cfg = compose(config_name="config", return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)
@@ -94,8 +88,7 @@ def _no_job(cfg: DictConfig) -> None:
 
 
 def _composed(argv: list[str]) -> DictConfig | None:
-    """The packaged config composed with the overrides ``argv`` (Hydra's public ``compose``), without ``hydra``;
-    ``None`` where Hydra refuses one."""
+    """The packaged config composed with ``argv``, without ``hydra``; ``None`` where Hydra refuses an override."""
     try:
         with initialize_config_module(config_module="dpddp.conf", version_base="1.3"):
             return compose(config_name="config", overrides=argv)
@@ -104,16 +97,15 @@ def _composed(argv: list[str]) -> DictConfig | None:
 
 
 def _top_level(override: Override) -> bool:
-    """Whether ``override`` sets a key outside the config groups (``devises=2``, ``mdoel.lr=0.1``,
-    ``trainer.max_epochs=2``): no ``+``/``~``/``@``, not a group or under one, not ``hydra``."""
+    """Whether ``override`` sets a key outside the config groups and ``hydra`` (``devises=2``)."""
     head = override.key_or_group.partition(".")[0]
     plain = override.package is None and not override.is_add() and not override.is_delete()
     return plain and head not in GROUPS and head != "hydra" and not override.is_force_add()
 
 
 def _missing_top_level_key(argv: list[str], overrides: list[Override]) -> str | None:
-    """The line of ``command_line.refused_override`` for the first override of a top-level key the config lacks,
-    when every other override composes (so that it is the first Hydra refuses); else ``None``."""
+    """``refused_override``'s line for the first override of a top-level key the config lacks, when every
+    other override composes; else ``None``."""
     others = [arg for arg, o in zip(argv, overrides, strict=True) if not _top_level(o)]
     cfg = _composed(others)
     if cfg is None:
@@ -131,8 +123,8 @@ def _missing_top_level_key(argv: list[str], overrides: list[Override]) -> str | 
 
 
 def missing_key_line(line: str, key: str, cfg: DictConfig, instead: str | None) -> str:
-    """The line for the override ``line`` of ``key``, a key the composed ``cfg`` lacks: the nearest key it has
-    (``key_hints``) and ``instead``, what to write (``dpddp.run.keys.key_hint``), or else ``+key`` to add it."""
+    """The line for the override ``line`` of ``key``, which ``cfg`` lacks: the nearest key (``key_hints``) and
+    ``instead``, or else ``+key`` to add it."""
     head, dot, rest = key.partition(".")
     if instead is not None and dot and (near := re.fullmatch(r"did you mean (\w+)\?", instead)):
         if f"{near.group(1)}.{rest}" in dotted_keys(cfg):  # mdoel.lr: model.lr, not model
@@ -147,13 +139,9 @@ GROUPS = ("strategy", "data", "model", "trainer", "logger", "callbacks", "experi
 
 
 def unknown_option(argv: list[str], lightning_line: Callable[[str], str | None] | None = None) -> str | None:
-    """One line naming the first ``group=option`` override (sweep lists included) for which no config directory
-    has ``<group>/<option>.yaml``, with the options there are; ``None`` when all exist. The directories are the
-    packaged ``conf/`` and a ``--config-dir``/``-cd`` given; with ``hydra.searchpath`` overridden, or a sweep
-    function (``choice(...)``, ``glob(...)``), Hydra's own check answers instead. Hydra would accept an unknown
-    ``experiment=``/``debug=`` preset silently (optional groups) or print a many-line error instead. A strategy name
-    Lightning registers gets ``lightning_line``'s line; without it (before Lightning is imported), ``None``: the
-    full check says it."""
+    """The line naming the first ``group=option`` override with no ``<group>/<option>.yaml`` in the packaged ``conf/``
+    or a ``--config-dir``, with the options there are; ``None`` when all exist, or where Hydra's own check answers
+    (``hydra.searchpath``, a sweep function). A strategy Lightning registers gets ``lightning_line``'s line."""
     dirs = [Path(str(files("dpddp.conf")))]
     for i, arg in enumerate(argv):
         if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
@@ -181,8 +169,7 @@ def unknown_option(argv: list[str], lightning_line: Callable[[str], str | None] 
 
 
 def dotted_keys(cfg: DictConfig) -> list[str]:
-    """Every key of ``cfg`` at any depth, dotted (``data.batch_size``); a list's items are not named. Nothing is
-    resolved."""
+    """Every key of ``cfg`` at any depth, dotted, unresolved (a list's items not named)."""
     found: list[str] = []
 
     def walk(node: Any, prefix: str) -> None:
@@ -196,11 +183,8 @@ def dotted_keys(cfg: DictConfig) -> list[str]:
 
 
 def key_hints(key: str, cfg: DictConfig, instead: str = "") -> str:
-    """What to say of ``key``, a key ``cfg`` lacks: ``" (nearest: <key>)"`` for its nearest key (difflib; keys
-    under ``hydra.`` only for a ``hydra.`` key) and, for a key under a config group (``data.num_workers``), the
-    packaged options of the group that have it: ``" (the chosen data config has none; data=dataset, sharded have
-    one)"``; ``""`` when there is neither. The nearest key is left out where ``instead``, the advice
-    that follows, names it already."""
+    """What to say of ``key``, which ``cfg`` lacks: its nearest key (unless ``instead`` names it) and, under a
+    config group, the packaged options of the group that have it; ``""`` when neither."""
     keys = [k for k in dotted_keys(cfg) if key.startswith("hydra.") or not k.startswith("hydra")]
     near = difflib.get_close_matches(key, keys, n=1, cutoff=0.8)
     said = [f"nearest: {near[0]}"] if near and near[0] not in instead else []
@@ -215,12 +199,12 @@ def key_hints(key: str, cfg: DictConfig, instead: str = "") -> str:
 
 
 def _global_package(path: Path) -> bool:
-    """Whether the config file ``path`` puts its keys at the top level (Hydra's ``# @package _global_`` header)."""
+    """Whether the config file ``path`` is ``# @package _global_``."""
     return any(line.split() == ["#", "@package", "_global_"] for line in path.read_text().splitlines()[:3])
 
 
 def _has(path: Path, dotted: str) -> bool:
-    """Whether the config file ``path`` has the dotted key ``dotted`` (``dataset._target_``), unresolved."""
+    """Whether the config file ``path`` has the dotted key ``dotted``, unresolved."""
     node: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:

@@ -1,5 +1,5 @@
-"""Building a config node (``hydra.utils.instantiate``): the data, the model, each callback and logger. A class
-that refuses its arguments is one ``ConfigError`` line naming the config key, not Hydra's several lines."""
+"""Building a config node (``hydra.utils.instantiate``): a class that refuses its arguments is one ``ConfigError``
+line naming the config key."""
 
 from __future__ import annotations
 
@@ -21,11 +21,7 @@ __all__ = ["build", "build_error"]
 
 
 def build(node: DictConfig, key: str, **kwargs: Any) -> Any:
-    """``instantiate(node, **kwargs)`` of the config node at ``key`` (``data``, ``callbacks.model_checkpoint``).
-
-    Raises:
-        ConfigError: Hydra could not build it or a node inside it (``build_error``).
-    """
+    """``instantiate(node, **kwargs)`` of the node at ``key``; ``ConfigError`` (``build_error``) where it fails."""
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as err:
@@ -33,12 +29,9 @@ def build(node: DictConfig, key: str, **kwargs: Any) -> Any:
 
 
 def build_error(node: DictConfig, key: str, err: InstantiationException) -> ConfigError:
-    """One line for Hydra's ``err`` building ``node`` (at ``key``): the key of the node that failed (Hydra's
-    ``full_key``: ``data.dataset`` inside ``data``), its ``_target_`` and the cause: a ``_target_`` that cannot be
-    imported (``dpddp.run.keys.import_problem``), an argument the class does not take (with the nearest it takes),
-    or the class's own refusal, naming the setting where the cause names one of the node's keys
-    (``callbacks.model_checkpoint.mode='bad'``: ``mode can be min, max but got bad``); a tracker's (MLflow, W&B)
-    other failure as the tracker's own."""
+    """One line for Hydra's ``err`` building ``node`` at ``key``: the failing node's key and ``_target_``, and the cause
+    (an unimportable target, an argument the class does not take with the nearest it takes, or the class's refusal
+    naming the setting); a tracker's other failure as its own."""
     text = str(err)
     full_key = instantiate_key(text) or key
     inner = node if full_key == key else OmegaConf.select(node, full_key.removeprefix(f"{key}."), default=None)

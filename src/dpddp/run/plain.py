@@ -1,7 +1,5 @@
-"""The first checks of a composed config (``dpddp.run.config.check_config`` runs them first): its interpolations,
-and the values that are read alone (the device settings' names and numbers, the seed, the built-in data's
-settings). They need neither torch nor Lightning, so ``train.py`` answers them before importing those
-(``dpddp.entry.early``)."""
+"""The first checks of a composed config (``check_config`` runs them first): its interpolations and the values
+read alone. They need neither torch nor Lightning: ``train.py`` answers them before importing those."""
 
 from __future__ import annotations
 
@@ -39,13 +37,8 @@ def _dotted(path: tuple) -> str:
 
 
 def check_resolvable(cfg: DictConfig, skip: tuple[str, ...] = ("hydra",)) -> None:
-    """Every interpolation in ``cfg`` (``${data.num_features}``, ``${oc.env:VAR}``) outside the top-level keys
-    ``skip`` resolves.
-
-    Raises:
-        ConfigError: ``<key>='<value as typed>' cannot be resolved (<OmegaConf's reason>): <fix>``, for the first
-            one that does not.
-    """
+    """Every interpolation in ``cfg`` outside the top-level keys ``skip`` resolves; else ``ConfigError`` for the first:
+    ``<key>='<as typed>' cannot be resolved (<reason>): <fix>``."""
     unresolved = OmegaConf.to_container(cfg, resolve=False)
     for path, value in _interpolations(unresolved):
         if path[0] in skip:
@@ -69,21 +62,14 @@ def check_resolvable(cfg: DictConfig, skip: tuple[str, ...] = ("hydra",)) -> Non
 
 
 def key_advice(prefix: str, key: str, allowed: list[str]) -> str:
-    """What to write instead of ``key``, a key of a section (``prefix``: ``"data."``, ``""`` at the top level)
-    that ``allowed`` lacks: ``did you mean <prefix><nearest>?``, else the valid keys."""
+    """What to write instead of ``key``, which ``allowed`` lacks: ``did you mean <prefix><nearest>?``, or the keys."""
     near = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
     return f"did you mean {prefix}{near[0]}?" if near else f"valid keys: {', '.join(sorted(allowed))}"
 
 
 def check_plain(cfg: DictConfig | Mapping) -> None:
-    """The settings read alone, in ``check_config``'s order: the device settings (``check_device_values``), the
-    seed, and the built-in data's (``data._target_`` as packaged: ``check_random_tensors``, all but the world
-    size's share). It stops, saying nothing, at a value it cannot read and at a strategy name Lightning registers:
-    the full check names those.
-
-    Raises:
-        ConfigError: the line ``check_config`` gives for that setting.
-    """
+    """The settings read alone, in ``check_config``'s order (the device settings, the seed, the built-in data's);
+    silent at a value it cannot read or a strategy Lightning registers. Raises ``check_config``'s ``ConfigError``."""
     try:
         if cfg["strategy"]["name"] not in STRATEGIES and cfg["strategy"]["name"] in LIGHTNING_STRATEGIES:
             return

@@ -1,7 +1,5 @@
-"""Lightning's own check of the ``trainer`` flags, before anything is made: the flags go to a bare ``pl.Trainer``
-(no logger, callbacks or strategy, one CPU device), so a value only Lightning knows to be wrong
-(``trainer.precision=17``) is refused by Lightning's rule, in one line naming the flag, before Hydra makes the run
-directory."""
+"""Lightning's own check of the ``trainer`` flags before anything is made: the flags go to a bare ``pl.Trainer``, so
+a value only Lightning knows to be wrong (``trainer.precision=17``) is one line naming the flag."""
 
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ _UNTYPED = ("sync_batchnorm",)  # dpddp's own values too (auto, null: dpddp.para
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Lightning's lines at a Trainer's construction (GPU available, precision chosen) and its warnings, muted:
-    the run's real Trainer says them."""
+    """Lightning's lines and warnings at a Trainer's construction, muted (the run's Trainer says them)."""
     loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
@@ -59,15 +56,13 @@ def _accepts(hint: Any) -> str:
 
 
 def takes(flag: str) -> str | None:
-    """What ``pl.Trainer``'s signature takes for ``flag``, in words (``bool, 'warn' or null``); ``None`` for a name
-    it lacks."""
+    """What ``pl.Trainer``'s signature takes for ``flag``, in words; ``None`` for a name it lacks."""
     hint = typing.get_type_hints(pl.Trainer.__init__).get(flag)
     return None if hint is None else _accepts(hint)
 
 
 def _mistyped(flags: Mapping[str, Any]) -> str | None:
-    """The first flag whose value ``pl.Trainer``'s signature does not take (jsonargparse's check), in one line;
-    a null is Lightning's default, never checked."""
+    """The first flag whose value ``pl.Trainer``'s signature does not take, in one line (a null is never checked)."""
     given = {k: v for k, v in flags.items() if v is not None and k not in _UNTYPED}
     parser = ArgumentParser(exit_on_error=False)  # what LightningCLI checks a flag's type with
     parser.add_class_arguments(pl.Trainer, "trainer")
@@ -87,10 +82,8 @@ def _line(err: Exception) -> str:
 
 
 def refused_flag(trainer: Mapping[str, Any]) -> str | None:
-    """``trainer.<flag>=<value> is invalid: <why>`` for the first flag of the ``trainer`` section whose type
-    ``pl.Trainer``'s signature does not take, or that ``pl.Trainer`` refuses alone (the flags are tried together
-    first: one Trainer when all are valid), else ``None``. The top-level knobs and what dpddp sets itself
-    (``strategy``, ``logger``, ...) are not tried."""
+    """``trainer.<flag>=<value> is invalid: <why>`` for the first flag whose type ``pl.Trainer`` does not take, or
+    that it refuses alone; else ``None``. What dpddp sets itself (``strategy``, ``logger``) is not tried."""
     given = OmegaConf.to_container(trainer, resolve=True) if isinstance(trainer, DictConfig) else trainer
     assert isinstance(given, Mapping)
     flags = {str(k): v for k, v in given.items() if k not in _OWNED}
