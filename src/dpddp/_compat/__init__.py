@@ -1,5 +1,5 @@
-"""Every private Lightning, torch and Hydra name dpddp relies on, each with the version checked; its test in
-tests/test_compat.py fails when one moves (docs/design-notes.md, _compat). CPython's are in ``processes``."""
+"""Every private Lightning, torch and Hydra name dpddp relies on, with the version checked; tests/test_compat.py
+fails when one moves (docs/design-notes.md, _compat)."""
 
 from __future__ import annotations
 
@@ -88,8 +88,7 @@ def _present(owner: Any, name: str) -> None:
 
 
 def disable_sigterm_broadcast(trainer: pl.Trainer) -> None:
-    """Turn off Lightning 2.6.6's SIGTERM collectives for ``trainer``: ``_TrainingEpochLoop._broadcast_sigterm_tensor``
-    and ``_SignalConnector._sigterm_notifier_fn``. Raises ``RuntimeError`` if one moved."""
+    """Turn off Lightning 2.6.6's ``_broadcast_sigterm_tensor`` and ``_sigterm_notifier_fn`` for ``trainer``."""
     loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
     _present(loop, "_broadcast_sigterm_tensor")
     _present(connector, "_sigterm_notifier_fn")
@@ -145,8 +144,7 @@ def uncount_last_batch(checkpoint: dict[str, Any]) -> None:
 
 
 def step_count_either_way(checkpoint: dict[str, Any]) -> None:
-    """Set the automatic and manual optimizer-step counters of ``checkpoint``'s fit loop to its ``global_step``
-    (Lightning 2.6.6), so a fit continued in the other optimization mode keeps its step."""
+    """Set both optimization modes' step counters of ``checkpoint``'s fit loop to ``global_step`` (Lightning 2.6.6)."""
     loops, step = checkpoint.get("loops", {}).get("fit_loop"), checkpoint.get("global_step")
     if not loops or not isinstance(step, int):
         return
@@ -202,9 +200,8 @@ def count_logged_step(trainer: pl.Trainer) -> None:
 
 
 def restart_train_iterator(trainer: pl.Trainer) -> None:
-    """At ``on_train_epoch_start``: make the loader's iterator again (Lightning 2.6.6's ``fit_loop._data_fetcher``)
-    unless the epoch loop makes it itself (docs/design-notes.md, continuity.state). Raises ``RuntimeError`` if it
-    moved."""
+    """At an epoch's start: make the loader's iterator again unless the epoch loop does (Lightning 2.6.6's
+    ``fit_loop._data_fetcher``). Raises ``RuntimeError`` if it moved."""
     loop = trainer.fit_loop
     if not hasattr(loop, "_data_fetcher"):
         raise RuntimeError("lightning moved _FitLoop._data_fetcher: update dpddp._compat")

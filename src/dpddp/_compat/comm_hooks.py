@@ -40,10 +40,8 @@ def load_powersgd_state(state: PowerSGDState, saved: dict[str, Any], device: tor
 
 @contextmanager
 def bucket_assignment(layout: list[list[int]] | None) -> Iterator[list[torch.Tensor]]:
-    """Inside it, a ``DistributedDataParallel`` built starts with the buckets ``layout`` (each bucket's parameter
-    indices; ``None``: DDP's own), so a saved per-bucket hook state meets its buckets. Yields DDP's parameter list,
-    filled once built. Relies on torch 2.13's DDP calling ``dist._compute_bucket_assignment_by_size`` once and
-    reversing its buckets."""
+    """Inside it, a DDP built starts with the buckets ``layout`` (``None``: its own); yields its parameter list,
+    filled once built. torch 2.13: DDP calls ``dist._compute_bucket_assignment_by_size`` once."""
     real = dist._compute_bucket_assignment_by_size
     seen: list[torch.Tensor] = []
 

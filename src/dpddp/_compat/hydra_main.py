@@ -38,8 +38,8 @@ def hydra_argument_error(argv: list[str]) -> str | None:
 
 @contextmanager
 def hydra_reported(report: Callable[[Exception], None], kinds: tuple[type[Exception], ...]) -> Iterator[None]:
-    """Inside it, ``hydra._internal.utils.run_and_report`` calls ``report(err)`` first for an error of ``kinds``
-    (``report`` may exit), and ``Hydra.show_info`` (``--info``) composes before it prints, to report one first."""
+    """Inside it, ``utils.run_and_report`` and ``Hydra.show_info`` (composing first) call ``report(err)`` first
+    for an error of ``kinds``."""
     from hydra._internal import utils
     from hydra._internal.hydra import Hydra
 

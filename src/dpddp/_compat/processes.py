@@ -1,6 +1,5 @@
-"""CPython multiprocessing's private names dpddp relies on (the fork server, resource tracker and sharer of
-DataLoader workers), checked in CPython ``CHECKED``; tests/test_compat.py fails when one moves (docs/design-notes.md,
-parallel.workers)."""
+"""CPython multiprocessing's private names (DataLoader workers' helpers), checked in ``CHECKED``; tests/test_compat.py
+fails when one moves (docs/design-notes.md, parallel.workers)."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ def forget_forkserver() -> None:
 
 
 def forget_resource_sharer() -> None:
-    """In a just forked process: forget the parent's resource sharer (CPython 3.11.7's
-    ``resource_sharer._resource_sharer`` fields; not its ``_afterfork``, which unlinks the parent's socket)."""
+    """In a just forked process: forget the parent's ``resource_sharer._resource_sharer`` (CPython 3.11.7)."""
     sharer: Any = getattr(multiprocessing.resource_sharer, "_resource_sharer")  # noqa: B009 (typeshed lacks it)
     if sharer._listener is not None:
         sharer._listener._listener._socket.close()  # this process's copy only
@@ -78,8 +76,7 @@ def _stop_forkserver() -> None:
 
 
 def _stop_resource_tracker(wait_s: float) -> None:
-    """Close this process's end of the resource tracker's pipe (``_resource_tracker._fd``) and reap the tracker
-    it started, waiting up to ``wait_s`` seconds (its own ``_stop`` waits without a bound)."""
+    """Close this process's end of ``_resource_tracker._fd``; reap the tracker it started within ``wait_s``."""
     tracker: Any = multiprocessing.resource_tracker._resource_tracker
     with tracker._lock:
         fd, pid = tracker._fd, tracker._pid

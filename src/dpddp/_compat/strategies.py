@@ -24,8 +24,7 @@ def registered_strategies() -> dict[str, tuple[type, dict[str, Any]]]:
 
 @contextmanager
 def wrapping_frozen(strategy: DDPStrategy, module: torch.nn.Module) -> Iterator[None]:
-    """Inside it, ``strategy`` wraps ``module`` in DDP over its frozen parameters too (so one unfrozen later is
-    all-reduced), with ``find_unused_parameters`` set in Lightning 2.6.6's ``DDPStrategy._ddp_kwargs``."""
+    """Inside it, ``strategy`` wraps ``module``'s frozen parameters in DDP too (Lightning 2.6.6's ``_ddp_kwargs``)."""
     frozen = [p for p in module.parameters() if not p.requires_grad]
     if frozen:
         strategy._ddp_kwargs["find_unused_parameters"] = True

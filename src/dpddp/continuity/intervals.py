@@ -36,8 +36,8 @@ def checkpoint_intervals(cfg: Mapping) -> tuple[int | None, float | None]:
 
 
 class IntervalCheckpoints:
-    """Writes ``<dirpath>/last.ckpt`` in the background at a step boundary once ``global_step`` passes a multiple
-    of ``every_n_steps``, or ``every_s`` seconds passed and the ranks agreed (in ``StepBoundaryStop``'s agreement)."""
+    """Writes ``<dirpath>/last.ckpt`` in the background at a step boundary every ``every_n_steps`` steps, or
+    ``every_s`` seconds once the ranks agree (in ``StepBoundaryStop``'s agreement)."""
 
     def __init__(self, dirpath: str | Path, every_n_steps: int | None = None, every_s: float | None = None) -> None:
         self.path, self.every_n_steps, self.every_s = Path(dirpath) / "last.ckpt", every_n_steps, every_s

@@ -84,9 +84,8 @@ def set_random_state(state: dict[str, Any]) -> None:
 
 
 class ResumableState(pl.Callback):
-    """Saves and loads ``checkpoint["dpddp"]`` and edits the checkpoint's loop counters, on every rank (collective
-    at save); the order: docs/design-notes.md (continuity.state). Raises ``ConfigError`` at load: a checkpoint of
-    another ``steps_per_execution`` written inside an epoch."""
+    """Saves and loads ``checkpoint["dpddp"]`` and edits its loop counters, on every rank (docs/design-notes.md,
+    continuity.state). Raises ``ConfigError`` for a mid-epoch checkpoint of another ``steps_per_execution``."""
 
     def __init__(
         self,
@@ -301,8 +300,7 @@ def _not_checked(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
 
 
 def save_final_checkpoint(trainer: pl.Trainer) -> bool:
-    """Make ``last.ckpt`` the final weights (on every rank): write it if it holds another step or other weights (a
-    swapped-in average). Returns whether the weights differed (validate them again)."""
+    """Write ``last.ckpt`` (every rank) if it holds another step or other weights; returns whether weights differed."""
     io = trainer.strategy.checkpoint_io
     last = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.filename == "last"]
     if not (last and last[0].dirpath and isinstance(io, AtomicCheckpointIO)):

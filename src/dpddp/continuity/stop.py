@@ -1,6 +1,5 @@
-"""The one owner of SIGTERM. Scopes, innermost first: the training loop (``StepBoundaryStop``), a run
-(``run_stops``), an entry point's command (``command``), a sweep (``start``, ``watch``); docs/design-notes.md
-(continuity.stop)."""
+"""The one owner of SIGTERM: the loop (``StepBoundaryStop``), a run (``run_stops``), a command (``command``), a
+sweep (``start``, ``watch``); docs/design-notes.md (continuity.stop)."""
 
 from __future__ import annotations
 
@@ -150,8 +149,7 @@ class RunScope:
 
 @contextmanager
 def run_stops(output_dir: Path) -> Iterator[RunScope]:
-    """A run's scope: a SIGTERM raises ``Preempted`` (``<output_dir>/checkpoints/last.ckpt``), is held, or is
-    requested of the ``StepBoundaryStop``, as ``ON_SIGTERM`` says; a sweep's handler found here is called first."""
+    """A run's scope: a SIGTERM does what ``ON_SIGTERM`` says; a sweep's handler found here is called first."""
     scope = RunScope(output_dir)
     if not _on_main_thread():
         yield scope
@@ -225,8 +223,7 @@ def _at_exit(signum: int, frame: Any) -> None:
 
 @contextmanager
 def command(resume: Callable[[], str]) -> Iterator[None]:
-    """An entry point's command (SIGTERM blocked from its first line): a SIGTERM outside its run raises
-    ``Preempted`` as the scope ends; one while the process then exits ends it with 143 and the stop line."""
+    """An entry point's command: a SIGTERM outside its run raises ``Preempted`` at the end; one after, exit 143."""
     _outside.command, _outside.came, _outside.ended, _outside.resume = True, False, None, resume
     _install(_record)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one held since the first line comes now
@@ -268,9 +265,8 @@ def starting_up(scope: RunScope) -> Iterator[None]:
 
 
 class StepBoundaryStop(pl.Callback):
-    """Stops every stage on a SIGTERM to any rank, every rank together, within about ``interval_s``: in a fit it
-    writes ``<dirpath>/last.ckpt`` at a step boundary, then raises ``Preempted``. Its agreements and step boundaries
-    serve ``intervals`` too."""
+    """Stops every stage on a SIGTERM to any rank, all ranks together within about ``interval_s``: in a fit after
+    writing ``<dirpath>/last.ckpt`` at a step boundary; raises ``Preempted``."""
 
     def __init__(self, dirpath: str | Path, interval_s: float = 1.0, intervals: IntervalCheckpoints | None = None):
         self.dirpath, self.interval_s = Path(dirpath), interval_s
