@@ -54,26 +54,15 @@ def _group_size(group: Any) -> int:
 
 
 class GlobalBatchNorm(BatchNormBase):
-    """``nn.BatchNorm*`` whose batch statistics, on more than one process, are over ``process_group`` (``None``:
-    the world): per-channel count, sum and sum of squares summed in float64. Input ``[N, C, *]``.
+    """``nn.BatchNorm*`` (its arguments) whose batch statistics, on more than one process, are over
+    ``process_group`` (``None``: the world): per-channel count, sum and sum of squares summed in float64. Input
+    ``[N, C, *]``.
 
     Raises ``ValueError``: input of fewer than 2 dims; in training, at most one value per channel globally.
     """
 
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        process_group: Any = None,
-        device: Any = None,
-        dtype: Any = None,
-        *,
-        bias: bool = True,
-    ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+    def __init__(self, *args: Any, process_group: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.process_group = process_group
 
     @override
@@ -161,7 +150,9 @@ def convert(module: nn.Module, cuda: bool = False, process_group: Any = None) ->
     def synced(old: nn.Module) -> nn.Module:
         if not isinstance(old, BatchNormBase) or isinstance(old, target) or _lazy(old):
             return old
-        new = target(old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats, process_group)
+        new = target(
+            old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats, process_group=process_group
+        )
         _move_state(old, new)
         if hasattr(old, "qconfig"):
             new.qconfig = old.qconfig
