@@ -16,8 +16,7 @@ __all__ = ["DataParallelStrategy", "OneProcessStrategy", "replicate_forward", "r
 
 
 class _Forward(nn.Module):
-    """Runs ``type(module).forward`` on ``module``: each DataParallel replica calls the class's forward on its own
-    copy (the instance-level patch is bypassed, so no recursion)."""
+    """Runs the class's forward on each replica's copy of ``module`` (bypassing the instance-level patch)."""
 
     def __init__(self, module: pl.LightningModule) -> None:
         super().__init__()
@@ -42,9 +41,8 @@ def restore_forward(module: pl.LightningModule) -> None:
 
 
 class OneProcessStrategy(SingleDeviceStrategy):
-    """Lightning's single-device strategy on the first of the devices Lightning's accelerator connector puts in
-    ``parallel_devices``; ``start_workers(loader, global_rank)`` returns each loader of every stage as it is to
-    run (``parallel.workers.start_workers_safely``)."""
+    """Lightning's single-device strategy on the first device Lightning's connector puts in ``parallel_devices``;
+    ``start_workers(loader, global_rank)`` returns each loader as it is to run."""
 
     def __init__(self, start_workers: Callable[[Any, int], Any] | None = None, **kwargs: Any) -> None:
         super().__init__(device="cpu", **kwargs)
