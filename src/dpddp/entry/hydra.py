@@ -1,6 +1,5 @@
-"""The Hydra entry point (``train.py``, ``dpddp-train``): one run, or one job of a sweep, isolated from the jobs
-around it. Importing this module registers the ``dpddp.*`` resolvers the packaged configs use (a sweep's worker
-process imports it to unpickle ``run_job``)."""
+"""The Hydra entry point (``train.py``, ``dpddp-train``): one run, or one job of a sweep. Importing it registers the
+``dpddp.*`` resolvers the packaged configs use."""
 
 from __future__ import annotations
 
@@ -79,15 +78,13 @@ CONFIG_DIR = ".hydra"
 
 
 def config_dirs(output_dir: str | Path) -> list[Path]:
-    """The config directories of the invocations into ``output_dir`` so far, in order: ``.hydra``, ``.hydra-1``,
-    ``.hydra-2``, ... (``dpddp.errors.invocations``)."""
+    """The config directories of the invocations into ``output_dir`` so far, in order (``.hydra``, ``.hydra-1``)."""
     return invocations(output_dir, CONFIG_DIR)
 
 
 def config_subdir(output_dir: str) -> str:
-    """Hydra's ``output_subdir`` for the invocation starting now (``${dpddp.config_subdir:<run dir>}``): the
-    first free name of ``config_dirs``, so that an invocation into an existing run directory (a resume, a
-    continuation) keeps the configs and overrides of the earlier ones instead of overwriting them."""
+    """Hydra's ``output_subdir`` for the invocation starting now: the first free name of ``config_dirs`` (an
+    invocation into an existing run directory keeps the earlier ones' configs)."""
     return invocation_name(CONFIG_DIR, len(config_dirs(output_dir)) + 1)
 
 
@@ -96,16 +93,13 @@ if not OmegaConf.has_resolver("dpddp.config_subdir"):
 
 
 def sweep_resume_command(sweep_dir: Path) -> str:
-    """In the sweep's own process: its command line with its ``hydra.sweep.dir`` (absolute), to paste into a shell
-    (complete jobs are skipped, interrupted ones resume), whatever the directory's name."""
+    """The sweep's command line with its absolute ``hydra.sweep.dir``, to paste into a shell."""
     sweep = f"hydra.sweep.dir={hydra_value(str(sweep_dir.absolute()))}"
     return resume_command(_program(), sys.argv[1:], ("hydra.sweep.dir=",), [sweep])
 
 
 def _resume_command(overrides: list[str], output_dir: Path, multirun: bool) -> str:
-    """The command that continues a preempted run, to paste into a shell: the same overrides in the same run
-    directory; for a sweep, the sweep's own command line (``sweep_resume_command``); whatever the directory's
-    name."""
+    """The shell command that continues a preempted run in ``output_dir`` (a sweep: ``sweep_resume_command``)."""
     if multirun:
         return sweep_resume_command(output_dir.parent)
     add = ["resume=true", f"hydra.run.dir={hydra_value(str(output_dir))}"]
@@ -127,24 +121,20 @@ def _config_options(args: list[str]) -> list[str]:
 
 
 def _program() -> list[str]:
-    """The program this command was started as: a console script by its name (``dpddp-train``), a Python file as
-    ``python <path as given>``."""
+    """This program: a console script by its name, a Python file as ``python <path as given>``."""
     argv0 = sys.argv[0]
     return ["python", argv0] if argv0.endswith(".py") else [Path(argv0).name]
 
 
 def invoked_as() -> list[str]:
-    """This command as it was started, to start it again: ``_program`` and the config options given
-    (``--config-dir conf``)."""
+    """This command as started: ``_program`` and the config options given."""
     return [*_program(), *_config_options(sys.argv[1:])]
 
 
 def run_job(cfg: DictConfig, stage: str = "fit") -> float:
-    """Run one Hydra job, the composed ``cfg``, in Hydra's output directory for ``stage``; return its ``objective``
-    (by default ``val/loss``) for sweepers. Its ``Plan`` is ``StartChecks``' (one run: the callback decided and
-    checked, and ``cfg`` holds its ``ckpt_path``) or made here once (``_plan``). A known error is one ``error:``
-    line and its exit status; in a sweep, a failed or diverged job writes ``error.txt`` and returns ``nan``. A
-    SIGTERM stops the whole sweep under a local launcher, else ends the process with the line that resumes it."""
+    """Run one Hydra job, ``cfg``, for ``stage`` on its ``job_plan``; return its ``objective`` for sweepers. A known
+    error is one ``error:`` line and its exit status; in a sweep, a failed or diverged job writes ``error.txt`` and
+    returns ``nan``, and a SIGTERM under a local launcher stops the whole sweep."""
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
@@ -197,8 +187,8 @@ def run_job(cfg: DictConfig, stage: str = "fit") -> float:
 
 
 def job_plan(cfg: DictConfig, stage: str) -> Plan | str:
-    """The ``Plan`` of the Hydra job ``cfg`` for ``stage``: ``StartChecks``' (``_taken``), or made now (``_plan``);
-    or the line that says why nothing trains. Raises ``ConfigError``."""
+    """The ``Plan`` of the Hydra job ``cfg`` for ``stage`` (``StartChecks``' decision: ``_taken``; else ``_plan``), or
+    the line that says why nothing trains. Raises ``ConfigError``."""
     hydra_cfg = HydraConfig.get()
     if _checked_before(hydra_cfg):
         return _taken(cfg, stage)
@@ -206,9 +196,9 @@ def job_plan(cfg: DictConfig, stage: str) -> Plan | str:
 
 
 def _plan(job: DictConfig, directory: Callable[[], Path], stage: str) -> Plan | str:
-    """The job's ``Plan``, made once in its process: ``check_config`` of ``job``, then whether it continues the run
-    in ``directory()`` from its ``last.ckpt`` (read once, and checked: ``job.ckpt_path`` is set to it); or the line
-    that says why nothing trains (complete with the same overrides, or at its limit). Raises ``ConfigError``."""
+    """The job's ``Plan``, made once in its process: ``check_config``, then whether it continues the run in
+    ``directory()`` from its ``last.ckpt`` (read once, then checked); or the line that says why nothing trains.
+    Raises ``ConfigError``."""
     plan = check_config(job, stage)
     output_dir = directory()
     hydra_cfg = HydraConfig.get()
@@ -238,16 +228,15 @@ def _plan(job: DictConfig, directory: Callable[[], Path], stage: str) -> Plan | 
 
 
 def _resume_kind(cfg: DictConfig, output_dir: Path) -> str | None:
-    """Why ``cfg.ckpt_path`` is the run's own ``last.ckpt``: ``"finished"`` (it wrote ``metrics.json``),
-    ``"interrupted"``; ``None``: given, or none."""
+    """``"finished"`` or ``"interrupted"`` when ``cfg.ckpt_path`` is the run's own ``last.ckpt``, else ``None``."""
     if cfg.get("ckpt_path") != str(output_dir / "checkpoints" / "last.ckpt"):
         return None
     return "finished" if (output_dir / "metrics.json").is_file() else "interrupted"
 
 
 def _taken(cfg: DictConfig, stage: str) -> Plan:
-    """The ``Plan`` of a job ``StartChecks`` checked and decided (``cfg.ckpt_path``: what it continues from): its
-    world read, its checkpoint's facts read once; nothing checked again."""
+    """The ``Plan`` of a job ``StartChecks`` decided (its ``ckpt_path``): the world and the checkpoint's facts read,
+    nothing checked again."""
     ckpt = cfg.get("ckpt_path")
     if ckpt:
         cfg.ckpt_path = ckpt = to_absolute_path(str(ckpt))
@@ -280,11 +269,9 @@ def _job_failed(num: int, output_dir: Path, line: str) -> float:
 
 
 class StartChecks(HydraCallback):
-    """Before Hydra makes or writes anything (a Hydra callback of the packaged ``hydra/`` config): the run's
-    directory (``hydra.run.dir``) or the sweep's (``hydra.sweep.dir``) resolves and can be written, and (one run)
-    the job's config passes ``check_config`` (interpolations, values), and (a sweep) its syntax is its sweeper's
-    (``sweep_refusal``); else one ``error:`` line, exit 2, and no other line before it. A sweep job's own config
-    is checked in its job (``run_job``): a bad one fails it only. ``stage``: what the run does (``train``'s)."""
+    """A Hydra callback: before Hydra makes or writes anything, the run's or the sweep's directory can be written,
+    one run's config is planned (``_plan``: checked, and its decision written into the config Hydra hands the job),
+    a sweep's syntax is its sweeper's; else one ``error:`` line, exit 2. ``stage``: what the run does."""
 
     stage = "fit"
 
@@ -328,8 +315,7 @@ class StartChecks(HydraCallback):
 
 
 def _checked_before(hydra_cfg: Any) -> bool:
-    """Whether ``StartChecks`` (or a subclass) checked and decided this job before Hydra started it: one run under
-    the packaged callback; else (a sweep's job, a run whose Hydra config drops the callback) the job plans."""
+    """Whether ``StartChecks`` (or a subclass) planned this job: one run under the packaged callback."""
     if hydra_cfg.mode != RunMode.RUN:
         return False
     targets = [spec.get("_target_") for spec in (hydra_cfg.callbacks or {}).values() if spec]
@@ -337,8 +323,7 @@ def _checked_before(hydra_cfg: Any) -> bool:
 
 
 def _named(hydra_cfg: Any) -> bool:
-    """Whether the run's directory was named for it: ``hydra.run.dir`` given, or a cluster job's own name (no
-    ``/`` in ``cluster.run_name``), so that ``resume=true`` finds the run it continues."""
+    """Whether the run's directory was named for it (``hydra.run.dir`` given, or a cluster job's own name)."""
     return any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra) or "/" not in run_name()
 
 
@@ -355,8 +340,7 @@ def _directory(config: DictConfig, mode: str) -> str:
 
 
 def _check_writable(config: DictConfig, mode: str) -> None:
-    """``hydra.<mode>.dir`` resolves and can be written (``dpddp.errors.unwritable``: it is made here, as Hydra
-    would make it next); else ``fail``."""
+    """``hydra.<mode>.dir`` resolves and can be written (it is made here); else ``fail``."""
     directory = _directory(config, mode)
     if why := unwritable(directory):
         given = f"hydra.{mode}.dir={hydra_value(directory)}"
@@ -382,9 +366,7 @@ def _again() -> str:
 
 def main() -> None:
     """``python train.py [key=value ...]`` or ``dpddp-train ...``: Hydra composes the packaged ``conf/`` with the
-    overrides (``--config-dir`` adds a user's own) and calls ``run_job``. An unknown config option is one line,
-    exit 2, before Hydra starts; an override the composed config refuses (``devises=2``), one line, exit 2, as
-    Hydra composes (``refused_override``)."""
+    overrides and calls ``run_job``. An unknown config option, or an override the config refuses: one line, exit 2."""
     argv = sys.argv[1:]
     with shell(_again):  # a SIGTERM before the job or after its end (its outputs stand): Preempted
         try:

@@ -1,7 +1,5 @@
-"""Validation of a composed config: every bad setting becomes one ``ConfigError`` line, before any process starts.
-
-Each message names the setting, the value and what to do instead; unknown keys are ``dpddp.run.keys``'s.
-"""
+"""Validation of a composed config: every bad setting becomes one ``ConfigError`` line (the setting, the value, what
+to do instead) before any process starts."""
 
 from __future__ import annotations
 
@@ -47,8 +45,7 @@ __all__ += ["Plan", "check_checkpoint", "check_model_callbacks", "execution_refu
 
 
 def _check_val_interval(trainer: Mapping, batches: int) -> None:
-    """An integer ``val_check_interval`` counts training batches within an epoch of ``batches`` (while
-    ``check_val_every_n_epoch`` is set): more than an epoch has would fail inside the fit (Lightning's check)."""
+    """An integer ``val_check_interval`` above an epoch's ``batches`` (Lightning's check, inside the fit)."""
     interval, every = trainer.get("val_check_interval"), trainer.get("check_val_every_n_epoch", 1)
     if not isinstance(interval, int) or isinstance(interval, bool) or every is None:
         return
@@ -107,8 +104,7 @@ EXECUTION_LIMITS = (
 
 
 def _broken_limit(cfg: Mapping, limits: tuple) -> tuple[str, Any, str] | None:
-    """The first of ``limits`` (setting, the values that can, why) that ``cfg`` breaks: ``(setting, its value,
-    why)``, or ``None``."""
+    """The first of ``limits`` (setting, the values that can, why) that ``cfg`` breaks, as (setting, value, why)."""
     for name, ok, why in limits:
         section, _, key = name.rpartition(".")
         value = (cfg[section] or {}).get(key) if section else cfg["strategy"]["name"]
@@ -118,17 +114,14 @@ def _broken_limit(cfg: Mapping, limits: tuple) -> tuple[str, Any, str] | None:
 
 
 def _check_limits(cfg: Mapping, limits: tuple, setting: str, fix: str) -> None:
-    """Raises ``ConfigError`` for the first of ``limits`` (setting, the values that can, why) that ``cfg`` breaks
-    while ``setting`` is given; ``fix`` is the line's last choice."""
+    """``ConfigError`` for the first of ``limits`` that ``cfg`` breaks with ``setting`` given; ``fix`` ends the line."""
     if broken := _broken_limit(cfg, limits):
         name, value, why = broken
         raise ConfigError(f"{name}={value!r} cannot be kept with {setting} ({why}): remove it, or {fix}")
 
 
 def execution_refusal(cfg: Mapping) -> str | None:
-    """Why ``cfg`` cannot run with ``steps_per_execution`` above 1, as ``"<setting>=<value>: <why>"`` (the first
-    of the ``EXECUTION_LIMITS`` it breaks, else ``_unexecutable``'s), or ``None``; the settings are the ones
-    ``check_config`` has checked."""
+    """Why ``cfg`` cannot run with ``steps_per_execution`` above 1 (``"<setting>=<value>: <why>"``), or ``None``."""
     if broken := _broken_limit(cfg, EXECUTION_LIMITS):
         name, value, why = broken
         return f"{name}={value!r}: {why}"
@@ -149,8 +142,7 @@ def _unexecutable(cfg: Mapping) -> str | None:
 
 
 def _check_executions(cfg: Mapping) -> None:
-    """``steps_per_execution``: ``auto`` (nothing refused: ``dpddp.run.auto_steps`` falls back to 1) or a positive
-    integer; above 1, the ``EXECUTION_LIMITS``, the data and the callbacks checked."""
+    """``steps_per_execution``: ``auto`` or a positive integer; above 1, the ``EXECUTION_LIMITS``, data, callbacks."""
     given = cfg.get("steps_per_execution", 1)
     if given == "auto":
         return
@@ -163,8 +155,7 @@ def _check_executions(cfg: Mapping) -> None:
 
 
 def _check_compile(cfg: Mapping) -> None:
-    """``compile``: ``false``, ``true`` or a ``torch.compile`` mode (``compile_mode``); when set, the
-    ``COMPILE_LIMITS``."""
+    """``compile``: when set, the ``COMPILE_LIMITS``."""
     if (mode := compile_mode(cfg)) is not None:
         setting = "compile=true" if cfg.get("compile") is True else f"compile={mode}"
         _check_limits(cfg, COMPILE_LIMITS, setting, "use compile=false")
@@ -178,7 +169,7 @@ MICRO_BATCH_LIMITS = (
 
 
 def _check_micro_batches(cfg: Mapping) -> None:
-    """``data.micro_batch_size``: ``null``, ``auto`` or a positive integer; when set, the ``MICRO_BATCH_LIMITS``."""
+    """``data.micro_batch_size``: when set, the ``MICRO_BATCH_LIMITS``."""
     micro = (cfg["data"] or {}).get("micro_batch_size")
     check_micro_batch_size(micro)
     if micro is None:
@@ -194,9 +185,8 @@ HALF_WEIGHTS = ("16-true", "bf16-true", "transformer-engine", "transformer-engin
 
 
 def check_precision(cfg: Mapping) -> None:
-    """16 bits over several replicas (processes, or GPUs under dp): mixed precision keeps the weights and the
-    gradient all-reduce in 32 bits, so what ddp adds stays within what 16 bits cost one process (the promise in
-    16 bits, tests/surface.py). A precision with 16-bit weights sums 16-bit gradients: refused there."""
+    """A precision with 16-bit weights over several replicas is refused (16-bit gradient sums drift); mixed
+    precision keeps weights and all-reduce in 32 bits."""
     precision = str((cfg["trainer"] or {}).get("precision"))
     dp = cfg["strategy"]["name"] == "dp"
     count = world_of(cfg).replicas
@@ -213,8 +203,7 @@ SWITCHES = ("resume", "predict", "print_config")
 
 
 def _check_switches(cfg: Mapping) -> None:
-    """The top-level switches are booleans (``resume=maybe`` would train from scratch, as false), and
-    ``epoch_lines`` is one or ``auto``."""
+    """The top-level switches are booleans, and ``epoch_lines`` is one or ``auto``."""
     for key in SWITCHES:
         value = cfg.get(key, False)
         if not isinstance(value, bool):
@@ -235,16 +224,14 @@ TRAINER_MODES = (
 
 
 def _check_modes(trainer: Mapping) -> None:
-    """The ``TRAINER_MODES``: a mode whose run would end with no metrics or checkpoint, or with false reasons for
-    their absence."""
+    """The ``TRAINER_MODES``: a mode whose run would end with no metrics or checkpoint."""
     for flag, refused, why, instead in TRAINER_MODES:
         if trainer.get(flag) == refused:
             raise ConfigError(f"trainer.{flag}={refused!r} is not offered: {why}: {instead}")
 
 
 def _check_checkpointing(cfg: Mapping) -> None:
-    """``trainer.enable_checkpointing=false`` with a ``ModelCheckpoint`` among the callbacks: Lightning refuses
-    the pair; a run that saves no checkpoint drops them too."""
+    """``trainer.enable_checkpointing=false`` with a ``ModelCheckpoint`` callback (Lightning refuses the pair)."""
     if (cfg["trainer"] or {}).get("enable_checkpointing") is not False:
         return
     found = [
@@ -262,8 +249,7 @@ def _check_checkpointing(cfg: Mapping) -> None:
 
 
 def _refuses_without_logger(test: ast.expr) -> bool:
-    """Whether ``test`` is Lightning's own no-logger test: ``not <trainer>.loggers``, ``not <trainer>.logger`` or
-    ``<trainer>.logger is None``."""
+    """Whether ``test`` is Lightning's no-logger test (``not trainer.loggers``, ``trainer.logger is None``)."""
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         return isinstance(test.operand, ast.Attribute) and test.operand.attr in ("logger", "loggers")
     if isinstance(test, ast.Compare) and isinstance(test.left, ast.Attribute) and test.left.attr == "logger":
@@ -303,8 +289,7 @@ def _has_logger(cfg: Mapping) -> bool:
 
 
 def _check_callback_needs(cfg: Mapping) -> None:
-    """A callback that needs a part the run does not have: one that Lightning refuses without a logger
-    (``needs_logger``), with ``logger=none``; it would fail in every process after they started."""
+    """A callback Lightning refuses without a logger (``needs_logger``), with ``logger=none``."""
     if _has_logger(cfg):
         return
     for key, spec in (cfg.get("callbacks") or {}).items():
@@ -326,13 +311,8 @@ def _check_callback_needs(cfg: Mapping) -> None:
 
 
 def check_model_callbacks(cfg: Mapping, model: pl.LightningModule, trainer: pl.Trainer) -> None:
-    """What ``model.configure_callbacks()`` returns (called with ``model`` attached to ``trainer``, as Lightning
-    calls it at each stage to add its callbacks to the Trainer's), refused as ``callbacks.<key>``'s is: a callback
-    that needs a logger (``needs_logger``) with ``logger=none``.
-
-    Raises:
-        ConfigError: naming the model's callback and the fix.
-    """
+    """What ``model.configure_callbacks()`` returns (with ``model`` attached to ``trainer``, as Lightning calls
+    it), refused as ``callbacks.<key>``'s is: ``ConfigError`` for one that needs a logger, with ``logger=none``."""
     if _has_logger(cfg) or not is_overridden("configure_callbacks", model):
         return
     model.trainer = trainer
@@ -348,9 +328,9 @@ def check_model_callbacks(cfg: Mapping, model: pl.LightningModule, trainer: pl.T
 
 @dataclass(frozen=True)
 class Plan:
-    """One run's plan, made by ``check_config``'s one pass and handed down as an argument: the checked config, the
-    stage, the ``World``, the checkpoint ``ckpt_path`` names (its facts, read once; ``None``: none), and why it is
-    the run's own ``last.ckpt`` (``resume``: ``"interrupted"``, ``"finished"``; ``None``: given or none)."""
+    """One run's plan, made by ``check_config`` and handed down as an argument: the checked config, the stage, the
+    ``World``, the facts of the checkpoint ``ckpt_path`` names (read once), and ``resume``: ``"interrupted"`` or
+    ``"finished"`` when that is the run's own ``last.ckpt``."""
 
     cfg: Any
     stage: str
@@ -360,23 +340,15 @@ class Plan:
 
 
 def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> Plan:
-    """Check a composed config for ``stage``: its settings, then its ``ckpt_path``; return its ``Plan``. An entry
-    point calls it once and hands the plan down.
-
-    Raises:
-        ConfigError: an unknown key, a value out of range, a batch size that does not divide by the world size,
-            a device request this machine cannot meet, a cluster whose world size differs from
-            ``devices * num_nodes``, or a ``ckpt_path`` that does not exist, cannot be read, has finished more
-            epochs than ``trainer.max_epochs``, or (``resume=true``) was trained with other data settings, or (a fit)
-            with another ``steps_per_execution``.
-    """
+    """Check a composed config for ``stage``, its settings then its ``ckpt_path``; return its ``Plan``. Raises
+    ``ConfigError``: the first bad setting (a key, a value, the world, the checkpoint), in one line."""
     _check_settings(cfg, stage)
     return Plan(cfg, stage, world_of(cfg), _check_checkpoint(cfg, stage, None))
 
 
 def check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None) -> CheckpointFacts | None:
-    """The ``ckpt_path`` part of ``check_config`` alone, for a run that decides what it continues from after the
-    check (``loaded``: that file, already read); its facts. Raises ``ConfigError``."""
+    """The ``ckpt_path`` part of ``check_config`` (``loaded``: that file, already read); its facts, or
+    ``ConfigError``."""
     return _check_checkpoint(cfg, stage, loaded)
 
 
@@ -478,9 +450,8 @@ def _check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None
 
 
 def _configured_model(cfg: Mapping) -> ConfiguredModel | None:
-    """The configured model's ``state_dict`` shapes, its ``strict_loading`` and its settings (``ConfiguredModel``),
-    built on the meta device (no memory, no initialization, the random streams untouched); ``None`` when it cannot
-    be built there (the run's own build says why)."""
+    """The configured model's ``ConfiguredModel``, built on the meta device (no memory, the random streams
+    untouched); ``None`` when it cannot be built there."""
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = build(cfg["model"], "model", _convert_="all")
@@ -501,8 +472,7 @@ def _configured_model(cfg: Mapping) -> ConfiguredModel | None:
 
 
 def _unwritable_where(directory: Path) -> str | None:
-    """Why ``directory``, or the nearest existing directory above it where it would be made, cannot be written
-    (``dpddp.errors.unwritable``); nothing is made."""
+    """Why ``directory`` (or the nearest existing one above it) cannot be written; nothing is made."""
     probe = directory
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -510,8 +480,7 @@ def _unwritable_where(directory: Path) -> str | None:
 
 
 def _check_checkpoint_dirs(cfg: Mapping) -> None:
-    """A callback's own ``dirpath`` (a ModelCheckpoint's) can be written: its first save would fail after an
-    epoch of training. A remote one (``s3://...``) is its file system's to check."""
+    """A callback's local ``dirpath`` can be written (its first save would fail after an epoch)."""
     for key, spec in (cfg.get("callbacks") or {}).items():
         dirpath = spec.get("dirpath") if isinstance(spec, Mapping) else None
         if dirpath and "://" not in str(dirpath) and (why := _unwritable_where(Path(str(dirpath)))):
@@ -522,10 +491,8 @@ def _check_checkpoint_dirs(cfg: Mapping) -> None:
 
 
 def check_output_dir(output_dir: Path) -> None:
-    """The run directory (its ``checkpoints/`` once it has one) can be written, before anything trains.
-
-    Raises ``ConfigError``: ``'<dir>' cannot be written (<the system's reason>): <fix>``; a run that has a
-    ``last.ckpt`` is told to continue it into another directory."""
+    """The run directory (its ``checkpoints/`` once it has one) can be written; else ``ConfigError`` (a run with
+    a ``last.ckpt`` is told to continue it elsewhere)."""
     checkpoints = output_dir / "checkpoints"
     directory = checkpoints if checkpoints.is_dir() else output_dir
     if why := _unwritable_where(directory):
