@@ -96,14 +96,14 @@ def empty_batch(batch: Any) -> Any:
 
 
 class TensorBatches(Dataset):
-    """``ds[idx]`` is ``(x[idx], y[idx])`` (``rows_of``), and ``idx`` with ``with_index``. ``first_row``: the
-    whole data set's row at position 0 (a contiguous split)."""
+    """``ds[idx]`` is ``(x[idx], y[idx])`` (``rows_of``). ``first_row``: the whole data set's row at position 0
+    (a contiguous split)."""
 
     batch_indexable = True
     defer = False
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, with_index: bool = False, first_row: int = 0) -> None:
-        self.x, self.y, self.with_index, self.first_row = x, y, with_index, first_row
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, first_row: int = 0) -> None:
+        self.x, self.y, self.first_row = x, y, first_row
 
     def __len__(self) -> int:
         return len(self.y)
@@ -113,8 +113,7 @@ class TensorBatches(Dataset):
         return positions + self.first_row
 
     def __getitem__(self, idx: torch.Tensor) -> tuple[torch.Tensor | DeferredRows, ...]:
-        x, y = rows_of(self.x, idx, self.defer), rows_of(self.y, idx, self.defer)
-        return (x, y, idx) if self.with_index else (x, y)
+        return rows_of(self.x, idx, self.defer), rows_of(self.y, idx, self.defer)
 
 
 class Batches(Dataset):
