@@ -18,6 +18,7 @@ from dpddp.messages import (
     instantiate_key,
     instantiate_target,
     jsonargparse_refusal,
+    litlogger_tip,
     locating_failed,
     missing_primary_config,
     mlflow_opt_out,
@@ -86,6 +87,21 @@ class OneUsed(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.used(x)
+
+
+def test_litlogger_tip_reads_lightnings_advertisement_at_a_trainers_start(caplog, monkeypatch):
+    import logging
+
+    import lightning.pytorch as pl
+
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    monkeypatch.setattr(rank_zero, "filters", [])  # dpddp.run.assembly's filter drops it
+    monkeypatch.setattr(rank_zero, "handlers", [caplog.handler])
+    monkeypatch.setattr(rank_zero, "level", logging.INFO)
+    pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    said = {record.getMessage() for record in caplog.records}
+    tips = {message for message in said if litlogger_tip(message)}
+    assert len(tips) == 1 and "GPU available: False, used: False" in said - tips, said
 
 
 def test_unused_parameters_begins_torchs_ddp_error_for_a_parameter_the_loss_did_not_use(tmp_path):

@@ -10,6 +10,11 @@ UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"
 """How torch's DDP error for a parameter the last loss did not use begins (as Lightning 2.6.6 matches it)."""
 
 
+def litlogger_tip(message: str) -> bool:
+    """Whether a Lightning 2.6.6 log message is its "try installing litlogger" advertisement."""
+    return message.startswith("💡 Tip: For seamless cloud logging")
+
+
 def unused_parameters(text: str) -> bool:
     """Whether ``text`` is torch's DDP error for a parameter the last loss did not use."""
     return UNUSED_PARAMETERS in text

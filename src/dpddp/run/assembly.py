@@ -30,6 +30,7 @@ from dpddp.data.built import SameDataOnEveryRank
 from dpddp.data.draws import UnkeyedDraws
 from dpddp.data.keys import sample_key_callbacks
 from dpddp.errors import ConfigError, first_line
+from dpddp.messages import litlogger_tip
 from dpddp.parallel.batchnorm import batchnorm_plugins
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy, OneProcessStrategy
@@ -61,7 +62,7 @@ class _NoLitLoggerTip(logging.Filter):
 
     @override
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip: For seamless cloud logging")
+        return not litlogger_tip(str(record.msg))
 
 
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoLitLoggerTip())
