@@ -97,7 +97,7 @@ def disable_sigterm_broadcast(trainer: pl.Trainer) -> None:
 
 
 def restore_sigterm_broadcast(trainer: pl.Trainer) -> None:
-    """Undo ``disable_sigterm_broadcast``'s per-step broadcast (the notifier stays quiet)."""
+    """Undo ``disable_sigterm_broadcast``'s per-step broadcast (Lightning 2.6.6; the notifier stays quiet)."""
     trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
 
 
@@ -235,7 +235,7 @@ def logged_tensor_states(trainer: pl.Trainer) -> dict[str, tuple[torch.Tensor, t
 
 
 def restore_logged_tensors(trainer: pl.Trainer, states: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
-    """Put the logged plain tensors back to ``states`` (``logged_tensor_states``); one logged since holds nothing."""
+    """Put the logged tensors back to ``states`` (Lightning 2.6.6's ``_ResultMetric``); one logged since: empty."""
     for key, value in (trainer._results or {}).items():
         if not getattr(value, "is_tensor", False):
             continue
