@@ -144,7 +144,7 @@ def test_address_variables_a_run_can_use_are_accepted(monkeypatch, env, settings
     """The check passes, and the run's world (processes, nodes) is the settings', with this process the writer."""
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    found = check_config(compose_cfg(*settings, "accelerator=cpu"))
+    found = check_config(compose_cfg(*settings, "accelerator=cpu")).world
     assert (found.world_size, found.nodes, found.global_rank, found.writes_outputs) == (*world, 0, True)
 
 

@@ -91,7 +91,7 @@ def test_each_start_logs_its_world_and_warns_when_a_joining_node_could_not_start
     _env(monkeypatch, **TORCHRUN, WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_PORT="29500")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared)
     cfg = compose_cfg("strategy=ddp", "devices=2", "num_nodes=auto", "accelerator=cpu")
-    world = check_config(cfg)
+    world = check_config(cfg).world
     with caplog.at_level("INFO", logger="dpddp.run.training"):
         _log_world(world, True)
     lines = [r.getMessage() for r in caplog.records]

@@ -83,7 +83,7 @@ TRAINER_KEYS = {"devices", "num_nodes", "accelerator", "strategy.name", "trainer
 def _validate(cfg, tmp_path_factory, key):
     """``check_config``, then (a key the Trainer takes) ``build_trainer`` of ``cfg``; returns where each key's value
     shows."""
-    world = check_config(cfg)
+    world = check_config(cfg).world
     if key not in TRAINER_KEYS:
         return lambda k: OmegaConf.select(cfg, k)
     trainer = build_trainer(cfg, tmp_path_factory.mktemp("run"))

@@ -1,14 +1,6 @@
-"""The Lightning CLI entry point: ``dpddp fit --trainer.strategy=ddp --trainer.devices=2`` (``python -m dpddp.cli``).
-
-LightningCLI parses the subcommands ``fit``, ``validate``, ``test``, ``predict`` and every ``--trainer.*``,
-``--model.*``, ``--data.*`` argument, in its subclass mode: ``--model=pkg.Class`` is any LightningModule and
-``--data=pkg.Class`` any LightningDataModule (by default the built-in linear classifier and random tensors). The
-parsed values become the config ``train.py`` composes (``class_path``/``init_args`` as ``_target_`` specs), run by
-``dpddp.run.training.train``: the same checks, strategies, outputs and errors. A run's directory is
-``<default_root_dir>/lightning_logs/version_<N>/`` (under torchrun or SLURM, the cluster's run name), with each
-invocation's ``config.yaml``, ``config-1.yaml``, ... ``fit`` trains, then tests the final weights;
-``--ckpt_path=last`` continues the newest run in its own directory.
-"""
+"""The Lightning CLI entry point: ``dpddp fit --trainer.strategy=ddp --trainer.devices=2`` (``python -m dpddp.cli``):
+LightningCLI's parse of any LightningModule and LightningDataModule, run by ``train`` as ``train.py``'s config is
+(docs/design-notes.md, entry)."""
 
 from __future__ import annotations
 
@@ -84,17 +76,14 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's j
 
 
 def trainer_defaults() -> dict[str, Any]:
-    """The CLI's Trainer defaults: the packaged ``trainer/default.yaml``'s set values (``max_epochs: 10``,
-    ``enable_model_summary: false``), so that ``--print_config`` shows what runs and a value given equal to
-    Lightning's default is not taken for the default (``run_config`` keeps the values that differ);
-    ``sync_batchnorm`` as ``true``, the CLI's bool for its ``null`` (BatchNorm over the global batch)."""
+    """The CLI's Trainer defaults: the packaged ``trainer/default.yaml``'s set values (so a value given equal to
+    Lightning's default is kept), and ``sync_batchnorm`` as ``true``."""
     own = {str(k): v for k, v in _packaged("trainer").items() if v is not None}
     return {**own, "sync_batchnorm": True, "use_distributed_sampler": False}
 
 
 def monitor_defaults() -> tuple[str, str]:
-    """``--monitor`` and ``--monitor_mode``'s defaults: the packaged ``callbacks/default.yaml``'s
-    ``model_checkpoint.monitor`` and ``mode`` (``"val/loss"``, ``"min"``), as for ``train.py``."""
+    """``--monitor`` and ``--monitor_mode``'s defaults: the packaged ``callbacks/default.yaml``'s."""
     best = _packaged("callbacks")["model_checkpoint"]
     return str(best["monitor"]), str(best["mode"])
 
@@ -104,9 +93,8 @@ def _packaged(group: str) -> Any:
 
 
 class DPDDPCLI(LightningCLI):
-    """``LightningCLI`` that parses only: ``--ckpt_path``, ``--steps_per_execution``, ``--compile``, ``--monitor``
-    and ``--monitor_mode`` (``callbacks.model_checkpoint``'s ``monitor`` and ``mode``) added, and no class instantiated
-    (``dpddp.run.training.train`` builds everything, as for ``train.py``)."""
+    """``LightningCLI`` that only parses, with ``--ckpt_path``, ``--steps_per_execution``, ``--compile``, ``--monitor``
+    and ``--monitor_mode`` added; ``train`` builds everything."""
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -134,8 +122,7 @@ class DPDDPCLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        """LightningCLI's parse; jsonargparse's refusal (an ``ArgumentError``: the parser is built with
-        ``exit_on_error=False``, instead of its usage in 50 lines) is one line, exit 2 (``argument_error``)."""
+        """LightningCLI's parse; jsonargparse's refusal is one line, exit 2 (``argument_error``)."""
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
@@ -147,7 +134,7 @@ class DPDDPCLI(LightningCLI):
 
 
 def _spec(value: Any) -> Any:
-    """A jsonargparse value with its ``{class_path, init_args}`` (at any depth) as Hydra ``{_target_, ...}`` specs."""
+    """A jsonargparse value with its ``{class_path, init_args}`` as Hydra ``{_target_, ...}`` specs."""
     if hasattr(value, "as_dict"):
         value = value.as_dict()
     if isinstance(value, dict):
@@ -160,10 +147,8 @@ def _spec(value: Any) -> Any:
 
 
 def _follow_data(model: dict[str, Any], data: dict[str, Any]) -> None:
-    """The model's ``SIZES`` follow the data's where both classes take them and the model's is its class default
-    (as ``model/default.yaml``'s ``${data.num_features}``); a size given otherwise is kept, and the run's check
-    refuses it if it differs from the data's. A jsonargparse link would drop a given size from the saved config
-    whenever the data class lacks it."""
+    """The model's ``SIZES`` follow the data's where both classes take them and the model's is its class default (a
+    jsonargparse link would drop a given size from the saved config)."""
     defaults = inspect.signature(get_class(model["_target_"])).parameters
     for key in SIZES:
         if key in model and key in data and key in defaults and model[key] == defaults[key].default:
@@ -175,13 +160,8 @@ def _plain(namespace: Any) -> dict[str, Any]:
 
 
 def run_config(parsed: Any, defaults: Any) -> DictConfig:
-    """The run config (``train.py``'s schema) of the CLI's parsed values ``parsed`` (parser defaults:
-    ``defaults``).
-
-    Raises:
-        ConfigError: a trainer value the run cannot take (a strategy or accelerator object, or a strategy name
-            with no packaged ``strategy/`` config: ``command_line.unknown_option``, checked before composing).
-    """
+    """The run config (``train.py``'s schema) of the CLI's ``parsed`` values; ``ConfigError`` for a trainer value the
+    run cannot take."""
     given, default = _plain(parsed), _plain(defaults)
     trainer = {k: v for k, v in given["trainer"].items() if v != default["trainer"].get(k)}
     top = {TOP_LEVEL[k]: trainer.pop(k) for k in list(trainer) if k in TOP_LEVEL}
@@ -233,7 +213,7 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
 
 
 def _output_dir(root: Path, stage: str, ckpt_path: str | None) -> tuple[Path, str | None]:
-    """The run directory under ``root/lightning_logs`` and the checkpoint (``"last"`` resolved; see the module)."""
+    """The run directory under ``root/lightning_logs`` and the checkpoint (``"last"`` resolved)."""
     logs = root / "lightning_logs"
     versions = sorted(
         (p for p in logs.glob("version_*") if p.name[8:].isdigit()), key=lambda p: int(p.name[8:])
@@ -251,9 +231,8 @@ def _output_dir(root: Path, stage: str, ckpt_path: str | None) -> tuple[Path, st
 
 
 def with_default_classes(args: list[str]) -> list[str]:
-    """``args`` with ``--model=<DEFAULT_CLASSES>`` (and ``--data=...``) put first where they name no class of
-    their own and no ``--config`` file is given. A parser default would not do: on ``--model=pkg.Class``
-    jsonargparse keeps the default class's values for every parameter the two share (``lr``, ``batch_size``)."""
+    """``args`` with the default ``--model``/``--data`` classes first where they name none and no ``--config`` is
+    given (a parser default would keep the default class's values for the parameters two classes share)."""
     if any(a in ("-c", "--config") or a.startswith(("--config=", "-c=")) for a in args):
         return args
     named = {key for key in DEFAULT_CLASSES for a in args if a.partition("=")[0] in (f"--{key}", f"--{key}.class_path")}
@@ -261,8 +240,7 @@ def with_default_classes(args: list[str]) -> list[str]:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Run the CLI on ``args`` (default ``sys.argv[1:]``); a known error ends it in one line with its exit status
-    (``dpddp.errors.shell``)."""
+    """Run the CLI on ``args`` (default ``sys.argv[1:]``); a known error is one line and its exit status."""
     atexit.register(gc.freeze)  # no full collections over what the run built, at exit
     args = list(sys.argv[1:] if args is None else args)
     stage, rest = (args or [""])[0], args[1:]
@@ -294,8 +272,8 @@ def main(args: list[str] | None = None) -> None:
 
 
 def _parsed(stage: str, rest: list[str]) -> tuple[Plan, Path, bool]:
-    """The ``Plan`` of ``stage`` with arguments ``rest`` (its config checked), its run directory, and whether
-    this call made the directory; on rank 0 the directory is made and the invocation's config saved in it."""
+    """The ``Plan`` of ``stage`` with arguments ``rest``, its run directory, and whether this call made it (rank 0
+    makes it and saves the invocation's config)."""
     # Harmless: the subcommand is taken off sys.argv here, so LightningCLI gets the rest of the same command line.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     help_only = any(a in ("-h", "--help") for a in rest)
@@ -350,7 +328,7 @@ def cli_usage(stages: tuple[str, ...]) -> str:
 
 
 def unknown_stage(stage: str, stages: tuple[str, ...]) -> str:
-    """One line for a ``dpddp`` command line whose first word ``stage`` is none of ``stages`` (``""``: none)."""
+    """One line for a first word ``stage`` that is none of ``stages``."""
     near = difflib.get_close_matches(stage, stages, n=1, cutoff=0.5)
     if not stage:
         return f"give a subcommand: {cli_usage(stages)}"

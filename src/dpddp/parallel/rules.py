@@ -1,5 +1,5 @@
-"""The device and strategy settings a run may have: each bad one is one ``ConfigError`` line (the setting, the value,
-the fix), raised before any process starts; and the world size the settings give."""
+"""The device and strategy settings a run may have (each bad one a ``ConfigError`` line before any process starts),
+and the ``World`` they give: the one resolver of the world."""
 
 from __future__ import annotations
 
@@ -78,9 +78,8 @@ def processes_per_node(cfg: Mapping) -> int:
 
 
 def nodes(cfg: Mapping) -> int:
-    """The run's node count: ``num_nodes``, or for ``num_nodes=auto`` the launcher's world size over ``devices``
-    (torchrun's ``WORLD_SIZE``, ``SLURM_NTASKS``, a PyTorchJob's ``WORLD_SIZE``; rounded down: ``check_devices``
-    refuses a remainder), 1 outside a launcher or for one-process strategies."""
+    """The node count: ``num_nodes``, or for ``num_nodes=auto`` the launcher's world size over ``devices``; 1 outside
+    a launcher or for one-process strategies."""
     if cfg["num_nodes"] != "auto":
         return cfg["num_nodes"]
     cluster = cluster_world_size(cfg["cluster"])
@@ -90,17 +89,15 @@ def nodes(cfg: Mapping) -> int:
 
 
 def world_size(cfg: Mapping) -> int:
-    """Processes the run will have: ``devices * nodes(cfg)`` for DDP, 1 for ``auto`` and ``dp`` (one process);
-    ``devices=-1`` counts the visible GPUs. The one place dpddp works it out, for its checks before any process
-    starts; Lightning then starts that many from the same ``devices`` and ``num_nodes`` (``parallel.launcher``)."""
+    """Processes the run will have: ``devices * nodes`` under DDP (``devices=-1``: the visible GPUs), else 1. The
+    one place dpddp works it out."""
     if not is_ddp_family(cfg["strategy"]["name"]):
         return 1
     return processes_per_node(cfg) * nodes(cfg)
 
 
 def world_size_source(cfg: Mapping) -> str:
-    """Where the run's world size comes from, for a message: ``"torchrun WORLD_SIZE=3"`` (any launcher's
-    variable) under a launcher with ``num_nodes=auto``, else ``"devices x num_nodes"``."""
+    """Where the world size comes from, for a message (``"torchrun WORLD_SIZE=3"``, ``"devices x num_nodes"``)."""
     cluster = cluster_world_size(cfg["cluster"])
     if cfg["num_nodes"] == "auto" and cluster is not None and is_ddp_family(cfg["strategy"]["name"]):
         return f"{cluster[1]}={cluster[0]}"
@@ -108,8 +105,7 @@ def world_size_source(cfg: Mapping) -> str:
 
 
 def replicas(cfg: Mapping) -> int:
-    """Replicas of the model that each take a share of the global batch: the processes under DDP
-    (``world_size``), the GPUs under ``dp``, 1 otherwise."""
+    """Model replicas that share a global batch: the processes under DDP, the GPUs under ``dp``, else 1."""
     if cfg["strategy"]["name"] == "dp":
         return torch.cuda.device_count() if cfg["devices"] == -1 else cfg["devices"]
     return world_size(cfg)
@@ -117,10 +113,8 @@ def replicas(cfg: Mapping) -> int:
 
 @dataclass(frozen=True)
 class World:
-    """The processes a run has and this process's place among them, as ``resolve_world`` found them.
-
-    ``family``: ``"ddp"`` (a process per device), ``"dp"`` or ``"one"``; ``devices``: per node, ``-1`` counted;
-    ``writes_outputs``: global rank 0 and not a rank dpddp's launcher started (``cluster.writes_outputs``)."""
+    """The processes a run has and this process's place among them (``resolve_world``). ``family``: ``"ddp"``,
+    ``"dp"`` or ``"one"``; ``writes_outputs``: global rank 0, not a rank dpddp's launcher started."""
 
     strategy: str
     family: str
@@ -167,12 +161,8 @@ def resolve_world(cfg: Mapping) -> World:
 
 
 def check_devices(cfg: Mapping) -> None:
-    """The top-level ``strategy``, ``accelerator``, ``devices``, ``num_nodes`` and ``cluster`` of ``cfg``, the
-    ``strategy.*`` options, and the cluster this process was started in (its world size must be the run's).
-
-    Raises:
-        ConfigError: the first setting this machine or cluster cannot run, with the fix.
-    """
+    """The device settings, the ``strategy.*`` options and the launcher's world (it must be the run's); else
+    ``ConfigError`` naming the first setting this machine or cluster cannot run."""
     strategy, devices, num_nodes = cfg["strategy"]["name"], cfg["devices"], cfg["num_nodes"]
     ddp = is_ddp_family(strategy)
     if strategy not in STRATEGIES and (line := lightning_name_line(strategy)):  # dpddp's settings for Lightning's name
@@ -224,12 +214,8 @@ def check_devices(cfg: Mapping) -> None:
 
 
 def _check_elastic(cluster: tuple[int, str], devices: int) -> None:
-    """``num_nodes=auto`` under a launcher: ``devices`` processes on each node, the same run id on every start.
-
-    Raises:
-        ConfigError: a world size ``devices`` does not divide, another local world size than ``devices``
-            (torchrun's ``--nproc_per_node``), or torchrun without ``--rdzv-id`` (no run directory to return to).
-    """
+    """``num_nodes=auto`` under a launcher: ``devices`` divides the world size, is the local world size, and the
+    run id is stable (torchrun's ``--rdzv-id``); else ``ConfigError``."""
     size, name = cluster
     local = torchrun_local_world_size()
     if local is not None and local.isdigit() and int(local) != devices:
@@ -250,11 +236,7 @@ def _check_elastic(cluster: tuple[int, str], devices: int) -> None:
 
 
 def check_strategy_options(options: Mapping) -> None:
-    """The ``strategy.*`` options (and ``MASTER_PORT`` from the environment).
-
-    Raises:
-        ConfigError: an option dpddp's DDP strategy cannot take, with the fix.
-    """
+    """The ``strategy.*`` options (and ``MASTER_PORT``) dpddp's DDP strategy can take; else ``ConfigError``."""
     if "timeout_s" in options:
         timeout = options["timeout_s"]
         checked_float("strategy.timeout_s", timeout, 1.0, 7 * 86400.0, "use seconds, e.g. strategy.timeout_s=180")
@@ -297,10 +279,8 @@ def check_strategy_options(options: Mapping) -> None:
 
 
 def lightning_equivalent(name: str) -> tuple[str, ...] | None:
-    """dpddp's settings for a strategy name of Lightning's registry that dpddp's strategies can run
-    (``ddp_find_unused_parameters_true``: ``strategy=ddp strategy.find_unused_parameters=true``; ``ddp_fork``:
-    ``strategy=ddp strategy.launch=fork``; ``single_device``: ``strategy=auto``), or ``None``: a name dpddp has
-    itself, one that is not registered, or one of a strategy dpddp does not offer (DeepSpeed, FSDP, XLA)."""
+    """dpddp's settings for a Lightning strategy name it can run (``ddp_fork``: ``strategy=ddp
+    strategy.launch=fork``), or ``None``."""
     found = registered_strategies().get(name)
     if name in STRATEGIES or found is None:
         return None
@@ -321,10 +301,8 @@ def lightning_equivalent(name: str) -> tuple[str, ...] | None:
 
 
 def lightning_name_line(name: str, prefix: str = "") -> str | None:
-    """The line for ``<prefix>strategy=<name>`` (``prefix``: ``--trainer.`` for the CLI), a strategy name of
-    Lightning's registry that dpddp has no config for: the dpddp settings that do what it does
-    (``lightning_equivalent``), or, for a strategy dpddp does not offer, the one to use; ``None`` for a name
-    Lightning does not register either."""
+    """The line for ``<prefix>strategy=<name>``, a Lightning strategy name dpddp has no config for: its
+    ``lightning_equivalent``, or the strategy to use instead; ``None`` for a name Lightning lacks too."""
     found = registered_strategies().get(name)
     if name in STRATEGIES or found is None:
         return None
