@@ -12,6 +12,7 @@ from dpddp.errors import ConfigError
 from dpddp.models.mlp import MLPClassifier
 from dpddp.run.compiling import MODES, compile_mode
 from dpddp.run.config import check_config
+from dpddp.run.training import train
 
 BASE = ["accelerator=cpu", "data.num_samples=1005", "logger=none", "model=mlp", "model.hidden=[16]"]
 BASE += ["trainer.max_epochs=2"]  # 12 steps an epoch
@@ -29,8 +30,13 @@ def _run(path, *args: str) -> None:
     (path / "stderr.txt").write_text(proc.stderr)
 
 
+def _eager_here(path, *args: str) -> None:
+    """``BASE args`` eager on one process, trained in this process (what ``train.py`` runs) into ``path``."""
+    train(compose_cfg(*BASE, *args), path)
+
+
 def _eager(shared_dir):
-    return made_once(shared_dir, "compile_eager_one", _run)
+    return made_once(shared_dir, "compile_eager_one", _eager_here)
 
 
 def _compiled(shared_dir):
@@ -59,7 +65,7 @@ def test_one_compiled_process_is_within_the_bound_of_eager_and_loads_in_eager(sh
 def test_two_compiled_ddp_processes_with_batchnorm_are_within_the_bound_of_one_eager_process(tmp_path):
     """BatchNorm too: its layers, converted for the global batch's statistics before the first forward, are what
     the compiled forward traces (a graph break at their all-reduce)."""
-    _run(tmp_path / "one", *BATCHNORM)
+    _eager_here(tmp_path / "one", *BATCHNORM)
     _run(tmp_path / "ddp", *BATCHNORM, "compile=true", "strategy=ddp", "devices=2")
     _compiled_fully(tmp_path / "ddp")
     assert metrics(tmp_path / "ddp")["world_size"] == 2
