@@ -88,7 +88,6 @@ class GlobalBatchSampler(YieldedIds, DistributedSampler):
         self.shuffle = self.drop_last = train
         self.train, self.seed, self.epoch, self.block_size = train, seed, 0, block_size
         self.steps_per_execution = steps_per_execution
-        self.skip = 0  # global batches of the next epoch already trained (resume)
         self.position: Callable[[], tuple[int, int]] | None = None  # training: (epoch, global batches done)
         self._yielded: dict[int, tuple[int, torch.Tensor]] = {}
         self.on_epoch: Callable[[int], None] | None = None  # a data set's set_epoch
@@ -140,12 +139,12 @@ class GlobalBatchSampler(YieldedIds, DistributedSampler):
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
+        skip = 0  # global batches of this epoch already trained (resume)
         if self.position is not None:  # runs at the first batch, after Lightning's restore
-            self.epoch, self.skip = self.position()
+            self.epoch, skip = self.position()
             if self.on_epoch is not None:
                 self.on_epoch(self.epoch)
         order = self._epoch_order()
-        skip, self.skip = self.skip, 0
         b, k, steps = self.batch_size, self.steps_per_execution, self.steps_per_epoch
         self._yielded.clear()
         if k == 1:
