@@ -342,8 +342,8 @@ class Plan:
 def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> Plan:
     """Check a composed config for ``stage``, its settings then its ``ckpt_path``; return its ``Plan``. Raises
     ``ConfigError``: the first bad setting (a key, a value, the world, the checkpoint), in one line."""
-    _check_settings(cfg, stage)
-    return Plan(cfg, stage, world_of(cfg), _check_checkpoint(cfg, stage, None))
+    world = _check_settings(cfg, stage)
+    return Plan(cfg, stage, world, _check_checkpoint(cfg, stage, None))
 
 
 def check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None) -> CheckpointFacts | None:
@@ -352,7 +352,7 @@ def check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None)
     return _check_checkpoint(cfg, stage, loaded)
 
 
-def _check_settings(cfg: DictConfig | Mapping, stage: str) -> None:
+def _check_settings(cfg: DictConfig | Mapping, stage: str) -> World:
     if isinstance(cfg, DictConfig):
         check_resolvable(cfg)
     check_plain(cfg)  # first: train.py answers these before the imports (dpddp.entry.early), with the same line
@@ -416,6 +416,7 @@ def _check_settings(cfg: DictConfig | Mapping, stage: str) -> None:
     if every is not None:  # Lightning divides by it, mid-fit
         fix = "use a positive number of epochs, or null with an integer trainer.val_check_interval"
         checked_int("trainer.check_val_every_n_epoch", every, 1, fix)
+    return world
 
 
 def _check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None) -> CheckpointFacts | None:
