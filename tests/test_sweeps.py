@@ -70,19 +70,9 @@ def test_sweep_started_as_a_module(tmp_path):
     assert metrics(tmp_path / "sweep/0")["val/loss"] != metrics(tmp_path / "sweep/1")["val/loss"]
 
 
-def test_optuna_search_minimises_val_loss(tmp_path):
-    args = ["hparams_search=optuna", "hydra.sweeper.n_trials=3", *SMALL, "hydra.sweep.dir=opt"]
-    proc = run_train(*args, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [metrics(tmp_path / "opt" / str(i))["val/loss"] for i in range(3)]
-    best = (tmp_path / "opt" / "optimization_results.yaml").read_text()
-    assert f"best_value: {min(losses)}" in best
-    assert len(list(csv.DictReader(open(tmp_path / "opt" / "summary.csv")))) == 3
-
-
 def test_optuna_search_records_a_failed_trial_and_goes_on(tmp_path):
     """A failed job must not end a whole search: a refused trial (it returns nan) is a FAILED trial, the others run, the
-    summary is written."""
+    summary is written; the search's best value is the least val/loss of its trials."""
     optuna = pytest.importorskip("optuna")
     args = ["hparams_search=optuna", "hydra.sweeper.n_trials=3", "model.lr=choice(0.1,-1.0)", "trainer.max_steps=10"]
     args += ["hydra.sweeper.sampler.seed=14", *SMALL[:2]]
