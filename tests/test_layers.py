@@ -344,6 +344,41 @@ def test_the_config_is_checked_by_each_entry_point_once_and_its_plan_handed_down
     } | {name: [] for name in trees if name.startswith("entry/") and name not in ENTRIES}
 
 
+PLANNED = {"check_config", "check_checkpoint", "job_plan", "world_of", "resolve_world", "read_checkpoint", "readable"}
+"""What makes a check's result, a world or a checkpoint read: passed down as arguments, never kept in a global."""
+
+
+def _kept_in_globals(tree: ast.Module) -> list[str]:
+    """Module-level assignments, and assignments to ``global`` names, whose value calls one of ``PLANNED``; and
+    ``PLANNED`` functions defined with a result cache."""
+
+    def called(node: ast.AST) -> bool:
+        return any(
+            isinstance(c, ast.Call) and getattr(c.func, "id", getattr(c.func, "attr", None)) in PLANNED
+            for c in ast.walk(node)
+        )
+
+    found = [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and called(n)]
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if fn.name in PLANNED and any("cache" in ast.unparse(d) for d in fn.decorator_list):
+            found.append(f"cached {fn.name}")
+        declared = {name for n in ast.walk(fn) if isinstance(n, ast.Global) for name in n.names}
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Assign) and called(n.value):
+                if any(isinstance(t, ast.Name) and t.id in declared for t in n.targets):
+                    found.append(ast.unparse(n))
+    return found
+
+
+def test_no_module_keeps_a_check_result_a_world_or_a_checkpoint_read():
+    """Nothing ``PLANNED`` makes is kept in a global or behind a result cache (the walk tested on small code)."""
+    assert {name: kept for name, tree in _trees().items() if (kept := _kept_in_globals(tree))} == {}
+    code = "W = world_of(cfg)\n@lru_cache\ndef readable(p):\n    global P\n    P = check_config(c)\n    q = readable(p)"
+    assert _kept_in_globals(ast.parse(code)) == ["W = world_of(cfg)", "cached readable", "P = check_config(c)"]
+
+
 MUTATORS = {"add", "append", "update", "clear", "pop", "setdefault", "discard", "extend", "remove", "insert"}
 STATE_CAP = 8
 """Module-level state changed at run time: the target is 6; 14 at the review's commit (by this walk), 8 now."""
