@@ -5,7 +5,7 @@ hooks a machine cannot run, and bad PowerSGD settings, are one line."""
 import json
 
 import pytest
-from conftest import compose_cfg, global_step, max_diff, run_train, weights
+from conftest import compose_cfg, global_step, made_once, max_diff, run_train, weights
 
 from dpddp.errors import ConfigError
 from dpddp.parallel.rules import check_strategy_options
@@ -27,12 +27,23 @@ BF16_BOUND = 5e-3
 keeps 8 bits of mantissa, fp16 11: each gradient is rounded to 2**-8 of itself)."""
 
 
+def _plain(shared_dir):
+    """The hook-free ddp(2) run (``strategy.ddp_comm_hook=null``, the default) both tests compare to, run once a
+    session: its ``last.ckpt``."""
+
+    def make(path):
+        run_train(*DDP, "strategy.ddp_comm_hook=null", f"hydra.run.dir={path}", cwd=path.parent, check=True)
+
+    return made_once(shared_dir, "comm_hooks_plain", make) / "checkpoints" / "last.ckpt"
+
+
 @pytest.mark.slow
-def test_16_bit_compression_stays_within_its_bound_of_the_32_bit_all_reduce(tmp_path):
-    for hook in ("null", "fp16_compress", "bf16_compress"):
+def test_16_bit_compression_stays_within_its_bound_of_the_32_bit_all_reduce(tmp_path, shared_dir):
+    for hook in ("fp16_compress", "bf16_compress"):
         run_train(*DDP, f"strategy.ddp_comm_hook={hook}", f"hydra.run.dir=run-{hook}", cwd=tmp_path, check=True)
-    plain, fp16, bf16 = (
-        weights(tmp_path / f"run-{d}" / "checkpoints" / "last.ckpt") for d in ("null", "fp16_compress", "bf16_compress")
+    plain = weights(_plain(shared_dir))
+    fp16, bf16 = (
+        weights(tmp_path / f"run-{d}" / "checkpoints" / "last.ckpt") for d in ("fp16_compress", "bf16_compress")
     )
     assert 0 < max_diff(plain, fp16) <= FP16_BOUND  # compressed: not the same sums, and within the bound
     assert max_diff(plain, fp16) < max_diff(plain, bf16) <= BF16_BOUND  # fewer mantissa bits: further, in its bound
@@ -66,18 +77,16 @@ def test_a_comm_hook_this_machine_cannot_run_is_one_line(value, line):
 
 
 @pytest.mark.slow
-def test_powersgd_stays_within_its_bound_and_a_stopped_run_continues_exactly(tmp_path):
+def test_powersgd_stays_within_its_bound_and_a_stopped_run_continues_exactly(tmp_path, shared_dir):
     """The hook-free and the PowerSGD ddp(2) runs, and the PowerSGD run stopped at step 20 (compressing since step
     10) and continued: its error feedback, P/Q memories, count and generator come back, in the bucket layout they
     were kept in."""
     hook = "strategy.ddp_comm_hook=powersgd"
-    run_train(*DDP, "hydra.run.dir=plain", cwd=tmp_path, check=True)
     run_train(*DDP, hook, "hydra.run.dir=powersgd", cwd=tmp_path, check=True)
     run_train(*DDP, hook, "trainer.max_steps=20", "hydra.run.dir=run", cwd=tmp_path, check=True)
     run_train(*DDP, hook, "resume=true", "hydra.run.dir=run", cwd=tmp_path, check=True)
-    plain, straight, continued = (
-        weights(tmp_path / d / "checkpoints" / "last.ckpt") for d in ("plain", "powersgd", "run")
-    )
+    plain = weights(_plain(shared_dir))
+    straight, continued = (weights(tmp_path / d / "checkpoints" / "last.ckpt") for d in ("powersgd", "run"))
     drift = max_diff(plain, straight)
     assert 0 < drift <= POWERSGD_BOUND
     assert max_diff(straight, continued) <= 1e-6
