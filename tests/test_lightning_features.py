@@ -320,11 +320,11 @@ def test_an_unused_parameter_under_ddp_is_one_line_naming_dpddps_setting_and_tha
     run_train(*args, "strategy.find_unused_parameters=true", "hydra.run.dir=ok", cwd=tmp_path, env=env, check=True)
     cli = ["fit", "--model=test_lightning_features.UnusedLayerClassifier", "--trainer.accelerator=cpu"]
     cli += ["--trainer.devices=2", "--trainer.max_epochs=1", "--data.num_samples=606"]
-    for strategy, code in (("ddp", 1), ("ddp_find_unused_parameters_true", 0)):  # the line's CLI spelling runs
-        proc = run_cli(*cli, f"--trainer.strategy={strategy}", cwd=tmp_path, env=env)
-        assert proc.returncode == code, proc.stderr[-3000:]
-        assert (UNUSED_PARAMETERS_LINE in proc.stderr + proc.stdout) == (code == 1)
-        assert leftover(proc.tag) == []
+    # the line's CLI spelling runs (the CLI's --trainer.strategy=ddp fails as train.py's run above: the same
+    # strategy's line; a rank's failure through the CLI is test_faults' test_killing_rank_1_ends_the_run[cli])
+    proc = run_cli(*cli, "--trainer.strategy=ddp_find_unused_parameters_true", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert UNUSED_PARAMETERS_LINE not in proc.stderr + proc.stdout and leftover(proc.tag) == []
 
 
 # -- a data module of the user's own through the CLI ---------------------------------------------------------
