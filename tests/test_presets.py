@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from conftest import QUIET, compose_cfg, max_diff, metrics, run_train, weights
+from conftest import QUIET, compose_cfg, metrics, run_train
 from omegaconf import OmegaConf
 
 from dpddp.errors import ConfigError
@@ -158,16 +158,15 @@ def test_callbacks_none_trains_without_configured_callbacks(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_ddp_equals_strategy_ddp(tmp_path):
-    """``trainer=ddp devices=2`` is ``strategy=ddp devices=2``: the same 2-process run, bit for bit; and
-    ``trainer=ddp_sim callbacks=none`` keeps promise 1 (its metrics are one process's)."""
+    """``trainer=ddp devices=2`` is ``strategy=ddp devices=2``: the same config, every key resolved (so the same
+    2-process run), and it runs on 2 processes; ``trainer=ddp_sim callbacks=none`` keeps promise 1 (its metrics are
+    one process's)."""
     args = ["accelerator=cpu", "data.num_samples=400", "trainer.max_epochs=1", "devices=2"]
+    preset_cfg, knobs_cfg = (compose_cfg(choice, *args) for choice in ("trainer=ddp", "strategy=ddp"))
+    assert OmegaConf.to_container(preset_cfg, resolve=True) == OmegaConf.to_container(knobs_cfg, resolve=True)
     run_train("trainer=ddp", *args, "hydra.run.dir=preset", cwd=tmp_path, check=True)
-    run_train("strategy=ddp", *args, "hydra.run.dir=knobs", cwd=tmp_path, check=True)
-    preset, knobs = metrics(tmp_path / "preset"), metrics(tmp_path / "knobs")
-    assert preset["world_size"] == knobs["world_size"] == 2 and preset["strategy"] == "ddp"
-    a, b = weights(tmp_path / "preset/checkpoints/last.ckpt"), weights(tmp_path / "knobs/checkpoints/last.ckpt")
-    assert max_diff(a, b) == 0.0
-    assert {k: preset[k] for k in ("val/loss", "test/acc")} == {k: knobs[k] for k in ("val/loss", "test/acc")}
+    preset = metrics(tmp_path / "preset")
+    assert preset["world_size"] == 2 and preset["strategy"] == "ddp"
     # trainer=ddp_sim (2 CPU processes) with callbacks=none: no checkpoint, and the metrics of one process
     run_train("trainer=ddp_sim", "callbacks=none", *args[:-1], "hydra.run.dir=sim", cwd=tmp_path, check=True)
     one = train(compose_cfg(*QUIET, *args[:-1], "callbacks=none"), tmp_path / "one")
