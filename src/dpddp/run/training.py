@@ -68,13 +68,16 @@ def train(
     (SIGTERM, with a checkpoint to resume from).
     """
     with run_stops(Path(output_dir)) as running:
-        return _train(cfg, Path(output_dir), extra, running, plan or check_config(cfg, stage))
+        return _train(cfg, Path(output_dir), stage, extra, running, plan)
 
 
-def _train(cfg: DictConfig, output_dir: Path, extra: dict | None, running: RunScope, plan: Plan) -> dict[str, Any]:
+def _train(
+    cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, running: RunScope, plan: Plan | None
+) -> dict[str, Any]:
     start = time.perf_counter()
-    stage, world = plan.stage, plan.world
-    with starting_up(running):
+    with starting_up(running):  # the check is the start-up's: a SIGTERM in it is held to its end
+        plan = plan or check_config(cfg, stage)
+        stage, world = plan.stage, plan.world
         elastic = cfg.num_nodes == "auto"
         cfg.num_nodes = world.nodes  # num_nodes=auto: the launcher's, for this start
         _log_world(world, elastic)
