@@ -48,13 +48,14 @@ RUNS: dict[str, tuple[str, tuple[str, ...], int]] = {
 
 CPU_SAME = {
     "one32": "cpu32",
+    "shared32": "dp_all",
     "one_fp16": "one_bf16",
     "shared_fp16": "shared_bf16",
     "ddp_nccl": "dp_all",
     "ddp_nccl_bf16": "shared_bf16",
 }
 """The dry run's runs that are another's on CPU (one device is the CPU; 16-mixed is bf16; dp and nccl become ddp
-over gloo, 2 ranks in bf16 whether torchrun or Lightning starts them): run once."""
+over gloo, 2 ranks whether torchrun or Lightning starts them; the torchrun pair's command runs in bf16): run once."""
 
 
 @dataclass(frozen=True)
