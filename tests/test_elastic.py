@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, compose_cfg, max_diff, metrics, weights
+from conftest import QUIET, ROOT, child_env, compose_cfg, made_once, max_diff, metrics, weights
 from netns import bed_fixture, pids_in, run_in
 
 from dpddp.run.training import train
@@ -46,13 +46,12 @@ def _outputs(cwd: Path) -> str:
     return "\n".join((cwd / f"node{i}.out").read_text()[-4000:] for i in (0, 1))
 
 
-def _single(tmp_path: Path) -> Path:
-    single = tmp_path / "single"
-    train(compose_cfg(*ARGS, "logger=none"), single)
-    return single
+def _single(shared_dir: Path) -> Path:
+    """``ARGS`` on one process (trained in this process), made once a session: what every run here ends as."""
+    return made_once(shared_dir, "elastic_single", lambda path: train(compose_cfg(*ARGS, "logger=none"), path))
 
 
-def _check(bed, tmp_path: Path, sizes: list[int]) -> tuple[Path, float]:
+def _check(bed, tmp_path: Path, sizes: list[int], shared_dir: Path) -> tuple[Path, float]:
     """One run directory, segments of ``sizes`` processes, the one-process run's step and weights (1e-5), nothing
     left running; returns the run directory and the weight difference."""
     runs = [p.parent for p in tmp_path.glob("outputs/*/metrics.json")]
@@ -61,7 +60,7 @@ def _check(bed, tmp_path: Path, sizes: list[int]) -> tuple[Path, float]:
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["torchrun-elastic"]
     result = metrics(run_dir)
     assert result["segment_world_sizes"] == sizes, result
-    single = _single(tmp_path)
+    single = _single(shared_dir)
     assert result["world_size"] == sizes[-1] and result["num_nodes"] == sizes[-1]
     diff = max_diff(weights(run_dir / "checkpoints/last.ckpt"), weights(single / "checkpoints/last.ckpt"))
     assert diff <= 1e-5
@@ -78,7 +77,7 @@ def _figures(tmp_path: Path, run_dir: Path, since: str) -> float:
     return metrics(run_dir)["first_step_unix_s"] - float((tmp_path / since).read_text())
 
 
-def test_node_leaving_gracefully_stops_every_rank_at_one_step_and_the_other_continues(bed2, tmp_path):
+def test_node_leaving_gracefully_stops_every_rank_at_one_step_and_the_other_continues(bed2, tmp_path, shared_dir):
     """SIGTERM to node 1's agent at step 10 (mid-epoch 0): both ranks stop at step 10 with last.ckpt there, node
     1's agent ends, node 0's restarts its worker alone (world size 1) from step 10 to the end: nothing retrained."""
     term = ["+callbacks.term._target_=elastic_kill.TermAgentAt", "+callbacks.term.step=10"]
@@ -86,7 +85,7 @@ def test_node_leaving_gracefully_stops_every_rank_at_one_step_and_the_other_cont
     codes = [p.wait(timeout=240) for p in procs]
     out = _outputs(tmp_path)
     assert codes[0] == 0 and codes[1] != 0, out
-    run_dir, diff = _check(bed2, tmp_path, [2, 1])
+    run_dir, diff = _check(bed2, tmp_path, [2, 1], shared_dir)
     for node in (0, 1):  # every rank stopped at the same step, with last.ckpt there
         assert "error: stopped by SIGTERM after step 10; checkpoint: " in (tmp_path / f"node{node}.out").read_text()
     log = (run_dir / "train.log").read_text()
@@ -96,7 +95,7 @@ def test_node_leaving_gracefully_stops_every_rank_at_one_step_and_the_other_cont
           f"weight difference {diff:.1e}")  # fmt: skip
 
 
-def test_node_killed_the_other_continues_from_last_ckpt(bed2, tmp_path):
+def test_node_killed_the_other_continues_from_last_ckpt(bed2, tmp_path, shared_dir):
     """node 1's agent and worker SIGKILLed at a seeded random step of epoch 1, with ``checkpoint.every_n_steps=5``:
     node 0's rank ends (the lost node named), its agent restarts it alone from the step-interval last.ckpt, and at
     most 5 steps are trained again."""
@@ -108,7 +107,7 @@ def test_node_killed_the_other_continues_from_last_ckpt(bed2, tmp_path):
     out = _outputs(tmp_path)
     assert codes[0] == 0 and codes[1] == -9, out
     assert "error: node 1 (rank 1) lost" in out, out
-    run_dir, diff = _check(bed2, tmp_path, [2, 1])
+    run_dir, diff = _check(bed2, tmp_path, [2, 1], shared_dir)
     log = (run_dir / "train.log").read_text()
     assert "resuming interrupted job from" in log, log[-3000:]
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
@@ -119,7 +118,7 @@ def test_node_killed_the_other_continues_from_last_ckpt(bed2, tmp_path):
           f"{kill_step - resumed} steps retrained, weight difference {diff:.1e}")  # fmt: skip
 
 
-def test_node_joining_continues_on_the_larger_world_size(bed2, tmp_path):
+def test_node_joining_continues_on_the_larger_world_size(bed2, tmp_path, shared_dir):
     """node 0 starts alone and holds at step 30; node 1 starts; node 0's agent stops its worker (SIGTERM: step 30,
     last.ckpt there) and both continue on world size 2 from it: nothing retrained."""
     hold = ["+callbacks.hold._target_=elastic_kill.HoldAlone", "+callbacks.hold.step=30"]
@@ -132,7 +131,7 @@ def test_node_joining_continues_on_the_larger_world_size(bed2, tmp_path):
     second = _node(bed2, 1, tmp_path, *hold)
     codes = [p.wait(timeout=240) for p in (first, second)]
     assert codes == [0, 0], _outputs(tmp_path)
-    run_dir, diff = _check(bed2, tmp_path, [1, 2])
+    run_dir, diff = _check(bed2, tmp_path, [1, 2], shared_dir)
     assert "error: stopped by SIGTERM after step 30; checkpoint: " in (tmp_path / "node0.out").read_text()
     log = (run_dir / "train.log").read_text()
     assert "world size 1: 1 node x 1 process" in log and "world size 2: 2 nodes x 1 process" in log, log[-3000:]
@@ -157,7 +156,7 @@ def test_world_size_the_global_batch_does_not_divide_is_one_line(tmp_path):
     ], proc.stderr[-3000:]
 
 
-def test_a_requeued_slurm_job_continues_its_run_and_another_job_is_refused_there(tmp_path):
+def test_a_requeued_slurm_job_continues_its_run_and_another_job_is_refused_there(tmp_path, shared_dir):
     """A SLURM job (simulated, one task) killed at step 31 is requeued under its job id: the same command continues
     its outputs/slurm-<id> from last.ckpt without resume=true, to the weights of a straight run; a job with another
     id pointed at that directory is refused in one line."""
@@ -180,7 +179,7 @@ def test_a_requeued_slurm_job_continues_its_run_and_another_job_is_refused_there
     assert requeued.returncode == 0, requeued.stderr[-3000:]
     assert "resuming interrupted job from" in (run_dir / "train.log").read_text()
     assert metrics(run_dir)["segment_world_sizes"] == [1, 1]
-    single = _single(tmp_path)
+    single = _single(shared_dir)
     assert max_diff(weights(run_dir / "checkpoints/last.ckpt"), weights(single / "checkpoints/last.ckpt")) <= 1e-6
     other = job("72", f"hydra.run.dir={run_dir}")
     errors = [line for line in other.stderr.splitlines() if line.startswith("error:")]
