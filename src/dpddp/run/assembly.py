@@ -84,12 +84,7 @@ warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and i
 
 
 def epoch_lines(cfg: Mapping) -> bool:
-    """Whether the run logs a line per epoch: ``epoch_lines=auto`` when stdout is not a terminal (a batch job,
-    ``nohup``, a redirect), ``true`` always, ``false`` never.
-
-    Raises:
-        ConfigError: another value.
-    """
+    """Whether the run logs a line per epoch (``auto``: stdout is not a terminal); else ``ConfigError``."""
     value = cfg.get("epoch_lines", "auto")
     if value not in ("auto", True, False):
         raise ConfigError(f"epoch_lines={value!r} is invalid: use auto (if stdout is not a tty), true or false")
@@ -97,8 +92,7 @@ def epoch_lines(cfg: Mapping) -> bool:
 
 
 def _progress_bar(cfg: DictConfig) -> tuple[bool, list[pl.Callback]]:
-    """``enable_progress_bar`` for the Trainer and the bar callback: ``trainer.enable_progress_bar=null`` shows
-    Lightning's bar (rich if installed, else tqdm) on a terminal only; its last frame is all a file would get."""
+    """``enable_progress_bar`` for the Trainer and the bar: ``null`` shows Lightning's bar on a terminal only."""
     flag = (cfg.trainer or {}).get("enable_progress_bar")
     show = sys.stdout.isatty() if flag is None else bool(flag)
     if not show:
@@ -107,10 +101,8 @@ def _progress_bar(cfg: DictConfig) -> tuple[bool, list[pl.Callback]]:
 
 
 def build_strategy(cfg: DictConfig, job: RankJob | None) -> pl.strategies.Strategy:
-    """The Trainer's strategy from the ``strategy`` group: our ``OneProcessStrategy`` (``auto``), ``dp``, or our
-    ``DDPStrategy`` whose launcher starts ranks from ``job``. ``ddp_spawn`` is that launcher with every rank in a
-    fresh interpreter (``launch="exec"``), not Lightning's ``torch.multiprocessing`` spawn: a spawn parent trains
-    nothing, so a SIGTERM to it ended the run with no checkpoint and left its ranks training, orphaned."""
+    """The Trainer's strategy: ``OneProcessStrategy`` (``auto``), ``dp``, or ``DDPStrategy`` starting ranks from ``job``
+    (``ddp_spawn``: each rank a fresh interpreter, so a SIGTERM to the parent still stops them with a checkpoint)."""
     container = OmegaConf.to_container(cfg.strategy)
     assert isinstance(container, dict)
     options = {str(k): v for k, v in container.items() if k != "name"}
@@ -199,10 +191,8 @@ def _writes_last(callback: pl.Callback, dirpath: Path) -> bool:
 
 
 def _own_checkpoint(callback: ModelCheckpoint, setting: str, dirpath: Path, others: list[pl.Callback]) -> None:
-    """A configured ``ModelCheckpoint`` beside the others: without a ``dirpath`` it writes into the run's
-    ``checkpoints/`` (Lightning's default is the logger's ``version_N/``, another one at each resume, which splits
-    its top-k), and one whose Lightning state key (monitor, mode, intervals) equals another's gets its setting's
-    name in its key (two such callbacks cannot both be in a checkpoint), stable across a resume."""
+    """A configured ``ModelCheckpoint``: without a ``dirpath`` it writes into the run's ``checkpoints/``, and one whose
+    state key equals another's gets its setting's name in its key (stable across a resume)."""
     if callback.dirpath is None:
         callback.dirpath = os.path.realpath(dirpath)
     if any(cb.state_key == callback.state_key for cb in others):
@@ -212,9 +202,8 @@ def _own_checkpoint(callback: ModelCheckpoint, setting: str, dirpath: Path, othe
 
 
 class RankLogger(Logger):
-    """The logger of a process that opens no tracker run (a rank other than 0 under a tracker): it logs nothing,
-    so that every rank has the run's logger, as with a CSV one, and a callback that needs one
-    (``LearningRateMonitor``) runs on every rank."""
+    """The logger of a rank that opens no tracker run: it logs nothing, so that every rank has a logger (a callback
+    that needs one runs everywhere)."""
 
     @property
     @override
@@ -236,9 +225,8 @@ class RankLogger(Logger):
 
 
 def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
-    """The ``logger`` group: ``False`` (none), one logger (a ``_target_`` spec), or a list of them (a mapping of
-    named specs, e.g. ``logger=csv_tensorboard``), each writing under the run directory. A tracker (MLflow, W&B)
-    only on the process that opens the run (``dpddp.report.trackers``), with its kept id."""
+    """The ``logger`` group: ``False``, one logger or a list, each under the run directory; a tracker only on the
+    process that opens the run (``report.trackers``)."""
     loggers = []
     for key, spec in logger_specs(cfg):
         kind = is_tracker(spec)
@@ -254,9 +242,8 @@ def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
 
 
 def _warn_global_rng(model: pl.LightningModule, datamodule: pl.LightningDataModule, cfg: DictConfig) -> None:
-    """One line at start when ``model``'s training step draws from the global random streams (``find_draws``: by
-    their effect) and the run has more than one process or DataParallel replica: each draws its own, so the
-    weights depend on the world size (a continued run on the same world size still replays them)."""
+    """One line when ``model``'s training step draws from the global random streams and the run has several
+    replicas: the weights then depend on the world size."""
     count = world_of(cfg).replicas
     if count < 2 or not _says():
         return
@@ -283,14 +270,9 @@ def build_trainer(
     predicts_forward: bool = False,
     datamodule: pl.LightningDataModule | None = None,
 ) -> pl.Trainer:
-    """The ``pl.Trainer`` of ``cfg`` (trainer flags passed through; strategy, devices and the rest from the
-    top-level knobs; the distributed sampler off: ``RandomTensorDataModule`` shards global batches itself), with
-    ``executions`` (``steps_per_execution > 1``) among its callbacks; ``predicts_forward``: the model predicts
-    with its forward (``dpddp.report.predictions.predict_forward``), its scores named ``out``.
-
-    Raises:
-        ConfigError: Lightning refused a flag; the message names it.
-    """
+    """The ``pl.Trainer`` of ``cfg`` (trainer flags passed through; strategy and devices from the top-level knobs;
+    ``executions`` among its callbacks; ``predicts_forward``: predictions by the forward). ``ConfigError``: a flag
+    Lightning refused."""
     softmax_per_sample()  # a torchmetrics metric fed logits: the same value however a batch is chunked
     bar, bar_callbacks = _progress_bar(cfg)
     flags = {k: v for k, v in (cfg.trainer or {}).items() if k != "enable_progress_bar"}

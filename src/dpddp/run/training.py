@@ -1,5 +1,4 @@
-"""The one function that runs training, for every entry point: ``train.py``, a sweep job, a launched rank and
-the Lightning CLI all call ``train``."""
+"""The one function that runs training, for every entry point (``train``)."""
 
 from __future__ import annotations
 
@@ -55,18 +54,10 @@ STAGES = ("fit", "validate", "test", "predict")
 def train(
     cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: dict | None = None, plan: Plan | None = None
 ) -> dict[str, Any]:
-    """Check ``cfg`` (unless the caller did: ``plan``, what ``check_config`` returned), build its model and data,
-    and run ``stage`` (``"fit"``: fit, test, and predict with ``predict=true``; ``"eval"``: validate and test
-    ``ckpt_path``; else that stage alone on it). Rank 0 writes checkpoints, ``metrics.json``, ``metrics.csv`` and
-    ``curves.png`` into ``output_dir``.
-
-    Returns the metrics of ``metrics.json``, the same on every rank: losses are means over samples, accuracies
-    fractions, ``samples_per_sec`` training samples/s over all processes and segments, ``wall_time_s`` and
-    ``train_time_s`` seconds, ``segments`` a count; ``extra`` entries are added.
-
-    Raises ``ConfigError`` (before any process starts), ``RankFailed`` (a launched rank failed) or ``Preempted``
-    (SIGTERM, with a checkpoint to resume from).
-    """
+    """Build ``cfg``'s model and data and run ``stage`` on its ``plan`` (else ``check_config``'s): ``"fit"`` fits,
+    tests, and predicts with ``predict=true``; ``"eval"`` validates and tests ``ckpt_path``; else that stage alone.
+    Rank 0 writes the outputs into ``output_dir``. Returns ``metrics.json``'s metrics (with ``extra``), the same on
+    every rank. Raises ``ConfigError`` (before any process starts), ``RankFailed`` or ``Preempted``."""
     with run_stops(Path(output_dir)) as running:
         return _train(cfg, Path(output_dir), stage, extra, running, plan)
 
@@ -167,9 +158,8 @@ TRAINING_KEYS = ("samples_per_sec", "train_time_s", "first_step_unix_s")
 def _missing(
     trainer: pl.Trainer, metrics: dict[str, float], stage: str, ran: set[str]
 ) -> tuple[dict[str, str], tuple[str, ...]]:
-    """Why each metric of ``metrics.json`` that has no value has none, where more is known than
-    ``dpddp.report.metrics.MISSING`` says: the stage ran alone (such keys are also left out of the log line), or
-    the model logged a value that is not finite, or logged none in a stage that ran."""
+    """Why each metric without a value has none, where more is known than ``report.metrics.MISSING``: the stage ran
+    alone (also left out of the log line), the model logged a non-finite value, or none in a stage that ran."""
     tally = next((cb for cb in trainer.callbacks if isinstance(cb, FitTally)), None)  # type: ignore[attr-defined]
     logged = {"val/": "validate" in ran or (tally is not None and tally.validated_step is not None)}
     logged["test/"] = "test" in ran
@@ -188,16 +178,13 @@ def _missing(
 
 
 def objective(cfg: DictConfig) -> str:
-    """The metric a sweep optimises and the run returns (``objective``, by default the best checkpoint's
-    ``callbacks.model_checkpoint.monitor``), ``val/loss`` when neither is set."""
+    """The metric a sweep optimises and the run returns: ``objective``, else ``val/loss``."""
     return str(cfg.get("objective") or "val/loss")
 
 
 def _log_world(world: World, elastic: bool) -> None:
-    """Log the world size and node count of this start under DDP (once per node: launched ranks say nothing);
-    with ``elastic`` (``num_nodes=auto``) under torchrun sharing its rendezvous store with the workers, warn that
-    a node joining at a restart cannot start (torch 2.13 writes the workers' store address for the first round
-    only: the new node's agent waits for it until its timeout)."""
+    """Log this start's world size under DDP (once per node); with ``elastic`` under torchrun sharing its store
+    with the workers, warn that a node joining at a restart cannot start (torch 2.13)."""
     if world.family != "ddp" or launched_by_dpddp():
         return
     size, count, per = world.world_size, world.nodes, world.processes_per_node
@@ -239,11 +226,8 @@ def _run_stages(
     stage: str,
     running: RunScope,
 ) -> tuple[dict[str, float], set[str], Exception | None]:
-    """Run ``stage`` (see ``train``); return the callback metrics as floats, the stages run, and the error of a
-    predict after a fit that failed (the fit's and test's metrics stand). A launched rank's death is named, as is
-    a stuck or dead loader worker (``LoaderFailed``); a SIGTERM since the last stage's last agreement raises
-    ``Preempted`` on every rank (``RunScope.finish``), and one to a launched rank after it, on rank 0 when it
-    joins that rank."""
+    """Run ``stage``; return the metrics as floats, the stages run, and a predict's error after a fit (the fit's
+    metrics stand). A lost rank or loader worker is named; a SIGTERM since the last agreement raises ``Preempted``."""
     finished, predict_error, ran = False, None, {stage}
     try:
         if stage == "fit":
@@ -292,8 +276,7 @@ def _run_stages(
 
 
 def _named(trainer: pl.Trainer, err: Exception) -> Exception:
-    """``err``, or a ``RankFailed`` naming the launched ranks that died (the cause, not the broken connection);
-    a refusal or a preemption is its own answer (no wait)."""
+    """``err``, or a ``RankFailed`` naming the launched ranks that died (a refusal or a stop is its own answer)."""
     supervisor = trainer.strategy.supervisor if isinstance(trainer.strategy, DDPStrategy) else None
     own = (ConfigError, Preempted, ReplicasDiverged)  # every rank's own answer
     lost = [] if isinstance(err, own) or supervisor is None else supervisor.failed_ranks(2.0)
@@ -303,11 +286,8 @@ def _named(trainer: pl.Trainer, err: Exception) -> Exception:
 def _final_weights(
     trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule
 ) -> dict[str, float]:
-    """Make the fit's outputs the final weights', whatever stopped it: write ``last.ckpt`` if its last write was
-    at another step or holds other weights, and validate if the last validation ran on other weights (a stop by
-    ``max_steps`` or ``max_time`` mid-epoch, ``val_check_interval``, ``check_val_every_n_epoch``, the average
-    ``StochasticWeightAveraging`` swaps in at the fit's end). Returns the new
-    validation metrics, if it ran one."""
+    """Make the fit's outputs the final weights': write ``last.ckpt`` if its last write holds others, and validate
+    if the last validation ran on others (a mid-epoch stop, a swapped-in average); return the new metrics, if any."""
     if trainer.fast_dev_run:  # type: ignore[attr-defined]  # no checkpoint, no more validation (Lightning)
         return {}
     averaged = save_final_checkpoint(trainer)  # other weights than last.ckpt's at its step: an average swapped in
@@ -331,9 +311,8 @@ def _floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
 
 @contextmanager
 def isolated_job() -> Iterator[None]:
-    """Leave nothing of a job behind for the next one in the same process (a Hydra multirun): restore
-    ``os.environ`` (Lightning's launcher sets ``MASTER_PORT``, ``LOCAL_RANK``, ``WORLD_SIZE`` and
-    ``seed_everything`` sets ``PL_GLOBAL_SEED`` in the parent) and destroy the process group."""
+    """Leave nothing of a job for the next one in the same process: restore ``os.environ`` and the thread count,
+    and destroy the process group."""
     saved = dict(os.environ)
     threads = torch.get_num_threads()
     try:
