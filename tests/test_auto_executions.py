@@ -239,6 +239,7 @@ def test_ddp_two_processes_agree_on_k_and_equal_one_process(tmp_path, launcher):
         assert two[key] == pytest.approx(one[key], abs=1e-5), key
 
 
+@pytest.mark.slow
 def test_the_lightning_cli_takes_auto(tmp_path):
     out = cli("fit", *FAST, "--steps_per_execution=auto", "--data.num_samples=1005", cwd=tmp_path)
     (path,) = tmp_path.glob("lightning_logs/version_*/metrics.json")

@@ -186,6 +186,7 @@ def test_the_printed_resume_command_parses_back_to_the_run_directory(tmp_path, m
     assert parsed[-1].key_or_group == "hydra.run.dir" and parsed[-1].value() == str(run_dir)
 
 
+@pytest.mark.slow
 def test_resume_without_naming_the_run_is_refused(tmp_path):
     """A resume request that would silently start fresh (``resume=true`` alone: a new time-stamped directory) is
     refused in one line that says how to name the run."""

@@ -803,6 +803,7 @@ print(*pids, flush=True)
 """
 
 
+@pytest.mark.slow
 def test_stop_worker_servers_at_multiprocessing_exit_reaps_the_server_tracker_and_worker_before_the_exit():
     """A process that started a fork server (with a worker alive) and the resource tracker, and has
     ``stop_worker_servers`` at multiprocessing's exit: before it exits, all three have ended and been reaped (none

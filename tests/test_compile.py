@@ -114,6 +114,7 @@ def test_what_compile_cannot_keep_is_one_line(overrides, line):
     assert str(err.value) == line
 
 
+@pytest.mark.slow
 def test_a_refused_compile_exits_2_with_its_line_and_writes_nothing(tmp_path):
     proc = run_train("compile=fast", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: compile='fast' is not offered")

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import child_env
 
@@ -16,6 +17,7 @@ def _script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / name), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_dpddp_check_env_prints_a_block_to_paste(tmp_path):
     env, _ = child_env(MASTER_PORT="29555")
     proc = subprocess.run(

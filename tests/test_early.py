@@ -59,6 +59,7 @@ HYDRA_HELP = (
 """Hydra's own ``--help`` of the packaged config (``hydra.main``'s)."""
 
 
+@pytest.mark.slow
 def test_help_is_hydra_s_text_before_torch_and_lightning():
     proc = _train("--help")
     assert proc.returncode == 0, proc.stderr[-2000:]

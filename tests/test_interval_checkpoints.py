@@ -40,6 +40,7 @@ class SigkillAtStep(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_run_killed_after_a_step_interval_checkpoint_continues_to_the_straight_runs_weights(tmp_path):
     run = tmp_path / "run"
     args = [*BASE, f"checkpoint.every_n_steps={EVERY}", f"hydra.run.dir={run}"]

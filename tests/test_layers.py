@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, child_env
 
 SRC = ROOT / "src" / "dpddp"
@@ -123,6 +124,7 @@ def _python(code: str) -> str:
     return proc.stdout.strip()
 
 
+@pytest.mark.slow
 def test_import_dpddp_loads_nothing_else_and_lightning_s_import_registers_dp():
     """``import dpddp`` imports no other module of the project, nor torch or Lightning (so that a bad setting is
     answered before them); ``lightning.pytorch`` imported after it, or before it, has ``dp`` registered
@@ -475,6 +477,7 @@ def test_no_code_stands_after_the_main_block():
     assert after == []
 
 
+@pytest.mark.slow
 def test_the_lightning_cli_module_runs_as_a_module():
     env, _ = child_env()
     cmd = [sys.executable, "-m", "dpddp.entry.lightning_cli", "--help"]

@@ -301,6 +301,7 @@ class UnusedLayerClassifier(LinearClassifier):
         self.unused = nn.Linear(2, 2)
 
 
+@pytest.mark.slow
 def test_an_unused_parameter_under_ddp_is_one_line_naming_dpddps_setting_and_that_setting_runs(tmp_path):
     args = [
         "accelerator=cpu",

@@ -15,6 +15,7 @@ from dpddp.run.training import train
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 
+@pytest.mark.slow
 def test_a_users_mypy_sees_dpddps_annotations(tmp_path):
     """With ``py.typed``, a user's mypy reads ``dpddp.nn``'s annotations (without it: "missing library stubs or
     py.typed marker", and every name is Any). torch is not followed, to keep this to about 2 s."""

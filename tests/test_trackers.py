@@ -166,6 +166,7 @@ def refused_file_stores(tmp_path_factory, monkeypatch):
     pytest.skip(f"MLflow {mlflow.__version__} opens file stores")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["run", "sweep"])
 def test_an_mlflow_file_store_mlflow_refuses_is_one_line_before_anything_is_written(
     tmp_path, mode, refused_file_stores
@@ -193,6 +194,7 @@ def test_an_mlflow_file_store_opens_where_mlflow_allows_it(tmp_path, monkeypatch
     check_file_stores([compose_cfg("logger=mlflow")])  # the default SQLite store: not a file store
 
 
+@pytest.mark.slow
 def test_runs_that_start_at_once_on_a_fresh_mlflow_store_all_open_it(tmp_path):
     """Case 53's kind outside a sweep: three single runs started together in one directory each make the default
     SQLite store; unlocked, all but one failed migrating it (``table metrics already exists``)."""
