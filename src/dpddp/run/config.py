@@ -257,6 +257,17 @@ def _refuses_without_logger(test: ast.expr) -> bool:
     return False
 
 
+def _reading_logger(cls: type) -> list[Any]:
+    """The functions defined on ``cls`` whose code reads an attribute named ``logger`` or ``loggers``."""
+    found = []
+    for attr in vars(cls).values():
+        func = getattr(attr, "__func__", getattr(attr, "fget", attr))
+        code = getattr(func, "__code__", None)
+        if code is not None and {"logger", "loggers"} & set(code.co_names):
+            found.append(func)
+    return found
+
+
 def needs_logger(cls: type) -> bool:
     """Whether the callback class ``cls`` raises when the Trainer has no logger: one of its methods, or a base's
     below ``pl.Callback``, has Lightning's own test (``if not trainer.loggers: raise ...``, as
@@ -265,14 +276,15 @@ def needs_logger(cls: type) -> bool:
     for base in cls.__mro__:
         if base in (pl.Callback, object):
             continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
-        except (OSError, TypeError, SyntaxError):  # no source (a C or a dynamic class): nothing to read
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.If) and _refuses_without_logger(node.test):
-                if any(isinstance(n, ast.Raise) for stmt in node.body for n in ast.walk(stmt)):
-                    return True
+        for func in _reading_logger(base):
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+            except (OSError, TypeError, SyntaxError):  # no source (a C or a dynamic function): nothing to read
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.If) and _refuses_without_logger(node.test):
+                    if any(isinstance(n, ast.Raise) for stmt in node.body for n in ast.walk(stmt)):
+                        return True
     return False
 
 
