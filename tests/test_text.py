@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose_cfg, leftover, max_diff, metrics, run_train, weights
+from conftest import QUIET, compose_cfg, leftover, max_diff, metrics, run_train, weights
 
 from dpddp.data.global_batch import GlobalBatchDataModule, GlobalBatchSampler
 from dpddp.data.tokens import PAD, RandomTokens, TokenDataModule, pad_tokens
@@ -80,9 +80,11 @@ def test_the_text_example_on_ddp_2_stopped_and_continued_on_ddp_3_ends_with_one_
         "data=tokens", "model=transformer", "data.num_samples=480", "data.batch_size=24", "accelerator=cpu",
         "trainer.max_epochs=2",
     )  # fmt: skip
-    runs = {}
+    from dpddp.run.training import train
+
+    train(compose_cfg(*common, *QUIET), tmp_path / "one")  # what train.py runs, in this process
+    runs = {"one": tmp_path / "one/checkpoints/last.ckpt"}
     for name, more in (
-        ("one", ()),
         ("stopped", ("strategy=ddp", "devices=2", "trainer.max_steps=7", MICRO)),
         ("continued", ("strategy=ddp", "devices=3", f"ckpt_path={tmp_path / 'stopped/checkpoints/last.ckpt'}", MICRO)),
     ):
