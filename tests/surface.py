@@ -338,7 +338,7 @@ SURFACE: tuple[Setting, ...] = (
         "sweeper/launcher",
         "hparams_search=optuna",
         tested_by=(
-            "test_sweeps.py::test_optuna_search_minimises_val_loss",
+            "test_sweeps.py::test_optuna_search_records_a_failed_trial_and_goes_on",
             "test_sweeps.py::test_optuna_search_records_a_failed_trial_and_goes_on",
             "test_optuna.py::test_a_stopped_search_continues_with_its_printed_command_to_n_trials_with_nan_trials_failed",
         ),

@@ -7,9 +7,12 @@ from importlib.resources import files
 
 import pytest
 from conftest import QUIET, ROOT, compose_cfg
+from omegaconf import OmegaConf
 from PIL import Image
 
+from dpddp.errors import ConfigError
 from dpddp.report.curves import curves
+from dpddp.run.config import check_config
 from dpddp.run.training import train
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
@@ -49,7 +52,13 @@ def test_license_extras_and_test_tools():
 def test_matplotlib_is_a_dependency_and_every_run_draws_its_curves(tmp_path):
     """A default install draws ``curves.png`` (matplotlib is no extra): loss, accuracy, samples/s and memory."""
     assert any(r.startswith("matplotlib") and "extra" not in r for r in requires("dpddp") or [])
-    train(compose_cfg(*QUIET, "accelerator=cpu", "data.num_samples=400", "trainer.max_epochs=2"), tmp_path)
+    assert OmegaConf.load(ROOT / "src/dpddp/conf/config.yaml").curves is True  # drawn unless curves=false
+    small = [*QUIET, "accelerator=cpu", "data.num_samples=400", "trainer.max_epochs=2"]
+    train(compose_cfg(*small, "curves=false"), tmp_path / "none")
+    assert (tmp_path / "none/metrics.json").is_file() and not (tmp_path / "none/curves.png").exists()
+    with pytest.raises(ConfigError, match=r"^curves='maybe' is not a switch: use curves=true or curves=false$"):
+        check_config(compose_cfg(*small, "curves=maybe"))
+    train(compose_cfg(*small, "curves=true"), tmp_path)
     series = curves(tmp_path)[tmp_path.name]
     for key in ("train/loss", "val/loss", "val/acc", "samples_per_sec", "peak_mem_mib"):
         assert [epoch for epoch, _ in series[key]] == [0, 1], key

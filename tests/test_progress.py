@@ -98,7 +98,9 @@ def test_a_finished_run_continued_keeps_its_figures_and_logs_no_checkpoint_line(
 
 def test_plot_of_a_run_and_of_a_sweep(tmp_path):
     for seed in (0, 1):
-        train(compose_cfg(*SMALL, "trainer.max_epochs=2", f"seed={seed}"), tmp_path / "sweep" / str(seed))
+        train(
+            compose_cfg(*SMALL, "trainer.max_epochs=2", f"seed={seed}", "curves=true"), tmp_path / "sweep" / str(seed)
+        )
     _png_ok(tmp_path / "sweep/0/curves.png")  # written at the end of the run (matplotlib is in the dev extra)
     out = write_plot(tmp_path / "sweep")
     assert out == tmp_path / "sweep/curves.png"

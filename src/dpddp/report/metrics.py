@@ -53,12 +53,16 @@ def _shown(key: str, value: Any) -> str:
 
 
 def write_metrics(
-    output_dir: Path, result: dict[str, Any], reasons: dict[str, str] | None = None, unshown: tuple[str, ...] = ()
+    output_dir: Path,
+    result: dict[str, Any],
+    reasons: dict[str, str] | None = None,
+    unshown: tuple[str, ...] = (),
+    draw: bool = True,
 ) -> None:
-    """Write ``<output_dir>/metrics.json`` (``strict``), log its line without the keys of ``unshown``, and draw
-    the curves."""
+    """Write ``<output_dir>/metrics.json`` (``strict``), log its line without the keys of ``unshown``, and (``draw``)
+    draw the curves."""
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "metrics.json").write_text(json.dumps(strict(result, reasons), indent=2, allow_nan=False) + "\n")
     log.info("metrics: " + ", ".join(_shown(k, v) for k, v in result.items() if k not in unshown))
-    if drawable(output_dir):  # epochs of a fit: not an evaluation run's
+    if draw and drawable(output_dir):  # epochs of a fit: not an evaluation run's
         log.info(f"curves: {write_plot(output_dir)}")

@@ -199,7 +199,7 @@ def check_precision(cfg: Mapping) -> None:
         )
 
 
-SWITCHES = ("resume", "predict", "print_config")
+SWITCHES = ("resume", "predict", "print_config", "curves")
 
 
 def _check_switches(cfg: Mapping) -> None:

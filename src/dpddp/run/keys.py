@@ -26,7 +26,7 @@ __all__ += ["missing_argument", "target_class", "with_defaults"]
 
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
 TOP_LEVEL_RUN = ("steps_per_execution", "compile", "checkpoint", "check_replicas")  # how training runs, is checked
-TOP_LEVEL_OUTPUT = ("epoch_lines", "print_config", "objective")  # how a run reports progress, its config, its result
+TOP_LEVEL_OUTPUT = ("epoch_lines", "print_config", "curves", "objective")  # how a run reports progress and its result
 GROUPS = ("data", "model", "trainer", "logger", "callbacks")
 TOP_LEVEL_KEYS = (*TOP_LEVEL, *TOP_LEVEL_RUN, *TOP_LEVEL_OUTPUT, *GROUPS)
 FIX = "{t} takes no {k} (of the packaged config): give {s} a yaml of its own (conf/{s}/<name>.yaml){d}"

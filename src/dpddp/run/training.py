@@ -141,7 +141,7 @@ def _train(
     if stage != "fit":  # a stage run alone: its line shows only what it measured
         unshown += tuple(k for k, v in result.items() if k == "objective" or (isinstance(v, float) and math.isnan(v)))
     if trainer.is_global_zero:
-        write_metrics(output_dir, result, reasons, unshown)
+        write_metrics(output_dir, result, reasons, unshown, draw=cfg.get("curves", True))
     if predict_error is not None:
         raise PredictFailed(
             f"predict failed (metrics.json of the fit and test is written): {first_line(predict_error)}"
