@@ -131,10 +131,11 @@ def invoked_as() -> list[str]:
     return [*_program(), *_config_options(sys.argv[1:])]
 
 
-def run_job(cfg: DictConfig, stage: str = "fit") -> float:
-    """Run one Hydra job, ``cfg``, for ``stage`` on its ``job_plan``; return its ``objective`` for sweepers. A known
-    error is one ``error:`` line and its exit status; in a sweep, a failed or diverged job writes ``error.txt`` and
-    returns ``nan``, and a SIGTERM under a local launcher stops the whole sweep."""
+def run_job(cfg: DictConfig, stage: str = "fit", late: list[Callable[[], str]] | None = None) -> float:
+    """Run one Hydra job, ``cfg``, for ``stage`` on its ``job_plan``; return its ``objective`` for sweepers (``late``:
+    ``main``'s, given the job's resume command). A known error is one ``error:`` line and its exit status; in a sweep,
+    a failed or diverged job writes ``error.txt`` and returns ``nan``, and a SIGTERM under a local launcher stops
+    the whole sweep."""
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
@@ -161,9 +162,10 @@ def run_job(cfg: DictConfig, stage: str = "fit") -> float:
         (output_dir / "error.txt").unlink(missing_ok=True)  # an earlier try's failure, run again now
     _log_invocation(output_dir)
     _log_resume(plan)
-    global _late_resume
-    _late_resume = partial(_resume_command, overrides, output_dir, multirun)  # for a SIGTERM after the run's end
-    with shell(_late_resume, log):  # a lost rank's line: into train.log too
+    resume = partial(_resume_command, overrides, output_dir, multirun)
+    if late is not None:  # main's, for a SIGTERM after the job's end
+        late[:] = [resume]
+    with shell(resume, log):  # a lost rank's line: into train.log too
         try:
             with isolated_job():
                 value = train(cfg, output_dir, stage, extra={"overrides": overrides}, plan=plan)[objective(cfg)]
@@ -354,23 +356,19 @@ def _log_invocation(output_dir: Path) -> None:
         log.info(f"invocation {len(dirs)} into this run directory: config and overrides in {dirs[-1].name}/")
 
 
-_late_resume: Callable[[], str] | None = None
-"""The resume command of this process's last job (``run_job``), for a SIGTERM after its end (``main``)."""
-_hydra_main = hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(run_job)
-
-
-def _again() -> str:
-    """The command that continues this process's last job (``run_job``), or, before one, this command as given."""
-    return _late_resume() if _late_resume is not None else resume_command(_program(), sys.argv[1:], (), [])
-
-
 def main() -> None:
     """``python train.py [key=value ...]`` or ``dpddp-train ...``: Hydra composes the packaged ``conf/`` with the
     overrides and calls ``run_job``. An unknown config option, or an override the config refuses: one line, exit 2."""
     argv = sys.argv[1:]
-    with shell(_again):  # a SIGTERM before the job or after its end (its outputs stand): Preempted
+    late: list[Callable[[], str]] = []  # the resume command of this process's last job (run_job's)
+
+    def again() -> str:  # a SIGTERM's command: the last job's, or before one, this command as given
+        return late[0]() if late else resume_command(_program(), sys.argv[1:], (), [])
+
+    hydra_main = hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")
+    with shell(again):  # a SIGTERM before the job or after its end (its outputs stand): Preempted
         try:
-            with sweep_stop.command(_again):
+            with sweep_stop.command(again):
                 if problem := refused_arguments(argv, " ".join(_program())) or mode_conflict(argv):
                     fail(problem)
                 if problem := unreadable_override(argv) or unknown_option(argv) or sweep_without_multirun(argv):
@@ -383,7 +381,7 @@ def main() -> None:
                 atexit.register(gc.freeze)
                 with hydra_mode_unset() if sets_no_mode(argv) else nullcontext(), hydra_override_refused(_refused):
                     with hydra_reported(lambda err: fail(hydra_failure(err, argv)), HYDRA_FAILURES):
-                        _hydra_main()
+                        hydra_main(partial(run_job, late=late))()
         except HYDRA_FAILURES as err:  # --info's, which Hydra does not report
             raise ConfigError(hydra_failure(err, argv)) from None
 
