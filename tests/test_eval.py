@@ -100,3 +100,27 @@ def test_eval_py_and_dpddp_eval_on_one_and_three_processes_give_the_runs_test_me
         for key in KEYS:
             assert metrics(tmp_path / name)[key] == pytest.approx(metrics(trained)[key], abs=1e-6), (name, key)
     assert leftover(tag) == []
+
+
+def test_eval_on_other_data_than_the_runs_is_one_line_naming_the_fix(trained, tmp_path, monkeypatch, capsys):
+    """The checkpoint's ``datamodule_hyper_parameters`` (or, without them, its run's ``.hydra/config.yaml``) say
+    the run's data: an evaluation on other samples or splits is refused, nothing written."""
+    ckpt = trained / "checkpoints/last.ckpt"
+    monkeypatch.chdir(tmp_path)
+    data = ["accelerator=cpu", "data.batch_size=48"]  # data.num_samples: the default 4096
+    monkeypatch.setattr(sys, "argv", ["eval.py", f"ckpt_path={ckpt}", *data, f"hydra.run.dir={tmp_path / 'run'}"])
+    with pytest.raises(SystemExit) as ended:
+        eval_entry.main()
+    assert ended.value.code == 2 and list(tmp_path.iterdir()) == []
+    assert capsys.readouterr().err == (
+        f"error: ckpt_path={str(ckpt)!r} was trained with other data: data.num_samples=4096 (was 1001): evaluate "
+        "it on the run's data: data.num_samples=1001\n"
+    )
+    bare = {k: v for k, v in torch.load(ckpt, weights_only=True).items() if k != "datamodule_hyper_parameters"}
+    (tmp_path / "old/checkpoints").mkdir(parents=True)
+    torch.save(bare, tmp_path / "old/checkpoints/last.ckpt")
+    (tmp_path / "old/.hydra").mkdir()
+    (tmp_path / "old/.hydra/config.yaml").write_text("seed: 5\ndata:\n  num_samples: 1001\n  seed: ${seed}\n")
+    cfg = compose_cfg(*DATA, f"ckpt_path={tmp_path / 'old/checkpoints/last.ckpt'}", "data.batch_size=16")
+    with pytest.raises(ConfigError, match=r"other data: data.seed=0 \(was 5\): evaluate it on the run's data: data"):
+        check_config(cfg, "eval")

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
+from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
 from dpddp._compat import processed_epochs
@@ -148,6 +149,23 @@ def _is_full(path: Path) -> bool:
     return "optimizer_states" in (readable(path) or {})
 
 
+SPLIT_SETTINGS = frozenset(
+    ["_target_", "num_samples", "num_features", "num_classes", "seed", "val_fraction", "test_fraction", "label_noise"]
+)
+"""The data settings an evaluation must share with the run: they change the samples or the splits."""
+
+
+def _run_data(path: str | Path) -> dict:
+    """The ``data`` settings of the run that wrote ``path``, from ``.hydra/config.yaml`` beside its ``checkpoints/``
+    (``{}``: none there)."""
+    config = Path(path).resolve().parent.parent / ".hydra" / "config.yaml"
+    if not config.is_file():
+        return {}
+    run = OmegaConf.load(config)
+    data = OmegaConf.to_container(run["data"], resolve=True) if isinstance(run, DictConfig) and "data" in run else {}
+    return data if isinstance(data, dict) else {}
+
+
 def other_steps_problem(ckpt: dict, steps_per_execution: int) -> str | None:
     """Why ``ckpt`` cannot be continued with ``steps_per_execution``: another K continues only from an epoch's end
     (one line, ending with what to do), or ``None``."""
@@ -177,7 +195,8 @@ def checkpoint_problem(
 ) -> str | None:
     """Why ``path`` (or ``loaded``, the checkpoint read from it) cannot be resumed from: one line ending with what
     to do, or ``None``. Refused: more epochs done than ``max_epochs``; a fit to more from a swapped-in SWA average;
-    another ``steps_per_execution`` or ``batch_size`` inside an epoch; other ``data`` settings (a resume); weights
+    another ``steps_per_execution`` or ``batch_size`` inside an epoch; other ``data`` settings (a resume; a
+    ``whole`` evaluation: ``SPLIT_SETTINGS``, read from the checkpoint or its run's ``.hydra``); weights
     that do not load into ``model``; a weights-only file for a fit or a ``whole`` evaluation."""
     try:
         ckpt = read_checkpoint(path) if loaded is None else loaded
@@ -207,11 +226,14 @@ def checkpoint_problem(
             f"stopped inside an epoch with data.batch_size={was}: continue it with data.batch_size={was}, or "
             f"change it from a checkpoint written at an epoch's end"
         )
-    saved = ckpt.get("datamodule_hyper_parameters") or {}
-    data = data or {}
-    changed = [f"data.{k}={data[k]!r} (was {saved[k]!r})" for k in data if k in saved and saved[k] != data[k]]
+    saved = {**(_run_data(path) if whole else {}), **(ckpt.get("datamodule_hyper_parameters") or {})}
+    data = {k: v for k, v in (data or {}).items() if k in SPLIT_SETTINGS or not whole}
+    changed = [k for k in data if k in saved and saved[k] != data[k]]
     if changed:
-        return f"was trained with other data: {', '.join(changed)}: resume with the run's own data settings"
+        said = ", ".join(f"data.{k}={data[k]!r} (was {saved[k]!r})" for k in changed)
+        fix = " ".join(f"data.{k}={saved[k]}" for k in changed)
+        then = f"evaluate it on the run's data: {fix}" if whole else "resume with the run's own data settings"
+        return f"was trained with other data: {said}: {then}"
     if model is not None and (other := _other_model(ckpt["state_dict"], model.shapes, model.strict)):
         same_layers = set(ckpt["state_dict"]) == set(model.shapes)  # other sizes: name the settings that give them
         trained = (ckpt.get("hyper_parameters") or {}) if same_layers else {}

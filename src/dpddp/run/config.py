@@ -441,7 +441,7 @@ def _check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None
         )
     loaded = readable(ckpt) if loaded is None else loaded
     max_epochs = (cfg["trainer"] or {}).get("max_epochs")
-    data = dict(cfg["data"]) if cfg.get("resume") else None  # resume=true continues the same run: same data
+    data = dict(cfg["data"]) if cfg.get("resume") or stage == "eval" else None  # the run's data, the run's metrics
     k = cfg.get("steps_per_execution", 1) if stage == "fit" else None
     if k == "auto":  # the checkpoint's K is reused, unless the config refuses any K above 1
         k = 1 if execution_refusal(cfg) else None
