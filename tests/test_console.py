@@ -9,6 +9,8 @@ import pytest
 import torch
 from conftest import child_env
 
+from dpddp.plot import main as plot_main
+
 BIN = Path(sys.executable).parent
 
 
@@ -38,3 +40,22 @@ def test_each_console_script_has_help(tmp_path):
     for name in ("dpddp-plot",):
         proc = _script(name, "--help", cwd=tmp_path)
         assert proc.returncode == 0 and proc.stdout.startswith("usage: "), (name, proc.stderr[-1000:])
+
+
+def test_dpddp_plot_of_nothing_to_plot_is_one_line_exit_2_and_draws_nothing(tmp_path, capsys):
+    """An evaluation run's directory (a metrics.csv without a fit's epochs), a path that does not exist, a file."""
+    (tmp_path / "metrics.csv").write_text("stage,epoch,test/loss\ntest,0,0.5\n")
+    (tmp_path / "notes.txt").write_text("")
+    said = {
+        tmp_path: f"nothing to plot in {tmp_path}: its metrics.csv has no epoch of a fit (an evaluation run's has "
+        "none): give a run or sweep directory that trained",
+        tmp_path / "gone": f"{tmp_path / 'gone'} does not exist: give a run directory or a sweep directory (with "
+        "metrics.csv files)",
+        tmp_path / "notes.txt": f"{tmp_path / 'notes.txt'} is not a directory: give a run directory or a sweep "
+        "directory (with metrics.csv files)",
+    }
+    for path, line in said.items():
+        with pytest.raises(SystemExit) as ended:
+            plot_main([str(path)])
+        assert ended.value.code == 2 and capsys.readouterr() == ("", f"error: {line}\n"), path
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv", "notes.txt"]  # no curves.png
