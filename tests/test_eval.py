@@ -124,3 +124,19 @@ def test_eval_on_other_data_than_the_runs_is_one_line_naming_the_fix(trained, tm
     cfg = compose_cfg(*DATA, f"ckpt_path={tmp_path / 'old/checkpoints/last.ckpt'}", "data.batch_size=16")
     with pytest.raises(ConfigError, match=r"other data: data.seed=0 \(was 5\): evaluate it on the run's data: data"):
         check_config(cfg, "eval")
+
+
+def test_a_directory_as_ckpt_path_is_one_line_naming_the_file_inside(trained, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    said = {
+        trained: f"give ckpt_path={trained / 'checkpoints/last.ckpt'}",
+        trained / "checkpoints": f"give ckpt_path={trained / 'checkpoints/last.ckpt'}",
+        tmp_path: "give a checkpoint file, e.g. <run dir>/checkpoints/last.ckpt",
+    }
+    for given, instead in said.items():
+        monkeypatch.setattr(sys, "argv", ["eval.py", f"ckpt_path={given}", *DATA, f"hydra.run.dir={tmp_path / 'r'}"])
+        with pytest.raises(SystemExit) as ended:
+            eval_entry.main()
+        assert ended.value.code == 2 and list(tmp_path.iterdir()) == []
+        line = f"error: ckpt_path={str(given)!r} is a directory, not a checkpoint file: {instead}\n"
+        assert capsys.readouterr().err == line

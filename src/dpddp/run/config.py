@@ -435,6 +435,10 @@ def _check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None
     ckpt = cfg["ckpt_path"]
     if ckpt is None:
         return None
+    if Path(str(ckpt)).is_dir():
+        inside = [p for p in (Path(str(ckpt)) / "last.ckpt", Path(str(ckpt)) / "checkpoints/last.ckpt") if p.is_file()]
+        instead = f"ckpt_path={inside[0]}" if inside else "a checkpoint file, e.g. <run dir>/checkpoints/last.ckpt"
+        raise ConfigError(f"ckpt_path={str(ckpt)!r} is a directory, not a checkpoint file: give {instead}")
     if not Path(str(ckpt)).is_file():
         raise ConfigError(
             f"ckpt_path={str(ckpt)!r} does not exist: give a checkpoint file, e.g. <run dir>/checkpoints/last.ckpt"
