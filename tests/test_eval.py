@@ -57,7 +57,8 @@ def test_a_weights_only_or_other_models_checkpoint_is_one_line_exit_2(saved, tra
         "lightning": "holds the model's weights only (no optimizer_states or callback states: saved with "
         "weights_only=True), so eval.py cannot restore the run it came from: give a full checkpoint (its run's "
         "checkpoints/last.ckpt)",
-        "torch": "is not a Lightning checkpoint (no state_dict): give a last.ckpt or best.ckpt written by dpddp",
+        "torch": "is a bare state dict (weights only: torch.save(model.state_dict())), not a Lightning checkpoint: "
+        "give its run's checkpoints/last.ckpt, or load the weights into the model yourself and start without ckpt_path",
         "other model": "holds another model's weights (no net.0.weight",
     }[saved]
     assert ended.value.code == 2

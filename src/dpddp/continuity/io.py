@@ -204,6 +204,11 @@ def checkpoint_problem(
         detail = (str(err).splitlines() or [""])[0][:120]
         what = f"{type(err).__name__}{': ' + detail if detail else ''}"
         return f"cannot be read as a checkpoint ({what}): give a last.ckpt or best.ckpt written by dpddp"
+    if isinstance(ckpt, dict) and ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
+        return (
+            "is a bare state dict (weights only: torch.save(model.state_dict())), not a Lightning checkpoint: give "
+            "its run's checkpoints/last.ckpt, or load the weights into the model yourself and start without ckpt_path"
+        )
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         return "is not a Lightning checkpoint (no state_dict): give a last.ckpt or best.ckpt written by dpddp"
     done = processed_epochs(ckpt)
