@@ -106,7 +106,7 @@ SURFACE: tuple[Setting, ...] = (
     ),
     _flag("callbacks=model_checkpoint", "callbacks=model_checkpoint"),
     _flag(
-        "callbacks=[early_stopping,lr_monitor]",
+        "callbacks=[early_stopping,lr_monitor] logger=csv",
         "logger=csv",
         "callbacks=[early_stopping,lr_monitor]",
         "callbacks.early_stopping.patience=0",
