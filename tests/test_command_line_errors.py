@@ -710,6 +710,7 @@ except WriteFailed as err:
 """
 
 
+@pytest.mark.slow
 def test_a_checkpoint_write_on_a_read_only_directory_is_write_failed_and_the_earlier_file_whole(tmp_path):
     """The write and its clean-up both meet the read-only directory: the write's error is the one reported."""
     (tmp_path / "ckpts").mkdir()
