@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
 import signal
@@ -47,12 +48,20 @@ def compose_cfg(*overrides: str) -> DictConfig:
 
 @pytest.fixture(autouse=True)
 def _restore_env():
+    """The environment, torch's threads and the root logger's handlers as they were before the test (an entry's
+    ``main`` run in-process gets Hydra's logging, whose handlers write to the test's captured streams)."""
     saved = dict(os.environ)
     threads = torch.get_num_threads()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
     yield
     os.environ.clear()
     os.environ.update(saved)
     torch.set_num_threads(threads)
+    for made in root.handlers:
+        if made not in handlers:
+            made.close()
+    root.handlers[:], root.level = handlers, level
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
