@@ -35,7 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "src" / "dpddp" / "conf"
 # Rank and rendezvous variables a test must never inherit (they make Lightning think a cluster launched it).
 RANK_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
-QUIET = ["trainer.enable_progress_bar=false"]
+# What every test run of train.py adds unless it sets the key: no progress bar, no curves.png (matplotlib's import
+# and a drawing, most of a second of CPU per run; tests that look at the picture set curves=true).
+QUIET = ["trainer.enable_progress_bar=false", "curves=false"]
 
 
 def compose_cfg(*overrides: str) -> DictConfig:
@@ -81,10 +83,12 @@ def child_env(**extra: str) -> tuple[dict[str, str], str]:
 
 
 def run_train(*args: str, cwd: Path, timeout: float = 240, env: dict | None = None, check: bool = False):
-    """Run ``train.py`` with one intra-op thread per process and no progress bar; return the CompletedProcess
-    (``.tag`` marks its process tree for ``leftover``). ``check``: assert exit 0 and no process of the run left."""
+    """Run ``train.py`` with one intra-op thread per process and ``QUIET`` (what ``args`` do not set); return the
+    CompletedProcess (``.tag`` marks its process tree for ``leftover``). ``check``: assert exit 0 and no process of
+    the run left."""
     full_env, tag = child_env(**(env or {}))
-    cmd = [sys.executable, str(ROOT / "train.py"), *args, *QUIET]
+    given = {a.split("=")[0].lstrip("+~") for a in args}
+    cmd = [sys.executable, str(ROOT / "train.py"), *args, *(q for q in QUIET if q.split("=")[0] not in given)]
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     proc.tag = tag
     if check:
