@@ -2,6 +2,7 @@
 ``GLOO_SOCKET_IFNAME`` given; a lost node; listening sockets; a torchrun restart that resumes."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -176,7 +177,9 @@ def test_torchrun_restart_resumes_from_last_ckpt(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert "exitcode: -9" in out, out[-3000:]  # torchrun saw rank 1 killed
+    # torchrun saw the attempt fail: rank 1 killed (-9), or rank 0 ending 1 on its lost peer when torchrun's
+    # monitor polls after rank 0 has seen the loss (either is first on a loaded machine)
+    assert re.search(r"failed \(exitcode: (-9|1)\) local_rank", out), out[-3000:]
     (run_dir,) = [p.parent for p in tmp_path.glob("outputs/*/metrics.json")]  # one run directory
     assert "resuming interrupted job from" in (run_dir / "train.log").read_text()
     single = tmp_path / "single"
