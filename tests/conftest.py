@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -43,9 +43,14 @@ QUIET = ["trainer.enable_progress_bar=false", "curves=false"]
 def compose_cfg(*overrides: str) -> DictConfig:
     """The config ``train.py`` would get for these overrides (Hydra's compose API), with ``curves=false`` unless
     they set ``curves``: an in-process run draws no picture (a quarter of a tiny fit's time); train.py's runs do."""
-    drawn = [] if any(o.lstrip("+~").startswith("curves") for o in overrides) else ["curves=false"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=[*drawn, *overrides])
+        return compose(config_name="config", overrides=[*unset(["curves=false"], overrides), *overrides])
+
+
+def unset(defaults: list[str], args: Sequence[str]) -> list[str]:
+    """The ``key=value`` overrides of ``defaults`` whose key ``args`` do not set (``+key``, ``~key`` included)."""
+    given = {a.split("=")[0].lstrip("+~") for a in args}
+    return [d for d in defaults if d.split("=")[0] not in given]
 
 
 @pytest.fixture(autouse=True)
@@ -87,8 +92,7 @@ def run_train(*args: str, cwd: Path, timeout: float = 240, env: dict | None = No
     CompletedProcess (``.tag`` marks its process tree for ``leftover``). ``check``: assert exit 0 and no process of
     the run left."""
     full_env, tag = child_env(**(env or {}))
-    given = {a.split("=")[0].lstrip("+~") for a in args}
-    cmd = [sys.executable, str(ROOT / "train.py"), *args, *(q for q in QUIET if q.split("=")[0] not in given)]
+    cmd = [sys.executable, str(ROOT / "train.py"), *args, *unset(QUIET, args)]
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     proc.tag = tag
     if check:

@@ -33,6 +33,7 @@ from dpddp.errors import ConfigError, checked_float, checked_int, unwritable
 from dpddp.models.classifier import Classifier
 from dpddp.models.linear import OPTIMIZERS
 from dpddp.parallel.rules import DDP_FAMILY, World, resolve_world, world_of
+from dpddp.report.trackers import logger_specs
 from dpddp.run.assembly import epoch_lines
 from dpddp.run.build import build
 from dpddp.run.compiling import COMPILE_LIMITS, compile_mode
@@ -292,17 +293,9 @@ CLI_CALLBACKS = "cli_"
 """How the keys of the Lightning CLI's ``--trainer.callbacks`` begin in the run config (``cli_0``, ...)."""
 
 
-def _has_logger(cfg: Mapping) -> bool:
-    """Whether the ``logger`` group gives the Trainer a logger: one spec, or a mapping with any spec not null."""
-    logger = cfg.get("logger")
-    if not logger:
-        return False
-    return "_target_" in logger or any(spec for spec in logger.values())
-
-
 def _check_callback_needs(cfg: Mapping) -> None:
     """A callback Lightning refuses without a logger (``needs_logger``), with ``logger=none``."""
-    if _has_logger(cfg):
+    if logger_specs(cfg):
         return
     for key, spec in (cfg.get("callbacks") or {}).items():
         if not spec:
@@ -325,7 +318,7 @@ def _check_callback_needs(cfg: Mapping) -> None:
 def check_model_callbacks(cfg: Mapping, model: pl.LightningModule, trainer: pl.Trainer) -> None:
     """What ``model.configure_callbacks()`` returns (with ``model`` attached to ``trainer``, as Lightning calls
     it), refused as ``callbacks.<key>``'s is: ``ConfigError`` for one that needs a logger, with ``logger=none``."""
-    if _has_logger(cfg) or not is_overridden("configure_callbacks", model):
+    if logger_specs(cfg) or not is_overridden("configure_callbacks", model):
         return
     model.trainer = trainer
     returned = model.configure_callbacks()
