@@ -44,11 +44,15 @@ def collate_function(given: Callable[[list], Any] | str | None) -> Callable[[lis
 
 
 class YieldedIds:
-    """A training sampler's record of the ``(epoch, ids)`` it yielded by position, for the sample keys."""
+    """A training sampler's rank share of each global batch (``_chunk``), its position (``_start``), and the
+    ``(epoch, ids)`` it yielded by position (``ids_at``), for the sample keys."""
 
     recorded: int = 256  # more than a loader prefetches
-    seed: int = 0
-    _yielded: dict[int, tuple[int, torch.Tensor]]
+
+    def __init__(self, rank: int, world_size: int, train: bool, seed: int) -> None:
+        self.rank, self.world_size, self.train, self.seed, self.epoch = rank, world_size, train, seed, 0
+        self.position: Callable[[], tuple[int, int]] | None = None  # training: (epoch, global batches done)
+        self._yielded: dict[int, tuple[int, torch.Tensor]] = {}
 
     def ids_at(self, position: int) -> tuple[int, torch.Tensor] | None:
         """``(epoch, ids)`` of the item at ``position`` (``batch_idx``), or ``None``; earlier ones are forgotten."""
@@ -61,6 +65,14 @@ class YieldedIds:
         if len(self._yielded) > self.recorded:
             del self._yielded[next(iter(self._yielded))]
         return ids
+
+    def _start(self) -> tuple[int, int]:
+        """``(epoch, global batches of it to skip)`` of an iteration starting now (after Lightning's restore)."""
+        self._yielded.clear()
+        return self.position() if self.position is not None else (self.epoch, 0)
+
+    def _chunk(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tensor_split(ids, self.world_size)[self.rank]
 
 
 class GlobalBatchSampler(YieldedIds, DistributedSampler):
@@ -83,13 +95,10 @@ class GlobalBatchSampler(YieldedIds, DistributedSampler):
         steps_per_execution: int = 1,
     ) -> None:
         rules.check_divides(batch_size, world_size)
-        self.num_samples, self.batch_size = num_samples, batch_size
-        self.rank, self.world_size, self.num_replicas = rank, world_size, world_size
-        self.shuffle = self.drop_last = train
-        self.train, self.seed, self.epoch, self.block_size = train, seed, 0, block_size
+        super().__init__(rank, world_size, train, seed)
+        self.num_samples, self.batch_size, self.block_size = num_samples, batch_size, block_size
+        self.num_replicas, self.shuffle, self.drop_last = world_size, train, train
         self.steps_per_execution = steps_per_execution
-        self.position: Callable[[], tuple[int, int]] | None = None  # training: (epoch, global batches done)
-        self._yielded: dict[int, tuple[int, torch.Tensor]] = {}
         self.on_epoch: Callable[[int], None] | None = None  # a data set's set_epoch
 
     def set_epoch(self, epoch: int) -> None:
@@ -101,9 +110,7 @@ class GlobalBatchSampler(YieldedIds, DistributedSampler):
     @property
     def steps_per_epoch(self) -> int:
         """Global batches per epoch (training: full ones only)."""
-        if self.train:
-            return self.num_samples // self.batch_size
-        return -(-self.num_samples // self.batch_size)
+        return self.num_samples // self.batch_size if self.train else -(-self.num_samples // self.batch_size)
 
     def __len__(self) -> int:
         """Items per epoch: global batches, or executions of them."""
@@ -139,25 +146,15 @@ class GlobalBatchSampler(YieldedIds, DistributedSampler):
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        skip = 0  # global batches of this epoch already trained (resume)
-        if self.position is not None:  # runs at the first batch, after Lightning's restore
-            self.epoch, skip = self.position()
-            if self.on_epoch is not None:
-                self.on_epoch(self.epoch)
-        order = self._epoch_order()
-        b, k, steps = self.batch_size, self.steps_per_execution, self.steps_per_epoch
-        self._yielded.clear()
-        if k == 1:
-            for i in range(skip, steps):
-                batch = self._ids(order, i * b, min((i + 1) * b, self.num_samples))
-                batch = batch if self.world_size == 1 else torch.tensor_split(batch, self.world_size)[self.rank]
-                yield self._record(i, self.epoch, batch) if self.train else batch
-            return
-        step = skip
-        while step < steps:  # training: full global batches, each split evenly
+        epoch, step = self._start()
+        if self.position is not None:
+            self.set_epoch(epoch)
+        order, b, k, steps = self._epoch_order(), self.batch_size, self.steps_per_execution, self.steps_per_epoch
+        while step < steps:  # k > 1 (training): full global batches, executions aligned to multiples of k
             end = min((step // k + 1) * k, steps)
-            ids = self._ids(order, step * b, end * b).view(end - step, self.world_size, -1)[:, self.rank]
-            yield self._record(step // k, self.epoch, ids)
+            ids = self._ids(order, step * b, min(end * b, self.num_samples))
+            ids = self._chunk(ids) if k == 1 else ids.view(end - step, self.world_size, -1)[:, self.rank]
+            yield self._record(step // k, epoch, ids) if self.train else ids
             step = end
 
 
@@ -175,7 +172,30 @@ def _check_collates(train: Any, collate_fn: Callable[[list], Any] | None) -> Non
         ) from err
 
 
-class GlobalBatchDataModule(pl.LightningDataModule):
+class SplitLoaders(pl.LightningDataModule):
+    """A data module whose loaders are ``_loader(split, rank, world_size)``, the trainer's rank (``0, 1`` without)."""
+
+    def _loader(self, split: str, rank: int, world_size: int) -> DataLoader:
+        raise NotImplementedError
+
+    def _split_loader(self, split: str) -> DataLoader:
+        rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        return self._loader(split, rank, world_size)
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return self._split_loader("train")
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return self._split_loader("val")
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        return self._split_loader("test")
+
+
+class GlobalBatchDataModule(SplitLoaders):
     """Serves map-style ``dataset`` (or ``make_dataset``/``make_splits``) in global batches of ``batch_size``, split
     by a permutation from ``seed`` into ``[train | val | test]``. ``collate_fn``: a function of a list of samples,
     or its dotted path. ``micro_batch_size``: ``None``, ``N`` or ``"auto"`` (``dpddp.run.executions``). Building
@@ -257,47 +277,28 @@ class GlobalBatchDataModule(pl.LightningDataModule):
         ``num_workers=0``: a worker would send the whole source)."""
         return self.num_workers == 0 and "train" in self.splits and defer_rows(self.splits["train"])
 
-    def _loader(self, split: str, with_index: bool = False) -> DataLoader:
-        rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-        ds = self.splits[split]
-        if with_index:
-            ds = Batches(ds, with_index=True)
+    @override
+    def _loader(self, split: str, rank: int, world_size: int) -> DataLoader:
+        """Training batches from the restored position; the split's ``set_epoch`` is told each epoch, the first
+        already here (a resumed fit's workers copy the data set before Lightning tells the sampler)."""
+        ds = Batches(self.splits["test"], with_index=True) if split == "predict" else self.splits[split]
         train, size = split == "train", len(ds)  # type: ignore[arg-type]
         steps = self.steps_per_execution if train else 1
         sampler = GlobalBatchSampler(size, self.batch_size, rank, world_size, train, self.seed, self.block_size, steps)
+        told = ds if isinstance(ds, Batches) else getattr(ds, "dataset", None)
+        if train and callable(set_epoch := getattr(told, "set_epoch", None)):
+            sampler.on_epoch = set_epoch
+        if train and (trainer := self.trainer) is not None:
+            per_epoch = sampler.steps_per_epoch
+            if steps > 1:  # one global batch a step
+                sampler.position = lambda: divmod(trainer.global_step, per_epoch)
+            else:
+                sampler.position = partial(data_position, trainer, per_epoch)
+            sampler.set_epoch(sampler.position()[0])
         loader = DataLoader(ds, sampler=sampler, batch_size=None, num_workers=self.num_workers)
         return start_workers_safely(loader, rank)  # type: ignore[return-value]
 
     @override
-    def train_dataloader(self) -> DataLoader:
-        """Training batches from the restored position; the split's ``set_epoch`` is told each epoch, the first
-        already here (a resumed fit's workers copy the data set before Lightning tells the sampler)."""
-        loader = self._loader("train")
-        sampler = loader.sampler
-        train = self.splits["train"]
-        told = train if isinstance(train, Batches) else getattr(train, "dataset", None)
-        if callable(set_epoch := getattr(told, "set_epoch", None)):
-            sampler.on_epoch = set_epoch  # type: ignore[attr-defined]
-        if (trainer := self.trainer) is not None:
-            assert isinstance(sampler, GlobalBatchSampler)
-            steps = sampler.steps_per_epoch
-            if sampler.steps_per_execution > 1:  # one global batch a step
-                sampler.position = lambda: divmod(trainer.global_step, steps)
-            else:
-                sampler.position = partial(data_position, trainer, steps)
-            if sampler.on_epoch is not None:
-                sampler.on_epoch(sampler.position()[0])
-        return loader
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
-
-    @override
     def predict_dataloader(self) -> DataLoader:
         """The test split, each batch followed by its rows in the whole data set."""
-        return self._loader("test", with_index=True)
+        return self._split_loader("predict")

@@ -24,7 +24,7 @@ from dpddp._compat import data_position
 from dpddp.data.batches import dataset_rows, empty_batch, with_rows
 from dpddp.data.built import data_streams, in_data_streams
 from dpddp.data.draws import EpochIds, KeyedSamples
-from dpddp.data.global_batch import YieldedIds, epoch_generator
+from dpddp.data.global_batch import SplitLoaders, YieldedIds, epoch_generator
 from dpddp.errors import ConfigError
 from dpddp.parallel.workers import start_workers_safely
 
@@ -64,19 +64,17 @@ def epoch_order(sampler: Sampler, seed: int) -> Callable[[int], list[int]]:
 
 class ShardedBatchSampler(YieldedIds, Sampler[list[int]]):
     """Rank ``r``'s chunk (``torch.tensor_split``) of each global batch of ``batches``. Training: ``epoch_order``
-    cut into full batches, from ``position() -> (epoch, batches trained)``, ids recorded (``YieldedIds``);
-    evaluation: ``batches`` as they come.
+    cut into full batches, from ``position() -> (epoch, batches trained)``, ids recorded; evaluation: ``batches``
+    as they come.
 
     Raises:
         ConfigError: a training batch that does not divide by ``world_size``, or a sampler ``epoch_order`` refuses.
     """
 
     def __init__(self, batches: Any, rank: int, world_size: int, train: bool, seed: int = 0) -> None:
-        self.batches, self.rank, self.world_size, self.train = batches, rank, world_size, train
-        self.seed, self._yielded = seed, {}
+        super().__init__(rank, world_size, train, seed)
+        self.batches = batches
         self.sampler = getattr(batches, "sampler", None)  # Lightning calls its set_epoch (if it has one)
-        self.position: Callable[[], tuple[int, int]] | None = None
-        self.epoch = 0
         if train:
             self.batch_size: int = batches.batch_size
             if self.batch_size % world_size:
@@ -94,21 +92,16 @@ class ShardedBatchSampler(YieldedIds, Sampler[list[int]]):
         """Batches per epoch (training: full ones)."""
         return len(self.sampler) // self.batch_size if self.train else len(self.batches)  # type: ignore[arg-type]
 
-    def _chunk(self, batch: list[int]) -> list[int]:
-        return [int(i) for i in torch.tensor_split(torch.tensor(batch, dtype=torch.long), self.world_size)[self.rank]]
-
     def __iter__(self) -> Iterator[list[int]]:
         if not self.train:
             for batch in self.batches:
-                yield self._chunk(list(batch))
+                yield self._chunk(torch.tensor(batch, dtype=torch.long)).tolist()
             return
-        epoch, skip = self.position() if self.position is not None else (self.epoch, 0)
+        epoch, skip = self._start()
         order, b = self.order(epoch), self.batch_size
-        self._yielded.clear()
         for k in range(skip, len(order) // b):  # the epoch travels with the ids, to a worker's data set
-            ids = self._chunk(order[k * b : (k + 1) * b])
-            self._record(k, epoch, torch.tensor(ids, dtype=torch.long))
-            yield EpochIds(ids, epoch)
+            ids = self._chunk(torch.tensor(order[k * b : (k + 1) * b], dtype=torch.long))
+            yield EpochIds(self._record(k, epoch, ids).tolist(), epoch)
 
 
 class _Collate:
@@ -186,7 +179,7 @@ def shard_loader(
     return start_workers_safely(sharded, rank)  # type: ignore[return-value]
 
 
-class ShardedDataModule(pl.LightningDataModule):
+class ShardedDataModule(SplitLoaders):
     """A user's ``module`` whose loaders, each rebuilt by ``shard_loader``, give the same batches on every world
     size; its hooks run inside ``data_streams(seed)``. ``batch_size``: the training loader's (the global batch)."""
 
@@ -222,30 +215,19 @@ class ShardedDataModule(pl.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.module.load_state_dict(state_dict)
 
-    def _shard(self, make: Callable[[], Any], train: bool, with_rows: bool = False) -> DataLoader:
+    @override
+    def _loader(self, split: str, rank: int, world_size: int) -> DataLoader:
         with data_streams(self.seed):
-            loader = make()
-        rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-        return shard_loader(loader, rank, world_size, train, self.seed, with_rows)
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        loader = self._shard(self.module.train_dataloader, train=True)
-        assert isinstance(loader.batch_sampler, ShardedBatchSampler)
-        self.batch_size = loader.batch_sampler.batch_size
-        if self.trainer is not None:
-            loader.batch_sampler.position = partial(data_position, self.trainer, len(loader.batch_sampler))
+            loader = getattr(self.module, f"{split}_dataloader")()
+        loader = shard_loader(loader, rank, world_size, split == "train", self.seed, split == "predict")
+        if split == "train":
+            assert isinstance(loader.batch_sampler, ShardedBatchSampler)
+            self.batch_size = loader.batch_sampler.batch_size
+            if self.trainer is not None:
+                loader.batch_sampler.position = partial(data_position, self.trainer, len(loader.batch_sampler))
         return loader
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return self._shard(self.module.val_dataloader, train=False)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return self._shard(self.module.test_dataloader, train=False)
 
     @override
     def predict_dataloader(self) -> DataLoader:
         """The module's predict loader, sharded, each batch followed by its rows in its data set."""
-        return self._shard(self.module.predict_dataloader, train=False, with_rows=True)
+        return self._split_loader("predict")

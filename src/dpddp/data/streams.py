@@ -9,7 +9,6 @@ from functools import partial
 from itertools import islice
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 from typing_extensions import override
@@ -18,7 +17,7 @@ from dpddp._compat import data_position
 from dpddp.data import rules
 from dpddp.data.batches import empty_batch
 from dpddp.data.draws import get_streams, seed_streams, set_streams
-from dpddp.data.global_batch import YieldedIds, collate_function
+from dpddp.data.global_batch import SplitLoaders, YieldedIds, collate_function
 from dpddp.errors import ConfigError
 from dpddp.nn import key64
 
@@ -71,27 +70,23 @@ class StreamShares(YieldedIds, IterableDataset):
         seed: int = 0,
         collate: Callable[[list], Any] = default_collate,
     ) -> None:
-        self.stream, self.start, self.length, self.batch_size = stream, start, length, batch_size
-        self.rank, self.world_size, self.train, self.seed, self.collate = rank, world_size, train, seed, collate
-        self.position: Callable[[], tuple[int, int]] | None = None
-        self.epoch = 0
-        self._yielded: dict[int, tuple[int, torch.Tensor]] = {}
+        super().__init__(rank, world_size, train, seed)
+        self.stream, self.start, self.length, self.batch_size, self.collate = stream, start, length, batch_size, collate
 
     def __len__(self) -> int:
         return self.length // self.batch_size if self.train else -(-self.length // self.batch_size)
 
     def _share(self, batch: list[Any], k: int, epoch: int) -> Any:
-        ids = torch.tensor_split(torch.arange(len(batch)), self.world_size)[self.rank]
+        ids = self._chunk(torch.arange(len(batch)))
         if self.train:
             self._record(k, epoch, ids + k * self.batch_size)
         return self.collate([batch[i] for i in ids.tolist()]) if len(ids) else empty_batch(self.collate(batch[:1]))
 
     def __iter__(self) -> Iterator[Any]:
-        epoch, skip = self.position() if self.position is not None else (self.epoch, 0)
+        epoch, skip = self._start()
         if callable(set_epoch := getattr(self.stream, "set_epoch", None)):
             set_epoch(epoch)
         own, samples, b = _OwnStreams(self.seed, epoch), iter(self.stream), self.batch_size
-        self._yielded.clear()
         read = 0
         while read < self.start + skip * b:  # past the samples before this split and those already trained
             count = len(own.read(samples, min(self.start + skip * b - read, 4096)))
@@ -113,7 +108,7 @@ class StreamShares(YieldedIds, IterableDataset):
         )
 
 
-class StreamDataModule(pl.LightningDataModule):
+class StreamDataModule(SplitLoaders):
     """``stream`` (``num_samples`` a pass; ``None``: its ``len``) cut into contiguous ``[train | val | test]``,
     served by ``StreamShares``; its global draws seeded by ``(seed, epoch)``.
 
@@ -155,8 +150,8 @@ class StreamDataModule(pl.LightningDataModule):
         rules.check_train_split(self.batch_size, n_train, "raise data.num_samples")
         self.cuts = {"train": (0, n_train), "val": (n_train, n_val), "test": (n_train + n_val, n_test)}
 
-    def _loader(self, split: str) -> DataLoader:
-        rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+    @override
+    def _loader(self, split: str, rank: int, world_size: int) -> DataLoader:
         rules.check_divides(self.batch_size, world_size)
         start, length = self.cuts[split]
         shares = StreamShares(
@@ -165,15 +160,3 @@ class StreamDataModule(pl.LightningDataModule):
         if split == "train" and self.trainer is not None:
             shares.position = partial(data_position, self.trainer, len(shares))
         return DataLoader(shares, batch_size=None)
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
