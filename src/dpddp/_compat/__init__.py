@@ -7,8 +7,8 @@ import argparse
 import math
 import os
 import socket
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
 
@@ -56,8 +56,7 @@ def init_process_group(
 
 
 def rank0_store(sock: socket.socket, world_size: int, timeout: timedelta) -> torch.distributed.Store:
-    """Rank 0's store on the listening ``sock`` (torch 2.13: ``TCPStore(master_listen_fd=...)``, under the
-    ``PrefixStore("default_pg", ...)`` that ``env://`` ranks use)."""
+    """Rank 0's store on ``sock`` (torch 2.13's ``TCPStore(master_listen_fd=...)`` in ``env://``'s prefix)."""
     address, port = sock.getsockname()[:2]
     store = torch.distributed.TCPStore(
         address, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
@@ -102,8 +101,7 @@ def restore_sigterm_broadcast(trainer: pl.Trainer) -> None:
 
 
 def data_position(trainer: pl.Trainer, length: int | None = None) -> tuple[int, int]:
-    """``(epoch, batches of it trained)`` from Lightning 2.6.6's ``fit_loop.epoch_loop.batch_progress.total`` and
-    ``num_training_batches`` (before it is counted: ``length`` cut by ``_parse_num_batches``)."""
+    """``(epoch, batches of it trained)`` (Lightning 2.6.6's ``batch_progress.total``, ``_parse_num_batches``)."""
     per_epoch = trainer.num_training_batches
     if per_epoch == float("inf") and length:
         per_epoch = _parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches)
@@ -133,8 +131,7 @@ def _unfinish_epoch(checkpoint: dict[str, Any]) -> None:
 
 
 def uncount_last_batch(checkpoint: dict[str, Any]) -> None:
-    """Count the fit's last loop iteration in ``checkpoint`` as not done, its epoch unfinished (Lightning 2.6.6's
-    ``fit_loop`` ``epoch_loop.batch_progress``)."""
+    """Count ``checkpoint``'s last loop iteration as not done, its epoch unfinished (Lightning 2.6.6's loops)."""
     progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
     for part in ("total", "current"):
         for key in ("ready", "started", "processed", "completed"):
@@ -155,16 +152,14 @@ def step_count_either_way(checkpoint: dict[str, Any]) -> None:
 
 
 def batches_counted_as_steps(checkpoint: dict[str, Any]) -> None:
-    """Set ``checkpoint``'s ``epoch_loop.batch_progress`` ``total`` counters to its ``global_step`` (Lightning
-    2.6.6): a ``steps_per_execution`` checkpoint continued with 1."""
+    """Set ``checkpoint``'s ``batch_progress.total`` counters to its ``global_step`` (Lightning 2.6.6)."""
     total = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
     for key in total:
         total[key] = int(checkpoint["global_step"])
 
 
 def counted_step(optimizer: Any) -> None:
-    """Lightning 2.6.6's ``LightningOptimizer.step`` without wrappers: ``_on_before_step``, ``step``,
-    ``_on_after_step`` (which count ``global_step``)."""
+    """Lightning 2.6.6's ``LightningOptimizer.step`` without its wrappers (``_on_after_step`` counts the step)."""
     optimizer._on_before_step()
     optimizer.optimizer.step()
     optimizer._on_after_step()
@@ -184,24 +179,21 @@ def processed_epochs(checkpoint: dict[str, Any]) -> int | None:
 
 
 def skip_next_validation(trainer: pl.Trainer) -> None:
-    """Skip the validation due after this batch (Lightning 2.6.6's ``epoch_loop._skip_next_val``). Raises
-    ``RuntimeError`` if it moved."""
+    """Skip the validation due after this batch (Lightning 2.6.6's ``_skip_next_val``); ``RuntimeError`` if moved."""
     loop = trainer.fit_loop.epoch_loop
     _present(loop, "_skip_next_val")
     loop._skip_next_val = True
 
 
 def count_logged_step(trainer: pl.Trainer) -> None:
-    """One more step on the loggers' axis (Lightning 2.6.6's ``epoch_loop._batches_that_stepped``). Raises
-    ``RuntimeError`` if it moved."""
+    """One more step on the loggers' axis (Lightning 2.6.6's ``_batches_that_stepped``); ``RuntimeError`` if moved."""
     loop = trainer.fit_loop.epoch_loop
     _present(loop, "_batches_that_stepped")
     loop._batches_that_stepped += 1
 
 
 def restart_train_iterator(trainer: pl.Trainer) -> None:
-    """At an epoch's start: make the loader's iterator again unless the epoch loop does (Lightning 2.6.6's
-    ``fit_loop._data_fetcher``). Raises ``RuntimeError`` if it moved."""
+    """Remake the loader's iterator unless the epoch loop does (Lightning 2.6.6's ``fit_loop._data_fetcher``)."""
     loop = trainer.fit_loop
     if not hasattr(loop, "_data_fetcher"):
         raise RuntimeError("lightning moved _FitLoop._data_fetcher: update dpddp._compat")
@@ -212,8 +204,7 @@ def restart_train_iterator(trainer: pl.Trainer) -> None:
 
 
 def logged_metric_kinds(trainer: pl.Trainer) -> dict[str, tuple[bool, bool]]:
-    """``{name: (is a torchmetrics Metric, sync_dist)}`` logged in the running loop (Lightning 2.6.6's
-    ``trainer._results``)."""
+    """``{name: (is a torchmetrics Metric, sync_dist)}`` logged in the loop (Lightning 2.6.6's ``_results``)."""
     results = trainer._results
     found: dict[str, tuple[bool, bool]] = {}
     for value in (results or {}).values():
@@ -224,8 +215,7 @@ def logged_metric_kinds(trainer: pl.Trainer) -> dict[str, tuple[bool, bool]]:
 
 
 def logged_tensor_states(trainer: pl.Trainer) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """``{key: (value, batch size or None)}`` of the plain tensors logged in the running loop (Lightning 2.6.6's
-    ``_ResultMetric``)."""
+    """``{key: (value, batch size or None)}`` of the tensors logged in the loop (Lightning 2.6.6's ``_results``)."""
     found: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for key, value in (trainer._results or {}).items():
         if getattr(value, "is_tensor", False):
@@ -274,8 +264,7 @@ def _softmax_per_sample(tensor: torch.Tensor, normalization: Any, original: Any)
 
 
 def softmax_per_sample() -> None:
-    """Make torchmetrics 1.9's ``normalize_logits_if_needed`` in ``TORCHMETRICS_SOFTMAX_MODULES`` decide softmax
-    per sample, not per update; idempotent."""
+    """Make torchmetrics 1.9's ``normalize_logits_if_needed`` decide softmax per sample; idempotent."""
     import importlib
     from functools import partial
 
@@ -295,8 +284,7 @@ PER_BATCH_HOOKS = (
 
 
 def skip_empty_batch_hooks(callbacks: Iterable[pl.Callback]) -> None:
-    """Set each ``PER_BATCH_HOOKS`` hook a callback does not override to ``None``: Lightning 2.6.6's
-    ``_call_callback_hooks`` skips it."""
+    """Set the ``PER_BATCH_HOOKS`` a callback does not override to ``None`` (Lightning 2.6.6 skips them)."""
     for callback in callbacks:
         for name in PER_BATCH_HOOKS:
             if getattr(type(callback), name, None) is getattr(pl.Callback, name):
@@ -317,23 +305,20 @@ def hydra_command_line(argv: list[str]) -> argparse.Namespace | None:
         return None
 
 
-@contextmanager
-def hydra_mode_unset() -> Iterator[None]:
+def hydra_mode_unset() -> AbstractContextManager[Any]:
     """Inside it, hydra-core 1.3.8's ``Hydra.get_mode`` returns ``None`` without composing."""
+    from unittest.mock import patch
+
     from hydra._internal.hydra import Hydra
 
-    get_mode = Hydra.get_mode
-    Hydra.get_mode = lambda self, config_name, overrides: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Hydra.get_mode = get_mode  # type: ignore[method-assign]
+    return patch.object(Hydra, "get_mode", lambda self, config_name, overrides: None)
 
 
-@contextmanager
-def hydra_override_refused(refused: Callable[[Any, Any, Exception], None]) -> Iterator[None]:
+def hydra_override_refused(refused: Callable[[Any, Any, Exception], None]) -> AbstractContextManager[Any]:
     """Inside it, hydra-core 1.3.8's ``ConfigLoaderImpl._apply_overrides_to_config`` calls ``refused(override,
     cfg, err)`` before it raises."""
+    from unittest.mock import patch
+
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.errors import ConfigCompositionException
 
@@ -347,11 +332,7 @@ def hydra_override_refused(refused: Callable[[Any, Any, Exception], None]) -> It
                 refused(override, cfg, err)
                 raise
 
-    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(one_at_a_time)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        ConfigLoaderImpl._apply_overrides_to_config = apply  # type: ignore[method-assign]
+    return patch.object(ConfigLoaderImpl, "_apply_overrides_to_config", staticmethod(one_at_a_time))
 
 
 BatchNormBase = torch.nn.modules.batchnorm._BatchNorm

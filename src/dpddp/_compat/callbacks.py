@@ -1,5 +1,4 @@
-"""Lightning 2.6.6 callbacks' internals dpddp reads or mends (docs/design-notes.md, continuity.state); their tests
-in tests/test_compat.py fail if they move or Lightning mends the restarts itself."""
+"""Lightning 2.6.6 callbacks' internals dpddp reads or mends; tests/test_compat.py fails when they move."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveragin
 
 
 def swapped_average(checkpoint: dict[str, Any]) -> tuple[str, int] | None:
-    """``(state key, epochs averaged)`` of a ``StochasticWeightAveraging`` whose average of 2 or more epochs
-    ``checkpoint``'s weights are (its ``n_averaged``, ``average_model_state``), else ``None``."""
+    """``(state key, epochs averaged)`` of the SWA whose average of 2+ epochs ``checkpoint``'s weights are, or None."""
     weights = checkpoint.get("state_dict") or {}
     for key, state in (checkpoint.get("callbacks") or {}).items():
         if not isinstance(state, dict) or not {"n_averaged", "average_model_state"} <= state.keys():
@@ -24,8 +22,7 @@ def swapped_average(checkpoint: dict[str, Any]) -> tuple[str, int] | None:
 
 
 def mend_finetuning(callback: BaseFinetuning) -> None:
-    """Make a continued fit unfreeze again the modules of the param groups ``callback`` had added (its private
-    ``_restarting``): Lightning restores the groups but not their ``requires_grad``."""
+    """Make a continued fit unfreeze again the modules of the param groups ``callback`` had added (``_restarting``)."""
     restore = callback.on_fit_start
 
     def on_fit_start(trainer: Any, pl_module: Any) -> None:
@@ -43,8 +40,7 @@ def mend_finetuning(callback: BaseFinetuning) -> None:
 
 
 def mend_swa(callback: StochasticWeightAveraging) -> None:
-    """Run ``callback``'s ``on_train_epoch_start`` (its ``SWALR`` set-up) at ``on_train_start`` of a fit continued
-    inside an epoch of its window, which Lightning skips there (``fit_loop.restarted_mid_epoch``)."""
+    """Run ``callback``'s ``SWALR`` set-up when a fit continues mid-epoch in its window (Lightning skips it)."""
     own = callback.on_train_start
 
     def on_train_start(trainer: Any, pl_module: Any) -> None:
