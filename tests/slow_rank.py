@@ -1,6 +1,6 @@
 """Test helpers that make one rank late (``+callbacks.<name>._target_=slow_rank.<Class>``, with ``tests/`` on
 ``PYTHONPATH``). ``SlowRank``, a straggler: global rank ``rank`` (``None``: every rank) sleeps ``sleep_s`` seconds
-at the start of each training batch, inside the step that ``dpddp.report.costs.Costs`` times. ``NeverArrives``: a
+at the start of each training batch, inside the step that ``dpddp.diagnostics.costs.Costs`` times. ``NeverArrives``: a
 rank that does not reach a collective."""
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from conftest import ROOT, compose_cfg, run_train
 from torch import nn
 
-from dpddp.parallel.allreduce import AllReduceTimer
-from dpddp.report.costs import slowest, straggler_line
+from dpddp.diagnostics.allreduce import AllReduceTimer
+from dpddp.diagnostics.costs import slowest, straggler_line
 from dpddp.run.training import train
 
 SMALL = ["accelerator=cpu", "data.num_samples=1005", "logger=none", "trainer.enable_progress_bar=false"]

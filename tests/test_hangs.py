@@ -1,5 +1,5 @@
 """Hang attribution: a collective that times out ends the run with one line naming the ranks that did not reach
-it, where they were instead, and the stage and step (``dpddp.parallel.whereabouts``)."""
+it, where they were instead, and the stage and step (``dpddp.diagnostics.whereabouts``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from conftest import ROOT, leftover, run_train
 
 from dpddp.continuity.pace import agreed
+from dpddp.diagnostics import whereabouts
+from dpddp.diagnostics.whereabouts import AGREEMENT, BATCHNORM, GRADIENTS, describe, entering
 from dpddp.errors import first_line
-from dpddp.parallel import whereabouts
-from dpddp.parallel.whereabouts import AGREEMENT, BATCHNORM, GRADIENTS, describe, entering
 
 
 def test_the_line_names_the_ranks_that_did_not_arrive_and_where_they_were():

@@ -21,13 +21,15 @@ LAYERS = {
     "dpddp.messages": 0,  # other libraries' error texts read as data; imports nothing
     "dpddp._compat": 1,
     "dpddp.cluster": 1,
-    "dpddp.network": 1,
+    "dpddp.diagnostics.network": 1,  # stdlib only: cluster asks it whether an address is this machine's
     "dpddp": 2,  # the package's __init__: registers dp
     "dpddp.parallel": 2,
+    "dpddp.diagnostics": 2,  # whereabouts, the all-reduce timer, bandwidth
     "dpddp.nn": 3,  # layers for users' models
     "dpddp.data": 3,
     "dpddp.models": 3,
     "dpddp.report": 4,  # every output of a run
+    "dpddp.diagnostics.costs": 4,  # the run's cost callback (the ddp timer, the report's counts)
     "dpddp.continuity": 5,  # stop anywhere and continue exactly (saves the reporters' resumable counts)
     "dpddp.run": 6,
     "dpddp.entry": 7,

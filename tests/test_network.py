@@ -1,4 +1,4 @@
-"""``dpddp.network``: the interface that routes to MASTER_ADDR, on loopback and across network namespaces."""
+"""``dpddp.diagnostics.network``: the interface routing to MASTER_ADDR, on loopback and across network namespaces."""
 
 import json
 import socket
@@ -8,8 +8,8 @@ import sys
 import pytest
 from netns import IFNAME, bed_fixture, run_in
 
-from dpddp import network
-from dpddp.network import choose_interface, interface_address, interface_for_address, route_interface
+from dpddp.diagnostics import network
+from dpddp.diagnostics.network import choose_interface, interface_address, interface_for_address, route_interface
 
 bed2 = bed_fixture(2)
 
@@ -97,7 +97,7 @@ def test_route_inside_a_namespace(bed2):
 
 
 def test_is_local_address_is_whether_a_socket_binds_to_it():
-    from dpddp.network import is_local_address
+    from dpddp.diagnostics.network import is_local_address
 
     assert is_local_address("127.0.0.1") and is_local_address("localhost")
     assert is_local_address("198.18.255.1") is False  # no interface here holds it

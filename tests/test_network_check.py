@@ -12,7 +12,7 @@ from conftest import child_env
 from hydra.utils import instantiate
 
 from dpddp.check import _compose, main
-from dpddp.parallel.bandwidth import bus_bandwidth, recommend, ring_seconds
+from dpddp.diagnostics.bandwidth import bus_bandwidth, recommend, ring_seconds
 
 
 def test_the_ring_bound_and_the_bus_bandwidth():

@@ -35,11 +35,7 @@ from omegaconf import DictConfig
 from dpddp._compat import hydra_override_refused
 from dpddp.cluster import launch_environment, master_address, register_resolvers
 from dpddp.continuity.schedulers import LIMIT_MARK, built_apart
-from dpddp.entry.command_line import refused_override
-from dpddp.entry.run_dir import hydra_value
-from dpddp.errors import EXIT_PREEMPTED, ConfigError, PromiseBroken, first_line, shell
-from dpddp.network import choose_interface
-from dpddp.parallel.bandwidth import (
+from dpddp.diagnostics.bandwidth import (
     BIG_BYTES,
     Collective,
     measure,
@@ -48,6 +44,10 @@ from dpddp.parallel.bandwidth import (
     ring_seconds,
     step_seconds,
 )
+from dpddp.diagnostics.network import choose_interface
+from dpddp.entry.command_line import refused_override
+from dpddp.entry.run_dir import hydra_value
+from dpddp.errors import EXIT_PREEMPTED, ConfigError, PromiseBroken, first_line, shell
 from dpddp.report.curves import write_plot
 from dpddp.run.draws_seen import draws_line, find_draws
 from dpddp.run.executions import execution_steps

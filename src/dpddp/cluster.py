@@ -9,8 +9,8 @@ import time
 
 from omegaconf import OmegaConf
 
+from dpddp.diagnostics.network import is_local_address
 from dpddp.errors import local_rank
-from dpddp.network import is_local_address
 
 __all__ = ["LAUNCHED_ENV", "cluster_world_size", "env_rank", "in_cluster_job", "launch_id", "launched"]
 __all__ += ["launched_by_dpddp", "launch_environment", "local_rank", "master_address", "node_rank", "process_name"]

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from dpddp.parallel.whereabouts import AGREEMENT, entering
+from dpddp.diagnostics.whereabouts import AGREEMENT, entering
 
 
 class Pace:

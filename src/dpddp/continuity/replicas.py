@@ -9,8 +9,8 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from dpddp.diagnostics.whereabouts import entering
 from dpddp.errors import ReplicasDiverged, checked_int
-from dpddp.parallel.whereabouts import entering
 
 _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

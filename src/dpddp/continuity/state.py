@@ -29,8 +29,8 @@ from dpddp._compat import (
 from dpddp.continuity.io import AtomicCheckpointIO, other_steps_problem
 from dpddp.continuity.replicas import ReplicaGuard
 from dpddp.continuity.schedulers import built_states, due_plateau_values, limit_lines, take_skipped_plateau_steps
+from dpddp.diagnostics.whereabouts import entering
 from dpddp.errors import ConfigError
-from dpddp.parallel.whereabouts import entering
 from dpddp.report.epochs import EpochRecord, EpochTable
 from dpddp.report.throughput import ThroughputCounts
 

@@ -15,9 +15,9 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from dpddp._compat import BatchNormBase
+from dpddp.diagnostics.whereabouts import BATCHNORM, entering
 from dpddp.errors import ConfigError
 from dpddp.parallel.rules import world_of
-from dpddp.parallel.whereabouts import BATCHNORM, entering
 
 __all__ = ["BatchNormSync", "GlobalBatchNorm", "batchnorm_modules", "batchnorm_plugins", "convert", "revert"]
 

@@ -20,15 +20,15 @@ from typing_extensions import override
 from dpddp._compat import Launcher, agent_store, init_process_group, rank0_store, resolve_process_group_backend
 from dpddp._compat.comm_hooks import bucket_assignment, load_powersgd_state, powersgd_state
 from dpddp._compat.strategies import wrapping_frozen
+from dpddp.diagnostics.allreduce import COMM_HOOKS, AllReduceTimer
+from dpddp.diagnostics.network import choose_interface, interface_address
+from dpddp.diagnostics.whereabouts import METRIC_SYNC, Whereabouts, entering
 from dpddp.errors import ConfigError, Preempted, ReplicasDiverged, StepFailed, first_line
 from dpddp.messages import unused_parameters
-from dpddp.network import choose_interface, interface_address
-from dpddp.parallel.allreduce import COMM_HOOKS, AllReduceTimer
 from dpddp.parallel.launcher import JobLauncher, RankJob
 from dpddp.parallel.peers import PeerWatch
 from dpddp.parallel.rank import run_rank
 from dpddp.parallel.rendezvous import join_start
-from dpddp.parallel.whereabouts import METRIC_SYNC, Whereabouts, entering
 from dpddp.parallel.workers import start_workers_safely
 
 __all__ = ["UNUSED_PARAMETERS_LINE", "DDPStrategy", "apply_interface"]

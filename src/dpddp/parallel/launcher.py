@@ -27,8 +27,8 @@ from typing_extensions import override
 from dpddp._compat import SubprocessScriptLauncher, set_num_threads_if_needed
 from dpddp._compat.processes import forget_forkserver, forget_resource_sharer, stop_worker_servers
 from dpddp.cluster import LAUNCHED_ENV, master_address
+from dpddp.diagnostics.network import route_interface
 from dpddp.errors import EXIT_CRASH, EXIT_PREEMPTED, ConfigError, RankFailed, first_line
-from dpddp.network import route_interface
 
 __all__ = ["JobLauncher", "RankJob", "bind_store_socket", "die_with_parent"]
 __all__ += ["STOPPED", "rank_ended"]

@@ -25,8 +25,8 @@ from dpddp.cluster import (
     torchrun_run_id,
     writes_outputs,
 )
+from dpddp.diagnostics.allreduce import COMM_HOOKS
 from dpddp.errors import ConfigError, checked_float, checked_int, local_rank
-from dpddp.parallel.allreduce import COMM_HOOKS
 from dpddp.parallel.settings import ACCELERATORS, CLUSTERS, STRATEGIES, check_device_values
 
 __all__ = [

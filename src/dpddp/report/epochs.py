@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 from typing_extensions import override
 
-from dpddp.report.costs import Costs
+from dpddp.diagnostics.costs import Costs
 from dpddp.report.tally import FitTally
 
 __all__ = ["EPOCH_COLUMNS", "EpochRecord", "EpochTable", "early_stops"]

@@ -16,8 +16,8 @@ from typing_extensions import override
 
 from dpddp.data.batches import batch_inputs
 from dpddp.data.global_batch import GlobalBatchDataModule
+from dpddp.diagnostics.whereabouts import entering
 from dpddp.errors import ConfigError
-from dpddp.parallel.whereabouts import entering
 
 __all__ = ["PredictFailed", "PredictionWriter", "check_predictable", "predict_forward"]
 

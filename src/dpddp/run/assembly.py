@@ -29,6 +29,7 @@ from dpddp.continuity.stop import StepBoundaryStop
 from dpddp.data.built import SameDataOnEveryRank
 from dpddp.data.draws import UnkeyedDraws
 from dpddp.data.keys import sample_key_callbacks
+from dpddp.diagnostics.costs import Costs
 from dpddp.errors import ConfigError, first_line
 from dpddp.messages import litlogger_tip
 from dpddp.parallel.batchnorm import batchnorm_plugins
@@ -39,7 +40,6 @@ from dpddp.parallel.rules import is_ddp_family, resolve_accelerator, world_of
 from dpddp.parallel.workers import start_workers_safely
 from dpddp.report.bars import RichBar, TQDMBar
 from dpddp.report.contract import LoggedTensors, MetricContract
-from dpddp.report.costs import Costs
 from dpddp.report.epochs import EpochRecord
 from dpddp.report.predictions import PredictionWriter
 from dpddp.report.tally import FitTally

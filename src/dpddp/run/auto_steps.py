@@ -33,8 +33,8 @@ from dpddp.cluster import (
 )
 from dpddp.continuity.intervals import checkpoint_intervals
 from dpddp.data.global_batch import GlobalBatchDataModule
+from dpddp.diagnostics.bandwidth import step_seconds
 from dpddp.errors import first_line
-from dpddp.parallel.bandwidth import step_seconds
 from dpddp.parallel.rules import resolve_accelerator, world_of
 from dpddp.report.trackers import logger_specs
 from dpddp.run.config import execution_refusal

@@ -22,12 +22,12 @@ from dpddp.cluster import launched_by_dpddp
 from dpddp.continuity.state import save_final_checkpoint
 from dpddp.continuity.stop import RunScope, StepBoundaryStop, run_stops, starting_up
 from dpddp.data.built import data_streams
+from dpddp.diagnostics.costs import Costs, peak_memory_mib
 from dpddp.errors import ConfigError, Preempted, RankFailed, ReplicasDiverged, first_line
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import RankJob
 from dpddp.parallel.rules import World
 from dpddp.parallel.workers import loader_failed
-from dpddp.report.costs import Costs, peak_memory_mib
 from dpddp.report.epochs import EpochRecord
 from dpddp.report.metrics import METRIC_KEYS, write_metrics
 from dpddp.report.predictions import PredictFailed, check_predictable, predict_forward

@@ -1,5 +1,5 @@
 """All-reduce latency and bus bandwidth between ranks, and the ring all-reduce cost they predict
-(``python -m dpddp.check --network``; docs/design-notes.md, network)."""
+(``python -m dpddp.check --network``; docs/design-notes.md, diagnostics.network)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Where each rank is (stage, step, collective), published through the rendezvous store, so that a collective that
-fails names the ranks that did not arrive and where they were (docs/design-notes.md, parallel.whereabouts)."""
+fails names the ranks that did not arrive and where they were (docs/design-notes.md, diagnostics.whereabouts)."""
 
 from __future__ import annotations
 

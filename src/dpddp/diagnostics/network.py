@@ -1,5 +1,5 @@
 """Which local network interface the ranks of a multi-node run use to reach each other (stdlib only; see
-docs/design-notes.md, network)."""
+docs/design-notes.md, diagnostics.network)."""
 
 from __future__ import annotations
 

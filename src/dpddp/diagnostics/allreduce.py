@@ -12,7 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
 )
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
-from dpddp.parallel.whereabouts import GRADIENTS, mark
+from dpddp.diagnostics.whereabouts import GRADIENTS, mark
 
 __all__ = ["COMM_HOOKS", "AllReduceTimer"]
 
