@@ -6,6 +6,7 @@ its checkpoint's K without timing; ``metrics.json`` holds K."""
 import logging
 import subprocess
 import sys
+from dataclasses import replace
 
 import lightning.pytorch as pl
 import pytest
@@ -21,16 +22,23 @@ from dpddp.data.tables import TableDataModule
 from dpddp.errors import ConfigError
 from dpddp.models.linear import LinearClassifier
 from dpddp.models.mlp import MLPClassifier
+from dpddp.parallel.rules import world_of
 from dpddp.report.contract import MetricContract
 from dpddp.run import auto_steps
 from dpddp.run.auto_steps import LOOP_OVERHEAD_S, MAX_AUTO_STEPS, OVERHEAD_SHARE, resolve_steps
 from dpddp.run.build import build
+from dpddp.run.config import Plan
 from dpddp.run.training import train
 
 # 1005 samples: 804 train = 12 global batches of 64 an epoch, so auto's K is at most 8.
 BASE = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "model.optimizer=adam", "model.lr=0.01"]
 KEYS = ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc")
 AUTO = "steps_per_execution=auto"
+
+
+def _plan(cfg) -> Plan:
+    """A fit's plan of ``cfg`` as ``check_config`` makes it, with no checkpoint."""
+    return Plan(cfg, "fit", world_of(cfg))
 
 
 def _lines(caplog) -> list[str]:
@@ -84,7 +92,7 @@ def test_the_probe_leaves_the_random_streams_and_the_model_as_they_were():
     pl.seed_everything(0, verbose=False)
     data, model = build(cfg.data, "data", _convert_="all"), build(cfg.model, "model", _convert_="all")
     before, state = torch.get_rng_state(), {k: v.clone() for k, v in model.state_dict().items()}
-    k = resolve_steps(cfg, model, data)
+    k = resolve_steps(_plan(cfg), model, data)
     assert k in (1, 2, 4, 8)
     assert torch.equal(torch.get_rng_state(), before)
     assert all(torch.equal(v, state[n]) for n, v in model.state_dict().items())
@@ -173,7 +181,7 @@ def test_data_that_is_not_global_batch_falls_back_to_one(caplog):
     args += ["model.num_classes=2"]
     cfg = compose_cfg(*args, "+data.module._target_=lightning.pytorch.demos.boring_classes.BoringDataModule")
     model = build(cfg.model, "model", _convert_="all")
-    assert resolve_steps(cfg, model, build(cfg.data, "data", _convert_="all")) == 1
+    assert resolve_steps(_plan(cfg), model, build(cfg.data, "data", _convert_="all")) == 1
     assert _lines(caplog) == [
         "steps_per_execution=auto: 1 (data._target_=dpddp.data.sharded.ShardedDataModule: not a "
         "dpddp.data.global_batch.GlobalBatchDataModule)"
@@ -207,6 +215,21 @@ def test_a_refused_setting_continues_only_a_checkpoint_of_k_one(tmp_path):
     ckpt = f"ckpt_path={tmp_path}/a/checkpoints/last.ckpt"
     with pytest.raises(ConfigError, match=r"stopped inside an epoch with steps_per_execution=5: continue it with"):
         train(compose_cfg(*BASE, AUTO, ckpt, "trainer.accumulate_grad_batches=2"), tmp_path / "b")
+
+
+def test_ranks_started_apart_agree_on_each_resolution_in_order(monkeypatch):
+    """Ranks started apart take rank 0's K of each of their resolutions through the agent store, in order: a
+    second resolution in the same process (a sweep's next job) reads its own K, not the first's."""
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(auto_steps, "agent_store", lambda *args: store)
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = compose_cfg(*BASE, AUTO)
+    plans = [Plan(cfg, "fit", replace(world_of(cfg), world_size=2, nodes=2, global_rank=rank)) for rank in (0, 1)]
+    measured = [(2, "first"), (4, "second")]
+    assert [auto_steps._agreed(plans[0], lambda k=k: k) for k in measured] == measured
+    assert [auto_steps._agreed(plans[1], lambda: pytest.fail("rank 1 measured")) for _ in measured] == measured
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

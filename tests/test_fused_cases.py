@@ -16,12 +16,19 @@ from lightning.pytorch.utilities import grad_norm
 
 from dpddp.errors import ConfigError
 from dpddp.models.linear import LinearClassifier
+from dpddp.parallel.rules import world_of
 from dpddp.run import auto_steps
 from dpddp.run.build import build
+from dpddp.run.config import Plan
 from dpddp.run.training import train
 
 BASE = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "model.optimizer=adam", "model.lr=0.01"]
 AUTO = "steps_per_execution=auto"
+
+
+def _plan(cfg) -> Plan:
+    """A fit's plan of ``cfg`` as ``check_config`` makes it, with no checkpoint."""
+    return Plan(cfg, "fit", world_of(cfg))
 
 
 class LockNet(LinearClassifier):
@@ -93,7 +100,7 @@ def test_a_users_model_keeps_one_and_the_probe_touches_nothing_of_it(name, caplo
     monkeypatch.setattr(auto_steps, "_probe", lambda *args: pytest.fail("the probe ran on a user's model"))
     cfg = compose_cfg(*BASE, AUTO, f"model._target_=test_fused_cases.{name}")
     model, data = build(cfg.model, "model", _convert_="all"), build(cfg.data, "data", _convert_="all")
-    assert auto_steps.resolve_steps(cfg, model, data) == 1
+    assert auto_steps.resolve_steps(_plan(cfg), model, data) == 1
     assert _line(caplog).startswith(f"steps_per_execution=auto: 1 (model._target_ ({name}) is not one of dpddp's")
 
 
@@ -101,14 +108,14 @@ def test_a_subclass_of_a_known_callback_keeps_one(caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="dpddp.run.auto_steps")
     monkeypatch.setattr(auto_steps, "_probe", lambda *args: pytest.fail("the probe ran"))
     cfg = compose_cfg(*BASE, AUTO, "+callbacks.es._target_=test_fused_cases.EarlyStoppingOrLowLoss")
-    assert auto_steps.resolve_steps(cfg, build(cfg.model, "model"), build(cfg.data, "data")) == 1
+    assert auto_steps.resolve_steps(_plan(cfg), build(cfg.model, "model"), build(cfg.data, "data")) == 1
     assert _line(caplog).startswith("steps_per_execution=auto: 1 (callbacks.es (EarlyStoppingOrLowLoss) is not one")
 
 
 def test_a_profiler_keeps_one(caplog):
     caplog.set_level(logging.INFO, logger="dpddp.run.auto_steps")
     cfg = compose_cfg(*BASE, AUTO, "debug=profiler")
-    assert auto_steps.resolve_steps(cfg, build(cfg.model, "model"), build(cfg.data, "data")) == 1
+    assert auto_steps.resolve_steps(_plan(cfg), build(cfg.model, "model"), build(cfg.data, "data")) == 1
     assert _line(caplog) == (
         "steps_per_execution=auto: 1 (trainer.profiler='simple': its rows would count executions of K steps, not steps)"
     )

@@ -4,7 +4,6 @@ cost per iteration is at most ``OVERHEAD_SHARE`` of an execution. See docs/perfo
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import logging
 import math
@@ -19,25 +18,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_utilities.core.apply_func import apply_to_collection
-from omegaconf import DictConfig
 
 from dpddp._compat import agent_store
-from dpddp.cluster import (
-    env_rank,
-    in_cluster_job,
-    launched_by_dpddp,
-    local_rank,
-    master_address,
-    torchrun_restart_count,
-    writes_outputs,
-)
+from dpddp.cluster import in_cluster_job, launched_by_dpddp, master_address, torchrun_restart_count
 from dpddp.continuity.intervals import checkpoint_intervals
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.diagnostics.bandwidth import step_seconds
 from dpddp.errors import first_line
-from dpddp.parallel.rules import resolve_accelerator, world_of
 from dpddp.report.trackers import logger_specs
-from dpddp.run.config import execution_refusal
+from dpddp.run.config import Plan, execution_refusal
 from dpddp.run.executions import known
 from dpddp.run.keys import target_class
 
@@ -55,7 +44,6 @@ PROBE_STEPS = 5
 """Timed steps of the probe after its warm-up, when the warm-up is short."""
 
 CALLBACKS_FACTORY = "lightning.pytorch.callbacks_factory"  # entry points Lightning adds to every Trainer
-_resolutions = itertools.count()  # the resolutions of this process, alike on every rank (the same jobs, in order)
 
 
 def _floor_power_of_two(n: int) -> int:
@@ -162,30 +150,20 @@ def _probe(
         return time.perf_counter() - start
 
 
-def _device(cfg: DictConfig) -> torch.device:
-    """The device this rank trains on."""
-    if resolve_accelerator(str(cfg.accelerator)) != "gpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", local_rank())
-
-
-def _independent_ranks(cfg: DictConfig) -> bool:
-    """Whether this process is one of a run's ranks that started apart (torchrun, SLURM, by hand)."""
-    return world_of(cfg).world_size > 1 and not launched_by_dpddp() and (in_cluster_job() or int(cfg.num_nodes) > 1)
-
-
-def _agreed(cfg: DictConfig, measure: Callable[[], tuple[int, str]]) -> tuple[int, str]:
+def _agreed(plan: Plan, measure: Callable[[], tuple[int, str]]) -> tuple[int, str]:
     """``measure()``'s ``(K, why)`` of rank 0 on every rank (through torchrun's agent store where the ranks
     started apart; without one, 1)."""
-    if not _independent_ranks(cfg):
+    world = plan.world
+    if world.world_size == 1 or launched_by_dpddp() or not (in_cluster_job() or world.nodes > 1):
         return measure()
     address, port = master_address()
-    timeout = timedelta(seconds=float((cfg.strategy or {}).get("timeout_s", 180)))
+    timeout = timedelta(seconds=float((plan.cfg.strategy or {}).get("timeout_s", 180)))
     store = agent_store(address, int(port), timeout) if address and port else None
     if store is None:
         return 1, "ranks started apart, with no shared store to agree on one measured K: give steps_per_execution=K"
-    key = f"dpddp/steps_per_execution/{torchrun_restart_count()}/{next(_resolutions)}"
-    if env_rank() == 0:
+    at = f"dpddp/steps_per_execution/{torchrun_restart_count()}"
+    key = f"{at}/{store.add(f'{at}/rank{world.global_rank}', 1)}"  # this rank's count: alike on every rank
+    if world.global_rank == 0:
         k, why = measure()
         store.set(key, json.dumps([k, why]))
         return k, why
@@ -193,32 +171,30 @@ def _agreed(cfg: DictConfig, measure: Callable[[], tuple[int, str]]) -> tuple[in
     return int(k), str(why)
 
 
-def resolve_steps(
-    cfg: DictConfig, model: pl.LightningModule, datamodule: pl.LightningDataModule, saved: int | None = None
-) -> int:
-    """The K of a ``steps_per_execution=auto`` fit, the same on every rank, logged with why: 1 where K above 1 is
-    refused, seen or cannot be probed; the checkpoint's K when continuing (``saved``); else ``auto_steps`` of
-    the probed step."""
-    k, why = _resolve(cfg, model, datamodule, saved)
-    if writes_outputs():
+def resolve_steps(plan: Plan, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> int:
+    """The K of ``plan``'s ``steps_per_execution=auto`` fit, the same on every rank, logged with why: 1 where K
+    above 1 is refused, seen or cannot be probed; the checkpoint's K when continuing; else ``auto_steps`` of the
+    probed step."""
+    k, why = _resolve(plan, model, datamodule)
+    if plan.world.writes_outputs:
         log.info(f"steps_per_execution=auto: {k} ({why})")
     return k
 
 
-def _resolve(
-    cfg: DictConfig, model: pl.LightningModule, datamodule: pl.LightningDataModule, saved: int | None
-) -> tuple[int, str]:
+def _resolve(plan: Plan, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> tuple[int, str]:
+    cfg, world = plan.cfg, plan.world
     if refusal := execution_refusal(cfg):
         return 1, refusal
     if seen := seen_executions(cfg, model, datamodule):
         return 1, f"{seen}; give steps_per_execution=K to take K anyway (docs/performance.md)"
-    if saved is not None:
-        return saved, "the checkpoint's"
+    if plan.checkpoint is not None:
+        return plan.checkpoint.steps_per_execution, "the checkpoint's"
     assert isinstance(datamodule, GlobalBatchDataModule)  # execution_refusal: global-batch data
-    share, every = int(datamodule.batch_size) // world_of(cfg).world_size, checkpoint_intervals(cfg)[0]
+    share, every = int(datamodule.batch_size) // world.world_size, checkpoint_intervals(cfg)[0]
 
     def measure() -> tuple[int, str]:
-        device = _device(cfg)
+        gpu = world.accelerator == "gpu" and torch.cuda.is_available()
+        device = torch.device("cuda", world.local_rank) if gpu else torch.device("cpu")
         seconds = _probe(model, datamodule, share, device)
         if device.type == "cuda":  # the copy's memory, back to the run
             torch.cuda.empty_cache()
@@ -238,4 +214,4 @@ def _resolve(
             why += f"; at most MAX_AUTO_STEPS={MAX_AUTO_STEPS}"
         return k, why
 
-    return _agreed(cfg, measure)
+    return _agreed(plan, measure)

@@ -87,8 +87,7 @@ def _train(
         steps, micro = cfg.get("steps_per_execution", 1), getattr(datamodule, "micro_batch_size", None)
         auto = steps == "auto"
         if auto:
-            saved = plan.checkpoint.steps_per_execution if plan.checkpoint else None
-            steps = resolve_steps(cfg, model, datamodule, saved) if stage == "fit" else 1
+            steps = resolve_steps(plan, model, datamodule) if stage == "fit" else 1
             cfg.steps_per_execution = steps  # what the launched ranks' job, the tally and the checkpoint see
         clip = ((cfg.trainer or {}).get("gradient_clip_val"), (cfg.trainer or {}).get("gradient_clip_algorithm"))
         fused = (steps > 1 or micro) and stage == "fit"
