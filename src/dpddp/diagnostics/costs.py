@@ -16,9 +16,9 @@ import torch
 from typing_extensions import override
 
 from dpddp._compat import epoch_cut
+from dpddp.diagnostics.whereabouts import entering
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy
-from dpddp.diagnostics.whereabouts import entering
 from dpddp.report.throughput import ThroughputCounts
 
 __all__ = ["STRAGGLER_RATIO", "Costs", "peak_memory_mib", "slowest", "straggler_line"]
