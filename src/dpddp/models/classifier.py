@@ -16,16 +16,17 @@ OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 
 class Classifier(pl.LightningModule):
     """Cross-entropy over ``num_classes``: a subclass builds ``forward`` (``x -> logits [batch, num_classes]``)
-    and saves ``optimizer``, ``lr``, ``momentum``, ``weight_decay`` as hyperparameters. Logs ``train/loss``,
-    ``val/loss``, ``val/acc``, ``test/loss``, ``test/acc`` at epoch end, from sums and counts over all processes.
-    """
+    and saves ``optimizer``, ``lr``, ``momentum``, ``weight_decay`` as hyperparameters. Logs ``{train,val,test}/loss``
+    and ``{val,test}/acc`` at epoch end over all processes. Raises ``ValueError``: ``dropout`` outside ``[0, 1)``."""
 
     # Set around every hook call (dpddp._compat.HOOK_NAME_ATTRIBUTE): skip nn.Module.__setattr__'s checks.
     _PLAIN_ATTRIBUTES = frozenset({HOOK_NAME_ATTRIBUTE})
     _FOLD_EVERY = 256  # step losses kept before they are summed into the float64 total
 
-    def __init__(self, num_classes: int) -> None:
+    def __init__(self, num_classes: int, dropout: float = 0.0) -> None:
         super().__init__()
+        if not 0 <= dropout < 1:
+            raise ValueError(f"model.dropout={dropout!r} is invalid: use a probability in [0, 1)")
         self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
@@ -116,8 +117,7 @@ class Classifier(pl.LightningModule):
     def train_loss_mark(self) -> tuple[torch.Tensor | None, int]:
         """A copy of this epoch's train-loss sum and sample count, for ``rewind_train_loss``."""
         self._fold_train_losses()
-        total = self._train_loss_sum
-        return (None if total is None else total.clone(), self._train_samples)
+        return self._train_loss_sum, self._train_samples  # (a new tensor each fold: never changed in place)
 
     def rewind_train_loss(self, mark: tuple[torch.Tensor | None, int]) -> None:
         """Forget the train losses added since ``mark`` (a step retried on the same samples)."""

@@ -6,14 +6,11 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from dpddp.models.classifier import OPTIMIZERS, Classifier
-
-__all__ = ["OPTIMIZERS", "LinearClassifier"]
+from dpddp.models.classifier import Classifier
 
 
 class LinearClassifier(Classifier):
-    """Logistic regression, ``x: [batch, num_features] -> logits [batch, num_classes]``; ``optimizer``: ``"sgd"``
-    (with ``momentum``) or ``"adam"``."""
+    """Logistic regression, ``x: [batch, num_features] -> logits [batch, num_classes]``."""
 
     def __init__(
         self,

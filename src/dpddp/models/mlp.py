@@ -11,11 +11,8 @@ from dpddp.nn import SampleDropout
 
 
 class MLPClassifier(Classifier):
-    """``x: [batch, num_features] -> logits [batch, num_classes]`` through ``Linear -> ReLU`` layers of widths
-    ``hidden``, each followed by ``SampleDropout(dropout)`` when ``dropout > 0``.
-
-    Raises ``ValueError``: ``hidden`` empty or with a width below 1, or ``dropout`` outside ``[0, 1)``.
-    """
+    """``x: [batch, num_features] -> logits`` through ``Linear -> ReLU`` layers of widths ``hidden``, each followed
+    by ``SampleDropout(dropout)`` when ``dropout > 0``. Raises ``ValueError``: a width below 1, or a bad ``dropout``."""
 
     def __init__(
         self,
@@ -28,11 +25,9 @@ class MLPClassifier(Classifier):
         momentum: float = 0.9,
         weight_decay: float = 0.0,
     ) -> None:
-        super().__init__(num_classes)
+        super().__init__(num_classes, dropout)
         if not hidden or min(hidden) < 1:
             raise ValueError(f"model.hidden={list(hidden)!r} is invalid: give widths >= 1, e.g. [128]")
-        if not 0 <= dropout < 1:
-            raise ValueError(f"model.dropout={dropout!r} is invalid: use a probability in [0, 1)")
         self.save_hyperparameters()
         layers: list[nn.Module] = []
         width = num_features

@@ -1,5 +1,4 @@
-"""A small Transformer text classifier for ``data=tokens``, its dropout ``SampleDropout`` (docs/your-model-and-data.md,
-Text)."""
+"""A small Transformer text classifier for ``data=tokens`` (docs/your-model-and-data.md, Text)."""
 
 from __future__ import annotations
 
@@ -37,11 +36,8 @@ class EncoderLayer(nn.Module):
 
 
 class TextClassifier(Classifier):
-    """``tokens: [b, length]`` (``PAD`` where padded) -> logits ``[b, num_classes]``: embeddings, ``layers``
-    ``EncoderLayer``s, the mean over the real positions, a linear head.
-
-    Raises ``ValueError``: ``width`` not divisible by ``heads``, or ``dropout`` outside ``[0, 1)``.
-    """
+    """``tokens: [b, length]`` (``PAD`` where padded) -> logits: embeddings, ``layers`` ``EncoderLayer``s, the mean
+    over the real positions, a linear head. Raises ``ValueError``: ``width % heads``, or a bad ``dropout``."""
 
     def __init__(
         self,
@@ -58,11 +54,9 @@ class TextClassifier(Classifier):
         momentum: float = 0.9,
         weight_decay: float = 0.0,
     ) -> None:
-        super().__init__(num_classes)
+        super().__init__(num_classes, dropout)
         if width % heads:
             raise ValueError(f"model.width={width} does not divide by model.heads={heads}: give a multiple of it")
-        if not 0 <= dropout < 1:
-            raise ValueError(f"model.dropout={dropout!r} is invalid: use a probability in [0, 1)")
         self.save_hyperparameters()
         self.embed = nn.Embedding(vocab_size, width, padding_idx=PAD)
         self.position = nn.Embedding(max_len, width)

@@ -30,8 +30,7 @@ from dpddp.data.rules import check_divides, check_micro_batch_size, check_random
 from dpddp.data.sharded import ShardedDataModule
 from dpddp.data.streams import StreamDataModule
 from dpddp.errors import ConfigError, checked_float, checked_int, unwritable
-from dpddp.models.classifier import Classifier
-from dpddp.models.linear import OPTIMIZERS
+from dpddp.models.classifier import OPTIMIZERS, Classifier
 from dpddp.parallel.rules import DDP_FAMILY, World, resolve_world, world_of
 from dpddp.report.trackers import logger_specs
 from dpddp.run.assembly import epoch_lines
