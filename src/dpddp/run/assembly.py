@@ -55,31 +55,13 @@ __all__ = ["RankLogger", "build_strategy", "build_trainer", "epoch_lines"]
 log = logging.getLogger(__name__)
 
 
-# Known-harmless messages of Lightning and torch, each silenced by its own text only (checked on Lightning 2.6.6,
-# torch 2.13; tests/test_progress.py counts the warning lines of a default run).
-class _NoLitLoggerTip(logging.Filter):
-    """Lightning's "💡 Tip: ... try installing litlogger" line at every Trainer: an advertisement, not a state."""
-
-    @override
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not litlogger_tip(str(record.msg))
-
-
-logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoLitLoggerTip())
-# torch 2.13 deprecates `isinstance(x, LeafSpec)`; Lightning's own pytree copy still builds LeafSpec() (twice
-# under ddp). Nothing of ours uses it, and Lightning's code works as it did.
+# Known-harmless messages of Lightning and torch, each silenced by its own text only (Lightning 2.6.6, torch 2.13;
+# tests/test_progress.py counts the warning lines of a default run). Why each is harmless: docs/design-notes.md.
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: not litlogger_tip(str(record.msg)))
 warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
-# "fewer training batches than log_every_n_steps": every metric here is logged per epoch, not per step.
 warnings.filterwarnings("ignore", message=r"The number of training batches \(\d+\) is smaller than the logging")
-# predict: Lightning cannot see the indices of a sampler it did not wrap; PredictionWriter reads each sample's
-# index from the batch itself.
 warnings.filterwarnings("ignore", message="Couldn't infer the batch indices fetched from your dataloader")
-# A resume from a checkpoint written in another directory: the ModelCheckpoints start their best/last tracking
-# afresh in this run's checkpoints/ (best.ckpt is then the best of this segment), which is what a new directory
-# wants.
 warnings.filterwarnings("ignore", message="The dirpath has changed from")
-# ModelCheckpoint writes fixed names (best.ckpt, last.ckpt), and a run finds its checkpoints/ not empty only when
-# it resumes that run (a new run gets a new directory): replacing its own files is the point.
 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
 
@@ -109,10 +91,10 @@ def build_strategy(cfg: DictConfig, job: RankJob | None) -> pl.strategies.Strate
     name = cfg.strategy.name
     if name == "dp":
         return DataParallelStrategy(start_workers=start_workers_safely)
-    if name == "ddp":
-        return DDPStrategy(job=job, **options)
     if name == "ddp_spawn":
-        return DDPStrategy(job=job, **{**options, "launch": "exec", "start_method": "popen"})
+        options.update(launch="exec", start_method="popen")
+    if is_ddp_family(name):
+        return DDPStrategy(job=job, **options)
     return OneProcessStrategy(start_workers=start_workers_safely)
 
 
@@ -151,35 +133,27 @@ def _build_callbacks(
         scores = "out" if predicts_forward else "prob"
         callbacks.append(PredictionWriter(output_dir, scores=scores, forward=predicts_forward))
     settings: dict[int, str] = {}
+    last: list[pl.Callback] = []  # written after every other checkpoint's epoch end: last.ckpt has their states
     for key, spec in (cfg.get("callbacks") or {}).items():
         if spec is None:
             continue
         callback = build(spec, f"callbacks.{key}")
         if isinstance(callback, ModelCheckpoint):
-            _own_checkpoint(callback, f"callbacks.{key}", output_dir / "checkpoints", callbacks)
-        callbacks.append(callback)
+            _own_checkpoint(callback, f"callbacks.{key}", output_dir / "checkpoints", [*callbacks, *last])
+        (last if key == "last_checkpoint" else callbacks).append(callback)
         settings[id(callback)] = f"callbacks.{key}"
     # The stop's checkpoint at a step's end comes after every other callback's on_train_batch_end (an
     # EMAWeightAveraging's update of that step), as a ModelCheckpoint's does (Lightning orders those last).
-    callbacks.append(stop)
+    callbacks += [stop, *last]
     keeps = (cfg.trainer or {}).get("enable_checkpointing") is not False  # false: no checkpoint wanted
-    if keeps and not any(_writes_last(cb, output_dir / "checkpoints") for cb in callbacks) and _says():
+    if keeps and not any(_writes_last(cb, output_dir / "checkpoints") for cb in callbacks) and writes_outputs():
         log.warning(
             "no callback writes checkpoints/last.ckpt each epoch (callbacks.last_checkpoint is dropped): a run killed "
             "(SIGKILL, out of memory) cannot be continued, resume=true starts it fresh; a SIGTERM still writes it"
         )
-    last = [cb for cb in callbacks if settings.get(id(cb)) == "callbacks.last_checkpoint"]
-    if last:  # written after every other checkpoint callback's epoch end, so that last.ckpt has their states
-        callbacks.remove(last[0])
-        callbacks.append(last[0])
     for contract in (cb for cb in callbacks if isinstance(cb, MetricContract)):
         contract.settings = settings  # its messages name the setting of a callback's monitor
     return callbacks
-
-
-def _says() -> bool:
-    """Whether this process says the run's start-up warnings: global rank 0 of the run, once."""
-    return writes_outputs()
 
 
 def _writes_last(callback: pl.Callback, dirpath: Path) -> bool:
@@ -202,8 +176,8 @@ def _own_checkpoint(callback: ModelCheckpoint, setting: str, dirpath: Path, othe
 
 
 class RankLogger(Logger):
-    """The logger of a rank that opens no tracker run: it logs nothing, so that every rank has a logger (a callback
-    that needs one runs everywhere)."""
+    """The logger of a rank that opens no tracker run: it logs nothing (rank 0's tracker does), so that every rank
+    has a logger (a callback that needs one runs everywhere)."""
 
     @property
     @override
@@ -217,11 +191,11 @@ class RankLogger(Logger):
 
     @override
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        """Nothing: rank 0's tracker has them."""
+        pass
 
     @override
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        """Nothing: rank 0's tracker logs the run's metrics."""
+        pass
 
 
 def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
@@ -245,7 +219,7 @@ def _warn_global_rng(model: pl.LightningModule, datamodule: pl.LightningDataModu
     """One line when ``model``'s training step draws from the global random streams and the run has several
     replicas: the weights then depend on the world size."""
     count = world_of(cfg).replicas
-    if count < 2 or not _says():
+    if count < 2 or not writes_outputs():
         return
     draws = find_draws(model, datamodule)
     if isinstance(draws, str):
