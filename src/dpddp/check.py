@@ -11,13 +11,12 @@ import math
 import os
 import platform
 import random
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import warnings
+from collections import UserDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -30,6 +29,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from omegaconf import DictConfig
 
 from dpddp._compat import hydra_override_refused
@@ -140,10 +140,6 @@ def _difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple
     return diffs.get(worst, 0.0), worst
 
 
-def _largest(weights: dict[str, torch.Tensor]) -> float:
-    return max((w.double().abs().max().item() for w in weights.values() if w.numel()), default=0.0)
-
-
 def _runs(gpus: int) -> list[tuple[str, int, list[str]]]:
     """The trainings (name, replicas, overrides): one process, ddp(2) and, on 2+ GPUs, dp over them."""
     runs = [("1 process", 1, "auto"), ("ddp(2)", 2, "ddp"), *([(f"dp({gpus})", gpus, "dp")] if gpus >= 2 else [])]
@@ -184,24 +180,23 @@ def _again(runs: list[tuple[str, int, DictConfig]], ddp: dict[str, Any], work: P
 
 def _ratios(first: float, again: Callable[[int], float]) -> list[float]:
     """ddp(2)'s samples/s over one process's: ``first`` (the table's), then ``again(round)``'s, up to ``ROUNDS``
-    ratios, or fewer once they ``_split`` (no longer can agree)."""
+    ratios, or fewer once they can no longer agree."""
     ratios = [first]
-    while len(ratios) < ROUNDS and not _split(ratios):
+    while len(ratios) < ROUNDS and _side(ratios):
         ratios.append(again(len(ratios)))
     return ratios
 
 
-def _split(ratios: list[float]) -> bool:
-    """Whether ``ratios`` fall on two sides of ``MARGIN`` or spread ``SPREAD`` or more (largest over smallest)."""
+def _side(ratios: list[float]) -> str | None:
+    """``"ddp"``, ``"one"`` or ``"even"`` when ``ratios`` fall on one side of ``MARGIN`` (or within it) and
+    spread less than ``SPREAD`` (largest over smallest); else ``None``."""
     sides = {"ddp" if r > MARGIN else "one" if r < 1 / MARGIN else "even" for r in ratios}
-    return len(sides) > 1 or max(ratios) >= SPREAD * min(ratios)
+    return sides.pop() if len(sides) == 1 and max(ratios) < SPREAD * min(ratios) else None
 
 
 def _agreed(ratios: list[float]) -> str | None:
-    """``"ddp"``, ``"one"`` or ``"even"`` when ``ROUNDS`` ratios say it and do not ``_split``; else ``None``."""
-    if len(ratios) < ROUNDS or _split(ratios):
-        return None
-    return "ddp" if ratios[0] > MARGIN else "one" if ratios[0] < 1 / MARGIN else "even"
+    """``_side`` of ``ROUNDS`` ratios or more; else ``None``."""
+    return _side(ratios) if len(ratios) >= ROUNDS else None
 
 
 def _advice(rows: list[dict[str, Any]], ratios: list[float]) -> str:
@@ -272,7 +267,8 @@ def _same_math(rows: list[dict[str, Any]], sixty_four: list[tuple[dict[str, torc
             continue
         assert not isinstance(found, str) and not isinstance(one, str)
         diff, where = _difference(found[0], one[0])
-        relative = diff / max(_largest(one[0]), 1e-30)
+        largest = max((w.double().abs().max().item() for w in one[0].values() if w.numel()), default=0.0)
+        relative = diff / max(largest, 1e-30)
         row["math"] = (diff, relative, where, found[1], one[1])
         steps = f", step {found[1]} against {one[1]}" if found[1] != one[1] else ""
         verdict = "the same math" if relative <= SAME_MATH and not steps else "NOT the same math"
@@ -422,8 +418,9 @@ class StopAt(pl.Callback):
         torch.save(record, Path(trainer.default_root_dir) / RECORD)
 
 
-class _Reads(dict):
-    """A ``state_dict`` that records the keys read from it."""
+class _Reads(UserDict):
+    """A ``state_dict`` that records the keys read from it (``get``, ``items``, ``update`` and ``**`` read through
+    ``__getitem__``)."""
 
     def __init__(self, state: dict) -> None:
         super().__init__(state)
@@ -433,18 +430,6 @@ class _Reads(dict):
         self.read.add(key)
         return super().__getitem__(key)
 
-    def get(self, key: Any, default: Any = None) -> Any:
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __iter__(self) -> Any:  # also what dict.update(this) and **this read through
-        self.read.update(self.keys())
-        return super().__iter__()
-
-    def items(self) -> Any:
-        self.read.update(self.keys())
-        return super().items()
-
 
 def _read_keys(callback: pl.Callback) -> list[str] | None:
     """The keys of ``callback``'s ``state_dict`` its ``load_state_dict`` reads (on a copy); ``None`` if it raised."""
@@ -452,7 +437,7 @@ def _read_keys(callback: pl.Callback) -> list[str] | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            copy.copy(callback).load_state_dict(state)
+            copy.copy(callback).load_state_dict(state)  # type: ignore[arg-type]
     except Exception:  # a load that needs more than its own state: every key compared
         return None
     return sorted(str(k) for k in state.read)
@@ -478,19 +463,14 @@ def _leaves(value: Any, name: str, run_dir: Path) -> dict[str, Any]:
 def _gap(a: Any, b: Any) -> float:
     """How far apart two leaves are: numbers and tensors by their largest absolute difference (equal NaN and
     infinities: 0); anything else 0 when equal, else ``inf``."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.shape != b.shape:
-            return math.inf
-        x, y = a.double(), b.double()
-        gaps = torch.where((x == y) | (x.isnan() & y.isnan()), 0.0, (x - y).abs()).nan_to_num(math.inf)
-        return float(gaps.max()) if gaps.numel() else 0.0
     numbers = (bool, int, float)
-    if isinstance(a, numbers) and isinstance(b, numbers):
-        if a == b or (math.isnan(a) and math.isnan(b)):
-            return 0.0
-        apart = abs(float(a) - float(b))
-        return math.inf if math.isnan(apart) else apart
-    return 0.0 if type(a) is type(b) and a == b else math.inf
+    if not all(isinstance(v, torch.Tensor) for v in (a, b)) and not all(isinstance(v, numbers) for v in (a, b)):
+        return 0.0 if type(a) is type(b) and a == b else math.inf
+    x, y = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    if x.shape != y.shape:
+        return math.inf
+    gaps = torch.where((x == y) | (x.isnan() & y.isnan()), 0.0, (x - y).abs()).nan_to_num(math.inf)
+    return float(gaps.max()) if gaps.numel() else 0.0
 
 
 def _pieces(ckpt: dict, restored: dict[str, list[str] | None]) -> dict[str, Any]:
@@ -605,33 +585,29 @@ def check_stops(overrides: list[str], config_dir: str | None, work: Path) -> Non
     print(f"stops: the straight run takes {total} steps; a limit at step {limit}, a SIGTERM before step {term + 1}, "
           f"a SIGKILL before step {kill + 1}")  # fmt: skip
     program = [*(["--config-dir", str(Path(config_dir).absolute())] if config_dir else []), *TINY, *base]
+    signalled = {"SIGTERM": (term, EXIT_PREEMPTED), "SIGKILL": (kill, -signal.SIGKILL)}
 
-    def continued(run_dir: Path) -> DictConfig:
-        again = _compose(base, config_dir)
-        again.ckpt_path = str(run_dir / "checkpoints" / "last.ckpt")
-        return again
+    def stop_and_continue(kind: str, run_dir: Path) -> None:
+        where = f"hydra.run.dir={hydra_value(str(run_dir))}"
+        if kind in signalled:
+            step, status = signalled[kind]
+            stop = [f"+callbacks.check_stop.signal={kind}", f"+callbacks.check_stop.step={step}", where]
+            _entry_point([*program, *stop], status, f"{kind}-stopped")
+        else:
+            run_dir.mkdir()
+            _train(_compose([*base, f"trainer.max_steps={limit}"], config_dir), run_dir)
+        if kind == "SIGTERM":
+            _entry_point([*program, "resume=true", where], 0, "continued")
+        else:
+            again = _compose(base, config_dir)
+            again.ckpt_path = str(run_dir / "checkpoints" / "last.ckpt")
+            _train(again, run_dir)
 
-    def limit_stop(run_dir: Path) -> None:
-        run_dir.mkdir()
-        _train(_compose([*base, f"trainer.max_steps={limit}"], config_dir), run_dir)
-        _train(continued(run_dir), run_dir)
-
-    def sigterm_stop(run_dir: Path) -> None:
-        stop, where = ["+callbacks.check_stop.signal=SIGTERM", f"+callbacks.check_stop.step={term}"], _dir(run_dir)
-        _entry_point([*program, *stop, where], EXIT_PREEMPTED, "SIGTERM-stopped")
-        _entry_point([*program, "resume=true", where], 0, "continued")
-
-    def sigkill_stop(run_dir: Path) -> None:
-        stop, where = ["+callbacks.check_stop.signal=SIGKILL", f"+callbacks.check_stop.step={kill}"], _dir(run_dir)
-        _entry_point([*program, *stop, where], -signal.SIGKILL, "SIGKILL-stopped")
-        _train(continued(run_dir), run_dir)
-
-    kinds: list[tuple[str, Callable[[Path], None]]] = [("limit", limit_stop), ("SIGTERM", sigterm_stop)]
-    for kind, stop_and_continue in [*kinds, ("SIGKILL", sigkill_stop)]:
+    for kind in ("limit", "SIGTERM", "SIGKILL"):
         run_dir = work / kind.lower()
         with _schedule_lines() as said:  # a continue's line on a schedule built for another limit: the cause
             try:
-                stop_and_continue(run_dir)
+                stop_and_continue(kind, run_dir)
             except Exception as err:
                 if said:  # e.g. OneCycleLR stepped past the total it was built with
                     raise PromiseBroken(f"{said[0]}; the {kind} continue then failed: {first_line(err)}") from err
@@ -691,7 +667,7 @@ def _collective(processes: int, sizes: list[int], work: Path) -> Collective | No
     """All-reduce figures between a launcher's ranks (``None`` on ranks but 0) or ``processes`` started here."""
     env = next((e for e in (TorchElasticEnvironment, SLURMEnvironment) if e.detect()), None)
     if env is None:
-        return measure_spawned(processes, sizes, _free_port(), work / "network.json")
+        return measure_spawned(processes, sizes, find_free_network_port(), work / "network.json")
     cluster = env()
     updates, _ = choose_interface(cluster.main_address)
     os.environ.update(updates, MASTER_ADDR=cluster.main_address, MASTER_PORT=str(cluster.main_port))
@@ -704,12 +680,6 @@ def _collective(processes: int, sizes: list[int], work: Path) -> Collective | No
     finally:
         torch.distributed.destroy_process_group()
     return found if cluster.global_rank() == 0 else None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def check_network(overrides: list[str], config_dir: str | None, work: Path, processes: int) -> None:
@@ -755,10 +725,6 @@ def bug_report() -> str:
     return "Paste this into your bug report:\n\n```text\n" + "\n".join(lines) + "\n```"
 
 
-def _dir(run_dir: Path) -> str:
-    return f"hydra.run.dir={hydra_value(str(run_dir))}"
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m dpddp.check [--stops] [--model M ...] [--data D ...] [--config-dir DIR] [key=value ...]``."""
     parser = argparse.ArgumentParser(prog="python -m dpddp.check", description=__doc__)
@@ -778,15 +744,12 @@ def main(argv: list[str] | None = None) -> None:
     register_resolvers()
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "dpddp"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    work = Path(tempfile.mkdtemp(prefix="dpddp-check-"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="dpddp-check-", ignore_cleanup_errors=True) as tmp:
         with shell(crash="a check training failed"):  # a failed training: one line, the cause
             if args.network:
-                check_network(overrides, args.config_dir, work, args.processes)
+                check_network(overrides, args.config_dir, Path(tmp), args.processes)
             else:
-                (check_stops if args.stops else check)(overrides, args.config_dir, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+                (check_stops if args.stops else check)(overrides, args.config_dir, Path(tmp))
 
 
 if __name__ == "__main__":
