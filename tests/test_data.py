@@ -118,7 +118,8 @@ def test_streaming_samples_depend_only_on_seed_and_id():
     ids = torch.tensor([3 * BLOCK - 1, 7, BLOCK + 2, 7])
     x, y = ds[ids]
     assert x.shape == (4, 6) and y.shape == (4,) and torch.equal(x[1], x[3])
-    fresh = StreamingTensors(5, 6, 3, 0.0, offset=BLOCK, length=2 * BLOCK, cache_blocks=1)
+    fresh = StreamingTensors(5, 6, 3, 0.0, offset=BLOCK, length=2 * BLOCK)
+    fresh.cache_blocks = 1
     x2, y2 = fresh[torch.tensor([2, 2 * BLOCK - 1])]  # global ids BLOCK + 2 and 3 * BLOCK - 1
     assert torch.equal(x2, x[[2, 0]]) and torch.equal(y2, y[[2, 0]])
     assert not torch.equal(StreamingTensors(6, 6, 3, 0.0, 0, BLOCK)[ids[:1]][0], x[:1])
@@ -151,9 +152,9 @@ def test_streaming_evaluation_is_the_split_in_order():
 
 def test_streaming_empty_chunk_of_a_short_last_batch():
     """Under ddp a rank's chunk of a last evaluation batch of 1 sample is empty (in-memory mode handles it too)."""
-    ds = StreamingTensors(0, 6, 3, 0.0, offset=100, length=50, with_index=True)
-    x, y, idx = ds[torch.zeros(0, dtype=torch.long)]
-    assert x.shape == (0, 6) and y.shape == (0,) and idx.shape == (0,)
+    ds = StreamingTensors(0, 6, 3, 0.0, offset=100, length=50)
+    x, y = ds[torch.zeros(0, dtype=torch.long)]
+    assert x.shape == (0, 6) and y.shape == (0,)
     dm = RandomTensorDataModule(num_samples=650, num_features=6, num_classes=3, batch_size=64, streaming=True)
     dm.setup("fit")
     ranks = [list(GlobalBatchSampler(dm.num_val, 64, r, 2)) for r in range(2)]

@@ -17,7 +17,7 @@ from test_any_data import PerSample
 from test_bring_your_own import USER_ARGS, _project
 from torch.utils.data import Subset, TensorDataset
 
-from dpddp.data.batches import Batches, TensorBatches, batch_inputs, dataset_rows
+from dpddp.data.batches import Batches, batch_inputs, dataset_rows
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.data.sharded import ShardedDataModule
 from dpddp.errors import ConfigError
@@ -33,7 +33,8 @@ def _rows(path: Path) -> list[dict[str, str]]:
 def test_a_split_knows_the_rows_of_the_whole_data_set_it_holds():
     ids = torch.tensor([7, 3, 9, 0])
     assert Batches(PerSample(10), ids).rows(torch.tensor([2, 0])).tolist() == [9, 7]
-    assert TensorBatches(torch.zeros(5, 1), torch.zeros(5), first_row=100).rows(torch.tensor([4])).tolist() == [104]
+    split = Batches(TensorDataset(torch.zeros(105, 1), torch.zeros(105)), torch.arange(100, 105))  # a contiguous cut
+    assert split.rows(torch.tensor([4])).tolist() == [104]
     inner = Subset(PerSample(20), [19, 5, 11])  # a split of a Subset: through its indices
     assert Batches(inner, torch.tensor([2, 1])).rows(torch.tensor([0, 1])).tolist() == [11, 5]
     assert dataset_rows(PerSample(4), torch.tensor([3])).tolist() == [3]

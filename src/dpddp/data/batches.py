@@ -12,22 +12,19 @@ from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 from dpddp.data.draws import fetch_keyed, sample_seeds
 
-DEFER_BYTES = 2**20
-"""An execution's rows of one tensor above this many bytes are gathered step by step (about a core's L2 cache)."""
+DEFER_BYTES = 2**20  # an execution's rows of one tensor above this are gathered step by step (a core's L2 cache)
 
 
 @dataclass(init=False)
 class DeferredRows:
-    """Rows ``ids`` (int64 ``[k, b]``) of ``source`` not gathered yet: ``rows[i]`` gathers step ``i``'s rows (on
-    ``device``) as the step runs. Lightning's batch transfer calls ``to``; its batch-size inference reads ``ids``."""
+    """Rows ``ids`` (int64 ``[k, b]``) of ``source``: ``rows[i]`` gathers step ``i``'s rows (on ``device``)."""
 
     ids: torch.Tensor
 
     def __init__(self, ids: torch.Tensor, source: torch.Tensor, device: torch.device | None = None) -> None:
         self.ids, self.source, self.device = ids, source, device
 
-    def to(self, device: Any, *args: Any, **kwargs: Any) -> DeferredRows:
-        """The same rows, to be gathered onto ``device``."""
+    def to(self, device: Any, *args: Any, **kwargs: Any) -> DeferredRows:  # Lightning's batch transfer
         return DeferredRows(self.ids, self.source, torch.device(device))
 
     def __getitem__(self, i: int) -> torch.Tensor:
@@ -36,8 +33,8 @@ class DeferredRows:
 
 
 def rows_of(tensor: torch.Tensor, idx: torch.Tensor, defer: bool) -> torch.Tensor | DeferredRows:
-    """``tensor[idx]`` (``idx`` int64 ``[b]`` or ``[k, b]``), contiguous; with ``defer``, ``[k, b]`` rows over
-    ``DEFER_BYTES`` as ``DeferredRows``."""
+    """``tensor[idx]`` (``idx`` int64 ``[b]`` or ``[k, b]``); with ``defer``, ``[k, b]`` rows over ``DEFER_BYTES``
+    as ``DeferredRows``."""
     if idx.dim() == 1:
         return tensor.index_select(0, idx)
     if defer and idx.numel() * math.prod(tensor.shape[1:]) * tensor.element_size() > DEFER_BYTES:
@@ -46,16 +43,12 @@ def rows_of(tensor: torch.Tensor, idx: torch.Tensor, defer: bool) -> torch.Tenso
 
 
 def defer_rows(dataset: Any) -> bool:
-    """Let ``dataset`` (``TensorBatches``, ``Batches``) give ``DeferredRows`` for ``[k, b]`` ids; returns whether
-    it can."""
-    if isinstance(dataset, Batches):
-        dataset.defer = True
-        inner = dataset.dataset
-        return isinstance(inner, TensorDataset) or (batch_indexable(inner) and defer_rows(inner))
-    if isinstance(dataset, TensorBatches):
-        dataset.defer = True
-        return True
-    return False
+    """Let ``dataset`` (a ``Batches``) give ``DeferredRows`` for ``[k, b]`` ids; returns whether it can."""
+    if not isinstance(dataset, Batches):
+        return False
+    dataset.defer = True
+    inner = dataset.dataset
+    return isinstance(inner, TensorDataset) or (batch_indexable(inner) and defer_rows(inner))
 
 
 def batch_indexable(dataset: Any) -> bool:
@@ -65,7 +58,7 @@ def batch_indexable(dataset: Any) -> bool:
 
 def dataset_rows(dataset: Any, positions: torch.Tensor) -> torch.Tensor:
     """The whole data set's rows at ``positions`` (int64 ``[b]``) of ``dataset``: its ``rows``, through a
-    ``Subset``'s ``indices``, else ``positions``."""
+    ``Subset``, else ``positions``."""
     rows = getattr(dataset, "rows", None)
     if callable(rows):
         return rows(positions)
@@ -95,32 +88,10 @@ def empty_batch(batch: Any) -> Any:
     return apply_to_collection(batch, torch.Tensor, lambda t: t[:0])
 
 
-class TensorBatches(Dataset):
-    """``ds[idx]`` is ``(x[idx], y[idx])`` (``rows_of``). ``first_row``: the whole data set's row at position 0
-    (a contiguous split)."""
-
-    batch_indexable = True
-    defer = False
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, first_row: int = 0) -> None:
-        self.x, self.y, self.first_row = x, y, first_row
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def rows(self, positions: torch.Tensor) -> torch.Tensor:
-        """The whole data set's rows at ``positions`` of this split."""
-        return positions + self.first_row
-
-    def __getitem__(self, idx: torch.Tensor) -> tuple[torch.Tensor | DeferredRows, ...]:
-        return rows_of(self.x, idx, self.defer), rows_of(self.y, idx, self.defer)
-
-
 class Batches(Dataset):
     """Any map-style ``dataset`` by whole batches: ``view[idx]`` is the collated batch of samples ``ids[idx]``
-    (all of ``dataset`` for ``ids=None``); ``[k, b]`` gives a leading ``[k, b]``. ``with_index``: the whole data
-    set's rows appended (a dict's ``"index"``). Each fetch's draws are keyed by ``(seed, epoch, first id)``
-    (``dpddp.data.draws``)."""
+    (all of ``dataset`` for ``ids=None``), ``[k, b]`` ids giving a leading ``[k, b]``; ``with_index``: the whole
+    data set's rows appended (``with_rows``). Draws are keyed by the sample (``dpddp.data.draws``)."""
 
     batch_indexable = True
     defer = False
@@ -135,7 +106,6 @@ class Batches(Dataset):
         return len(self.ids) if self.ids is not None else len(self.dataset)
 
     def rows(self, positions: torch.Tensor) -> torch.Tensor:
-        """The whole data set's rows at ``positions`` of this view."""
         return dataset_rows(self.dataset, positions if self.ids is None else self.ids[positions])
 
     def set_epoch(self, epoch: int) -> None:
@@ -147,7 +117,7 @@ class Batches(Dataset):
     def _fetch(self, ids: torch.Tensor) -> Any:
         if isinstance(self.dataset, TensorDataset):
             return tuple(rows_of(t, ids, self.defer) for t in self.dataset.tensors)
-        if isinstance(self.dataset, (Batches, TensorBatches)):
+        if isinstance(self.dataset, Batches):
             return self.dataset[ids]
         if ids.dim() > 1 and (batch_indexable(self.dataset) or hasattr(self.dataset, "__getitems__")):
             return default_collate([self._fetch(row) for row in ids])  # each global batch keyed as with K=1

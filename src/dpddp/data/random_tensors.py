@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 
-from torch.utils.data import Dataset
+import torch
+from torch.utils.data import Dataset, TensorDataset
 from typing_extensions import override
 
-from dpddp.data.batches import TensorBatches
+from dpddp.data.batches import Batches
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.data.rules import split_sizes
 from dpddp.data.synthetic import BLOCK, StreamingTensors, checksum, make_tensors
@@ -16,9 +17,8 @@ log = logging.getLogger(__name__)
 
 
 class RandomTensorDataModule(GlobalBatchDataModule):
-    """A learnable task of ``num_samples`` random samples (``make_tensors``), split into contiguous ``[train | val
-    | test]``. ``label_noise``: the fraction of random labels; ``streaming``: samples generated as batches need
-    them (``StreamingTensors``)."""
+    """``make_tensors``' task cut into contiguous ``[train | val | test]``; ``streaming``: samples generated as
+    batches need them (``StreamingTensors``)."""
 
     def __init__(
         self,
@@ -33,13 +33,7 @@ class RandomTensorDataModule(GlobalBatchDataModule):
         streaming: bool = False,
         micro_batch_size: int | str | None = None,
     ) -> None:
-        super().__init__(
-            batch_size=batch_size,
-            val_fraction=val_fraction,
-            test_fraction=test_fraction,
-            seed=seed,
-            micro_batch_size=micro_batch_size,
-        )
+        super().__init__(None, batch_size, val_fraction, test_fraction, seed, 0, micro_batch_size)
         self.save_hyperparameters()
         self.num_samples, self.num_features, self.num_classes = num_samples, num_features, num_classes
         self.label_noise, self.streaming = label_noise, streaming
@@ -48,7 +42,6 @@ class RandomTensorDataModule(GlobalBatchDataModule):
 
     @override
     def make_splits(self) -> dict[str, Dataset]:
-        """Contiguous slices of the generated samples (in memory, or streamed block by block)."""
         bounds = {"train": (0, self.num_train), "val": (self.num_train, self.num_train + self.num_val)}
         bounds["test"] = (self.num_train + self.num_val, self.num_samples)
         sizes = f"{self.num_samples} samples x {self.num_features} features"
@@ -60,4 +53,4 @@ class RandomTensorDataModule(GlobalBatchDataModule):
             return dict(streams)
         x, y = make_tensors(self.seed, self.num_samples, self.num_features, self.num_classes, self.label_noise)
         log.info(f"data checksum {checksum(x, y)} ({sizes})")
-        return {name: TensorBatches(x[a:b], y[a:b], first_row=a) for name, (a, b) in bounds.items()}
+        return {name: Batches(TensorDataset(x, y), torch.arange(a, b)) for name, (a, b) in bounds.items()}

@@ -12,13 +12,9 @@ from torch.utils.data import Dataset
 BLOCK = 4096  # samples a streamed block (a power of two: the in-block order is affine mod BLOCK)
 
 
-def _draw_teacher(gen: torch.Generator, num_features: int, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher(gen: torch.Generator, num_features: int, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher ``W: [num_features, num_classes]`` and bias, the first draws of ``gen``."""
     return torch.randn(num_features, num_classes, generator=gen), 0.1 * torch.randn(num_classes, generator=gen)
-
-
-def teacher(seed: int, num_features: int, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The teacher ``W: [num_features, num_classes]`` and bias of ``seed``, as ``make_tensors`` draws them."""
-    return _draw_teacher(torch.Generator().manual_seed(seed), num_features, num_classes)
 
 
 def label(
@@ -37,7 +33,7 @@ def make_tensors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` float32 ``[num_samples, num_features]`` and ``y`` int64 ``[num_samples]``, drawn from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
-    w, b = _draw_teacher(gen, num_features, num_classes)
+    w, b = teacher(gen, num_features, num_classes)
     x = torch.randn(num_samples, num_features, generator=gen)
     return x, label(x, w, b, label_noise, num_classes, gen)
 
@@ -58,31 +54,23 @@ def checksum(*tensors: torch.Tensor) -> str:
 
 class StreamingTensors(Dataset):
     """Samples ``[offset, offset + length)`` of an unbounded stream, each a function of ``(seed, id)``: ``ds[ids]``
-    is ``(x [b, num_features], y [b])`` (and ``ids`` with ``with_index``); the last ``cache_blocks`` blocks kept."""
+    is ``(x [b, num_features], y [b])``; the last ``cache_blocks`` blocks kept."""
 
     batch_indexable = True
+    cache_blocks = 4
 
     def __init__(
-        self,
-        seed: int,
-        num_features: int,
-        num_classes: int,
-        label_noise: float,
-        offset: int,
-        length: int,
-        with_index: bool = False,
-        cache_blocks: int = 4,
+        self, seed: int, num_features: int, num_classes: int, label_noise: float, offset: int, length: int
     ) -> None:
         self.seed, self.num_features, self.num_classes, self.label_noise = seed, num_features, num_classes, label_noise
-        self.offset, self.length, self.with_index, self.cache_blocks = offset, length, with_index, cache_blocks
-        self.teacher, self.bias = teacher(seed, num_features, num_classes)
+        self.offset, self.length = offset, length
+        self.teacher, self.bias = teacher(torch.Generator().manual_seed(seed), num_features, num_classes)
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __len__(self) -> int:
         return self.length
 
     def rows(self, positions: torch.Tensor) -> torch.Tensor:
-        """The stream's rows at ``positions`` of this split."""
         return positions + self.offset
 
     def block(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,8 +88,7 @@ class StreamingTensors(Dataset):
     def __getitem__(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ids = idx + self.offset
         if not len(ids):  # a rank's empty chunk of a short last evaluation batch
-            x, y = torch.empty(0, self.num_features), torch.empty(0, dtype=torch.long)
-            return (x, y, idx) if self.with_index else (x, y)
+            return torch.empty(0, self.num_features), torch.empty(0, dtype=torch.long)
         first, last = int(ids.min()) // BLOCK, int(ids.max()) // BLOCK
         if first == last:  # the usual case: one block, one gather
             x, y = self.block(first)
@@ -113,4 +100,4 @@ class StreamingTensors(Dataset):
             parts = [self.block(k) for k in uniq]
             rows = torch.searchsorted(torch.tensor(uniq), blocks) * BLOCK + ids % BLOCK
             x, y = torch.cat([p[0] for p in parts])[rows], torch.cat([p[1] for p in parts])[rows]
-        return (x, y, idx) if self.with_index else (x, y)
+        return x, y

@@ -14,8 +14,8 @@ PAD = 0  # the padding token; real tokens are 1 .. vocab_size - 1
 
 
 class RandomTokens(Dataset):
-    """``num_samples`` sequences (int64 ``[min_len .. max_len]``) and labels, a pure function of ``seed``: a token
-    comes from its class's band of the vocabulary with probability ``signal``, else from all of it."""
+    """``num_samples`` sequences (int64, ``min_len`` to ``max_len`` tokens) and labels from ``seed``: a token comes
+    from its class's band of the vocabulary with probability ``signal``, else from all of it."""
 
     def __init__(
         self,
@@ -67,18 +67,10 @@ class TokenDataModule(GlobalBatchDataModule):
         micro_batch_size: int | str | None = None,
         collate_fn: Any = "dpddp.data.tokens.pad_tokens",  # Any: the Lightning CLI keeps a path as given
     ) -> None:
-        super().__init__(
-            batch_size=batch_size,
-            val_fraction=val_fraction,
-            test_fraction=test_fraction,
-            seed=seed,
-            micro_batch_size=micro_batch_size,
-            collate_fn=collate_fn,
-        )
+        super().__init__(None, batch_size, val_fraction, test_fraction, seed, 0, micro_batch_size, collate_fn)
         self.save_hyperparameters()
-        self.sizes = dict(num_samples=num_samples, vocab_size=vocab_size, num_classes=num_classes)
-        self.sizes.update(min_len=min_len, max_len=max_len)
+        self.sizes = (num_samples, vocab_size, num_classes, min_len, max_len)
 
     @override
     def make_dataset(self) -> Dataset:
-        return RandomTokens(**self.sizes, seed=self.seed)
+        return RandomTokens(*self.sizes, seed=self.seed)
