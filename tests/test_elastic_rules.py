@@ -6,7 +6,6 @@ from conftest import compose_cfg
 
 from dpddp.cluster import launch_id, run_name
 from dpddp.errors import ConfigError
-from dpddp.parallel.rules import nodes, world_size, world_size_source
 from dpddp.run.config import check_config
 from dpddp.run.training import _log_world
 
@@ -22,24 +21,24 @@ def _env(monkeypatch, **env: str) -> None:
 def test_auto_takes_the_torchrun_world_size(monkeypatch, world, devices, expected):
     _env(monkeypatch, **TORCHRUN, WORLD_SIZE=world, LOCAL_WORLD_SIZE=str(devices), MASTER_PORT="29500")
     cfg = compose_cfg("strategy=ddp", f"devices={devices}", "num_nodes=auto", "accelerator=cpu", "data.batch_size=48")
-    check_config(cfg)
-    assert (nodes(cfg), world_size(cfg)) == (expected, int(world))
-    assert world_size_source(cfg) == f"torchrun WORLD_SIZE={world}"
+    got = check_config(cfg).world
+    assert (got.nodes, got.world_size) == (expected, int(world))
+    assert got.world_size_source == f"torchrun WORLD_SIZE={world}"
 
 
 def test_auto_takes_the_slurm_task_count(monkeypatch):
     env = dict(SLURM_NTASKS="4", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="2", SLURM_JOB_NAME="train")
     _env(monkeypatch, **env, SLURM_JOB_ID="55", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
     cfg = compose_cfg("strategy=ddp", "devices=2", "num_nodes=auto", "accelerator=cpu")
-    check_config(cfg)
-    assert (nodes(cfg), world_size(cfg), world_size_source(cfg)) == (2, 4, "SLURM_NTASKS=4")
+    world = check_config(cfg).world
+    assert (world.nodes, world.world_size, world.world_size_source) == (2, 4, "SLURM_NTASKS=4")
     assert launch_id() == "slurm:55"  # a requeue keeps the job id, and so the run
 
 
 def test_auto_outside_a_launcher_is_one_node():
     cfg = compose_cfg("strategy=ddp", "devices=2", "num_nodes=auto", "accelerator=cpu")
-    check_config(cfg)
-    assert (nodes(cfg), world_size(cfg), world_size_source(cfg)) == (1, 2, "devices x num_nodes")
+    world = check_config(cfg).world
+    assert (world.nodes, world.world_size, world.world_size_source) == (1, 2, "devices x num_nodes")
     assert launch_id() is None
 
 

@@ -1,5 +1,5 @@
 """The device and strategy settings a run may have (each bad one a ``ConfigError`` line before any process starts),
-and the ``World`` they give: the one resolver of the world."""
+and ``resolve_world``, the one resolver of the ``World`` they give."""
 
 from __future__ import annotations
 
@@ -27,28 +27,10 @@ from dpddp.cluster import (
 )
 from dpddp.diagnostics.allreduce import COMM_HOOKS
 from dpddp.errors import ConfigError, checked_float, checked_int, local_rank
-from dpddp.parallel.settings import ACCELERATORS, CLUSTERS, STRATEGIES, check_device_values
+from dpddp.parallel.settings import CLUSTERS, STRATEGIES, check_device_values
 
-__all__ = [
-    "ACCELERATORS",
-    "CLUSTERS",
-    "DDP_FAMILY",
-    "DDP_OPTIONS",
-    "STRATEGIES",
-    "World",
-    "check_devices",
-    "check_strategy_options",
-    "is_ddp_family",
-    "lightning_equivalent",
-    "lightning_name_line",
-    "nodes",
-    "processes_per_node",
-    "resolve_accelerator",
-    "resolve_world",
-    "world_of",
-    "world_size",
-    "world_size_source",
-]
+__all__ = ["DDP_FAMILY", "DDP_OPTIONS", "STRATEGIES", "World", "check_strategy_options", "is_ddp_family"]
+__all__ += ["lightning_equivalent", "lightning_name_line", "resolve_accelerator", "resolve_world", "world_of"]
 
 DDP_FAMILY = ("ddp", "ddp_spawn")
 """The strategies that run one process per device (dpddp's launcher, or a cluster's); the others run one."""
@@ -61,8 +43,7 @@ def is_ddp_family(strategy: str) -> bool:
 
 DDP_OPTIONS: tuple[str, ...] = ("process_group_backend", "timeout_s", "launch", "start_method", "ddp_comm_hook")
 DDP_OPTIONS += ("powersgd_rank", "powersgd_start_iter")
-"""dpddp's own ``strategy.*`` keys (``ddp_comm_hook``: a name of ``COMM_HOOKS``; ``powersgd_*``: its PowerSGD
-state's rank and first compressed backward); the others are ``DistributedDataParallel``'s arguments."""
+"""dpddp's own ``strategy.*`` keys; the others are ``DistributedDataParallel``'s arguments."""
 
 
 def resolve_accelerator(accelerator: str) -> str:
@@ -72,49 +53,10 @@ def resolve_accelerator(accelerator: str) -> str:
     return "gpu" if accelerator == "cuda" else accelerator
 
 
-def processes_per_node(cfg: Mapping) -> int:
-    """DDP processes on each node: ``devices``, or the visible GPUs for ``devices=-1``."""
-    return cfg["devices"] if cfg["devices"] != -1 else torch.cuda.device_count()
-
-
-def nodes(cfg: Mapping) -> int:
-    """The node count: ``num_nodes``, or for ``num_nodes=auto`` the launcher's world size over ``devices``; 1 outside
-    a launcher or for one-process strategies."""
-    if cfg["num_nodes"] != "auto":
-        return cfg["num_nodes"]
-    cluster = cluster_world_size(cfg["cluster"])
-    if cluster is None or not is_ddp_family(cfg["strategy"]["name"]):
-        return 1
-    return max(cluster[0] // max(processes_per_node(cfg), 1), 1)
-
-
-def world_size(cfg: Mapping) -> int:
-    """Processes the run will have: ``devices * nodes`` under DDP (``devices=-1``: the visible GPUs), else 1. The
-    one place dpddp works it out."""
-    if not is_ddp_family(cfg["strategy"]["name"]):
-        return 1
-    return processes_per_node(cfg) * nodes(cfg)
-
-
-def world_size_source(cfg: Mapping) -> str:
-    """Where the world size comes from, for a message (``"torchrun WORLD_SIZE=3"``, ``"devices x num_nodes"``)."""
-    cluster = cluster_world_size(cfg["cluster"])
-    if cfg["num_nodes"] == "auto" and cluster is not None and is_ddp_family(cfg["strategy"]["name"]):
-        return f"{cluster[1]}={cluster[0]}"
-    return "devices x num_nodes"
-
-
-def replicas(cfg: Mapping) -> int:
-    """Model replicas that share a global batch: the processes under DDP, the GPUs under ``dp``, else 1."""
-    if cfg["strategy"]["name"] == "dp":
-        return torch.cuda.device_count() if cfg["devices"] == -1 else cfg["devices"]
-    return world_size(cfg)
-
-
 @dataclass(frozen=True)
 class World:
-    """The processes a run has and this process's place among them (``resolve_world``). ``family``: ``"ddp"``,
-    ``"dp"`` or ``"one"``; ``writes_outputs``: global rank 0, not a rank dpddp's launcher started."""
+    """The processes a run has and this process's place among them. ``family``: ``"ddp"``, ``"dp"`` or ``"one"``;
+    ``devices``: per node (``devices=-1``: the visible GPUs); ``writes_outputs``: global rank 0, not a launched rank."""
 
     strategy: str
     family: str
@@ -132,22 +74,29 @@ class World:
 
 
 def world_of(cfg: Mapping) -> World:
-    """The ``World`` of ``cfg``'s device settings, read as they are (``resolve_world`` checks them first)."""
+    """The ``World`` of ``cfg``'s device settings, read as they are (``resolve_world`` checks them first): under DDP
+    ``devices x nodes`` processes (``num_nodes=auto``: a launcher's world size over ``devices``, else 1 node); under
+    ``dp`` one process with a replica per GPU; else one of each."""
     strategy = cfg["strategy"]["name"]
     family = "ddp" if is_ddp_family(strategy) else "dp" if strategy == "dp" else "one"
-    per_node = processes_per_node(cfg)
-    rank = node_rank() * per_node + local_rank() if launched_by_dpddp() else env_rank()
+    devices = cfg["devices"] if cfg["devices"] != -1 else torch.cuda.device_count()
+    elastic = cluster_world_size(cfg["cluster"]) if family == "ddp" and cfg["num_nodes"] == "auto" else None
+    if elastic is not None:
+        nodes = max(elastic[0] // max(devices, 1), 1)
+    else:
+        nodes = 1 if cfg["num_nodes"] == "auto" else cfg["num_nodes"]
+    size = devices * nodes if family == "ddp" else 1
     return World(
         strategy=strategy,
         family=family,
         accelerator=resolve_accelerator(cfg["accelerator"]),
-        devices=per_node,
-        nodes=nodes(cfg),
-        processes_per_node=per_node if family == "ddp" else 1,
-        world_size=world_size(cfg),
-        world_size_source=world_size_source(cfg),
-        replicas=replicas(cfg),
-        global_rank=rank,
+        devices=devices,
+        nodes=nodes,
+        processes_per_node=devices if family == "ddp" else 1,
+        world_size=size,
+        world_size_source=f"{elastic[1]}={elastic[0]}" if elastic else "devices x num_nodes",
+        replicas=devices if family == "dp" else size,
+        global_rank=node_rank() * devices + local_rank() if launched_by_dpddp() else env_rank(),
         local_rank=local_rank(),
         writes_outputs=writes_outputs(),
         launch_id=launch_id(),
@@ -155,14 +104,8 @@ def world_of(cfg: Mapping) -> World:
 
 
 def resolve_world(cfg: Mapping) -> World:
-    """The run's ``World``, after ``check_devices``. Raises its ``ConfigError`` line."""
-    check_devices(cfg)
-    return world_of(cfg)
-
-
-def check_devices(cfg: Mapping) -> None:
-    """The device settings, the ``strategy.*`` options and the launcher's world (it must be the run's); else
-    ``ConfigError`` naming the first setting this machine or cluster cannot run."""
+    """The run's ``World``, once its device settings, ``strategy.*`` options and launcher's world (it must be the
+    run's) are checked. Raises ``ConfigError`` naming the first setting this machine or cluster cannot run."""
     strategy, devices, num_nodes = cfg["strategy"]["name"], cfg["devices"], cfg["num_nodes"]
     ddp = is_ddp_family(strategy)
     if strategy not in STRATEGIES and (line := lightning_name_line(strategy)):  # dpddp's settings for Lightning's name
@@ -193,24 +136,26 @@ def check_devices(cfg: Mapping) -> None:
     if cfg["cluster"] not in CLUSTERS:
         raise ConfigError(f"cluster={cfg['cluster']!r} is unknown: choose one of {', '.join(CLUSTERS)}")
     check_strategy_options(cfg["strategy"])
-    if problem := stray_rank_variables(cfg["cluster"], nodes(cfg)):
+    world = world_of(cfg)
+    if problem := stray_rank_variables(cfg["cluster"], world.nodes):
         raise ConfigError(problem)
-    if ddp and (problem := stray_address_variables(cfg["cluster"], nodes(cfg))):
+    if ddp and (problem := stray_address_variables(cfg["cluster"], world.nodes)):
         raise ConfigError(problem)
     cluster = cluster_world_size(cfg["cluster"])
     if cluster and num_nodes == "auto" and ddp:
-        _check_elastic(cluster, processes_per_node(cfg))
+        _check_elastic(cluster, world.devices)
     if cluster and not ddp and cluster[0] > 1:  # each process would train alone
         raise ConfigError(
             f"the cluster started {cluster[0]} processes ({cluster[1]}={cluster[0]}) but strategy={strategy} runs "
             f"one, so each would train alone into the same directory: use strategy=ddp with devices x num_nodes = "
             f"{cluster[0]}"
         )
-    if cluster and ddp and cluster[0] != world_size(cfg):
+    if cluster and ddp and cluster[0] != world.world_size:
         raise ConfigError(
-            f"devices={devices} x num_nodes={num_nodes} = {world_size(cfg)} processes, but the cluster started "
+            f"devices={devices} x num_nodes={num_nodes} = {world.world_size} processes, but the cluster started "
             f"{cluster[0]} ({cluster[1]}={cluster[0]}): make devices x num_nodes match the cluster's tasks"
         )
+    return world
 
 
 def _check_elastic(cluster: tuple[int, str], devices: int) -> None:
@@ -281,21 +226,17 @@ def check_strategy_options(options: Mapping) -> None:
 def lightning_equivalent(name: str) -> tuple[str, ...] | None:
     """dpddp's settings for a Lightning strategy name it can run (``ddp_fork``: ``strategy=ddp
     strategy.launch=fork``), or ``None``."""
-    found = registered_strategies().get(name)
-    if name in STRATEGIES or found is None:
-        return None
-    cls, params = found
+    cls, params = registered_strategies().get(name, (None, {}))
     if cls is SingleDeviceStrategy:
         return ("strategy=auto",)
-    if cls is not DDPStrategy or set(params) - {"start_method", "find_unused_parameters"}:
+    if name in STRATEGIES or cls is not DDPStrategy or set(params) - {"start_method", "find_unused_parameters"}:
         return None
-    launches: dict[str, tuple[str, ...]] = {
+    launches = {
         "popen": ("strategy=ddp",),
         "spawn": ("strategy=ddp_spawn",),  # dpddp's: every rank in a fresh interpreter
         "fork": ("strategy=ddp", "strategy.launch=fork"),
     }
-    settings = launches.get(params.get("start_method", "popen"))
-    if settings is None:
+    if (settings := launches.get(params.get("start_method", "popen"))) is None:
         return None
     return settings + (("strategy.find_unused_parameters=true",) if params.get("find_unused_parameters") else ())
 
