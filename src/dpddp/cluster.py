@@ -10,12 +10,7 @@ import time
 from omegaconf import OmegaConf
 
 from dpddp.diagnostics.network import is_local_address
-from dpddp.errors import local_rank
-
-__all__ = ["LAUNCHED_ENV", "cluster_world_size", "env_rank", "in_cluster_job", "launch_id", "launched"]
-__all__ += ["launched_by_dpddp", "launch_environment", "local_rank", "master_address", "node_rank", "process_name"]
-__all__ += ["register_resolvers", "run_name", "stray_address_variables", "stray_rank_variables"]
-__all__ += ["torchrun_local_world_size", "torchrun_restart_count", "torchrun_run_id", "writes_outputs"]
+from dpddp.errors import local_rank as local_rank
 
 
 def env_rank() -> int:
@@ -32,17 +27,14 @@ def writes_outputs() -> bool:
 
 
 def launched_by_dpddp() -> bool:
-    """Whether dpddp's own launcher started this process (``LAUNCHED_ENV``)."""
     return bool(os.environ.get(LAUNCHED_ENV))
 
 
 def node_rank() -> int:
-    """``NODE_RANK``, else 0."""
     return int(os.environ.get("NODE_RANK", 0))
 
 
 def master_address() -> tuple[str | None, str | None]:
-    """``MASTER_ADDR`` and ``MASTER_PORT`` (``None`` where unset)."""
     return os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
 
 
@@ -57,18 +49,18 @@ def torchrun_local_world_size() -> str | None:
 
 
 def torchrun_restart_count() -> int:
-    """``TORCHELASTIC_RESTART_COUNT``, 0 outside torchrun."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def in_cluster_job() -> bool:
-    """Whether ``RANK`` (torchrun, a PyTorchJob) or ``SLURM_JOB_ID`` is set."""
     return "RANK" in os.environ or "SLURM_JOB_ID" in os.environ
 
 
 def launch_environment() -> dict[str, str]:
     """The environment's variables that say how this process was launched, sorted by name."""
-    names, prefixes = LAUNCHER_NAMES, LAUNCHER_PREFIXES
+    names = {*RANK_VARIABLES, "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"}
+    names |= {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}
+    prefixes = ("SLURM_", "TORCHELASTIC_", "PET_", "OMPI_", "PMI_", "KUBERNETES_SERVICE_HOST")
     return {k: os.environ[k] for k in sorted(os.environ) if k in names or k.startswith(prefixes)}
 
 
@@ -76,14 +68,17 @@ def process_name() -> str:
     """``""`` on global rank 0; else ``rank<N>``, or ``node<N>`` for node N's first process started by hand."""
     if env_rank():
         return f"rank{env_rank()}"
-    node = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
+    node = _node()
     return f"node{node}" if node not in ("", "0") else ""
 
 
+def _node() -> str:
+    return os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
+
+
 def run_name() -> str:
-    """The run directory's name, alike on every process and restart of one job: ``slurm-<SLURM_JOB_ID>``,
-    ``torchrun-<run id>`` (or ``-<date>-port<MASTER_PORT>``), ``job-<MASTER_ADDR>-port<MASTER_PORT>``, else
-    ``<YYYY-MM-DD>/<HH-MM-SS>``."""
+    """The run directory's name, alike on every process and restart of one job (``<YYYY-MM-DD>/<HH-MM-SS>`` outside
+    a launcher)."""
     if "SLURM_JOB_ID" in os.environ and "SLURM_NTASKS" in os.environ:
         return f"slurm-{os.environ['SLURM_JOB_ID']}"
     day = time.strftime("%Y-%m-%d")
@@ -133,11 +128,6 @@ def cluster_world_size(cluster: str = "auto") -> tuple[int, str] | None:
 
 LAUNCHED_ENV = "DPDDP_LAUNCHED"  # set in every rank dpddp's own launcher starts
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
-KUBEFLOW_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")  # what a PyTorchJob sets
-
-LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PET_", "OMPI_", "PMI_", "KUBERNETES_SERVICE_HOST")
-LAUNCHER_NAMES: tuple[str, ...] = (*RANK_VARIABLES, "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
-LAUNCHER_NAMES += ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def stray_rank_variables(cluster: str, num_nodes: int) -> str | None:
@@ -146,7 +136,7 @@ def stray_rank_variables(cluster: str, num_nodes: int) -> str | None:
     if launched():
         return None
     if cluster == "kubeflow":
-        missing = [k for k in KUBEFLOW_VARIABLES if k not in env]
+        missing = [k for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT") if k not in env]  # a PyTorchJob's
         if missing:
             return (
                 f"cluster=kubeflow but {', '.join(missing)} not set: run inside a PyTorchJob, or drop cluster=kubeflow"
@@ -175,18 +165,15 @@ def stray_address_variables(cluster: str, num_nodes: int) -> str | None:
     env = os.environ
     if cluster == "kubeflow" or launched():
         return None
-    if num_nodes > 1:
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
-        if missing:
-            return (
-                f"num_nodes={num_nodes} without a launcher, but {' and '.join(missing)} not set: set MASTER_ADDR (node "
-                "0's address) and MASTER_PORT alike on every node and NODE_RANK on each, or start the nodes with "
-                "torchrun"
-            )
-        if env.get("NODE_RANK", env.get("GROUP_RANK", "0")) not in ("", "0"):
-            return None  # node 0's address, reached from here
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if num_nodes > 1 and missing:
+        return (
+            f"num_nodes={num_nodes} without a launcher, but {' and '.join(missing)} not set: set MASTER_ADDR (node "
+            "0's address) and MASTER_PORT alike on every node and NODE_RANK on each, or start the nodes with "
+            "torchrun"
+        )
     address = env.get("MASTER_ADDR")
-    if address is None:
+    if address is None or (num_nodes > 1 and _node() not in ("", "0")):  # another node: node 0's address
         return None
     local = is_local_address(address)
     if local:
