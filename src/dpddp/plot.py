@@ -9,8 +9,6 @@ from pathlib import Path
 from dpddp.errors import fail, shell
 from dpddp.report.curves import PLOT_NAME, curves, drawable, write_plot
 
-__all__ = ["main"]
-
 
 def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` (default ``sys.argv[1:]``), write the PNG and print its path."""

@@ -12,9 +12,6 @@ from typing_extensions import override
 
 from dpddp.data.global_batch import GlobalBatchSampler
 
-__all__ = ["BAR_INTERVAL_S", "RichBar", "TQDMBar"]
-
-
 BAR_INTERVAL_S = 0.1
 """Seconds between two bar updates of a loop; a loop's last batch is always shown."""
 

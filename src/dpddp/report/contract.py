@@ -14,8 +14,6 @@ from dpddp._compat import float_batch_counts, logged_metric_kinds, logged_tensor
 from dpddp.errors import ConfigError
 from dpddp.report.tally import FitTally, rows
 
-__all__ = ["REQUIRED", "LoggedTensors", "MetricContract"]
-
 log = logging.getLogger(__name__)
 
 REQUIRED = {"fit": ("train/loss", "val/loss", "val/acc"), "test": ("test/loss", "test/acc")}

@@ -7,8 +7,6 @@ import csv
 import textwrap
 from pathlib import Path
 
-__all__ = ["PLOT_NAME", "SERIES", "curves", "drawable", "job_overrides", "varying", "write_plot"]
-
 PLOT_NAME = "curves.png"
 SERIES = ("train/loss", "val/loss", "val/acc", "samples_per_sec", "peak_mem_mib")
 """The ``metrics.csv`` columns drawn, per epoch of the fit."""
@@ -30,12 +28,8 @@ def varying(overrides: list[list[str]]) -> tuple[list[list[str]], list[str]]:
 
 
 def curves(path: str | Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """``{label: {column: [(epoch, value), ...]}}`` of ``SERIES`` from the ``fit`` rows of ``metrics.csv`` in the
-    run directory ``path`` (label: its name) or in each numbered job directory of a sweep (``"<job> <overrides>"``).
-
-    Raises:
-        FileNotFoundError: no ``metrics.csv`` in ``path`` or in a job directory under it.
-    """
+    """``{label: {column: [(epoch, value), ...]}}`` of ``SERIES`` from the ``fit`` rows of the run ``path``'s
+    ``metrics.csv`` or each sweep job's (``"<job> <overrides>"``); ``FileNotFoundError`` where there is none."""
     path = Path(path)
     runs = [path] if (path / "metrics.csv").is_file() else sorted(
         (p for p in path.iterdir() if p.is_dir() and p.name.isdigit() and (p / "metrics.csv").is_file()),
@@ -70,12 +64,7 @@ def drawable(path: str | Path) -> bool:
 
 
 def write_plot(path: str | Path, out: str | Path | None = None) -> Path:
-    """Draw ``curves(path)`` into a PNG, one colour per run (a legend for several), and return its path
-    (default ``<path>/curves.png``).
-
-    Raises:
-        FileNotFoundError: see ``curves``.
-    """
+    """Draw ``curves(path)`` into a PNG (default ``<path>/curves.png``), one colour per run; return its path."""
     data = curves(path)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

@@ -17,8 +17,6 @@ from typing_extensions import override
 from dpddp.diagnostics.costs import Costs
 from dpddp.report.tally import FitTally
 
-__all__ = ["EPOCH_COLUMNS", "EpochRecord", "EpochTable", "early_stops"]
-
 log = logging.getLogger(__name__)
 
 EPOCH_COLUMNS: tuple[str, ...] = ("stage", "epoch", "step", "train/loss", "val/loss", "val/acc", "test/loss")
@@ -194,7 +192,6 @@ class EpochRecord(pl.Callback):
         return f"epoch {row['epoch']}{total}: {values} ({speed})"
 
     def _write(self, rows: list[dict[str, Any]], mode: str) -> None:
-        """Write ``rows`` (``mode="w"``: the whole table; ``"a"``: appended, with the header if the file is new)."""
         header = mode == "w" or not self.path.is_file()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, mode, newline="") as f:

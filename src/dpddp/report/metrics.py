@@ -11,8 +11,6 @@ from typing import Any
 
 from dpddp.report.curves import drawable, write_plot
 
-__all__ = ["METRIC_KEYS", "MISSING", "strict", "write_metrics"]
-
 log = logging.getLogger(__name__)
 
 METRIC_KEYS = ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc")

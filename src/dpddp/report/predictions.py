@@ -19,8 +19,6 @@ from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.diagnostics.whereabouts import entering
 from dpddp.errors import ConfigError
 
-__all__ = ["PredictFailed", "PredictionWriter", "check_predictable", "predict_forward"]
-
 log = logging.getLogger(__name__)
 
 
@@ -29,11 +27,7 @@ class PredictFailed(RuntimeError):
 
 
 def check_predictable(model: pl.LightningModule) -> bool:
-    """Whether ``model`` predicts with its ``forward`` (it has no ``predict_step`` of its own).
-
-    Raises:
-        ConfigError: it has neither a ``predict_step`` nor a ``forward``.
-    """
+    """Whether ``model`` predicts with its ``forward`` (no ``predict_step``); ``ConfigError`` if it has neither."""
     if is_overridden("predict_step", model, pl.LightningModule):
         return False
     if not is_overridden("forward", model, pl.LightningModule):
@@ -58,12 +52,6 @@ def predict_forward(model: pl.LightningModule) -> None:
         return model(inputs)
 
     model.predict_step = predict_step  # type: ignore[method-assign]
-
-
-def _target(batch: Any) -> torch.Tensor | None:
-    """``batch``'s target (``(inputs, target, ..., rows)``), if it has one."""
-    target = batch[1] if isinstance(batch, (tuple, list)) and len(batch) >= 3 else None
-    return target if isinstance(target, torch.Tensor) and target.dim() == 1 else None
 
 
 def _number(value: float) -> int | str:
@@ -103,8 +91,11 @@ class PredictionWriter(BasePredictionWriter):
         rows = batch["index"] if isinstance(batch, dict) else batch[-1]
         out = prediction.detach().to(torch.float64).cpu()
         n = len(rows)
-        target = _target(batch)
-        target = torch.full((n, 1), math.nan) if target is None else target.to(torch.float64).reshape(n, 1).cpu()
+        target = batch[1] if isinstance(batch, (tuple, list)) and len(batch) >= 3 else None  # (x, y, ..., rows)
+        if isinstance(target, torch.Tensor) and target.dim() == 1:
+            target = target.to(torch.float64).reshape(n, 1).cpu()
+        else:
+            target = torch.full((n, 1), math.nan)
         scores = out if out.dim() == 2 and out.shape[1] > 1 else out.reshape(n, -1)[:, :0]
         pred = out.argmax(dim=1, keepdim=True).to(out.dtype) if scores.shape[1] else out.reshape(n, 1)
         self.rows.append(torch.cat([rows.reshape(n, 1).to(torch.float64).cpu(), target, pred, scores], 1))

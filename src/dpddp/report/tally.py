@@ -9,8 +9,6 @@ import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
-__all__ = ["FitTally", "rows"]
-
 
 def rows(batch: Any) -> int | None:
     """The samples in ``batch``: its first tensor's first dimension (Lightning's ``extract_batch_size``), or

@@ -12,8 +12,6 @@ from typing_extensions import override
 
 from dpddp.report.tally import FitTally
 
-__all__ = ["Throughput", "ThroughputCounts"]
-
 
 @dataclass
 class ThroughputCounts:

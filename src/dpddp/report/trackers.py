@@ -1,6 +1,5 @@
-"""Experiment trackers (Lightning's ``MLFlowLogger`` and ``WandbLogger``): one tracker run per dpddp run, opened
-by global rank 0, its id kept in ``<run dir>/trackers.json`` so that a continued run continues it. See
-docs/trackers.md."""
+"""Experiment trackers (Lightning's ``MLFlowLogger``, ``WandbLogger``): one tracker run per dpddp run, its id kept
+in ``<run dir>/trackers.json`` so that a continued run continues it (docs/trackers.md)."""
 
 from __future__ import annotations
 
@@ -21,9 +20,6 @@ from typing_extensions import override
 
 from dpddp.errors import ConfigError, first_line
 from dpddp.messages import mlflow_opt_out
-
-__all__ = ["IDS_FILE", "TrackerRuns", "check_file_stores", "close_trackers", "is_tracker", "logger_specs"]
-__all__ += ["open_store", "open_stores", "tracker_options"]
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +92,7 @@ def _opened(key: str, uri: str, experiment: str, artifact_location: str | None) 
 
 
 def check_file_stores(configs: list[DictConfig]) -> None:
-    """Check that each MLflow file store of ``configs`` opens (MLflow 3 refuses one without an opt-out).
-
-    Raises:
-        ConfigError: one does not open, with MLflow's way out where it names one.
-    """
+    """Raises ``ConfigError`` for an MLflow file store of ``configs`` that does not open (MLflow 3's opt-out)."""
     for key, spec in _mlflow_specs(configs):
         uri = str(spec.get("tracking_uri") or "")
         if not uri or ("://" in uri and not uri.startswith("file:")):  # the default SQLite store, a server
@@ -119,11 +111,7 @@ def check_file_stores(configs: list[DictConfig]) -> None:
 
 
 def open_stores(configs: list[DictConfig], sweep_dir: str, cwd: Path) -> None:
-    """Make each MLflow store and experiment the sweep's jobs will share, once, before they start.
-
-    Raises:
-        ConfigError: a store cannot be opened.
-    """
+    """Make each MLflow store and experiment the sweep's jobs share, before they start; ``ConfigError`` if one fails."""
     for key, spec in _mlflow_specs(configs):
         uri = str(spec.get("tracking_uri") or _mlflow_uri(cwd / "outputs"))
         name = str(spec.get("experiment_name") or sweep_experiment(sweep_dir))
@@ -147,12 +135,8 @@ def open_store(uri: str, experiment: str, artifact_location: str | None = None) 
 
 
 def tracker_options(kind: str, spec: DictConfig, output_dir: Path, key: str = "logger") -> dict[str, Any]:
-    """Keyword arguments for the tracker logger ``spec`` (a setting of the spec wins): the id kept in
-    ``output_dir``, MLflow's store (made here), W&B offline unless ``WANDB_MODE`` is set.
-
-    Raises:
-        ConfigError: the MLflow store cannot be made.
-    """
+    """Keyword arguments for the tracker logger ``spec`` (a setting of the spec wins): the id kept in ``output_dir``,
+    MLflow's store (made here; ``ConfigError`` if it cannot be), W&B offline unless ``WANDB_MODE`` is set."""
     experiment, name, tags = _identity(output_dir)
     kept = kept_ids(output_dir).get(kind, {})
     if kind == "mlflow":
