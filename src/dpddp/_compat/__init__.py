@@ -247,14 +247,6 @@ def float_batch_counts(trainer: pl.Trainer) -> None:
             value.cumulated_batch_size = count.to(torch.float64)
 
 
-TORCHMETRICS_SOFTMAX_MODULES = (
-    "torchmetrics.functional.classification.precision_recall_curve",  # AUROC, AveragePrecision, ROC, ...
-    "torchmetrics.functional.classification.calibration_error",
-    "torchmetrics.functional.classification.hinge",
-)
-"""The torchmetrics 1.9 modules that call ``normalize_logits_if_needed(preds, "softmax")``."""
-
-
 def _softmax_per_sample(tensor: torch.Tensor, normalization: Any, original: Any) -> torch.Tensor:
     if normalization != "softmax" or tensor.dim() < 2:
         return original(tensor, normalization)
@@ -264,12 +256,13 @@ def _softmax_per_sample(tensor: torch.Tensor, normalization: Any, original: Any)
 
 
 def softmax_per_sample() -> None:
-    """Make torchmetrics 1.9's ``normalize_logits_if_needed`` decide softmax per sample; idempotent."""
+    """Make torchmetrics 1.9's ``normalize_logits_if_needed(preds, "softmax")`` decide per sample, in the modules
+    that call it (AUROC, AveragePrecision, ROC, ..., calibration error, hinge); idempotent."""
     import importlib
     from functools import partial
 
-    for name in TORCHMETRICS_SOFTMAX_MODULES:
-        module = importlib.import_module(name)
+    for name in ("precision_recall_curve", "calibration_error", "hinge"):
+        module = importlib.import_module(f"torchmetrics.functional.classification.{name}")
         current = module.normalize_logits_if_needed
         if not isinstance(current, partial):
             module.normalize_logits_if_needed = partial(_softmax_per_sample, original=current)  # type: ignore[attr-defined]
