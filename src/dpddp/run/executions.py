@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -25,8 +25,7 @@ from dpddp.errors import ConfigError
 from dpddp.models.classifier import Classifier
 from dpddp.nn import select_sample_part, select_sample_row
 
-__all__ = ["BATCH_HOOKS", "KNOWN", "SKIPPED_HOOKS", "STEP_HOOKS", "StepsPerExecution", "execution_steps", "known"]
-__all__ += ["lean_steps"]
+__all__ = ["KNOWN", "StepsPerExecution", "execution_steps", "known"]
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +70,9 @@ def _step_rows(batch: Any, i: int) -> Any:
 
 class StepsPerExecution(pl.Callback):
     """Replaces ``module``'s ``training_step`` by manual optimization: ``zero_grad``, backward, ``clip`` and
-    ``step`` for each of the ``steps`` global batches of an execution (stopping at ``max_steps``: ``cut``), so
-    the weights equal ``K=1``'s. ``micro`` (a sample count or ``"auto"``, halved on out of memory): each step's
-    share in micro-batches, the gradients averaged once. ``auto``: K was chosen by ``steps_per_execution=auto``.
-
-    Raises ``ConfigError``: manual optimization, an overridden ``SKIPPED_HOOKS``, BatchNorm with ``micro``; at
-    ``on_train_start`` several optimizers, a scheduler with K above 1, a plateau scheduler, clipping under a
-    gradient scaler; a ``training_step`` returning ``None``.
-    """
+    ``step`` for each of an execution's ``steps`` global batches (to ``max_steps``: ``cut``), so the weights equal
+    ``K=1``'s; ``micro`` (samples, or ``"auto"``: halved on out of memory) splits each step's share. ``auto``: K was
+    chosen by ``steps_per_execution=auto``. Raises ``ConfigError`` for what it cannot run (docs/design-notes.md)."""
 
     def __init__(
         self,
@@ -119,7 +113,7 @@ class StepsPerExecution(pl.Callback):
     def training_step(self, batch: Any, batch_idx: int) -> None:
         """One execution: ``k`` optimizer steps on the ``k`` global batches of ``batch`` (``[k, b, ...]``)."""
         module = self.module
-        trainer, optimizer = module.trainer, module.optimizers()
+        trainer, optimizer = module.trainer, cast(Any, module.optimizers())
         strategy = trainer.strategy
         rows = execution_steps(batch, self.steps)
         left = trainer.max_steps - trainer.global_step if trainer.max_steps >= 0 else rows
@@ -133,7 +127,7 @@ class StepsPerExecution(pl.Callback):
             if self.steps > 1:
                 select_sample_row(i)  # the sample keys of global batch i
                 one = _step_rows(batch, i)
-            optimizer.zero_grad()  # type: ignore[union-attr]
+            optimizer.zero_grad()
             lean = self.lean and self.micro is None
             if self.micro is not None:
                 self._split_step(one, batch_idx)
@@ -144,18 +138,14 @@ class StepsPerExecution(pl.Callback):
                 strategy.post_backward(loss)
             else:
                 module.manual_backward(self._loss(one, batch_idx))
-            self._clip(optimizer)
+            if self.clip[0]:
+                module.clip_gradients(optimizer, gradient_clip_val=self.clip[0], gradient_clip_algorithm=self.clip[1])
             if lean:
                 counted_step(optimizer)
             else:
-                optimizer.step()  # type: ignore[union-attr]
+                optimizer.step()
             if trainer.lr_scheduler_configs:
                 self._step_schedulers("step", batch_idx * self.steps + i + 1)
-
-    def _clip(self, optimizer: Any) -> None:
-        value, algorithm = self.clip
-        if value:
-            self.module.clip_gradients(optimizer, gradient_clip_val=value, gradient_clip_algorithm=algorithm)
 
     def _step_schedulers(self, interval: str, count: int) -> None:
         """Step each LR scheduler of ``interval`` whose ``frequency`` divides ``count``, in the loop's dtype."""

@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -44,6 +44,7 @@ from dpddp.run.executions import StepsPerExecution
 __all__ = ["METRIC_KEYS", "STAGES", "isolated_job", "objective", "train", "train_rank"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # The global-batch data resumes mid-epoch exactly (its sampler skips the batches already trained), which
 # Lightning cannot see from a plain DataLoader; its warning would say the opposite.
 warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
@@ -69,13 +70,11 @@ def _train(
     with starting_up(running):  # the check is the start-up's: a SIGTERM in it is held to its end
         plan = plan or check_config(cfg, stage)
         stage, world = plan.stage, plan.world
-        elastic = cfg.num_nodes == "auto"
+        _log_world(world, cfg.num_nodes == "auto")
         cfg.num_nodes = world.nodes  # num_nodes=auto: the launcher's, for this start
-        _log_world(world, elastic)
-        writer = world.writes_outputs
-        if writer:
+        if world.writes_outputs:
             check_output_dir(output_dir)
-        if cfg.get("print_config") and writer:  # once per run
+        if cfg.get("print_config") and world.writes_outputs:  # once per run
             log.info("config:\n" + OmegaConf.to_yaml(cfg, resolve=True))
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         with data_streams(cfg.seed):  # a data set built from the global streams: the same on every rank
@@ -105,6 +104,7 @@ def _train(
             executions.check_observers(trainer, datamodule)
         running.own(trainer)
     metrics, ran, predict_error = _run_stages(trainer, model, datamodule, cfg, stage, running)
+    costs, records = _callback(trainer, Costs), _callback(trainer, EpochRecord)
     result: dict[str, Any] = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(
         samples_per_sec=metrics.get(Throughput.KEY, math.nan),
@@ -113,7 +113,7 @@ def _train(
         first_step_unix_s=metrics.get(Throughput.FIRST_STEP_KEY),
         train_time_s=metrics.get(EpochRecord.TIME_KEY, math.nan),
         segments=int(metrics[EpochRecord.SEGMENTS_KEY]) if EpochRecord.SEGMENTS_KEY in metrics else 0,
-        segment_world_sizes=_segment_world_sizes(trainer),
+        segment_world_sizes=list(records.table.world_sizes) if records else [],
         world_size=trainer.world_size,
         strategy=cfg.strategy.name,
         accelerator=world.accelerator,
@@ -124,7 +124,7 @@ def _train(
         steps_per_execution=steps if stage == "fit" else None,
         wall_time_s=time.perf_counter() - start,
         **(
-            {"allreduce_share": metrics.get(Costs.SHARE_KEY, math.nan), **_rank_figures(trainer)}
+            {"allreduce_share": metrics.get(Costs.SHARE_KEY, math.nan), **(costs.rank_figures() if costs else {})}
             if isinstance(trainer.strategy, DDPStrategy)
             else {}
         ),
@@ -159,7 +159,7 @@ def _missing(
 ) -> tuple[dict[str, str], tuple[str, ...]]:
     """Why each metric without a value has none, where more is known than ``report.metrics.MISSING``: the stage ran
     alone (also left out of the log line), the model logged a non-finite value, or none in a stage that ran."""
-    tally = next((cb for cb in trainer.callbacks if isinstance(cb, FitTally)), None)  # type: ignore[attr-defined]
+    tally = _callback(trainer, FitTally)
     logged = {"val/": "validate" in ran or (tally is not None and tally.validated_step is not None)}
     logged["test/"] = "test" in ran
     reasons: dict[str, str] = {}
@@ -200,16 +200,9 @@ def _log_world(world: World, elastic: bool) -> None:
 PER_RANK_KEYS = ("compute_s_per_rank", "allreduce_wait_s_per_rank")
 
 
-def _rank_figures(trainer: pl.Trainer) -> dict[str, Any]:
-    """``Costs.rank_figures`` of the trainer's ``Costs`` (the last finished epoch's), empty without one."""
-    costs = [cb for cb in trainer.callbacks if isinstance(cb, Costs)]  # type: ignore[attr-defined]
-    return costs[0].rank_figures() if costs else {}
-
-
-def _segment_world_sizes(trainer: pl.Trainer) -> list[int]:
-    """The world size of each segment of the run so far (each fit that took a step), from its epoch record."""
-    records = [cb for cb in trainer.callbacks if isinstance(cb, EpochRecord)]  # type: ignore[attr-defined]
-    return list(records[0].table.world_sizes) if records else []
+def _callback(trainer: pl.Trainer, cls: type[T]) -> T | None:
+    """The trainer's first callback of class ``cls``, else ``None``."""
+    return next((cb for cb in trainer.callbacks if isinstance(cb, cls)), None)  # type: ignore[attr-defined]
 
 
 def train_rank(job: RankJob) -> None:
@@ -227,23 +220,20 @@ def _run_stages(
 ) -> tuple[dict[str, float], set[str], Exception | None]:
     """Run ``stage``; return the metrics as floats, the stages run, and a predict's error after a fit (the fit's
     metrics stand). A lost rank or loader worker is named; a SIGTERM since the last agreement raises ``Preempted``."""
-    finished, predict_error, ran = False, None, {stage}
+    finished, predict_error, ran, metrics = False, None, {stage}, {}
     try:
         if stage == "fit":
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
-            metrics = _floats(trainer.callback_metrics)
+            metrics.update(_floats(trainer.callback_metrics))
             metrics.update(_final_weights(trainer, model, datamodule))
             if is_overridden("test_step", model):  # a user's model may have none: test/* are then null
                 trainer.test(model, datamodule=datamodule, verbose=False)
                 ran.add("test")
         elif stage in ("validate", "test", "eval"):  # eval: validate, then test (eval.py)
-            metrics = {}
             for name in ("validate", "test") if stage == "eval" else (stage,):
                 getattr(trainer, name)(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, verbose=False)
                 metrics.update(_floats(trainer.callback_metrics))  # each stage's: the next one resets them
                 ran.add(name)
-        else:
-            metrics = {}
         metrics.update(_floats(trainer.callback_metrics))
         if cfg.predict or stage == "predict":
             ckpt = cfg.ckpt_path if stage in ("predict", "eval") else None
@@ -257,10 +247,7 @@ def _run_stages(
         finished = predict_error is None
         return metrics, ran, predict_error
     except Exception as err:
-        failed = loader_failed(err, trainer.global_rank)  # this rank's loader worker is stuck or dead: the cause
-        if failed is not None:
-            raise failed from err
-        named = _named(trainer, err)
+        named = loader_failed(err, trainer.global_rank) or _named(trainer, err)  # a stuck or dead loader worker
         if named is not err:
             raise named from err
         raise
@@ -290,13 +277,10 @@ def _final_weights(
     if trainer.fast_dev_run:  # type: ignore[attr-defined]  # no checkpoint, no more validation (Lightning)
         return {}
     averaged = save_final_checkpoint(trainer)  # other weights than last.ckpt's at its step: an average swapped in
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, StepBoundaryStop):
-            callback.stop_after_fit(trainer)  # a SIGTERM at the fit's end: stop with the final checkpoint
-    step = trainer.global_step
-    callbacks = trainer.callbacks  # type: ignore[attr-defined]
-    validated = next((cb.validated_step for cb in callbacks if isinstance(cb, FitTally)), step)
-    if validated == step and not averaged:
+    if stop := _callback(trainer, StepBoundaryStop):
+        stop.stop_after_fit(trainer)  # a SIGTERM at the fit's end: stop with the final checkpoint
+    tally = _callback(trainer, FitTally)
+    if tally is not None and tally.validated_step == trainer.global_step and not averaged:
         return {}
     if trainer.limit_val_batches == 0 or not is_overridden("validation_step", model):
         return {}
