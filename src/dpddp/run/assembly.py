@@ -14,9 +14,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import KubeflowEnvironment
 from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint, StochasticWeightAveraging
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers.logger import DummyLogger
 from omegaconf import DictConfig, OmegaConf
-from typing_extensions import override
 
 from dpddp._compat import skip_empty_batch_hooks, softmax_per_sample
 from dpddp._compat.callbacks import mend_finetuning, mend_swa
@@ -50,7 +49,7 @@ from dpddp.run.draws_seen import draws_line, find_draws
 from dpddp.run.executions import StepsPerExecution
 from dpddp.run.trainer_flags import TRAINER_ERRORS, refused_flag
 
-__all__ = ["RankLogger", "build_strategy", "build_trainer", "epoch_lines"]
+__all__ = ["build_strategy", "build_trainer", "epoch_lines"]
 
 log = logging.getLogger(__name__)
 
@@ -175,29 +174,6 @@ def _own_checkpoint(callback: ModelCheckpoint, setting: str, dirpath: Path, othe
         callback.__class__ = type(base.__name__, (base,), {"state_key": property(lambda self: key)})
 
 
-class RankLogger(Logger):
-    """The logger of a rank that opens no tracker run: it logs nothing (rank 0's tracker does), so that every rank
-    has a logger (a callback that needs one runs everywhere)."""
-
-    @property
-    @override
-    def name(self) -> str:
-        return "rank"
-
-    @property
-    @override
-    def version(self) -> int:
-        return 0
-
-    @override
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    @override
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        pass
-
-
 def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
     """The ``logger`` group: ``False``, one logger or a list, each under the run directory; a tracker only on the
     process that opens the run (``report.trackers``)."""
@@ -210,8 +186,8 @@ def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
             raise ConfigError(f"logger {spec._target_} needs {kind}: pip install {kind} (or dpddp's extra [{kind}])")
         elif writes_outputs():
             loggers.append(build(spec, key, save_dir=str(output_dir), **tracker_options(kind, spec, output_dir, key)))
-    if logger_specs(cfg) and not loggers:  # trackers only, on a rank that opens none
-        loggers.append(RankLogger())
+    if logger_specs(cfg) and not loggers:  # trackers only, on a rank that opens none: one that logs nothing, so
+        loggers.append(DummyLogger())  # that a callback that needs a logger runs on every rank
     return loggers or False
 
 
