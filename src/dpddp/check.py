@@ -28,22 +28,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from hydra.utils import instantiate
-from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from omegaconf import DictConfig
 
 from dpddp._compat import hydra_override_refused
 from dpddp.cluster import launch_environment, master_address, register_resolvers
 from dpddp.continuity.schedulers import LIMIT_MARK, built_apart
-from dpddp.diagnostics.bandwidth import (
-    BIG_BYTES,
-    Collective,
-    measure,
-    measure_spawned,
-    recommend,
-    ring_seconds,
-    step_seconds,
-)
+from dpddp.diagnostics.bandwidth import BIG_BYTES, bus_bandwidth, measure_ranks, recommend, ring_seconds, step_seconds
 from dpddp.diagnostics.network import choose_interface
 from dpddp.entry.command_line import refused_override
 from dpddp.entry.run_dir import hydra_value
@@ -663,36 +653,18 @@ def _model_step(cfg: DictConfig) -> tuple[int, Callable[[int], float] | None, st
     return grad_bytes, timed, ""
 
 
-def _collective(processes: int, sizes: list[int], work: Path) -> Collective | None:
-    """All-reduce figures between a launcher's ranks (``None`` on ranks but 0) or ``processes`` started here."""
-    env = next((e for e in (TorchElasticEnvironment, SLURMEnvironment) if e.detect()), None)
-    if env is None:
-        return measure_spawned(processes, sizes, find_free_network_port(), work / "network.json")
-    cluster = env()
-    updates, _ = choose_interface(cluster.main_address)
-    os.environ.update(updates, MASTER_ADDR=cluster.main_address, MASTER_PORT=str(cluster.main_port))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", cluster.local_rank()) if cuda else torch.device("cpu")
-    backend = "nccl" if cuda else "gloo"
-    torch.distributed.init_process_group(backend, rank=cluster.global_rank(), world_size=cluster.world_size())
-    try:
-        found = measure(sizes, device)
-    finally:
-        torch.distributed.destroy_process_group()
-    return found if cluster.global_rank() == 0 else None
-
-
-def check_network(overrides: list[str], config_dir: str | None, work: Path, processes: int) -> None:
+def check_network(overrides: list[str], config_dir: str | None, processes: int) -> None:
     """Print the all-reduce latency and bandwidth, the ring bound for the gradient, the predicted ddp step and a
     recommendation. Raises ``ConfigError`` (a setting, or ``processes`` < 2) before anything is measured."""
     if processes < 2:
         raise ConfigError(f"--processes={processes} is too few: an all-reduce needs 2 or more, e.g. --processes=2")
     cfg = _compose(overrides, config_dir)
     grad_bytes, timed, why = _model_step(cfg)
-    found = _collective(processes, [grad_bytes, BIG_BYTES], work)
+    found = measure_ranks(processes, [grad_bytes, BIG_BYTES])
     if found is None:
         return
-    world, bus = found.world_size, found.bus_bandwidth()
+    world = found.world_size
+    bus = bus_bandwidth(BIG_BYTES, found.times[BIG_BYTES] - found.latency_s, world)
     measured, bound = found.times[grad_bytes], ring_seconds(grad_bytes, world, found.latency_s, bus)
     for line in environment_lines():
         print(line)
@@ -747,7 +719,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="dpddp-check-", ignore_cleanup_errors=True) as tmp:
         with shell(crash="a check training failed"):  # a failed training: one line, the cause
             if args.network:
-                check_network(overrides, args.config_dir, Path(tmp), args.processes)
+                check_network(overrides, args.config_dir, args.processes)
             else:
                 (check_stops if args.stops else check)(overrides, args.config_dir, Path(tmp))
 

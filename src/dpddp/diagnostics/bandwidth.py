@@ -3,22 +3,25 @@
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
+from multiprocessing.queues import SimpleQueue
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-__all__ = ["BIG_BYTES", "Collective", "bus_bandwidth", "measure", "measure_spawned", "recommend", "ring_seconds"]
-__all__ += ["step_seconds"]
+from dpddp.diagnostics.network import choose_interface
+
+__all__ = ["BIG_BYTES", "Collective", "bus_bandwidth", "measure_ranks", "recommend", "ring_seconds", "step_seconds"]
 
 BIG_BYTES = 32 * 2**20  # the buffer whose all-reduce sets the bus bandwidth (latency a small part)
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -30,15 +33,9 @@ class Collective:
     latency_s: float
     times: dict[int, float]
 
-    def bus_bandwidth(self) -> float:
-        """Bytes/s a ring reaches on the largest buffer measured."""
-        size = max(self.times)
-        return bus_bandwidth(size, self.times[size] - self.latency_s, self.world_size)
-
 
 def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:
     """nccl-tests' ``busbw`` of an all-reduce of ``nbytes`` that took ``seconds``: ``2(N-1)/N x nbytes / seconds``.
-
     Raises ``ValueError`` for ``world_size < 2``."""
     if world_size < 2:
         raise ValueError(f"an all-reduce over {world_size} rank moves nothing")
@@ -73,30 +70,43 @@ def measure(sizes: list[int], device: torch.device, reps: int = 10) -> Collectiv
     return Collective(dist.get_world_size(), str(dist.get_backend()), latency, times)
 
 
-def _spawned_rank(rank: int, world: int, port: int, sizes: list[int], out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    cuda = torch.cuda.device_count() >= world
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
+def _in_group(rank: int, world_size: int, device: torch.device, sizes: list[int]) -> Collective:
+    """``measure`` in a default process group this rank starts and ends (NCCL on a GPU ``device``, else gloo)."""
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     try:
-        found = measure(sizes, device)
-        if rank == 0:
-            Path(out).write_text(json.dumps(asdict(found)))
+        return measure(sizes, device)
     finally:
         dist.destroy_process_group()
 
 
-def measure_spawned(world_size: int, sizes: list[int], port: int, out: Path) -> Collective:
-    """``measure`` over ``world_size`` processes spawned here (loopback; NCCL with a GPU each, else gloo), through
-    the file ``out``. Raises ``torch.multiprocessing.ProcessRaisedException`` when a rank raised."""
-    torch.multiprocessing.start_processes(
-        _spawned_rank, args=(world_size, port, sizes, str(out)), nprocs=world_size, start_method="spawn"
-    )
-    found = json.loads(out.read_text())
-    return Collective(**{**found, "times": {int(k): v for k, v in found["times"].items()}})
+def _spawned_rank(rank: int, world: int, port: int, sizes: list[int], out: SimpleQueue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    found = _in_group(rank, world, torch.device("cuda", rank) if torch.cuda.device_count() >= world else CPU, sizes)
+    if rank == 0:
+        out.put(found)
+
+
+def measure_ranks(processes: int, sizes: list[int]) -> Collective | None:
+    """``measure`` between torchrun's or SLURM's ranks (``None`` on all but rank 0), else between ``processes``
+    spawned here (loopback; NCCL with a GPU each). Raises ``ProcessRaisedException`` when a spawned rank raised."""
+    env = next((e for e in (TorchElasticEnvironment, SLURMEnvironment) if e.detect()), None)
+    if env is None:
+        out = torch.multiprocessing.get_context("spawn").SimpleQueue()
+        port = find_free_network_port()
+        torch.multiprocessing.start_processes(
+            _spawned_rank, args=(processes, port, sizes, out), nprocs=processes, start_method="spawn"
+        )
+        return out.get()
+    cluster = env()
+    updates, _ = choose_interface(cluster.main_address)
+    os.environ.update(updates, MASTER_ADDR=cluster.main_address, MASTER_PORT=str(cluster.main_port))
+    device = torch.device("cuda", cluster.local_rank()) if torch.cuda.is_available() else CPU
+    found = _in_group(cluster.global_rank(), cluster.world_size(), device, sizes)
+    return found if cluster.global_rank() == 0 else None
 
 
 def recommend(share: float, compressible: bool) -> str:

@@ -1,5 +1,5 @@
 """Where a run's memory and time go: peak memory, the all-reduce's share of step time, each rank's compute and
-wait seconds, and the straggler warning."""
+wait seconds, the straggler warning."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from typing_extensions import override
 
 from dpddp._compat import epoch_cut
+from dpddp.diagnostics.allreduce import AllReduceTimer
 from dpddp.diagnostics.whereabouts import entering
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy
@@ -30,12 +31,8 @@ STRAGGLER_RATIO = 1.5
 
 
 def slowest(compute_s: Sequence[float]) -> tuple[int, float]:
-    """The rank with the largest of ``compute_s`` (seconds per rank; a tie: the lowest) and its ratio to the
-    median (with 2 ranks their mean; ``nan`` when the median is not positive).
-
-    Raises:
-        ValueError: ``compute_s`` is empty.
-    """
+    """The rank with the largest of ``compute_s`` (a tie: the lowest) and its ratio to the median (``nan`` when
+    the median is not positive). Raises ``ValueError`` when ``compute_s`` is empty."""
     rank = max(range(len(compute_s)), key=lambda r: (compute_s[r], -r))
     median = statistics.median(compute_s)
     return rank, compute_s[rank] / median if median > 0 else math.nan
@@ -43,11 +40,7 @@ def slowest(compute_s: Sequence[float]) -> tuple[int, float]:
 
 def straggler_line(compute_s: Sequence[float], epoch: int, hosts: Sequence[str] | None = None) -> str | None:
     """The straggler line for ``epoch`` when ``slowest(compute_s)``'s ratio is at least ``STRAGGLER_RATIO``,
-    naming the rank's host from ``hosts``; else ``None``.
-
-    Raises:
-        ValueError: ``compute_s`` is empty.
-    """
+    naming the rank's host from ``hosts``; else ``None``. Raises ``ValueError`` when ``compute_s`` is empty."""
     rank, ratio = slowest(compute_s)
     if not ratio >= STRAGGLER_RATIO:
         return None
@@ -84,19 +77,20 @@ class Costs(pl.Callback):
         self.epoch: dict[str, float] = {}
         self._base, self._epoch_start = 0.0, (0.0, 0.0)
         self._hosts: list[str] | None = None
+        self._timer: AllReduceTimer | None = None
 
-    def _timer_seconds(self, trainer: pl.Trainer, settle: bool = False) -> float | None:
-        strategy = trainer.strategy
-        timer = strategy.allreduce_timer if isinstance(strategy, DDPStrategy) else None
-        if timer is None:
+    def _waited(self, settle: bool = False) -> float | None:
+        if self._timer is None:
             return None
-        return self._base + (timer.settle() if settle else timer.seconds)
+        return self._base + (self._timer.settle() if settle else self._timer.seconds)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._base = self.counts.allreduce_seconds
-        if isinstance(trainer.strategy, DDPStrategy) and trainer.strategy.allreduce_timer is not None:
-            trainer.strategy.allreduce_timer.reset()
+        strategy = trainer.strategy
+        self._timer = strategy.allreduce_timer if isinstance(strategy, DDPStrategy) else None
+        if self._timer is not None:
+            self._timer.reset()
         self._epoch_start = self.counts.allreduce_seconds, self.counts.fallback_seconds  # a restart mid-epoch
         self._hosts = None
 
@@ -106,13 +100,13 @@ class Costs(pl.Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        seconds = self._timer_seconds(trainer)
+        seconds = self._waited()
         if seconds is not None:
             self.counts.allreduce_seconds = seconds
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        seconds = self._timer_seconds(trainer, settle=True)
+        seconds = self._waited(settle=True)
         waited = (seconds - self._epoch_start[0]) if seconds is not None else None
         stepped = self.counts.fallback_seconds - self._epoch_start[1]
         self.epoch = self._over_ranks(trainer, waited, stepped, epoch=trainer.current_epoch)
@@ -125,7 +119,7 @@ class Costs(pl.Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        waited = self._timer_seconds(trainer, settle=True)
+        waited = self._waited(settle=True)
         if waited is not None:
             self.counts.allreduce_seconds = waited
         found = self._over_ranks(trainer, waited, self.counts.fallback_seconds)
