@@ -44,6 +44,7 @@ from torchmetrics import MeanMetric
 from dpddp import DataParallelStrategy, _compat
 from dpddp._compat import processes
 from dpddp.entry import hydra as hydra_entry
+from dpddp.entry.command_line import MODE_GROUPS
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.launcher import JobLauncher, RankJob
 from dpddp.run.training import train_rank
@@ -409,7 +410,7 @@ def test_only_the_mode_groups_set_the_hydra_mode_and_the_command_lines_that_may_
         for option in options:
             group, name = str(option.parent), option.name
             cfg = compose(config_name="config", overrides=[f"{group}={name}"], return_hydra_config=True)
-            assert (cfg.hydra.mode is not None) == (group in hydra_entry.MODE_GROUPS), option
+            assert (cfg.hydra.mode is not None) == (group in MODE_GROUPS), option
     assert hydra_entry.sets_no_mode([]) and hydra_entry.sets_no_mode(["-m", "strategy=ddp", "devices=1,2", "seed=0"])
     for argv in (["hparams_search=optuna"], ["+hydra.mode=MULTIRUN"], ["--config-dir", "conf"], ["-cn", "other"],
                  ["--config-path=x"], ["hydra.searchpath=[file://conf]"]):  # fmt: skip
@@ -778,6 +779,26 @@ def test_forget_forkserver_gives_a_forked_process_a_fork_server_of_its_own():
     assert code == 0
     assert parent_server is not None and child_server not in (0, parent_server)
     assert not psutil.pid_exists(child_server)  # the child stopped and reaped its own
+
+
+def test_at_multiprocessing_exit_registers_a_function_once_per_process():
+    """Asked twice, ``at_multiprocessing_exit`` leaves one ``Finalize`` of the function for this process, at the
+    lowest priority; a forked process (whose copy of the parent's is ignored there) registers one of its own."""
+    registry = multiprocessing.util._finalizer_registry
+
+    def mine() -> list:
+        return [f for f in list(registry.values()) if f._callback is print and f._pid == os.getpid()]
+
+    try:
+        processes.at_multiprocessing_exit(print)
+        processes.at_multiprocessing_exit(print)
+        assert [f._key[0] for f in mine()] == [-100]
+        said, code = _in_forked_child(lambda: (processes.at_multiprocessing_exit(print), str(len(mine())))[1])
+        assert (said, code) == ("1", 0)
+    finally:
+        for finalizer in mine():
+            finalizer.cancel()
+    assert mine() == []
 
 
 _EXIT_SCRIPT = """

@@ -7,6 +7,7 @@ import difflib
 import inspect
 import itertools
 import re
+from functools import partial
 from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
@@ -32,24 +33,8 @@ from dpddp.parallel.rules import lightning_name_line
 from dpddp.run.keys import key_hint
 from dpddp.run.trainer_flags import takes
 
-__all__ = [
-    "HYDRA_FAILURES",
-    "MODES",
-    "MODE_GROUPS",
-    "hydra_failure",
-    "mode_conflict",
-    "refused_arguments",
-    "refused_override",
-    "sets_no_mode",
-    "unknown_option",
-    "unreadable_override",
-]
-
-
-def unknown_option(argv: list[str]) -> str | None:
-    """``early.unknown_option`` with Lightning's strategy names (``lightning_name_line``)."""
-    return _unknown_option(argv, lightning_name_line)
-
+unknown_option = partial(_unknown_option, lightning_line=lightning_name_line)
+"""``early.unknown_option`` with Lightning's strategy names (``lightning_name_line``)."""
 
 MODES: tuple[tuple[str, str], ...] = (("run", "--run (-r)"), ("multirun", "--multirun (-m)"), ("cfg", "--cfg (-c)"))
 MODES += (("info", "--info (-i)"), ("shell_completion", "--shell-completion (-sc)"))
@@ -60,8 +45,7 @@ MODE_USES |= {"info": "prints what Hydra composes it from", "shell_completion": 
 
 
 def mode_conflict(argv: list[str]) -> str | None:
-    """One line naming the Hydra modes of ``argv`` that cannot be combined, or ``--resolve`` without ``--cfg``;
-    else ``None``."""
+    """One line for Hydra modes of ``argv`` that cannot be combined, or ``--resolve`` without ``--cfg``."""
     args = hydra_command_line(argv)
     if args is None or args.help or args.hydra_help:
         return None
@@ -86,8 +70,7 @@ MODE_GROUPS = ("hparams_search",)
 
 
 def sets_no_mode(argv: list[str]) -> bool:
-    """Whether ``argv``'s config surely sets no ``hydra.mode``: packaged configs only, no option of ``MODE_GROUPS``
-    and no ``hydra.mode`` override (Hydra's first composition is then skipped: ``_compat.hydra_mode_unset``)."""
+    """Whether ``argv``'s config surely sets no ``hydra.mode`` (Hydra's first composition is then skipped)."""
     for arg in argv:
         key = arg.partition("=")[0].lstrip("+~")
         if key in MODE_GROUPS or "hydra.mode" in arg or "hydra.searchpath" in arg:
@@ -98,8 +81,7 @@ def sets_no_mode(argv: list[str]) -> bool:
 
 
 def refused_arguments(argv: list[str], prog: str) -> str | None:
-    """One line for a command line Hydra's own parser refuses (a value not of its choices, a missing value, an
-    unknown option), naming ``prog --help``; ``None`` when the parser takes it."""
+    """One line for a command line Hydra's own parser refuses, naming ``prog --help``; else ``None``."""
     message = hydra_argument_error(argv)
     if message is None:
         return None
@@ -115,8 +97,7 @@ HYDRA_FAILURES = (MissingConfigException, SearchPathException)
 
 
 def hydra_failure(err: Exception, argv: list[str]) -> str:
-    """One line for ``err`` (one of ``HYDRA_FAILURES``) raised for ``argv``: a config directory that is not one, a
-    ``--config-name`` or group option no directory has (with those there are)."""
+    """One line for ``err`` (one of ``HYDRA_FAILURES``) raised for ``argv``, with the options there are."""
     args = hydra_command_line(argv)
     first = (str(err).splitlines() or [type(err).__name__])[0]
     hydra = GlobalHydra.instance()
@@ -161,8 +142,7 @@ def unreadable_override(argv: list[str]) -> str | None:
 
 
 def refused_override(override: Any, cfg: DictConfig, err: Exception) -> str:
-    """One line for Hydra's parsed ``override`` it refused to apply to ``cfg`` (``err``): what the config has, the
-    nearest key and what to write instead (``+``, ``++``, ``~``; or ``key_hint``'s line where ``+`` is refused)."""
+    """One line for Hydra's parsed ``override`` it refused to apply to ``cfg`` (``err``): what to write instead."""
     line, key = override.input_line, override.key_or_group
     if override.package is not None:
         return f"{line}: there is no config group {key} for @ to place: give a config group, or a key without @"
@@ -181,8 +161,8 @@ def refused_override(override: Any, cfg: DictConfig, err: Exception) -> str:
 
 
 def sweep_variants(config: DictConfig) -> list[list[str]]:
-    """The overrides of a basic sweep's first job for each combination of group options, to compose before Hydra
-    writes the sweep's directory; ``[]`` with one job or under another sweeper."""
+    """The overrides of a basic sweep's first job for each combination of group options; ``[]`` with one job or
+    under another sweeper."""
     choices = config.hydra.runtime.choices
     if choices.get("hydra/sweeper") != "basic":
         return []
@@ -207,13 +187,12 @@ def sweep_variants(config: DictConfig) -> list[list[str]]:
     return list(firsts.values())
 
 
+# Lines of a jsonargparse error that say nothing of the option given.
 BOILERPLATE = ("Does not validate against", "Subtypes:", "Errors:", "Given value", "Expected a <class 'NoneType'>")
-"""Lines of a jsonargparse error that say nothing of the option given."""
 
 
 def nearest_option(name: str, options: list[str]) -> str | None:
-    """The option of ``options`` nearest to ``name``; else, for ``modle.lr``, the near group with ``name``'s rest
-    (a class's keys are known only once it is parsed); ``None`` when nothing is near."""
+    """The option of ``options`` nearest to ``name``; else, for ``modle.lr``, the near group with ``name``'s rest."""
     near = difflib.get_close_matches(name, options, n=1, cutoff=0.8)
     if near:
         return near[0]
@@ -223,8 +202,7 @@ def nearest_option(name: str, options: list[str]) -> str | None:
 
 
 def argument_error(message: str, args: list[str], options: list[str], prog: str) -> str:
-    """One line for jsonargparse's refusal ``message`` of ``args`` of ``prog`` (``options``: dotted, no ``--``): the
-    argument as given, what is wrong (with the nearest option or parameter) and ``--help``."""
+    """One line for jsonargparse's refusal ``message`` of ``args`` of ``prog`` (``options``: dotted, no ``--``)."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     head, see = (lines or [message])[0], f"see {prog} --help"
     if (given := unrecognized(head)) is not None:

@@ -25,15 +25,12 @@ from dpddp.errors import ConfigError, fail
 from dpddp.parallel.settings import LIGHTNING_STRATEGIES
 from dpddp.run.plain import check_plain, check_resolvable, key_advice
 
-__all__ = ["GROUPS", "answer", "app_help", "dotted_keys", "key_hints", "missing_key_line", "unknown_option"]
-
-HELP = ("--help", "-h", "--hydra-help")
-"""Hydra's help options, answered here when given alone."""
+HELP = ("--help", "-h", "--hydra-help")  # Hydra's help options, answered here when given alone
 
 
 def answer(argv: list[str]) -> None:
-    """Before the imports: print Hydra's help for a help option given alone (exit 0), or ``fail`` with the first
-    bad setting judged without torch and Lightning (exit 2); return where there is none to judge here."""
+    """Print Hydra's help for a help option given alone (exit 0), or ``fail`` with the first bad setting judged
+    without torch and Lightning (exit 2); else return."""
     register_resolvers()
     if argv in (["--help"], ["-h"]) and (text := app_help()) is not None:
         print(text)
@@ -64,7 +61,7 @@ def answer(argv: list[str]) -> None:
 
 def app_help() -> str | None:
     """Hydra's ``--help`` text for the packaged config, read from ``conf/`` (faster than Hydra's listing); ``None``
-    where its template needs what only Hydra's run gives."""
+    where its template needs Hydra's run."""
     with initialize_config_module(config_module="dpddp.conf", version_base="1.3"):
         cfg = compose(config_name="config", return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)
@@ -104,8 +101,7 @@ def _top_level(override: Override) -> bool:
 
 
 def _missing_top_level_key(argv: list[str], overrides: list[Override]) -> str | None:
-    """``refused_override``'s line for the first override of a top-level key the config lacks, when every
-    other override composes; else ``None``."""
+    """The line for the first override of a top-level key the config lacks, when the others compose; else ``None``."""
     others = [arg for arg, o in zip(argv, overrides, strict=True) if not _top_level(o)]
     cfg = _composed(others)
     if cfg is None:
@@ -123,8 +119,7 @@ def _missing_top_level_key(argv: list[str], overrides: list[Override]) -> str | 
 
 
 def missing_key_line(line: str, key: str, cfg: DictConfig, instead: str | None) -> str:
-    """The line for the override ``line`` of ``key``, which ``cfg`` lacks: the nearest key (``key_hints``) and
-    ``instead``, or else ``+key`` to add it."""
+    """The line for the override ``line`` of ``key``, which ``cfg`` lacks: ``key_hints``, ``instead`` or ``+key``."""
     head, dot, rest = key.partition(".")
     if instead is not None and dot and (near := re.fullmatch(r"did you mean (\w+)\?", instead)):
         if f"{near.group(1)}.{rest}" in dotted_keys(cfg):  # mdoel.lr: model.lr, not model
@@ -135,13 +130,11 @@ def missing_key_line(line: str, key: str, cfg: DictConfig, instead: str | None) 
 
 
 GROUPS = ("strategy", "data", "model", "trainer", "logger", "callbacks", "experiment", "debug", "hparams_search")
-"""The packaged config groups whose options ``unknown_option`` checks before Hydra composes."""
 
 
 def unknown_option(argv: list[str], lightning_line: Callable[[str], str | None] | None = None) -> str | None:
-    """The line naming the first ``group=option`` override with no ``<group>/<option>.yaml`` in the packaged ``conf/``
-    or a ``--config-dir``, with the options there are; ``None`` when all exist, or where Hydra's own check answers
-    (``hydra.searchpath``, a sweep function). A strategy Lightning registers gets ``lightning_line``'s line."""
+    """The line for the first ``group=option`` override with no ``<group>/<option>.yaml`` in ``conf/`` or a
+    ``--config-dir``; ``None`` when all exist or Hydra answers. A Lightning strategy gets ``lightning_line``'s line."""
     dirs = [Path(str(files("dpddp.conf")))]
     for i, arg in enumerate(argv):
         if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
@@ -183,8 +176,8 @@ def dotted_keys(cfg: DictConfig) -> list[str]:
 
 
 def key_hints(key: str, cfg: DictConfig, instead: str = "") -> str:
-    """What to say of ``key``, which ``cfg`` lacks: its nearest key (unless ``instead`` names it) and, under a
-    config group, the packaged options of the group that have it; ``""`` when neither."""
+    """Of ``key``, which ``cfg`` lacks: its nearest key (unless ``instead`` names it) and the group's options that
+    have it; ``""`` when neither."""
     keys = [k for k in dotted_keys(cfg) if key.startswith("hydra.") or not k.startswith("hydra")]
     near = difflib.get_close_matches(key, keys, n=1, cutoff=0.8)
     said = [f"nearest: {near[0]}"] if near and near[0] not in instead else []

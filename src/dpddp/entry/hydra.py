@@ -31,7 +31,6 @@ from dpddp.continuity import stop as sweep_stop
 from dpddp.continuity.io import CheckpointFacts, readable
 from dpddp.entry.command_line import (
     HYDRA_FAILURES,
-    MODE_GROUPS,
     hydra_failure,
     mode_conflict,
     refused_arguments,
@@ -68,10 +67,6 @@ from dpddp.report.trackers import check_file_stores, open_stores
 from dpddp.run.config import Plan, check_checkpoint, check_config
 from dpddp.run.training import isolated_job, objective, train
 
-__all__ = ["MODE_GROUPS", "StartChecks", "config_dirs", "config_subdir", "hydra_value", "main"]
-__all__ += ["job_plan", "run_job"]
-__all__ += ["sets_no_mode", "sweep_resume_command", "unknown_option"]
-
 log = logging.getLogger(__name__)
 register_resolvers()
 CONFIG_DIR = ".hydra"
@@ -83,8 +78,7 @@ def config_dirs(output_dir: str | Path) -> list[Path]:
 
 
 def config_subdir(output_dir: str) -> str:
-    """Hydra's ``output_subdir`` for the invocation starting now: the first free name of ``config_dirs`` (an
-    invocation into an existing run directory keeps the earlier ones' configs)."""
+    """Hydra's ``output_subdir`` for the invocation starting now: the first free name of ``config_dirs``."""
     return invocation_name(CONFIG_DIR, len(config_dirs(output_dir)) + 1)
 
 
@@ -103,7 +97,8 @@ def _resume_command(overrides: list[str], output_dir: Path, multirun: bool) -> s
     if multirun:
         return sweep_resume_command(output_dir.parent)
     add = ["resume=true", f"hydra.run.dir={hydra_value(str(output_dir))}"]
-    return resume_command(invoked_as(), overrides, ("resume=", "hydra.run.dir="), add)
+    invoked = [*_program(), *_config_options(sys.argv[1:])]  # and the config options given
+    return resume_command(invoked, overrides, ("resume=", "hydra.run.dir="), add)
 
 
 CONFIG_OPTIONS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
@@ -126,16 +121,9 @@ def _program() -> list[str]:
     return ["python", argv0] if argv0.endswith(".py") else [Path(argv0).name]
 
 
-def invoked_as() -> list[str]:
-    """This command as started: ``_program`` and the config options given."""
-    return [*_program(), *_config_options(sys.argv[1:])]
-
-
 def run_job(cfg: DictConfig, stage: str = "fit", late: list[Callable[[], str]] | None = None) -> float:
-    """Run one Hydra job, ``cfg``, for ``stage`` on its ``job_plan``; return its ``objective`` for sweepers (``late``:
-    ``main``'s, given the job's resume command). A known error is one ``error:`` line and its exit status; in a sweep,
-    a failed or diverged job writes ``error.txt`` and returns ``nan``, and a SIGTERM under a local launcher stops
-    the whole sweep."""
+    """Run one Hydra job, ``cfg``, for ``stage``; return its ``objective`` (``late`` gets its resume command). In a
+    sweep, a failed or diverged job writes ``error.txt`` and returns ``nan``; else a known error is one line."""
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
@@ -160,7 +148,9 @@ def run_job(cfg: DictConfig, stage: str = "fit", late: list[Callable[[], str]] |
             return math.nan
     if multirun:
         (output_dir / "error.txt").unlink(missing_ok=True)  # an earlier try's failure, run again now
-    _log_invocation(output_dir)
+    dirs = config_dirs(output_dir)
+    if dirs and hydra_cfg.output_subdir is not None:  # None: a rank other than 0 (it writes no config)
+        log.info(f"invocation {len(dirs)} into this run directory: config and overrides in {dirs[-1].name}/")
     _log_resume(plan)
     resume = partial(_resume_command, overrides, output_dir, multirun)
     if late is not None:  # main's, for a SIGTERM after the job's end
@@ -189,18 +179,20 @@ def run_job(cfg: DictConfig, stage: str = "fit", late: list[Callable[[], str]] |
 
 
 def job_plan(cfg: DictConfig, stage: str) -> Plan | str:
-    """The ``Plan`` of the Hydra job ``cfg`` for ``stage`` (``StartChecks``' decision: ``_taken``; else ``_plan``), or
-    the line that says why nothing trains. Raises ``ConfigError``."""
+    """The ``Plan`` of the Hydra job ``cfg`` for ``stage`` (``_taken`` where ``StartChecks`` made it), or the line
+    that says why nothing trains. Raises ``ConfigError``."""
     hydra_cfg = HydraConfig.get()
-    if _checked_before(hydra_cfg):
+    targets = [spec.get("_target_") for spec in (hydra_cfg.callbacks or {}).values() if spec]
+    if hydra_cfg.mode == RunMode.RUN and any(
+        isinstance(t, str) and issubclass(get_class(t), StartChecks) for t in targets
+    ):
         return _taken(cfg, stage)
     return _plan(cfg, lambda: Path(hydra_cfg.runtime.output_dir), stage)
 
 
 def _plan(job: DictConfig, directory: Callable[[], Path], stage: str) -> Plan | str:
-    """The job's ``Plan``, made once in its process: ``check_config``, then whether it continues the run in
-    ``directory()`` from its ``last.ckpt`` (read once, then checked); or the line that says why nothing trains.
-    Raises ``ConfigError``."""
+    """The job's ``Plan``: ``check_config``, then whether it continues the run in ``directory()`` from its
+    ``last.ckpt`` (read once); or the line that says why nothing trains. Raises ``ConfigError``."""
     plan = check_config(job, stage)
     output_dir = directory()
     hydra_cfg = HydraConfig.get()
@@ -211,7 +203,8 @@ def _plan(job: DictConfig, directory: Callable[[], Path], stage: str) -> Plan | 
     loaded = readable(last) if last.is_file() else None
     facts = CheckpointFacts.of(last, loaded)
     resume = continues(job, multirun, facts)
-    if problem := directory_problem(job, output_dir, resume, multirun or _named(hydra_cfg), job.ckpt_path):
+    named = any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra) or "/" not in run_name()
+    if problem := directory_problem(job, output_dir, resume, multirun or named, job.ckpt_path):
         raise ConfigError(problem)
     overrides = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)
     first = next(iter(config_dirs(output_dir)), None)  # a continue is the same run, or refused
@@ -237,8 +230,7 @@ def _resume_kind(cfg: DictConfig, output_dir: Path) -> str | None:
 
 
 def _taken(cfg: DictConfig, stage: str) -> Plan:
-    """The ``Plan`` of a job ``StartChecks`` decided (its ``ckpt_path``): the world and the checkpoint's facts read,
-    nothing checked again."""
+    """The ``Plan`` of a job ``StartChecks`` decided (its ``ckpt_path``), nothing checked again."""
     ckpt = cfg.get("ckpt_path")
     if ckpt:
         cfg.ckpt_path = ckpt = to_absolute_path(str(ckpt))
@@ -271,9 +263,8 @@ def _job_failed(num: int, output_dir: Path, line: str) -> float:
 
 
 class StartChecks(HydraCallback):
-    """A Hydra callback: before Hydra makes or writes anything, the run's or the sweep's directory can be written,
-    one run's config is planned (``_plan``: checked, and its decision written into the config Hydra hands the job),
-    a sweep's syntax is its sweeper's; else one ``error:`` line, exit 2. ``stage``: what the run does."""
+    """Before Hydra makes anything: one run is planned (``_plan``, its decision written into the job's config), a
+    sweep's syntax checked, the directory writable; else one ``error:`` line, exit 2."""
 
     stage = "fit"
 
@@ -294,10 +285,8 @@ class StartChecks(HydraCallback):
 
     @override
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if problem := sweep_refusal(config):  # a sweep syntax its sweeper cannot run
-            fail(problem)
-        sweep_dir = Path(_directory(config, "sweep"))  # its jobs continue only the same sweep's
-        if problem := other_sweep(sweep_dir, [str(o) for o in config.hydra.overrides.task]):
+        overrides = [str(o) for o in config.hydra.overrides.task]  # its jobs continue only the same sweep's
+        if problem := sweep_refusal(config) or other_sweep(Path(_directory(config, "sweep")), overrides):
             fail(problem)
         if warning := repeated_key(config):
             print(warning, file=sys.stderr)
@@ -307,26 +296,10 @@ class StartChecks(HydraCallback):
         ]
         try:
             check_file_stores(jobs)  # before the sweep's directory is made
+            _check_writable(config, "sweep")
+            open_stores(jobs, str(Path(config.hydra.sweep.dir)), Path(config.hydra.runtime.cwd))  # shared, made once
         except ConfigError as err:
             fail(str(err))
-        _check_writable(config, "sweep")
-        try:  # a tracker store its jobs share, made once before they start
-            open_stores(jobs, str(Path(config.hydra.sweep.dir)), Path(config.hydra.runtime.cwd))
-        except ConfigError as err:
-            fail(str(err))
-
-
-def _checked_before(hydra_cfg: Any) -> bool:
-    """Whether ``StartChecks`` (or a subclass) planned this job: one run under the packaged callback."""
-    if hydra_cfg.mode != RunMode.RUN:
-        return False
-    targets = [spec.get("_target_") for spec in (hydra_cfg.callbacks or {}).values() if spec]
-    return any(isinstance(t, str) and issubclass(get_class(t), StartChecks) for t in targets)
-
-
-def _named(hydra_cfg: Any) -> bool:
-    """Whether the run's directory was named for it (``hydra.run.dir`` given, or a cluster job's own name)."""
-    return any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra) or "/" not in run_name()
 
 
 def _directory(config: DictConfig, mode: str) -> str:
@@ -349,16 +322,9 @@ def _check_writable(config: DictConfig, mode: str) -> None:
         fail(f"{given} cannot be written ({why}): give a directory you can write (hydra.{mode}.dir=<directory>)")
 
 
-def _log_invocation(output_dir: Path) -> None:
-    """Say in ``train.log`` which invocation into ``output_dir`` this is and where its config is (rank 0)."""
-    dirs = config_dirs(output_dir)
-    if dirs and HydraConfig.get().output_subdir is not None:  # None: a rank other than 0 (it writes no config)
-        log.info(f"invocation {len(dirs)} into this run directory: config and overrides in {dirs[-1].name}/")
-
-
 def main() -> None:
-    """``python train.py [key=value ...]`` or ``dpddp-train ...``: Hydra composes the packaged ``conf/`` with the
-    overrides and calls ``run_job``. An unknown config option, or an override the config refuses: one line, exit 2."""
+    """``python train.py [key=value ...]``, ``dpddp-train``: ``run_job`` on Hydra's composition; a refused command
+    line is one line, exit 2."""
     argv = sys.argv[1:]
     late: list[Callable[[], str]] = []  # the resume command of this process's last job (run_job's)
 
@@ -373,18 +339,12 @@ def main() -> None:
                     fail(problem)
                 if problem := unreadable_override(argv) or unknown_option(argv) or sweep_without_multirun(argv):
                     fail(problem)
-                # What is imported by now lives as long as the process: keep it out of the collector's sight (and
-                # collection on again if train.py turned it off for the imports).
-                gc.freeze()
-                gc.enable()
-                # No full collections over what the run built, at exit.
-                atexit.register(gc.freeze)
-                with hydra_mode_unset() if sets_no_mode(argv) else nullcontext(), hydra_override_refused(_refused):
+                gc.freeze()  # the imports live as long as the process: out of the collector's sight
+                gc.enable()  # train.py turned it off for the imports
+                atexit.register(gc.freeze)  # no full collections over what the run built, at exit
+                refused = hydra_override_refused(lambda o, c, e: fail(refused_override(o, c, e)))
+                with hydra_mode_unset() if sets_no_mode(argv) else nullcontext(), refused:
                     with hydra_reported(lambda err: fail(hydra_failure(err, argv)), HYDRA_FAILURES):
                         hydra_main(partial(run_job, late=late))()
         except HYDRA_FAILURES as err:  # --info's, which Hydra does not report
             raise ConfigError(hydra_failure(err, argv)) from None
-
-
-def _refused(override: Any, cfg: DictConfig, err: Exception) -> None:
-    fail(refused_override(override, cfg, err))

@@ -46,8 +46,6 @@ from dpddp.parallel.rules import lightning_equivalent, lightning_name_line
 from dpddp.run.config import CLI_CALLBACKS, Plan, check_config
 from dpddp.run.training import STAGES, isolated_job, train
 
-__all__ = ["DPDDPCLI", "main", "run_config"]
-
 
 def _version(package: str) -> tuple[int, ...]:
     """The installed ``package``'s (major, minor)."""
@@ -73,11 +71,11 @@ SIZES = ("num_features", "num_classes")
 TOP_LEVEL = {"strategy": "strategy", "accelerator": "accelerator", "devices": "devices", "num_nodes": "num_nodes"}
 CONFIG = "config.yaml"  # the first invocation's config; dpddp.errors.invocation_name numbers the later ones
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job-logging format, as train.py's
+USAGE = f"dpddp {{{','.join(STAGES)}}} [--help] [--config FILE] [--print_config] [ARGS]"
 
 
 def trainer_defaults() -> dict[str, Any]:
-    """The CLI's Trainer defaults: the packaged ``trainer/default.yaml``'s set values (so a value given equal to
-    Lightning's default is kept), and ``sync_batchnorm`` as ``true``."""
+    """The packaged ``trainer/default.yaml``'s set values (a value given equal to Lightning's default is kept)."""
     own = {str(k): v for k, v in _packaged("trainer").items() if v is not None}
     return {**own, "sync_batchnorm": True, "use_distributed_sampler": False}
 
@@ -122,7 +120,6 @@ class DPDDPCLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        """LightningCLI's parse; jsonargparse's refusal is one line, exit 2 (``argument_error``)."""
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
@@ -130,7 +127,7 @@ class DPDDPCLI(LightningCLI):
 
     @override
     def instantiate_classes(self) -> None:
-        """Nothing to build here: ``train`` builds the model, data and Trainer from the run config."""
+        pass  # train builds the model, data and Trainer from the run config
 
 
 def _spec(value: Any) -> Any:
@@ -147,8 +144,8 @@ def _spec(value: Any) -> Any:
 
 
 def _follow_data(model: dict[str, Any], data: dict[str, Any]) -> None:
-    """The model's ``SIZES`` follow the data's where both classes take them and the model's is its class default (a
-    jsonargparse link would drop a given size from the saved config)."""
+    """The model's ``SIZES`` follow the data's where the model's is its class default (a jsonargparse link would
+    drop a given size from the saved config)."""
     defaults = inspect.signature(get_class(model["_target_"])).parameters
     for key in SIZES:
         if key in model and key in data and key in defaults and model[key] == defaults[key].default:
@@ -231,8 +228,7 @@ def _output_dir(root: Path, stage: str, ckpt_path: str | None) -> tuple[Path, st
 
 
 def with_default_classes(args: list[str]) -> list[str]:
-    """``args`` with the default ``--model``/``--data`` classes first where they name none and no ``--config`` is
-    given (a parser default would keep the default class's values for the parameters two classes share)."""
+    """``args`` with the default ``--model``/``--data`` classes first where they and no ``--config`` name one."""
     if any(a in ("-c", "--config") or a.startswith(("--config=", "-c=")) for a in args):
         return args
     named = {key for key in DEFAULT_CLASSES for a in args if a.partition("=")[0] in (f"--{key}", f"--{key}.class_path")}
@@ -256,24 +252,23 @@ def main(args: list[str] | None = None) -> None:
         try:
             with stop.command(resume):  # a SIGTERM before the run or after its end: Preempted as the scope ends
                 if stage in ("-h", "--help"):
-                    print(f"usage: {cli_usage(STAGES)}")
+                    print(f"usage: {USAGE}")
                     sys.exit(0)
                 if stage not in STAGES:
-                    fail(unknown_stage(stage, STAGES))
+                    near = difflib.get_close_matches(stage, STAGES, n=1, cutoff=0.5)
+                    hint = f" (did you mean {near[0]}?)" if near else ""
+                    fail(f"{stage!r} is not a subcommand{hint}: {USAGE}" if stage else f"give a subcommand: {USAGE}")
                 plan, output_dir, made = _parsed(stage, rest)
                 with isolated_job():
                     train(plan.cfg, output_dir, stage=stage, plan=plan)
         except Preempted as err:
-            if err.path is None and made and output_dir is not None:
-                # Stopped before its first checkpoint: nothing to continue from (--ckpt_path=last takes the newest
-                # version with a last.ckpt), so the given command, run again, makes this version anew.
+            if err.path is None and made and output_dir is not None:  # no checkpoint yet: the command makes it anew
                 shutil.rmtree(output_dir, ignore_errors=True)
             raise
 
 
 def _parsed(stage: str, rest: list[str]) -> tuple[Plan, Path, bool]:
-    """The ``Plan`` of ``stage`` with arguments ``rest``, its run directory, and whether this call made it (rank 0
-    makes it and saves the invocation's config)."""
+    """The ``Plan`` of ``stage`` with arguments ``rest``, its run directory, and whether this call made it (rank 0)."""
     # Harmless: the subcommand is taken off sys.argv here, so LightningCLI gets the rest of the same command line.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     help_only = any(a in ("-h", "--help") for a in rest)
@@ -320,19 +315,6 @@ def _resume_command(stage: str, rest: list[str], output_dir: Path) -> str:
     """The command that continues the run in ``output_dir`` from its ``last.ckpt``."""
     add = [f"--trainer.default_root_dir={output_dir.parent.parent}", "--ckpt_path=last"]
     return resume_command(["dpddp", stage], rest, ("--ckpt_path", "--trainer.default_root_dir"), add)
-
-
-def cli_usage(stages: tuple[str, ...]) -> str:
-    """The ``dpddp`` command's usage: its subcommands ``stages`` and common options."""
-    return f"dpddp {{{','.join(stages)}}} [--help] [--config FILE] [--print_config] [ARGS]"
-
-
-def unknown_stage(stage: str, stages: tuple[str, ...]) -> str:
-    """One line for a first word ``stage`` that is none of ``stages``."""
-    near = difflib.get_close_matches(stage, stages, n=1, cutoff=0.5)
-    if not stage:
-        return f"give a subcommand: {cli_usage(stages)}"
-    return f"{stage!r} is not a subcommand{f' (did you mean {near[0]}?)' if near else ''}: {cli_usage(stages)}"
 
 
 if __name__ == "__main__":
