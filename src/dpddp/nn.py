@@ -19,7 +19,7 @@ GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
-def _signed(value: int) -> int:  # value mod 2**64 as the int64 with the same bits
+def _signed(value: int) -> int:  # value mod 2**64 as the int64 of the same bits
     value &= _U64
     return value - (1 << 64) if value >> 63 else value
 
@@ -88,11 +88,7 @@ def _keep_mask(states: torch.Tensor, elements: torch.Tensor, p: float) -> torch.
 
 def replica_ids(ids: torch.Tensor, rows: int, device: torch.device, devices: Sequence[int] | None) -> torch.Tensor:
     """The ids of ``rows`` samples on ``device``: ``ids``, or under ``DataParallel`` over CUDA ``devices`` the
-    chunk of ``ids.chunk(len(devices))`` torch's scatter gives ``device``.
-
-    Raises:
-        ValueError: no chunk of ``rows`` ids belongs to ``device``.
-    """
+    chunk torch's scatter gives ``device``. Raises ValueError: no chunk of ``rows`` ids belongs to ``device``."""
     if len(ids) == rows:
         return ids
     if devices and device.type == "cuda" and device.index in devices:
@@ -123,9 +119,8 @@ class SampleKeys:
         """``sample_states`` of ``x``'s samples (dim 0) on its device, cached. Raises ValueError: ``[k, b]`` ids
         and no valid row, or no ids of ``x``'s length (``replica_ids``)."""
         key = (self.row, self.part, x.device, x.shape[0])
-        found = self._states.get(key)
-        if found is not None:
-            return found
+        if key in self._states:
+            return self._states[key]
         ids = self.ids
         if ids.dim() == 2:
             if self.row is None or not 0 <= self.row < len(ids):
@@ -134,11 +129,9 @@ class SampleKeys:
                     "selected: call dpddp.nn.select_sample_row(i) before step i"
                 )
             ids = ids[self.row]
-        if self.part is not None:
-            ids = ids[self.part[0] : self.part[1]]
-        ids = replica_ids(ids, x.shape[0], x.device, self.devices)
-        found = self._states[key] = sample_states(self.seed, self.epoch, ids.to(x.device))
-        return found
+        ids = replica_ids(ids if self.part is None else ids[slice(*self.part)], x.shape[0], x.device, self.devices)
+        self._states[key] = sample_states(self.seed, self.epoch, ids.to(x.device))
+        return self._states[key]
 
 
 _current: list[SampleKeys | None] = [None]  # one slot per process: DataParallel's replica threads read it too
@@ -157,7 +150,6 @@ def clear_sample_keys() -> None:
 
 
 def current_sample_keys() -> SampleKeys | None:
-    """The keys set now, or ``None``."""
     return _current[0]
 
 
@@ -196,12 +188,9 @@ def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
 
 
 class SampleDropout(nn.Dropout):
-    """``nn.Dropout`` with the keyed mask (samples along dim 0) when keys are set in training.
-
-    Raises:
-        ValueError: ``p`` outside ``[0, 1]``; with keys, a 0-dim input or samples not matching the ids.
-        RuntimeError: with keys, no layer key (``assign_layer_keys`` not called).
-    """
+    """``nn.Dropout`` with the keyed mask (samples along dim 0) when keys are set in training. Raises ValueError:
+    ``p`` outside ``[0, 1]``, or with keys a 0-dim input or samples not matching the ids; RuntimeError: with keys,
+    no layer key (``assign_layer_keys``)."""
 
     layer_key: int | None = None
 

@@ -52,8 +52,7 @@ def data_checksum(splits: Mapping[str, Any]) -> int:
         split = splits[name]
         n = len(split)
         digest.update(f"{name}:{n}".encode())
-        ids = sorted({0, n // 2, n - 1}) if n else []
-        for i in ids:
+        for i in sorted({0, n // 2, n - 1}) if n else []:
             apply_to_collection(
                 split[torch.tensor([i])],
                 torch.Tensor,
@@ -64,11 +63,7 @@ def data_checksum(splits: Mapping[str, Any]) -> int:
 
 class SameDataOnEveryRank(pl.Callback):
     """At a fit's ``setup`` on several processes, the ranks compare ``data_checksum`` of the data module's
-    ``splits``.
-
-    Raises:
-        ConfigError: the ranks built different data; the line names the data module.
-    """
+    ``splits``. Raises ConfigError: the ranks built different data."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -20,8 +20,7 @@ from dpddp.nn import key64, sample_states
 
 log = logging.getLogger(__name__)
 
-STREAMS = 0x5EED_DA7A
-"""Folded into the seed first: these keys stay apart from ``dpddp.nn.sample_generator``'s."""
+STREAMS = 0x5EED_DA7A  # folded into the seed first: these keys stay apart from dpddp.nn.sample_generator's
 
 _U64 = (1 << 64) - 1
 
@@ -38,13 +37,11 @@ def seed_streams(key: int) -> None:
     random.seed(key)
 
 
-def get_streams() -> tuple:
-    """The three global streams' states, for ``set_streams``."""
+def get_streams() -> tuple:  # the three global streams' states, for set_streams
     return torch.default_generator.get_state(), np.random.get_state(), random.getstate()
 
 
 def set_streams(state: tuple) -> None:
-    """Put back states ``get_streams`` returned."""
     torch.default_generator.set_state(state[0])
     np.random.set_state(state[1])
     random.setstate(state[2])
@@ -64,8 +61,8 @@ def streams_kept() -> Iterator[None]:
 
 
 def fetch_keyed(dataset: Any, ids: Any, keys: list[int], getitems: Callable[[Any], Any] | None) -> Any:
-    """``dataset[i]`` for each of ``ids``, each under its key of ``keys``; with ``getitems``, one
-    ``getitems(ids)`` under the first key (0 for no ids). The streams are kept around it."""
+    """``dataset[i]`` for each of ``ids`` under its key of ``keys``, or one ``getitems(ids)`` under the first key (0
+    for no ids); the streams kept around it."""
     with streams_kept():
         if getitems is not None:
             seed_streams(keys[0] if keys else 0)
@@ -78,7 +75,7 @@ def fetch_keyed(dataset: Any, ids: Any, keys: list[int], getitems: Callable[[Any
 
 
 class EpochIds(list):
-    """A batch's sample ids (``list[int]``) with the training epoch their draws are keyed by, ``epoch``."""
+    """A batch's sample ids with the training ``epoch`` their draws are keyed by."""
 
     def __init__(self, ids: list[int], epoch: int) -> None:
         super().__init__(ids)
@@ -107,8 +104,8 @@ class KeyedSamples(Dataset):
 
 
 class UnkeyedDraws(pl.Callback):
-    """One warning line (global rank 0) when torch's global stream moved between a fit's first two training
-    batches of an epoch, where only the next fetch runs: data draws no keyed fetch serves."""
+    """One warning line (global rank 0) when torch's global stream moved between a fit's first two training batches
+    of an epoch, where only the next fetch runs: data draws that no keyed fetch serves."""
 
     def __init__(self) -> None:
         self._after: tuple[int, int, torch.Tensor] | None = None

@@ -22,16 +22,11 @@ from dpddp.parallel.workers import start_workers_safely
 
 
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:
-    """The generator of the training order of ``epoch``."""
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch)
 
 
 def collate_function(given: Callable[[list], Any] | str | None) -> Callable[[list], Any] | None:
-    """``given``, or the function its dotted path names.
-
-    Raises:
-        ConfigError: a path that names nothing callable.
-    """
+    """``given``, or the function its dotted path names. Raises ConfigError: a path naming nothing callable."""
     if not isinstance(given, str):
         return given
     try:
@@ -77,11 +72,8 @@ class YieldedIds:
 
 class GlobalBatchSampler(YieldedIds, DistributedSampler):
     """This rank's ids (int64) of each global batch; a ``DistributedSampler`` by type only, so Lightning does not
-    wrap it. ``train``: shuffled by ``(seed, epoch)``, full batches only; else in order, every sample once.
-    ``block_size``: ``None`` or a power of two (block shuffle). ``steps_per_execution`` ``k``: items ``[k, b]``.
-
-    Raises ``ConfigError``: ``batch_size`` does not divide by ``world_size``.
-    """
+    wrap it. ``train``: shuffled by ``(seed, epoch)`` (``block_size``: in blocks), full batches only; else in order.
+    ``steps_per_execution`` ``k``: items ``[k, b]``. Raises ConfigError: ``batch_size`` not divisible by ranks."""
 
     def __init__(
         self,
@@ -196,14 +188,10 @@ class SplitLoaders(pl.LightningDataModule):
 
 
 class GlobalBatchDataModule(SplitLoaders):
-    """Serves map-style ``dataset`` (or ``make_dataset``/``make_splits``) in global batches of ``batch_size``, split
-    by a permutation from ``seed`` into ``[train | val | test]``. ``collate_fn``: a function of a list of samples,
-    or its dotted path. ``micro_batch_size``: ``None``, ``N`` or ``"auto"`` (``dpddp.run.executions``). Building
-    the data and a subclass's ``prepare_data``/``setup`` run inside ``data_streams(seed)``.
-
-    Raises ``ConfigError``: an ``IterableDataset`` or a bad ``collate_fn`` (construction); a setting that leaves a
-    split unusable, no data set, or samples that do not collate (setup).
-    """
+    """Map-style ``dataset`` (or ``make_dataset``/``make_splits``) cut by a permutation from ``seed`` into ``[train |
+    val | test]``, served in global batches; building it and a subclass's hooks run inside ``data_streams(seed)``.
+    Raises ConfigError: an ``IterableDataset``, a bad ``collate_fn``, an unusable split, no data, or samples that
+    do not collate."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -237,7 +225,6 @@ class GlobalBatchDataModule(SplitLoaders):
         self.splits: dict[str, Dataset] = {}
 
     def make_dataset(self) -> Dataset:
-        """The whole data set ``make_splits`` cuts: ``dataset``."""
         if self.dataset is None or isinstance(self.dataset, dict):
             raise ConfigError(
                 f"{type(self).__name__} has no data set: give data.dataset._target_=my_pkg.MyDataset or override "
@@ -259,7 +246,6 @@ class GlobalBatchDataModule(SplitLoaders):
 
     @override
     def setup(self, stage: str | None = None) -> None:
-        """Build the splits once. Raises ``ConfigError`` (see the class)."""
         if self.splits:
             return
         rules.check_split_settings(self.batch_size, self.val_fraction, self.test_fraction)
@@ -273,14 +259,14 @@ class GlobalBatchDataModule(SplitLoaders):
         _check_collates(self.splits["train"], self.collate_fn)
 
     def defer_training_rows(self) -> bool:
-        """Let the training split gather a step's rows as it runs (``DeferredRows``); whether it will (only with
-        ``num_workers=0``: a worker would send the whole source)."""
+        """Let the training split gather a step's rows as it runs (``DeferredRows``; not with workers, which would
+        send the whole source); whether it will."""
         return self.num_workers == 0 and "train" in self.splits and defer_rows(self.splits["train"])
 
     @override
     def _loader(self, split: str, rank: int, world_size: int) -> DataLoader:
-        """Training batches from the restored position; the split's ``set_epoch`` is told each epoch, the first
-        already here (a resumed fit's workers copy the data set before Lightning tells the sampler)."""
+        """Training from the restored position, the split's ``set_epoch`` told the first epoch here (a resumed fit's
+        workers copy the data set before Lightning tells the sampler)."""
         ds = Batches(self.splits["test"], with_index=True) if split == "predict" else self.splits[split]
         train, size = split == "train", len(ds)  # type: ignore[arg-type]
         steps = self.steps_per_execution if train else 1
@@ -299,6 +285,5 @@ class GlobalBatchDataModule(SplitLoaders):
         return start_workers_safely(loader, rank)  # type: ignore[return-value]
 
     @override
-    def predict_dataloader(self) -> DataLoader:
-        """The test split, each batch followed by its rows in the whole data set."""
+    def predict_dataloader(self) -> DataLoader:  # the test split, each batch followed by its rows in the data set
         return self._split_loader("predict")

@@ -27,23 +27,18 @@ def sample_key_callbacks(model: nn.Module) -> list[pl.Callback]:
 
 def _sampler(trainer: pl.Trainer) -> YieldedIds | None:
     """The training loader's ``YieldedIds`` (its sampler, batch sampler or data set), else ``None``."""
-    loader = trainer.train_dataloader
-    if not isinstance(loader, DataLoader):
-        return None
-    for sampler in (loader.sampler, loader.batch_sampler, loader.dataset):  # a stream's shares: the data set
-        if isinstance(sampler, YieldedIds):
-            return sampler
+    loader = trainer.train_dataloader  # a stream's shares are the data set
+    places = (loader.sampler, loader.batch_sampler, loader.dataset) if isinstance(loader, DataLoader) else ()
+    for place in places:
+        if isinstance(place, YieldedIds):
+            return place
     return None
 
 
 class SampleKeyCallback(pl.Callback):
-    """Sets each training batch's keys ``(seed, epoch, ids)`` from the ids recorded at its ``batch_idx``, and
-    clears them at its end; keys the layers at the fit's start.
-
-    Raises:
-        ConfigError: training data served by no ``YieldedIds`` (no keys).
-        RuntimeError: no ids recorded for a batch's ``batch_idx``.
-    """
+    """Sets each training batch's keys ``(seed, epoch, ids)`` from the ids recorded at its ``batch_idx`` and clears
+    them at its end; keys the layers at the fit's start. Raises ConfigError: training data served by no
+    ``YieldedIds``; RuntimeError: no ids recorded for a batch."""
 
     def __init__(self) -> None:
         self.devices: list[int] | None = None

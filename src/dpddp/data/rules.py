@@ -51,10 +51,8 @@ def check_micro_batch_size(value: Any) -> None:
 
 
 def check_random_tensors(data: Mapping, world_size: int, source: str = "devices x num_nodes") -> tuple[int, int, int]:
-    """The ``(train, val, test)`` sample counts of ``RandomTensorDataModule``'s settings ``data``.
-
-    Raises ConfigError: a value out of range, an empty split, or a batch size that does not fit.
-    """
+    """The ``(train, val, test)`` sample counts of ``RandomTensorDataModule``'s settings ``data``. Raises
+    ConfigError: a value out of range, an empty split, or a batch size that does not fit."""
     n = checked_int("data.num_samples", data["num_samples"], 1, "use a positive number of samples")
     checked_int("data.num_features", data["num_features"], 1, "use a positive number of features")
     checked_int("data.num_classes", data["num_classes"], 2, "use at least 2 classes")

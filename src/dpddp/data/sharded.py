@@ -30,12 +30,8 @@ from dpddp.parallel.workers import start_workers_safely
 
 
 def epoch_order(sampler: Sampler, seed: int) -> Callable[[int], list[int]]:
-    """The training order of each epoch of ``sampler``, a function of the epoch: a ``RandomSampler`` drawn again
-    from ``(seed, epoch)``, any other told ``set_epoch(epoch)`` (if it has one) and iterated.
-
-    Raises:
-        ConfigError: a sampler (not sequential) whose order differs between two iterations for one epoch.
-    """
+    """The training order of an epoch of ``sampler``: a ``RandomSampler``'s drawn from ``(seed, epoch)``, another's
+    told ``set_epoch(epoch)`` and iterated. Raises ConfigError: an order that differs between two iterations."""
     if isinstance(sampler, RandomSampler):
         n, count, replace = len(sampler.data_source), sampler.num_samples, sampler.replacement
 
@@ -63,13 +59,9 @@ def epoch_order(sampler: Sampler, seed: int) -> Callable[[int], list[int]]:
 
 
 class ShardedBatchSampler(YieldedIds, Sampler[list[int]]):
-    """Rank ``r``'s chunk (``torch.tensor_split``) of each global batch of ``batches``. Training: ``epoch_order``
-    cut into full batches, from ``position() -> (epoch, batches trained)``, ids recorded; evaluation: ``batches``
-    as they come.
-
-    Raises:
-        ConfigError: a training batch that does not divide by ``world_size``, or a sampler ``epoch_order`` refuses.
-    """
+    """This rank's chunk of each global batch of ``batches``: training, ``epoch_order`` cut into full batches from
+    the position; evaluation, ``batches`` as they come. Raises ConfigError: a training batch not divisible by the
+    ranks, or a sampler ``epoch_order`` refuses."""
 
     def __init__(self, batches: Any, rank: int, world_size: int, train: bool, seed: int = 0) -> None:
         super().__init__(rank, world_size, train, seed)
@@ -84,12 +76,10 @@ class ShardedBatchSampler(YieldedIds, Sampler[list[int]]):
                 )
             self.order = epoch_order(self.sampler, seed)  # type: ignore[arg-type]
 
-    def set_epoch(self, epoch: int) -> None:
-        """The epoch to iterate when no ``position`` is set."""
+    def set_epoch(self, epoch: int) -> None:  # the epoch to iterate when no position is set
         self.epoch = epoch
 
-    def __len__(self) -> int:
-        """Batches per epoch (training: full ones)."""
+    def __len__(self) -> int:  # batches per epoch (training: full ones)
         return len(self.sampler) // self.batch_size if self.train else len(self.batches)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -105,8 +95,7 @@ class ShardedBatchSampler(YieldedIds, Sampler[list[int]]):
 
 
 class _Collate:
-    """``collate``, an empty list collated as one sample cut to 0 rows; with ``rows``, of ``_WithRows``' samples,
-    their rows in ``dataset`` appended (``with_rows``)."""
+    """``collate``, of no samples a sample cut to 0 rows; with ``rows``, of ``_WithRows``' samples with their rows."""
 
     def __init__(self, collate: Any, dataset: Any, rows: bool) -> None:
         self.collate, self.dataset, self.rows = collate, dataset, rows
@@ -136,12 +125,8 @@ def shard_loader(
     loader: Any, rank: int, world_size: int, train: bool, seed: int = 0, with_rows: bool = False
 ) -> DataLoader:
     """``loader`` (a plain ``DataLoader`` over a map-style data set) rebuilt with a ``ShardedBatchSampler``, its
-    draws keyed (``KeyedSamples``); ``with_rows``: each batch followed by its rows in the data set.
-
-    Raises:
-        ConfigError: a loader that cannot be sharded (another class, an iterable data set, no batch sampler; for
-            training, a batch sampler of its own or less than one batch), or one ``ShardedBatchSampler`` refuses.
-    """
+    draws keyed (``KeyedSamples``); ``with_rows``: each batch followed by its rows in the data set. Raises
+    ConfigError: a loader that cannot be sharded, or whose training batches cannot be ordered."""
     fix = (
         "return a plain DataLoader(dataset, batch_size=...), or subclass dpddp.data.global_batch.GlobalBatchDataModule"
     )
@@ -162,26 +147,20 @@ def shard_loader(
             f"data: the training loader has {len(batches.sampler)} samples, fewer than one batch of "  # type: ignore[arg-type]
             f"{batches.batch_size}: no step would train; use a smaller batch_size or more data"
         )
-    workers = loader.num_workers
+    kept = ["num_workers", "pin_memory", "timeout", "worker_init_fn", "generator", "persistent_workers"]
+    kept += ["multiprocessing_context", "prefetch_factor"] if loader.num_workers else []  # for workers only
     sharded = DataLoader(
         _WithRows(loader.dataset) if with_rows else KeyedSamples(loader.dataset, seed),
         batch_sampler=batches,
-        num_workers=workers,
         collate_fn=_Collate(loader.collate_fn, loader.dataset, with_rows),
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context if workers else None,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor if workers else None,
-        persistent_workers=loader.persistent_workers,
+        **{key: getattr(loader, key) for key in kept},
     )
     return start_workers_safely(sharded, rank)  # type: ignore[return-value]
 
 
 class ShardedDataModule(SplitLoaders):
-    """A user's ``module`` whose loaders, each rebuilt by ``shard_loader``, give the same batches on every world
-    size; its hooks run inside ``data_streams(seed)``. ``batch_size``: the training loader's (the global batch)."""
+    """A user's ``module`` with its loaders rebuilt by ``shard_loader`` and its hooks run inside
+    ``data_streams(seed)``; ``batch_size``: the training loader's."""
 
     def __init__(self, module: pl.LightningDataModule, seed: int = 0) -> None:
         super().__init__()
@@ -197,7 +176,6 @@ class ShardedDataModule(SplitLoaders):
     @override
     @in_data_streams
     def setup(self, stage: str) -> None:
-        """Raises ConfigError: ``module`` is not a LightningDataModule (``data.module._target_`` unset)."""
         if not isinstance(self.module, pl.LightningDataModule):
             raise ConfigError(f"data.module={self.module!r} is not a data module: set data.module._target_=pkg.MyData")
         self.module.trainer = self.trainer
@@ -228,6 +206,5 @@ class ShardedDataModule(SplitLoaders):
         return loader
 
     @override
-    def predict_dataloader(self) -> DataLoader:
-        """The module's predict loader, sharded, each batch followed by its rows in its data set."""
+    def predict_dataloader(self) -> DataLoader:  # each batch followed by its rows in the data set
         return self._split_loader("predict")

@@ -16,7 +16,7 @@ from typing_extensions import override
 from dpddp._compat import data_position
 from dpddp.data import rules
 from dpddp.data.batches import empty_batch
-from dpddp.data.draws import get_streams, seed_streams, set_streams
+from dpddp.data.draws import get_streams, seed_streams, set_streams, streams_kept
 from dpddp.data.global_batch import SplitLoaders, YieldedIds, collate_function
 from dpddp.errors import ConfigError
 from dpddp.nn import key64
@@ -24,39 +24,30 @@ from dpddp.nn import key64
 # No workers read a stream here, and __len__ counts this rank's batches exactly.
 warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
 
-STREAM = 0x57EA_DA7A
-"""Folded into the seed first: the stream's own draws stay apart from other keys."""
+STREAM = 0x57EA_DA7A  # folded into the seed first: the stream's own draws stay apart from other keys
 
 
 class _OwnStreams:
-    """The global random streams a stream draws from while it is read, seeded from ``key64(STREAM, seed, epoch)``
-    and swapped in around each read, apart from the rank's."""
+    """The global random streams a stream draws from while it is read (no loader workers), seeded from
+    ``key64(STREAM, seed, epoch)`` and swapped in around each read, apart from the rank's."""
 
     def __init__(self, seed: int, epoch: int) -> None:
-        saved = get_streams()
-        seed_streams(key64(STREAM, seed, epoch))
-        self.state = get_streams()
-        set_streams(saved)
+        with streams_kept():
+            seed_streams(key64(STREAM, seed, epoch))
+            self.state = get_streams()
 
     def read(self, samples: Iterator[Any], count: int) -> list[Any]:
-        """The next ``count`` samples (fewer at the stream's end), read with the stream's own random state."""
-        saved = get_streams()
-        set_streams(self.state)
-        try:
-            return list(islice(samples, count))
-        finally:
+        """The next ``count`` samples (fewer at the stream's end)."""
+        with streams_kept():
+            set_streams(self.state)
+            read = list(islice(samples, count))
             self.state = get_streams()
-            set_streams(saved)
+        return read
 
 
 class StreamShares(YieldedIds, IterableDataset):
-    """Rank ``rank``'s chunk (``torch.tensor_split``) of each global batch of samples ``[start, start + length)``
-    of ``stream``, collated. ``train``: full batches only, from ``position() -> (epoch, batches trained)``; else
-    every sample once. Training ids (positions in the split) are recorded (``YieldedIds``).
-
-    Raises:
-        ConfigError: the stream ends before ``start + length`` samples.
-    """
+    """This rank's chunk of each global batch of samples ``[start, start + length)`` of ``stream``, collated;
+    training: full batches only, from the position. Raises ConfigError: the stream ends before them."""
 
     def __init__(
         self,
@@ -110,10 +101,7 @@ class StreamShares(YieldedIds, IterableDataset):
 
 class StreamDataModule(SplitLoaders):
     """``stream`` (``num_samples`` a pass; ``None``: its ``len``) cut into contiguous ``[train | val | test]``,
-    served by ``StreamShares``; its global draws seeded by ``(seed, epoch)``.
-
-    Raises ``ConfigError``: no ``IterableDataset``, or no sample count (construction); bad split settings (setup).
-    """
+    served by ``StreamShares``. Raises ConfigError: no ``IterableDataset``, no sample count, bad split settings."""
 
     def __init__(
         self,

@@ -20,10 +20,7 @@ TABLES = {"digits": datasets.load_digits, "breast_cancer": datasets.load_breast_
 
 class TableDataModule(GlobalBatchDataModule):
     """The table ``name`` of ``TABLES``, each feature standardized; ``num_features`` and ``num_classes`` state its
-    sizes in the config, for the model's to follow.
-
-    Raises ``ConfigError`` (setup): an unknown ``name``, or sizes that differ from the table's.
-    """
+    sizes for the model's to follow. Raises ConfigError: an unknown ``name``, or sizes other than the table's."""
 
     def __init__(
         self,
