@@ -1,2 +1,1 @@
-"""Every output of a run: throughput, the epoch table and lines, progress bars, predictions, the metric contract,
-``metrics.json`` and the curves."""
+"""A run's outputs: throughput, epoch table, progress bars, predictions, metric contract, metrics.json, curves."""

@@ -51,13 +51,12 @@ class MetricContract(pl.Callback):
         for name, (is_metric, synced) in logged_metric_kinds(trainer).items():
             if name not in read or is_metric:
                 continue
+            what = "rank 0's steps alone (no sync_dist): the other ranks' samples are not in it"
             if synced:  # Lightning's sync_dist: sum over ranks of value x inferred batch size, over the samples
                 what = (
                     "each step's value weighted by its chunk's samples over every rank (sync_dist): exact for a mean "
                     "over the chunk's samples (a loss, an accuracy), not for a metric that is not one (AUROC, F1)"
                 )
-            else:
-                what = "rank 0's steps alone (no sync_dist): the other ranks' samples are not in it"
             self._warn(
                 name,
                 f"{name} is logged as a tensor with {trainer.world_size} processes, so it is {what}: log a "

@@ -5,7 +5,8 @@ from __future__ import annotations
 import csv
 import logging
 import time
-from dataclasses import dataclass, field
+from copy import deepcopy
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -160,9 +161,7 @@ class EpochRecord(pl.Callback):
 
     def snapshot(self) -> EpochTable:
         """The table as a checkpoint taken now holds it: the running segment's seconds included."""
-        table = self.table
-        rows, sizes, validation = [dict(r) for r in table.rows], list(table.world_sizes), dict(table.validation)
-        return EpochTable(rows, self.train_time_s, table.segments, sizes, validation)
+        return replace(deepcopy(self.table), train_time_s=self.train_time_s)
 
     def flush(self, trainer: pl.Trainer) -> None:
         """Complete the pending row with the epoch's metrics; write it and log its line (rank 0)."""
