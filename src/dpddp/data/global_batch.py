@@ -20,6 +20,8 @@ from dpddp.data.built import data_streams, in_data_streams
 from dpddp.errors import ConfigError, first_line
 from dpddp.parallel.workers import start_workers_safely
 
+SPLITS = ("train", "val", "test")
+
 
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch)
@@ -237,12 +239,10 @@ class GlobalBatchDataModule(SplitLoaders):
         dataset = self.make_dataset()
         if isinstance(dataset, IterableDataset):
             raise ConfigError(rules.iterable_refusal(type(dataset).__name__))
-        n = len(dataset)  # type: ignore[arg-type]
-        num_train, num_val, _ = rules.split_sizes(n, self.val_fraction, self.test_fraction)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed))
-        cuts = {"train": perm[:num_train], "val": perm[num_train : num_train + num_val]}
-        cuts["test"] = perm[num_train + num_val :]
-        return {name: Batches(dataset, ids, self.collate_fn) for name, ids in cuts.items()}
+        sizes = rules.split_sizes(len(dataset), self.val_fraction, self.test_fraction)  # type: ignore[arg-type]
+        perm = torch.randperm(sum(sizes), generator=torch.Generator().manual_seed(self.seed))
+        cuts = zip(SPLITS, perm.split(sizes), strict=True)
+        return {name: Batches(dataset, ids, self.collate_fn) for name, ids in cuts}
 
     @override
     def setup(self, stage: str | None = None) -> None:
