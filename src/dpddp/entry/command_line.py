@@ -12,6 +12,7 @@ from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.errors import MissingConfigException, OverrideParseException, SearchPathException
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
@@ -160,18 +161,22 @@ def refused_override(override: Any, cfg: DictConfig, err: Exception) -> str:
     return f"{line} cannot be applied ({reason}): give {key} a value it takes"
 
 
+def parsed_sweep(params: Any, arguments: Any) -> list[Override]:
+    """The overrides of a sweeper's ``params`` (a mapping or ``None``), then of ``arguments``, parsed."""
+    hydra = GlobalHydra.instance()
+    loader = hydra.config_loader() if hydra.is_initialized() else None
+    lines = [f"{k}={v}" for k, v in (params or {}).items()] + list(arguments)
+    return OverridesParser.create(config_loader=loader).parse_overrides(lines)
+
+
 def sweep_variants(config: DictConfig) -> list[list[str]]:
     """The overrides of a basic sweep's first job for each combination of group options; ``[]`` with one job or
     under another sweeper."""
     choices = config.hydra.runtime.choices
     if choices.get("hydra/sweeper") != "basic":
         return []
-    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
-    loader = GlobalHydra.instance().config_loader() if GlobalHydra.instance().is_initialized() else None
     lists: dict[str, list[str]] = {}  # Hydra's basic sweeper: a key given twice keeps its last values
-    for override in OverridesParser.create(config_loader=loader).parse_overrides(
-        [*params, *config.hydra.overrides.task]
-    ):
+    for override in parsed_sweep(config.hydra.sweeper.get("params"), config.hydra.overrides.task):
         key = override.get_key_element()
         if not override.is_sweep_override():
             lists[key] = [f"{key}={override.get_value_element_as_str()}"]

@@ -18,8 +18,6 @@ from dpddp.entry.hydra import StartChecks, job_plan
 from dpddp.errors import fail, shell
 from dpddp.run.training import isolated_job, objective, train
 
-__all__ = ["EvalChecks", "main", "run_eval"]
-
 log = logging.getLogger(__name__)
 USAGE = "python eval.py ckpt_path=<a run's checkpoints/last.ckpt> [key=value ...]"
 

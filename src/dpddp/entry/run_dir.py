@@ -14,13 +14,10 @@ from dpddp.continuity.io import CheckpointFacts
 from dpddp.parallel.rendezvous import torchrun_restarted
 from dpddp.run.training import METRIC_KEYS
 
-__all__ = ["CONTINUE_MAY_CHANGE", "WEIGHTS", "completed_metrics", "continues", "directory_problem", "hydra_value"]
-__all__ += ["other_run", "other_sweep", "reached_limit"]
-
+# The overrides (and their sub-keys) that say what a run trains, and of those what a continue may change (and the
+# trainer group's choice, whose presets set the world).
 WEIGHTS = ("model", "data", "trainer", "seed")
-"""The overrides (and their sub-keys) that say what a run trains; a continue may change the others."""
 CONTINUE_MAY_CHANGE = ("trainer.max_epochs", "trainer.max_steps", "trainer.max_time", "trainer.enable_progress_bar")
-"""Of ``WEIGHTS``, what a continue may change (and the ``trainer`` group's choice, whose presets set the world)."""
 
 
 def completed_metrics(output_dir: Path) -> dict | None:
@@ -34,8 +31,7 @@ def completed_metrics(output_dir: Path) -> dict | None:
 
 
 def hydra_value(value: str) -> str:
-    """``value`` as Hydra 1.3's override parser reads it back unchanged, as a string: a plain path as it is, else
-    single-quoted with its quotes (and the backslashes before them) escaped."""
+    """``value`` as Hydra 1.3's override parser reads it back, as a string: a plain path as it is, else quoted."""
     if "/" in value and re.fullmatch(r"[A-Za-z0-9_./:+-]+", value):  # a path: never read as a number or a bool
         return value
     # backslashes before a quote, or before the closing quote, are doubled; each quote gets one
@@ -57,14 +53,13 @@ def reached_limit(trainer: DictConfig, last: CheckpointFacts) -> str | None:
 def continues(cfg: DictConfig, multirun: bool, last: CheckpointFacts) -> bool:
     """Whether the job continues the run whose ``last.ckpt`` is ``last``: a sweep job, ``resume=true``, or a
     launcher's restart of the job that wrote ``last`` (torchrun, a SLURM requeue, a pod restart)."""
-    job = launch_id()
-    own = job is not None and last.launch == job
+    own = (job := launch_id()) is not None and last.launch == job
     return bool(multirun or cfg.get("resume") or own or torchrun_restarted())
 
 
 def directory_problem(cfg: DictConfig, output_dir: Path, resume: bool, named: bool, ckpt: str | None) -> str | None:
-    """Why one run must not start in ``output_dir``, or ``None``: ``resume=true`` in a directory not ``named`` for
-    it, or a directory holding another run that it neither continues (``resume``) nor starts from (``ckpt``)."""
+    """Why one run must not start in ``output_dir`` (``resume=true`` without a ``named`` one, or another run's that
+    it neither continues nor starts from), or ``None``."""
     if cfg.get("resume") and not named:
         return (
             "resume=true needs the run to resume: add hydra.run.dir=<its directory> (e.g. "
@@ -107,7 +102,7 @@ def _first_apart(before: list[str], now: list[str]) -> str | None:
 
 def other_run(output_dir: Path, overrides: list[str], first: Path | None) -> str | None:
     """Why a run given ``overrides`` must not continue the run in ``output_dir`` (its first config directory:
-    ``first``): the first setting of ``WEIGHTS`` that differs, not a limit; ``None`` when none does."""
+    ``first``): the first setting of ``WEIGHTS`` that differs, or ``None``."""
     typed = first / "overrides.yaml" if first is not None else None
     if typed is None or not typed.is_file():
         return None

@@ -17,22 +17,12 @@ from dpddp.entry.hydra import sweep_resume_command
 from dpddp.errors import EXIT_CRASH, EXIT_PREEMPTED, fail
 from dpddp.report.curves import job_overrides, varying, write_plot
 
-__all__ = [
-    "LOCAL_LAUNCHERS",
-    "SUMMARY_COLUMNS",
-    "SweepSummary",
-    "best_row",
-    "end_sweep",
-    "objective_of",
-    "write_summary",
-]
-
+# The launchers whose jobs run under the sweep's process: a SIGTERM stops their sweep as one.
 LOCAL_LAUNCHERS = (
     HYDRA_BASIC_LAUNCHER,
     "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher",
     "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
 )
-"""The launchers whose jobs run under the sweep's process: a SIGTERM stops their sweep as one."""
 
 SUMMARY_COLUMNS: tuple[str, ...] = ("job", "overrides", "status", "val/loss", "val/acc", "test/acc")
 SUMMARY_COLUMNS += ("samples_per_sec", "world_size", "wall_time_s", "train_time_s", "segments")

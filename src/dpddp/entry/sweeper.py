@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import IntervalSweep, Transformer
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
@@ -20,25 +19,21 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from optuna.trial import FrozenTrial, TrialState
 
 from dpddp.continuity import stop as sweep_stop
+from dpddp.entry.command_line import parsed_sweep
 from dpddp.entry.summary import end_sweep, objective_of
 from dpddp.entry.sweeps import search_refusal
 from dpddp.errors import ConfigError
 
-__all__ = ["SearchSpace", "job_outcome", "search", "search_space"]
-
 log = logging.getLogger(__name__)
-
-SearchSpace = tuple[dict[str, BaseDistribution], list[str]]
-"""The sampled keys with their distributions, and the fixed overrides every trial takes."""
+SearchSpace = tuple[dict[str, BaseDistribution], list[str]]  # the sampled keys' distributions, the fixed overrides
 
 
 def search_space(params: Mapping[str, Any] | None, arguments: Sequence[str]) -> SearchSpace:
     """The search of ``params`` then ``arguments`` (a later key replaces an earlier one): an ``interval`` is a
     range (of integers, ``log``-scaled by its tag), any other sweep a choice, a plain ``key=value`` fixed."""
-    lines = [f"{k}={v}" for k, v in (params or {}).items()] + list(arguments)
     space: dict[str, BaseDistribution] = {}
     fixed: dict[str, str] = {}
-    for override in OverridesParser.create().parse_overrides(lines):
+    for override in parsed_sweep(params, arguments):
         key = override.get_key_element()
         space.pop(key, None)
         fixed.pop(key, None)
@@ -95,8 +90,7 @@ def _runs(trials: list[optuna.trial.Trial | FrozenTrial], size: int) -> Iterator
 
 def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], settings: Mapping[str, Any]) -> None:
     """Run the search of ``settings`` (``hydra.sweeper``) over ``arguments`` through ``launcher``, trial ``n`` in
-    ``<sweep dir>/<n>``: trials left running first, then new ones until the study has ``n_trials``. Raises
-    ``ConfigError`` for a setting it cannot run."""
+    ``<sweep dir>/<n>``, trials left running first. Raises ``ConfigError`` for a setting it cannot run."""
     if line := search_refusal(settings, arguments):
         raise ConfigError(line)
     space = search_space(settings.get("params"), arguments)
@@ -149,7 +143,7 @@ def _launch(
     objective: tuple[str, bool],
 ) -> None:
     """Launch ``trials`` and tell the study each value, or ``FAIL``; after a SIGTERM, an unfinished trial stays
-    running (the next invocation continues it) and the sweep ends (``end_sweep``)."""
+    running (the next invocation continues it) and the sweep ends."""
     overrides = [trial_overrides(t.number, t.params, space) for t in trials]
     returns = launcher.launch(overrides, initial_job_idx=trials[0].number)
     stopped = sweep_stop.active() and sweep_stop.requested()

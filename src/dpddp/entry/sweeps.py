@@ -13,33 +13,26 @@ from hydra.core.override_parser.types import IntervalSweep, Override, RangeSweep
 from omegaconf import DictConfig
 
 from dpddp._compat import hydra_command_line
-from dpddp.entry.command_line import sets_no_mode
+from dpddp.entry.command_line import parsed_sweep, sets_no_mode
 
-__all__ = ["SAMPLING", "repeated_key", "search_refusal", "sweep_refusal", "sweep_without_multirun"]
-
-SAMPLING = ("dpddp_optuna",)
-"""The ``hydra/sweeper`` options that sample a search space (``hparams_search=optuna`` chooses it)."""
+SAMPLING = ("dpddp_optuna",)  # the hydra/sweeper options that sample a search space
 
 
 def sweep_refusal(config: DictConfig) -> str | None:
-    """One line for the first sweep override of ``config`` its sweeper cannot run; ``None`` when all can, or under
-    a sweeper not known here."""
+    """One line for the first sweep override of ``config`` its sweeper cannot run; else ``None``."""
     choices = config.hydra.runtime.choices
     sweeper = choices.get("hydra/sweeper")
     if sweeper != "basic" and sweeper not in SAMPLING:
         return None
     loader = GlobalHydra.instance().config_loader() if GlobalHydra.instance().is_initialized() else None
-    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
-    parsed = OverridesParser.create(config_loader=loader).parse_overrides([*params, *config.hydra.overrides.task])
-    for override in parsed:
+    for override in parsed_sweep(config.hydra.sweeper.get("params"), config.hydra.overrides.task):
         if override.is_sweep_override() and (line := _refused(override, sweeper == "basic", choices, loader)):
             return line
     return search_refusal(config.hydra.sweeper, list(config.hydra.overrides.task)) if sweeper in SAMPLING else None
 
 
 def search_refusal(settings: Mapping[str, Any], arguments: Sequence[str]) -> str | None:
-    """One line for what the Optuna search cannot run (Optuna missing, a setting, an interval tag but ``log``);
-    ``None`` when it can."""
+    """One line for what the Optuna search cannot run (Optuna missing, a setting, an interval tag); else ``None``."""
     if importlib.util.find_spec("optuna") is None:
         return "hparams_search=optuna needs Optuna: pip install 'optuna>=4' (or the extra: pip install -e '.[optuna]')"
     if settings.get("direction") not in ("minimize", "maximize"):
@@ -53,8 +46,7 @@ def search_refusal(settings: Mapping[str, Any], arguments: Sequence[str]) -> str
             f"hydra.sweeper.storage={settings.get('storage') or 'null'}: a search without a storage cannot continue "
             "after a stop: keep the default (sqlite:///<sweep dir>/optuna.db) or give a database URL"
         )
-    lines = [f"{k}={v}" for k, v in (settings.get("params") or {}).items()] + list(arguments)
-    for override in OverridesParser.create().parse_overrides(lines):
+    for override in parsed_sweep(settings.get("params"), arguments):
         value = override.value() if override.is_interval_sweep() else None
         if isinstance(value, IntervalSweep) and (unknown := set(value.tags) - {"log"}):
             return (
