@@ -22,12 +22,9 @@ from dpddp._compat import disable_sigterm_broadcast, restore_sigterm_broadcast
 from dpddp.cluster import launched, launched_by_dpddp
 from dpddp.continuity.intervals import IntervalCheckpoints
 from dpddp.continuity.pace import Pace, agreed
-from dpddp.continuity.sweep_file import ENV, STOP_FILE, active, clear, request, requested
+from dpddp.continuity.sweep_file import ENV, STOP_FILE, active, request, requested
+from dpddp.continuity.sweep_file import clear as clear
 from dpddp.errors import Preempted, local_rank, stop_line
-
-__all__ = ["ENV", "STOP_FILE", "StepBoundaryStop", "active", "clear", "request", "requested", "run_stops"]
-__all__ += ["ON_SIGTERM", "TRANSITIONS", "Action", "Phase"]
-__all__ += ["RunScope", "command", "start", "starting_up", "watch"]
 
 _watching = False
 
@@ -36,16 +33,12 @@ def _on_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()  # signals reach the main thread only
 
 
-def _install(handler: Callable[[int, Any], None]) -> Any:
-    return signal.signal(signal.SIGTERM, handler)
+def _install(handler: Any) -> Any:
+    """Make ``handler`` (``None``: the default) SIGTERM's; returns the one it replaces."""
+    return signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
 
 
-def _put_back(previous: Any) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-
-
-def _preempted(dirpath: Path, step: int) -> Preempted:
-    last = dirpath / "last.ckpt"
+def _preempted(last: Path, step: int) -> Preempted:
     return Preempted(last if last.is_file() else None, step)
 
 
@@ -64,9 +57,9 @@ def watch() -> None:
     """From now on a SIGTERM stops the sweep (``request``) instead of ending this process."""
     global _watching
     if not _watching and _on_main_thread():
-        _install(lambda signum, frame: request())
+        previous = _install(lambda signum, frame: request())
         _watching = True
-        if _outside.take():  # the command's, before the sweep started
+        if isinstance(previous, _Outside) and previous.take():  # the command's, before the sweep started
             request()
 
 
@@ -129,7 +122,7 @@ class RunScope:
 
     def preempted(self) -> Preempted:
         step = self.trainer.global_step if self.trainer is not None else 0
-        return _preempted(self.output_dir / "checkpoints", step)
+        return _preempted(self.output_dir / "checkpoints" / "last.ckpt", step)
 
     def own(self, trainer: pl.Trainer) -> None:
         """From now to ``finish``, ``trainer``'s ``StepBoundaryStop`` takes SIGTERM, not Lightning."""
@@ -158,7 +151,7 @@ def run_stops(output_dir: Path) -> Iterator[RunScope]:
 
     def on_sigterm(signum: int, frame: Any) -> None:
         if os.getpid() != pid:  # a copy in a forked rank, before the rank's own scope
-            _outside.came = True
+            outside.came = True
             return
         if callable(previous):
             previous(signum, frame)
@@ -170,34 +163,38 @@ def run_stops(output_dir: Path) -> Iterator[RunScope]:
         elif not callable(previous):
             raise scope.preempted()
 
-    on_sigterm.dpddp_pid = pid  # type: ignore[attr-defined]
     previous = _install(on_sigterm)
-    if getattr(previous, "dpddp_pid", pid) != pid or previous in (_record, _at_exit):
-        previous = signal.SIG_DFL  # inherited from the launcher (a forked rank), or the command's: not this run's
-    scope.held = _outside.take()
+    outside = previous if isinstance(previous, _Outside) else getattr(previous, "dpddp_outside", None) or _Outside()
+    on_sigterm.dpddp_pid, on_sigterm.dpddp_outside = pid, outside  # type: ignore[attr-defined]
+    if getattr(previous, "dpddp_pid", pid) != pid or isinstance(getattr(previous, "__self__", previous), _Outside):
+        previous = signal.SIG_DFL  # inherited from the launcher (a forked rank), or a command's: not this run's
+    scope.held = outside.take()
     try:
         yield scope
     except SIGTERMException as err:
         raise scope.preempted() from err
     finally:  # in a ``command`` (not in a launched rank: rank 0 maps its stop), a SIGTERM from now is late
-        if callable(previous) or not _outside.command or launched_by_dpddp():
-            _put_back(previous)
+        if callable(previous) or not outside.command or launched_by_dpddp():
+            _install(previous)
         else:
-            _outside.ended = scope
-            _install(_record)
+            outside.ended = scope
+            _install(outside)
     if scope.held:
         raise scope.preempted()
 
 
 @dataclass
 class _Outside:
-    """SIGTERM outside a run's scope: ``came`` (one no scope answered), inside ``command``, the run that ``ended``
-    last in it, the command's ``resume`` command."""
+    """A SIGTERM handler for outside a run's scope: records one (``came``); inside ``command``, the run that
+    ``ended`` last in it and the command's ``resume`` command."""
 
     command: bool = False
     came: bool = False
     ended: RunScope | None = None
     resume: Callable[[], str] | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.came = True
 
     def take(self) -> bool:
         came, self.came = self.came, False
@@ -206,40 +203,32 @@ class _Outside:
     def preempted(self) -> Preempted:
         return self.ended.preempted() if self.ended is not None else Preempted(None, 0)
 
-
-_outside = _Outside()
-
-
-def _record(signum: int, frame: Any) -> None:
-    _outside.came = True
-
-
-def _at_exit(signum: int, frame: Any) -> None:
-    """While the process exits after its command: the stop line, exit 143."""
-    if local_rank() == 0:
-        os.write(2, f"error: {stop_line(_outside.preempted(), _outside.resume)}\n".encode())
-    os._exit(128 + signal.SIGTERM)
+    def at_exit(self, signum: int, frame: Any) -> None:
+        """While the process exits after its command: the stop line, exit 143."""
+        if local_rank() == 0:
+            os.write(2, f"error: {stop_line(self.preempted(), self.resume)}\n".encode())
+        os._exit(128 + signal.SIGTERM)
 
 
 @contextmanager
 def command(resume: Callable[[], str]) -> Iterator[None]:
     """An entry point's command: a SIGTERM outside its run raises ``Preempted`` at the end; one after, exit 143."""
-    _outside.command, _outside.came, _outside.ended, _outside.resume = True, False, None, resume
-    _install(_record)
+    outside = _Outside(command=True, resume=resume)
+    _install(outside)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one held since the first line comes now
     try:
         yield
     except BaseException as err:
-        _outside.command = False
-        _put_back(signal.SIG_DFL)  # a failed or stopped command ends by the signal while it exits
-        if isinstance(err, SystemExit) and err.code in (0, None) and _outside.take():  # --help, --print_config
-            raise _outside.preempted() from None
+        outside.command = False
+        _install(signal.SIG_DFL)  # a failed or stopped command ends by the signal while it exits
+        if isinstance(err, SystemExit) and err.code in (0, None) and outside.take():  # --help, --print_config
+            raise outside.preempted() from None
         raise
-    _outside.command = False
+    outside.command = False
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # no signal between the check and the exit's handler
-    if _outside.take() or signal.SIGTERM in signal.sigpending():
-        raise _outside.preempted()  # SIGTERM stays blocked: the process ends with this stop
-    _put_back(_at_exit if _outside.ended is not None else None)  # no run, nothing to say: the default
+    if outside.take() or signal.SIGTERM in signal.sigpending():
+        raise outside.preempted()  # SIGTERM stays blocked: the process ends with this stop
+    _install(outside.at_exit if outside.ended is not None else None)  # no run, nothing to say: the default
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
@@ -266,11 +255,10 @@ def starting_up(scope: RunScope) -> Iterator[None]:
 
 class StepBoundaryStop(pl.Callback):
     """Stops every stage on a SIGTERM to any rank, all ranks together within about ``interval_s``: in a fit after
-    writing ``<dirpath>/last.ckpt`` at a step boundary; raises ``Preempted``."""
+    writing ``<dirpath>/last.ckpt`` at a step boundary; raises ``Preempted``. ``intervals`` writes it too."""
 
-    def __init__(self, dirpath: str | Path, interval_s: float = 1.0, intervals: IntervalCheckpoints | None = None):
-        self.dirpath, self.interval_s = Path(dirpath), interval_s
-        self.intervals = intervals or IntervalCheckpoints(dirpath)
+    def __init__(self, dirpath: str | Path, intervals: IntervalCheckpoints) -> None:
+        self.last, self.intervals, self.interval_s = Path(dirpath) / "last.ckpt", intervals, 1.0
         self.requested = False
         self._train, self._eval = Pace(), Pace()
         self._sweep_checked = 0.0
@@ -303,7 +291,8 @@ class StepBoundaryStop(pl.Callback):
         if not (window_closed or batch_idx + 1 >= trainer.num_training_batches):
             return
         if self._agreed:
-            self._save_and_stop(trainer)
+            trainer.save_checkpoint(self.last, weights_only=False)  # explicit: else Lightning logs a line
+            raise Preempted(self.last, trainer.global_step)
         self.intervals.at_step_boundary(trainer)
 
     @override
@@ -314,7 +303,7 @@ class StepBoundaryStop(pl.Callback):
     def stop_after_fit(self, trainer: pl.Trainer) -> None:
         """Once ``last.ckpt`` holds the final weights: raise ``Preempted`` if the fit's end agreed on a SIGTERM."""
         if self._agreed:
-            raise self._preempted(trainer)
+            raise _preempted(self.last, trainer.global_step)
 
     # Evaluation (validation in a fit or alone, its sanity check, test, predict): the same agreement per batch.
     @override
@@ -341,15 +330,7 @@ class StepBoundaryStop(pl.Callback):
         if not self._agreed:
             self._agreed = self.agree(trainer, None if at_end else self._eval)
         if self._agreed and not (trainer.state.fn == "fit" and not trainer.sanity_checking):
-            raise self._preempted(trainer)
-
-    def _save_and_stop(self, trainer: pl.Trainer) -> None:
-        path = self.dirpath / "last.ckpt"
-        trainer.save_checkpoint(path, weights_only=False)  # explicit: Lightning logs a line when it is unset
-        raise Preempted(path, trainer.global_step)
-
-    def _preempted(self, trainer: pl.Trainer) -> Preempted:
-        return _preempted(self.dirpath, trainer.global_step)
+            raise _preempted(self.last, trainer.global_step)
 
     def agree(self, trainer: pl.Trainer, pace: Pace | None = None) -> bool:
         """Whether any rank got SIGTERM (or its sweep stops), agreed by every rank: now, or at ``pace``'s due
