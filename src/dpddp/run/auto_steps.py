@@ -27,6 +27,7 @@ from dpddp.diagnostics.bandwidth import step_seconds
 from dpddp.errors import first_line
 from dpddp.report.trackers import logger_specs
 from dpddp.run.config import Plan, execution_refusal
+from dpddp.run.draws_seen import streams_kept
 from dpddp.run.executions import known
 from dpddp.run.keys import target_class
 
@@ -103,8 +104,7 @@ def _probe(
 ) -> float | str:
     """The median seconds of one optimizer step of a copy of ``model`` on this rank's ``share`` of a global batch
     after a warm-up, or why there is none. The model and random streams are untouched; the data is set up."""
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+    with streams_kept([device.index or 0] if device.type == "cuda" else ()), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log outside a Trainer
         try:
             datamodule.setup("fit")

@@ -33,18 +33,10 @@ COMPILE_LIMITS = (
 
 def compile_mode(cfg: Mapping) -> str | None:
     """The ``torch.compile`` mode of ``cfg["compile"]``: ``None`` (eager), ``"default"`` for ``true``, or the one
-    named.
-
-    Raises:
-        ConfigError: another value.
-    """
+    named. Raises ``ConfigError`` for another value."""
     value = cfg.get("compile", False)
-    if value is False:
-        return None
-    if value is True:
-        return "default"
-    if isinstance(value, str) and value in MODES:
-        return value
+    if isinstance(value, bool) or (isinstance(value, str) and value in MODES):
+        return "default" if value is True else value or None
     raise ConfigError(
         f"compile={value!r} is not offered: use compile=true (torch.compile's default mode), a mode "
         f"({', '.join(MODES)}) or compile=false"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import random
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +22,7 @@ from dpddp.errors import first_line
 from dpddp.nn import SampleDropout, assign_layer_keys, sample_keys
 from dpddp.report.tally import rows
 
-__all__ = ["Draw", "draws_line", "find_draws", "global_draws", "probe_batch"]
+__all__ = ["Draw", "draws_line", "find_draws", "global_draws", "streams_kept"]
 
 PLAIN = (list, dict, set, tuple, int, float, bool, str, type(None))
 PROBE_ROWS = 8
@@ -47,24 +47,17 @@ FIXES = {
 
 
 def _streams() -> dict[str, Any]:
-    found: dict[str, Any] = {"torch": torch.default_generator.get_state()}
+    """Each global stream's state, as a value ``==`` compares."""
+    found: dict[str, Any] = {"torch": torch.default_generator.get_state().numpy().tobytes()}
     if torch.cuda.is_initialized():
-        found["cuda"] = torch.cuda.get_rng_state_all()
+        found["cuda"] = [state.numpy().tobytes() for state in torch.cuda.get_rng_state_all()]
     numpy: Any = np.random.get_state()  # ("MT19937", keys, position, ...)
-    found["numpy"], found["random"] = numpy[1:3], random.getstate()
+    found["numpy"], found["random"] = (numpy[1].tobytes(), numpy[2]), random.getstate()
     return found
 
 
 def _moved(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    moved: list[str] = [k for k in ("torch", "cuda") if k in after and not _same_tensors(before.get(k), after[k])]
-    (keys, at), (keys_now, at_now) = before["numpy"], after["numpy"]
-    moved += [] if at == at_now and np.array_equal(keys, keys_now) else ["numpy"]
-    return moved + (["random"] if before["random"] != after["random"] else [])
-
-
-def _same_tensors(a: Any, b: Any) -> bool:
-    a, b = (x if isinstance(x, list) else [x] for x in (a, b))
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    return [stream for stream, state in after.items() if before.get(stream) != state]
 
 
 def _kind(module: nn.Module | None) -> str:
@@ -140,9 +133,7 @@ def global_draws(model: pl.LightningModule, batch: Any, keyed: bool) -> list[Dra
     with ExitStack() as scope:
         if compiled is not None:
             scope.callback(setattr, model, "forward", compiled)
-        cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
-        scope.enter_context(torch.random.fork_rng(devices=cuda))
-        scope.enter_context(_global_streams_kept())
+        scope.enter_context(streams_kept(range(torch.cuda.device_count()) if torch.cuda.is_initialized() else ()))
         scope.enter_context(_model_kept(model))
         scope.enter_context(torch.no_grad())
         scope.enter_context(warnings.catch_warnings())
@@ -160,19 +151,21 @@ def global_draws(model: pl.LightningModule, batch: Any, keyed: bool) -> list[Dra
 
 
 @contextmanager
-def _global_streams_kept() -> Iterator[None]:
+def streams_kept(cuda: Iterable[int] = ()) -> Iterator[None]:
+    """The global random streams (torch's, numpy's, Python's, and those of the CUDA devices ``cuda``) as they were
+    after the block."""
     saved = np.random.get_state(), random.getstate()
     try:
-        yield
+        with torch.random.fork_rng(devices=cuda):
+            yield
     finally:
         np.random.set_state(saved[0])
         random.setstate(saved[1])
 
 
-def probe_batch(datamodule: pl.LightningDataModule) -> tuple[Any, bool]:
-    """A few samples of a training batch of ``datamodule`` (no worker started, streams kept), and whether dpddp
-    keys its samples. Raises what the data module raises."""
-    with torch.random.fork_rng(devices=[]), _global_streams_kept(), warnings.catch_warnings():
+def _probe_batch(datamodule: pl.LightningDataModule) -> tuple[Any, bool]:
+    """A few samples of a training batch (no worker started), and whether dpddp keys its samples."""
+    with streams_kept(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         datamodule.setup("fit")
         train = getattr(datamodule, "splits", {}).get("train")
@@ -190,7 +183,7 @@ def probe_batch(datamodule: pl.LightningDataModule) -> tuple[Any, bool]:
 def find_draws(model: pl.LightningModule, datamodule: pl.LightningDataModule) -> list[Draw] | str:
     """``global_draws`` on ``probe_batch``, or why the step could not run (one phrase)."""
     try:
-        batch, keyed = probe_batch(datamodule)
+        batch, keyed = _probe_batch(datamodule)
         return global_draws(model, batch, keyed)
     except Exception as err:  # a data module or model that needs its Trainer: the caller says it could not look
         return first_line(err)
