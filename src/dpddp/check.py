@@ -28,6 +28,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from hydra.utils import instantiate
+from lightning_utilities.core.apply_func import apply_to_collection
 from omegaconf import DictConfig
 
 from dpddp._compat import hydra_override_refused
@@ -130,11 +131,14 @@ def _difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple
     return diffs.get(worst, 0.0), worst
 
 
-def _runs(gpus: int) -> list[tuple[str, int, list[str]]]:
-    """The trainings (name, replicas, overrides): one process, ddp(2) and, on 2+ GPUs, dp over them."""
+def _runs(gpus: int) -> list[dict[str, Any]]:
+    """The trainings' rows (name, replicas, settings): one process, ddp(2) and, on 2+ GPUs, dp over them."""
     runs = [("1 process", 1, "auto"), ("ddp(2)", 2, "ddp"), *([(f"dp({gpus})", gpus, "dp")] if gpus >= 2 else [])]
     on = "gpu" if gpus >= 2 else "cpu"
-    return [(name, count, [f"accelerator={on}", f"strategy={how}", f"devices={count}"]) for name, count, how in runs]
+    return [
+        {"name": name, "replicas": count, "settings": [f"accelerator={on}", f"strategy={how}", f"devices={count}"]}
+        for name, count, how in runs
+    ]
 
 
 def _train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -151,9 +155,9 @@ SPREAD = 1.5
 """The advice decides only when the largest ratio is below this x the smallest."""
 
 
-def _again(runs: list[tuple[str, int, DictConfig]], ddp: dict[str, Any], work: Path) -> Callable[[int], float]:
+def _again(rows: list[dict[str, Any]], work: Path) -> Callable[[int], float]:
     """A round of ``_ratios``: one epoch of one process and of ddp(2), in the order the round's parity gives."""
-    cfgs = {name: cfg.copy() for name, _, cfg in runs if name in ("1 process", ddp["name"])}
+    cfgs = {row["name"]: row["cfg"].copy() for row in rows[:2]}
     for cfg in cfgs.values():
         cfg.trainer.max_epochs = 1
 
@@ -163,7 +167,7 @@ def _again(runs: list[tuple[str, int, DictConfig]], ddp: dict[str, Any], work: P
             run_dir = work / f"round{round}-{len(speeds)}"
             run_dir.mkdir()
             speeds[name] = _train(cfgs[name], run_dir)["samples_per_sec"]
-        return speeds[ddp["name"]] / speeds["1 process"]
+        return speeds["ddp(2)"] / speeds["1 process"]
 
     return again
 
@@ -191,8 +195,7 @@ def _agreed(ratios: list[float]) -> str | None:
 
 def _advice(rows: list[dict[str, Any]], ratios: list[float]) -> str:
     """The advice line from ``ratios``: which of one process and ddp(2) is faster here, or cannot tell now."""
-    ddp = next(r for r in rows if r["name"].startswith("ddp"))
-    share = ddp.get("allreduce_share")
+    share = rows[1].get("allreduce_share")
     waits = f"the gradient all-reduce takes {share:.0%} of each ddp step" if share is not None else "ddp all-reduces"
     shown = ", ".join(f"{r:.2f}" for r in ratios)
     rounds = f"{len(ratios)} alternated timings of ddp(2) over one process: {shown}"
@@ -247,11 +250,11 @@ def _side_run(overrides: list[str], config_dir: str | None, run_dir: Path) -> tu
 
 def _same_math(rows: list[dict[str, Any]], sixty_four: list[tuple[dict[str, torch.Tensor], int] | str]) -> list[str]:
     """Each replicated training's 64-bit line; sets ``row["math"]``: ``(diff, relative, where, step, one's step)``
-    or ``None`` (not measured)."""
+    or ``None`` (not measured), and ``row["apart"]``: another computation than one process's."""
     one, lines = sixty_four[0], []
     for row, found in zip(rows[1:], sixty_four[1:], strict=True):
         why = found if isinstance(found, str) else one if isinstance(one, str) else ""
-        row["math"] = None
+        row["math"], row["apart"] = None, False
         if why:
             lines.append(f"same math, in 64 bits: {row['name']} not measured ({why})")
             continue
@@ -260,18 +263,14 @@ def _same_math(rows: list[dict[str, Any]], sixty_four: list[tuple[dict[str, torc
         largest = max((w.double().abs().max().item() for w in one[0].values() if w.numel()), default=0.0)
         relative = diff / max(largest, 1e-30)
         row["math"] = (diff, relative, where, found[1], one[1])
+        row["apart"] = relative > SAME_MATH or found[1] != one[1]
         steps = f", step {found[1]} against {one[1]}" if found[1] != one[1] else ""
-        verdict = "the same math" if relative <= SAME_MATH and not steps else "NOT the same math"
+        verdict = "NOT the same math" if row["apart"] else "the same math"
         lines.append(
             f"same math, in 64 bits: {row['name']} ends {diff:.1e} from one process ({relative:.1e} of the largest "
             f"weight; tolerance {SAME_MATH:.0e}){steps}: {verdict}"
         )
     return lines
-
-
-def _apart(row: dict[str, Any]) -> bool:
-    """Whether ``row``'s 64-bit training (``_same_math``) is another computation than one process's."""
-    return bool(row.get("math")) and (row["math"][1] > SAME_MATH or row["math"][3] != row["math"][4])
 
 
 def _rounding(
@@ -298,7 +297,7 @@ def _rounding(
         row["bound"] = BOUND * max(TOLERANCE, scale)
         ratio = f"{row['diff'] / scale:.2f}x the scale" if scale else "the scale is 0"
         inside = "rounding" if row["diff"] <= row["bound"] else "beyond rounding"
-        inside = "not rounding: in 64 bits another computation" if _apart(row) else inside
+        inside = "not rounding: in 64 bits another computation" if row.get("apart") else inside
         parts.append(f"{row['name']} drifts {row['diff']:.1e} ({ratio}; bound {row['bound']:.1e}): {inside}")
     return f"rounding, in {precision}: {how}; bound {BOUND:g} x max({TOLERANCE:.0e}, scale); {'; '.join(parts)}"
 
@@ -308,21 +307,18 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
     before anything trains, ``PromiseBroken`` (its one line) when promise 1 does not hold."""
     for line in environment_lines():
         print(line)
-    planned = _runs(torch.cuda.device_count())
-    runs = [(name, count, _compose([*settings, *overrides], config_dir)) for name, count, settings in planned]
-    rows: list[dict[str, Any]] = []
-    for (name, count, cfg), (_, _, settings) in zip(runs, planned, strict=True):
-        run_dir = work / str(len(rows))  # a sweep's job directory to write_plot, labelled by its overrides
+    rows = _runs(torch.cuda.device_count())
+    for row in rows:
+        row["cfg"] = _compose([*row["settings"], *overrides], config_dir)
+    for i, row in enumerate(rows):
+        run_dir = work / str(i)  # a sweep's job directory to write_plot, labelled by its overrides
         (run_dir / ".hydra").mkdir(parents=True)  # the launched ranks log into it from their start
-        (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {s}\n" for s in settings))
-        result = _train(cfg, run_dir)
-        weights, step = _weights(run_dir)
+        (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {s}\n" for s in row["settings"]))
+        result = _train(row["cfg"], run_dir)
+        row["weights"], row["step"] = _weights(run_dir)
         share = result.get("allreduce_share")
-        rows.append(
-            {"name": name, "replicas": count, "weights": weights, "step": step, "precision": result["precision"],
-             "samples_per_sec": result["samples_per_sec"], "peak_mem_mib": result.get("peak_mem_mib"),
-             "allreduce_share": share if isinstance(share, float) and share == share else None}
-        )  # fmt: skip
+        row["allreduce_share"] = share if isinstance(share, float) and not math.isnan(share) else None
+        row.update({k: result.get(k) for k in ("precision", "samples_per_sec", "peak_mem_mib")})
     print(f"{'training':<10} {'samples/s':>10} {'scaling':>8} {'peak MiB':>9} {'all-reduce':>10} {'steps':>6} ", end="")
     print(f"{'max |w - w1|':>13}")
     for row in rows:
@@ -334,19 +330,19 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
             f"{share:>10} {row['step']:>6} {row['diff']:>13.1e}"
         )
     sixty_four = [
-        _side_run([*s, *overrides, SIXTY_FOUR], config_dir, work / f"wide{i}") for i, (_, _, s) in enumerate(planned)
+        _side_run([*row["settings"], *overrides, SIXTY_FOUR], config_dir, work / f"wide{i}")
+        for i, row in enumerate(rows)
     ]
     for line in _same_math(rows, sixty_four):
         print(line)
-    half = f"data.micro_batch_size={max(int(runs[0][2].data.batch_size) // 2, 1)}"
-    scaled = _side_run([*planned[0][2], *overrides, half], config_dir, work / "micro")
+    half = f"data.micro_batch_size={max(int(rows[0]['cfg'].data.batch_size) // 2, 1)}"
+    scaled = _side_run([*rows[0]["settings"], *overrides, half], config_dir, work / "micro")
     print(_rounding(rows, scaled, sixty_four[0], rows[0]["precision"]))
-    math_apart = [r for r in rows[1:] if _apart(r)]
+    math_apart = [r for r in rows[1:] if r["apart"]]
     drifting = [r for r in rows[1:] if r["diff"] > r["bound"] or r["step"] != rows[0]["step"]]
     print(f"promise 1 (the same math as one process; in {rows[0]['precision']}, a drift within rounding): ", end="")
     print("holds" if not (math_apart or drifting) else "does NOT hold")
-    ddp = next(r for r in rows if r["name"].startswith("ddp"))
-    print(_advice(rows, _ratios(ddp["samples_per_sec"] / rows[0]["samples_per_sec"], _again(runs, ddp, work))))
+    print(_advice(rows, _ratios(rows[1]["samples_per_sec"] / rows[0]["samples_per_sec"], _again(rows, work))))
     print(f"picture: {write_plot(work, Path(PICTURE).absolute())}")
     if math_apart:
         row = math_apart[0]
@@ -377,6 +373,7 @@ RECORD = "check_stops.pt"
 PROGRAM = "import signal; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); "
 PROGRAM += "from dpddp.entry.hydra import main; main()"
 OWN_PACKAGES = ("lightning", "pytorch_lightning", "dpddp", "torch")
+NUMBERS = (bool, int, float, torch.Tensor)  # a user's callback's attributes compared at the end
 WALL_CLOCK = ("Timer",)  # callbacks whose state is time measured (trainer.max_time's): never equal, not compared
 
 
@@ -402,7 +399,9 @@ class StopAt(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
         users = [cb for cb in callbacks if type(cb).__module__.split(".")[0] not in OWN_PACKAGES]
-        record = {"epoch_starts": self.epoch_starts, "attributes": {cb.state_key: _numbers(cb) for cb in users}}
+        numbers = {cb.state_key: {k: v for k, v in vars(cb).items() if isinstance(v, NUMBERS)} for cb in users}
+        attributes = apply_to_collection(numbers, torch.Tensor, lambda t: t.detach().cpu())
+        record = {"epoch_starts": self.epoch_starts, "attributes": attributes}
         record["restored"] = {cb.state_key: _read_keys(cb) for cb in callbacks}
         record["schedulers"] = [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs]
         torch.save(record, Path(trainer.default_root_dir) / RECORD)
@@ -431,11 +430,6 @@ def _read_keys(callback: pl.Callback) -> list[str] | None:
     except Exception:  # a load that needs more than its own state: every key compared
         return None
     return sorted(str(k) for k in state.read)
-
-
-def _numbers(callback: pl.Callback) -> dict[str, Any]:
-    found = {k: v for k, v in vars(callback).items() if isinstance(v, (bool, int, float, torch.Tensor))}
-    return {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in found.items()}
 
 
 def _leaves(value: Any, name: str, run_dir: Path) -> dict[str, Any]:

@@ -73,7 +73,6 @@ class Costs(pl.Callback):
 
     def __init__(self, counts: ThroughputCounts) -> None:
         self.counts = counts
-        self.kind = "rss"
         self.epoch: dict[str, float] = {}
         self._base, self._epoch_start = 0.0, (0.0, 0.0)
         self._hosts: list[str] | None = None
@@ -157,7 +156,7 @@ class Costs(pl.Callback):
     ) -> dict[str, float]:
         """The peak memory (largest over ranks) and ``waited / stepped`` (summed over ranks) when timed; for an
         ``epoch``, each rank's compute and wait seconds into ``counts`` and the slowest rank. One all-gather."""
-        peak, self.kind = peak_memory_mib(trainer)
+        peak, _ = peak_memory_mib(trainer)
         mine = torch.tensor([peak, waited or 0.0, stepped], dtype=torch.float64, device=trainer.strategy.root_device)
         rows = [mine]
         if torch.distributed.is_available() and torch.distributed.is_initialized():

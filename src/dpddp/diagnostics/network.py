@@ -11,8 +11,7 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["IFNAME_VARS", "choose_interface", "interface_address", "interface_for_address", "is_local_address"]
-__all__ += ["route_interface"]
+__all__ = ["choose_interface", "interface_address", "interface_for_address", "is_local_address", "route_interface"]
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 

@@ -83,17 +83,10 @@ class Whereabouts(threading.Thread):
     seconds under ``prefix``; ``explain`` reads the others' after a failure."""
 
     def __init__(
-        self,
-        address: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        prefix: str,
-        position: Callable[[], tuple[str, int]],
+        self, address: str, port: int, rank: int, world_size: int, prefix: str, position: Callable[[], tuple[str, int]]
     ) -> None:
         super().__init__(daemon=True, name="dpddp-whereabouts")
-        self.address, self.port, self.rank, self.world_size, self.prefix = address, port, rank, world_size, prefix
-        self.position = position
+        self.rank, self.world_size, self.prefix, self.position = rank, world_size, prefix, position
         self.stopped = threading.Event()
         self._client = StoreClient(address, port)
         self._published = ""
