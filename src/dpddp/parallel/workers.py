@@ -79,14 +79,6 @@ class WorkerStart:
 if in_fork_server():  # it preloads this module: exit at once, without finalizing what it imported
     atexit.register(os._exit, 0)  # the last registered runs first
 _preloaded: set[str] = {"torch", __name__}
-_servers_end_in: list[int] = []  # the pid whose exit stops its fork server and tracker (once per process)
-
-
-def _end_servers_at_exit() -> None:
-    """Have this process stop and reap its fork server and resource tracker when it exits; once per process."""
-    if _servers_end_in != [os.getpid()]:
-        _servers_end_in[:] = [os.getpid()]
-        at_multiprocessing_exit(stop_worker_servers)
 
 
 def _modules_of(*objects: object) -> set[str]:
@@ -117,7 +109,7 @@ def start_workers_safely(loader: object, rank: int) -> object:
     if loader.multiprocessing_context is None and START_METHOD in multiprocessing.get_all_start_methods():
         loader.multiprocessing_context = START_METHOD
         _preload(loader)
-    _end_servers_at_exit()
+    at_multiprocessing_exit(stop_worker_servers)  # this process stops and reaps its fork server and tracker
     then = loader.worker_init_fn
     if then is None and int(os.environ.get("PL_SEED_WORKERS", 0)):
         then = partial(pl_worker_init_function, rank=rank)
