@@ -84,10 +84,11 @@ class EpochIds(list):
 
 class KeyedSamples(Dataset):
     """``dataset`` for torch's loader: ``__getitems__(ids)`` keys each sample's draws by ``(seed, epoch, id)``
-    (``epoch`` that of ``EpochIds``, else 0), one key a batch where ``dataset`` has its own ``__getitems__``."""
+    (``epoch`` that of ``EpochIds``, else 0), one key a batch where ``dataset`` has its own ``__getitems__``;
+    ``rows``: each sample fetched alone, as ``(sample, id)``."""
 
-    def __init__(self, dataset: Any, seed: int = 0) -> None:
-        self.dataset, self.seed = dataset, seed
+    def __init__(self, dataset: Any, seed: int = 0, rows: bool = False) -> None:
+        self.dataset, self.seed, self.rows = dataset, seed, rows
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -97,10 +98,11 @@ class KeyedSamples(Dataset):
 
     def __getitems__(self, ids: list[int]) -> list[Any]:
         keys = sample_seeds(self.seed, getattr(ids, "epoch", 0), torch.tensor(ids, dtype=torch.long)) if ids else []
-        getitems = getattr(self.dataset, "__getitems__", None)
+        getitems = None if self.rows else getattr(self.dataset, "__getitems__", None)
         if isinstance(self.dataset, Subset) and not callable(getattr(self.dataset.dataset, "__getitems__", None)):
             getitems = None  # torch's Subset has one that fetches its data set's samples one by one: key each
-        return fetch_keyed(self.dataset, ids, keys, getitems)
+        samples = fetch_keyed(self.dataset, ids, keys, getitems)
+        return list(zip(samples, ids, strict=True)) if self.rows else samples
 
 
 class UnkeyedDraws(pl.Callback):

@@ -12,7 +12,6 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
-    Dataset,
     IterableDataset,
     RandomSampler,
     Sampler,
@@ -94,31 +93,13 @@ class ShardedBatchSampler(YieldedIds, Sampler[list[int]]):
             yield EpochIds(self._record(k, epoch, ids).tolist(), epoch)
 
 
-class _Collate:
-    """``collate``, of no samples a sample cut to 0 rows; with ``rows``, of ``_WithRows``' samples with their rows."""
-
-    def __init__(self, collate: Any, dataset: Any, rows: bool) -> None:
-        self.collate, self.dataset, self.rows = collate, dataset, rows
-
-    def __call__(self, samples: list) -> Any:
-        items = [sample for sample, _ in samples] if self.rows else samples
-        batch = self.collate(items) if items else empty_batch(self.collate([self.dataset[0]]))
-        if not self.rows:
-            return batch
-        return with_rows(batch, dataset_rows(self.dataset, torch.tensor([i for _, i in samples], dtype=torch.long)))
-
-
-class _WithRows(Dataset):
-    """``(dataset[i], i)``."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> tuple[Any, int]:
-        return self.dataset[i], i
+def _collate(collate: Any, dataset: Any, rows: bool, samples: list) -> Any:
+    """``collate(samples)``, of none a sample cut to 0 rows; with ``rows``, of ``(sample, id)``s, their rows added."""
+    items = [sample for sample, _ in samples] if rows else samples
+    batch = collate(items) if items else empty_batch(collate([dataset[0]]))
+    if not rows:
+        return batch
+    return with_rows(batch, dataset_rows(dataset, torch.tensor([i for _, i in samples], dtype=torch.long)))
 
 
 def shard_loader(
@@ -150,9 +131,9 @@ def shard_loader(
     kept = ["num_workers", "pin_memory", "timeout", "worker_init_fn", "generator", "persistent_workers"]
     kept += ["multiprocessing_context", "prefetch_factor"] if loader.num_workers else []  # for workers only
     sharded = DataLoader(
-        _WithRows(loader.dataset) if with_rows else KeyedSamples(loader.dataset, seed),
+        KeyedSamples(loader.dataset, seed, with_rows),
         batch_sampler=batches,
-        collate_fn=_Collate(loader.collate_fn, loader.dataset, with_rows),
+        collate_fn=partial(_collate, loader.collate_fn, loader.dataset, with_rows),
         **{key: getattr(loader, key) for key in kept},
     )
     return start_workers_safely(sharded, rank)  # type: ignore[return-value]
