@@ -18,6 +18,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from omegaconf import OmegaConf
 
 from dpddp.errors import ConfigError, Preempted
+from dpddp.parallel.rules import world_of
 from dpddp.run.config import check_precision
 from dpddp.run.training import train
 
@@ -116,7 +117,8 @@ def test_metrics_json_records_the_precision(tmp_path):
 
 def _cfg(precision, strategy, devices):
     cfg = {"trainer": {"precision": precision}, "strategy": {"name": strategy}, "devices": devices, "num_nodes": 1}
-    return {**cfg, "accelerator": "cpu", "cluster": "auto"}
+    cfg = {**cfg, "accelerator": "cpu", "cluster": "auto"}
+    return cfg, world_of(cfg)
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "16-true", "transformer-engine"])
@@ -124,10 +126,10 @@ def test_16_bit_weights_over_replicas_are_refused_in_one_line(precision):
     """A config mapping (dp over GPUs needs none here): 16-bit weights sum 16-bit gradients."""
     line = f"^trainer.precision={precision} with 4 processes: the weights and the gradient all-reduce would be 16-bit"
     with pytest.raises(ConfigError, match=line):
-        check_precision(_cfg(precision, "ddp_spawn", 4))
+        check_precision(*_cfg(precision, "ddp_spawn", 4))
     with pytest.raises(ConfigError, match=f"^trainer.precision={precision} with 2 GPUs under strategy=dp: the weights"):
-        check_precision(_cfg(precision, "dp", 2))
-    check_precision(_cfg(precision, "auto", 1))
+        check_precision(*_cfg(precision, "dp", 2))
+    check_precision(*_cfg(precision, "auto", 1))
 
 
 REPLICAS = (("dp", 2), ("ddp", 3), ("ddp_spawn", 2), ("auto", 1))
@@ -138,7 +140,7 @@ def _accepted(precision) -> list[tuple[str, int]]:
     accepted = []
     for strategy, devices in REPLICAS:
         try:
-            check_precision(_cfg(precision, strategy, devices))
+            check_precision(*_cfg(precision, strategy, devices))
         except ConfigError:
             continue
         accepted.append((strategy, devices))

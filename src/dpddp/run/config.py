@@ -1,5 +1,5 @@
-"""Validation of a composed config: every bad setting becomes one ``ConfigError`` line (the setting, the value, what
-to do instead) before any process starts."""
+"""The check of a composed config (``check_config``): every bad setting is one ``ConfigError`` line (the setting, the
+value, what to do instead) before any process starts; a good one gives the run's ``Plan``."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from dpddp.data.sharded import ShardedDataModule
 from dpddp.data.streams import StreamDataModule
 from dpddp.errors import ConfigError, checked_float, checked_int, unwritable
 from dpddp.models.classifier import OPTIMIZERS, Classifier
-from dpddp.parallel.rules import DDP_FAMILY, World, resolve_world, world_of
+from dpddp.parallel.rules import DDP_FAMILY, World, resolve_world
 from dpddp.report.trackers import logger_specs
 from dpddp.run.assembly import epoch_lines
 from dpddp.run.build import build
@@ -154,13 +154,6 @@ def _check_executions(cfg: Mapping) -> None:
         raise ConfigError(f"steps_per_execution={k} with {refusal}: use steps_per_execution=1")
 
 
-def _check_compile(cfg: Mapping) -> None:
-    """``compile``: when set, the ``COMPILE_LIMITS``."""
-    if (mode := compile_mode(cfg)) is not None:
-        setting = "compile=true" if cfg.get("compile") is True else f"compile={mode}"
-        _check_limits(cfg, COMPILE_LIMITS, setting, "use compile=false")
-
-
 # Settings that cannot keep the promises with data.micro_batch_size: (setting, the values that can, why).
 MICRO_BATCH_LIMITS = (
     ("trainer.accumulate_grad_batches", (None, 1), "a split step is one optimizer step per global batch"),
@@ -168,30 +161,15 @@ MICRO_BATCH_LIMITS = (
 )
 
 
-def _check_micro_batches(cfg: Mapping) -> None:
-    """``data.micro_batch_size``: when set, the ``MICRO_BATCH_LIMITS``."""
-    micro = (cfg["data"] or {}).get("micro_batch_size")
-    check_micro_batch_size(micro)
-    if micro is None:
-        return
-    _check_limits(cfg, MICRO_BATCH_LIMITS, f"data.micro_batch_size={micro}", "data.micro_batch_size")
-
-
-MIXED = ("16", "bf16", "16-mixed", "bf16-mixed")
-"""Mixed precision (Lightning's ``MixedPrecision``; ``16`` and ``bf16`` are its aliases): float32 weights and
-gradients, 16-bit autocast."""
 HALF_WEIGHTS = ("16-true", "bf16-true", "transformer-engine", "transformer-engine-float16")
 """Precisions that hold the weights, and so the gradient all-reduce, in 16 bits."""
 
 
-def check_precision(cfg: Mapping) -> None:
-    """A precision with 16-bit weights over several replicas is refused (16-bit gradient sums drift); mixed
-    precision keeps weights and all-reduce in 32 bits."""
-    precision = str((cfg["trainer"] or {}).get("precision"))
-    dp = cfg["strategy"]["name"] == "dp"
-    count = world_of(cfg).replicas
+def check_precision(cfg: Mapping, world: World) -> None:
+    """``ConfigError`` for a precision with 16-bit weights over several replicas (16-bit gradient sums drift)."""
+    precision, count = str((cfg["trainer"] or {}).get("precision")), world.replicas
     if precision in HALF_WEIGHTS and count > 1:
-        where = f"{count} GPUs under strategy=dp" if dp else f"{count} processes"
+        where = f"{count} GPUs under strategy=dp" if world.family == "dp" else f"{count} processes"
         raise ConfigError(
             f"trainer.precision={precision} with {where}: the weights and the gradient all-reduce would be 16-bit, "
             "so the weights drift from one process's: use trainer.precision=bf16-mixed (or 16-mixed on GPUs), "
@@ -209,25 +187,6 @@ def _check_switches(cfg: Mapping) -> None:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}={value!r} is not a switch: use {key}=true or {key}=false")
     epoch_lines(cfg)
-
-
-# Trainer modes that switch off what dpddp's outputs are made of: (flag, the value refused, why, what to use instead).
-TRAINER_MODES = (
-    (
-        "barebones",
-        True,
-        "Lightning switches off self.log() and checkpointing in it, and dpddp's outputs are made of them "
-        "(metrics.json, the epoch lines, last.ckpt)",
-        "for speed use trainer.enable_progress_bar=false epoch_lines=false logger=none instead",
-    ),
-)
-
-
-def _check_modes(trainer: Mapping) -> None:
-    """The ``TRAINER_MODES``: a mode whose run would end with no metrics or checkpoint."""
-    for flag, refused, why, instead in TRAINER_MODES:
-        if trainer.get(flag) == refused:
-            raise ConfigError(f"trainer.{flag}={refused!r} is not offered: {why}: {instead}")
 
 
 def _check_checkpointing(cfg: Mapping) -> None:
@@ -257,34 +216,25 @@ def _refuses_without_logger(test: ast.expr) -> bool:
     return False
 
 
-def _reading_logger(cls: type) -> list[Any]:
-    """The functions defined on ``cls`` whose code reads an attribute named ``logger`` or ``loggers``."""
-    found = []
-    for attr in vars(cls).values():
-        func = getattr(attr, "__func__", getattr(attr, "fget", attr))
-        code = getattr(func, "__code__", None)
-        if code is not None and {"logger", "loggers"} & set(code.co_names):
-            found.append(func)
-    return found
-
-
 def needs_logger(cls: type) -> bool:
-    """Whether the callback class ``cls`` raises when the Trainer has no logger: one of its methods, or a base's
-    below ``pl.Callback``, has Lightning's own test (``if not trainer.loggers: raise ...``, as
-    ``LearningRateMonitor.on_train_start`` and ``DeviceStatsMonitor.setup`` do). Read from the source of the
-    methods that name a logger, so no callback is built or run for it."""
+    """Whether the callback class ``cls`` raises when the Trainer has no logger: a method of it or of a base below
+    ``pl.Callback`` that names a logger has Lightning's own test (``if not trainer.loggers: raise ...``), read from
+    its source (nothing is built or run)."""
     for base in cls.__mro__:
         if base in (pl.Callback, object):
             continue
-        for func in _reading_logger(base):
+        for attr in vars(base).values():
+            func = getattr(attr, "__func__", getattr(attr, "fget", attr))
+            code = getattr(func, "__code__", None)
+            if code is None or not {"logger", "loggers"} & set(code.co_names):
+                continue
             try:
                 tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
             except (OSError, TypeError, SyntaxError):  # no source (a C or a dynamic function): nothing to read
                 continue
-            for node in ast.walk(tree):
-                if isinstance(node, ast.If) and _refuses_without_logger(node.test):
-                    if any(isinstance(n, ast.Raise) for stmt in node.body for n in ast.walk(stmt)):
-                        return True
+            tests = [n for n in ast.walk(tree) if isinstance(n, ast.If) and _refuses_without_logger(n.test)]
+            if any(isinstance(r, ast.Raise) for n in tests for stmt in n.body for r in ast.walk(stmt)):
+                return True
     return False
 
 
@@ -343,6 +293,19 @@ class Plan:
     resume: str | None = None
 
 
+# Counts Lightning takes unchecked, or divides by mid-fit: (trainer flag, the other values taken, what to give instead).
+TRAINER_COUNTS = (
+    ("accumulate_grad_batches", (None,), "use a positive number of batches per optimizer step"),
+    ("max_epochs", (None, -1), "use a positive number, or -1 for no limit"),
+    ("max_steps", (None, -1), "use a positive number, or -1 for no limit"),
+    (
+        "check_val_every_n_epoch",
+        (None,),
+        "use a positive number of epochs, or null with an integer trainer.val_check_interval",
+    ),
+)
+
+
 def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> Plan:
     """Check a composed config for ``stage``, its settings then its ``ckpt_path``; return its ``Plan``. Raises
     ``ConfigError``: the first bad setting (a key, a value, the world, the checkpoint), in one line."""
@@ -377,8 +340,12 @@ def _check_settings(cfg: DictConfig | Mapping, stage: str) -> World:
         check_divides(cfg["data"].get("batch_size"), procs, world.world_size_source)
     _check_sharding(cfg, procs)
     _check_executions(cfg)
-    _check_micro_batches(cfg)
-    _check_compile(cfg)
+    check_micro_batch_size(micro := (cfg["data"] or {}).get("micro_batch_size"))
+    if micro is not None:
+        _check_limits(cfg, MICRO_BATCH_LIMITS, f"data.micro_batch_size={micro}", "data.micro_batch_size")
+    if (mode := compile_mode(cfg)) is not None:
+        setting = "compile=true" if cfg.get("compile") is True else f"compile={mode}"
+        _check_limits(cfg, COMPILE_LIMITS, setting, "use compile=false")
     if issubclass(target_class("model", cfg["model"]), Classifier):  # the built-in models
         _check_model(cfg["model"])
     for key in ("num_features", "num_classes"):  # linked settings: the model's sizes follow the data's
@@ -393,8 +360,13 @@ def _check_settings(cfg: DictConfig | Mapping, stage: str) -> World:
             f"trainer.overfit_batches={overfit!r} is not offered: Lightning replaces the training sampler for it; "
             f"use trainer.limit_train_batches={overfit!r} trainer.limit_val_batches={overfit!r} instead"
         )
-    check_precision(cfg)
-    _check_modes(cfg["trainer"] or {})  # before Lightning's check: its line would not say why, or what instead
+    check_precision(cfg, world)
+    if (cfg["trainer"] or {}).get("barebones") is True:  # before Lightning's check: it would not say why
+        raise ConfigError(
+            "trainer.barebones=True is not offered: Lightning switches off self.log() and checkpointing in it, and "
+            "dpddp's outputs are made of them (metrics.json, the epoch lines, last.ckpt): for speed use "
+            "trainer.enable_progress_bar=false epoch_lines=false logger=none instead"
+        )
     if problem := refused_flag(cfg["trainer"] or {}):
         raise ConfigError(problem)
     _check_checkpointing(cfg)
@@ -404,22 +376,12 @@ def _check_settings(cfg: DictConfig | Mapping, stage: str) -> World:
     check_keys("checkpoint", [str(k) for k in cfg.get("checkpoint") or {}], list(CHECKPOINT_KEYS))
     checkpoint_intervals(cfg)
     check_every(cfg)
-    accumulate = (cfg["trainer"] or {}).get("accumulate_grad_batches")
-    if accumulate is not None:
-        checked_int(
-            "trainer.accumulate_grad_batches", accumulate, 1, "use a positive number of batches per optimizer step"
-        )
+    for key, taken, fix in TRAINER_COUNTS:
+        if (value := (cfg["trainer"] or {}).get(key)) not in taken:
+            checked_int(f"trainer.{key}", value, 1, fix)
     clip = (cfg["trainer"] or {}).get("gradient_clip_val")
     if clip is not None:
         checked_float("trainer.gradient_clip_val", clip, 0.0, math.inf, "use a non-negative norm or value, or null")
-    for key in ("max_epochs", "max_steps"):
-        value = (cfg["trainer"] or {}).get(key)
-        if value is not None and value != -1:
-            checked_int(f"trainer.{key}", value, 1, "use a positive number, or -1 for no limit")
-    every = (cfg["trainer"] or {}).get("check_val_every_n_epoch")
-    if every is not None:  # Lightning divides by it, mid-fit
-        fix = "use a positive number of epochs, or null with an integer trainer.val_check_interval"
-        checked_int("trainer.check_val_every_n_epoch", every, 1, fix)
     return world
 
 
@@ -427,11 +389,11 @@ def _check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None
     ckpt = cfg["ckpt_path"]
     if ckpt is None:
         return None
-    if Path(str(ckpt)).is_dir():
-        inside = [p for p in (Path(str(ckpt)) / "last.ckpt", Path(str(ckpt)) / "checkpoints/last.ckpt") if p.is_file()]
+    if (path := Path(str(ckpt))).is_dir():
+        inside = [p for p in (path / "last.ckpt", path / "checkpoints/last.ckpt") if p.is_file()]
         instead = f"ckpt_path={inside[0]}" if inside else "a checkpoint file, e.g. <run dir>/checkpoints/last.ckpt"
         raise ConfigError(f"ckpt_path={str(ckpt)!r} is a directory, not a checkpoint file: give {instead}")
-    if not Path(str(ckpt)).is_file():
+    if not path.is_file():
         raise ConfigError(
             f"ckpt_path={str(ckpt)!r} does not exist: give a checkpoint file, e.g. <run dir>/checkpoints/last.ckpt"
         )
@@ -472,11 +434,9 @@ def _configured_model(cfg: Mapping) -> ConfiguredModel | None:
     assert isinstance(raw, dict)
     settings: dict[str, tuple[str, Any]] = {}
     for key, given in raw.items():
-        name = str(key)
-        if name == "_target_":
-            continue
         followed = re.fullmatch(r"\$\{(data\.\w+)\}", given) if isinstance(given, str) else None
-        settings[name] = (followed.group(1) if followed else f"model.{name}", spec[key])
+        settings[str(key)] = (followed.group(1) if followed else f"model.{str(key)}", spec[key])
+    settings.pop("_target_", None)
     return ConfiguredModel(shapes, bool(getattr(model, "strict_loading", True)), settings)
 
 
