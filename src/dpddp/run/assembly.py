@@ -72,15 +72,6 @@ def epoch_lines(cfg: Mapping) -> bool:
     return value is True or (value == "auto" and not sys.stdout.isatty())
 
 
-def _progress_bar(cfg: DictConfig) -> tuple[bool, list[pl.Callback]]:
-    """``enable_progress_bar`` for the Trainer and the bar: ``null`` shows Lightning's bar on a terminal only."""
-    flag = (cfg.trainer or {}).get("enable_progress_bar")
-    show = sys.stdout.isatty() if flag is None else bool(flag)
-    if not show:
-        return False, []
-    return True, [RichBar() if importlib.util.find_spec("rich") else TQDMBar()]
-
-
 def build_strategy(cfg: DictConfig, job: RankJob | None) -> pl.strategies.Strategy:
     """The Trainer's strategy: ``OneProcessStrategy`` (``auto``), ``dp``, or ``DDPStrategy`` starting ranks from ``job``
     (``ddp_spawn``: each rank a fresh interpreter, so a SIGTERM to the parent still stops them with a checkpoint)."""
@@ -224,8 +215,10 @@ def build_trainer(
     ``executions`` among its callbacks; ``predicts_forward``: predictions by the forward). ``ConfigError``: a flag
     Lightning refused."""
     softmax_per_sample()  # a torchmetrics metric fed logits: the same value however a batch is chunked
-    bar, bar_callbacks = _progress_bar(cfg)
     flags = {k: v for k, v in (cfg.trainer or {}).items() if k != "enable_progress_bar"}
+    bar = (cfg.trainer or {}).get("enable_progress_bar")  # null: Lightning's bar on a terminal only
+    bar = sys.stdout.isatty() if bar is None else bool(bar)
+    bars = [RichBar() if importlib.util.find_spec("rich") else TQDMBar()] if bar else []
     if executions is not None:  # it clips (Lightning refuses clipping under the manual optimization it runs)
         flags = {k: v for k, v in flags.items() if k not in ("gradient_clip_val", "gradient_clip_algorithm")}
     batchnorm = batchnorm_plugins(cfg, model)  # before the Trainer: its refusals are dpddp's own lines
@@ -243,7 +236,7 @@ def build_trainer(
             devices=cfg.devices,
             num_nodes=cfg.num_nodes,
             logger=logger,
-            callbacks=[*callbacks, *sample_keys, *bar_callbacks],
+            callbacks=[*callbacks, *sample_keys, *bars],
             default_root_dir=str(output_dir),
             use_distributed_sampler=False,
             # Lightning no longer auto-detects Kubeflow's PyTorchJob; the others (torchrun, SLURM) it does.

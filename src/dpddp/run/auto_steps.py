@@ -65,9 +65,9 @@ def _seen_by_callback(section: str, spec: Mapping) -> str | None:
     cls = target_class(section, spec)
     if not known(cls):
         return f"{section} ({cls.__name__}) is not one of dpddp's callbacks or Lightning's known by exact type"
-    if cls is ModelCheckpoint and (spec.get("every_n_train_steps") or spec.get("train_time_interval") is not None):
-        name = "every_n_train_steps" if spec.get("every_n_train_steps") else "train_time_interval"
-        return f"{section}.{name}={spec[name]}: its trigger would see executions"
+    trigger = "every_n_train_steps" if spec.get("every_n_train_steps") else "train_time_interval"
+    if cls is ModelCheckpoint and spec.get(trigger) is not None:
+        return f"{section}.{trigger}={spec[trigger]}: its trigger would see executions"
     return None
 
 
