@@ -13,7 +13,7 @@ from omegaconf.errors import GrammarParseError
 from dpddp.errors import ConfigError
 from dpddp.run.assembly import build_trainer
 from dpddp.run.config import check_config
-from dpddp.run.keys import allowed_keys
+from dpddp.run.keys import TRAINER_OWNED, allowed_keys
 
 BASE = compose_cfg("accelerator=cpu")
 junk = st.one_of(st.text(max_size=12), st.lists(st.integers(), max_size=2), st.just(None), st.booleans())
@@ -115,17 +115,7 @@ def test_good_values_are_accepted(tmp_path_factory, data, key):
     assert _validate(_with(key, value), tmp_path_factory, key)(key) == value
 
 
-# The Trainer arguments the trainer group must not set, and the fix each one's line gives.
-OWNED = {
-    "strategy": "set it at the top level: strategy=ddp",
-    "accelerator": "set it at the top level: accelerator=cpu",
-    "devices": "set it at the top level: devices=2",
-    "num_nodes": "set it at the top level: num_nodes=2",
-    "use_distributed_sampler": "dpddp shards each global batch itself; remove it",
-    "logger": "choose a logger group: logger=csv|tensorboard|mlflow|wandb|none",
-    "callbacks": "use the callbacks group",
-    "default_root_dir": "the run directory is Hydra's: set hydra.run.dir",
-}
+LOGGERS = "logger=csv|tensorboard|mlflow|wandb|none"
 ALL_OF = "valid keys: _target_, lr, momentum, num_classes, num_features, optimizer, weight_decay"
 
 
@@ -143,7 +133,7 @@ def _refusal(section, name):
         ("data", "batchsize", "unknown setting data.batchsize: did you mean data.batch_size?"),
         ("model", "learning_rate", f"unknown setting model.learning_rate: {ALL_OF}"),
         ("strategy", "backend", "unknown setting strategy.backend: did you mean strategy.process_group_backend?"),
-        ("trainer", "logger", f"trainer.logger is not set in the trainer group: {OWNED['logger']}"),
+        ("trainer", "logger", "trainer.logger is not set in the trainer group: choose a logger group: " + LOGGERS),
     ],
 )
 def test_an_unknown_key_is_one_line_with_the_closest_valid_key(section, name, line):
@@ -163,8 +153,8 @@ def test_unknown_keys_are_refused_with_a_suggestion(section, name):
     if name in allowed:
         return
     message, prefix = _refusal(section, name), f"{section}." if section else ""
-    if section == "trainer" and name in OWNED:
-        assert message == f"trainer.{name} is not set in the trainer group: {OWNED[name]}"
+    if section == "trainer" and name in TRAINER_OWNED:
+        assert message == f"trainer.{name} is not set in the trainer group: {TRAINER_OWNED[name]}"
         return
     similarity = {key: difflib.SequenceMatcher(None, key, name).ratio() for key in allowed}
     best = max(similarity.values())
