@@ -158,12 +158,8 @@ class Costs(pl.Callback):
         ``epoch``, each rank's compute and wait seconds into ``counts`` and the slowest rank. One all-gather."""
         peak, _ = peak_memory_mib(trainer)
         mine = torch.tensor([peak, waited or 0.0, stepped], dtype=torch.float64, device=trainer.strategy.root_device)
-        rows = [mine]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rows = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
-            with entering("the cost gather"):
-                torch.distributed.all_gather(rows, mine)
-        table = torch.stack(rows).cpu()
+        with entering("the cost gather"):
+            table = trainer.strategy.all_gather(mine).reshape(-1, 3).cpu()  # a row per rank
         found: dict[str, float] = {"peak_mem_mib": float(table[:, 0].max())}
         sums = table.sum(dim=0)
         if waited is not None and float(sums[2]) > 0:
