@@ -61,16 +61,6 @@ def auto_steps(step_s: float, steps_per_epoch: int) -> int:
     return min(k, MAX_AUTO_STEPS, _floor_power_of_two(steps_per_epoch))
 
 
-def _seen_by_callback(section: str, spec: Mapping) -> str | None:
-    cls = target_class(section, spec)
-    if not known(cls):
-        return f"{section} ({cls.__name__}) is not one of dpddp's callbacks or Lightning's known by exact type"
-    trigger = "every_n_train_steps" if spec.get("every_n_train_steps") else "train_time_interval"
-    if cls is ModelCheckpoint and spec.get(trigger) is not None:
-        return f"{section}.{trigger}={spec[trigger]}: its trigger would see executions"
-    return None
-
-
 def seen_executions(cfg: Mapping, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> str | None:
     """``"<what>: <why>"`` for the first object of ``cfg``'s run that could see an execution (one not ``known``,
     a step or time trigger, ``trainer.max_time``, an installed callbacks factory), or ``None``."""
@@ -78,8 +68,14 @@ def seen_executions(cfg: Mapping, model: pl.LightningModule, datamodule: pl.Ligh
         if not known(obj):
             return f"{what}._target_ ({type(obj).__name__}) is not one of dpddp's own classes: it could see executions"
     for key, spec in (cfg.get("callbacks") or {}).items():
-        if spec is not None and (seen := _seen_by_callback(f"callbacks.{key}", spec)):
-            return seen
+        if spec is None:
+            continue
+        setting, cls = f"callbacks.{key}", target_class(f"callbacks.{key}", spec)
+        if not known(cls):
+            return f"{setting} ({cls.__name__}) is not one of dpddp's callbacks or Lightning's known by exact type"
+        trigger = "every_n_train_steps" if spec.get("every_n_train_steps") else "train_time_interval"
+        if cls is ModelCheckpoint and spec.get(trigger) is not None:
+            return f"{setting}.{trigger}={spec[trigger]}: its trigger would see executions"
     for key, spec in logger_specs(cfg):
         if not known(cls := target_class(key, spec)):
             return f"{key} ({cls.__name__}) is not one of the loggers known by exact type"
