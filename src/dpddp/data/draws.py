@@ -16,13 +16,11 @@ import torch
 from torch.utils.data import Dataset, Subset, get_worker_info
 from typing_extensions import override
 
-from dpddp.nn import key64, sample_states
+from dpddp.nn import _U64, key64, sample_states
 
 log = logging.getLogger(__name__)
 
 STREAMS = 0x5EED_DA7A  # folded into the seed first: these keys stay apart from dpddp.nn.sample_generator's
-
-_U64 = (1 << 64) - 1
 
 
 def sample_seeds(seed: int, epoch: int, ids: torch.Tensor) -> list[int]:
@@ -109,9 +107,8 @@ class UnkeyedDraws(pl.Callback):
     """One warning line (global rank 0) when torch's global stream moved between a fit's first two training batches
     of an epoch, where only the next fetch runs: data draws that no keyed fetch serves."""
 
-    def __init__(self) -> None:
-        self._after: tuple[int, int, torch.Tensor] | None = None
-        self._looked = False
+    _after: tuple[int, int, torch.Tensor] | None = None
+    _looked = False
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

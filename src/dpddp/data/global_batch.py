@@ -45,6 +45,7 @@ class YieldedIds:
     ``(epoch, ids)`` it yielded by position (``ids_at``), for the sample keys."""
 
     recorded: int = 256  # more than a loader prefetches
+    on_epoch: Callable[[int], None] | None = None  # a data set's set_epoch
 
     def __init__(self, rank: int, world_size: int, train: bool, seed: int) -> None:
         self.rank, self.world_size, self.train, self.seed, self.epoch = rank, world_size, train, seed, 0
@@ -62,6 +63,12 @@ class YieldedIds:
         if len(self._yielded) > self.recorded:
             del self._yielded[next(iter(self._yielded))]
         return ids
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select ``epoch``'s order and tell ``on_epoch`` (Lightning calls it before workers copy the data set)."""
+        self.epoch = epoch
+        if self.on_epoch is not None:
+            self.on_epoch(epoch)
 
     def _start(self) -> tuple[int, int]:
         """``(epoch, global batches of it to skip)`` of an iteration starting now (after Lightning's restore)."""
@@ -93,13 +100,6 @@ class GlobalBatchSampler(YieldedIds, DistributedSampler):
         self.num_samples, self.batch_size, self.block_size = num_samples, batch_size, block_size
         self.num_replicas, self.shuffle, self.drop_last = world_size, train, train
         self.steps_per_execution = steps_per_execution
-        self.on_epoch: Callable[[int], None] | None = None  # a data set's set_epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select ``epoch``'s order and tell ``on_epoch`` (Lightning calls it before workers copy the data set)."""
-        self.epoch = epoch
-        if self.on_epoch is not None:
-            self.on_epoch(epoch)
 
     @property
     def steps_per_epoch(self) -> int:

@@ -40,8 +40,7 @@ class SampleKeyCallback(pl.Callback):
     them at its end; keys the layers at the fit's start. Raises ConfigError: training data served by no
     ``YieldedIds``; RuntimeError: no ids recorded for a batch."""
 
-    def __init__(self) -> None:
-        self.devices: list[int] | None = None
+    devices: list[int] | None = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -75,9 +75,6 @@ class ShardedBatchSampler(YieldedIds, Sampler[list[int]]):
                 )
             self.order = epoch_order(self.sampler, seed)  # type: ignore[arg-type]
 
-    def set_epoch(self, epoch: int) -> None:  # the epoch to iterate when no position is set
-        self.epoch = epoch
-
     def __len__(self) -> int:  # batches per epoch (training: full ones)
         return len(self.sampler) // self.batch_size if self.train else len(self.batches)  # type: ignore[arg-type]
 
