@@ -16,8 +16,7 @@ class _Refused(Exception):
 
 
 def hydra_argument_error(argv: list[str]) -> str | None:
-    """argparse's message where Hydra's ``get_args_parser`` refuses ``argv`` (without usage and exit); ``None``
-    where it reads it or acts on it (``--version``)."""
+    """argparse's message where Hydra's ``get_args_parser`` refuses ``argv``; ``None`` where it reads it."""
     from hydra._internal.utils import get_args_parser
 
     if "--version" in argv:
@@ -38,8 +37,7 @@ def hydra_argument_error(argv: list[str]) -> str | None:
 
 @contextmanager
 def hydra_reported(report: Callable[[Exception], None], kinds: tuple[type[Exception], ...]) -> Iterator[None]:
-    """Inside it, ``utils.run_and_report`` and ``Hydra.show_info`` (composing first) call ``report(err)`` first
-    for an error of ``kinds``."""
+    """Inside it, Hydra's ``run_and_report`` and ``show_info`` call ``report(err)`` first for an error of ``kinds``."""
     from hydra._internal import utils
     from hydra._internal.hydra import Hydra
 

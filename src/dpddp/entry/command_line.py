@@ -1,5 +1,4 @@
-"""The command lines of ``train.py`` (before Hydra reads it) and ``dpddp`` (as jsonargparse refuses it): each
-problem Hydra or jsonargparse would end in a traceback or many lines is one line for ``dpddp.errors.fail``."""
+"""The command lines of ``train.py`` and ``dpddp``: what Hydra or jsonargparse would refuse in many lines, in one."""
 
 from __future__ import annotations
 
@@ -170,8 +169,7 @@ def parsed_sweep(params: Any, arguments: Any) -> list[Override]:
 
 
 def sweep_variants(config: DictConfig) -> list[list[str]]:
-    """The overrides of a basic sweep's first job for each combination of group options; ``[]`` with one job or
-    under another sweeper."""
+    """The overrides of a basic sweep's first job of each combination of group options (``[]``: one job, or none)."""
     choices = config.hydra.runtime.choices
     if choices.get("hydra/sweeper") != "basic":
         return []

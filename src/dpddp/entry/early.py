@@ -1,6 +1,5 @@
-"""What ``train.py`` answers before torch and Lightning are imported (``answer``): ``--help``, and the first bad
-setting that needs neither (an unknown group option, a missing top-level key, a value read alone), with
-``dpddp.entry.hydra.main``'s line and exit status."""
+"""What ``train.py`` answers before torch and Lightning are imported: ``--help``, and the first bad setting that
+needs neither, with ``dpddp.entry.hydra.main``'s line and exit status."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The Hydra entry point (``train.py``, ``dpddp-train``): one run, or one job of a sweep. Importing it registers the
-``dpddp.*`` resolvers the packaged configs use."""
+"""The Hydra entry point (``train.py``, ``dpddp-train``): one run, or one job of a sweep; registers the resolvers."""
 
 from __future__ import annotations
 
@@ -179,8 +178,7 @@ def run_job(cfg: DictConfig, stage: str = "fit", late: list[Callable[[], str]] |
 
 
 def job_plan(cfg: DictConfig, stage: str) -> Plan | str:
-    """The ``Plan`` of the Hydra job ``cfg`` for ``stage`` (``_taken`` where ``StartChecks`` made it), or the line
-    that says why nothing trains. Raises ``ConfigError``."""
+    """The ``Plan`` of the Hydra job ``cfg`` for ``stage``, or the line that says why nothing trains (``_plan``)."""
     hydra_cfg = HydraConfig.get()
     targets = [spec.get("_target_") for spec in (hydra_cfg.callbacks or {}).values() if spec]
     if hydra_cfg.mode == RunMode.RUN and any(
@@ -323,8 +321,7 @@ def _check_writable(config: DictConfig, mode: str) -> None:
 
 
 def main() -> None:
-    """``python train.py [key=value ...]``, ``dpddp-train``: ``run_job`` on Hydra's composition; a refused command
-    line is one line, exit 2."""
+    """``python train.py [key=value ...]``, ``dpddp-train``: ``run_job``; a refused command line is one line, exit 2."""
     argv = sys.argv[1:]
     late: list[Callable[[], str]] = []  # the resume command of this process's last job (run_job's)
 

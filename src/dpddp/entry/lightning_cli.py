@@ -1,6 +1,5 @@
-"""The Lightning CLI entry point: ``dpddp fit --trainer.strategy=ddp --trainer.devices=2`` (``python -m dpddp.cli``):
-LightningCLI's parse of any LightningModule and LightningDataModule, run by ``train`` as ``train.py``'s config is
-(docs/design-notes.md, entry)."""
+"""The Lightning CLI entry point, ``dpddp fit --trainer.devices=2``: LightningCLI's parse of any LightningModule and
+LightningDataModule, run by ``train`` as ``train.py``'s config is (docs/design-notes.md, entry)."""
 
 from __future__ import annotations
 
@@ -9,11 +8,11 @@ import difflib
 import gc
 import inspect
 import logging
+import operator
 import os
 import shutil
 import sys
 import warnings
-from importlib.metadata import version
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +22,7 @@ from hydra.utils import get_class
 from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
+from lightning_utilities.core.imports import compare_version
 from omegaconf import DictConfig, OmegaConf, open_dict
 from typing_extensions import override
 
@@ -46,14 +46,8 @@ from dpddp.parallel.rules import lightning_equivalent, lightning_name_line
 from dpddp.run.config import CLI_CALLBACKS, Plan, check_config
 from dpddp.run.training import STAGES, isolated_job, train
 
-
-def _version(package: str) -> tuple[int, ...]:
-    """The installed ``package``'s (major, minor)."""
-    return tuple(int(part) for part in version(package).split(".")[:2])
-
-
 # jsonargparse 4.49 renamed ArgumentParser.save's skip_none to skip_unset (the old name warns, and goes in 5.0).
-KEEP_NONE = {"skip_unset" if _version("jsonargparse") >= (4, 49) else "skip_none": False}
+KEEP_NONE = {"skip_unset" if compare_version("jsonargparse", operator.ge, "4.49") else "skip_none": False}
 DEFAULT_CLASSES = {
     "model": f"{LinearClassifier.__module__}.{LinearClassifier.__qualname__}",
     "data": f"{RandomTensorDataModule.__module__}.{RandomTensorDataModule.__qualname__}",
@@ -91,8 +85,7 @@ def _packaged(group: str) -> Any:
 
 
 class DPDDPCLI(LightningCLI):
-    """``LightningCLI`` that only parses, with ``--ckpt_path``, ``--steps_per_execution``, ``--compile``, ``--monitor``
-    and ``--monitor_mode`` added; ``train`` builds everything."""
+    """``LightningCLI`` that only parses (with dpddp's arguments added); ``train`` builds everything."""
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -157,8 +150,7 @@ def _plain(namespace: Any) -> dict[str, Any]:
 
 
 def run_config(parsed: Any, defaults: Any) -> DictConfig:
-    """The run config (``train.py``'s schema) of the CLI's ``parsed`` values; ``ConfigError`` for a trainer value the
-    run cannot take."""
+    """The run config (``train.py``'s schema) of the CLI's ``parsed`` values. Raises ``ConfigError``."""
     given, default = _plain(parsed), _plain(defaults)
     trainer = {k: v for k, v in given["trainer"].items() if v != default["trainer"].get(k)}
     top = {TOP_LEVEL[k]: trainer.pop(k) for k in list(trainer) if k in TOP_LEVEL}

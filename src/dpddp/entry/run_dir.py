@@ -1,5 +1,4 @@
-"""One run's directory rules, decided once per process (``StartChecks``, or a job it did not check): whether the
-job continues what the directory holds, and when it must not start there."""
+"""One run's directory rules: whether the job continues what the directory holds, and when it must not start."""
 
 from __future__ import annotations
 

@@ -57,8 +57,7 @@ def _cell(value: Any) -> str:
 
 
 def objective_of(config: DictConfig) -> tuple[str, bool]:
-    """The metric a sweep's jobs return and whether higher is better (the sweeper's ``direction``, else
-    ``callbacks.model_checkpoint.mode``)."""
+    """The metric a sweep's jobs return and whether higher is better (``direction``, else the checkpoint's mode)."""
     name = str(config.get("objective") or "val/loss")
     direction = config.hydra.sweeper.get("direction") if "hydra" in config else None
     if isinstance(direction, str):

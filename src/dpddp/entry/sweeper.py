@@ -1,5 +1,4 @@
-"""The Optuna search of ``hparams_search=optuna`` on Optuna's ask-and-tell interface (docs/sweeps.md): a failed
-or ``nan`` job is a ``FAIL`` trial; the study in its ``storage`` continues after a stop with the same command."""
+"""The Optuna search of ``hparams_search=optuna``, on Optuna's ask-and-tell interface (docs/sweeps.md)."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ def search_space(params: Mapping[str, Any] | None, arguments: Sequence[str]) -> 
 
 
 def trial_overrides(number: int, params: Mapping[str, Any], space: SearchSpace) -> list[str]:
-    """Trial ``number``'s overrides, the same each time (a trial run again continues its job). Raises
-    ``ConfigError`` when ``params`` are not of the search space (a study of another search)."""
+    """Trial ``number``'s overrides, the same each time. Raises ``ConfigError`` for ``params`` of another search."""
     distributions, fixed = space
     if set(params) != set(distributions):
         raise ConfigError(

@@ -1,5 +1,4 @@
-"""Hydra's sweep syntax against the sweeper that runs it: a sweep it cannot expand or with no values, and a sweep
-in a command that runs one job, are one line before the sweep starts; a key given twice is a warning."""
+"""Hydra's sweep syntax against the sweeper that runs it: what it cannot run is one line before the sweep starts."""
 
 from __future__ import annotations
 

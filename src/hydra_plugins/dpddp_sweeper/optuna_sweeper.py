@@ -1,5 +1,4 @@
-"""``hydra/sweeper=dpddp_optuna``: dpddp's Optuna sweeper (``dpddp.entry.sweeper.search``). Hydra's plugin scan
-imports this module at every composition: Optuna and Lightning are imported only when a search runs."""
+"""``hydra/sweeper=dpddp_optuna`` (``dpddp.entry.sweeper.search``, imported only when a search runs)."""
 
 from __future__ import annotations
 
