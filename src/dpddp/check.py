@@ -408,8 +408,7 @@ class StopAt(pl.Callback):
 
 
 class _Reads(UserDict):
-    """A ``state_dict`` that records the keys read from it (``get``, ``items``, ``update`` and ``**`` read through
-    ``__getitem__``)."""
+    """A ``state_dict`` that records the keys read (``get``, ``items``, ``update``, ``**`` go by ``__getitem__``)."""
 
     def __init__(self, state: dict) -> None:
         super().__init__(state)
@@ -507,8 +506,7 @@ def compare(straight: Path, continued: Path, kind: str, cause: str = "") -> tupl
 
 
 def _schedule_cause(ckpts: list[dict], record: dict) -> str:
-    """The first LR scheduler built for another limit in the continued run (``ckpt["dpddp"]["schedules"]``), or
-    ``""``."""
+    """The line on the first LR scheduler the continued run built for another limit, or ``""``."""
     builds = [(c.get("dpddp") or {}).get("schedules") or [] for c in ckpts]
     names = record.get("schedulers", [])
     for i, (straight, continued) in enumerate(zip(*builds, strict=False)):
@@ -539,8 +537,7 @@ def _attribute_cause(records: list[dict]) -> str:
 
 
 def _entry_point(args: list[str], expect: int, what: str) -> None:
-    """Run the training entry point (train.py's) with ``args``. Raises ``RuntimeError`` with its last line unless
-    it exits ``expect``."""
+    """Run train.py's entry point with ``args``. Raises ``RuntimeError`` (its last line) unless it exits ``expect``."""
     proc = subprocess.run([sys.executable, "-c", PROGRAM, *args], capture_output=True, text=True)
     if proc.returncode != expect:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
