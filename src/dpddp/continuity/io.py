@@ -17,10 +17,7 @@ from typing_extensions import override
 
 from dpddp._compat import processed_epochs
 from dpddp._compat.callbacks import swapped_average
-from dpddp.errors import WriteFailed
-
-__all__ = ["BACKGROUND", "AtomicCheckpointIO", "CheckpointFacts", "ConfiguredModel", "checkpoint_problem"]
-__all__ += ["other_steps_problem", "read_checkpoint", "readable"]
+from dpddp.errors import WriteFailed, first_line
 
 BACKGROUND = {"dpddp": "background"}
 """``storage_options`` that make ``AtomicCheckpointIO`` write in its background thread."""
@@ -98,8 +95,8 @@ def readable(path: str | Path) -> dict | None:
 
 @dataclass(frozen=True)
 class CheckpointFacts:
-    """What a run takes from the checkpoint it continues from, read once (``ResumableState``'s entry and the
-    loops'): the launch id that wrote it, its ``steps_per_execution``, epochs done and global step."""
+    """What a run takes from the checkpoint it continues from, read once: the launch id that wrote it, its
+    ``steps_per_execution``, epochs done and global step."""
 
     path: str
     launch: str | None = None
@@ -130,8 +127,7 @@ class ConfiguredModel(NamedTuple):
 
 
 def _other_model(saved: dict, shapes: dict[str, tuple[int, ...]], strict: bool) -> str | None:
-    """How ``saved`` differs from the configured ``shapes`` as Lightning's load (``strict`` or not) would find it;
-    ``None`` when it loads."""
+    """How ``saved`` differs from ``shapes`` for Lightning's load (``strict`` or not); ``None`` when it loads."""
     resized = [
         f"{k} is {list(v.shape)} there, {list(shapes[k])} here"
         for k, v in saved.items()
@@ -144,11 +140,6 @@ def _other_model(saved: dict, shapes: dict[str, tuple[int, ...]], strict: bool) 
     return "; ".join(found) or None
 
 
-def _is_full(path: Path) -> bool:
-    """Whether ``path`` is a checkpoint a fit can continue from (it has ``optimizer_states``)."""
-    return "optimizer_states" in (readable(path) or {})
-
-
 SPLIT_SETTINGS = frozenset(
     ["_target_", "num_samples", "num_features", "num_classes", "seed", "val_fraction", "test_fraction", "label_noise"]
 )
@@ -156,8 +147,7 @@ SPLIT_SETTINGS = frozenset(
 
 
 def _run_data(path: str | Path) -> dict:
-    """The ``data`` settings of the run that wrote ``path``, from ``.hydra/config.yaml`` beside its ``checkpoints/``
-    (``{}``: none there)."""
+    """The ``data`` settings in ``.hydra/config.yaml`` beside ``path``'s ``checkpoints/`` (``{}``: none there)."""
     config = Path(path).resolve().parent.parent / ".hydra" / "config.yaml"
     if not config.is_file():
         return {}
@@ -193,17 +183,14 @@ def checkpoint_problem(
     batch_size: int | None = None,
     loaded: dict | None = None,
 ) -> str | None:
-    """Why ``path`` (or ``loaded``, the checkpoint read from it) cannot be resumed from: one line ending with what
-    to do, or ``None``. Refused: more epochs done than ``max_epochs``; a fit to more from a swapped-in SWA average;
-    another ``steps_per_execution`` or ``batch_size`` inside an epoch; other ``data`` settings (a resume; a
-    ``whole`` evaluation: ``SPLIT_SETTINGS``, read from the checkpoint or its run's ``.hydra``); weights
-    that do not load into ``model``; a weights-only file for a fit or a ``whole`` evaluation."""
+    """Why ``path`` (or ``loaded``, the checkpoint read from it) cannot be continued (``fit``) or evaluated
+    (``whole``: on the run's ``SPLIT_SETTINGS``) with these settings: one line ending with what to do, or ``None``."""
     try:
         ckpt = read_checkpoint(path) if loaded is None else loaded
     except Exception as err:  # a truncated zip, a pickle, not a checkpoint at all: all one answer to the user
-        detail = (str(err).splitlines() or [""])[0][:120]
-        what = f"{type(err).__name__}{': ' + detail if detail else ''}"
-        return f"cannot be read as a checkpoint ({what}): give a last.ckpt or best.ckpt written by dpddp"
+        return (
+            f"cannot be read as a checkpoint ({first_line(err, 120)}): give a last.ckpt or best.ckpt written by dpddp"
+        )
     if isinstance(ckpt, dict) and ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
         return (
             "is a bare state dict (weights only: torch.save(model.state_dict())), not a Lightning checkpoint: give "
@@ -250,7 +237,7 @@ def checkpoint_problem(
         )
     if (fit or whole) and "optimizer_states" not in ckpt:
         last = Path(path).parent / "last.ckpt"
-        beside = last.name != Path(path).name and _is_full(last)
+        beside = last.name != Path(path).name and "optimizer_states" in (readable(last) or {})
         instead = f"ckpt_path={last}" if beside else "a full checkpoint (its run's checkpoints/last.ckpt)"
         only = "holds the model's weights only (no optimizer_states or callback states: saved with weights_only=True)"
         if not fit:

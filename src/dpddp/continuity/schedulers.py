@@ -38,11 +38,6 @@ def take_skipped_plateau_steps(trainer: pl.Trainer, epoch: int, saved: dict[int,
             module.lr_scheduler_step(config.scheduler, value)
 
 
-def built_states(trainer: pl.Trainer) -> list[dict[str, Any]]:
-    """Each LR scheduler's ``state_dict`` (at ``on_fit_start``: as built, before Lightning restores it)."""
-    return [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
-
-
 LIMIT_MARK = "so it cannot equal a straight run to this limit"
 """In each ``limit_line`` (``dpddp.check --stops`` finds them by it)."""
 LOOK_AHEAD = 3
@@ -110,13 +105,6 @@ def limit_line(scheduler: Any, plateau: bool, old: dict[str, Any], new: dict[str
         f"{why}, {LIMIT_MARK}{measured if ahead else ''}; keep the first run's "
         "limit, or use a schedule that does not depend on it"
     )
-
-
-def limit_lines(trainer: pl.Trainer, restored: list[dict[str, Any]], built: list[dict[str, Any]]) -> list[str]:
-    """``limit_line`` of each of ``trainer``'s schedulers, from the checkpoint's builds and this run's."""
-    found = zip(trainer.lr_scheduler_configs, restored, built, strict=False)
-    lines = [limit_line(c.scheduler, c.reduce_on_plateau, old, new) for c, old, new in found]
-    return [line for line in lines if line is not None]
 
 
 def built_apart(old: dict[str, Any], new: dict[str, Any]) -> tuple[str, str] | None:

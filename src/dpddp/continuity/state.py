@@ -26,9 +26,9 @@ from dpddp._compat import (
     step_count_either_way,
     uncount_last_batch,
 )
-from dpddp.continuity.io import AtomicCheckpointIO, other_steps_problem
+from dpddp.continuity.io import AtomicCheckpointIO, other_steps_problem, read_checkpoint
 from dpddp.continuity.replicas import ReplicaGuard
-from dpddp.continuity.schedulers import built_states, due_plateau_values, limit_lines, take_skipped_plateau_steps
+from dpddp.continuity.schedulers import due_plateau_values, limit_line, take_skipped_plateau_steps
 from dpddp.diagnostics.whereabouts import entering
 from dpddp.errors import ConfigError
 from dpddp.report.epochs import EpochRecord, EpochTable
@@ -130,6 +130,7 @@ class ResumableState(pl.Callback):
             if self.uncounted():
                 uncount_last_batch(checkpoint)
         finished = not fitting or epoch_finished_in(trainer, checkpoint)
+        comm = getattr(trainer.strategy, "comm_state_dict", lambda: None)()  # PowerSGD's, on every rank
         entry: dict[str, Any] = {
             "throughput": asdict(self.throughput),
             "epochs": asdict(self.epochs.snapshot()),
@@ -143,7 +144,7 @@ class ResumableState(pl.Callback):
             "steps_per_execution": self.steps_per_execution,
             "launch": self.launch,
             "batch_size": self.batch_size,
-            "comm_state": self._comm_state(trainer),
+            "comm_state": None if comm is None else self._gather(trainer, comm),
         }
         checkpoint[KEY] = entry
         if self._cut is not None and not finished and "callbacks" in checkpoint:
@@ -182,7 +183,7 @@ class ResumableState(pl.Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._schedules = built_states(trainer)  # before Lightning restores their states
+        self._schedules = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]  # as built
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -200,9 +201,11 @@ class ResumableState(pl.Callback):
         if self._should_stop and not gone:  # EarlyStopping before min_epochs, or a run it ended: the straight run's
             trainer.should_stop = True
         restored, self._restored_schedules = self._restored_schedules, None
-        if restored is not None:
-            for line in limit_lines(trainer, restored, self._schedules) if trainer.global_rank == 0 else []:
-                log.warning(line)
+        if restored is not None:  # a schedule built for another limit: said once
+            found = zip(trainer.lr_scheduler_configs, restored, self._schedules, strict=False)
+            for c, old, new in found if trainer.global_rank == 0 else []:
+                if line := limit_line(c.scheduler, c.reduce_on_plateau, old, new):
+                    log.warning(line)
             self._schedules = restored
 
     @override
@@ -215,15 +218,13 @@ class ResumableState(pl.Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Lightning calls the monitors' hooks after this one: an EarlyStopping that checks at the epoch's end
-        # checks a cut epoch against the validation before the cut, which the straight run never does there (and,
-        # strict, raises in a cut epoch 0, which has none). Its check is skipped, and the checkpoint keeps the
-        # flag and the states of before (a subclass's own check too).
+        # An EarlyStopping would check a cut epoch against the validation before the cut (a straight run does not):
+        # its check is skipped, and the checkpoint keeps the flag and states of before (docs/design-notes.md).
         if epoch_cut(trainer) or self.uncounted():  # a limit, or max_steps inside the epoch's last execution
             states = {cb.state_key: copy.deepcopy(cb.state_dict()) for cb in trainer.early_stopping_callbacks}
             self._cut = self._latched_stop(trainer), states
             for cb in trainer.early_stopping_callbacks:
-                cb.__dict__["on_train_epoch_end"] = _not_checked  # this epoch's end only: _check_again
+                cb.__dict__["on_train_epoch_end"] = lambda *args: None  # no check, this epoch's end only: _check_again
             self._unchecked = list(trainer.early_stopping_callbacks)
 
     @override
@@ -253,11 +254,6 @@ class ResumableState(pl.Callback):
         if self._random is not None:  # after a mid-epoch checkpoint: where the straight run's next batch began
             set_random_state(self._random)
             self._random = None
-
-    def _comm_state(self, trainer: pl.Trainer) -> list[dict[str, Any]] | None:
-        """Every rank's PowerSGD state, or ``None`` without one."""
-        state = getattr(trainer.strategy, "comm_state_dict", lambda: None)()
-        return None if state is None else self._gather(trainer, state)
 
     @staticmethod
     def _load_comm_state(trainer: pl.Trainer, saved: list[dict[str, Any]] | None) -> None:
@@ -295,10 +291,6 @@ class ResumableState(pl.Callback):
         return gathered
 
 
-def _not_checked(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """An EarlyStopping's ``on_train_epoch_end`` at the end of an epoch a limit or a stop cut: no check."""
-
-
 def save_final_checkpoint(trainer: pl.Trainer) -> bool:
     """Write ``last.ckpt`` (every rank) if it holds another step or other weights; returns whether weights differed."""
     io = trainer.strategy.checkpoint_io
@@ -319,11 +311,8 @@ def _other_weights(module: pl.LightningModule, path: Path) -> bool:
     """Whether the ``state_dict`` saved at ``path`` differs from ``module``'s (a missing file: no)."""
     if not path.is_file():
         return False
-    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
-    current = module.state_dict()
-    if saved.keys() != current.keys():
-        return True
-    return any(not torch.equal(saved[k], v.detach().cpu()) for k, v in current.items())
+    saved, current = read_checkpoint(path)["state_dict"], module.state_dict()
+    return saved.keys() != current.keys() or any(not torch.equal(saved[k], v.cpu()) for k, v in current.items())
 
 
 def _stopped(callback: pl.Callback) -> bool:
