@@ -56,10 +56,6 @@ def _streams() -> dict[str, Any]:
     return found
 
 
-def _moved(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    return [stream for stream, state in after.items() if before.get(stream) != state]
-
-
 def _kind(module: nn.Module | None) -> str:
     """What a drawing module is, by its attributes (see ``Draw``)."""
     if isinstance(getattr(module, "p", None), float):
@@ -103,9 +99,8 @@ def _copy(value: Any) -> Any:
 
 def global_draws(model: pl.LightningModule, batch: Any, keyed: bool) -> list[Draw]:
     """The draws from the global random streams of one ``training_step`` of ``model`` on ``batch`` (with
-    ``keyed``, sample keys set as a run sets them); ``model`` and every stream are left as they were.
-
-    Raises whatever the step raises."""
+    ``keyed``, sample keys set as a run sets them); ``model`` and every stream are left as they were. Raises what
+    the step raises."""
     names = {id(m): f"model.{n}" if n else "model.forward" for n, m in model.named_modules()}
     stack: list[nn.Module] = []
     seen: dict[str, tuple[nn.Module | None, set[str]]] = {}
@@ -113,8 +108,7 @@ def global_draws(model: pl.LightningModule, batch: Any, keyed: bool) -> list[Dra
 
     def note() -> None:
         now = _streams()
-        moved = _moved(last[0], now)
-        if moved:
+        if moved := [stream for stream, state in now.items() if last[0].get(stream) != state]:
             owner = stack[-1] if stack else None
             name = names[id(owner)] if owner is not None else "model.training_step"
             seen.setdefault(name, (owner, set()))[1].update(moved)
