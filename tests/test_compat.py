@@ -72,7 +72,8 @@ def test_on_ctrl_c_lightning_kills_the_ranks_of_the_projects_launcher_and_exits_
 
     trainer = pl.Trainer(strategy=LightningDDPStrategy(), accelerator="cpu", devices=1, **QUIET_TRAINER)
     job = RankJob(entry=f"{train_rank.__module__}:train_rank", config={}, output_dir=".")
-    launcher = Interrupted(trainer.strategy.cluster_environment, 1, 1, job=job, fork=True, run_forked=lambda job: 0)
+    env = trainer.strategy.cluster_environment
+    launcher = Interrupted(env, 1, 1, job, fork=True, run_forked=lambda job: 0, explain_failure=lambda err: None)
     launcher.procs = [Rank()]  # type: ignore[list-item]
     trainer.strategy._launcher = launcher
     sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores further Ctrl-C from there on

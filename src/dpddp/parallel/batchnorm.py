@@ -19,11 +19,18 @@ from dpddp.diagnostics.whereabouts import BATCHNORM, entering
 from dpddp.errors import ConfigError
 from dpddp.parallel.rules import world_of
 
-__all__ = ["BatchNormSync", "GlobalBatchNorm", "batchnorm_modules", "batchnorm_plugins", "convert", "revert"]
+__all__ = ["BatchNormSync", "GlobalBatchNorm", "batchnorm_plugins", "convert", "revert"]
 
 log = logging.getLogger(__name__)
 
 ORIGINAL = "_dpddp_original"  # where a converted layer keeps the module it replaced (outside ``state_dict``)
+
+
+def _summed(tensor: Tensor, group: Any) -> Tensor:
+    out = tensor.clone(memory_format=torch.contiguous_format)
+    with entering(BATCHNORM):
+        dist.all_reduce(out, group=group)
+    return out
 
 
 class _GroupSum(torch.autograd.Function):
@@ -33,33 +40,22 @@ class _GroupSum(torch.autograd.Function):
     @override
     def forward(ctx: Any, tensor: Tensor, group: Any) -> Tensor:
         ctx.group = group
-        out = tensor.clone(memory_format=torch.contiguous_format)
-        with entering(BATCHNORM):
-            dist.all_reduce(out, group=group)
-        return out
+        return _summed(tensor, group)
 
     @staticmethod
     @override
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        with entering(BATCHNORM):
-            dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _summed(grad, ctx.group), None
 
 
 def _group_size(group: Any) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 class GlobalBatchNorm(BatchNormBase):
     """``nn.BatchNorm*`` (its arguments) whose batch statistics, on more than one process, are over
-    ``process_group`` (``None``: the world): per-channel count, sum and sum of squares summed in float64. Input
-    ``[N, C, *]``.
-
-    Raises ``ValueError``: input of fewer than 2 dims; in training, at most one value per channel globally.
-    """
+    ``process_group`` (``None``: the world). Input ``[N, C, *]``. Raises ``ValueError``: input of fewer than 2 dims;
+    in training, at most one value per channel globally."""
 
     def __init__(self, *args: Any, process_group: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -95,23 +91,18 @@ class GlobalBatchNorm(BatchNormBase):
             out = out * self.weight.view(shape)
         if self.bias is not None:
             out = out + self.bias.view(shape)
-        if self.training and self.running_mean is not None and self.running_var is not None:
-            self._update_running_stats(mean.detach(), var.detach() * (n / (n - 1)))
+        if self.training and self.running_mean is not None and self.running_var is not None:  # as nn.BatchNorm*
+            factor = 0.0 if self.momentum is None else self.momentum
+            if self.num_batches_tracked is not None:
+                self.num_batches_tracked.add_(1)
+                factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            with torch.no_grad():
+                for running, batch in ((self.running_mean, mean), (self.running_var, var * (n / (n - 1)))):
+                    running.copy_(factor * batch + (1 - factor) * running.to(torch.float64))
         return out
 
-    def _update_running_stats(self, mean: Tensor, unbiased_var: Tensor) -> None:
-        """``nn.BatchNorm*``'s update of the running statistics."""
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        assert self.running_mean is not None and self.running_var is not None
-        with torch.no_grad():
-            for running, batch in ((self.running_mean, mean), (self.running_var, unbiased_var)):
-                running.copy_(factor * batch + (1 - factor) * running.to(torch.float64))
 
-
-def batchnorm_modules(model: nn.Module) -> list[str]:
+def _batchnorms(model: nn.Module) -> list[str]:
     """The qualified names of the BatchNorm modules in ``model`` (``""``: ``model`` itself)."""
     return [name for name, module in model.named_modules() if isinstance(module, BatchNormBase)]
 
@@ -142,7 +133,7 @@ def _replace_each(model: nn.Module, swap: Callable[[nn.Module], nn.Module]) -> n
     return replaced(model)
 
 
-def convert(module: nn.Module, cuda: bool = False, process_group: Any = None) -> nn.Module:
+def convert(module: nn.Module, cuda: bool = False) -> nn.Module:
     """``module`` (or its replacement) with every initialised BatchNorm replaced by a ``GlobalBatchNorm`` (``cuda``:
     ``nn.SyncBatchNorm``) holding the same tensors."""
     target = nn.SyncBatchNorm if cuda else GlobalBatchNorm
@@ -150,9 +141,7 @@ def convert(module: nn.Module, cuda: bool = False, process_group: Any = None) ->
     def synced(old: nn.Module) -> nn.Module:
         if not isinstance(old, BatchNormBase) or isinstance(old, target) or _lazy(old):
             return old
-        new = target(
-            old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats, process_group=process_group
-        )
+        new = target(old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats)
         _move_state(old, new)
         if hasattr(old, "qconfig"):
             new.qconfig = old.qconfig
@@ -203,7 +192,7 @@ class BatchNormSync(LayerSync):
                     "fit uses the global batch's, but test and predict after it each process's own share"
                 )
             return converted
-        if names := batchnorm_modules(model):
+        if names := _batchnorms(model):
             _warn(
                 f"trainer.sync_batchnorm=false with {self.processes} processes: {_names(names)} normalise each "
                 "process's own share of the global batch, so ddp no longer trains as one process (weights and "
@@ -223,12 +212,9 @@ def _warn(message: str) -> None:
 
 
 def batchnorm_plugins(cfg: Mapping, model: nn.Module | None = None) -> list[LayerSync]:
-    """``[BatchNormSync]`` under ddp with more than one process, else ``[]`` (the Trainer takes
-    ``sync_batchnorm=False``).
-
-    Raises ``ConfigError``: a ``trainer.sync_batchnorm`` other than null/auto/true/false, or ``strategy=dp`` over
-    several devices with BatchNorm modules in ``model`` (``None``: not checked).
-    """
+    """``[BatchNormSync]`` under ddp with more than one process, else ``[]``. Raises ``ConfigError``: a
+    ``trainer.sync_batchnorm`` other than null/auto/true/false, or ``strategy=dp`` over several devices with
+    BatchNorm modules in ``model`` (``None``: not checked)."""
     sync = (cfg.get("trainer") or {}).get("sync_batchnorm")
     if not (sync is None or isinstance(sync, bool) or sync == "auto"):
         raise ConfigError(
@@ -236,7 +222,7 @@ def batchnorm_plugins(cfg: Mapping, model: nn.Module | None = None) -> list[Laye
             "several processes train), true or false"
         )
     world, devices = world_of(cfg), cfg["devices"]
-    if world.family == "dp" and world.replicas > 1 and model is not None and (names := batchnorm_modules(model)):
+    if world.family == "dp" and world.replicas > 1 and model is not None and (names := _batchnorms(model)):
         raise ConfigError(
             f"strategy=dp with devices={devices} and BatchNorm modules ({_names(names)}): each DataParallel "
             "replica normalises its own chunk and the replicas' running statistics are dropped, so the model "
@@ -244,5 +230,4 @@ def batchnorm_plugins(cfg: Mapping, model: nn.Module | None = None) -> list[Laye
         )
     if world.family != "ddp" or world.world_size <= 1:
         return []
-    cuda = world.accelerator == "gpu"
-    return [BatchNormSync(sync=sync is not False, cuda=cuda, processes=world.world_size)]
+    return [BatchNormSync(sync is not False, world.accelerator == "gpu", world.world_size)]

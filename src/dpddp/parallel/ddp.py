@@ -37,19 +37,14 @@ log = logging.getLogger(__name__)
 
 
 def _is_loopback(address: str | None) -> bool:
-    if address == "localhost":
-        return True
-    try:
-        return address is not None and ipaddress.ip_address(address.partition("%")[0]).is_loopback
-    except ValueError:
-        return False
+    with contextlib.suppress(ValueError):
+        return address == "localhost" or ipaddress.ip_address(str(address).partition("%")[0]).is_loopback
+    return False
 
 
 def apply_interface(master_addr: str, num_nodes: int) -> str:
-    """Set the variables ``choose_interface`` gives for ``master_addr``; return its reason, for the log.
-
-    Raises ``ConfigError`` if ``num_nodes > 1`` and a non-loopback ``master_addr`` is reached through loopback here.
-    """
+    """Set the variables ``choose_interface`` gives for ``master_addr``; return its reason, for the log. Raises
+    ``ConfigError`` if ``num_nodes > 1`` and a non-loopback ``master_addr`` is reached through loopback here."""
     updates, why = choose_interface(master_addr)
     name = updates.get("GLOO_SOCKET_IFNAME")
     if num_nodes > 1 and name is not None and _is_loopback(interface_address(name)) and not _is_loopback(master_addr):
@@ -68,12 +63,10 @@ UNUSED_PARAMETERS_LINE = (
 
 
 class DDPStrategy(LightningDDPStrategy):
-    """Lightning's ``DDPStrategy`` whose launcher starts ranks from ``job`` (``None``: Lightning's).
-
-    ``timeout_s``: seconds a collective waits for a lost peer; ``launch``: ``"fork"``, ``"exec"`` or ``"auto"``
-    (fork on CPU while CUDA is not initialised). No ``ddp_comm_hook``, or one of ``COMM_HOOKS``: timed by
-    ``allreduce_timer``; ``"powersgd"`` keeps a ``PowerSGDState`` (``comm_state``) of ``powersgd_rank`` from
-    backward ``powersgd_start_iter``. ``**kwargs`` go to Lightning's."""
+    """Lightning's ``DDPStrategy`` whose launcher starts ranks from ``job`` (``None``: Lightning's). ``timeout_s``:
+    seconds a collective waits for a lost peer; ``launch``: ``"fork"``, ``"exec"`` or ``"auto"`` (fork on CPU while
+    CUDA is not initialised). No ``ddp_comm_hook`` or one of ``COMM_HOOKS``: timed by ``allreduce_timer``;
+    ``"powersgd"`` keeps a ``PowerSGDState`` (``comm_state``). ``**kwargs`` go to Lightning's."""
 
     def __init__(
         self,
@@ -115,15 +108,13 @@ class DDPStrategy(LightningDDPStrategy):
         if self.job is None or self.start_method != "popen":
             return super().launcher
         if self.supervisor is None:
-            assert self.cluster_environment is not None
-            devices = self.parallel_devices or []
-            on_cpu = bool(devices) and devices[0].type == "cpu"
-            cpu_fork = self.launch_mode == "auto" and on_cpu and not torch.cuda.is_initialized()
-            fork = self.launch_mode == "fork" or cpu_fork
+            env = self.cluster_environment
+            assert env is not None
+            cpu = [d.type for d in self.parallel_devices or []][:1] == ["cpu"] and not torch.cuda.is_initialized()
+            fork = self.launch_mode == "fork" or (self.launch_mode == "auto" and cpu)
             self.supervisor = JobLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes, self.job, fork, run_forked=run_rank
+                env, self.num_processes, self.num_nodes, self.job, fork, run_rank, self.explain_failure
             )
-            self.supervisor.explain_failure = self.explain_failure
         return self.supervisor
 
     @override
@@ -132,8 +123,8 @@ class DDPStrategy(LightningDDPStrategy):
         ``Whereabouts``. Raises ``ConfigError`` (``apply_interface``), or ``RankFailed`` (``join_start``)."""
         self._setup_group()
         if self._whereabouts is None:
-            assert self.cluster_environment is not None
             env = self.cluster_environment
+            assert env is not None
             self._whereabouts = Whereabouts(
                 env.main_address, env.main_port, self.global_rank, self.world_size, self._prefix, self._position
             )
@@ -152,8 +143,8 @@ class DDPStrategy(LightningDDPStrategy):
         return (stage.value if stage is not None else "setup"), trainer.global_step
 
     def _setup_group(self) -> None:
-        assert self.cluster_environment is not None
         env = self.cluster_environment
+        assert env is not None
         initialized = torch.distributed.is_initialized()  # fit, then test: one group
         store: torch.distributed.Store | None = None
         self.set_world_ranks()

@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -30,8 +32,7 @@ from dpddp.cluster import LAUNCHED_ENV, master_address
 from dpddp.diagnostics.network import route_interface
 from dpddp.errors import EXIT_CRASH, EXIT_PREEMPTED, ConfigError, RankFailed, first_line
 
-__all__ = ["JobLauncher", "RankJob", "bind_store_socket", "die_with_parent"]
-__all__ += ["STOPPED", "rank_ended"]
+__all__ = ["JobLauncher", "RankJob", "die_with_parent"]
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +75,11 @@ def die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
-STOPPED = (EXIT_PREEMPTED, -signal.SIGTERM)  # a rank's exit status when SIGTERM stopped it
+_STOPPED = (EXIT_PREEMPTED, -signal.SIGTERM)  # a rank's exit status when SIGTERM stopped it
 
 
-def rank_ended(rank: int, proc: Any) -> str:
-    """``"rank 1 (pid 4242) was killed by SIGKILL"`` or ``"... exited with code 1"`` for an ended rank."""
+def _rank_ended(rank: int, proc: Any) -> str:
+    """``"rank 1 (pid 4242) was killed by SIGKILL"`` or ``"... exited with code 1"``."""
     code = proc.returncode
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     return f"rank {rank} (pid {proc.pid}) {how}"
@@ -86,7 +87,7 @@ def rank_ended(rank: int, proc: Any) -> str:
 
 class _RankWatcher(threading.Thread):
     """When a launched rank exits non-zero, kills the others and, unless rank 0 fails within ``grace_s`` seconds,
-    ends it with exit status 1; a rank ``STOPPED`` by SIGTERM first gets ``grace_s`` for rank 0 to stop too."""
+    ends it with exit status 1; a rank stopped by SIGTERM first gets ``grace_s`` for rank 0 to stop too."""
 
     def __init__(self, procs: list[Any], grace_s: float = 10.0) -> None:
         super().__init__(daemon=True, name="dpddp-rank-watcher")
@@ -98,9 +99,9 @@ class _RankWatcher(threading.Thread):
             failed = [(r, p) for r, p in enumerate(self.procs, 1) if p.poll() not in (None, 0)]
             if failed:
                 rank, proc = failed[0]
-                if proc.poll() in STOPPED and self.done.wait(self.grace_s):
+                if proc.poll() in _STOPPED and self.done.wait(self.grace_s):
                     return
-                log.error(f"{rank_ended(rank, proc)}; ending the run")
+                log.error(f"{_rank_ended(rank, proc)}; ending the run")
                 for p in self.procs:
                     if p.poll() is None:
                         p.kill()
@@ -111,10 +112,9 @@ class _RankWatcher(threading.Thread):
                 return
 
 
-def bind_store_socket(address: str) -> socket.socket:
-    """A listening socket for rank 0's TCPStore on ``address`` only, on ``$MASTER_PORT`` or a free port.
-
-    Raises ``ConfigError`` if ``MASTER_PORT`` is in use."""
+def _bind_store_socket(address: str) -> socket.socket:
+    """A listening socket for rank 0's TCPStore on ``address`` only, on ``$MASTER_PORT`` or a free port. Raises
+    ``ConfigError`` if ``MASTER_PORT`` is in use."""
     port = int(master_address()[1] or 0)
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -131,10 +131,10 @@ def bind_store_socket(address: str) -> socket.socket:
 
 
 class _ForkedRank:
-    """A forked local rank with the ``subprocess.Popen`` methods the launcher and watcher use."""
+    """A forked local rank with the ``subprocess.Popen`` methods the launcher, the watcher and Lightning use."""
 
     def __init__(self, pid: int) -> None:
-        self.pid: int = pid
+        self.pid = pid
         self.returncode: int | None = None
         self._lock = threading.Lock()  # the watcher polls while the main thread may wait
 
@@ -146,15 +146,15 @@ class _ForkedRank:
                     self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def wait(self, timeout: float = math.inf) -> int:
+        deadline = time.monotonic() + timeout
         while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"rank (pid {self.pid})", timeout or 0.0)
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank (pid {self.pid})", timeout)
             time.sleep(0.05)
         return code
 
-    def send_signal(self, signum: int) -> None:
+    def send_signal(self, signum: int) -> None:  # Lightning's launcher.kill(signum) calls it
         if self.poll() is None:
             os.kill(self.pid, signum)
 
@@ -164,8 +164,8 @@ class _ForkedRank:
 
 class JobLauncher(SubprocessScriptLauncher):
     """Lightning's ``_SubprocessScriptLauncher`` starting local ranks from ``job``: forked (``fork``, running
-    ``run_forked(job)`` for an exit status) or ``python -m dpddp.parallel.rank``. ``explain_failure``, set by the
-    strategy: the line naming the peer to blame for a failed run, or ``None``."""
+    ``run_forked(job)`` for an exit status) or ``python -m dpddp.parallel.rank``. ``explain_failure(err)``: the line
+    naming the peer to blame for a failed run, or ``None``."""
 
     def __init__(
         self,
@@ -175,12 +175,12 @@ class JobLauncher(SubprocessScriptLauncher):
         job: RankJob,
         fork: bool,
         run_forked: Callable[[RankJob], int],
+        explain_failure: Callable[[BaseException], str | None],
     ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
-        self.job, self.fork, self.run_forked = job, fork, run_forked
+        self.job, self.fork, self.run_forked, self.explain_failure = job, fork, run_forked, explain_failure
         self.watcher: _RankWatcher | None = None
         self.listen_socket: socket.socket | None = None
-        self.explain_failure: Callable[[BaseException], str | None] | None = None
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -193,19 +193,17 @@ class JobLauncher(SubprocessScriptLauncher):
         try:
             return function(*args, **kwargs)
         except Exception as err:
-            line = self.explain_failure(err) if self.explain_failure is not None else None
+            line = self.explain_failure(err)
             if line is None:
                 raise
             raise RankFailed(f"{line}; ending the run (this rank: {first_line(err)})") from err
 
-    def _start_ranks(self) -> None:
-        if self.procs:
-            raise RuntimeError("the launcher starts its ranks once")
+    def _start_ranks(self) -> None:  # once: the LOCAL_RANK it sets makes a later stage's processes external
         env = self.cluster_environment
         # Rank 0's store listens only on the address that routes to MASTER_ADDR (loopback on one node).
         route = route_interface(env.main_address) if self.num_nodes > 1 and env.node_rank() == 0 else None
         if self.num_nodes == 1 or route is not None:
-            self.listen_socket = bind_store_socket(env.main_address if route is None else route[1])
+            self.listen_socket = _bind_store_socket(env.main_address if route is None else route[1])
             os.environ["MASTER_PORT"] = str(self.listen_socket.getsockname()[1])
         os.environ.update(
             MASTER_ADDR=env.main_address,
@@ -226,7 +224,7 @@ class JobLauncher(SubprocessScriptLauncher):
             log.info(f"local ranks 1-{self.num_processes - 1} {how}: pids {[p.pid for p in self.procs]}")
 
     def _fork_rank(self, local_rank: int) -> _ForkedRank:
-        """Fork local rank ``local_rank``: it runs ``run_forked(job)`` and ``os._exit``s with its status."""
+        """Fork a rank that runs ``run_forked(job)`` and ``os._exit``s with its status."""
         sys.stdout.flush()
         sys.stderr.flush()
         parent = os.getpid()
@@ -261,17 +259,14 @@ class JobLauncher(SubprocessScriptLauncher):
         deadline = time.monotonic() + wait_s
         failed = []
         for rank, proc in enumerate(self.procs, 1):
-            try:
-                code = proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                continue
-            if code:
-                failed.append(rank_ended(rank, proc))
+            with suppress(subprocess.TimeoutExpired):
+                if proc.wait(timeout=max(deadline - time.monotonic(), 0.01)):
+                    failed.append(_rank_ended(rank, proc))
         return failed
 
     def stopped(self) -> bool:
-        """Whether a launched rank was ``STOPPED`` by SIGTERM."""
-        return any(proc.poll() in STOPPED for proc in self.procs)
+        """Whether a launched rank was stopped by SIGTERM."""
+        return any(proc.poll() in _STOPPED for proc in self.procs)
 
     def join(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` seconds for launched ranks to exit, then kill any left."""
