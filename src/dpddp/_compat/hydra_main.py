@@ -11,10 +11,6 @@ from typing import Any
 from hydra.types import RunMode
 
 
-class _Refused(Exception):
-    pass
-
-
 def hydra_argument_error(argv: list[str]) -> str | None:
     """argparse's message where Hydra's ``get_args_parser`` refuses ``argv``; ``None`` where it reads it."""
     from hydra._internal.utils import get_args_parser
@@ -24,13 +20,13 @@ def hydra_argument_error(argv: list[str]) -> str | None:
     parser = get_args_parser()
 
     def refuse(message: str) -> None:
-        raise _Refused(message)
+        raise argparse.ArgumentError(None, message)
 
     parser.error = refuse  # type: ignore[method-assign,assignment]
     parser.exit_on_error = False
     try:
         parser.parse_args(argv)
-    except (_Refused, argparse.ArgumentError) as err:
+    except argparse.ArgumentError as err:
         return str(err)
     return None
 
@@ -70,8 +66,8 @@ def hydra_reported(report: Callable[[Exception], None], kinds: tuple[type[Except
 
 
 def locate(path: str) -> Any:
-    """What ``instantiate`` builds for ``_target_: <path>`` (``hydra._internal.utils._locate``), without
-    ``get_class``'s log lines. Raises ``ImportError`` (nothing importable) or ``ValueError`` (an empty part)."""
+    """What ``instantiate`` builds for ``_target_: <path>``, without ``get_class``'s log lines. Raises ``ImportError``
+    or ``ValueError``."""
     from hydra._internal.utils import _locate
 
     return _locate(path)

@@ -145,13 +145,9 @@ def _follow_data(model: dict[str, Any], data: dict[str, Any]) -> None:
             model[key] = data[key]
 
 
-def _plain(namespace: Any) -> dict[str, Any]:
-    return namespace.as_dict() if hasattr(namespace, "as_dict") else dict(namespace)
-
-
 def run_config(parsed: Any, defaults: Any) -> DictConfig:
     """The run config (``train.py``'s schema) of the CLI's ``parsed`` values. Raises ``ConfigError``."""
-    given, default = _plain(parsed), _plain(defaults)
+    given, default = parsed.as_dict(), defaults.as_dict()
     trainer = {k: v for k, v in given["trainer"].items() if v != default["trainer"].get(k)}
     top = {TOP_LEVEL[k]: trainer.pop(k) for k in list(trainer) if k in TOP_LEVEL}
     if isinstance(top.get("devices"), str) and top["devices"].lstrip("-").isdigit():  # the CLI's type admits str
