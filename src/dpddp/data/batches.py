@@ -35,9 +35,7 @@ class DeferredRows:
 def rows_of(tensor: torch.Tensor, idx: torch.Tensor, defer: bool) -> torch.Tensor | DeferredRows:
     """``tensor[idx]`` (``idx`` int64 ``[b]`` or ``[k, b]``); with ``defer``, ``[k, b]`` rows over ``DEFER_BYTES``
     as ``DeferredRows``."""
-    if idx.dim() == 1:
-        return tensor.index_select(0, idx)
-    if defer and idx.numel() * math.prod(tensor.shape[1:]) * tensor.element_size() > DEFER_BYTES:
+    if defer and idx.dim() > 1 and idx.numel() * math.prod(tensor.shape[1:]) * tensor.element_size() > DEFER_BYTES:
         return DeferredRows(idx, tensor)
     return tensor.index_select(0, idx.reshape(-1)).view(*idx.shape, *tensor.shape[1:])
 
@@ -48,7 +46,7 @@ def defer_rows(dataset: Any) -> bool:
         return False
     dataset.defer = True
     inner = dataset.dataset
-    return isinstance(inner, TensorDataset) or (batch_indexable(inner) and defer_rows(inner))
+    return isinstance(inner, TensorDataset) or defer_rows(inner)
 
 
 def batch_indexable(dataset: Any) -> bool:

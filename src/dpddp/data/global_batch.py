@@ -129,15 +129,12 @@ class GlobalBatchSampler(YieldedIds, DistributedSampler):
         perm, rows = order
         if rows is None:
             return perm[start:stop]
-        k, pieces = self.block_size, []
+        k, at = self.block_size, torch.arange(start, stop)
         assert k is not None  # rows come with the block shuffle only
-        while start < stop:
-            block, r = divmod(start, k)
-            end = min(stop, (block + 1) * k)
-            full = block < len(perm)
-            pieces.append(rows[r : r + end - start] + int(perm[block]) * k if full else torch.arange(start, end))
-            start = end
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if not len(perm):  # no full block
+            return at
+        blocks = at // k  # a full block's row r: rows[r] of its place in perm; the trailing partial block in order
+        return torch.where(blocks < len(perm), rows[at % k] + perm[blocks.clamp(max=len(perm) - 1)] * k, at)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         epoch, step = self._start()
