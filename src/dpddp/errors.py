@@ -1,5 +1,5 @@
-"""The project's errors, their exit statuses (``exit_status``; docs/design-notes.md, "Errors and exit statuses"),
-and the shell every entry point's ``main`` runs in. Imports neither torch nor Lightning."""
+"""The project's errors, their exit statuses, and the shell every entry point's ``main`` runs in (no torch import:
+an entry point answers a bad command line before it)."""
 
 from __future__ import annotations
 
@@ -101,8 +101,8 @@ KNOWN = (ConfigError, RankFailed, Preempted, WriteFailed, LoaderFailed, StepFail
 
 
 def fail(line: str, status: int = EXIT_CONFIG, log: logging.Logger | None = None) -> NoReturn:
-    """Say ``error: <line>`` on stderr (or through ``log``) and exit with ``status``. A bad setting is said once
-    per node: a process of local rank other than 0 only logs it (every process checks the same config)."""
+    """Say ``error: <line>`` on stderr (or through ``log``) and exit with ``status``; a bad setting only once per
+    node (local rank 0: every process checks the same config)."""
     if log is None and status == EXIT_CONFIG and local_rank():
         log_quietly(logging.getLogger(__name__), f"error: {line}")
     elif log is None:
@@ -123,8 +123,7 @@ def stop_line(err: Preempted, resume: Callable[[], str] | None) -> str:
 
 
 def exit_on(err: BaseException, resume: Callable[[], str] | None = None, log: logging.Logger | None = None) -> NoReturn:
-    """``fail`` with ``err``'s message and exit status; a ``Preempted`` line (``stop_line``) is said once per node
-    (local rank 0)."""
+    """``fail`` with ``err``'s message and exit status; a ``Preempted`` line (``stop_line``) once per node."""
     if isinstance(err, Preempted) and local_rank():
         log_quietly(log or logging.getLogger(__name__), str(err))
         sys.exit(EXIT_PREEMPTED)
@@ -133,8 +132,7 @@ def exit_on(err: BaseException, resume: Callable[[], str] | None = None, log: lo
 
 
 def log_quietly(log: logging.Logger, message: str) -> None:
-    """``message`` at INFO into the log files of ``log`` and its ancestors only (not the console); at DEBUG where
-    there is none."""
+    """``message`` at INFO into the log files of ``log`` and its ancestors only (not the console), else at DEBUG."""
     files: list[logging.Handler] = []
     logger: logging.Logger | None = log
     while logger is not None:
@@ -149,8 +147,8 @@ def log_quietly(log: logging.Logger, message: str) -> None:
 
 
 def rank_status(err: BaseException, log: logging.Logger) -> int:
-    """In a launched rank: log ``err`` (a known error as ``error: <message>``, a ``Preempted`` into the log file
-    only: rank 0 says its line; anything else with its traceback); return its exit status."""
+    """In a launched rank: log ``err`` (``error: <message>`` for a known one, a ``Preempted`` into the log file only,
+    else its traceback); return its exit status."""
     if isinstance(err, (ConfigError, LoaderFailed, StepFailed, ReplicasDiverged)):
         log.error(f"error: {err}")
     elif isinstance(err, Preempted):
@@ -169,10 +167,9 @@ def shell(
     crash: str | None = None,
     rank: logging.Logger | None = None,
 ) -> Iterator[None]:
-    """The body of an entry point's ``main``: a ``KNOWN`` error ends the process through ``exit_on`` (``resume``
-    for a stop's line; a ``RankFailed`` into ``log`` too); one of ``bad_input``: exit 2; with ``crash``, any other
-    but a ``ConfigError`` or ``PromiseBroken``: ``error: <crash>: <first_line>``, exit 1; in a launched rank
-    (``rank``): ``rank_status``. Anything else propagates."""
+    """The body of an entry point's ``main``: a ``KNOWN`` error ends the process through ``exit_on``; one of
+    ``bad_input``: exit 2; with ``crash``, any other but a ``ConfigError`` or ``PromiseBroken``: ``error: <crash>:
+    <first_line>``, exit 1; in a launched rank (``rank``): ``rank_status``. Anything else propagates."""
     try:
         yield
     except Exception as err:
@@ -193,8 +190,7 @@ def resume_command(program: Sequence[str], args: Iterable[str], drop: tuple[str,
 
 
 def invocation_name(first: str, n: int) -> str:
-    """What the ``n``-th invocation (from 1) into a run directory writes: ``first``, then ``.hydra-1``,
-    ``config-1.yaml``, ..."""
+    """What the ``n``-th invocation (from 1) into a run directory writes: ``first``, then ``config-1.yaml``, ..."""
     path = Path(first)
     return first if n == 1 else f"{path.stem}-{n - 1}{path.suffix}"
 
@@ -214,8 +210,7 @@ def log_to(path: Path, fmt: str) -> None:
 
 
 def unwritable(directory: str | Path) -> str | None:
-    """Why files cannot be written in ``directory`` (the system's reason), or ``None``. Makes it, and writes one
-    unnamed temporary file there."""
+    """Why files cannot be written in ``directory`` (the system's reason), or ``None``; makes it, and tries a file."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         return "Not a directory"
     try:

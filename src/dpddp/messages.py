@@ -30,8 +30,7 @@ def argparse_choice(message: str) -> tuple[str, str, list[str]] | None:
 
 
 def defaults_list_parent(first_line: str) -> str | None:
-    """The config whose defaults list names a missing option (Hydra's ``In 'config': Could not find ...``), else
-    ``None``."""
+    """The config whose defaults list names a missing option (Hydra's ``In '<config>': Could not find``), else None."""
     found = re.match(r"In '(.+?)':", first_line)
     return found.group(1) if found else None
 
@@ -96,8 +95,6 @@ def jsonargparse_refusal(lines: list[str]) -> JsonargparseRefusal:
     def first(pattern: str) -> str | None:
         return next((m.group(1) for line in inner if (m := re.match(pattern, line))), None)
 
-    detail = next((line for line in inner if not line.startswith("Problem with")), "")
-
     return JsonargparseRefusal(
         group_key=".".join(grouped.groups()) if grouped else None,
         key=parsed.group(1) if parsed else None,
@@ -105,7 +102,7 @@ def jsonargparse_refusal(lines: list[str]) -> JsonargparseRefusal:
         option=first(r"Option '(.+)' is not accepted"),
         class_path=first(r"Problem with given class_path '(.+)'"),
         expected=[m.group(1) or m.group(2) for line in inner if (m := JSONARGPARSE_EXPECTED.match(line))],
-        detail=detail,
+        detail=next((line for line in inner if not line.startswith("Problem with")), ""),
         cause=next((line for line in inner if not line.startswith(("Problem with", "Expected a path"))), None),
     )
 

@@ -177,18 +177,6 @@ def check_precision(cfg: Mapping, world: World) -> None:
         )
 
 
-SWITCHES = ("resume", "predict", "print_config", "curves")
-
-
-def _check_switches(cfg: Mapping) -> None:
-    """The top-level switches are booleans, and ``epoch_lines`` is one or ``auto``."""
-    for key in SWITCHES:
-        value = cfg.get(key, False)
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} is not a switch: use {key}=true or {key}=false")
-    epoch_lines(cfg)
-
-
 def _check_checkpointing(cfg: Mapping) -> None:
     """``trainer.enable_checkpointing=false`` with a ``ModelCheckpoint`` callback (Lightning refuses the pair)."""
     if (cfg["trainer"] or {}).get("enable_checkpointing") is not False:
@@ -265,8 +253,8 @@ def _check_callback_needs(cfg: Mapping) -> None:
 
 
 def check_model_callbacks(cfg: Mapping, model: pl.LightningModule, trainer: pl.Trainer) -> None:
-    """What ``model.configure_callbacks()`` returns (with ``model`` attached to ``trainer``, as Lightning calls
-    it), refused as ``callbacks.<key>``'s is: ``ConfigError`` for one that needs a logger, with ``logger=none``."""
+    """``ConfigError`` for a callback ``model.configure_callbacks()`` returns (``model`` attached to ``trainer``, as
+    Lightning calls it) that needs a logger, with ``logger=none``."""
     if logger_specs(cfg) or not is_overridden("configure_callbacks", model):
         return
     model.trainer = trainer
@@ -282,9 +270,8 @@ def check_model_callbacks(cfg: Mapping, model: pl.LightningModule, trainer: pl.T
 
 @dataclass(frozen=True)
 class Plan:
-    """One run's plan, made by ``check_config`` and handed down as an argument: the checked config, the stage, the
-    ``World``, the facts of the checkpoint ``ckpt_path`` names (read once), and ``resume``: ``"interrupted"`` or
-    ``"finished"`` when that is the run's own ``last.ckpt``."""
+    """One run's plan, made by ``check_config`` and handed down: the checked config, the stage, the ``World``, the
+    facts of ``ckpt_path``'s checkpoint (read once); ``resume``: ``"interrupted"`` or ``"finished"`` (its own)."""
 
     cfg: Any
     stage: str
@@ -314,8 +301,7 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> Plan:
 
 
 def check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None) -> CheckpointFacts | None:
-    """The ``ckpt_path`` part of ``check_config`` (``loaded``: that file, already read); its facts, or
-    ``ConfigError``."""
+    """The ``ckpt_path`` part of ``check_config`` (``loaded``: that file, read); its facts, or ``ConfigError``."""
     return _check_checkpoint(cfg, stage, loaded)
 
 
@@ -372,7 +358,10 @@ def _check_settings(cfg: DictConfig | Mapping, stage: str) -> World:
     _check_checkpointing(cfg)
     _check_callback_needs(cfg)
     _check_checkpoint_dirs(cfg)
-    _check_switches(cfg)
+    for key in ("resume", "predict", "print_config", "curves"):  # the top-level switches
+        if not isinstance(value := cfg.get(key, False), bool):
+            raise ConfigError(f"{key}={value!r} is not a switch: use {key}=true or {key}=false")
+    epoch_lines(cfg)  # a switch, or auto
     check_keys("checkpoint", [str(k) for k in cfg.get("checkpoint") or {}], list(CHECKPOINT_KEYS))
     checkpoint_intervals(cfg)
     check_every(cfg)
@@ -421,8 +410,7 @@ def _check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None
 
 
 def _configured_model(cfg: Mapping) -> ConfiguredModel | None:
-    """The configured model's ``ConfiguredModel``, built on the meta device (no memory, the random streams
-    untouched); ``None`` when it cannot be built there."""
+    """The configured model's ``ConfiguredModel``, built on the meta device; ``None`` where it cannot be built there."""
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = build(cfg["model"], "model", _convert_="all")

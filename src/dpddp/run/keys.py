@@ -21,15 +21,14 @@ from dpddp.models.linear import LinearClassifier
 from dpddp.parallel.rules import DDP_OPTIONS
 from dpddp.run.plain import key_advice
 
-__all__ = ["CHECKED", "TOP_LEVEL_KEYS", "allowed_keys", "check_keys", "check_targets", "import_problem", "key_hint"]
-__all__ += ["missing_argument", "target_class", "with_defaults"]
+__all__ = ["TOP_LEVEL_KEYS", "TRAINER_OWNED", "allowed_keys", "check_keys", "check_targets", "import_problem"]
+__all__ += ["key_hint", "target_class", "with_defaults"]
 
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
 TOP_LEVEL_RUN = ("steps_per_execution", "compile", "checkpoint", "check_replicas")  # how training runs, is checked
 TOP_LEVEL_OUTPUT = ("epoch_lines", "print_config", "curves", "objective")  # how a run reports progress and its result
 GROUPS = ("data", "model", "trainer", "logger", "callbacks")
 TOP_LEVEL_KEYS = (*TOP_LEVEL, *TOP_LEVEL_RUN, *TOP_LEVEL_OUTPUT, *GROUPS)
-FIX = "{t} takes no {k} (of the packaged config): give {s} a yaml of its own (conf/{s}/<name>.yaml){d}"
 # Trainer flags owned elsewhere: the top-level knobs, and what the global-batch contract and the run dir need.
 TRAINER_OWNED = {
     "strategy": "set it at the top level: strategy=ddp",
@@ -44,9 +43,6 @@ TRAINER_OWNED = {
 
 PRESETS = ("experiment", "debug", "hparams_search")
 """The config groups of presets (``conf/config.yaml``'s optional ones) whose files merge at the top level."""
-
-# Top-level settings a user may look for in a section (model.compile=true): what the line says instead.
-TOP_LEVEL_ELSEWHERE = {"compile": "set it at the top level: compile=true (torch.compile of the model's forward)"}
 
 
 def _parameters(fn: Any) -> list[inspect.Parameter]:
@@ -124,11 +120,8 @@ def _importable(key: str, target: str) -> None:
 
 
 def target_class(section: str, spec: Mapping) -> type:
-    """The class the config node ``section`` builds (its ``_target_``).
-
-    Raises:
-        ConfigError: no ``_target_``, one that cannot be imported (``import_problem``), or not a class.
-    """
+    """The class the config node ``section`` builds (its ``_target_``). Raises ``ConfigError``: no ``_target_``,
+    one that cannot be imported (``import_problem``), or not a class."""
     target = spec.get("_target_")
     if not target:
         raise ConfigError(f"{section}._target_ is missing: name the class to build, e.g. {section}._target_=pkg.Class")
@@ -158,12 +151,8 @@ def missing_argument(node: Mapping, injected: tuple[str, ...] = ()) -> str | Non
 
 
 def check_targets(cfg: Mapping, sections: tuple[str, ...] = ("data", "model", "callbacks", "logger")) -> None:
-    """Check that every ``_target_`` under ``sections`` of ``cfg`` imports and is given its required arguments.
-
-    Raises:
-        ConfigError: ``<key>._target_='<target>' cannot be imported (<import_problem>): check the name``, or
-            ``<key>: <target> needs <argument> (it has no default): set <key>.<argument>``.
-    """
+    """Raises ``ConfigError`` for the first ``_target_`` under ``sections`` of ``cfg`` that cannot be imported, or is
+    not given a required argument (``missing_argument``)."""
 
     def walk(node: Any, key: str, injected: tuple[str, ...] = ()) -> None:
         if isinstance(node, Mapping):
@@ -194,10 +183,6 @@ def allowed_keys(cfg: Mapping | None = None) -> dict[str, list[str]]:
     }
 
 
-CHECKED = ("", "data", "model", "trainer", "strategy")
-"""The sections whose keys ``check_config`` checks (``""``: the top level)."""
-
-
 def _key_problem(section: str, key: str, allowed: list[str], spec: Mapping | None = None) -> tuple[str, str] | None:
     """``(what is wrong, what to do instead)`` for ``key`` of ``section``, or ``None`` when ``allowed`` has it
     (``spec``: the section as given)."""
@@ -206,20 +191,21 @@ def _key_problem(section: str, key: str, allowed: list[str], spec: Mapping | Non
         return f"trainer.{key} is not set in the trainer group", TRAINER_OWNED[key]
     if key in allowed:
         return None
+    unknown, given = f"unknown setting {prefix}{key}", spec or {}
     if not section and key in PRESETS:  # Hydra put the preset's keys under its group's name
-        return f"unknown setting {key}", (
+        return unknown, (
             f"the {key}= preset's keys are under {key}. because its file lacks Hydra's package header: make "
             "'# @package _global_' its first line"
         )
-    if section and key in TOP_LEVEL_ELSEWHERE:
-        return f"unknown setting {prefix}{key}", TOP_LEVEL_ELSEWHERE[key]
+    if section and key == "compile":  # a top-level setting looked for in a section (model.compile=true)
+        return unknown, "set it at the top level: compile=true (torch.compile of the model's forward)"
     if key not in builtin:
-        return f"unknown setting {prefix}{key}", key_advice(prefix, key, allowed)
-    lacks = [str(k) for k in (spec or {}) if k in builtin and k not in allowed and k != "_target_"]  # all at once
-    drops = [f"~{prefix}{k}" for k in lacks if (spec or {}).get(k) is not None]  # Hydra keeps null
+        return unknown, key_advice(prefix, key, allowed)
+    lacks = [str(k) for k in given if k in builtin and k not in allowed and k != "_target_"]  # all at once
+    drops = [f"~{prefix}{k}" for k in lacks if given.get(k) is not None]  # Hydra keeps null
     drop = f", or drop {'them' if len(lacks) > 1 else 'it'} with {' '.join(drops)}" if len(drops) == len(lacks) else ""
-    hint = FIX.format(t=(spec or {}).get("_target_"), k=", ".join(lacks), s=section, d=drop)
-    return f"unknown setting {prefix}{key}", hint
+    own = f"give {section} a yaml of its own (conf/{section}/<name>.yaml){drop}"
+    return unknown, f"{given.get('_target_')} takes no {', '.join(lacks)} (of the packaged config): {own}"
 
 
 def check_keys(section: str, keys: Iterable[str], allowed: list[str], spec: Mapping | None = None) -> None:
@@ -237,7 +223,7 @@ def key_hint(cfg: Mapping, key: str) -> str | None:
         return None
     if problem := _key_problem("", section, allowed_keys()[""]):
         return problem[1]
-    if not rest or section not in CHECKED:
+    if not rest or section not in allowed_keys():
         return None
     try:
         allowed = allowed_keys(cfg)[section]
