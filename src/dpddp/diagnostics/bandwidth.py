@@ -48,16 +48,13 @@ def ring_seconds(nbytes: int, world_size: int, latency_s: float, bus_bytes_per_s
 
 
 def _median_seconds(tensor: torch.Tensor, reps: int) -> float:
-    dist.all_reduce(tensor)  # warm-up: the backend's buffers and connections
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start = time.perf_counter()
+    def once() -> None:
         dist.all_reduce(tensor)
         if tensor.is_cuda:
             torch.cuda.synchronize(tensor.device)
-        times.append(time.perf_counter() - start)
-    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=tensor.device)
+
+    median = step_seconds(once, reps, before=dist.barrier)
+    slowest = torch.tensor([median], dtype=torch.float64, device=tensor.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends when its slowest rank's does
     return float(slowest.item())
 
@@ -120,11 +117,12 @@ def recommend(share: float, compressible: bool) -> str:
     return "one process (or dp over this machine's GPUs): the network would take most of each ddp step"
 
 
-def step_seconds(step: Callable[[], None], reps: int = 10) -> float:
-    """The median seconds of ``step()`` after one warm-up call."""
+def step_seconds(step: Callable[[], None], reps: int = 10, before: Callable[[], object] = lambda: None) -> float:
+    """The median seconds of ``step()`` after one warm-up call; ``before()`` runs untimed before each."""
     step()
     times = []
     for _ in range(reps):
+        before()
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
