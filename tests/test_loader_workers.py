@@ -32,9 +32,8 @@ from dpddp.parallel.workers import (
     WORKER_TIMEOUT_S,
     WorkerInitFailed,
     WorkerStart,
-    loader_worker_failure,
+    loader_failed,
     start_workers_safely,
-    worker_start_failure,
 )
 
 
@@ -92,18 +91,19 @@ class _StuckOrDead(torch.utils.data.Dataset):
 
 
 @pytest.mark.parametrize("how", ["stuck", "dead"])
-def test_loader_worker_failure_reads_torchs_errors_for_a_stuck_and_a_dead_worker(how):
+def test_loader_failed_reads_torchs_errors_for_a_stuck_and_a_dead_worker(how):
     loader = torch.utils.data.DataLoader(_StuckOrDead(how), num_workers=1, timeout=1 if how == "stuck" else 0,
                                          multiprocessing_context="fork")  # fmt: skip
     with pytest.raises(RuntimeError) as err:
         next(iter(loader))
-    what = loader_worker_failure(err.value)
+    what, _, advice = str(loader_failed(err.value, 1)).partition(" (data.num_workers > 0): ")
     if how == "stuck":
-        assert what == "a DataLoader worker sent no batch for 1 s"
+        assert what == "rank 1: a DataLoader worker sent no batch for 1 s"
     else:
-        assert what is not None and re.fullmatch(r"a DataLoader worker \(pid\(s\) \d+\) exited unexpectedly", what)
-    assert loader_worker_failure(RuntimeError("another error")) is None
-    assert loader_worker_failure(ValueError("DataLoader timed out after 1 seconds")) is None
+        assert re.fullmatch(r"rank 1: a DataLoader worker \(pid\(s\) \d+\) exited unexpectedly", what), what
+    assert advice.startswith("its data set's __getitem__ or the collate_fn hangs or crashed in a worker process")
+    assert loader_failed(RuntimeError("another error"), 1) is None
+    assert loader_failed(ValueError("DataLoader timed out after 1 seconds"), 1) is None
 
 
 # -- real runs ------------------------------------------------------------------------------------------------
@@ -401,7 +401,7 @@ def test_the_lightning_cli_on_one_process_starts_a_users_loader_workers_from_a_f
     assert max_diff(weights(ends["workers"]), weights(ends["serial"])) <= 1e-6
 
 
-def test_worker_start_failure_reads_a_failed_worker_init_and_a_loader_the_fork_server_cannot_get():
+def test_loader_failed_reads_a_failed_worker_init_and_a_loader_the_fork_server_cannot_get():
     """A loader's own worker_init_fn that raises in the worker comes back from torch as ``WorkerInitFailed``,
     read as its one phrase; a data set holding a lambda fails to pickle while its worker starts, read as such;
     any other error is not a failed start."""
@@ -409,17 +409,19 @@ def test_worker_start_failure_reads_a_failed_worker_init_and_a_loader_the_fork_s
     failing = DataLoader(data, num_workers=1, worker_init_fn=open_shard, multiprocessing_context="fork")
     with pytest.raises(WorkerInitFailed) as err:
         next(iter(start_workers_safely(failing, 0)))
-    assert worker_start_failure(err.value) == (
-        "its worker_init_fn open_shard raised FileNotFoundError: shard-0.bin: no such file; fix it (it runs first "
-        "in each worker process), or set data.num_workers=0 to load in the rank"
+    assert str(loader_failed(err.value, 0)) == (
+        "rank 0: a DataLoader worker could not start (data.num_workers > 0): its worker_init_fn open_shard raised "
+        "FileNotFoundError: shard-0.bin: no such file; fix it (it runs first in each worker process), or set "
+        "data.num_workers=0 to load in the rank"
     )
     lambdas = start_workers_safely(DataLoader(_Mapped(data, lambda item: item), num_workers=1), 0)
     with pytest.raises(Exception) as err:
         next(iter(lambdas))
-    what = worker_start_failure(err.value)
-    assert what is not None and what.startswith("the DataLoader cannot be pickled (")
+    start, _, what = str(loader_failed(err.value, 0)).partition(": ")
+    assert start == "rank 0" and what.startswith("a DataLoader worker could not start (data.num_workers > 0): the "
+                                                 "DataLoader cannot be pickled ("), what  # fmt: skip
     assert "lambda" in what and what.endswith("or set data.num_workers=0"), what
-    assert worker_start_failure(RuntimeError("Can't pickle this")) is None  # not raised while pickling
+    assert loader_failed(RuntimeError("Can't pickle this"), 0) is None  # not raised while pickling
 
 
 @pytest.mark.slow

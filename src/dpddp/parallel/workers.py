@@ -27,7 +27,7 @@ from dpddp.messages import dataloader_failure
 from dpddp.parallel.launcher import die_with_parent
 
 __all__ = ["START_METHOD", "WORKER_TIMEOUT_S", "WorkerInitFailed", "WorkerStart", "loader_failed"]
-__all__ += ["loader_worker_failure", "start_workers_safely", "worker_start_failure"]
+__all__ += ["start_workers_safely"]
 
 START_METHOD = "forkserver"  # a fork of a rank that runs threads can deadlock in the child
 WORKER_TIMEOUT_S = 60.0  # seconds a rank waits for its workers' next batch, unless the loader has a timeout
@@ -35,18 +35,18 @@ WORKER_TIMEOUT_S = 60.0  # seconds a rank waits for its workers' next batch, unl
 
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     if sys.platform.startswith("linux"):
         try:
             with open(f"/proc/{pid}/stat") as stat:
                 return stat.read().rpartition(")")[2].split()[0] != "Z"
         except OSError:
             return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
     return True
 
 
@@ -119,35 +119,23 @@ def start_workers_safely(loader: object, rank: int) -> object:
     return loader
 
 
-def loader_worker_failure(err: BaseException) -> str | None:
-    """What torch's ``RuntimeError`` ``err`` says of a stuck or dead DataLoader worker, as a phrase, else ``None``
-    (``messages.dataloader_failure``)."""
-    return dataloader_failure((str(err).splitlines() or [""])[0]) if isinstance(err, RuntimeError) else None
-
-
-def worker_start_failure(err: BaseException) -> str | None:
-    """What ``err`` says of a DataLoader worker that could not start (a loader the fork server cannot get, or
-    ``WorkerInitFailed``), with what to do, else ``None``."""
-    if isinstance(err, WorkerInitFailed):
-        said = str(err).rstrip().splitlines()[-1]
-        said = said.split(f"{WorkerInitFailed.__name__}: ", 1)[-1]
-        return f"{said}; fix it (it runs first in each worker process), or set data.num_workers=0 to load in the rank"
-    if raised_pickling_a_process(err):
-        return (
-            f"the DataLoader cannot be pickled ({first_line(err)}): its "
-            "workers start from a fork server, which gets the data set, sampler, collate_fn and worker_init_fn "
-            "pickled; define them at a module's top level, without lambdas, local classes, open files or "
-            "generators, or set data.num_workers=0"
-        )
-    return None
-
-
 def loader_failed(err: BaseException, rank: int) -> LoaderFailed | None:
-    """The one-line ``LoaderFailed`` for a worker that is stuck, dead or could not start, else ``None``."""
-    start = worker_start_failure(err)
-    if start is not None:
-        return LoaderFailed(f"rank {rank}: a DataLoader worker could not start (data.num_workers > 0): {start}")
-    what = loader_worker_failure(err)
+    """The one-line ``LoaderFailed`` for a DataLoader worker that could not start (``WorkerInitFailed``, a loader
+    the fork server cannot get) or is stuck or dead (torch's ``RuntimeError``), with what to do; else ``None``."""
+    start = f"rank {rank}: a DataLoader worker could not start (data.num_workers > 0)"
+    if isinstance(err, WorkerInitFailed):
+        said = str(err).rstrip().splitlines()[-1].split(f"{WorkerInitFailed.__name__}: ", 1)[-1]
+        return LoaderFailed(
+            f"{start}: {said}; fix it (it runs first in each worker process), or set data.num_workers=0 to load in "
+            "the rank"
+        )
+    if raised_pickling_a_process(err):
+        return LoaderFailed(
+            f"{start}: the DataLoader cannot be pickled ({first_line(err)}): its workers start from a fork server, "
+            "which gets the data set, sampler, collate_fn and worker_init_fn pickled; define them at a module's top "
+            "level, without lambdas, local classes, open files or generators, or set data.num_workers=0"
+        )
+    what = dataloader_failure((str(err).splitlines() or [""])[0]) if isinstance(err, RuntimeError) else None
     if what is None:
         return None
     return LoaderFailed(
