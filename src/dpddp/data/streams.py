@@ -28,20 +28,27 @@ STREAM = 0x57EA_DA7A  # folded into the seed first: the stream's own draws stay 
 
 
 class _OwnStreams:
-    """The global random streams a stream draws from while it is read (no loader workers), seeded from
+    """``stream``'s samples, read with global random streams of its own (no loader workers): seeded from
     ``key64(STREAM, seed, epoch)`` and swapped in around each read, apart from the rank's."""
 
-    def __init__(self, seed: int, epoch: int) -> None:
+    def __init__(self, stream: Any, seed: int, epoch: int, needed: int) -> None:
+        self.stream, self.samples, self.needed, self.count = stream, iter(stream), needed, 0
         with streams_kept():
             seed_streams(key64(STREAM, seed, epoch))
             self.state = get_streams()
 
-    def read(self, samples: Iterator[Any], count: int) -> list[Any]:
-        """The next ``count`` samples (fewer at the stream's end)."""
+    def read(self, count: int) -> list[Any]:
+        """The next ``count`` samples. Raises ConfigError: the stream ends before them."""
         with streams_kept():
             set_streams(self.state)
-            read = list(islice(samples, count))
+            read = list(islice(self.samples, count))
             self.state = get_streams()
+        self.count += len(read)
+        if len(read) < count:
+            raise ConfigError(
+                f"data: the stream ({type(self.stream).__name__}) ended after {self.count} samples, but "
+                f"data.num_samples says {self.needed} or more: give the number of samples in one pass"
+            )
         return read
 
 
@@ -77,26 +84,11 @@ class StreamShares(YieldedIds, IterableDataset):
         epoch, skip = self._start()
         if callable(set_epoch := getattr(self.stream, "set_epoch", None)):
             set_epoch(epoch)
-        own, samples, b = _OwnStreams(self.seed, epoch), iter(self.stream), self.batch_size
-        read = 0
-        while read < self.start + skip * b:  # past the samples before this split and those already trained
-            count = len(own.read(samples, min(self.start + skip * b - read, 4096)))
-            if not count:
-                self._ended(read)
-            read += count
+        own, b = _OwnStreams(self.stream, self.seed, epoch, self.start + self.length), self.batch_size
+        for done in range(0, self.start + skip * b, 4096):  # past the samples before this split and those trained
+            own.read(min(4096, self.start + skip * b - done))
         for k in range(skip, len(self)):
-            want = min(b, self.length - k * b)
-            batch = own.read(samples, want)
-            if len(batch) < want:
-                self._ended(read + len(batch))
-            read += want
-            yield self._share(batch, k, epoch)
-
-    def _ended(self, read: int) -> None:
-        raise ConfigError(
-            f"data: the stream ({type(self.stream).__name__}) ended after {read} samples, but data.num_samples says "
-            f"{self.start + self.length} or more: give the number of samples in one pass"
-        )
+            yield self._share(own.read(min(b, self.length - k * b)), k, epoch)
 
 
 class StreamDataModule(SplitLoaders):
