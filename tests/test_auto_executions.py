@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 from dataclasses import replace
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -14,6 +15,7 @@ import torch
 from conftest import QUIET, ROOT, checkpoint, child_env, compose_cfg, leftover, max_diff, metrics, run_train, weights
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ModelSummary, RichModelSummary
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.logger import DummyLogger
 from test_cli import FAST, cli
 from test_executions import ScheduledModel
 
@@ -28,6 +30,7 @@ from dpddp.run import auto_steps
 from dpddp.run.auto_steps import LOOP_OVERHEAD_S, MAX_AUTO_STEPS, OVERHEAD_SHARE, resolve_steps
 from dpddp.run.build import build
 from dpddp.run.config import Plan
+from dpddp.run.executions import StepsPerExecution
 from dpddp.run.training import train
 
 # 1005 samples: 804 train = 12 global batches of 64 an epoch, so auto's K is at most 8.
@@ -230,6 +233,22 @@ def test_ranks_started_apart_agree_on_each_resolution_in_order(monkeypatch):
     measured = [(2, "first"), (4, "second")]
     assert [auto_steps._agreed(plans[0], lambda k=k: k) for k in measured] == measured
     assert [auto_steps._agreed(plans[1], lambda: pytest.fail("rank 1 measured")) for _ in measured] == measured
+
+
+def test_a_rank_that_opens_no_tracker_run_keeps_autos_k():
+    """Under a tracker logger, a rank that opens no run has Lightning's ``DummyLogger``: it sees no execution, so
+    auto's K stands on that rank as on rank 0."""
+    executions = StepsPerExecution(LinearClassifier(), 2, auto=True)
+    trainer = SimpleNamespace(callbacks=[], loggers=[DummyLogger()])
+    executions.check_observers(trainer, RandomTensorDataModule())  # raises ConfigError for an unknown logger
+    with pytest.raises(ConfigError, match="steps_per_execution=auto took 2, but CSVLoggerOfMine would see"):
+        executions.check_observers(
+            SimpleNamespace(callbacks=[], loggers=[CSVLoggerOfMine(".")]), RandomTensorDataModule()
+        )
+
+
+class CSVLoggerOfMine(CSVLogger):
+    """A user's subclass of a known logger, overriding nothing."""
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ModelSummary, RichModelSummary
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -35,7 +36,7 @@ SKIPPED_HOOKS = ("optimizer_step", "optimizer_zero_grad", "configure_gradient_cl
 """The module's hooks that automatic optimization calls each step and an execution's steps do not."""
 BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end")
 KNOWN: tuple[type, ...] = (EarlyStopping, ModelSummary, RichModelSummary, ModelCheckpoint)
-KNOWN += (CSVLogger, TensorBoardLogger, MLFlowLogger, WandbLogger)
+KNOWN += (CSVLogger, TensorBoardLogger, MLFlowLogger, WandbLogger, DummyLogger)
 """Lightning's classes, matched by exact type, whose objects see nothing an execution changes."""
 TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
