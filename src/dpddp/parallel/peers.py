@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 
-__all__ = ["BEAT_S", "CAUSE_GRACE_S", "LEFT", "STALE_S", "PeerWatch", "StoreClient", "describe_ranks"]
+__all__ = ["BEAT_S", "CAUSE_GRACE_S", "STALE_S", "PeerWatch", "StoreClient", "describe_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +24,7 @@ _STORE_OP_S = 5.0  # seconds one store operation may take before it counts as un
 
 
 class StoreClient:
-    """A client of the store at ``address:port``, connected on first use, shared by the rank's threads under
-    ``lock``."""
+    """A client of the store at ``address:port``, connected on first use, shared by a rank's threads under ``lock``."""
 
     def __init__(self, address: str, port: int) -> None:
         self.address, self.port = address, port
@@ -63,14 +62,10 @@ class StoreClient:
 
 def describe_ranks(ranks: list[int], ranks_per_node: int) -> str:
     """``"node 1 (rank 1)"``, ``"node 1 (ranks 2, 3)"``, ``"node 1 (rank 2), node 2 (rank 4)"``."""
-    by_node: dict[int, list[int]] = {}
+    by_node: dict[int, list[str]] = {}
     for rank in sorted(ranks):
-        by_node.setdefault(rank // ranks_per_node, []).append(rank)
-    parts = []
-    for node, members in by_node.items():
-        what = "rank" if len(members) == 1 else "ranks"
-        parts.append(f"node {node} ({what} {', '.join(map(str, members))})")
-    return ", ".join(parts)
+        by_node.setdefault(rank // ranks_per_node, []).append(str(rank))
+    return ", ".join(f"node {n} (rank{'s' * (len(r) > 1)} {', '.join(r)})" for n, r in by_node.items())
 
 
 class PeerWatch(threading.Thread):
@@ -81,11 +76,10 @@ class PeerWatch(threading.Thread):
         self, address: str, port: int, rank: int, world_size: int, ranks_per_node: int, timeout_s: float, prefix: str
     ) -> None:
         super().__init__(daemon=True, name="dpddp-peer-watch")
-        self.address, self.port, self.rank, self.world_size = address, port, rank, world_size
-        self.ranks_per_node, self.timeout_s = ranks_per_node, timeout_s
-        self.prefix = prefix
+        self.ranks_per_node, self.timeout_s, self.prefix = ranks_per_node, timeout_s, prefix
         self.stopped = threading.Event()
         self._client = StoreClient(address, port)  # shared by the beat thread, `report` and `stop`
+        self._own_key = f"{prefix}beat/{rank}"
         now = time.monotonic()
         self._seen = {r: (0, now) for r in range(world_size) if r != rank}  # rank -> (counter, when it changed)
         self._answered = now  # when the store last answered
@@ -106,23 +100,17 @@ class PeerWatch(threading.Thread):
             store.add(self._own_key, -LEFT)
             self._left = True
 
-    @property
-    def _own_key(self) -> str:
-        return f"{self.prefix}beat/{self.rank}"
-
     def run(self) -> None:
         self._beater.start()
         while not self.stopped.wait(BEAT_S):
             now = time.monotonic()
+            stale = [r for r, (_, t) in self._seen.items() if now - t > self.timeout_s]
             if now - self._answered > self.timeout_s:
                 why = f" ({self._error})" if self._error else ""
                 self._end(f"{self._store_gone()} for {self.timeout_s:.0f} s{why}")
-                continue
-            stale = [r for r, (_, t) in self._seen.items() if now - t > self.timeout_s]
-            if stale:
+            elif stale:
                 self._end(f"{describe_ranks(stale, self.ranks_per_node)} lost: no heartbeat for {self.timeout_s:.0f} s")
-                continue
-            if self._cause is not None:
+            elif self._cause is not None:
                 self._cause_seen = self._cause_seen or now
                 if now - self._cause_seen > CAUSE_GRACE_S:
                     self._end(self._cause)
@@ -152,7 +140,7 @@ class PeerWatch(threading.Thread):
         self._cause = cause
 
     def _store_gone(self) -> str:
-        return f"node 0 lost: the rendezvous store at {self.address}:{self.port} has not answered"
+        return f"node 0 lost: the rendezvous store at {self._client.address}:{self._client.port} has not answered"
 
     def _end(self, line: str) -> None:
         log.error(f"error: {line}; ending the run")
