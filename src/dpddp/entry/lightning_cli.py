@@ -62,7 +62,7 @@ HELP = (
     "Runs go to <default_root_dir>/lightning_logs/version_N/; --ckpt_path=last continues the newest."
 ).format(**DEFAULT_CLASSES)
 SIZES = ("num_features", "num_classes")
-TOP_LEVEL = {"strategy": "strategy", "accelerator": "accelerator", "devices": "devices", "num_nodes": "num_nodes"}
+TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes")  # Trainer arguments that are top-level keys here
 CONFIG = "config.yaml"  # the first invocation's config; dpddp.errors.invocation_name numbers the later ones
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job-logging format, as train.py's
 USAGE = f"dpddp {{{','.join(STAGES)}}} [--help] [--config FILE] [--print_config] [ARGS]"
@@ -149,7 +149,7 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
     """The run config (``train.py``'s schema) of the CLI's ``parsed`` values. Raises ``ConfigError``."""
     given, default = parsed.as_dict(), defaults.as_dict()
     trainer = {k: v for k, v in given["trainer"].items() if v != default["trainer"].get(k)}
-    top = {TOP_LEVEL[k]: trainer.pop(k) for k in list(trainer) if k in TOP_LEVEL}
+    top = {k: trainer.pop(k) for k in list(trainer) if k in TOP_LEVEL}
     if isinstance(top.get("devices"), str) and top["devices"].lstrip("-").isdigit():  # the CLI's type admits str
         top["devices"] = int(top["devices"])
     for key in ("strategy", "accelerator"):

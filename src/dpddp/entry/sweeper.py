@@ -94,7 +94,6 @@ def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], set
     space = search_space(settings.get("params"), arguments)
     sweep_dir = Path(config.hydra.sweep.dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    objective = objective_of(config)
     storage = str(settings["storage"])
     study = optuna.create_study(
         storage=storage, study_name=str(settings["study_name"]), direction=settings["direction"], load_if_exists=True
@@ -106,12 +105,29 @@ def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], set
         f"Optuna study {study.study_name} in {storage}: {len(earlier) - len(stale)} finished trials, "
         f"{len(stale)} to continue, {max(settings['n_trials'] - len(earlier), 0)} to sample"
     )
+
+    def launch(trials: list[Any]) -> None:
+        """Launch ``trials`` and tell the study each value, or ``FAIL``; after a SIGTERM, an unfinished trial stays
+        running (the next invocation continues it) and the sweep ends."""
+        overrides = [trial_overrides(t.number, t.params, space) for t in trials]
+        returns = launcher.launch(overrides, initial_job_idx=trials[0].number)
+        stopped = sweep_stop.active() and sweep_stop.requested()
+        for trial, ret in zip(trials, returns, strict=True):
+            value = job_outcome(ret)
+            if value is not None:
+                study.tell(trial.number, value)
+            elif not stopped or (sweep_dir / str(trial.number) / "error.txt").is_file():
+                study.tell(trial.number, state=TrialState.FAIL)
+                log.warning(f"trial {trial.number} failed (FAIL in the study; see {trial.number}/error.txt)")
+        if stopped:
+            end_sweep(sweep_dir, cut_short=True, objective=objective_of(config))
+
     for run in _runs(list(stale), settings["n_jobs"]):
-        _launch(launcher, study, run, space, sweep_dir, objective)
+        launch(run)
     while (left := settings["n_trials"] - len(study.get_trials(deepcopy=False))) > 0:
         asked = [study.ask(space[0]) for _ in range(min(left, settings["n_jobs"]))]
         for run in _runs(list(asked), settings["n_jobs"]):
-            _launch(launcher, study, run, space, sweep_dir, objective)
+            launch(run)
     try:
         best = study.best_trial
     except ValueError:  # no trial completed
@@ -130,27 +146,3 @@ def _sampler(config: Any, trials: int) -> optuna.samplers.BaseSampler:
     if config.get("seed") is not None and trials:
         config.seed = int(config.seed) + trials
     return instantiate(config)
-
-
-def _launch(
-    launcher: Launcher,
-    study: optuna.Study,
-    trials: list[Any],
-    space: SearchSpace,
-    sweep_dir: Path,
-    objective: tuple[str, bool],
-) -> None:
-    """Launch ``trials`` and tell the study each value, or ``FAIL``; after a SIGTERM, an unfinished trial stays
-    running (the next invocation continues it) and the sweep ends."""
-    overrides = [trial_overrides(t.number, t.params, space) for t in trials]
-    returns = launcher.launch(overrides, initial_job_idx=trials[0].number)
-    stopped = sweep_stop.active() and sweep_stop.requested()
-    for trial, ret in zip(trials, returns, strict=True):
-        value = job_outcome(ret)
-        if value is not None:
-            study.tell(trial.number, value)
-        elif not stopped or (sweep_dir / str(trial.number) / "error.txt").is_file():
-            study.tell(trial.number, state=TrialState.FAIL)
-            log.warning(f"trial {trial.number} failed (FAIL in the study; see {trial.number}/error.txt)")
-    if stopped:
-        end_sweep(sweep_dir, cut_short=True, objective=objective)

@@ -109,9 +109,8 @@ def sweep_without_multirun(argv: list[str]) -> str | None:
 
 def repeated_key(config: DictConfig) -> str | None:
     """A warning for the first key a sweep's command line sets twice (Hydra sweeps the last silently), or ``None``."""
-    parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
     seen: dict[str, str] = {}
-    for override in parsed:
+    for override in OverridesParser.create().parse_overrides(list(config.hydra.overrides.task)):
         key = override.get_key_element()
         if key in seen:
             return f"warning: {key} is given twice ({seen[key]}, then {override.input_line}): the sweep takes the last"
