@@ -175,7 +175,7 @@ def _probe_batch(datamodule: pl.LightningDataModule) -> tuple[Any, bool]:
 
 
 def find_draws(model: pl.LightningModule, datamodule: pl.LightningDataModule) -> list[Draw] | str:
-    """``global_draws`` on ``probe_batch``, or why the step could not run (one phrase)."""
+    """``global_draws`` on a few samples of a training batch, or why the step could not run (one phrase)."""
     try:
         batch, keyed = _probe_batch(datamodule)
         return global_draws(model, batch, keyed)
