@@ -7,14 +7,10 @@ import sys
 from dpddp.entry.early import answer
 
 if __name__ == "__main__":
-    # A SIGTERM from the first line on is held (blocked, pending) until dpddp.continuity.stop.command takes it:
-    # imports and Hydra's composition take seconds, and the default would end the process without the line.
+    # A SIGTERM is held (pending) until dpddp.continuity.stop.command takes it: no silent end during the imports.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    # No collection while torch, Lightning and Hydra are imported (about 0.5 s of start-up here, bench/): their
-    # objects live as long as the process. main() moves them out of the collector's sight and turns it back on.
-    gc.disable()
-    # --help, a misspelled key (devises=2), a bad plain value (devices=0): answered before torch and Lightning.
-    answer(sys.argv[1:])
+    gc.disable()  # no collection during the imports, whose objects live as long as the process (main turns it on)
+    answer(sys.argv[1:])  # --help, a misspelled key, a bad plain value: before torch and Lightning
 
 from dpddp.entry.hydra import main  # noqa: E402
 
