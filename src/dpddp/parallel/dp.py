@@ -41,7 +41,7 @@ def restore_forward(module: pl.LightningModule) -> None:
 
 
 class OneProcessStrategy(SingleDeviceStrategy):
-    """Lightning's single-device strategy on the first device Lightning's connector puts in ``parallel_devices``;
+    """Lightning's single-device strategy on the first of the ``parallel_devices`` Lightning's connector fills in;
     ``start_workers(loader, global_rank)`` returns each loader as it is to run."""
 
     def __init__(self, start_workers: Callable[[Any, int], Any] | None = None, **kwargs: Any) -> None:
@@ -72,18 +72,11 @@ class OneProcessStrategy(SingleDeviceStrategy):
 
 
 class DataParallelStrategy(OneProcessStrategy):
-    """``torch.nn.DataParallel`` over several GPUs: the global batch split along dim 0, the outputs gathered on the
-    first; checkpoints hold the plain module's weights. One device runs the module unwrapped.
-
-    Raises:
-        ValueError: at Trainer construction, more than one CPU device (use ``strategy=ddp``).
-    """
+    """``torch.nn.DataParallel`` over several GPUs (the global batch split along dim 0, the outputs gathered on the
+    first; checkpoints hold the plain module's weights); one device runs the module unwrapped. Raises
+    ``ValueError`` at Trainer construction for more than one CPU device (use ``strategy=ddp``)."""
 
     strategy_name = "dp"
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._replicated: nn.DataParallel | None = None
 
     @override
     def check_devices(self, devices: list[torch.device]) -> list[torch.device]:
@@ -99,14 +92,12 @@ class DataParallelStrategy(OneProcessStrategy):
         super().setup(trainer)
         module = self.lightning_module
         if len(self._parallel_devices) > 1 and module is not None:
-            self._replicated = replicate_forward(module, [d.index for d in self._parallel_devices])
+            replicate_forward(module, [d.index for d in self._parallel_devices])
 
     @override
     def teardown(self) -> None:
-        module = self.lightning_module
-        if self._replicated is not None and module is not None:
-            restore_forward(module)
-            self._replicated = None
+        if self.lightning_module is not None:
+            restore_forward(self.lightning_module)
         super().teardown()
 
 

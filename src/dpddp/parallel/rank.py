@@ -1,6 +1,5 @@
-"""Entry of a launched DDP rank: ``python -m dpddp.parallel.rank`` (exec'd), or ``run_rank`` in a forked one. The
-rank rebuilds its run from the ``RankJob`` in ``$DPDDP_JOB``, logs to ``<run dir>/rank<N>.log`` and exits through
-``dpddp.errors.shell``."""
+"""Entry of a launched DDP rank: ``python -m dpddp.parallel.rank`` (exec'd, its ``RankJob`` in ``$DPDDP_JOB``), or
+``run_rank`` in a forked one."""
 
 from __future__ import annotations
 
@@ -17,7 +16,8 @@ __all__ = ["main", "run_rank"]
 
 
 def run_rank(job: RankJob) -> int:
-    """Run this rank's share of ``job``; return 0, or raise ``SystemExit`` with the failure's exit status."""
+    """Run this rank's share of ``job``, logging to ``<run dir>/rank<N>.log``; return 0, or raise ``SystemExit`` with
+    the failure's exit status (``dpddp.errors.shell``)."""
     rank = world_of(job.config).global_rank
     log_to(Path(job.output_dir) / f"rank{rank}.log", f"[rank {rank}] %(asctime)s %(name)s %(levelname)s: %(message)s")
     with shell(rank=logging.getLogger(__name__)):

@@ -29,9 +29,8 @@ def _key(name: str, *parts: str) -> str:
 
 
 def join_start(store: Any, rank: int, world_size: int, ranks_per_node: int, timeout_s: float) -> str:
-    """A fresh key prefix in ``store`` agreed with this start's other ranks, e.g. ``"dpddp/3f2a.../"``.
-
-    Raises ``RankFailed`` naming the nodes and ranks that did not join within ``timeout_s`` seconds."""
+    """A fresh key prefix in ``store`` agreed with this start's other ranks, e.g. ``"dpddp/3f2a.../"``. Raises
+    ``RankFailed`` naming the nodes and ranks that did not join within ``timeout_s`` seconds."""
     if rank == 0:
         return _lead(store, world_size, ranks_per_node, timeout_s)
     token = uuid.uuid4().hex
@@ -42,9 +41,8 @@ def join_start(store: Any, rank: int, world_size: int, ranks_per_node: int, time
         if name is not None and name != joined:
             store.set(_key(name, "join", str(rank)), token)
             joined = name
-        members = _key(joined, "members") if joined is not None else None
-        if members is not None and store.check([members]) and token in json.loads(store.get(members)):
-            return _key(joined, "")  # type: ignore[arg-type]
+        if joined is not None and store.check([m := _key(joined, "members")]) and token in json.loads(store.get(m)):
+            return _key(joined, "")
         time.sleep(_POLL_S)
     what = describe_ranks([0], ranks_per_node)
     raise RankFailed(f"{what} lost: this start was not joined by rank 0 within {timeout_s:.0f} s; ending the run")
@@ -56,13 +54,11 @@ def _lead(store: Any, world_size: int, ranks_per_node: int, timeout_s: float) ->
     store.set(START_KEY, name)
     deadline = time.monotonic() + timeout_s
     pending = list(range(1, world_size))
-    while pending:
-        pending = [r for r in pending if not store.check([_key(name, "join", str(r))])]
-        if pending and time.monotonic() > deadline:
+    while pending := [r for r in pending if not store.check([_key(name, "join", str(r))])]:
+        if time.monotonic() > deadline:
             what = describe_ranks(pending, ranks_per_node)
             raise RankFailed(f"{what} lost: not started within {timeout_s:.0f} s; ending the run")
-        if pending:
-            time.sleep(_POLL_S)
+        time.sleep(_POLL_S)
     tokens = [store.get(_key(name, "join", str(r))).decode() for r in range(1, world_size)]
     store.set(_key(name, "members"), json.dumps(tokens))
     return _key(name, "")
