@@ -378,9 +378,9 @@ WALL_CLOCK = ("Timer",)  # callbacks whose state is time measured (trainer.max_t
 
 
 class StopAt(pl.Callback):
-    """Sends this process ``signal`` (``""``: none) before the batch that takes global step ``step + 1``; at the
-    fit's end writes ``RECORD``: the later epochs' first steps, the user's callbacks' number attributes, the keys
-    each callback's ``load_state_dict`` reads, and the LR schedulers' class names."""
+    """Sends this process ``signal`` (``""``: none) before the batch of global step ``step + 1``; at the end writes
+    ``RECORD``: later epochs' first steps, users' callbacks' numbers, the keys each ``load_state_dict`` reads, the
+    LR schedulers' classes."""
 
     def __init__(self, signal: str = "", step: int = -1) -> None:
         self.signal, self.step = signal, step

@@ -21,10 +21,8 @@ COMM_HOOKS = {"fp16_compress": fp16_compress_hook, "bf16_compress": bf16_compres
 
 
 class AllReduceTimer:
-    """DDP's communication hook ``hook``: ``inner`` (the same sums and mean as DDP without a hook), timed.
-
-    ``seconds`` adds up, per backward, the time from the launch of the last bucket to the end of its all-reduce
-    (CUDA: events, counted once finished; ``settle`` waits for them). ``buckets``: hook calls so far."""
+    """DDP's communication hook ``hook``: ``inner`` (DDP's own sums and mean), timed. ``seconds`` adds up, per
+    backward, the launch of the last bucket to the end of its all-reduce; ``buckets``: hook calls so far."""
 
     _events: list[tuple[torch.cuda.Event, torch.cuda.Event]]
 

@@ -9,6 +9,7 @@ import os
 import socket
 import struct
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 __all__ = ["choose_interface", "interface_address", "interface_for_address", "is_local_address", "route_interface"]
@@ -31,14 +32,10 @@ def interface_address(name: str) -> str | None:
 
 def _ipv6_interface(address: ipaddress.IPv6Address) -> str | None:
     try:
-        with open(_IF_INET6) as table:
-            for line in table:
-                fields = line.split()
-                if len(fields) == 6 and ipaddress.IPv6Address(int(fields[0], 16)) == address:
-                    return fields[5]
+        rows = [line.split() for line in Path(_IF_INET6).read_text().splitlines()]
+        return next((f[5] for f in rows if len(f) == 6 and ipaddress.IPv6Address(int(f[0], 16)) == address), None)
     except (OSError, ValueError):
         return None
-    return None
 
 
 def interface_for_address(address: str) -> str | None:
