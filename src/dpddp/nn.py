@@ -104,8 +104,7 @@ def replica_ids(ids: torch.Tensor, rows: int, device: torch.device, devices: Seq
 
 @dataclass
 class SampleKeys:
-    """One training batch's keys: ``ids`` ``[b]`` or ``[k, b]`` (``row``: the step), ``part``: a micro-batch's
-    ``[start, stop)``, ``devices``: DataParallel's."""
+    """One training batch's keys: ``ids`` ``[b]`` or ``[k, b]`` (``row``: the step), ``part``: a micro-batch's."""
 
     seed: int
     epoch: int

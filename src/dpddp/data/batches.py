@@ -33,8 +33,7 @@ class DeferredRows:
 
 
 def rows_of(tensor: torch.Tensor, idx: torch.Tensor, defer: bool) -> torch.Tensor | DeferredRows:
-    """``tensor[idx]`` (``idx`` int64 ``[b]`` or ``[k, b]``); with ``defer``, ``[k, b]`` rows over ``DEFER_BYTES``
-    as ``DeferredRows``."""
+    """``tensor[idx]`` for int64 ``[b]`` or ``[k, b]`` ids; with ``defer``, big ``[k, b]`` rows as ``DeferredRows``."""
     if defer and idx.dim() > 1 and idx.numel() * math.prod(tensor.shape[1:]) * tensor.element_size() > DEFER_BYTES:
         return DeferredRows(idx, tensor)
     return tensor.index_select(0, idx.reshape(-1)).view(*idx.shape, *tensor.shape[1:])
@@ -55,8 +54,7 @@ def batch_indexable(dataset: Any) -> bool:
 
 
 def dataset_rows(dataset: Any, positions: torch.Tensor) -> torch.Tensor:
-    """The whole data set's rows at ``positions`` (int64 ``[b]``) of ``dataset``: its ``rows``, through a
-    ``Subset``, else ``positions``."""
+    """The whole data set's rows at ``positions`` of ``dataset``: its ``rows``, through a ``Subset``, else them."""
     rows = getattr(dataset, "rows", None)
     if callable(rows):
         return rows(positions)

@@ -23,8 +23,7 @@ BUILD = 0xB111_DA7A  # folded into the seed first: apart from the samples' keys 
 
 @contextmanager
 def data_streams(seed: int) -> Iterator[None]:
-    """The block runs with the global streams (and initialized CUDA devices') seeded from ``key64(BUILD, seed)``;
-    afterwards they are as before."""
+    """The block runs with the global (and initialized CUDA) streams seeded from ``key64(BUILD, seed)``, then kept."""
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices), streams_kept():
         key = key64(BUILD, int(seed))

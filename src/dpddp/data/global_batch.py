@@ -256,14 +256,11 @@ class GlobalBatchDataModule(SplitLoaders):
         _check_collates(self.splits["train"], self.collate_fn)
 
     def defer_training_rows(self) -> bool:
-        """Let the training split gather a step's rows as it runs (``DeferredRows``; not with workers, which would
-        send the whole source); whether it will."""
+        """Let the training split gather each step's rows as it runs (not with workers); whether it will."""
         return self.num_workers == 0 and "train" in self.splits and defer_rows(self.splits["train"])
 
     @override
     def _loader(self, split: str, rank: int, world_size: int) -> DataLoader:
-        """Training from the restored position, the split's ``set_epoch`` told the first epoch here (a resumed fit's
-        workers copy the data set before Lightning tells the sampler)."""
         ds = Batches(self.splits["test"], with_index=True) if split == "predict" else self.splits[split]
         train, size = split == "train", len(ds)  # type: ignore[arg-type]
         steps = self.steps_per_execution if train else 1
@@ -277,7 +274,7 @@ class GlobalBatchDataModule(SplitLoaders):
                 sampler.position = lambda: divmod(trainer.global_step, per_epoch)
             else:
                 sampler.position = partial(data_position, trainer, per_epoch)
-            sampler.set_epoch(sampler.position()[0])
+            sampler.set_epoch(sampler.position()[0])  # a resumed fit's workers copy the data set before Lightning
         loader = DataLoader(ds, sampler=sampler, batch_size=None, num_workers=self.num_workers)
         return start_workers_safely(loader, rank)  # type: ignore[return-value]
 

@@ -137,8 +137,7 @@ def shard_loader(
 
 
 class ShardedDataModule(SplitLoaders):
-    """A user's ``module`` with its loaders rebuilt by ``shard_loader`` and its hooks run inside
-    ``data_streams(seed)``; ``batch_size``: the training loader's."""
+    """A user's ``module``, its loaders rebuilt by ``shard_loader``, its hooks run inside ``data_streams(seed)``."""
 
     def __init__(self, module: pl.LightningDataModule, seed: int = 0) -> None:
         super().__init__()

@@ -1,6 +1,5 @@
-"""Random-tensor classification data, a pure function of ``(seed, sizes)``: ``x ~ N(0, 1)``, labels
-``argmax(x @ W + b)`` of a random teacher, a fraction ``label_noise`` random; whole, or block by block from
-``(seed, block)``. Torch only: ``bench/``'s plain-PyTorch baselines import it."""
+"""Random-tensor classification data from ``seed``: ``x ~ N(0, 1)``, labels ``argmax(x @ W + b)`` of a random
+teacher, whole or block by block. Torch only: ``bench/``'s plain-PyTorch baselines import it."""
 
 from __future__ import annotations
 
