@@ -73,7 +73,9 @@ class StepsPerExecution(pl.Callback):
     """Replaces ``module``'s ``training_step`` by manual optimization: ``zero_grad``, backward, ``clip`` and
     ``step`` for each of an execution's ``steps`` global batches (to ``max_steps``: ``cut``), so the weights equal
     ``K=1``'s; ``micro`` (samples, or ``"auto"``: halved on out of memory) splits each step's share. ``auto``: K was
-    chosen by ``steps_per_execution=auto``. Raises ``ConfigError`` for what it cannot run (docs/design-notes.md)."""
+    chosen by ``steps_per_execution=auto``. Raises ``ConfigError``: manual optimization, an overridden
+    ``SKIPPED_HOOKS``, BatchNorm with ``micro``; at the fit's start several optimizers, a scheduler with K above 1, a
+    plateau scheduler, clipping under a gradient scaler; a ``training_step`` returning ``None``."""
 
     def __init__(
         self,
