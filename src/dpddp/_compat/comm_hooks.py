@@ -16,7 +16,7 @@ CHECKED = "2.13.0"
 """The torch version every entry below was read in and tested against."""
 
 POWERSGD_FIELDS = ("rng", "error_dict", "p_memory_dict", "q_memory_dict", "iter")
-"""``PowerSGDState``'s fields that change as training runs (torch 2.13, pickled by its ``__getstate__``)."""
+"""``PowerSGDState``'s fields that change as training runs (pickled by its ``__getstate__``)."""
 
 
 def powersgd_state(state: PowerSGDState) -> dict[str, Any]:
@@ -40,8 +40,8 @@ def load_powersgd_state(state: PowerSGDState, saved: dict[str, Any], device: tor
 
 @contextmanager
 def bucket_assignment(layout: list[list[int]] | None) -> Iterator[list[torch.Tensor]]:
-    """Inside it, a DDP built starts with the buckets ``layout`` (``None``: its own); yields its parameter list,
-    filled once built. torch 2.13: DDP calls ``dist._compute_bucket_assignment_by_size`` once."""
+    """Inside it, a DDP built starts with the buckets ``layout`` (``None``: its own; DDP calls
+    ``dist._compute_bucket_assignment_by_size`` once); yields its parameter list, filled once built."""
     real = dist._compute_bucket_assignment_by_size
     seen: list[torch.Tensor] = []
 

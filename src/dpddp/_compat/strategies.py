@@ -15,7 +15,7 @@ CHECKED = "2.6.6"
 
 
 def registered_strategies() -> dict[str, tuple[type, dict[str, Any]]]:
-    """``{name: (strategy class, the arguments the name gives it)}`` of Lightning 2.6.6's ``StrategyRegistry``."""
+    """``{name: (strategy class, the arguments the name gives it)}`` of Lightning's ``StrategyRegistry``."""
     return {
         name: (StrategyRegistry[name]["strategy"], dict(StrategyRegistry[name]["init_params"]))
         for name in StrategyRegistry.available_strategies()
@@ -24,7 +24,7 @@ def registered_strategies() -> dict[str, tuple[type, dict[str, Any]]]:
 
 @contextmanager
 def wrapping_frozen(strategy: DDPStrategy, module: torch.nn.Module) -> Iterator[None]:
-    """Inside it, ``strategy`` wraps ``module``'s frozen parameters in DDP too (Lightning 2.6.6's ``_ddp_kwargs``)."""
+    """Inside it, ``strategy`` wraps ``module``'s frozen parameters in DDP too (through ``_ddp_kwargs``)."""
     frozen = [p for p in module.parameters() if not p.requires_grad]
     if frozen:
         strategy._ddp_kwargs["find_unused_parameters"] = True

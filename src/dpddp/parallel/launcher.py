@@ -85,31 +85,25 @@ def _rank_ended(rank: int, proc: Any) -> str:
     return f"rank {rank} (pid {proc.pid}) {how}"
 
 
-class _RankWatcher(threading.Thread):
-    """When a launched rank exits non-zero, kills the others and, unless rank 0 fails within ``grace_s`` seconds,
-    ends it with exit status 1; a rank stopped by SIGTERM first gets ``grace_s`` for rank 0 to stop too."""
-
-    def __init__(self, procs: list[Any], grace_s: float = 10.0) -> None:
-        super().__init__(daemon=True, name="dpddp-rank-watcher")
-        self.procs, self.grace_s, self.done = procs, grace_s, threading.Event()
-
-    @override
-    def run(self) -> None:
-        while not self.done.wait(0.5):
-            failed = [(r, p) for r, p in enumerate(self.procs, 1) if p.poll() not in (None, 0)]
-            if failed:
-                rank, proc = failed[0]
-                if proc.poll() in _STOPPED and self.done.wait(self.grace_s):
-                    return
-                log.error(f"{_rank_ended(rank, proc)}; ending the run")
-                for p in self.procs:
-                    if p.poll() is None:
-                        p.kill()
-                if not self.done.wait(self.grace_s):
-                    log.error(f"rank 0 is still waiting for rank {rank} after {self.grace_s:.0f} s; exiting")
-                    logging.shutdown()
-                    os._exit(EXIT_CRASH)  # the main thread may sit in a C++ wait that no Python signal handler reaches
-                return
+def _watch_ranks(procs: list[Any], done: threading.Event, grace_s: float = 10.0) -> None:
+    """Until ``done``: when a launched rank exits non-zero, kill the others and, unless rank 0 fails within
+    ``grace_s`` seconds, end it with exit status 1; a rank stopped by SIGTERM first gets ``grace_s`` for rank 0 to
+    stop too."""
+    while not done.wait(0.5):
+        failed = [(r, p) for r, p in enumerate(procs, 1) if p.poll() not in (None, 0)]
+        if not failed:
+            continue
+        rank, proc = failed[0]
+        if proc.poll() in _STOPPED and done.wait(grace_s):
+            return
+        log.error(f"{_rank_ended(rank, proc)}; ending the run")
+        for p in procs:
+            p.kill()  # an ended one's is a no-op
+        if not done.wait(grace_s):
+            log.error(f"rank 0 is still waiting for rank {rank} after {grace_s:.0f} s; exiting")
+            logging.shutdown()
+            os._exit(EXIT_CRASH)  # the main thread may sit in a C++ wait that no Python signal handler reaches
+        return
 
 
 def _bind_store_socket(address: str) -> socket.socket:
@@ -179,7 +173,7 @@ class JobLauncher(SubprocessScriptLauncher):
     ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self.job, self.fork, self.run_forked, self.explain_failure = job, fork, run_forked, explain_failure
-        self.watcher: _RankWatcher | None = None
+        self.done = threading.Event()  # ends the rank watch
         self.listen_socket: socket.socket | None = None
 
     @override
@@ -187,8 +181,7 @@ class JobLauncher(SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._start_ranks()
-            self.watcher = _RankWatcher(self.procs)
-            self.watcher.start()
+            threading.Thread(target=_watch_ranks, args=(self.procs, self.done), daemon=True, name="dpddp-ranks").start()
         set_num_threads_if_needed(num_processes=self.num_processes)  # as Lightning's launch does
         try:
             return function(*args, **kwargs)
@@ -270,11 +263,9 @@ class JobLauncher(SubprocessScriptLauncher):
 
     def join(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` seconds for launched ranks to exit, then kill any left."""
-        if self.watcher is not None:
-            self.watcher.done.set()
+        self.done.set()
         for proc in self.procs:
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            proc.kill()  # a no-op once it ended
+            proc.wait()
