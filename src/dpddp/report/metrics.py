@@ -28,10 +28,9 @@ MISSING = {
 }
 
 
-def strict(result: dict[str, Any], reasons: dict[str, str] | None = None) -> dict[str, Any]:
+def strict(result: dict[str, Any], reasons: dict[str, str]) -> dict[str, Any]:
     """``result`` as strict JSON: a non-finite value is ``null`` and ``"missing"`` says why (``reasons[key]``,
     else ``MISSING``'s by prefix)."""
-    reasons = reasons or {}
     missing = {
         key: reasons.get(key) or next((why for pre, why in MISSING.items() if key.startswith(pre)), "not measured")
         for key, value in result.items()
@@ -51,11 +50,7 @@ def _shown(key: str, value: Any) -> str:
 
 
 def write_metrics(
-    output_dir: Path,
-    result: dict[str, Any],
-    reasons: dict[str, str] | None = None,
-    unshown: tuple[str, ...] = (),
-    draw: bool = True,
+    output_dir: Path, result: dict[str, Any], reasons: dict[str, str], unshown: tuple[str, ...], draw: bool
 ) -> None:
     """Write ``<output_dir>/metrics.json`` (``strict``), log its line without the keys of ``unshown``, and (``draw``)
     draw the curves."""

@@ -81,9 +81,20 @@ def _mlflow_specs(configs: list[DictConfig]) -> list[tuple[str, Any]]:
 
 
 def _opened(key: str, uri: str, experiment: str, artifact_location: str | None) -> None:
-    """``open_store``, its failure refused as a ``ConfigError`` naming ``key``."""
+    """Make the SQLite MLflow store ``uri`` and its ``experiment`` under a lock beside the file (runs starting at
+    once would each migrate it); another store: nothing. Raises ``ConfigError`` naming ``key`` when MLflow fails."""
+    if not uri.startswith("sqlite:///"):
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
     try:
-        open_store(uri, experiment, artifact_location)
+        from mlflow.tracking import MlflowClient
+
+        db.parent.mkdir(parents=True, exist_ok=True)
+        with open(db.with_name(db.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            client = MlflowClient(uri)
+            if client.get_experiment_by_name(experiment) is None:
+                client.create_experiment(experiment, artifact_location=artifact_location)
     except Exception as err:
         raise ConfigError(
             f"{key} (MLflow) cannot open its store {uri} ({first_line(err)}): the tracker's own failure: "
@@ -116,22 +127,6 @@ def open_stores(configs: list[DictConfig], sweep_dir: str, cwd: Path) -> None:
         uri = str(spec.get("tracking_uri") or _mlflow_uri(cwd / "outputs"))
         name = str(spec.get("experiment_name") or sweep_experiment(sweep_dir))
         _opened(key, uri, name, spec.get("artifact_location"))
-
-
-def open_store(uri: str, experiment: str, artifact_location: str | None = None) -> None:
-    """Make the SQLite MLflow store ``uri`` and its ``experiment`` under a lock beside the file (runs starting at
-    once would each migrate it); another store: nothing. Raises what MLflow raises."""
-    if not uri.startswith("sqlite:///"):
-        return
-    from mlflow.tracking import MlflowClient
-
-    db = Path(uri.removeprefix("sqlite:///"))
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        client = MlflowClient(uri)
-        if client.get_experiment_by_name(experiment) is None:
-            client.create_experiment(experiment, artifact_location=artifact_location)
 
 
 def tracker_options(kind: str, spec: DictConfig, output_dir: Path, key: str = "logger") -> dict[str, Any]:
