@@ -159,8 +159,8 @@ def resolve_world(cfg: Mapping) -> World:
 
 
 def _check_elastic(cluster: tuple[int, str], devices: int) -> None:
-    """``num_nodes=auto`` under a launcher: ``devices`` divides the world size, is the local world size, and the
-    run id is stable (torchrun's ``--rdzv-id``); else ``ConfigError``."""
+    """``ConfigError`` unless ``devices`` divides a launcher's world size, is its local world size, and torchrun's
+    run id is stable (``--rdzv-id``)."""
     size, name = cluster
     local = torchrun_local_world_size()
     if local is not None and local.isdigit() and int(local) != devices:

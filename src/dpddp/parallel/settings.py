@@ -25,9 +25,8 @@ LIGHTNING_STRATEGIES = frozenset(
 
 
 def check_device_values(cfg: Mapping) -> None:
-    """Check the top-level ``strategy.name``, ``accelerator``, ``devices`` and ``num_nodes`` alone.
-
-    Raises ``ConfigError``: the first that is not one of the names, or not a positive number."""
+    """``ConfigError`` for the first of ``strategy.name``, ``accelerator``, ``devices``, ``num_nodes`` (read alone)
+    that is not one of the names, or not a positive number."""
     strategy, devices, num_nodes = cfg["strategy"]["name"], cfg["devices"], cfg["num_nodes"]
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}")

@@ -29,9 +29,8 @@ def build(node: DictConfig, key: str, **kwargs: Any) -> Any:
 
 
 def build_error(node: DictConfig, key: str, err: InstantiationException) -> ConfigError:
-    """One line for Hydra's ``err`` building ``node`` at ``key``: the failing node's key and ``_target_``, and the cause
-    (an unimportable target, an argument the class does not take with the nearest it takes, or the class's refusal
-    naming the setting); a tracker's other failure as its own."""
+    """One line for Hydra's ``err`` building ``node`` at ``key``: the failing node's key, ``_target_`` and cause (an
+    unimportable target, an argument it does not take, the setting its refusal names, a tracker's own failure)."""
     text = str(err)
     full_key = instantiate_key(text) or key
     inner = node if full_key == key else OmegaConf.select(node, full_key.removeprefix(f"{key}."), default=None)

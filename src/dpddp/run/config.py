@@ -235,10 +235,7 @@ def _check_callback_needs(cfg: Mapping) -> None:
     if logger_specs(cfg):
         return
     for key, spec in (cfg.get("callbacks") or {}).items():
-        if not spec:
-            continue
-        cls = target_class(f"callbacks.{key}", spec)
-        if not needs_logger(cls):
+        if not spec or not needs_logger(cls := target_class(f"callbacks.{key}", spec)):
             continue
         if str(key).startswith(CLI_CALLBACKS):  # the Lightning CLI's: in its own terms
             raise ConfigError(

@@ -150,21 +150,20 @@ def missing_argument(node: Mapping, injected: tuple[str, ...] = ()) -> str | Non
     return next((n for n in needed if n not in node and n not in injected), None)
 
 
-def check_targets(cfg: Mapping, sections: tuple[str, ...] = ("data", "model", "callbacks", "logger")) -> None:
-    """Raises ``ConfigError`` for the first ``_target_`` under ``sections`` of ``cfg`` that cannot be imported, or is
-    not given a required argument (``missing_argument``)."""
+def check_targets(cfg: Mapping) -> None:
+    """Raises ``ConfigError`` for the first ``_target_`` under a section of ``cfg`` that cannot be imported, or is not
+    given a required argument (``missing_argument``)."""
 
     def walk(node: Any, key: str, injected: tuple[str, ...] = ()) -> None:
         if isinstance(node, Mapping):
-            target = node.get("_target_")
-            if isinstance(target, str):
+            if isinstance(target := node.get("_target_"), str):
                 _importable(key, target)
-            if isinstance(target, str) and (name := missing_argument(node, injected)):
-                raise ConfigError(f"{key}: {target} needs {name} (it has no default): set +{key}.{name}")
+                if name := missing_argument(node, injected):
+                    raise ConfigError(f"{key}: {target} needs {name} (it has no default): set +{key}.{name}")
             for name, value in node.items():
                 walk(value, f"{key}.{name}", injected if target is None else ())
 
-    for section in sections:
+    for section in ("data", "model", "callbacks", "logger"):
         walk(cfg.get(section), section, INJECTED.get(section, ()))
 
 
