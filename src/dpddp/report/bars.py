@@ -17,8 +17,7 @@ BAR_INTERVAL_S = 0.1
 
 
 class _ThrottledBar(ProgressBar):
-    """A bar updated at most every ``BAR_INTERVAL_S`` seconds per loop and at a loop's last batch, showing
-    current metrics only."""
+    """A bar updated at most every ``BAR_INTERVAL_S`` seconds per loop and at its last batch; current metrics only."""
 
     @override
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:

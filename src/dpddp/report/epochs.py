@@ -28,8 +28,7 @@ EPOCH_COLUMNS += ("slowest_rank", "slowest_ratio")
 
 @dataclass
 class EpochTable:
-    """The resumable part of the record: the ``fit`` rows, the earlier segments' training seconds, the segments
-    (fits that took a step) and their world sizes, and the running epoch's last validation."""
+    """``EpochRecord``'s resumable part (a segment: a fit that took a step; validation: the running epoch's last)."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     train_time_s: float = 0.0

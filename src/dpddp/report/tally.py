@@ -11,8 +11,7 @@ from typing_extensions import override
 
 
 def rows(batch: Any) -> int | None:
-    """The samples in ``batch``: its first tensor's first dimension (Lightning's ``extract_batch_size``), or
-    ``None`` when it holds no tensor."""
+    """The samples in ``batch`` (Lightning's ``extract_batch_size``), or ``None`` when it holds no tensor."""
     if type(batch) in (tuple, list) and batch and isinstance(batch[0], torch.Tensor) and batch[0].ndim:
         return int(batch[0].shape[0])
     try:
