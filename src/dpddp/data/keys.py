@@ -44,11 +44,11 @@ class SampleKeyCallback(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        layers = assign_layer_keys(pl_module)
+        assign_layer_keys(pl_module)
         strategy = trainer.strategy
         parallel = strategy.parallel_devices if isinstance(strategy, DataParallelStrategy) else []
         self.devices = [d.index for d in parallel if d.type == "cuda"] if len(parallel) > 1 else None
-        if (layers or uses_sample_keys(pl_module)) and _sampler(trainer) is None:
+        if uses_sample_keys(pl_module) and _sampler(trainer) is None:  # a SampleDropout, or said
             raise ConfigError(
                 f"model: {type(pl_module).__name__}'s SampleDropout (per-sample randomness) has no sample keys: the "
                 "training data comes from loaders dpddp does not serve, so it would be a plain nn.Dropout: serve the "

@@ -44,8 +44,7 @@ class TableDataModule(GlobalBatchDataModule):
             raise ConfigError(f"data.name={self.name!r} is unknown: choose one of {', '.join(TABLES)}")
         x_np, y_np = TABLES[self.name](return_X_y=True)
         x, y = torch.as_tensor(x_np, dtype=torch.float32), torch.as_tensor(y_np, dtype=torch.long)
-        sizes = {"num_features": x.shape[1], "num_classes": int(y.max()) + 1}
-        for key, real in sizes.items():
+        for key, real in (("num_features", x.shape[1]), ("num_classes", int(y.max()) + 1)):
             if getattr(self, key) != real:
                 raise ConfigError(f"data.{key}={getattr(self, key)} but {self.name} has {real}: set data.{key}={real}")
         std = x.std(dim=0)
