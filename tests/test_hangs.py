@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import ROOT, leftover, run_train
 
-from dpddp.continuity.pace import agreed
+from dpddp.continuity.stop import agreed
 from dpddp.diagnostics import whereabouts
 from dpddp.diagnostics.whereabouts import AGREEMENT, BATCHNORM, GRADIENTS, describe, entering
 from dpddp.errors import first_line
