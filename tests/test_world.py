@@ -63,7 +63,7 @@ COUNTING = """
 import atexit, json, runpy, sys, torch
 import dpddp.run.config as config
 calls, loads, out = [], [], sys.argv.pop(1)
-for name in ("_check_settings", "_check_checkpoint"):
+for name in ("_check_settings", "check_checkpoint"):
     check = getattr(config, name)
     setattr(config, name, lambda *a, _check=check, _name=name, **k: (calls.append(_name), _check(*a, **k))[1])
 load = torch.load
@@ -92,10 +92,10 @@ def test_a_continued_run_checks_its_config_once_and_opens_last_ckpt_once_before_
     takes their decision (no check of its own) and reads ``last.ckpt``'s facts once; the next load is Lightning's
     restore, as training starts."""
     args = ["trainer.max_epochs=1", "data.num_samples=256", f"hydra.run.dir={tmp_path / 'run'}"]
-    assert _counted_run(tmp_path, *args)["checks"] == ["_check_settings", "_check_checkpoint"]
+    assert _counted_run(tmp_path, *args)["checks"] == ["_check_settings", "check_checkpoint"]
     one_epoch = global_step(tmp_path / "run")
     counts = _counted_run(tmp_path, *args[1:], "trainer.max_epochs=2", "resume=true")
-    assert counts["checks"] == ["_check_settings", "_check_checkpoint", "_check_checkpoint"]  # none, then last.ckpt
+    assert counts["checks"] == ["_check_settings", "check_checkpoint", "check_checkpoint"]  # none, then last.ckpt
     last = [who for path, who in counts["loads"] if path.endswith("last.ckpt")]
     # the start callback's read (its decision and check), the job's (its plan's facts: Hydra hands it the config
     # only), then Lightning's restore (an fsspec file)

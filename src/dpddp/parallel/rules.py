@@ -183,8 +183,8 @@ def _check_elastic(cluster: tuple[int, str], devices: int) -> None:
 def check_strategy_options(options: Mapping) -> None:
     """The ``strategy.*`` options (and ``MASTER_PORT``) dpddp's DDP strategy can take; else ``ConfigError``."""
     if "timeout_s" in options:
-        timeout = options["timeout_s"]
-        checked_float("strategy.timeout_s", timeout, 1.0, 7 * 86400.0, "use seconds, e.g. strategy.timeout_s=180")
+        fix = "use seconds, e.g. strategy.timeout_s=180"
+        checked_float("strategy.timeout_s", options["timeout_s"], 1.0, 7 * 86400.0, fix)
     backend = options.get("process_group_backend")
     if backend not in (None, "gloo", "nccl", "mpi", "ucc"):
         raise ConfigError(f"strategy.process_group_backend={backend!r} is unknown: use null (automatic), gloo or nccl")

@@ -294,12 +294,7 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> Plan:
     """Check a composed config for ``stage``, its settings then its ``ckpt_path``; return its ``Plan``. Raises
     ``ConfigError``: the first bad setting (a key, a value, the world, the checkpoint), in one line."""
     world = _check_settings(cfg, stage)
-    return Plan(cfg, stage, world, _check_checkpoint(cfg, stage, None))
-
-
-def check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None) -> CheckpointFacts | None:
-    """The ``ckpt_path`` part of ``check_config`` (``loaded``: that file, read); its facts, or ``ConfigError``."""
-    return _check_checkpoint(cfg, stage, loaded)
+    return Plan(cfg, stage, world, check_checkpoint(cfg, stage, None))
 
 
 def _check_settings(cfg: DictConfig | Mapping, stage: str) -> World:
@@ -371,7 +366,8 @@ def _check_settings(cfg: DictConfig | Mapping, stage: str) -> World:
     return world
 
 
-def _check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None) -> CheckpointFacts | None:
+def check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None) -> CheckpointFacts | None:
+    """The ``ckpt_path`` part of ``check_config`` (``loaded``: that file, read); its facts, or ``ConfigError``."""
     ckpt = cfg["ckpt_path"]
     if ckpt is None:
         return None

@@ -32,17 +32,12 @@ _UNTYPED = ("sync_batchnorm",)  # dpddp's own values too (auto, null: dpddp.para
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Lightning's lines and warnings at a Trainer's construction, muted (the run's Trainer says them)."""
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
+    with warnings.catch_warnings(), contextlib.ExitStack() as restore:
+        warnings.simplefilter("ignore")
+        for lg in (logging.getLogger("lightning.pytorch"), logging.getLogger("lightning.fabric")):
+            restore.callback(lg.setLevel, lg.level)
+            lg.setLevel(logging.ERROR)
+        yield
 
 
 def _accepts(hint: Any) -> str:
