@@ -240,7 +240,7 @@ def _multiplies_processes_by_nodes(tree: ast.Module) -> bool:
 
 
 def test_the_world_size_is_worked_out_in_one_function():
-    """``parallel/rules.world_size`` for dpddp (its checks); the launcher sets its children's ``WORLD_SIZE`` from the
+    """``parallel/rules.world_of`` for dpddp (its checks); the launcher sets its children's ``WORLD_SIZE`` from the
     strategy's counts as Lightning's own launcher does (torch's ``env://`` contract); nothing else multiplies."""
     found = sorted(name for name, tree in _trees().items() if _multiplies_processes_by_nodes(tree))
     assert found == ["parallel/launcher.py", "parallel/rules.py"]
