@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import Container, DictConfig, OmegaConf, open_dict
 
 from dpddp.cluster import register_resolvers
 from dpddp.errors import ConfigError, fail
@@ -160,7 +160,7 @@ def unknown_option(argv: list[str], lightning_line: Callable[[str], str | None] 
     return None
 
 
-def dotted_keys(cfg: DictConfig) -> list[str]:
+def dotted_keys(cfg: Container) -> list[str]:
     """Every key of ``cfg`` at any depth, dotted, unresolved (a list's items not named)."""
     found: list[str] = []
 
@@ -182,24 +182,13 @@ def key_hints(key: str, cfg: DictConfig, instead: str = "") -> str:
     said = [f"nearest: {near[0]}"] if near and near[0] not in instead else []
     group, _, rest = key.partition(".")
     if group in GROUPS and rest and group in cfg:
-        options = sorted(Path(str(files("dpddp.conf"))).joinpath(group).glob("*.yaml"))
-        having = [p.stem for p in options if _has(p, key if _global_package(p) else rest)]
+        having = []
+        for path in sorted(Path(str(files("dpddp.conf"))).joinpath(group).glob("*.yaml")):
+            text = path.read_text()
+            global_package = any(line.split() == ["#", "@package", "_global_"] for line in text.splitlines()[:3])
+            if (key if global_package else rest) in dotted_keys(OmegaConf.create(text)):
+                having.append(path.stem)
         if having:
             verb = "has" if len(having) == 1 else "have"
             said.append(f"the chosen {group} config has none; {group}={', '.join(having)} {verb} one")
     return f" ({'; '.join(said)})" if said else ""
-
-
-def _global_package(path: Path) -> bool:
-    """Whether the config file ``path`` is ``# @package _global_``."""
-    return any(line.split() == ["#", "@package", "_global_"] for line in path.read_text().splitlines()[:3])
-
-
-def _has(path: Path, dotted: str) -> bool:
-    """Whether the config file ``path`` has the dotted key ``dotted``, unresolved."""
-    node: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True

@@ -176,8 +176,7 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
     }
     merged = OmegaConf.merge(cfg, update)
     assert isinstance(merged, DictConfig)
-    default_monitor, default_mode = monitor_defaults()
-    monitor, mode = given.get("monitor", default_monitor), given.get("monitor_mode", default_mode)
+    monitor, mode = given["monitor"], given["monitor_mode"]  # DPDDPCLI's arguments, with their defaults
     if trainer.get("enable_checkpointing") is False:  # Lightning's meaning: no checkpoint callback, ours included
         merged.callbacks.model_checkpoint = merged.callbacks.last_checkpoint = None
     elif monitor is None:

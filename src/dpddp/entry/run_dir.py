@@ -34,9 +34,8 @@ def hydra_value(value: str) -> str:
     if "/" in value and re.fullmatch(r"[A-Za-z0-9_./:+-]+", value):  # a path: never read as a number or a bool
         return value
     # backslashes before a quote, or before the closing quote, are doubled; each quote gets one
-    return (
-        "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), value) + "'"
-    )
+    escaped = re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), value)
+    return f"'{escaped}'"
 
 
 def reached_limit(trainer: DictConfig, last: CheckpointFacts) -> str | None:
