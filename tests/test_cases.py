@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from dpddp.cluster import RANK_VARIABLES
 from dpddp.entry.hydra import _resume_command, hydra_value
 from dpddp.errors import ConfigError
-from dpddp.parallel.rules import world_size
 from dpddp.run.config import check_config
 
 PRESET = """# @package _global_
@@ -79,13 +78,11 @@ def test_rank_variables_of_a_real_launcher_are_trusted(monkeypatch):
     for key, value in {"NODE_RANK": "1", "MASTER_ADDR": "198.18.255.1", "MASTER_PORT": "29555"}.items():
         monkeypatch.setenv(key, value)  # Lightning's multi-node launch by hand, on node 1
     by_hand = compose_cfg("strategy=ddp", "devices=2", "num_nodes=2", "accelerator=cpu")
-    check_config(by_hand)  # raises ConfigError if the variables were taken for stray ones
-    assert world_size(by_hand) == 4
+    assert check_config(by_hand).world.world_size == 4  # a ConfigError if the variables were taken for stray ones
     for key, value in {"TORCHELASTIC_RUN_ID": "r", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
     torchrun = compose_cfg("strategy=ddp", "devices=1", "num_nodes=2", "accelerator=cpu")
-    check_config(torchrun)
-    assert world_size(torchrun) == 2
+    assert check_config(torchrun).world.world_size == 2
 
 
 NODES = "num_nodes=2 without a launcher, but"
