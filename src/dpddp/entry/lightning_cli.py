@@ -199,9 +199,7 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
 def _output_dir(root: Path, stage: str, ckpt_path: str | None) -> tuple[Path, str | None]:
     """The run directory under ``root/lightning_logs`` and the checkpoint (``"last"`` resolved)."""
     logs = root / "lightning_logs"
-    versions = sorted(
-        (p for p in logs.glob("version_*") if p.name[8:].isdigit()), key=lambda p: int(p.name[8:])
-    )  # fmt: skip
+    versions = sorted((p for p in logs.glob("version_*") if p.name[8:].isdigit()), key=lambda p: int(p.name[8:]))
     if ckpt_path == "last":
         with_last = [p for p in versions if (p / "checkpoints" / "last.ckpt").is_file()]
         if not with_last:

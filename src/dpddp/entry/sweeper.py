@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -76,14 +77,9 @@ def job_outcome(ret: JobReturn) -> float | None:
 
 def _runs(trials: list[optuna.trial.Trial | FrozenTrial], size: int) -> Iterator[list[Any]]:
     """``trials`` in launches of at most ``size`` consecutive numbers (a launch numbers jobs from its first)."""
-    run: list[Any] = []
-    for trial in trials:
-        if run and (len(run) == size or trial.number != run[-1].number + 1):
-            yield run
-            run = []
-        run.append(trial)
-    if run:
-        yield run
+    for _, group in itertools.groupby(enumerate(trials), lambda pair: pair[1].number - pair[0]):
+        run = [trial for _, trial in group]
+        yield from (run[i : i + size] for i in range(0, len(run), size))
 
 
 def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], settings: Mapping[str, Any]) -> None:
