@@ -181,6 +181,19 @@ def test_a_store_gone_silent_is_node_0_lost_and_holds_no_one(store):
     other.stop()
 
 
+def test_a_watch_stopped_before_its_first_beat_returns_at_once(store, monkeypatch):
+    """A stage shorter than one beat: ``stop`` has no client to tell the peers through and returns at once, not
+    after the store bound (each stage's teardown of a short multi-node run waited it out, 10 s)."""
+    monkeypatch.setattr(peers, "_STORE_OP_S", 5.0)
+    monkeypatch.setattr(peers, "BEAT_S", 60.0)
+    watch = Watch(store.port, 0)
+    watch.start()
+    began = time.monotonic()
+    watch.stop()
+    assert time.monotonic() - began < 2.0
+    assert not store.check(["t/beat/0"])
+
+
 def test_a_store_that_never_answers_is_node_0_lost():
     with socket.socket() as sock:  # a port where nothing listens
         sock.bind(("127.0.0.1", 0))

@@ -41,23 +41,24 @@ class StoreClient:
 
     def bounded(self, what: str, op: Callable[[torch.distributed.Store], object], connect: bool = True) -> bool:
         """Whether ``op`` ran on the client (``connect=False``: one already connected) within about ``2 x
-        _STORE_OP_S`` seconds, from a helper thread (a silent store never answers). Never raises."""
-        done = threading.Event()
+        _STORE_OP_S`` seconds, from a helper thread (a silent store never answers); returns as soon as the helper
+        ends. Never raises."""
+        ended, ran = threading.Event(), []
 
         def call() -> None:
-            if not self.lock.acquire(timeout=_STORE_OP_S):
-                return
-            try:
-                if connect or self._store is not None:
-                    op(self.connect())
-                    done.set()
-            except Exception as err:
-                log.debug(f"could not {what}: {err}")
-            finally:
-                self.lock.release()
+            if self.lock.acquire(timeout=_STORE_OP_S):
+                try:
+                    if connect or self._store is not None:
+                        op(self.connect())
+                        ran.append(True)
+                except Exception as err:
+                    log.debug(f"could not {what}: {err}")
+                finally:
+                    self.lock.release()
+            ended.set()
 
         threading.Thread(target=call, daemon=True, name="dpddp-store-op").start()
-        return done.wait(2 * _STORE_OP_S)
+        return ended.wait(2 * _STORE_OP_S) and bool(ran)
 
 
 def describe_ranks(ranks: list[int], ranks_per_node: int) -> str:
