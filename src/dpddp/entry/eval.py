@@ -38,9 +38,6 @@ def run_eval(cfg: DictConfig) -> float:
         return train(cfg, output_dir, stage="eval", extra={"overrides": overrides}, plan=plan)[objective(cfg)]
 
 
-_hydra_main = hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(run_eval)
-
-
 def main() -> None:
     """``eval.py``/``dpddp-eval``. A missing ``ckpt_path``, ``-m``, an unknown override or option: one line, exit 2."""
     argv = sys.argv[1:]
@@ -56,4 +53,4 @@ def main() -> None:
             fail(problem)
         sys.argv.append(f"hydra.callbacks.start_checks._target_={EvalChecks.__module__}.{EvalChecks.__name__}")
         with hydra_reported(lambda err: fail(hydra_failure(err, argv)), HYDRA_FAILURES):
-            _hydra_main()
+            hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(run_eval)()

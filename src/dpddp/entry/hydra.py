@@ -288,10 +288,8 @@ class StartChecks(HydraCallback):
             fail(problem)
         if warning := repeated_key(config):
             print(warning, file=sys.stderr)
-        jobs = [config]  # and the first job of each group option: a key one lacks is main's one line, here
-        jobs += [
-            GlobalHydra.instance().config_loader().load_sweep_config(config, job) for job in sweep_variants(config)
-        ]
+        loader = GlobalHydra.instance().config_loader()  # checked: the sweep, and each group option's first job
+        jobs = [config, *(loader.load_sweep_config(config, job) for job in sweep_variants(config))]
         try:
             check_file_stores(jobs)  # before the sweep's directory is made
             _check_writable(config, "sweep")
