@@ -206,9 +206,7 @@ class BatchNormSync(LayerSync):
         return revert(model) if self.sync else model
 
 
-@rank_zero_only
-def _warn(message: str) -> None:
-    log.warning(message)
+_warn = rank_zero_only(log.warning)
 
 
 def batchnorm_plugins(cfg: Mapping, model: nn.Module | None = None) -> list[LayerSync]:
