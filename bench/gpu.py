@@ -19,7 +19,7 @@ Every run lists the checks first, with the GPUs each needs; a check this machine
 run. ``--checks-only`` skips the throughput table. Exit status 1 when a check fails.
 
 ``--dry-run``: the checks on CPU, then the same throughput code path on CPU at tiny sizes (``accelerator=cpu``:
-one process and ddp on 2 processes, each side; dp on one CPU is the checks' ``dp1`` run), for
+one process for each side, ddp on 2 processes for dpddp; dp on one CPU is the checks' ``dp1`` run), for
 ``tests/test_bench.py``.
 
 Writes ``GPU.md`` (the table) and ``gpu.json`` (every run) into ``--out`` (default ``bench/``).
@@ -69,10 +69,10 @@ def machine() -> dict[str, Any]:
 
 def plan(gpus: int, dry_run: bool) -> list[tuple[str, str, int, list[str]]]:
     """``(column label, mode, devices, sides)`` per strategy: one device, dp over all, ddp over all."""
-    if dry_run:  # CPU: each side's one-process and ddp commands (dp on one CPU is the checks' dp1 run)
+    if dry_run:  # CPU: dp on one CPU is the checks' dp1 run; plain's ddp command is bench/run.py's (test_bench_quick)
         return [
             ("one CPU process", "single", 1, ["project", "plain"]),
-            ("`strategy=ddp` (2 CPU processes)", "ddp", 2, ["project", "plain"]),
+            ("`strategy=ddp` (2 CPU processes)", "ddp", 2, ["project"]),
         ]
     return [
         ("one GPU", "single", 1, ["project", "plain"]),

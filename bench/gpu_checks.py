@@ -20,7 +20,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["model=mlp", "model.hidden=[64]", "model.optimizer=adam", "model.lr=0.01", "data.batch_size=64"]
-BASE += ["logger=none", "trainer.enable_progress_bar=false", "epoch_lines=false"]
+BASE += ["logger=none", "trainer.enable_progress_bar=false", "epoch_lines=false", "curves=false"]
 SIZES = {
     "gpu": ["data.num_samples=4096", "trainer.max_epochs=2"],
     "cpu": ["data.num_samples=1005", "trainer.max_epochs=1"],
