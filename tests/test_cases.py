@@ -62,6 +62,7 @@ def test_linked_model_and_data_settings_that_disagree_are_one_line(key, value):
         ({"RANK": "1"}, "RANK=1"),
         ({"WORLD_SIZE": "2", "RANK": "0"}, "RANK=0, WORLD_SIZE=2"),
         ({"NODE_RANK": "1"}, "NODE_RANK=1"),  # a node rank, but num_nodes=1
+        ({"LOCAL_RANK": "x"}, "LOCAL_RANK=x"),  # refused before the world reads it as a number
     ],
 )
 def test_stray_rank_variables_are_refused_naming_them(monkeypatch, env, named):

@@ -136,11 +136,12 @@ def resolve_world(cfg: Mapping) -> World:
     if cfg["cluster"] not in CLUSTERS:
         raise ConfigError(f"cluster={cfg['cluster']!r} is unknown: choose one of {', '.join(CLUSTERS)}")
     check_strategy_options(cfg["strategy"])
+    alone = 1 if num_nodes == "auto" else num_nodes  # the nodes of a run no launcher started (auto: this one)
+    if problem := stray_rank_variables(cfg["cluster"], alone):  # before world_of reads the rank variables
+        raise ConfigError(problem)
+    if ddp and (problem := stray_address_variables(cfg["cluster"], alone)):
+        raise ConfigError(problem)
     world = world_of(cfg)
-    if problem := stray_rank_variables(cfg["cluster"], world.nodes):
-        raise ConfigError(problem)
-    if ddp and (problem := stray_address_variables(cfg["cluster"], world.nodes)):
-        raise ConfigError(problem)
     cluster = cluster_world_size(cfg["cluster"])
     if cluster and num_nodes == "auto" and ddp:
         _check_elastic(cluster, world.devices)
