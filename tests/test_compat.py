@@ -782,6 +782,25 @@ def test_forget_forkserver_gives_a_forked_process_a_fork_server_of_its_own():
     assert not psutil.pid_exists(child_server)  # the child stopped and reaped its own
 
 
+def test_forkserver_preload_is_what_set_forkserver_preload_set_and_a_loader_adds_its_modules():
+    """``forkserver_preload`` reads the list ``set_forkserver_preload`` keeps; a loader handed to
+    ``start_workers_safely`` adds torch, ``parallel.workers``, its data set's module (and what the main module
+    imported), and keeps what was there, without ``__main__`` (each worker runs the main module again)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dpddp.parallel import workers
+
+    before = processes.forkserver_preload()
+    try:
+        multiprocessing.set_forkserver_preload(["__main__", "json"])
+        assert processes.forkserver_preload() == ["__main__", "json"]
+        workers.start_workers_safely(DataLoader(TensorDataset(torch.zeros(2)), num_workers=1), 0)
+        after = processes.forkserver_preload()
+        assert {"json", "torch", workers.__name__, TensorDataset.__module__} <= set(after) and "__main__" not in after
+    finally:
+        multiprocessing.set_forkserver_preload(before)
+
+
 def test_at_multiprocessing_exit_registers_a_function_once_per_process():
     """Asked twice, ``at_multiprocessing_exit`` leaves one ``Finalize`` of the function for this process, at the
     lowest priority; a forked process (whose copy of the parent's is ignored there) registers one of its own."""

@@ -28,6 +28,11 @@ def in_fork_server() -> bool:
     return sys.orig_argv[-2:-1] == ["-c"] and sys.orig_argv[-1].startswith(FORK_SERVER_COMMAND)
 
 
+def forkserver_preload() -> list[str]:
+    """The modules the next fork server is to import (``set_forkserver_preload``'s, kept in ``_forkserver``)."""
+    return list(multiprocessing.forkserver._forkserver._preload_modules)  # type: ignore[attr-defined]
+
+
 def forget_forkserver() -> None:
     """In a just forked process: forget the parent's fork server (``forkserver._forkserver``); a new one starts on
     first use."""

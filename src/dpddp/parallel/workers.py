@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from dpddp._compat.processes import (
     at_multiprocessing_exit,
     forget_forkserver,
+    forkserver_preload,
     in_fork_server,
     raised_pickling_a_process,
     stop_worker_servers,
@@ -78,7 +79,6 @@ class WorkerStart:
 
 if in_fork_server():  # it preloads this module: exit at once, without finalizing what it imported
     atexit.register(os._exit, 0)  # the last registered runs first
-_preloaded: set[str] = {"torch", __name__}
 
 
 def _modules_of(*objects: object) -> set[str]:
@@ -89,15 +89,15 @@ def _modules_of(*objects: object) -> set[str]:
 
 
 def _preload(loader: DataLoader) -> None:
-    """Add to the fork server's preload: the modules of the loader's data set and collate_fn and of what the main
-    module imported (each worker runs the main module again)."""
+    """Add to the fork server's preload: torch, this module, the modules of the loader's data set and collate_fn and
+    of what the main module imported (each worker runs the main module again: not ``__main__`` itself)."""
     main = vars(sys.modules["__main__"]).values() if "__main__" in sys.modules else ()
     imported = [v for v in main if isinstance(v, (ModuleType, type, FunctionType)) and v is not builtins]
     inner = getattr(loader.dataset, "dataset", None)  # a wrapper's (a Subset's, dpddp's keyed samples)
-    found = _modules_of(loader.dataset, inner, loader.collate_fn, *imported)
-    if not found <= _preloaded:
-        _preloaded.update(found)
-        multiprocessing.set_forkserver_preload(sorted(_preloaded))
+    found = _modules_of(loader.dataset, inner, loader.collate_fn, *imported) | {"torch", __name__}
+    preloaded = set(forkserver_preload()) - {"__main__"}
+    if not found <= preloaded:
+        multiprocessing.set_forkserver_preload(sorted(preloaded | found))
 
 
 def start_workers_safely(loader: object, rank: int) -> object:
