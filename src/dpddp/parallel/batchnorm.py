@@ -183,9 +183,7 @@ class BatchNormSync(LayerSync):
             converted = convert(model, self.cuda)
             if lazy := [name for name, module in converted.named_modules() if _lazy(module)]:
                 _warn(f"lazy BatchNorm modules not yet initialised are not synced: {_names(lazy)}")
-            untracked = [
-                n for n, m in converted.named_modules() if isinstance(m, BatchNormBase) and m.running_mean is None
-            ]
+            untracked = [n for n in _batchnorms(converted) if converted.get_submodule(n).running_mean is None]
             if untracked:
                 _warn(
                     f"{_names(untracked)} keep no running statistics (track_running_stats=False): validation in the "

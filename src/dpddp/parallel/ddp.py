@@ -180,10 +180,8 @@ class DDPStrategy(LightningDDPStrategy):
         callback froze (all-reduced once it unfreezes them)."""
         module = self.lightning_module
         assert module is not None
-        callbacks: list = getattr(module.trainer, "callbacks", [])
-        finetunes = any(isinstance(c, BaseFinetuning) for c in callbacks)
         with contextlib.ExitStack() as stack:
-            if finetunes:
+            if any(isinstance(c, BaseFinetuning) for c in getattr(module.trainer, "callbacks", [])):
                 stack.enter_context(wrapping_frozen(self, module))
             if self.comm_state is not None:
                 params = stack.enter_context(bucket_assignment(self._restored_layout))
@@ -266,10 +264,8 @@ class DDPStrategy(LightningDDPStrategy):
     @override
     def teardown(self) -> None:
         """Stop the ``PeerWatch`` cleanly and the ``Whereabouts``, then Lightning's teardown."""
-        if self._peer_watch is not None:
-            self._peer_watch.stop()
-            self._peer_watch = None
-        if self._whereabouts is not None:
-            self._whereabouts.stop()
-            self._whereabouts = None
+        for watch in (self._peer_watch, self._whereabouts):
+            if watch is not None:
+                watch.stop()
+        self._peer_watch = self._whereabouts = None
         super().teardown()
