@@ -19,7 +19,6 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from contextlib import suppress
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -37,7 +36,7 @@ __all__ = ["JobLauncher", "RankJob", "die_with_parent"]
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RankJob:
     """What a launched rank needs, without Hydra or ``sys.argv``: ``entry`` (``"module:function"``, called with
     the job), the resolved ``config`` (JSON types), the shared ``output_dir``, the ``stage``, and the launcher's
