@@ -395,13 +395,13 @@ def test_digits_ddp_with_loader_workers_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_continued_mid_epoch_equals_a_straight_one(tmp_path):
-    """12 steps an epoch: stopped at step 7 (mid-epoch) and continued to epoch 3, on 1 and on 2 processes."""
-    three = [a for a in MLP if not a.startswith("trainer.max_epochs")] + ["trainer.max_epochs=3"]
-    straight = _net(_run(tmp_path, "straight", *three))
+def test_a_run_continued_mid_epoch_equals_a_straight_one(tmp_path, mlp_one):
+    """12 steps an epoch: stopped at step 7 (mid-epoch) and continued to the end of epoch 2, on 1 and on 2
+    processes, against the shared straight run."""
+    straight = mlp_one
     shutil.copytree(_run(tmp_path, "a", *MLP, "trainer.max_steps=7"), tmp_path / "b")  # one stop, two continues
-    assert _diff(dict(straight), _net(_run(tmp_path, "a", *three, "resume=true"))) <= 1e-6
-    assert _diff(straight, _net(_run(tmp_path, "b", *three, "resume=true", "strategy=ddp", "devices=2"))) <= 1e-5
+    assert _diff(dict(straight), _net(_run(tmp_path, "a", *MLP, "resume=true"))) <= 1e-6
+    assert _diff(straight, _net(_run(tmp_path, "b", *MLP, "resume=true", "strategy=ddp", "devices=2"))) <= 1e-5
 
 
 @pytest.mark.slow
