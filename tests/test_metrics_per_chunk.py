@@ -8,15 +8,15 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_env, leftover, metrics
+from conftest import child_env, compose_cfg, leftover, metrics
 from test_bring_your_own import USER_ARGS, _project
 from torchmetrics.classification import MulticlassAUROC, MulticlassAveragePrecision, MulticlassCalibrationError
 
 from dpddp._compat import softmax_per_sample
+from dpddp.run.training import train
 
 METRICS = [
     lambda: MulticlassAUROC(3),
@@ -96,18 +96,23 @@ class WithAuroc(TwoLayerNet):
 
 
 @pytest.mark.slow
-def test_a_users_auroc_of_logits_on_three_processes_equals_one_process(tmp_path):
+def test_a_users_auroc_of_logits_on_three_processes_equals_one_process(tmp_path, monkeypatch):
     """651 samples (a 65-sample validation split), global batch 63: a last batch of 2 over 3 ranks."""
     project = _project(tmp_path)
     (project / "auroc.py").write_text(AUROC)
     args = [*USER_ARGS, "model._target_=auroc.WithAuroc", "+data.dataset.num_samples=651", "data.batch_size=63"]
     args += ["trainer.max_epochs=1", "objective=val/auroc"]  # metrics.json carries the objective
-    runs = {}
-    for name, extra in (("one", []), ("three", ["strategy=ddp", "devices=3"])):
-        env, tag = child_env(PYTHONPATH=str(project))
-        cmd = [sys.executable, "train.py", *args, *extra, f"hydra.run.dir={name}"]
-        proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert leftover(tag) == []
-        runs[name] = metrics(Path(project / name))["val/auroc"]
+    env, tag = child_env(PYTHONPATH=str(project))
+    cmd = [sys.executable, "train.py", *args, "strategy=ddp", "devices=3", "hydra.run.dir=three"]
+    proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert leftover(tag) == []
+    assert args[:2] == ["--config-dir", "conf"]  # the one-process run in this process: what train.py runs
+    monkeypatch.syspath_prepend(str(project))
+    try:
+        train(compose_cfg(*args[2:], f"hydra.searchpath=[file://{project / 'conf'}]"), project / "one")
+    finally:
+        for module in ("mine", "auroc"):  # the user's, of this test's project only
+            sys.modules.pop(module, None)
+    runs = {name: metrics(project / name)["val/auroc"] for name in ("one", "three")}
     assert 0.5 < runs["one"] and runs["three"] == pytest.approx(runs["one"], abs=1e-6)
