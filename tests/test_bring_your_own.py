@@ -118,6 +118,21 @@ def _project(path: Path) -> Path:
     return path
 
 
+def train_here(project: Path, args: list[str], run: str, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``python train.py ARGS`` of ``project`` (``ARGS``: ``--config-dir conf`` first, as ``USER_ARGS``) trained in
+    this process (``train`` on the composed config: what train.py runs) into ``project/run``; the project's modules
+    are dropped from ``sys.modules`` after. Returns the run directory."""
+    assert args[:2] == ["--config-dir", "conf"]
+    monkeypatch.syspath_prepend(str(project))
+    try:
+        train(compose_cfg(*args[2:], f"hydra.searchpath=[file://{project / 'conf'}]"), project / run)
+    finally:
+        for name, module in list(sys.modules.items()):
+            if str(getattr(module, "__file__", None) or "").startswith(str(project)):
+                del sys.modules[name]
+    return project / run
+
+
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
     """The user's project: their copy of train.py, ``mine.py`` and ``conf/model/my_net.yaml``."""

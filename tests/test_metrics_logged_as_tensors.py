@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import metrics, run_project
-from test_bring_your_own import USER_ARGS, _project
+from test_bring_your_own import USER_ARGS, _project, train_here
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +37,14 @@ EVAL = ("val/loss", "val/acc", "test/loss", "test/acc")
     [(2, 651, 32), (3, 621, 30)],
     ids=["2 processes, last batch of 1", "3 processes, last batch of 2"],
 )
-def test_tensor_metrics_with_sync_dist_equal_one_process_with_a_warning(tmp_path, devices, num_samples, batch_size):
+def test_tensor_metrics_with_sync_dist_equal_one_process_with_a_warning(
+    tmp_path, monkeypatch, devices, num_samples, batch_size
+):
     project = _project(tmp_path)
     (project / "tensors.py").write_text(TENSORS)
     args = [*USER_ARGS, "model._target_=tensors.TensorLogged", f"+data.dataset.num_samples={num_samples}"]
     args += [f"data.batch_size={batch_size}", "trainer.max_epochs=1"]
-    run_project(project, *args, "hydra.run.dir=one", check=True)
+    train_here(project, args, "one", monkeypatch)  # the one-process run, in this process
     many = run_project(project, *args, "strategy=ddp", f"devices={devices}", "hydra.run.dir=many", check=True)
     one, written = metrics(project / "one"), metrics(project / "many")
     for key in EVAL:  # the split's last batch leaves at least one rank an empty chunk

@@ -11,12 +11,11 @@ import sys
 
 import pytest
 import torch
-from conftest import child_env, compose_cfg, leftover, metrics
-from test_bring_your_own import USER_ARGS, _project
+from conftest import child_env, leftover, metrics
+from test_bring_your_own import USER_ARGS, _project, train_here
 from torchmetrics.classification import MulticlassAUROC, MulticlassAveragePrecision, MulticlassCalibrationError
 
 from dpddp._compat import softmax_per_sample
-from dpddp.run.training import train
 
 METRICS = [
     lambda: MulticlassAUROC(3),
@@ -107,12 +106,6 @@ def test_a_users_auroc_of_logits_on_three_processes_equals_one_process(tmp_path,
     proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert leftover(tag) == []
-    assert args[:2] == ["--config-dir", "conf"]  # the one-process run in this process: what train.py runs
-    monkeypatch.syspath_prepend(str(project))
-    try:
-        train(compose_cfg(*args[2:], f"hydra.searchpath=[file://{project / 'conf'}]"), project / "one")
-    finally:
-        for module in ("mine", "auroc"):  # the user's, of this test's project only
-            sys.modules.pop(module, None)
+    train_here(project, args, "one", monkeypatch)
     runs = {name: metrics(project / name)["val/auroc"] for name in ("one", "three")}
     assert 0.5 < runs["one"] and runs["three"] == pytest.approx(runs["one"], abs=1e-6)
