@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import QUIET, child_env, made_once
+from conftest import QUIET, child_env, compose_cfg, made_once
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -33,6 +33,7 @@ from dpddp.nn import (
     select_sample_row,
 )
 from dpddp.parallel.dp import DataParallelStrategy
+from dpddp.run.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -361,6 +362,12 @@ def _run(cwd: Path, run: str, *args: str) -> Path:
     return cwd / run
 
 
+def _here(cwd: Path, run: str, *args: str) -> Path:
+    """``_run``'s one-process run trained in this process (``train`` on the composed config: what train.py runs)."""
+    train(compose_cfg(*args, *QUIET), cwd / run)
+    return cwd / run
+
+
 def _net(run: Path) -> dict[str, torch.Tensor]:
     state = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     return {k: v for k, v in state["state_dict"].items() if k.startswith("net.")} | {"step": state["global_step"]}
@@ -374,13 +381,13 @@ def _diff(a: dict, b: dict) -> float:
 @pytest.fixture
 def mlp_one(shared_dir) -> dict[str, torch.Tensor]:
     """The one-process MLP run's weights, run once a session."""
-    return _net(made_once(shared_dir, "dropout_mlp_one", lambda path: _run(path.parent, path.name, *MLP)))
+    return _net(made_once(shared_dir, "dropout_mlp_one", lambda path: _here(path.parent, path.name, *MLP)))
 
 
 @pytest.mark.slow
 def test_mlp_dropout_ddp_and_dp_equal_one_process(tmp_path, mlp_one):
     one = mlp_one
-    no_dropout = _net(_run(tmp_path, "p0", *MLP, "model.dropout=0"))  # no dropout layer: net.2 is the output
+    no_dropout = _net(_here(tmp_path, "p0", *MLP, "model.dropout=0"))  # no dropout layer: net.2 is the output
     assert (one["net.0.weight"] - no_dropout["net.0.weight"]).abs().max() > 1e-3  # the dropout is on
     assert _diff(dict(one), _net(_run(tmp_path, "ddp", *MLP, "strategy=ddp", "devices=2"))) <= 1e-5
     assert _diff(dict(one), _net(_run(tmp_path, "dp", *MLP, "strategy=dp", "devices=1"))) <= 1e-6
@@ -389,7 +396,7 @@ def test_mlp_dropout_ddp_and_dp_equal_one_process(tmp_path, mlp_one):
 @pytest.mark.slow
 def test_digits_ddp_with_loader_workers_equals_one_process(tmp_path):
     digits = ["data=digits", *[a for a in MLP if not a.startswith("data.")]]
-    one = _net(_run(tmp_path, "one", *digits))
+    one = _net(_here(tmp_path, "one", *digits))
     ddp = _net(_run(tmp_path, "ddp", *digits, "strategy=ddp", "devices=2", "+data.num_workers=1"))
     assert _diff(one, ddp) <= 1e-5
 
