@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, leftover, made_once, max_diff, metrics, run_train, weights
+from conftest import ROOT, compose_cfg, leftover, made_once, max_diff, metrics, run_train, weights
+
+from dpddp.run.training import train
 
 pytestmark = pytest.mark.slow
 
@@ -19,13 +21,20 @@ BATCH = 12  # divides by 1, 2 and 3 processes; 96 and 101 training samples are b
 STEPS = 3 * 8
 
 
+SPLIT = ["accelerator=cpu", "model.num_features=4", "model.num_classes=3", "data=sharded"]
+SPLIT += ["+data.module._target_=users_models.SplitData", f"+data.module.batch_size={BATCH}"]
+
+
+def _here(run: Path, *args: str) -> None:
+    """One process's straight run of ``SPLIT`` and ``args``, trained in this process (what train.py runs)."""
+    train(compose_cfg(*SPLIT, *args), run)
+
+
 def _train(run: Path, num_train: int, procs: int, *more: str) -> dict:
     """``train.py`` on the wrapped ``users_models.SplitData`` into ``run``; its metrics."""
     ddp = ["strategy=ddp", f"devices={procs}"] if procs > 1 else []
     proc = run_train(
-        "accelerator=cpu", "trainer.max_epochs=3", "model.num_features=4", "model.num_classes=3", "data=sharded",
-        "+data.module._target_=users_models.SplitData", f"+data.module.num_train={num_train}",
-        f"+data.module.batch_size={BATCH}", *ddp, *more, f"hydra.run.dir={run}",
+        *SPLIT, "trainer.max_epochs=3", f"+data.module.num_train={num_train}", *ddp, *more, f"hydra.run.dir={run}",
         cwd=run.parent, env={"PYTHONPATH": str(ROOT / "tests")},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,7 +56,8 @@ def _epochs(run: Path) -> list[tuple[int, str]]:
 def test_a_wrapped_data_module_trains_every_epoch_equals_one_process_and_continues_exactly(
     tmp_path, shared_dir, num_train, procs, then
 ):
-    straight = made_once(shared_dir, f"sharded_straight_{num_train}", lambda p: _train(p, num_train, 1))
+    epochs = ["trainer.max_epochs=3", f"+data.module.num_train={num_train}"]
+    straight = made_once(shared_dir, f"sharded_straight_{num_train}", lambda p: _here(p, *epochs))
     assert torch.load(straight / "checkpoints/last.ckpt", weights_only=True)["global_step"] == STEPS
     assert [e for e, _ in _epochs(straight)] == [0, 1, 2] and all(v for _, v in _epochs(straight))  # validated
 
@@ -65,13 +75,10 @@ def test_a_wrapped_data_module_trains_every_epoch_equals_one_process_and_continu
 
 
 def _dropout_run(run: Path, procs: int) -> Path:
-    """``model=mlp`` with ``SampleDropout(0.5)`` on the wrapped ``users_models.SplitData``, 2 epochs."""
-    ddp = ["strategy=ddp", f"devices={procs}"] if procs > 1 else []
+    """``model=mlp`` with ``SampleDropout(0.5)`` on the wrapped ``users_models.SplitData``, 2 epochs, ddp."""
     proc = run_train(
-        "accelerator=cpu", "trainer.max_epochs=2", "model=mlp", "model.dropout=0.5", "model.num_features=4",
-        "model.num_classes=3", "data=sharded", "+data.module._target_=users_models.SplitData",
-        f"+data.module.batch_size={BATCH}", *ddp, f"hydra.run.dir={run}", cwd=run.parent,
-        env={"PYTHONPATH": str(ROOT / "tests")},
+        *SPLIT, "trainer.max_epochs=2", "model=mlp", "model.dropout=0.5", "strategy=ddp", f"devices={procs}",
+        f"hydra.run.dir={run}", cwd=run.parent, env={"PYTHONPATH": str(ROOT / "tests")},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert leftover(proc.tag) == []
@@ -80,6 +87,7 @@ def _dropout_run(run: Path, procs: int) -> Path:
 
 @pytest.mark.parametrize("procs", [2, 3])
 def test_sample_dropout_under_a_wrapped_data_module_equals_one_process(tmp_path, shared_dir, procs):
-    straight = made_once(shared_dir, "sharded_dropout_one", lambda p: _dropout_run(p, 1)) / "checkpoints/last.ckpt"
+    one = ["trainer.max_epochs=2", "model=mlp", "model.dropout=0.5"]
+    straight = made_once(shared_dir, "sharded_dropout_one", lambda p: _here(p, *one)) / "checkpoints/last.ckpt"
     keyed = _dropout_run(tmp_path / f"ddp{procs}", procs)
     assert max_diff(weights(keyed), weights(straight)) <= 1e-5  # was 3.4e-2 apart: masks drawn per rank
