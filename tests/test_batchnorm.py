@@ -23,6 +23,7 @@ from dpddp.errors import ConfigError
 from dpddp.parallel import batchnorm
 from dpddp.parallel.batchnorm import BatchNormSync, GlobalBatchNorm, batchnorm_plugins, convert, revert
 from dpddp.run.assembly import build_trainer
+from dpddp.run.training import train
 
 TOL = 1e-5
 STEPS = 3
@@ -368,10 +369,16 @@ def _net(run: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def bn_project(tmp_path_factory) -> Path:
-    """A user's BatchNorm model (``bnmlp.py``) and its one-process run ``one``."""
+    """A user's BatchNorm model (``bnmlp.py``) and its one-process run ``one``, trained in this process (``train``
+    on the composed config: what train.py runs)."""
     path = tmp_path_factory.mktemp("bn")
     (path / "bnmlp.py").write_text(BN_MODEL)
-    _train(path, "one")
+    sys.path.insert(0, str(path))
+    try:
+        train(compose_cfg(*E2E), path / "one")
+    finally:
+        sys.path.remove(str(path))
+        sys.modules.pop("bnmlp", None)
     return path
 
 
