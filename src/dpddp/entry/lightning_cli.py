@@ -47,7 +47,8 @@ from dpddp.run.config import CLI_CALLBACKS, Plan, check_config
 from dpddp.run.training import STAGES, isolated_job, train
 
 # jsonargparse 4.49 renamed ArgumentParser.save's skip_none to skip_unset (the old name warns, and goes in 5.0).
-KEEP_NONE = {"skip_unset" if compare_version("jsonargparse", operator.ge, "4.49") else "skip_none": False}
+SKIP_UNSET = compare_version("jsonargparse", operator.ge, "4.49", use_base_version=True)  # 4.49.0rc1 too
+KEEP_NONE = {"skip_unset" if SKIP_UNSET else "skip_none": False}
 DEFAULT_CLASSES = {
     "model": f"{LinearClassifier.__module__}.{LinearClassifier.__qualname__}",
     "data": f"{RandomTensorDataModule.__module__}.{RandomTensorDataModule.__qualname__}",
