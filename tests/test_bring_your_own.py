@@ -140,13 +140,13 @@ def project(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def one_process(shared_dir: Path) -> Path:
-    """The user's model and data trained by ``train.py`` on one process (``USER_ARGS``), once a session: the run
-    directory that the 2-process run and the stopped-and-resumed run are compared to."""
+def one_process(shared_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The user's model and data trained on one process (``USER_ARGS``, in this process: ``train_here``), once a
+    session: the run directory that the 2-process run and the stopped-and-resumed run are compared to."""
 
     def make(path: Path) -> None:
         path.mkdir()
-        run_project(_project(path), *USER_ARGS, "hydra.run.dir=one", check=True)
+        train_here(_project(path), USER_ARGS, "one", monkeypatch)
 
     return made_once(shared_dir, "users_model_one_process", make) / "one"
 
