@@ -41,6 +41,14 @@ def test_replicated_forward_is_the_modules_own_and_leaves_the_state_dict_alone()
     assert "forward" not in model.__dict__ and torch.equal(model(x), expected)
 
 
+def test_restoring_the_forward_keeps_a_forward_the_model_set_on_itself():
+    """dp on one device replicates nothing; its teardown leaves a model's own instance ``forward`` in place."""
+    model = LinearClassifier(num_features=5, num_classes=3)
+    model.forward = own = lambda x: x  # type: ignore[method-assign]
+    restore_forward(model)
+    assert model.__dict__["forward"] is own
+
+
 def test_dp_checkpoint_holds_plain_weights_and_resumes_under_auto(tmp_path):
     train(compose_cfg(*SMALL, "strategy=dp", "trainer.max_epochs=2"), tmp_path / "dp")
     state = torch.load(tmp_path / "dp/checkpoints/last.ckpt", weights_only=True)["state_dict"]

@@ -36,8 +36,9 @@ def replicate_forward(module: pl.LightningModule, device_ids: list[int]) -> nn.D
 
 
 def restore_forward(module: pl.LightningModule) -> None:
-    """Undo ``replicate_forward``."""
-    module.__dict__.pop("forward", None)
+    """Undo ``replicate_forward``; a ``forward`` the model set on itself stays."""
+    if isinstance(getattr(module.__dict__.get("forward"), "__self__", None), nn.DataParallel):
+        del module.__dict__["forward"]
 
 
 class OneProcessStrategy(SingleDeviceStrategy):
