@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import ROOT, child_env, run_project
@@ -236,6 +238,22 @@ def test_what_a_callbacks_load_state_dict_reads_is_what_a_continue_can_have():
     read = _read_keys(checkpoint)
     assert read is not None and "best_model_score" in read and "current_score" not in read and "monitor" not in read
     assert checkpoint.current_score == torch.tensor(0.167)  # read on a copy
+
+
+@pytest.mark.parametrize(
+    "load",
+    [
+        lambda self, s: self.__dict__.update(copy.deepcopy(s)),
+        lambda self, s: self.__dict__.update(s),
+        lambda self, s: [setattr(self, k, v) for k, v in s.items()] if isinstance(s, dict) else None,
+        lambda self, s: list(s.values()),
+    ],
+    ids=["deepcopy", "update", "isinstance-items", "values"],
+)
+def test_a_load_that_reads_its_state_whole_reads_every_key(load):
+    """A callback's ``load_state_dict`` that copies, iterates or type-checks its state reads all of it."""
+    callback = type("Whole", (pl.Callback,), {"state_dict": lambda self: {"a": 1, "b": 2}, "load_state_dict": load})()
+    assert _read_keys(callback) == ["a", "b"]
 
 
 def test_the_stops_comparison_leaves_out_state_no_load_restores_and_says_missing(tmp_path):

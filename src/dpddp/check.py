@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections import UserDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -407,8 +406,8 @@ class StopAt(pl.Callback):
         torch.save(record, Path(trainer.default_root_dir) / RECORD)
 
 
-class _Reads(UserDict):
-    """A ``state_dict`` that records the keys read (``get``, ``items``, ``update``, ``**`` go by ``__getitem__``)."""
+class _Reads(dict):
+    """A ``state_dict`` that records the keys read from it (a ``dict``, for loads that check that)."""
 
     def __init__(self, state: dict) -> None:
         super().__init__(state)
@@ -418,6 +417,22 @@ class _Reads(UserDict):
         self.read.add(key)
         return super().__getitem__(key)
 
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __iter__(self) -> Any:  # also what dict.update(this) and **this read through
+        self.read.update(self.keys())
+        return super().__iter__()
+
+    def items(self) -> Any:
+        self.read.update(self.keys())
+        return super().items()
+
+    def values(self) -> Any:
+        self.read.update(self.keys())
+        return super().values()
+
 
 def _read_keys(callback: pl.Callback) -> list[str] | None:
     """The keys of ``callback``'s ``state_dict`` its ``load_state_dict`` reads (on a copy); ``None`` if it raised."""
@@ -425,7 +440,7 @@ def _read_keys(callback: pl.Callback) -> list[str] | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            copy.copy(callback).load_state_dict(state)  # type: ignore[arg-type]
+            copy.copy(callback).load_state_dict(state)
     except Exception:  # a load that needs more than its own state: every key compared
         return None
     return sorted(str(k) for k in state.read)
