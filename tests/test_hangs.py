@@ -87,3 +87,29 @@ def test_the_timed_out_collective_s_message_loses_torch_s_callback_wrapping_and_
     gloo = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms"
     err = RuntimeError(f"{wrap}{wrap}{gloo} for recv operation to complete")
     assert first_line(err) == "RuntimeError: Timed out waiting 10000ms for recv operation to complete"
+
+
+def test_a_rank_lost_in_the_cost_gather_is_named_in_the_cost_gather(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+
+    from dpddp.diagnostics.costs import Costs
+    from dpddp.parallel.ddp import DDPStrategy
+    from dpddp.report.throughput import ThroughputCounts
+
+    seen = []
+
+    def gather(self, tensor, group=None, sync_grads=False):
+        seen.append(whereabouts.current())
+        return tensor
+
+    monkeypatch.setattr(LightningDDPStrategy, "all_gather", gather)
+    strategy = DDPStrategy(parallel_devices=[torch.device("cpu")])
+    whereabouts.mark(None)
+    costs = Costs(ThroughputCounts())
+    costs._over_ranks(SimpleNamespace(strategy=strategy), waited=None, stepped=1.0)  # type: ignore[arg-type]
+    strategy.all_gather(torch.zeros(1))
+    assert seen == ["the cost gather", "Lightning's all_gather"]
+    assert whereabouts.current() is None

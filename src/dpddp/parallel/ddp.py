@@ -22,7 +22,7 @@ from dpddp._compat.comm_hooks import bucket_assignment, load_powersgd_state, pow
 from dpddp._compat.strategies import wrapping_frozen
 from dpddp.diagnostics.allreduce import COMM_HOOKS, AllReduceTimer
 from dpddp.diagnostics.network import choose_interface, interface_address
-from dpddp.diagnostics.whereabouts import METRIC_SYNC, Whereabouts, entering
+from dpddp.diagnostics.whereabouts import METRIC_SYNC, Whereabouts, current, entering
 from dpddp.errors import ConfigError, Preempted, ReplicasDiverged, StepFailed, first_line
 from dpddp.messages import unused_parameters
 from dpddp.parallel.launcher import JobLauncher, RankJob
@@ -229,7 +229,8 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        with entering("Lightning's all_gather"):
+        """Lightning's; a caller's mark (e.g. ``Costs``' "the cost gather") stays the one reported."""
+        with entering(current() or "Lightning's all_gather"):
             return super().all_gather(tensor, group, sync_grads)
 
     @override
