@@ -290,7 +290,8 @@ def test_each_invocation_into_a_run_directory_keeps_its_own_config(tmp_path):
 
 def test_monitor_and_its_mode_choose_best_ckpt_and_the_objective_and_null_drops_best_ckpt(tmp_path, cli_status):
     """``--monitor=val/acc --monitor_mode=max`` is the best checkpoint's monitor and mode and the run's objective,
-    as ``callbacks.model_checkpoint.monitor`` is for ``train.py``; ``--monitor=null`` drops best.ckpt's callback."""
+    as ``callbacks.model_checkpoint.monitor`` is for ``train.py``; ``--monitor=null`` drops best.ckpt's callback
+    and the objective stays ``val/loss``, as ``train.py callbacks.model_checkpoint=null``'s."""
     code, printed = cli_status(
         "fit", *FAST, "--monitor=val/acc", "--monitor_mode=max", "--compile=lite", "--print_config"
     )
@@ -303,6 +304,7 @@ def test_monitor_and_its_mode_choose_best_ckpt_and_the_objective_and_null_drops_
     )
     dropped = cli_config("--monitor=null")
     assert dropped.callbacks.model_checkpoint is None and dropped.callbacks.last_checkpoint is not None
+    assert dropped.objective == compose_cfg("callbacks.model_checkpoint=null").objective == "val/loss"
     cli("fit", *FAST, "--monitor=val/acc", "--monitor_mode=max", cwd=tmp_path)
     (run,) = tmp_path.glob("lightning_logs/version_*")
     best = torch.load(run / "checkpoints/best.ckpt", weights_only=False)
