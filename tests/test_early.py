@@ -121,3 +121,25 @@ def test_the_composed_top_level_keys_are_the_checked_ones():
     """The early line's advice (``did you mean devices?``) is drawn from the composed config's top-level keys,
     the full check's from ``TOP_LEVEL_KEYS``: the same."""
     assert sorted(str(k) for k in compose_cfg().keys()) == sorted(TOP_LEVEL_KEYS)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("LOCAL_RANK", "x"), ("RANK", ""), ("WORLD_SIZE", "2.0"), ("SLURM_PROCID", "a")]
+)
+def test_a_launcher_variable_that_is_no_integer_is_one_line_before_torch(monkeypatch, capsys, name, value):
+    """torchmetrics reads ``LOCAL_RANK`` as a number on import: the early answer refuses it first, any arguments."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        answer(["seed=1"])
+    line = f"error: {name}={value!r} (environment) is not an integer: a launcher sets it to a number; unset it "
+    assert (exited.value.code, capsys.readouterr().err) == (2, f"{line}(env -u {name} ...) or give it one\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", [["train.py"], ["-m", "dpddp.check"], ["-m", "dpddp.cli", "fit"]])
+def test_each_command_refuses_a_launcher_variable_that_is_no_integer_before_torch(cmd):
+    env, _ = child_env(LOCAL_RANK="x")
+    proc = subprocess.run([sys.executable, "-X", "importtime", *cmd], cwd=ROOT, env=env, capture_output=True, text=True)
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: LOCAL_RANK='x' (environment)")
+    assert _heavy(_imported(proc.stderr)) == []

@@ -12,6 +12,11 @@ if Path(sys.argv[0]).name in ("dpddp", "dpddp-train") or sys.orig_argv[1:3] == [
     # dpddp's own commands (the console scripts, python -m dpddp.cli), as train.py: a SIGTERM from here on is held
     # until dpddp.continuity.stop.command takes it (the imports below take seconds).
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+_MODULE = sys.orig_argv[sys.orig_argv.index("-m") + 1] if sys.argv[0] == "-m" else ""  # python [-X ...] -m M
+if Path(sys.argv[0]).name in ("dpddp", "dpddp-train", "dpddp-check") or _MODULE in ("dpddp.cli", "dpddp.check"):
+    from dpddp.cluster import refuse_non_integer_variables  # dpddp's commands: before they import torch
+
+    refuse_non_integer_variables()
 
 __all__ = ["DataParallelStrategy"]
 

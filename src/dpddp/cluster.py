@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 
 from omegaconf import OmegaConf
 
 from dpddp.diagnostics.network import is_local_address
+from dpddp.errors import EXIT_CONFIG
 from dpddp.errors import local_rank as local_rank
 
 
@@ -128,6 +130,28 @@ def cluster_world_size(cluster: str = "auto") -> tuple[int, str] | None:
 
 LAUNCHED_ENV = "DPDDP_LAUNCHED"  # set in every rank dpddp's own launcher starts
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
+NUMBERS = (
+    *RANK_VARIABLES,
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_NTASKS",
+    "TORCHELASTIC_RESTART_COUNT",
+)
+
+
+def refuse_non_integer_variables() -> None:
+    """Exit 2 with one line on stderr when a launcher variable read as a number is not an integer; call it before
+    torch is imported (torchmetrics reads ``LOCAL_RANK`` on import)."""
+    for name in NUMBERS:
+        value = os.environ.get(name)
+        if value is not None and not re.fullmatch(r"\s*[+-]?\d+\s*", value):
+            print(
+                f"error: {name}={value!r} (environment) is not an integer: a launcher sets it to a number; unset it "
+                f"(env -u {name} ...) or give it one",
+                file=sys.stderr,
+            )
+            sys.exit(EXIT_CONFIG)
 
 
 def stray_rank_variables(cluster: str, num_nodes: int) -> str | None:

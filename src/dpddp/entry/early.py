@@ -19,7 +19,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from omegaconf import Container, DictConfig, OmegaConf, open_dict
 
-from dpddp.cluster import register_resolvers
+from dpddp.cluster import refuse_non_integer_variables, register_resolvers
 from dpddp.errors import ConfigError, fail
 from dpddp.parallel.settings import LIGHTNING_STRATEGIES
 from dpddp.run.plain import check_plain, check_resolvable, key_advice
@@ -29,13 +29,14 @@ HELP = ("--help", "-h", "--hydra-help")  # Hydra's help options, answered here w
 
 def answer(argv: list[str]) -> None:
     """Print Hydra's help for a help option given alone (exit 0), or ``fail`` with the first bad setting judged
-    without torch and Lightning (exit 2); else return."""
+    without torch and Lightning (a launcher variable that is not a number included; exit 2); else return."""
     register_resolvers()
     if argv in (["--help"], ["-h"]) and (text := app_help()) is not None:
         print(text)
         sys.exit(0)
     if len(argv) == 1 and argv[0] in HELP:
         hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(_no_job)()
+    refuse_non_integer_variables()
     if not argv or any(arg.startswith("-") for arg in argv):
         return
     try:
