@@ -40,6 +40,15 @@ def test_each_rank_collates_its_share_of_a_global_batch_in_one_order_and_evaluat
             assert sorted(seen) == list(range(size))  # every validation sample once, the last batch too
 
 
+def test_the_token_module_builds_its_data_in_setup_not_when_constructed():
+    assert TokenDataModule(num_samples=50000).dataset is None  # a process that only builds the module draws nothing
+    assert TokenDataModule(vocab_size=64, num_classes=100).dataset is None  # a bad size fails in setup, not here
+    data = TokenDataModule(num_samples=60, vocab_size=20, num_classes=3, seed=5)
+    data.setup("fit")
+    made, drawn = data.make_dataset(), RandomTokens(60, 20, 3, seed=5)
+    assert all(torch.equal(made[i][0], drawn[i][0]) and made[i][1] == drawn[i][1] for i in range(60))
+
+
 def test_the_transformers_output_and_sample_dropout_do_not_depend_on_the_padding():
     torch.manual_seed(0)
     model = TextClassifier(vocab_size=16, num_classes=3, max_len=12, dropout=0.5).train()

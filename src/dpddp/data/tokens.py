@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset
+from typing_extensions import override
 
 from dpddp.data.global_batch import GlobalBatchDataModule
 
@@ -66,6 +67,11 @@ class TokenDataModule(GlobalBatchDataModule):
         micro_batch_size: int | str | None = None,
         collate_fn: Any = "dpddp.data.tokens.pad_tokens",  # Any: the Lightning CLI keeps a path as given
     ) -> None:
-        tokens = RandomTokens(num_samples, vocab_size, num_classes, min_len, max_len, seed=seed)
-        super().__init__(tokens, batch_size, val_fraction, test_fraction, seed, 0, micro_batch_size, collate_fn)
+        super().__init__(None, batch_size, val_fraction, test_fraction, seed, 0, micro_batch_size, collate_fn)
         self.save_hyperparameters()
+        self.sizes = (num_samples, vocab_size, num_classes, min_len, max_len)
+
+    @override
+    def make_dataset(self) -> Dataset:
+        """The ``RandomTokens``, drawn when ``setup`` asks (not in every process that only builds the module)."""
+        return RandomTokens(*self.sizes, seed=self.seed)
