@@ -143,3 +143,19 @@ def test_each_command_refuses_a_launcher_variable_that_is_no_integer_before_torc
     errors = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
     assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: LOCAL_RANK='x' (environment)")
     assert _heavy(_imported(proc.stderr)) == []
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (["hydra/launcher=joblibb"], "hydra/launcher=joblibb is unknown: choose one of basic, joblib, slurm, "),
+        (["seed=1", "hydra/sweeper=foo"], "hydra/sweeper=foo is unknown: choose one of basic, dpddp_optuna"),
+        (["+hydra/launcher=[basic,nope]"], "hydra/launcher=nope is unknown: choose one of basic, joblib, slurm, "),
+    ],
+)
+def test_an_unknown_option_of_hydra_s_group_is_hydra_s_line_without_m(capsys, argv, line):
+    """The line ``-m`` gets from Hydra's failure (test_command_line_errors), not "the config has no key"."""
+    with pytest.raises(SystemExit) as exited:
+        answer(argv)
+    full = line + "submitit_local, submitit_slurm" if line.endswith(", ") else line
+    assert (exited.value.code, capsys.readouterr().err) == (2, f"error: {full}\n")

@@ -14,6 +14,7 @@ from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
@@ -134,7 +135,8 @@ GROUPS = ("strategy", "data", "model", "trainer", "logger", "callbacks", "experi
 
 def unknown_option(argv: list[str], lightning_line: Callable[[str], str | None] | None = None) -> str | None:
     """The line for the first ``group=option`` override with no ``<group>/<option>.yaml`` in ``conf/`` or a
-    ``--config-dir``; ``None`` when all exist or Hydra answers. A Lightning strategy gets ``lightning_line``'s line."""
+    ``--config-dir`` (``hydra/<group>``: no option of Hydra's); ``None`` when all exist or Hydra answers. A
+    Lightning strategy gets ``lightning_line``'s line."""
     dirs = [Path(str(files("dpddp.conf")))]
     for i, arg in enumerate(argv):
         if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
@@ -146,7 +148,8 @@ def unknown_option(argv: list[str], lightning_line: Callable[[str], str | None] 
     for arg in argv:
         key, sep, value = arg.partition("=")
         key = key.lstrip("+~")
-        if not sep or key not in GROUPS or "(" in value:
+        hydra_group = key.startswith("hydra/")  # Hydra's own group: its options, its plugins' included
+        if not sep or not (key in GROUPS or hydra_group) or "(" in value:
             continue
         for option in value.removeprefix("[").removesuffix("]").split(","):  # a list: callbacks=[a,b]
             if option not in ("", "null") and not any((d / key / f"{option}.yaml").is_file() for d in dirs):
@@ -154,11 +157,22 @@ def unknown_option(argv: list[str], lightning_line: Callable[[str], str | None] 
                     return None
                 if key == "strategy" and lightning_line is not None and (line := lightning_line(option)):
                     return line
+                if hydra_group:
+                    known = _hydra_options(key)
+                    if option in known or not known:
+                        continue
+                    return f"{key}={option} is unknown: choose one of {', '.join(known)}"  # Hydra's line (-m)
                 known = sorted({p.stem for d in dirs for p in (d / key).glob("*.yaml")})
                 near = difflib.get_close_matches(option, known, n=1, cutoff=0.6)
                 hint = f" (did you mean {near[0]}?)" if near else ""
                 return f"{key}={option} is unknown{hint}: choose one of {', '.join(known)}"
     return None
+
+
+def _hydra_options(group: str) -> list[str]:
+    """The options of Hydra's config group ``group`` (``hydra/launcher``), its plugins' included."""
+    with initialize_config_module(config_module="dpddp.conf", version_base="1.3"):
+        return GlobalHydra.instance().config_loader().get_group_options(group)
 
 
 def dotted_keys(cfg: Container) -> list[str]:
