@@ -34,7 +34,11 @@ def test_eval_on_one_process_gives_the_runs_metrics_and_trains_nothing(trained, 
     result = _evaluated(trained / "checkpoints/last.ckpt", tmp_path)
     for key in KEYS:
         assert result[key] == pytest.approx(metrics(trained)[key], abs=1e-6), key
-    assert metrics(tmp_path)["train/loss"] is None and metrics(tmp_path)["missing"]["train/loss"]
+    written, ran = metrics(tmp_path), metrics(trained)
+    assert written["train/loss"] is None and written["missing"]["train/loss"] == "an eval run: only eval ran"
+    # the weights' training, as its checkpoint records it: 1 segment on 1 process
+    assert (written["segments"], written["segment_world_sizes"]) == (ran["segments"], ran["segment_world_sizes"])
+    assert (written["segments"], written["segment_world_sizes"]) == (1, [1])
     assert not (tmp_path / "checkpoints").exists()  # nothing trained, nothing saved
     assert not (tmp_path / "curves.png").exists()  # no epoch of a fit to draw
 
@@ -98,6 +102,7 @@ def test_eval_py_and_dpddp_eval_on_one_and_three_processes_give_the_runs_test_me
         proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert metrics(tmp_path / name)["world_size"] == (3 if name == "three" else 1)
+        assert metrics(tmp_path / name)["segment_world_sizes"] == [1]  # the weights' training, not this world
         for key in KEYS:
             assert metrics(tmp_path / name)[key] == pytest.approx(metrics(trained)[key], abs=1e-6), (name, key)
     assert leftover(tag) == []

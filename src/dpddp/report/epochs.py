@@ -60,7 +60,6 @@ class EpochRecord(pl.Callback):
     extends the checkpoint's rows."""
 
     TIME_KEY = "perf/train_time_s"
-    SEGMENTS_KEY = "perf/segments"
 
     def __init__(
         self, output_dir: str | Path, tally: FitTally, lines: bool = False, costs: Costs | None = None
@@ -146,7 +145,6 @@ class EpochRecord(pl.Callback):
             if last.get("step") == trainer.global_step and "train/loss" in last:  # the row of the final weights
                 trainer.callback_metrics.setdefault("train/loss", torch.tensor(last["train/loss"]))
         trainer.callback_metrics[self.TIME_KEY] = torch.tensor(self.table.train_time_s, dtype=torch.float64)
-        trainer.callback_metrics[self.SEGMENTS_KEY] = torch.tensor(self.table.segments, dtype=torch.float64)
 
     @override
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -112,7 +112,7 @@ def _train(
         peak_mem_of=peak_memory_mib(trainer)[1],
         first_step_unix_s=metrics.get(Throughput.FIRST_STEP_KEY),
         train_time_s=metrics.get(EpochRecord.TIME_KEY, math.nan),
-        segments=int(metrics[EpochRecord.SEGMENTS_KEY]) if EpochRecord.SEGMENTS_KEY in metrics else 0,
+        segments=records.table.segments if records else 0,  # the weights' training: a checkpoint's in eval
         segment_world_sizes=list(records.table.world_sizes) if records else [],
         world_size=trainer.world_size,
         strategy=cfg.strategy.name,
@@ -167,7 +167,7 @@ def _missing(
     for key in (*METRIC_KEYS, *TRAINING_KEYS):
         prefix = key.split("/")[0] + "/"
         if prefix in NOT_RUN[stage] or (key in TRAINING_KEYS and stage != "fit"):
-            reasons[key] = f"a {stage} run: only {stage} ran"
+            reasons[key] = f"{'an' if stage[0] in 'aeiou' else 'a'} {stage} run: only {stage} ran"
             unshown.append(key)
         elif key in metrics and not math.isfinite(metrics[key]):
             reasons[key] = f"the model logged {metrics[key]} for it"
