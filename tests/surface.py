@@ -187,7 +187,7 @@ SURFACE: tuple[Setting, ...] = (
         ),
         note="K optimizer steps per loop iteration (default `auto`: timed; 1 unless all run objects are dpddp's or "
         "known by exact type); K > 1 refuses accumulate_grad_batches, val_check_interval, limit_train_batches, "
-        "profilers, LR schedulers, SWA, dp, your batch/step hooks",
+        "fast_dev_run, profilers, LR schedulers, SWA, dp, your batch/step hooks",
     ),
     Setting(
         "run setting",

@@ -176,11 +176,26 @@ def test_a_stop_by_max_steps_before_any_validation_warns_of_no_missing_metric(tm
 
 
 def test_fast_dev_run_writes_no_checkpoint(tmp_path):
-    """One step, then its metrics: no ``checkpoints/`` (a check of the code, not a run to continue)."""
+    """One batch of each stage, then its metrics: no ``checkpoints/`` (a check of the code, not a run to continue);
+    ``steps_per_execution=auto`` takes 1 (an execution of K would cut the one step short of its validation)."""
     result = train(compose_cfg(*BASE, "trainer.fast_dev_run=true"), tmp_path)
     assert not (tmp_path / "checkpoints").exists()
     written = json.loads((tmp_path / "metrics.json").read_text())
     assert written["train/loss"] == result["train/loss"] > 0 and result["segments"] == 1
+    assert written["val/loss"] > 0 and written["val/acc"] >= 0 and written["test/loss"] > 0 and "missing" not in written
+    assert written["steps_per_execution"] == 1
+
+
+def test_fast_dev_run_with_steps_per_execution_is_one_line():
+    from dpddp.errors import ConfigError
+    from dpddp.run.config import check_config
+
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_cfg("trainer.fast_dev_run=true", "steps_per_execution=8"))
+    assert str(err.value) == (
+        "trainer.fast_dev_run=True cannot be kept with steps_per_execution=8 (it runs one batch of each stage, "
+        "not one execution of K): remove it, or use steps_per_execution=1"
+    )
 
 
 @pytest.mark.parametrize(

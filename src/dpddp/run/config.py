@@ -99,6 +99,7 @@ EXECUTION_LIMITS = (
     ("trainer.val_check_interval", (None, 1.0), "validation runs at epoch ends"),
     ("trainer.profiler", (None,), "its rows would count executions of K steps, not steps"),
     ("trainer.limit_train_batches", (None, 1.0), "an epoch is all its global batches"),
+    ("trainer.fast_dev_run", (None, False), "it runs one batch of each stage, not one execution of K"),
     ("strategy", ("auto", *DDP_FAMILY), "DataParallel would split an execution's steps over its devices"),
 )
 
