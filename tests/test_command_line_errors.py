@@ -144,6 +144,13 @@ def _refused_line(*overrides: str) -> str | None:
             ["logger.foo=1"],
             "logger.foo=1: the config has no key logger.foo: give a key it has, or add a new one with +logger.foo=1",
         ),
+        # a key the check takes, with a value it refuses: the check's refusal at once, not the +key fix
+        (
+            ["strategy.start_method=spawn"],
+            "strategy.start_method='spawn' is not offered: dpddp starts the ranks itself; remove it and choose "
+            "strategy.launch=fork (CPU) or exec (a fresh interpreter per rank, as strategy=ddp_spawn does)",
+        ),
+        (["strategy.launch=x"], "strategy.launch='x' is unknown: use auto, fork (CPU) or exec"),  # on auto
         (["~nope"], "~nope: the config has no nope to delete: drop it, or give a key it has"),
         (["~seed=3"], "~seed=3: seed is 0, not 3: write ~seed to delete it whatever its value"),
         (["+seed=3"], "+seed=3: the config already has seed: set it with seed=3 (or ++seed=3: add or set)"),

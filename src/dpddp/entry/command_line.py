@@ -21,6 +21,7 @@ from dpddp._compat import hydra_command_line
 from dpddp._compat.hydra_main import hydra_argument_error
 from dpddp.entry.early import key_hints, missing_key_line
 from dpddp.entry.early import unknown_option as _unknown_option
+from dpddp.errors import ConfigError
 from dpddp.messages import (
     argparse_choice,
     defaults_list_parent,
@@ -29,7 +30,7 @@ from dpddp.messages import (
     missing_primary_config,
     unrecognized,
 )
-from dpddp.parallel.rules import lightning_name_line
+from dpddp.parallel.rules import DDP_OPTIONS, check_strategy_options, lightning_name_line
 from dpddp.run.keys import key_hint
 from dpddp.run.trainer_flags import takes
 
@@ -155,7 +156,14 @@ def refused_override(override: Any, cfg: DictConfig, err: Exception) -> str:
         return f"{line}: the config already has {key}: set it with {line[1:]} (or ++{line[1:]}: add or set)"
     cause = err.__cause__
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
-        return missing_key_line(line, key, cfg, key_hint(cfg, key))  # key_hint: what works where +key would not
+        instead = key_hint(cfg, key)  # what works where +key would not
+        section, _, option = key.partition(".")
+        if instead is None and section == "strategy" and option in DDP_OPTIONS:  # +key's value refused next: now
+            try:
+                check_strategy_options({option: override.value()})
+            except ConfigError as refused:
+                return str(refused)
+        return missing_key_line(line, key, cfg, instead)
     reason = (str(cause or err).splitlines() or [type(err).__name__])[0]
     return f"{line} cannot be applied ({reason}): give {key} a value it takes"
 
