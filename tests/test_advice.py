@@ -54,6 +54,12 @@ ADVICE = [
     ),
     ([*CPU, "strategy.name=ddp_fork"], ["strategy=ddp", "strategy.launch=fork"], ["strategy.name=ddp_fork"]),
     (["trainer.enable_checkpointing=false"], ["callbacks.model_checkpoint=null", "callbacks.last_checkpoint=null"], []),
+    (  # the data set's key is absent from data=dataset's yaml: Hydra adds it with + only
+        ["data=dataset", "model.num_features=16", "model.num_classes=4"],
+        ["+data.dataset._target_=my_pkg.MyDataset"],
+        [],
+    ),
+    (["data=stream", "model.num_features=16", "model.num_classes=4"], ["+data.stream._target_=my_pkg.MyStream"], []),
     (
         [*OWN, "model.num_features=16", "model.num_classes=4"],
         ["~model.num_features", "~model.num_classes", "~model.optimizer", "~model.momentum", "~model.weight_decay"],
@@ -109,3 +115,28 @@ def test_a_model_class_that_takes_no_sizes_is_told_what_works_for_it(tmp_path):
         "momentum, weight_decay (of the packaged config): give model a yaml of its own (conf/model/<name>.yaml), or "
         "drop them with ~model.num_features ~model.num_classes ~model.optimizer ~model.momentum ~model.weight_decay"
     )
+
+
+@pytest.mark.parametrize(
+    "given,line",
+    [
+        (
+            ["data=dataset"],
+            "data.dataset={} names no class (GlobalBatchDataModule has no data set): give +data.dataset._target_="
+            "my_pkg.MyDataset (its arguments as +data.dataset.<arg>=...)",
+        ),
+        (
+            ["data=dataset", "+data.dataset._target_=null"],  # the key is there: set without +
+            "data.dataset={'_target_': None} names no class (GlobalBatchDataModule has no data set): give "
+            "data.dataset._target_=my_pkg.MyDataset (its arguments as +data.dataset.<arg>=...)",
+        ),
+        (
+            ["data=stream"],
+            "data.stream={} names no class (StreamDataModule has no data set): give +data.stream._target_="
+            "my_pkg.MyStream (its arguments as +data.stream.<arg>=...)",
+        ),
+    ],
+)
+def test_the_packaged_data_module_without_a_data_set_is_refused_by_the_check(given, line):
+    """Before anything is written (the run's data module said it in ``setup``, after the run directory)."""
+    assert _refusal(*given, "model.num_features=16", "model.num_classes=4") == line

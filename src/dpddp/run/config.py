@@ -93,6 +93,28 @@ def _check_sharding(cfg: Mapping, n_procs: int) -> None:
             raise ConfigError(iterable_refusal(cls.__name__))
 
 
+def _check_data_set(cfg: Mapping) -> None:
+    """Raises ConfigError: ``data=dataset`` or ``data=stream`` (the packaged class, not a subclass that may make
+    its own) with no class for its data set."""
+    cls = target_class("data", cfg["data"])
+    for key, base in (("dataset", GlobalBatchDataModule), ("stream", StreamDataModule)):
+        given = cfg["data"].get(key)
+        if cls is base and not _target(given, True):
+            plus = "" if _target(given, False) else "+"  # Hydra adds an absent key with + only
+            shown = "null" if given is None else given
+            raise ConfigError(
+                f"data.{key}={shown} names no class ({cls.__name__} has no data set): give {plus}data.{key}._target_="
+                f"my_pkg.My{key.capitalize()} (its arguments as +data.{key}.<arg>=...)"
+            )
+
+
+def _target(spec: Any, set_: bool) -> bool:
+    """Whether ``spec`` (``None`` or a mapping) has a ``_target_`` key (``set_``: not null); an object: True."""
+    if not isinstance(spec, Mapping):
+        return spec is not None
+    return "_target_" in spec and (not set_ or spec["_target_"] is not None)
+
+
 # Settings that cannot keep the promises with steps_per_execution > 1: (setting, the values that can, why).
 EXECUTION_LIMITS = (
     ("trainer.accumulate_grad_batches", (None, 1), "an execution takes one optimizer step per global batch"),
@@ -318,6 +340,7 @@ def _check_settings(cfg: DictConfig | Mapping, stage: str) -> World:
     else:
         check_divides(cfg["data"].get("batch_size"), procs, world.world_size_source)
     _check_sharding(cfg, procs)
+    _check_data_set(cfg)
     _check_executions(cfg)
     check_micro_batch_size(micro := (cfg["data"] or {}).get("micro_batch_size"))
     if micro is not None:
