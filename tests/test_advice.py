@@ -123,17 +123,18 @@ def test_a_model_class_that_takes_no_sizes_is_told_what_works_for_it(tmp_path):
         (
             ["data=dataset"],
             "data.dataset={} names no class (GlobalBatchDataModule has no data set): give +data.dataset._target_="
-            "my_pkg.MyDataset (its arguments as +data.dataset.<arg>=...)",
+            "my_pkg.MyDataset (its arguments as +data.dataset.<arg>=...; dpddp fit: --data.dataset=my_pkg.MyDataset)",
         ),
         (
             ["data=dataset", "+data.dataset._target_=null"],  # the key is there: set without +
             "data.dataset={'_target_': None} names no class (GlobalBatchDataModule has no data set): give "
-            "data.dataset._target_=my_pkg.MyDataset (its arguments as +data.dataset.<arg>=...)",
+            "data.dataset._target_=my_pkg.MyDataset (its arguments as +data.dataset.<arg>=...; dpddp fit: "
+            "--data.dataset=my_pkg.MyDataset)",
         ),
         (
             ["data=stream"],
             "data.stream={} names no class (StreamDataModule has no data set): give +data.stream._target_="
-            "my_pkg.MyStream (its arguments as +data.stream.<arg>=...)",
+            "my_pkg.MyStream (its arguments as +data.stream.<arg>=...; dpddp fit: --data.stream=my_pkg.MyStream)",
         ),
     ],
 )

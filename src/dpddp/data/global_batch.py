@@ -226,7 +226,7 @@ class GlobalBatchDataModule(SplitLoaders):
     def make_dataset(self) -> Dataset:
         if self.dataset is None or isinstance(self.dataset, dict):
             raise ConfigError(
-                f"{type(self).__name__} has no data set: give data.dataset._target_=my_pkg.MyDataset or override "
+                f"{type(self).__name__} has no data set: give +data.dataset._target_=my_pkg.MyDataset or override "
                 "make_dataset"
             )
         return self.dataset

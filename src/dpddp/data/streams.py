@@ -108,7 +108,7 @@ class StreamDataModule(SplitLoaders):
         super().__init__()
         if not isinstance(stream, IterableDataset):
             raise ConfigError(
-                f"data.stream={type(stream).__name__}: give an IterableDataset, data.stream._target_=my_pkg.MyStream"
+                f"data.stream={type(stream).__name__}: give an IterableDataset, +data.stream._target_=my_pkg.MyStream"
             )
         if num_samples is None:
             try:

@@ -104,7 +104,8 @@ def _check_data_set(cfg: Mapping) -> None:
             shown = "null" if given is None else given
             raise ConfigError(
                 f"data.{key}={shown} names no class ({cls.__name__} has no data set): give {plus}data.{key}._target_="
-                f"my_pkg.My{key.capitalize()} (its arguments as +data.{key}.<arg>=...)"
+                f"my_pkg.My{key.capitalize()} (its arguments as +data.{key}.<arg>=...; dpddp fit: --data.{key}="
+                f"my_pkg.My{key.capitalize()})"
             )
 
 
