@@ -136,7 +136,7 @@ def test_a_launcher_variable_that_is_no_integer_is_one_line_before_torch(monkeyp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cmd", [["train.py"], ["-m", "dpddp.check"], ["-m", "dpddp.cli", "fit"]])
+@pytest.mark.parametrize("cmd", [["train.py"], ["eval.py"], ["-m", "dpddp.check"], ["-m", "dpddp.cli", "fit"]])
 def test_each_command_refuses_a_launcher_variable_that_is_no_integer_before_torch(cmd):
     env, _ = child_env(LOCAL_RANK="x")
     proc = subprocess.run([sys.executable, "-X", "importtime", *cmd], cwd=ROOT, env=env, capture_output=True, text=True)

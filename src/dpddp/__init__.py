@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if Path(sys.argv[0]).name in ("dpddp", "dpddp-train") or sys.orig_argv[1:3] == ["-m", "dpddp.cli"]:
+_COMMAND = Path(sys.argv[0]).name  # a console script's name; python [-X ...] -m M: M, the name after -m
+if _COMMAND == "-m" and "-m" in sys.orig_argv:
+    _COMMAND = sys.orig_argv[sys.orig_argv.index("-m") + 1]
+if _COMMAND in ("dpddp", "dpddp-train", "dpddp.cli"):
     # dpddp's own commands (the console scripts, python -m dpddp.cli), as train.py: a SIGTERM from here on is held
     # until dpddp.continuity.stop.command takes it (the imports below take seconds).
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-_RUN_AS_MODULE = sys.argv[0] == "-m" and "-m" in sys.orig_argv  # python [-X ...] -m M: M's name follows -m
-_MODULE = sys.orig_argv[sys.orig_argv.index("-m") + 1] if _RUN_AS_MODULE else ""
-if Path(sys.argv[0]).name in ("dpddp", "dpddp-train", "dpddp-check") or _MODULE in ("dpddp.cli", "dpddp.check"):
+if _COMMAND in ("dpddp", "dpddp-train", "dpddp-check", "dpddp-eval", "dpddp.cli", "dpddp.check"):
     from dpddp.cluster import refuse_non_integer_variables  # dpddp's commands: before they import torch
 
     refuse_non_integer_variables()
