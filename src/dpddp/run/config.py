@@ -99,21 +99,15 @@ def _check_data_set(cfg: Mapping) -> None:
     cls = target_class("data", cfg["data"])
     for key, base in (("dataset", GlobalBatchDataModule), ("stream", StreamDataModule)):
         given = cfg["data"].get(key)
-        if cls is base and not _target(given, True):
-            plus = "" if _target(given, False) else "+"  # Hydra adds an absent key with + only
+        named = given.get("_target_") if isinstance(given, Mapping) else given  # a class's spec, or an object
+        if cls is base and named is None:
+            plus = "" if isinstance(given, Mapping) and "_target_" in given else "+"  # Hydra adds an absent key with +
             shown = "null" if given is None else given
             raise ConfigError(
                 f"data.{key}={shown} names no class ({cls.__name__} has no data set): give {plus}data.{key}._target_="
                 f"my_pkg.My{key.capitalize()} (its arguments as +data.{key}.<arg>=...; dpddp fit: --data.{key}="
                 f"my_pkg.My{key.capitalize()})"
             )
-
-
-def _target(spec: Any, set_: bool) -> bool:
-    """Whether ``spec`` (``None`` or a mapping) has a ``_target_`` key (``set_``: not null); an object: True."""
-    if not isinstance(spec, Mapping):
-        return spec is not None
-    return "_target_" in spec and (not set_ or spec["_target_"] is not None)
 
 
 # Settings that cannot keep the promises with steps_per_execution > 1: (setting, the values that can, why).
