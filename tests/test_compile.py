@@ -10,7 +10,7 @@ from conftest import ROOT, compose_cfg, made_once, max_diff, metrics, run_train,
 
 from dpddp.errors import ConfigError
 from dpddp.models.mlp import MLPClassifier
-from dpddp.run.compiling import MODES, compile_mode
+from dpddp.run.assembly import MODES, compile_mode
 from dpddp.run.config import check_config
 from dpddp.run.training import train
 

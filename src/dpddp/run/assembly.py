@@ -1,4 +1,4 @@
-"""Trainer assembly: the strategy, callbacks, logger and plugins of a run, from its config."""
+"""Trainer assembly: the strategy, callbacks, logger and plugins of a run, from its config; ``compile``'s model."""
 
 from __future__ import annotations
 
@@ -6,19 +6,20 @@ import importlib.util
 import logging
 import os
 import sys
+import types
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.environments import KubeflowEnvironment
 from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.loggers.logger import DummyLogger
 from omegaconf import DictConfig, OmegaConf
 
-from dpddp._compat import skip_empty_batch_hooks, softmax_per_sample
-from dpddp._compat.callbacks import mend_finetuning, mend_swa
+from dpddp._compat import mend_finetuning, mend_swa, skip_empty_batch_hooks, softmax_per_sample
 from dpddp.cluster import launch_id, writes_outputs
 from dpddp.continuity.intervals import IntervalCheckpoints, checkpoint_intervals
 from dpddp.continuity.io import AtomicCheckpointIO
@@ -35,7 +36,7 @@ from dpddp.parallel.batchnorm import batchnorm_plugins
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy, OneProcessStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.parallel.rules import is_ddp_family, resolve_accelerator, world_of
+from dpddp.parallel.rules import DDP_FAMILY, is_ddp_family, resolve_accelerator, world_of
 from dpddp.parallel.workers import start_workers_safely
 from dpddp.report.bars import RichBar, TQDMBar
 from dpddp.report.contract import LoggedTensors, MetricContract
@@ -49,7 +50,7 @@ from dpddp.run.draws_seen import draws_line, find_draws
 from dpddp.run.executions import StepsPerExecution
 from dpddp.run.trainer_flags import TRAINER_ERRORS, refused_flag
 
-__all__ = ["build_strategy", "build_trainer", "epoch_lines"]
+__all__ = ["COMPILE_LIMITS", "MODES", "build_strategy", "build_trainer", "compile_mode", "compile_model", "epoch_lines"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,42 @@ def epoch_lines(cfg: Mapping) -> bool:
     if value not in ("auto", True, False):
         raise ConfigError(f"epoch_lines={value!r} is invalid: use auto (if stdout is not a tty), true or false")
     return value is True or (value == "auto" and not sys.stdout.isatty())
+
+
+MODES = ("default", "lite", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""``torch.compile``'s modes (tests/test_compat.py checks that torch takes each)."""
+COMPILE_LIMITS = (
+    (
+        "strategy",
+        ("auto", *DDP_FAMILY),
+        "DataParallel's replicas run the model's forward uncompiled; ddp compiles it on every rank",
+    ),
+)
+"""(setting, the values that keep the promises with ``compile``, why), as ``run.config.EXECUTION_LIMITS``."""
+
+
+def compile_mode(cfg: Mapping) -> str | None:
+    """The ``torch.compile`` mode of ``cfg["compile"]``: ``None`` (eager), ``"default"`` for ``true``, or the one
+    named. Raises ``ConfigError`` for another value."""
+    value = cfg.get("compile", False)
+    if isinstance(value, bool) or (isinstance(value, str) and value in MODES):
+        return "default" if value is True else value or None
+    raise ConfigError(
+        f"compile={value!r} is not offered: use compile=true (torch.compile's default mode), a mode "
+        f"({', '.join(MODES)}) or compile=false"
+    )
+
+
+def compile_model(model: pl.LightningModule, mode: str | None) -> None:
+    """Give ``model`` its class's ``forward`` compiled in ``mode`` (``None``: nothing) as a bound instance
+    attribute, after dropping an earlier job's graphs (they count towards torch's recompile limit)."""
+    if mode is None:
+        return
+    torch.compiler.reset()
+    forward = torch.compile(type(model).forward, mode=mode)
+    model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
+    if writes_outputs():  # once per run
+        log.info(f"compile={mode}: {type(model).__name__}'s forward is compiled by torch.compile at its first call")
 
 
 def build_strategy(cfg: DictConfig, job: RankJob | None) -> pl.strategies.Strategy:

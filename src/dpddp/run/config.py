@@ -33,9 +33,8 @@ from dpddp.errors import ConfigError, checked_float, checked_int, unwritable
 from dpddp.models.classifier import OPTIMIZERS, Classifier
 from dpddp.parallel.rules import DDP_FAMILY, World, resolve_world
 from dpddp.report.trackers import logger_specs
-from dpddp.run.assembly import epoch_lines
+from dpddp.run.assembly import COMPILE_LIMITS, compile_mode, epoch_lines
 from dpddp.run.build import build
-from dpddp.run.compiling import COMPILE_LIMITS, compile_mode
 from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, check_targets, target_class, with_defaults
 from dpddp.run.plain import check_plain, check_resolvable
 from dpddp.run.trainer_flags import refused_flag

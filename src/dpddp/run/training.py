@@ -34,10 +34,9 @@ from dpddp.report.predictions import PredictFailed, check_predictable, predict_f
 from dpddp.report.tally import FitTally
 from dpddp.report.throughput import Throughput
 from dpddp.report.trackers import close_trackers
-from dpddp.run.assembly import build_trainer
+from dpddp.run.assembly import build_trainer, compile_mode, compile_model
 from dpddp.run.auto_steps import resolve_steps
 from dpddp.run.build import build
-from dpddp.run.compiling import compile_mode, compile_model
 from dpddp.run.config import Plan, check_config, check_model_callbacks, check_output_dir
 from dpddp.run.executions import StepsPerExecution
 
