@@ -884,7 +884,7 @@ def test_hydra_main_reports_through_run_and_report_and_hydra_reported_sees_it_fi
     from hydra._internal import utils
     from hydra.errors import MissingConfigException
 
-    from dpddp._compat.hydra_main import hydra_reported
+    from dpddp._compat import hydra_reported
 
     (tmp_path / "conf" / "g").mkdir(parents=True)
     (tmp_path / "conf" / "config.yaml").write_text("defaults:\n  - g: a\n")
@@ -917,7 +917,7 @@ def test_hydra_main_reports_through_run_and_report_and_hydra_reported_sees_it_fi
 def test_hydras_parser_refusal_is_its_message_and_a_command_line_it_reads_is_none():
     """``hydra_argument_error``: what ``hydra.main``'s parser says (argparse's message, as in its usage's last
     line) of a value not among an option's choices, an option without its value and an unknown option."""
-    from dpddp._compat.hydra_main import hydra_argument_error
+    from dpddp._compat import hydra_argument_error
 
     assert hydra_argument_error(["--cfg", "jobb"]) == (
         "argument --cfg/-c: invalid choice: 'jobb' (choose from 'job', 'hydra', 'all')"
@@ -932,7 +932,7 @@ def test_locate_is_what_instantiate_builds_and_raises_import_error_for_a_missing
     """``locate`` (Hydra's ``_locate``): a class by dotted path, a module's missing attribute an ``ImportError``."""
     from hydra.utils import instantiate
 
-    from dpddp._compat.hydra_main import locate
+    from dpddp._compat import locate
 
     assert locate("lightning.pytorch.callbacks.ModelCheckpoint") is type(
         instantiate({"_target_": "lightning.pytorch.callbacks.ModelCheckpoint"})
@@ -971,9 +971,9 @@ def test_restart_train_iterator_makes_the_fits_loader_iterator_again_from_the_gl
 
 
 def test_lightnings_strategy_registry_and_its_unused_parameter_pattern_are_where_dpddp_reads_them():
-    """``dpddp._compat.strategies``: the registry's entries as (class, arguments), and torch's error text that
+    """``dpddp._compat``: the registry's entries as (class, arguments), and torch's error text that
     Lightning's ``DDPStrategy.on_exception`` matches (``dpddp.messages``), Lightning 2.6.6."""
-    from dpddp._compat.strategies import registered_strategies
+    from dpddp._compat import registered_strategies
     from dpddp.messages import UNUSED_PARAMETERS
 
     found = registered_strategies()
@@ -995,11 +995,11 @@ def test_an_epoch_is_cut_while_fewer_of_its_batches_are_processed_than_it_has():
 
 
 def test_stochastic_weight_averagings_checkpoint_entries_are_what_swapped_average_reads():
-    """``_compat.callbacks.swapped_average`` reads SWA's ``n_averaged`` and ``average_model_state``; a checkpoint
+    """``_compat.swapped_average`` reads SWA's ``n_averaged`` and ``average_model_state``; a checkpoint
     whose weights are an average of 2 epochs is named, the raw weights are not."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
-    from dpddp._compat.callbacks import swapped_average
+    from dpddp._compat import swapped_average
 
     swa = StochasticWeightAveraging(swa_lrs=0.1)
     assert {"n_averaged", "average_model_state"} <= swa.state_dict().keys()
@@ -1028,7 +1028,7 @@ class _EpochStarts(pl.Callback):
 
 
 def test_a_fit_continued_inside_an_epoch_skips_its_epoch_start_as_mend_swa_expects(tmp_path):
-    """``_compat.callbacks.mend_swa`` reads ``fit_loop.restarted_mid_epoch`` at ``on_train_start`` and runs SWA's
+    """``_compat.mend_swa`` reads ``fit_loop.restarted_mid_epoch`` at ``on_train_start`` and runs SWA's
     ``on_train_epoch_start`` there because Lightning does not for the epoch a continue enters: fails if either
     moves (then the mend would run it twice, or never)."""
     flags = dict(limit_train_batches=4, limit_val_batches=0, accelerator="cpu", logger=False, enable_progress_bar=False)
@@ -1067,7 +1067,7 @@ class _TrainsBackbone(pl.Callback):
 def _finetune(tmp_path: Path, epochs: int, ckpt: Path | None, mend: bool) -> list[bool]:
     from lightning.pytorch.callbacks import BackboneFinetuning
 
-    from dpddp._compat.callbacks import mend_finetuning
+    from dpddp._compat import mend_finetuning
 
     finetuning, probe = BackboneFinetuning(unfreeze_backbone_at_epoch=1), _TrainsBackbone()
     if mend:
@@ -1093,9 +1093,9 @@ def test_basefinetuning_refreezes_what_it_unfroze_on_a_restart_and_mend_finetuni
 
 
 def test_ddp_strategys_arguments_for_distributed_data_parallel_are_what_wrapping_frozen_sets():
-    """``_compat.strategies.wrapping_frozen`` sets ``find_unused_parameters`` in ``DDPStrategy._ddp_kwargs``, and
+    """``_compat.wrapping_frozen`` sets ``find_unused_parameters`` in ``DDPStrategy._ddp_kwargs``, and
     makes the frozen parameters require gradients only inside it."""
-    from dpddp._compat.strategies import wrapping_frozen
+    from dpddp._compat import wrapping_frozen
 
     strategy, module = LightningDDPStrategy(find_unused_parameters=False), torch.nn.Linear(2, 2)
     assert strategy._ddp_kwargs == {"find_unused_parameters": False}
@@ -1110,7 +1110,7 @@ def test_powersgd_state_is_the_moving_part_of_what_torch_pickles_and_loads_weigh
     with ``weights_only=True`` puts back the same generator, memories and count."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-    from dpddp._compat.comm_hooks import POWERSGD_FIELDS, load_powersgd_state, powersgd_state
+    from dpddp._compat import POWERSGD_FIELDS, load_powersgd_state, powersgd_state
 
     state = PowerSGDState(None, start_powerSGD_iter=2)
     assert set(POWERSGD_FIELDS) <= set(state.__getstate__()) and "process_group" not in state.__getstate__()
@@ -1146,7 +1146,7 @@ def test_bucket_assignment_gives_ddp_its_first_buckets_and_the_rebuild_keeps_the
     """A ``Linear``'s DDP buckets ``[weight, bias]`` first and ``[bias, weight]`` (the gradients' ready order) from
     the second backward on; built inside ``bucket_assignment([[1, 0]])`` it has ``[bias, weight]`` from the first.
     The yielded list is DDP's parameter list."""
-    from dpddp._compat.comm_hooks import bucket_assignment
+    from dpddp._compat import bucket_assignment
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)

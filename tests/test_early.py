@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import ROOT, child_env, compose_cfg
 
-from dpddp._compat.strategies import registered_strategies
+from dpddp._compat import registered_strategies
 from dpddp.entry.early import answer
 from dpddp.errors import ConfigError
 from dpddp.parallel.settings import LIGHTNING_STRATEGIES

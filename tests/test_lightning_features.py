@@ -19,7 +19,7 @@ from lightning.pytorch import callbacks as lightning_callbacks
 from lightning.pytorch.callbacks import LearningRateMonitor
 from torch import nn
 
-from dpddp._compat.strategies import registered_strategies
+from dpddp._compat import registered_strategies
 from dpddp.entry.command_line import unknown_option
 from dpddp.entry.hydra import StartChecks
 from dpddp.errors import ConfigError

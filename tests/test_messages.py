@@ -8,7 +8,7 @@ from hydra.errors import InstantiationException, MissingConfigException
 from hydra.utils import instantiate
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from dpddp._compat.hydra_main import hydra_argument_error
+from dpddp._compat import hydra_argument_error
 from dpddp.messages import (
     UNUSED_PARAMETERS,
     argparse_choice,

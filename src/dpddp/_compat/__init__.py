@@ -1,5 +1,5 @@
 """Every private Lightning, torch and Hydra name dpddp relies on, with the version checked; tests/test_compat.py
-fails when one moves (docs/design-notes.md, _compat)."""
+fails when one moves (docs/design-notes.md, _compat). CPython's multiprocessing names: ``processes``."""
 
 from __future__ import annotations
 
@@ -7,24 +7,30 @@ import argparse
 import math
 import os
 import socket
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
+import torch.distributed as dist
+from hydra.types import RunMode
 from lightning.fabric.plugins import ClusterEnvironment
 
 # Lightning 2.6.6, as its DDPStrategy.setup_distributed uses them.
 from lightning.fabric.utilities.distributed import _init_dist_connection, _set_num_threads_if_needed
 from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_3
+from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 # Lightning 2.6.6: `_call_and_handle_interrupt` kills the children of a launcher of this type on Ctrl-C.
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 CHECKED = {"lightning": "2.6.6", "torch": "2.13.0", "hydra-core": "1.3.8"}
 """The versions every entry below was read in and tested against."""
@@ -37,7 +43,7 @@ HOOK_NAME_ATTRIBUTE = "_current_fx_name"
 """Lightning 2.6.6's ``LightningModule._current_fx_name``, set around every hook call."""
 
 
-def resolve_process_group_backend(strategy: pl.strategies.DDPStrategy) -> str:
+def resolve_process_group_backend(strategy: DDPStrategy) -> str:
     """Lightning 2.6.6's ``DDPStrategy._get_process_group_backend()``, stored as ``setup_distributed`` does."""
     strategy._process_group_backend = strategy._get_process_group_backend()
     return strategy._process_group_backend
@@ -284,18 +290,36 @@ def skip_empty_batch_hooks(callbacks: Iterable[pl.Callback]) -> None:
                 callback.__dict__[name] = None
 
 
-def hydra_command_line(argv: list[str]) -> argparse.Namespace | None:
-    """``argv`` as hydra-core 1.3.8's ``get_args_parser`` reads it; ``None`` where it refuses or acts on it."""
+def _hydra_parser() -> argparse.ArgumentParser:
+    """hydra-core 1.3.8's ``get_args_parser``, raising ``argparse.ArgumentError`` where it would exit."""
     from hydra._internal.utils import get_args_parser
 
-    if "--version" in argv:
-        return None
     parser = get_args_parser()
+
+    def refuse(message: str) -> NoReturn:
+        raise argparse.ArgumentError(None, message)
+
+    parser.error = refuse  # type: ignore[method-assign]
     parser.exit_on_error = False
+    return parser
+
+
+def hydra_command_line(argv: list[str]) -> argparse.Namespace | None:
+    """``argv`` as Hydra's parser reads it; ``None`` where it refuses or acts on it (``--version``)."""
     try:
-        return parser.parse_known_args(argv)[0]
+        return None if "--version" in argv else _hydra_parser().parse_known_args(argv)[0]
     except argparse.ArgumentError:
         return None
+
+
+def hydra_argument_error(argv: list[str]) -> str | None:
+    """argparse's message where Hydra's parser refuses ``argv``; ``None`` where it reads it."""
+    try:
+        if "--version" not in argv:
+            _hydra_parser().parse_args(argv)
+    except argparse.ArgumentError as err:
+        return str(err)
+    return None
 
 
 def hydra_mode_unset() -> AbstractContextManager[Any]:
@@ -334,3 +358,161 @@ BatchNormBase = torch.nn.modules.batchnorm._BatchNorm
 
 HYDRA_BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 """The ``_target_`` of hydra-core 1.3.8's basic launcher."""
+
+
+@contextmanager
+def hydra_reported(report: Callable[[Exception], None], kinds: tuple[type[Exception], ...]) -> Iterator[None]:
+    """Inside it, Hydra's ``run_and_report`` and ``show_info`` call ``report(err)`` first for an error of ``kinds``."""
+    from hydra._internal import utils
+    from hydra._internal.hydra import Hydra
+
+    run_and_report, show_info = utils.run_and_report, Hydra.show_info
+
+    def composed_first(self: Any, info: str, config_name: Any, overrides: list[str], *args: Any) -> None:
+        try:
+            self.compose_config(config_name, overrides, run_mode=RunMode.RUN, with_log_configuration=False)
+        except kinds as err:
+            report(err)
+        except Exception:
+            pass  # as without the block: Hydra's own --info says it
+        show_info(self, info, config_name, overrides, *args)
+
+    def reported(func: Any) -> Any:
+        def call() -> Any:
+            try:
+                return func()
+            except kinds as err:
+                report(err)
+                raise
+
+        return run_and_report(call)
+
+    utils.run_and_report, Hydra.show_info = reported, composed_first  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        utils.run_and_report, Hydra.show_info = run_and_report, show_info  # type: ignore[method-assign]
+
+
+def locate(path: str) -> Any:
+    """What ``instantiate`` builds for ``_target_: <path>``, without ``get_class``'s log lines. Raises ``ImportError``
+    or ``ValueError``."""
+    from hydra._internal.utils import _locate
+
+    return _locate(path)
+
+
+# Lightning 2.6.6: the strategy registry, DDPStrategy._ddp_kwargs, callbacks' internals.
+
+
+def registered_strategies() -> dict[str, tuple[type, dict[str, Any]]]:
+    """``{name: (strategy class, the arguments the name gives it)}`` of Lightning's ``StrategyRegistry``."""
+    return {
+        name: (StrategyRegistry[name]["strategy"], dict(StrategyRegistry[name]["init_params"]))
+        for name in StrategyRegistry.available_strategies()
+    }
+
+
+@contextmanager
+def wrapping_frozen(strategy: DDPStrategy, module: torch.nn.Module) -> Iterator[None]:
+    """Inside it, ``strategy`` wraps ``module``'s frozen parameters in DDP too (through ``_ddp_kwargs``)."""
+    frozen = [p for p in module.parameters() if not p.requires_grad]
+    if frozen:
+        strategy._ddp_kwargs["find_unused_parameters"] = True
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+
+
+def swapped_average(checkpoint: dict[str, Any]) -> tuple[str, int] | None:
+    """``(state key, epochs averaged)`` of the SWA whose average of 2+ epochs ``checkpoint``'s weights are, or None."""
+    weights = checkpoint.get("state_dict") or {}
+    for key, state in (checkpoint.get("callbacks") or {}).items():
+        if not isinstance(state, dict) or not {"n_averaged", "average_model_state"} <= state.keys():
+            continue
+        average, count = state["average_model_state"] or {}, int(state["n_averaged"] or 0)
+        tensors = {k: v for k, v in average.items() if isinstance(v, torch.Tensor)}
+        if count >= 2 and tensors and all(k in weights and torch.equal(weights[k], v) for k, v in tensors.items()):
+            return key, count
+    return None
+
+
+def mend_finetuning(callback: BaseFinetuning) -> None:
+    """Make a continued fit unfreeze again the modules of the param groups ``callback`` had added (``_restarting``)."""
+    restore = callback.on_fit_start
+
+    def on_fit_start(trainer: Any, pl_module: Any) -> None:
+        own = [len(optimizer.param_groups) for optimizer in trainer.optimizers]
+        restarting = bool(callback._restarting)
+        restore(trainer, pl_module)
+        if not restarting:
+            return
+        groups = [group for n, o in zip(own, trainer.optimizers, strict=True) for group in o.param_groups[n:]]
+        added = {id(p) for group in groups for p in group["params"]}
+        owners = [m for m in pl_module.modules() if any(id(p) in added for p in m.parameters(recurse=False))]
+        BaseFinetuning.make_trainable(owners)
+
+    callback.on_fit_start = on_fit_start  # type: ignore[method-assign]
+
+
+def mend_swa(callback: StochasticWeightAveraging) -> None:
+    """Run ``callback``'s ``SWALR`` set-up when a fit continues mid-epoch in its window (Lightning skips it)."""
+    own = callback.on_train_start
+
+    def on_train_start(trainer: Any, pl_module: Any) -> None:
+        own(trainer, pl_module)
+        in_window = callback.swa_start <= trainer.current_epoch <= callback.swa_end
+        if trainer.fit_loop.restarted_mid_epoch and in_window:
+            callback.on_train_epoch_start(trainer, pl_module)
+
+    callback.on_train_start = on_train_start  # type: ignore[method-assign]
+
+
+# torch 2.13: PowerSGD's hook state, DDP's bucket assignment.
+
+POWERSGD_FIELDS = ("rng", "error_dict", "p_memory_dict", "q_memory_dict", "iter")
+"""``PowerSGDState``'s fields that change as training runs (pickled by its ``__getstate__``)."""
+
+
+def powersgd_state(state: PowerSGDState) -> dict[str, Any]:
+    """``POWERSGD_FIELDS`` of ``state``, tensors on the CPU, the numpy generator's keys as a tensor."""
+    kind, keys, pos, has_gauss, gauss = state.rng.get_state(legacy=True)
+    out: dict[str, Any] = {"rng": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, gauss]}
+    for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
+        out[name] = {int(k): v.detach().cpu().clone() for k, v in getattr(state, name).items()}
+    out["iter"] = int(state.iter)
+    return out
+
+
+def load_powersgd_state(state: PowerSGDState, saved: dict[str, Any], device: torch.device) -> None:
+    """Put a ``powersgd_state`` back into ``state`` (its tensors on ``device``)."""
+    kind, keys, pos, has_gauss, gauss = saved["rng"]
+    state.rng.set_state((kind, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(gauss)))
+    for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
+        setattr(state, name, {int(k): v.to(device) for k, v in saved[name].items()})
+    state.iter = int(saved["iter"])
+
+
+@contextmanager
+def bucket_assignment(layout: list[list[int]] | None) -> Iterator[list[torch.Tensor]]:
+    """Inside it, a DDP built starts with the buckets ``layout`` (``None``: its own; DDP calls
+    ``dist._compute_bucket_assignment_by_size`` once); yields its parameter list, filled once built."""
+    real = dist._compute_bucket_assignment_by_size
+    seen: list[torch.Tensor] = []
+
+    def assign(parameters: list[torch.Tensor], limits: list[int], *args: Any, **kwargs: Any) -> Any:
+        seen[:] = parameters
+        indices, per_bucket = real(parameters, limits, *args, **kwargs)
+        if layout is None or sorted(i for b in layout for i in b) != list(range(len(parameters))):
+            return indices, per_bucket
+        return list(reversed(layout)), [max(per_bucket)] * len(layout)
+
+    setattr(dist, "_compute_bucket_assignment_by_size", assign)  # noqa: B010
+    try:
+        yield seen
+    finally:
+        setattr(dist, "_compute_bucket_assignment_by_size", real)  # noqa: B010

@@ -15,8 +15,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
-from dpddp._compat import processed_epochs
-from dpddp._compat.callbacks import swapped_average
+from dpddp._compat import processed_epochs, swapped_average
 from dpddp.errors import WriteFailed, first_line
 
 BACKGROUND = {"dpddp": "background"}

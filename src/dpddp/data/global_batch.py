@@ -12,8 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 from typing_extensions import override
 
-from dpddp._compat import data_position
-from dpddp._compat.hydra_main import locate
+from dpddp._compat import data_position, locate
 from dpddp.data import rules
 from dpddp.data.batches import Batches, batch_indexable, defer_rows
 from dpddp.data.built import data_streams, in_data_streams

@@ -17,8 +17,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from dpddp._compat import hydra_command_line
-from dpddp._compat.hydra_main import hydra_argument_error
+from dpddp._compat import hydra_argument_error, hydra_command_line
 from dpddp.entry.early import key_hints, missing_key_line
 from dpddp.entry.early import unknown_option as _unknown_option
 from dpddp.errors import ConfigError

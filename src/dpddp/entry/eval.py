@@ -12,7 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from dpddp._compat.hydra_main import hydra_reported
+from dpddp._compat import hydra_reported
 from dpddp.entry.command_line import HYDRA_FAILURES, hydra_failure, unknown_option, unreadable_override
 from dpddp.entry.hydra import StartChecks, job_plan
 from dpddp.errors import fail, shell

@@ -23,8 +23,7 @@ from hydra.utils import get_class, to_absolute_path
 from omegaconf import DictConfig, OmegaConf, open_dict
 from typing_extensions import override
 
-from dpddp._compat import hydra_mode_unset, hydra_override_refused
-from dpddp._compat.hydra_main import hydra_reported
+from dpddp._compat import hydra_mode_unset, hydra_override_refused, hydra_reported
 from dpddp.cluster import register_resolvers, run_name
 from dpddp.continuity import stop as sweep_stop
 from dpddp.continuity.io import CheckpointFacts, readable

@@ -17,9 +17,17 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from typing_extensions import override
 
-from dpddp._compat import Launcher, agent_store, init_process_group, rank0_store, resolve_process_group_backend
-from dpddp._compat.comm_hooks import bucket_assignment, load_powersgd_state, powersgd_state
-from dpddp._compat.strategies import wrapping_frozen
+from dpddp._compat import (
+    Launcher,
+    agent_store,
+    bucket_assignment,
+    init_process_group,
+    load_powersgd_state,
+    powersgd_state,
+    rank0_store,
+    resolve_process_group_backend,
+    wrapping_frozen,
+)
 from dpddp.diagnostics.allreduce import COMM_HOOKS, AllReduceTimer
 from dpddp.diagnostics.network import choose_interface, interface_address
 from dpddp.diagnostics.whereabouts import METRIC_SYNC, Whereabouts, current, entering

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-from dpddp._compat.strategies import registered_strategies
+from dpddp._compat import registered_strategies
 from dpddp.cluster import (
     cluster_world_size,
     env_rank,

@@ -11,7 +11,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from dpddp._compat.hydra_main import locate
+from dpddp._compat import locate
 from dpddp.errors import ConfigError
 from dpddp.messages import instantiate_key, instantiate_target, locating_failed, named_setting, unexpected_keyword
 from dpddp.report.trackers import is_tracker

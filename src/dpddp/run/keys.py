@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig, open_dict
 
-from dpddp._compat.hydra_main import locate
+from dpddp._compat import locate
 from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import ConfigError
 from dpddp.models.linear import LinearClassifier
