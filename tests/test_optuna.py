@@ -15,9 +15,9 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
+from dpddp.entry.command_line import sweep_refusal
 from dpddp.entry.hydra import config_dirs
 from dpddp.entry.sweeper import search_space, trial_overrides
-from dpddp.entry.sweeps import sweep_refusal
 from dpddp.errors import ConfigError
 
 optuna = pytest.importorskip("optuna")

@@ -207,7 +207,7 @@ def test_a_sweeps_summary_and_plot_name_only_what_differs_between_jobs(tmp_path,
     """Found by the fresh-user trial: every row and legend entry repeated the overrides common to all jobs, and
     the legend ran off the PNG. Now the common ones are one line above the table, the legend names each job by
     what differs, and the PNG grows under the plots to hold it."""
-    from dpddp.entry.summary import write_summary
+    from dpddp.entry.hydra import write_summary
     from dpddp.report.curves import curves
 
     common = ["accelerator=cpu", "trainer.max_epochs=3", "+callbacks.early_stopping.monitor=val/loss"]
@@ -237,7 +237,7 @@ def test_a_sweeps_summary_and_plot_name_only_what_differs_between_jobs(tmp_path,
 def test_a_sweeps_summary_names_its_best_job_by_the_objective_and_its_direction(tmp_path, capsys):
     from omegaconf import OmegaConf
 
-    from dpddp.entry.summary import objective_of, write_summary
+    from dpddp.entry.hydra import objective_of, write_summary
 
     for num, loss in enumerate([0.5, 0.2, float("nan"), 0.3]):
         _fake_job(tmp_path, num, [f"seed={num}"], [1.0, loss])

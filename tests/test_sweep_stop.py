@@ -11,8 +11,7 @@ from conftest import compose_cfg
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from dpddp.continuity import stop as sweep_stop
-from dpddp.continuity import sweep_file
-from dpddp.entry.summary import end_sweep
+from dpddp.entry.hydra import end_sweep
 from dpddp.run.training import METRIC_KEYS, train
 
 
@@ -20,7 +19,7 @@ from dpddp.run.training import METRIC_KEYS, train
 def sweep_process(monkeypatch):
     """This process as a sweep's own process (``sweep_stop.start``), put back as it was afterwards."""
     handler = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(sweep_file, "_requested", False)
+    monkeypatch.setattr(sweep_stop, "_requested", False)
     monkeypatch.setattr(sweep_stop, "_watching", False)
     yield
     signal.signal(signal.SIGTERM, handler)

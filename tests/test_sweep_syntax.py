@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict, read_write
 
 from dpddp.entry import hydra as hydra_entry
-from dpddp.entry.sweeps import repeated_key, sweep_refusal, sweep_without_multirun
+from dpddp.entry.command_line import repeated_key, sweep_refusal, sweep_without_multirun
 
 OPTUNA = "hparams_search=optuna"
 # (override, the basic sweeper's jobs, or the one line), each under the basic sweeper and Optuna's

@@ -19,9 +19,8 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from optuna.trial import FrozenTrial, TrialState
 
 from dpddp.continuity import stop as sweep_stop
-from dpddp.entry.command_line import parsed_sweep
-from dpddp.entry.summary import end_sweep, objective_of
-from dpddp.entry.sweeps import search_refusal
+from dpddp.entry.command_line import parsed_sweep, search_refusal
+from dpddp.entry.hydra import end_sweep, objective_of
 from dpddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
