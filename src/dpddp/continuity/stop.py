@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -22,12 +22,14 @@ from typing_extensions import override
 from dpddp._compat import disable_sigterm_broadcast, restore_sigterm_broadcast
 from dpddp.cluster import launched, launched_by_dpddp
 from dpddp.continuity.intervals import IntervalCheckpoints
-from dpddp.continuity.sweep_file import ENV, STOP_FILE, active, request, requested
-from dpddp.continuity.sweep_file import clear as clear
 from dpddp.diagnostics.whereabouts import AGREEMENT, entering
 from dpddp.errors import Preempted, local_rank, stop_line
 
+ENV = "DPDDP_SWEEP_STOP"
+"""The variable naming a sweep's stop file, ``<sweep dir>/.stop``, that every process of the sweep sees."""
+
 _watching = False
+_requested = False
 
 
 def _on_main_thread() -> bool:
@@ -48,10 +50,37 @@ def _preempted(last: Path, step: int) -> Preempted:
 
 def start(sweep_dir: str | Path) -> None:
     """In the sweep's own process, before any job: name a fresh stop file in ``$DPDDP_SWEEP_STOP``, and ``watch``."""
-    path = Path(sweep_dir).absolute() / STOP_FILE
+    path = Path(sweep_dir).absolute() / ".stop"
     path.unlink(missing_ok=True)
     os.environ[ENV] = str(path)
     watch()
+
+
+def active() -> bool:
+    """Whether this process belongs to a sweep that stops as one."""
+    return ENV in os.environ
+
+
+def request() -> None:
+    """Stop the sweep: here, and through the stop file, everywhere (an unwritable one: here only)."""
+    global _requested
+    _requested = True
+    if path := os.environ.get(ENV):
+        with suppress(OSError):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).touch()
+
+
+def requested() -> bool:
+    """Whether this process's sweep is stopping."""
+    path = os.environ.get(ENV)
+    return path is not None and (_requested or os.path.exists(path))
+
+
+def clear() -> None:
+    """Remove the stop file (the sweep's process, at its end)."""
+    if path := os.environ.get(ENV):
+        Path(path).unlink(missing_ok=True)
 
 
 def watch() -> None:
