@@ -43,22 +43,16 @@ from dpddp.run.draws_seen import draws_line, find_draws
 from dpddp.run.executions import execution_steps
 from dpddp.run.training import isolated_job, train
 
-__all__ = ["STOPS_TOLERANCE", "TOLERANCE", "StopAt", "check_network", "check_stops", "compare", "main", "overrides_of"]
-
-TOLERANCE = 1e-5
-"""The floor of the rounding bound: ddp drifts from one process at most ``BOUND`` x max(this, the scale)."""
+TOLERANCE = 1e-5  # the rounding bound's floor: ddp drifts from one process at most BOUND x max(this, the scale)
 BOUND = 3.0
-SAME_MATH = 1e-9
-"""Promise 1 in 64 bits: ddp and dp end with one process's weights to this, relative to the largest weight."""
+SAME_MATH = 1e-9  # promise 1 in 64 bits: ddp and dp end with one process's weights to this, relative to the largest
 SIXTY_FOUR = "trainer.precision=64-true"
-PICTURE = "check.png"
-"""The trainings' curves per epoch (``write_plot``), in the working directory."""
+PICTURE = "check.png"  # the trainings' curves per epoch (write_plot), in the working directory
 TINY = ["trainer.max_epochs=2", "logger=none", "epoch_lines=false", "trainer.enable_progress_bar=false"]
 
 
 def overrides_of(group: str, values: list[str]) -> list[str]:
-    """Hydra overrides for ``--model``/``--data`` values: ``mlp`` -> ``model=mlp``, ``key=value`` ->
-    ``model.key=value`` (``+key`` adds it); one naming the group already (``+data.x=1``) as it is."""
+    """Hydra overrides for ``--model``/``--data`` values: ``mlp`` -> ``model=mlp``, ``key=v`` -> ``model.key=v``."""
     found = []
     for value in values:
         key, sep, _ = value.partition("=")
@@ -98,8 +92,7 @@ def environment_lines() -> list[str]:
 
 
 def _compose(overrides: list[str], config_dir: str | None) -> DictConfig:
-    """The config ``dpddp-train`` composes (``--config-dir``: ``config_dir``) after the tiny run's overrides.
-    Raises ``ConfigError``: Hydra could not compose it (an unknown option or key: ``dpddp-train``'s line)."""
+    """The config ``dpddp-train`` composes after ``TINY``; ``ConfigError`` (``dpddp-train``'s line) if it cannot."""
     extra = [f"hydra.searchpath=[file://{Path(config_dir).absolute()}]"] if config_dir else []
     try:
         with initialize_config_dir(config_dir=str(Path(__file__).parent / "conf"), version_base="1.3"):
@@ -130,50 +123,19 @@ def _difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple
     return diffs.get(worst, 0.0), worst
 
 
-def _runs(gpus: int) -> list[dict[str, Any]]:
-    """The trainings' rows (name, replicas, settings): one process, ddp(2) and, on 2+ GPUs, dp over them."""
-    runs = [("1 process", 1, "auto"), ("ddp(2)", 2, "ddp"), *([(f"dp({gpus})", gpus, "dp")] if gpus >= 2 else [])]
-    on = "gpu" if gpus >= 2 else "cpu"
-    return [
-        {"name": name, "replicas": count, "settings": [f"accelerator={on}", f"strategy={how}", f"devices={count}"]}
-        for name, count, how in runs
-    ]
-
-
 def _train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     with isolated_job(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return train(cfg, run_dir)
 
 
-ROUNDS = 3
-"""Timings of ddp(2) against one process the advice needs: the table's, then a round in each order."""
-MARGIN = 1.1
-"""A ratio (ddp(2)'s samples/s over one process's) says "ddp" above this, "one" below its inverse, else "even"."""
-SPREAD = 1.5
-"""The advice decides only when the largest ratio is below this x the smallest."""
-
-
-def _again(rows: list[dict[str, Any]], work: Path) -> Callable[[int], float]:
-    """A round of ``_ratios``: one epoch of one process and of ddp(2), in the order the round's parity gives."""
-    cfgs = {row["name"]: row["cfg"].copy() for row in rows[:2]}
-    for cfg in cfgs.values():
-        cfg.trainer.max_epochs = 1
-
-    def again(round: int) -> float:
-        speeds: dict[str, float] = {}
-        for name in sorted(cfgs, reverse=bool(round % 2)):
-            run_dir = work / f"round{round}-{len(speeds)}"
-            run_dir.mkdir()
-            speeds[name] = _train(cfgs[name], run_dir)["samples_per_sec"]
-        return speeds["ddp(2)"] / speeds["1 process"]
-
-    return again
+ROUNDS = 3  # timings of ddp(2) against one process the advice needs: the table's, then a round in each order
+MARGIN = 1.1  # a ratio (ddp(2)'s samples/s over one process's) says "ddp" above this, "one" below 1 / this
+SPREAD = 1.5  # the advice decides only when the largest ratio is below this x the smallest
 
 
 def _ratios(first: float, again: Callable[[int], float]) -> list[float]:
-    """ddp(2)'s samples/s over one process's: ``first`` (the table's), then ``again(round)``'s, up to ``ROUNDS``
-    ratios, or fewer once they can no longer agree."""
+    """``first`` (the table's ratio), then ``again(round)``'s, up to ``ROUNDS`` or until they cannot agree."""
     ratios = [first]
     while len(ratios) < ROUNDS and _side(ratios):
         ratios.append(again(len(ratios)))
@@ -181,8 +143,7 @@ def _ratios(first: float, again: Callable[[int], float]) -> list[float]:
 
 
 def _side(ratios: list[float]) -> str | None:
-    """``"ddp"``, ``"one"`` or ``"even"`` when ``ratios`` fall on one side of ``MARGIN`` (or within it) and
-    spread less than ``SPREAD`` (largest over smallest); else ``None``."""
+    """``"ddp"``, ``"one"`` or ``"even"`` when ``ratios`` agree about ``MARGIN`` within ``SPREAD``, else ``None``."""
     sides = {"ddp" if r > MARGIN else "one" if r < 1 / MARGIN else "even" for r in ratios}
     return sides.pop() if len(sides) == 1 and max(ratios) < SPREAD * min(ratios) else None
 
@@ -220,8 +181,7 @@ def _advice(rows: list[dict[str, Any]], ratios: list[float]) -> str:
 
 
 def _draws(cfg: DictConfig, stepped: bool = False) -> str:
-    """``; <draws_line>`` for the config's model, or why it could not look; ``stepped``: with none found, that
-    the computation depends on the process."""
+    """``; <draws_line>`` for the config's model, or why not; ``stepped``: none found is said too."""
     with isolated_job():
         pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
         draws = find_draws(instantiate(cfg.model, _convert_="all"), instantiate(cfg.data, _convert_="all"))
@@ -248,8 +208,7 @@ def _side_run(overrides: list[str], config_dir: str | None, run_dir: Path) -> tu
 
 
 def _same_math(rows: list[dict[str, Any]], sixty_four: list[tuple[dict[str, torch.Tensor], int] | str]) -> list[str]:
-    """Each replicated training's 64-bit line; sets ``row["math"]``: ``(diff, relative, where, step, one's step)``
-    or ``None`` (not measured), and ``row["apart"]``: another computation than one process's."""
+    """Each replicated training's 64-bit line; sets ``row["math"]`` (or ``None``: not measured) and ``row["apart"]``."""
     one, lines = sixty_four[0], []
     for row, found in zip(rows[1:], sixty_four[1:], strict=True):
         why = found if isinstance(found, str) else one if isinstance(one, str) else ""
@@ -278,8 +237,7 @@ def _rounding(
     wide: tuple[dict[str, torch.Tensor], int] | str,
     precision: str,
 ) -> str:
-    """The rounding line: the scale (one process against itself in 2 micro-batches, ``scaled``, else against its
-    64-bit run ``wide``) and each replicated training's drift against its bound; sets ``row["bound"]``."""
+    """The rounding line (the scale from ``scaled``, else ``wide``; each drift against its bound); sets ``bound``."""
     if isinstance(scaled, str) and isinstance(wide, str):
         for row in rows[1:]:
             row["bound"] = TOLERANCE
@@ -302,11 +260,15 @@ def _rounding(
 
 
 def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
-    """Print the report (figures, same math, rounding, advice) and draw ``PICTURE``. Raises ``ConfigError``
-    before anything trains, ``PromiseBroken`` (its one line) when promise 1 does not hold."""
+    """Print the report and draw ``PICTURE``. Raises ``ConfigError`` and ``PromiseBroken`` (promise 1 fails)."""
     for line in environment_lines():
         print(line)
-    rows = _runs(torch.cuda.device_count())
+    gpus, on = torch.cuda.device_count(), "gpu" if torch.cuda.device_count() >= 2 else "cpu"
+    runs = [("1 process", 1, "auto"), ("ddp(2)", 2, "ddp"), *([(f"dp({gpus})", gpus, "dp")] if gpus >= 2 else [])]
+    rows: list[dict[str, Any]] = [
+        {"name": name, "replicas": count, "settings": [f"accelerator={on}", f"strategy={how}", f"devices={count}"]}
+        for name, count, how in runs
+    ]
     for row in rows:
         row["cfg"] = _compose([*row["settings"], *overrides], config_dir)
     for i, row in enumerate(rows):
@@ -341,7 +303,19 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
     drifting = [r for r in rows[1:] if r["diff"] > r["bound"] or r["step"] != rows[0]["step"]]
     print(f"promise 1 (the same math as one process; in {rows[0]['precision']}, a drift within rounding): ", end="")
     print("holds" if not (math_apart or drifting) else "does NOT hold")
-    print(_advice(rows, _ratios(rows[1]["samples_per_sec"] / rows[0]["samples_per_sec"], _again(rows, work))))
+    timed = {row["name"]: row["cfg"].copy() for row in rows[:2]}
+    for cfg in timed.values():
+        cfg.trainer.max_epochs = 1
+
+    def again(round: int) -> float:  # an epoch of each, in the order the round's parity gives
+        speeds: dict[str, float] = {}
+        for name in sorted(timed, reverse=bool(round % 2)):
+            run_dir = work / f"round{round}-{len(speeds)}"
+            run_dir.mkdir()
+            speeds[name] = _train(timed[name], run_dir)["samples_per_sec"]
+        return speeds["ddp(2)"] / speeds["1 process"]
+
+    print(_advice(rows, _ratios(rows[1]["samples_per_sec"] / rows[0]["samples_per_sec"], again)))
     print(f"picture: {write_plot(work, Path(PICTURE).absolute())}")
     if math_apart:
         row = math_apart[0]
@@ -363,8 +337,7 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
         )
 
 
-STOPS_TOLERANCE = 1e-6
-"""Promise 3: a continued run ends with the straight run's state to this."""
+STOPS_TOLERANCE = 1e-6  # promise 3: a continued run ends with the straight run's state to this
 ONE_PROCESS = ["accelerator=cpu", "strategy=auto", "devices=1"]
 STOP_CALLBACK = "+callbacks.check_stop._target_=dpddp.check.StopAt"
 RECORD = "check_stops.pt"
@@ -459,8 +432,7 @@ def _leaves(value: Any, name: str, run_dir: Path) -> dict[str, Any]:
 
 
 def _gap(a: Any, b: Any) -> float:
-    """How far apart two leaves are: numbers and tensors by their largest absolute difference (equal NaN and
-    infinities: 0); anything else 0 when equal, else ``inf``."""
+    """Two leaves' largest absolute difference (numbers, tensors; equal NaN: 0), else 0 when equal or ``inf``."""
     numbers = (bool, int, float)
     if not all(isinstance(v, torch.Tensor) for v in (a, b)) and not all(isinstance(v, numbers) for v in (a, b)):
         return 0.0 if type(a) is type(b) and a == b else math.inf
@@ -631,41 +603,19 @@ def _schedule_lines() -> Iterator[list[str]]:
         logger.setLevel(level)
 
 
-def _model_step(cfg: DictConfig) -> tuple[int, Callable[[int], float] | None, str]:
-    """The model's gradient bytes, and the median seconds of a training step on ``n`` samples of a batch (or
-    ``None`` and why it cannot be timed)."""
+def check_network(overrides: list[str], config_dir: str | None, processes: int) -> None:
+    """Print the all-reduce figures, the predicted ddp step and advice. ``ConfigError`` before any measuring."""
+    if processes < 2:
+        raise ConfigError(f"--processes={processes} is too few: an all-reduce needs 2 or more, e.g. --processes=2")
+    cfg = _compose(overrides, config_dir)
     model = instantiate(cfg.model, _convert_="all")
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     try:
         data = instantiate(cfg.data, _convert_="all")
         data.setup("fit")
-        batch = next(iter(data.train_dataloader()))
+        batch, why = next(iter(data.train_dataloader())), ""
     except Exception as err:  # a user's data module that needs its Trainer: no prediction, the rest stands
-        return grad_bytes, None, first_line(err)
-
-    def timed(n: int) -> float:
-        part = torch.utils.data.default_convert(batch)
-        part = [t[:n] for t in part] if isinstance(part, (list, tuple)) else part
-
-        def step() -> None:
-            out = model.training_step(part, 0)
-            (out["loss"] if isinstance(out, dict) else out).backward()
-            model.zero_grad(set_to_none=True)
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # self.log without a Trainer
-            return step_seconds(step)
-
-    return grad_bytes, timed, ""
-
-
-def check_network(overrides: list[str], config_dir: str | None, processes: int) -> None:
-    """Print the all-reduce latency and bandwidth, the ring bound for the gradient, the predicted ddp step and a
-    recommendation. Raises ``ConfigError`` (a setting, or ``processes`` < 2) before anything is measured."""
-    if processes < 2:
-        raise ConfigError(f"--processes={processes} is too few: an all-reduce needs 2 or more, e.g. --processes=2")
-    cfg = _compose(overrides, config_dir)
-    grad_bytes, timed, why = _model_step(cfg)
+        batch, why = None, first_line(err)
     found = measure_ranks(processes, [grad_bytes, BIG_BYTES])
     if found is None:
         return
@@ -682,25 +632,33 @@ def check_network(overrides: list[str], config_dir: str | None, processes: int) 
         f"gradient: {grad_bytes:,} bytes: all-reduce {measured * 1e3:.3f} ms measured, {bound * 1e3:.3f} ms ring bound "
         f"(latency + 2(N-1)/N x bytes / bus bandwidth)"
     )
-    if timed is None:
+    if batch is None:
         print(f"step: not timed ({why}): no prediction")
         return
-    batch = int(cfg.data.batch_size)
-    one, share_of = timed(batch), timed(max(batch // world, 1))
+
+    def timed(n: int) -> float:  # the median seconds of a training step on n samples of the batch
+        part = torch.utils.data.default_convert(batch)
+        part = [t[:n] for t in part] if isinstance(part, (list, tuple)) else part
+
+        def step() -> None:
+            out = model.training_step(part, 0)
+            (out["loss"] if isinstance(out, dict) else out).backward()
+            model.zero_grad(set_to_none=True)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # self.log without a Trainer
+            return step_seconds(step)
+
+    size = int(cfg.data.batch_size)
+    one, share_of = timed(size), timed(max(size // world, 1))
     ddp = share_of + measured
     share, speedup = measured / ddp, one / ddp
     print(
-        f"step: one process {one * 1e3:.2f} ms (batch {batch}); ddp({world}) predicted {share_of * 1e3:.2f} ms "
+        f"step: one process {one * 1e3:.2f} ms (batch {size}); ddp({world}) predicted {share_of * 1e3:.2f} ms "
         f"compute + {measured * 1e3:.2f} ms all-reduce: all-reduce share {share:.0%}, speed-up {speedup:.2f}x, "
         f"scaling efficiency {speedup / world:.0%}"
     )
     print(f"recommendation: {recommend(share, compressible=grad_bytes >= 2**20)}")
-
-
-def bug_report() -> str:
-    """``dpddp-check --env``: ``environment_lines`` and the platform, as a block to paste into a bug report."""
-    lines = [f"platform: {platform.platform()}", *environment_lines()]
-    return "Paste this into your bug report:\n\n```text\n" + "\n".join(lines) + "\n```"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -716,7 +674,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="other Hydra overrides (trainer.max_epochs=3, seed=1)")
     args = parser.parse_args(argv)
     if args.env:
-        print(bug_report())
+        lines = [f"platform: {platform.platform()}", *environment_lines()]
+        print("Paste this into your bug report:\n\n```text\n" + "\n".join(lines) + "\n```")
         return
     overrides = [*overrides_of("model", args.model), *overrides_of("data", args.data), *args.overrides]
     register_resolvers()

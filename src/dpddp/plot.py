@@ -1,5 +1,4 @@
-"""``dpddp-plot RUN_OR_SWEEP_DIR [-o OUT.png]``: loss, accuracy, samples/s and memory per epoch as a PNG, one
-colour per job of a sweep. Exits 2 with one line when there is nothing to plot."""
+"""``dpddp-plot RUN_OR_SWEEP_DIR [-o OUT.png]``: the curves per epoch as a PNG; exit 2 when there are none."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from dpddp.report.curves import PLOT_NAME, curves, drawable, write_plot
 
 def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` (default ``sys.argv[1:]``), write the PNG and print its path."""
-    parser = argparse.ArgumentParser(prog="dpddp-plot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="dpddp-plot", description=__doc__)
     parser.add_argument("path", help="a run directory or a sweep directory (with metrics.csv files)")
     parser.add_argument("-o", "--out", default=None, help=f"the PNG to write (default: <path>/{PLOT_NAME})")
     args = parser.parse_args(argv)

@@ -14,15 +14,12 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_h
 
 from dpddp.diagnostics.whereabouts import GRADIENTS, mark
 
-__all__ = ["COMM_HOOKS", "AllReduceTimer"]
-
 COMM_HOOKS = {"fp16_compress": fp16_compress_hook, "bf16_compress": bf16_compress_hook, "powersgd": powerSGD_hook}
 """``strategy.ddp_comm_hook``'s names for torch's hooks (PowerSGD takes a ``PowerSGDState``)."""
 
 
 class AllReduceTimer:
-    """DDP's communication hook ``hook``: ``inner`` (DDP's own sums and mean), timed. ``seconds`` adds up, per
-    backward, the launch of the last bucket to the end of its all-reduce; ``buckets``: hook calls so far."""
+    """A DDP comm hook (``hook``): ``inner``, with each backward's last-bucket all-reduce timed into ``seconds``."""
 
     _events: list[tuple[torch.cuda.Event, torch.cuda.Event]]
 

@@ -1,5 +1,4 @@
-"""All-reduce latency and bus bandwidth between ranks, and the ring all-reduce cost they predict
-(``python -m dpddp.check --network``; docs/design-notes.md, diagnostics.network)."""
+"""All-reduce latency and bus bandwidth between ranks, and the ring cost they predict (``dpddp-check --network``)."""
 
 from __future__ import annotations
 
@@ -18,15 +17,13 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 
 from dpddp.diagnostics.network import choose_interface
 
-__all__ = ["BIG_BYTES", "Collective", "bus_bandwidth", "measure_ranks", "recommend", "ring_seconds", "step_seconds"]
-
 BIG_BYTES = 32 * 2**20  # the buffer whose all-reduce sets the bus bandwidth (latency a small part)
 CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
 class Collective:
-    """What ``measure`` found: ``latency_s`` of one float32's all-reduce, ``times``: bytes -> seconds (medians)."""
+    """What ``_in_group`` found: ``latency_s`` of one float32's all-reduce, ``times``: bytes -> seconds (medians)."""
 
     world_size: int
     backend: str
@@ -35,8 +32,7 @@ class Collective:
 
 
 def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:
-    """nccl-tests' ``busbw`` of an all-reduce of ``nbytes`` that took ``seconds``: ``2(N-1)/N x nbytes / seconds``.
-    Raises ``ValueError`` for ``world_size < 2``."""
+    """nccl-tests' ``busbw``: ``2(N-1)/N x nbytes / seconds``. Raises ``ValueError`` for ``world_size < 2``."""
     if world_size < 2:
         raise ValueError(f"an all-reduce over {world_size} rank moves nothing")
     return 2 * (world_size - 1) / world_size * nbytes / max(seconds, 1e-9)
@@ -59,22 +55,17 @@ def _median_seconds(tensor: torch.Tensor, reps: int) -> float:
     return float(slowest.item())
 
 
-def measure(sizes: list[int], device: torch.device, reps: int = 10) -> Collective:
-    """Time float32 all-reduces of one float and of each of ``sizes`` bytes on ``device`` in the default group;
-    every rank calls it and gets the slowest rank's medians of ``reps``."""
-    latency = _median_seconds(torch.zeros(1, device=device), reps)
-    times = {n: _median_seconds(torch.zeros(max(n // 4, 1), device=device), reps) for n in sorted(set(sizes))}
-    return Collective(dist.get_world_size(), str(dist.get_backend()), latency, times)
-
-
-def _in_group(rank: int, world_size: int, device: torch.device, sizes: list[int]) -> Collective:
-    """``measure`` in a default process group this rank starts and ends (NCCL on a GPU ``device``, else gloo)."""
+def _in_group(rank: int, world_size: int, device: torch.device, sizes: list[int], reps: int = 10) -> Collective:
+    """Time float32 all-reduces of one float and of each of ``sizes`` bytes on ``device``, in a default process
+    group this rank starts and ends (NCCL on a GPU, else gloo): the slowest rank's medians of ``reps``."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     try:
-        return measure(sizes, device)
+        latency = _median_seconds(torch.zeros(1, device=device), reps)
+        times = {n: _median_seconds(torch.zeros(max(n // 4, 1), device=device), reps) for n in sorted(set(sizes))}
+        return Collective(world_size, backend, latency, times)
     finally:
         dist.destroy_process_group()
 
@@ -88,7 +79,7 @@ def _spawned_rank(rank: int, world: int, port: int, sizes: list[int], out: Simpl
 
 
 def measure_ranks(processes: int, sizes: list[int]) -> Collective | None:
-    """``measure`` between torchrun's or SLURM's ranks (``None`` on all but rank 0), else between ``processes``
+    """``_in_group`` between torchrun's or SLURM's ranks (``None`` on all but rank 0), else between ``processes``
     spawned here (loopback; NCCL with a GPU each). Raises ``ProcessRaisedException`` when a spawned rank raised."""
     env = next((e for e in (TorchElasticEnvironment, SLURMEnvironment) if e.detect()), None)
     if env is None:
@@ -107,8 +98,7 @@ def measure_ranks(processes: int, sizes: list[int]) -> Collective | None:
 
 
 def recommend(share: float, compressible: bool) -> str:
-    """The advice for an all-reduce ``share`` (0-1) of a ddp step: ddp below 20%, ddp with care below 50%, else
-    one process; ``compressible``: advise a comm hook."""
+    """The advice for an all-reduce ``share`` (0-1) of a ddp step; ``compressible``: a comm hook may help."""
     if share < 0.2:
         return "ddp: the all-reduce is a small part of each step; more processes train faster"
     if share < 0.5:

@@ -1,5 +1,4 @@
-"""Where a run's memory and time go: peak memory, the all-reduce's share of step time, each rank's compute and
-wait seconds, the straggler warning."""
+"""Where a run's memory and time go: peak memory, the all-reduce's share, each rank's seconds, stragglers."""
 
 from __future__ import annotations
 
@@ -22,8 +21,6 @@ from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy
 from dpddp.report.throughput import ThroughputCounts
 
-__all__ = ["STRAGGLER_RATIO", "Costs", "peak_memory_mib", "slowest", "straggler_line"]
-
 log = logging.getLogger(__name__)
 
 STRAGGLER_RATIO = 1.5
@@ -31,16 +28,14 @@ STRAGGLER_RATIO = 1.5
 
 
 def slowest(compute_s: Sequence[float]) -> tuple[int, float]:
-    """The rank with the largest of ``compute_s`` (a tie: the lowest) and its ratio to the median (``nan`` when
-    the median is not positive). Raises ``ValueError`` when ``compute_s`` is empty."""
+    """The slowest rank (a tie: the lowest) and its ratio to the median (or ``nan``); ``ValueError`` when empty."""
     rank = max(range(len(compute_s)), key=lambda r: (compute_s[r], -r))
     median = statistics.median(compute_s)
     return rank, compute_s[rank] / median if median > 0 else math.nan
 
 
 def straggler_line(compute_s: Sequence[float], epoch: int, hosts: Sequence[str] | None = None) -> str | None:
-    """The straggler line for ``epoch`` when ``slowest(compute_s)``'s ratio is at least ``STRAGGLER_RATIO``,
-    naming the rank's host from ``hosts``; else ``None``. Raises ``ValueError`` when ``compute_s`` is empty."""
+    """The straggler line for ``epoch`` when ``slowest``'s ratio reaches ``STRAGGLER_RATIO``, else ``None``."""
     rank, ratio = slowest(compute_s)
     if not ratio >= STRAGGLER_RATIO:
         return None
@@ -53,8 +48,7 @@ def straggler_line(compute_s: Sequence[float], epoch: int, hosts: Sequence[str] 
 
 
 def peak_memory_mib(trainer: pl.Trainer) -> tuple[float, str]:
-    """This process's peak memory in MiB and its kind: ``"rss"`` (CPU) or ``"cuda_max_allocated"`` (the largest
-    over the GPUs it drives)."""
+    """This process's peak memory in MiB and its kind: ``"rss"`` or ``"cuda_max_allocated"`` (over its GPUs)."""
     strategy = trainer.strategy
     if strategy.root_device.type == "cuda":
         devices = strategy.parallel_devices if isinstance(strategy, DataParallelStrategy) else [strategy.root_device]
@@ -64,9 +58,8 @@ def peak_memory_mib(trainer: pl.Trainer) -> tuple[float, str]:
 
 
 class Costs(pl.Callback):
-    """Fills ``epoch`` at each epoch's end (peak memory, and under ddp the all-reduce share and slowest rank),
-    keeps the run's figures in ``counts`` (resumable) and publishes them at ``on_fit_end`` under ``MEMORY_KEY``
-    and ``SHARE_KEY``; warns of a straggler (rank 0). One all-gather per epoch and one at the end."""
+    """Fills ``epoch`` at each epoch's end, keeps the run's figures in ``counts`` (resumable), publishes them at
+    ``on_fit_end`` (``MEMORY_KEY``, ``SHARE_KEY``) and warns of a straggler. One all-gather an epoch, one at the end."""
 
     MEMORY_KEY = "perf/peak_mem_mib"
     SHARE_KEY = "perf/allreduce_share"
@@ -154,8 +147,7 @@ class Costs(pl.Callback):
     def _over_ranks(
         self, trainer: pl.Trainer, waited: float | None, stepped: float, epoch: int | None = None
     ) -> dict[str, float]:
-        """The peak memory (largest over ranks) and ``waited / stepped`` (summed over ranks) when timed; for an
-        ``epoch``, each rank's compute and wait seconds into ``counts`` and the slowest rank. One all-gather."""
+        """Peak memory and all-reduce share over the ranks (one all-gather); for an ``epoch``, the per-rank figures."""
         peak, _ = peak_memory_mib(trainer)
         mine = torch.tensor([peak, waited or 0.0, stepped], dtype=torch.float64, device=trainer.strategy.root_device)
         with entering("the cost gather"):

@@ -1,5 +1,4 @@
-"""Which local network interface the ranks of a multi-node run use to reach each other (stdlib only; see
-docs/design-notes.md, diagnostics.network)."""
+"""The local network interface the ranks of a multi-node run reach each other by (stdlib only)."""
 
 from __future__ import annotations
 
@@ -11,8 +10,6 @@ import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-__all__ = ["choose_interface", "interface_address", "interface_for_address", "is_local_address", "route_interface"]
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -82,8 +79,7 @@ def is_local_address(address: str) -> bool | None:
 
 
 def route_interface(address: str, port: int = 9) -> tuple[str, str] | None:
-    """The kernel's local interface and source address to reach ``address`` (a connected UDP socket, no packet
-    sent), e.g. ``("eth1", "10.1.2.3")``; ``None`` when it does not resolve or route."""
+    """The kernel's ``(interface, source address)`` to reach ``address``, or ``None`` (no route or no such host)."""
     for family, kind, proto, _, sockaddr in _resolve(address, port, socket.SOCK_DGRAM) or []:
         try:
             with socket.socket(family, kind, proto) as sock:
@@ -101,8 +97,7 @@ def route_interface(address: str, port: int = 9) -> tuple[str, str] | None:
 
 
 def choose_interface(master_addr: str, environ: Mapping[str, str] | None = None) -> tuple[dict[str, str], str]:
-    """The ``IFNAME_VARS`` to set for reaching ``master_addr``, and the reason for the log; ``({}, why)`` when
-    ``environ`` (default ``os.environ``) sets either one or nothing routes there."""
+    """The ``IFNAME_VARS`` to set to reach ``master_addr`` and why; ``({}, why)`` when set or nothing routes there."""
     env = os.environ if environ is None else environ
     given = [f"{var}={env[var]}" for var in IFNAME_VARS if env.get(var)]
     if given:

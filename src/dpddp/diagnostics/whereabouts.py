@@ -1,5 +1,4 @@
-"""Where each rank is (stage, step, collective), published through the rendezvous store, so that a collective that
-fails names the ranks that did not arrive and where they were (docs/design-notes.md, diagnostics.whereabouts)."""
+"""Each rank's whereabouts (stage, step, collective) in the rendezvous store: who missed a failed collective."""
 
 from __future__ import annotations
 
@@ -11,9 +10,6 @@ from contextlib import contextmanager
 import torch
 
 from dpddp.parallel.peers import BEAT_S, StoreClient
-
-__all__ = ["AGREEMENT", "BATCHNORM", "GRADIENTS", "METRIC_SYNC", "Whereabouts", "current", "describe", "entering"]
-__all__ += ["mark"]
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +44,7 @@ def current() -> str | None:
 
 
 def describe(rank: int, mine: tuple[str, int, str], others: dict[int, tuple[str, int, str] | None]) -> str | None:
-    """The line for rank ``rank``, failed in ``mine = (stage, step, collective)``, given the others' whereabouts
-    (``None``: not published); ``None`` if every other rank was in the same place."""
+    """The line for ``rank`` failed in ``mine``, given the others' (``None``: unpublished); ``None``: all there."""
     stage, step, collective = mine
     waiting = [rank] + [r for r, where in others.items() if where == mine]
     absent = {r: where for r, where in others.items() if where != mine}
@@ -73,14 +68,8 @@ def _place(where: tuple[str, int, str] | None) -> str:
     return f"is in {_STAGES.get(stage, stage)}, step {step}, {inside}"
 
 
-def _decode(text: str) -> tuple[str, int, str]:
-    stage, step, collective = text.split("|", 2)
-    return stage, int(step), collective
-
-
 class Whereabouts(threading.Thread):
-    """Publishes ``(*position(), current())`` of rank ``rank`` to the store at ``address:port`` every ``BEAT_S``
-    seconds under ``prefix``; ``explain`` reads the others' after a failure."""
+    """Publishes ``here()`` to the store at ``address:port`` every ``BEAT_S``; ``explain`` reads the others'."""
 
     def __init__(
         self, address: str, port: int, rank: int, world_size: int, prefix: str, position: Callable[[], tuple[str, int]]
@@ -93,7 +82,6 @@ class Whereabouts(threading.Thread):
         mark(None)  # a collective an earlier job of this process failed in is not this job's
 
     def here(self) -> tuple[str, int, str]:
-        """This rank's whereabouts now."""
         return (*self.position(), current() or "")
 
     def run(self) -> None:
@@ -111,8 +99,7 @@ class Whereabouts(threading.Thread):
         self.stopped.set()
 
     def explain(self) -> str | None:
-        """``describe``'s line for the collective this rank failed in, or ``None`` (outside one, nobody to blame, or
-        the store did not answer)."""
+        """``describe``'s line for the collective this rank failed in, or ``None`` (none, or the store is silent)."""
         mine = self.here()
         if not mine[2]:
             return None
@@ -122,7 +109,8 @@ class Whereabouts(threading.Thread):
             for r in range(self.world_size):
                 key = f"{self.prefix}where/{r}"
                 if r != self.rank:
-                    others[r] = _decode(store.get(key).decode()) if store.check([key]) else None
+                    found = store.get(key).decode().split("|", 2) if store.check([key]) else None
+                    others[r] = (found[0], int(found[1]), found[2]) if found else None
 
         answered = self._client.bounded("read the ranks' whereabouts", read)
         return describe(self.rank, mine, others) if answered else None

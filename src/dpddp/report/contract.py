@@ -20,22 +20,18 @@ REQUIRED = {"fit": ("train/loss", "val/loss", "val/acc"), "test": ("test/loss", 
 
 
 class MetricContract(pl.Callback):
-    """Warns once per name of ``REQUIRED`` not logged, or (several processes) of a name read that is logged as a
-    plain tensor; refuses a monitor the model does not log (``_check_monitors``)."""
+    """Warns once per ``REQUIRED`` name not logged or read as a plain tensor; refuses a monitor not logged."""
 
     def __init__(self, tally: FitTally | None = None) -> None:
         self.warned: set[str] = set()
-        self.tally = tally  # the run's, found at setup when not given
+        self.tally = tally  # the run's, found at setup when not given (the assembly puts it first)
         self.settings: dict[int, str] = {}  # id(callback) -> the config key it was built from (callbacks.<name>)
         self.monitors_checked = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.tally is None:
-            found = [cb for cb in trainer.callbacks if isinstance(cb, FitTally)]  # type: ignore[attr-defined]
-            self.tally = found[0] if found else FitTally()
-            if not found:  # a plain Lightning Trainer: count for ourselves, before this callback's hooks
-                trainer.callbacks.insert(0, self.tally)  # type: ignore[attr-defined]
+            self.tally = next(cb for cb in trainer.callbacks if isinstance(cb, FitTally))  # type: ignore[attr-defined]
 
     def _warn(self, name: str, what: str) -> None:
         if name not in self.warned:
@@ -72,8 +68,7 @@ class MetricContract(pl.Callback):
             self._warn(name, f"the model logs no {name}: metrics.json has null for it and nothing can monitor it")
 
     def _check_monitors(self, trainer: pl.Trainer) -> None:
-        """Raises ``ConfigError``: a callback's or scheduler's ``monitor`` that the model does not log (at the
-        first validation's end, before Lightning's checkpoint would raise a traceback)."""
+        """Raises ``ConfigError`` for a callback's or scheduler's ``monitor`` the model does not log."""
         self.monitors_checked = True
         logged = sorted(trainer.callback_metrics)
         monitors = [
@@ -118,8 +113,7 @@ class MetricContract(pl.Callback):
 
 
 class LoggedTensors(pl.Callback):
-    """A tensor logged with ``sync_dist`` is the mean over every sample once: an evaluation step on an empty
-    chunk adds nothing (its nan is undone), and sample counts sum as floats. See docs/design-notes.md."""
+    """A tensor logged with ``sync_dist`` counts every sample once: an empty chunk's step adds nothing."""
 
     def __init__(self) -> None:
         self.saved: dict[str, Any] | None = None

@@ -1,5 +1,4 @@
-"""Loss, accuracy, throughput and memory against epoch from ``metrics.csv``, for a run or a sweep's jobs
-(matplotlib is imported only inside ``write_plot``)."""
+"""Loss, accuracy, throughput and memory per epoch from ``metrics.csv``, for a run or a sweep's jobs."""
 
 from __future__ import annotations
 
@@ -28,8 +27,8 @@ def varying(overrides: list[list[str]]) -> tuple[list[list[str]], list[str]]:
 
 
 def curves(path: str | Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """``{label: {column: [(epoch, value), ...]}}`` of ``SERIES`` from the ``fit`` rows of the run ``path``'s
-    ``metrics.csv`` or each sweep job's (``"<job> <overrides>"``); ``FileNotFoundError`` where there is none."""
+    """``{label: {column: [(epoch, value)]}}`` of the fit rows of a run's or sweep's ``metrics.csv`` files.
+    Raises ``FileNotFoundError`` where there is none."""
     path = Path(path)
     runs = [path] if (path / "metrics.csv").is_file() else sorted(
         (p for p in path.iterdir() if p.is_dir() and p.name.isdigit() and (p / "metrics.csv").is_file()),

@@ -38,8 +38,7 @@ class EpochTable:
 
 
 def early_stops(trainer: pl.Trainer) -> list[str]:
-    """One line per ``EarlyStopping`` of ``trainer`` that stopped the fit: the epoch, where it tripped when
-    ``min_epochs``/``min_steps`` held the run, and Lightning's reason."""
+    """One line per ``EarlyStopping`` that stopped the fit: the epoch, where it tripped, and Lightning's reason."""
     lines = []
     last, loop = trainer.current_epoch - 1, trainer.fit_loop
     held = f"trainer.min_epochs={loop.min_epochs}" if loop.min_epochs else f"trainer.min_steps={loop.min_steps}"
@@ -55,9 +54,8 @@ def early_stops(trainer: pl.Trainer) -> list[str]:
 
 
 class EpochRecord(pl.Callback):
-    """Writes ``<output_dir>/metrics.csv`` on rank 0: one ``fit`` row per finished epoch (completed at ``flush``)
-    and, with ``lines``, one log line each; a ``test`` row after a test; the early-stop lines. A resumed run
-    extends the checkpoint's rows."""
+    """Writes ``<output_dir>/metrics.csv`` on rank 0 (a ``fit`` row per epoch, and with ``lines`` its log line; a
+    ``test`` row) and the early-stop lines. A resumed run extends the checkpoint's rows."""
 
     TIME_KEY = "perf/train_time_s"
 

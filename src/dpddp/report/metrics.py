@@ -29,8 +29,7 @@ MISSING = {
 
 
 def strict(result: dict[str, Any], reasons: dict[str, str]) -> dict[str, Any]:
-    """``result`` as strict JSON: a non-finite value is ``null`` and ``"missing"`` says why (``reasons[key]``,
-    else ``MISSING``'s by prefix)."""
+    """``result`` with a non-finite value ``null`` and ``"missing"`` saying why (``reasons``, else ``MISSING``)."""
     missing = {
         key: reasons.get(key) or next((why for pre, why in MISSING.items() if key.startswith(pre)), "not measured")
         for key, value in result.items()
@@ -52,8 +51,7 @@ def _shown(key: str, value: Any) -> str:
 def write_metrics(
     output_dir: Path, result: dict[str, Any], reasons: dict[str, str], unshown: tuple[str, ...], draw: bool
 ) -> None:
-    """Write ``<output_dir>/metrics.json`` (``strict``), log its line without the keys of ``unshown``, and (``draw``)
-    draw the curves."""
+    """Write ``<output_dir>/metrics.json``, log its line without ``unshown`` and (``draw``) draw the curves."""
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "metrics.json").write_text(json.dumps(strict(result, reasons), indent=2, allow_nan=False) + "\n")
     log.info("metrics: " + ", ".join(_shown(k, v) for k, v in result.items() if k not in unshown))

@@ -39,8 +39,7 @@ def check_predictable(model: pl.LightningModule) -> bool:
 
 
 def predict_forward(model: pl.LightningModule) -> None:
-    """Give ``model`` an instance ``predict_step`` returning ``model(batch_inputs(batch))``; it raises
-    ``TypeError`` on a batch without inputs."""
+    """Give ``model`` a ``predict_step`` returning ``model(batch_inputs(batch))`` (``TypeError``: no inputs)."""
 
     def predict_step(batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         inputs = batch_inputs(batch)
@@ -59,10 +58,8 @@ def _number(value: float) -> int | str:
 
 
 class PredictionWriter(BasePredictionWriter):
-    """Writes ``predictions.csv`` (``index, target, pred`` and ``<scores>_<c>`` for ``[b, C]`` scores), sorted
-    by ``index`` (the sample's row: a batch's last element or ``"index"`` key), on rank 0. ``output_dir``:
-    ``None`` for ``trainer.log_dir``. ``forward``: the model predicts with its ``forward``; setup raises
-    ``ConfigError`` when the data's batches give it no inputs."""
+    """Writes ``predictions.csv`` on rank 0 (``index, target, pred``, ``<scores>_<c>``), sorted by ``index``.
+    ``forward``: the model predicts with its ``forward``; setup raises ``ConfigError`` for batches without inputs."""
 
     def __init__(self, output_dir: str | Path | None = None, scores: str = "prob", forward: bool = False) -> None:
         super().__init__(write_interval="batch")

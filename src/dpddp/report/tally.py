@@ -21,9 +21,8 @@ def rows(batch: Any) -> int | None:
 
 
 class FitTally(pl.Callback):
-    """Counts of the running fit, read by the reporters after it in the callback list: ``stepped``,
-    ``validated_step`` (``None`` before a validation), ``batches`` (global batches of the last training batch)
-    and ``samples`` (theirs, over all processes)."""
+    """The running fit's counts for the reporters after it: ``stepped``, ``validated_step``, ``batches`` (global
+    batches of the last training batch) and ``samples`` (theirs, over all processes)."""
 
     def __init__(self, steps_per_execution: int = 1) -> None:
         self.by_steps = steps_per_execution > 1

@@ -15,8 +15,7 @@ from dpddp.report.tally import FitTally
 
 @dataclass
 class ThroughputCounts:
-    """The resumable counts behind the throughput and ``Costs``: ``samples`` over ``seconds`` between step ends
-    within an epoch; ``fallback_*`` the steps' own times."""
+    """The resumable counts behind ``Throughput`` and ``Costs`` (``fallback_*``: the steps' own times)."""
 
     samples: int = 0
     seconds: float = 0.0
@@ -38,8 +37,7 @@ class ThroughputCounts:
 
 
 class Throughput(pl.Callback):
-    """Steady-state samples/s: each interval between an epoch's step ends counts the ``tally.samples`` of its
-    step (one step an epoch: the step times). Published at ``on_fit_end`` under ``KEY``."""
+    """Steady-state samples/s between an epoch's step ends (one step an epoch: its time), at fit end as ``KEY``."""
 
     KEY = "perf/samples_per_sec"
     FIRST_STEP_KEY = "perf/first_step_unix_s"

@@ -1,5 +1,4 @@
-"""Experiment trackers (Lightning's ``MLFlowLogger``, ``WandbLogger``): one tracker run per dpddp run, its id kept
-in ``<run dir>/trackers.json`` so that a continued run continues it (docs/trackers.md)."""
+"""MLflow and W&B trackers: one tracker run per dpddp run, its id kept in ``trackers.json`` for a continue."""
 
 from __future__ import annotations
 
@@ -47,9 +46,8 @@ def _identity(output_dir: Path) -> tuple[str, str, dict[str, str]]:
     if not HydraConfig.initialized():
         return "dpddp", output_dir.name, {"dpddp.run_dir": str(output_dir)}
     hydra = HydraConfig.get()
-    overrides = " ".join(hydra.overrides.task)
     shown = " ".join(o for o in hydra.overrides.task if not o.startswith("logger"))  # the same in every job
-    tags = {"dpddp.run_dir": str(output_dir), "dpddp.overrides": overrides}
+    tags = {"dpddp.run_dir": str(output_dir), "dpddp.overrides": " ".join(hydra.overrides.task)}
     if hydra.mode == RunMode.MULTIRUN:
         sweep = str(Path(hydra.sweep.dir))
         tags.update({"dpddp.job": str(hydra.job.num), "dpddp.sweep_dir": sweep})
@@ -81,8 +79,8 @@ def _mlflow_specs(configs: list[DictConfig]) -> list[tuple[str, Any]]:
 
 
 def _opened(key: str, uri: str, experiment: str, artifact_location: str | None) -> None:
-    """Make the SQLite MLflow store ``uri`` and its ``experiment`` under a lock beside the file (runs starting at
-    once would each migrate it); another store: nothing. Raises ``ConfigError`` naming ``key`` when MLflow fails."""
+    """Make the SQLite store ``uri`` and its ``experiment``, locked (runs at once would each migrate it).
+    Raises ``ConfigError`` naming ``key`` when MLflow fails."""
     if not uri.startswith("sqlite:///"):
         return
     db = Path(uri.removeprefix("sqlite:///"))
@@ -130,8 +128,8 @@ def open_stores(configs: list[DictConfig], sweep_dir: str, cwd: Path) -> None:
 
 
 def tracker_options(kind: str, spec: DictConfig, output_dir: Path, key: str = "logger") -> dict[str, Any]:
-    """Keyword arguments for the tracker logger ``spec`` (a setting of the spec wins): the id kept in ``output_dir``,
-    MLflow's store (made here; ``ConfigError`` if it cannot be), W&B offline unless ``WANDB_MODE`` is set."""
+    """Keyword arguments for the tracker ``spec`` (its own settings win): the kept id, MLflow's store (made here;
+    ``ConfigError`` if it cannot be), W&B offline unless ``WANDB_MODE`` is set."""
     experiment, name, tags = _identity(output_dir)
     kept = kept_ids(output_dir).get(kind, {})
     if kind == "mlflow":
@@ -164,8 +162,7 @@ def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
 
 
 class TrackerRuns(pl.Callback):
-    """On global rank 0 at ``setup``: keeps each tracker run's id in ``IDS_FILE`` and logs ``cfg`` as parameters
-    of a new one."""
+    """At setup on rank 0: keeps each tracker run's id in ``IDS_FILE`` and logs ``cfg`` into a new one."""
 
     def __init__(self, cfg: DictConfig, output_dir: Path) -> None:
         self.cfg, self.output_dir = cfg, output_dir
