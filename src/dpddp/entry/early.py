@@ -23,7 +23,8 @@ from omegaconf import Container, DictConfig, OmegaConf, open_dict
 from dpddp.cluster import refuse_non_integer_variables, register_resolvers
 from dpddp.errors import ConfigError, fail
 from dpddp.parallel.settings import LIGHTNING_STRATEGIES
-from dpddp.run.plain import check_plain, check_resolvable, key_advice
+from dpddp.run.plain import GROUPS as SECTIONS
+from dpddp.run.plain import PRESETS, check_plain, check_resolvable, key_advice
 
 HELP = ("--help", "-h", "--hydra-help")  # Hydra's help options, answered here when given alone
 
@@ -32,11 +33,11 @@ def answer(argv: list[str]) -> None:
     """Print Hydra's help for a help option given alone (exit 0), or ``fail`` with the first bad setting judged
     without torch and Lightning (a launcher variable that is not a number included; exit 2); else return."""
     register_resolvers()
-    if argv in (["--help"], ["-h"]) and (text := app_help()) is not None:
-        print(text)
+    if argv in (["--help"], ["-h"]):
+        print(app_help())
         sys.exit(0)
     if len(argv) == 1 and argv[0] in HELP:
-        hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(_no_job)()
+        hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(print)()  # exits
     refuse_non_integer_variables()
     if not argv or any(arg.startswith("-") for arg in argv):
         return
@@ -60,15 +61,13 @@ def answer(argv: list[str]) -> None:
         fail(str(err))
 
 
-def app_help() -> str | None:
-    """Hydra's ``--help`` text for the packaged config, read from ``conf/`` (faster than Hydra's listing); ``None``
-    where its template needs Hydra's run."""
+def app_help() -> str:
+    """Hydra's ``--help`` text for the packaged config (its template's ``$APP_CONFIG_GROUPS`` and ``$CONFIG``), read
+    from ``conf/``: faster than Hydra's listing."""
     with initialize_config_module(config_module="dpddp.conf", version_base="1.3"):
         cfg = compose(config_name="config", return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)
     template = str(cfg.hydra.help.template)
-    if "$FLAGS_HELP" in template or "$HYDRA_CONFIG_GROUPS" in template:
-        return None
     conf = Path(str(files("dpddp.conf")))
     groups = {
         d.relative_to(conf).as_posix(): sorted(p.stem for p in d.glob("*.yaml"))
@@ -79,10 +78,6 @@ def app_help() -> str | None:
         del cfg["hydra"]
     listed = "".join(f"{group}: {', '.join(options)}\n" for group, options in sorted(groups.items()))
     return string.Template(template).substitute(APP_CONFIG_GROUPS=listed, CONFIG=OmegaConf.to_yaml(cfg))
-
-
-def _no_job(cfg: DictConfig) -> None:
-    raise AssertionError("hydra.main ran a job for --help")
 
 
 def _composed(argv: list[str]) -> DictConfig | None:
@@ -130,7 +125,7 @@ def missing_key_line(line: str, key: str, cfg: DictConfig, instead: str | None) 
     return f"{line}: the config has no key {key}{key_hints(key, cfg)}: give a key it has, or add a new one with +{line}"
 
 
-GROUPS = ("strategy", "data", "model", "trainer", "logger", "callbacks", "experiment", "debug", "hparams_search")
+GROUPS = ("strategy", *SECTIONS, *PRESETS)
 
 
 def unknown_option(argv: list[str], lightning_line: Callable[[str], str | None] | None = None) -> str | None:
@@ -175,17 +170,14 @@ def _hydra_options(group: str) -> list[str]:
         return GlobalHydra.instance().config_loader().get_group_options(group)
 
 
-def dotted_keys(cfg: Container) -> list[str]:
+def dotted_keys(cfg: Container | dict, prefix: str = "") -> list[str]:
     """Every key of ``cfg`` at any depth, dotted, unresolved (a list's items not named)."""
     found: list[str] = []
-
-    def walk(node: Any, prefix: str) -> None:
-        for key, value in node.items():
-            found.append(f"{prefix}{key}")
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{key}.")
-
-    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    node: Any = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=False)
+    for key, value in node.items():
+        found.append(f"{prefix}{key}")
+        if isinstance(value, dict):
+            found += dotted_keys(value, f"{prefix}{key}.")
     return found
 
 

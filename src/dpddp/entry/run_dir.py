@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from dpddp.cluster import launch_id
 from dpddp.continuity.io import CheckpointFacts
-from dpddp.parallel.rendezvous import torchrun_restarted
+from dpddp.parallel.peers import torchrun_restarted
 from dpddp.run.training import METRIC_KEYS
 
 # The overrides (and their sub-keys) that say what a run trains, and of those what a continue may change (and the
@@ -74,7 +75,7 @@ def directory_problem(cfg: DictConfig, output_dir: Path, resume: bool, named: bo
     return None
 
 
-def _settings(overrides: list[str]) -> dict[str, str]:
+def _settings(overrides: Iterable) -> dict[str, str]:
     """``key: value`` of the overrides under ``WEIGHTS`` but not ``CONTINUE_MAY_CHANGE`` (a deletion's: ``~``)."""
 
     def under(key: str, keys: tuple[str, ...]) -> bool:
@@ -89,7 +90,7 @@ def _settings(overrides: list[str]) -> dict[str, str]:
     return found
 
 
-def _first_apart(before: list[str], now: list[str]) -> str | None:
+def _first_apart(before: Iterable, now: list[str]) -> str | None:
     old, new = _settings(before), _settings(now)
     for key in [*new, *(k for k in old if k not in new)]:
         if old.get(key) != new.get(key):
@@ -102,10 +103,7 @@ def other_run(output_dir: Path, overrides: list[str], first: Path | None) -> str
     """Why a run given ``overrides`` must not continue the run in ``output_dir`` (its first config directory:
     ``first``): the first setting of ``WEIGHTS`` that differs, or ``None``."""
     typed = first / "overrides.yaml" if first is not None else None
-    if typed is None or not typed.is_file():
-        return None
-    apart = _first_apart([str(o) for o in OmegaConf.load(typed)], overrides)
-    if apart is None:
+    if typed is None or not typed.is_file() or not (apart := _first_apart(OmegaConf.load(typed), overrides)):
         return None
     return (
         f"the run directory {hydra_value(str(output_dir))} holds a run with other settings: this one gives {apart}, "
@@ -120,9 +118,7 @@ def other_sweep(sweep_dir: Path, overrides: list[str]) -> str | None:
     held = any(sweep_dir.glob("*/checkpoints/last.ckpt")) or any(sweep_dir.glob("*/metrics.json"))
     if not (record.is_file() and held):
         return None
-    before = OmegaConf.load(record).hydra.overrides.task
-    apart = _first_apart([str(o) for o in before], overrides)
-    if apart is None:
+    if not (apart := _first_apart(OmegaConf.load(record).hydra.overrides.task, overrides)):
         return None
     return (
         f"hydra.sweep.dir={hydra_value(str(sweep_dir))} holds the jobs of a sweep with other settings: this one "

@@ -20,8 +20,14 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import IterableDataset
 
-from dpddp.continuity.intervals import CHECKPOINT_KEYS, checkpoint_intervals
-from dpddp.continuity.io import CheckpointFacts, ConfiguredModel, checkpoint_problem, readable
+from dpddp.continuity.io import (
+    CHECKPOINT_KEYS,
+    CheckpointFacts,
+    ConfiguredModel,
+    checkpoint_intervals,
+    checkpoint_problem,
+    readable,
+)
 from dpddp.continuity.replicas import check_every
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.data.memory import check_memory, memory_bytes
@@ -93,8 +99,7 @@ def _check_sharding(cfg: Mapping, n_procs: int) -> None:
 
 
 def _check_data_set(cfg: Mapping) -> None:
-    """Raises ConfigError: ``data=dataset`` or ``data=stream`` (the packaged class, not a subclass that may make
-    its own) with no class for its data set."""
+    """``ConfigError`` for the packaged ``data=dataset`` or ``data=stream`` class given no data set class."""
     cls = target_class("data", cfg["data"])
     for key, base in (("dataset", GlobalBatchDataModule), ("stream", StreamDataModule)):
         given = cfg["data"].get(key)
@@ -142,11 +147,6 @@ def execution_refusal(cfg: Mapping) -> str | None:
     if broken := _broken_limit(cfg, EXECUTION_LIMITS):
         name, value, why = broken
         return f"{name}={value!r}: {why}"
-    return _unexecutable(cfg)
-
-
-def _unexecutable(cfg: Mapping) -> str | None:
-    """Data that is not global-batch, or an SWA callback, as ``"<setting>=<value>: <why>"``; else ``None``."""
     if not issubclass(target_class("data", cfg["data"]), GlobalBatchDataModule):
         return f"data._target_={cfg['data']['_target_']}: not a dpddp.data.global_batch.GlobalBatchDataModule"
     if (collate := cfg["data"].get("collate_fn")) is not None:
@@ -167,7 +167,7 @@ def _check_executions(cfg: Mapping) -> None:
     if k == 1:
         return
     _check_limits(cfg, EXECUTION_LIMITS, f"steps_per_execution={k}", "use steps_per_execution=1")
-    if refusal := _unexecutable(cfg):
+    if refusal := execution_refusal(cfg):  # the limits are kept: the data or a callback
         raise ConfigError(f"steps_per_execution={k} with {refusal}: use steps_per_execution=1")
 
 
@@ -178,14 +178,11 @@ MICRO_BATCH_LIMITS = (
 )
 
 
-HALF_WEIGHTS = ("16-true", "bf16-true", "transformer-engine", "transformer-engine-float16")
-"""Precisions that hold the weights, and so the gradient all-reduce, in 16 bits."""
-
-
 def check_precision(cfg: Mapping, world: World) -> None:
     """``ConfigError`` for a precision with 16-bit weights over several replicas (16-bit gradient sums drift)."""
     precision, count = str((cfg["trainer"] or {}).get("precision")), world.replicas
-    if precision in HALF_WEIGHTS and count > 1:
+    half = ("16-true", "bf16-true", "transformer-engine", "transformer-engine-float16")  # 16-bit weights
+    if precision in half and count > 1:
         where = f"{count} GPUs under strategy=dp" if world.family == "dp" else f"{count} processes"
         raise ConfigError(
             f"trainer.precision={precision} with {where}: the weights and the gradient all-reduce would be 16-bit, "
@@ -212,19 +209,9 @@ def _check_checkpointing(cfg: Mapping) -> None:
         )
 
 
-def _refuses_without_logger(test: ast.expr) -> bool:
-    """Whether ``test`` is Lightning's no-logger test (``not trainer.loggers``, ``trainer.logger is None``)."""
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        return isinstance(test.operand, ast.Attribute) and test.operand.attr in ("logger", "loggers")
-    if isinstance(test, ast.Compare) and isinstance(test.left, ast.Attribute) and test.left.attr == "logger":
-        return isinstance(test.ops[0], ast.Is) and isinstance(test.comparators[0], ast.Constant)
-    return False
-
-
 def needs_logger(cls: type) -> bool:
-    """Whether the callback class ``cls`` raises when the Trainer has no logger: a method of it or of a base below
-    ``pl.Callback`` that names a logger has Lightning's own test (``if not trainer.loggers: raise ...``), read from
-    its source (nothing is built or run)."""
+    """Whether the callback class ``cls`` raises without a logger: a method of it or of a base below ``pl.Callback``
+    holds Lightning's test (``if not trainer.loggers: raise ...``), read from its source."""
     for base in cls.__mro__:
         if base in (pl.Callback, object):
             continue
@@ -237,9 +224,10 @@ def needs_logger(cls: type) -> bool:
                 tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
             except (OSError, TypeError, SyntaxError):  # no source (a C or a dynamic function): nothing to read
                 continue
-            tests = [n for n in ast.walk(tree) if isinstance(n, ast.If) and _refuses_without_logger(n.test)]
-            if any(isinstance(r, ast.Raise) for n in tests for stmt in n.body for r in ast.walk(stmt)):
-                return True
+            for test in (n for n in ast.walk(tree) if isinstance(n, ast.If)):
+                no_logger = re.fullmatch(r"not [\w.]+\.loggers?|[\w.]+\.logger is None", ast.unparse(test.test))
+                if no_logger and any(isinstance(r, ast.Raise) for stmt in test.body for r in ast.walk(stmt)):
+                    return True
     return False
 
 
@@ -267,8 +255,8 @@ def _check_callback_needs(cfg: Mapping) -> None:
 
 
 def check_model_callbacks(cfg: Mapping, model: pl.LightningModule, trainer: pl.Trainer) -> None:
-    """``ConfigError`` for a callback ``model.configure_callbacks()`` returns (``model`` attached to ``trainer``, as
-    Lightning calls it) that needs a logger, with ``logger=none``."""
+    """``ConfigError`` for a callback that ``model.configure_callbacks()`` (on ``trainer``) returns and that needs a
+    logger, with ``logger=none``."""
     if logger_specs(cfg) or not is_overridden("configure_callbacks", model):
         return
     model.trainer = trainer
@@ -317,7 +305,7 @@ def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> Plan:
 def _check_settings(cfg: DictConfig | Mapping, stage: str) -> World:
     if isinstance(cfg, DictConfig):
         check_resolvable(cfg)
-    check_plain(cfg)  # first: train.py answers these before the imports (dpddp.entry.early), with the same line
+    check_plain(cfg)  # first (the seed's check included): train.py answers these before the imports, in the same line
     check_keys("", [str(k) for k in cfg.keys()], list(TOP_LEVEL_KEYS))
     keys = allowed_keys(cfg)
     for section in ("data", "model", "trainer", "strategy"):
@@ -325,15 +313,13 @@ def _check_settings(cfg: DictConfig | Mapping, stage: str) -> World:
     check_targets(cfg)
     cfg = with_defaults(cfg)  # a model or data config may leave any key to its class's defaults
     world = resolve_world(cfg)
-    checked_int("seed", cfg["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
-    procs = world.world_size
     if target_class("data", cfg["data"]) is RandomTensorDataModule:
-        num_train = check_random_tensors(cfg["data"], procs, world.world_size_source)[0]
+        num_train = check_random_tensors(cfg["data"], world.world_size, world.world_size_source)[0]
         _check_val_interval(cfg["trainer"] or {}, num_train // cfg["data"]["batch_size"])
         check_memory(cfg["data"], world.processes_per_node, memory_bytes())
     else:
-        check_divides(cfg["data"].get("batch_size"), procs, world.world_size_source)
-    _check_sharding(cfg, procs)
+        check_divides(cfg["data"].get("batch_size"), world.world_size, world.world_size_source)
+    _check_sharding(cfg, world.world_size)
     _check_data_set(cfg)
     _check_executions(cfg)
     check_micro_batch_size(micro := (cfg["data"] or {}).get("micro_batch_size"))

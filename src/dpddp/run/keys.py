@@ -19,7 +19,7 @@ from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import ConfigError
 from dpddp.models.linear import LinearClassifier
 from dpddp.parallel.rules import DDP_OPTIONS
-from dpddp.run.plain import key_advice
+from dpddp.run.plain import GROUPS, PRESETS, key_advice
 
 __all__ = ["TOP_LEVEL_KEYS", "TRAINER_OWNED", "allowed_keys", "check_keys", "check_targets", "import_problem"]
 __all__ += ["key_hint", "target_class", "with_defaults"]
@@ -27,7 +27,6 @@ __all__ += ["key_hint", "target_class", "with_defaults"]
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
 TOP_LEVEL_RUN = ("steps_per_execution", "compile", "checkpoint", "check_replicas")  # how training runs, is checked
 TOP_LEVEL_OUTPUT = ("epoch_lines", "print_config", "curves", "objective")  # how a run reports progress and its result
-GROUPS = ("data", "model", "trainer", "logger", "callbacks")
 TOP_LEVEL_KEYS = (*TOP_LEVEL, *TOP_LEVEL_RUN, *TOP_LEVEL_OUTPUT, *GROUPS)
 # Trainer flags owned elsewhere: the top-level knobs, and what the global-batch contract and the run dir need.
 TRAINER_OWNED = {
@@ -40,9 +39,6 @@ TRAINER_OWNED = {
     "callbacks": "use the callbacks group",
     "default_root_dir": "the run directory is Hydra's: set hydra.run.dir",
 }
-
-PRESETS = ("experiment", "debug", "hparams_search")
-"""The config groups of presets (``conf/config.yaml``'s optional ones) whose files merge at the top level."""
 
 
 def _parameters(fn: Any) -> list[inspect.Parameter]:
@@ -60,11 +56,10 @@ def _params(fn: Any) -> list[str]:
     return [p.name for p in _parameters(fn) if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
-def with_defaults(cfg: DictConfig | Mapping, sections: tuple[str, ...] = ("model", "data")) -> DictConfig | Mapping:
-    """A copy of ``cfg`` whose ``sections`` also have each plain default of their ``_target_`` class's keys: what
-    the checks read. ``check_targets`` ran first."""
+def with_defaults(cfg: DictConfig | Mapping) -> DictConfig | Mapping:
+    """A copy of ``cfg`` whose ``model`` and ``data`` also have each plain default of their class's keys."""
     filled: Any = copy.deepcopy(cfg) if isinstance(cfg, DictConfig) else {**cfg}
-    for section in sections:
+    for section in ("model", "data"):
         spec = cfg.get(section)
         if not isinstance(spec, Mapping) or not spec.get("_target_"):
             continue
@@ -114,7 +109,6 @@ def import_problem(target: str) -> str | None:
 
 
 def _importable(key: str, target: str) -> None:
-    """Raises ``ConfigError`` naming ``key`` when ``target`` cannot be imported (``import_problem``)."""
     if problem := import_problem(target):
         raise ConfigError(f"{key}._target_={target!r} cannot be imported ({problem}): check the name")
 
@@ -130,10 +124,6 @@ def target_class(section: str, spec: Mapping) -> type:
     if not isinstance(found, type):
         raise ConfigError(f"{section}._target_={target!r} is not a class: name the class to build")
     return found
-
-
-INJECTED = {"logger": ("save_dir",)}
-"""The arguments dpddp passes as it builds a section's top nodes (a logger writes under the run directory)."""
 
 
 def missing_argument(node: Mapping, injected: tuple[str, ...] = ()) -> str | None:
@@ -163,8 +153,8 @@ def check_targets(cfg: Mapping) -> None:
             for name, value in node.items():
                 walk(value, f"{key}.{name}", injected if target is None else ())
 
-    for section in ("data", "model", "callbacks", "logger"):
-        walk(cfg.get(section), section, INJECTED.get(section, ()))
+    for section in ("data", "model", "callbacks", "logger"):  # dpddp gives a logger its save_dir (the run dir)
+        walk(cfg.get(section), section, ("save_dir",) if section == "logger" else ())
 
 
 def allowed_keys(cfg: Mapping | None = None) -> dict[str, list[str]]:

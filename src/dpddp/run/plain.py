@@ -15,11 +15,10 @@ from dpddp.errors import ConfigError, checked_int
 from dpddp.messages import omegaconf_reason
 from dpddp.parallel.settings import LIGHTNING_STRATEGIES, STRATEGIES, check_device_values
 
-__all__ = ["RANDOM_TENSORS", "check_plain", "check_resolvable", "key_advice"]
+__all__ = ["GROUPS", "PRESETS", "check_plain", "check_resolvable", "key_advice"]
 
-SIZES_FIX = "model.num_features=<features per sample> model.num_classes=<classes>"
-RANDOM_TENSORS = "dpddp.data.random_tensors.RandomTensorDataModule"
-"""The built-in data's ``_target_`` as the packaged config names it."""
+GROUPS = ("data", "model", "trainer", "logger", "callbacks")  # the config's sections that are groups
+PRESETS = ("experiment", "debug", "hparams_search")  # the groups of presets, merged at the top level
 
 
 def _interpolations(node: Any, path: tuple = ()) -> Iterable[tuple[tuple, str]]:
@@ -32,16 +31,11 @@ def _interpolations(node: Any, path: tuple = ()) -> Iterable[tuple[tuple, str]]:
             yield from _interpolations(value, (*path, key))
 
 
-def _dotted(path: tuple) -> str:
-    return "".join(f"[{p}]" if isinstance(p, int) else f"{'.' if i else ''}{p}" for i, p in enumerate(path))
-
-
-def check_resolvable(cfg: DictConfig, skip: tuple[str, ...] = ("hydra",)) -> None:
-    """Every interpolation in ``cfg`` outside the top-level keys ``skip`` resolves; else ``ConfigError`` for the first:
+def check_resolvable(cfg: DictConfig) -> None:
+    """Every interpolation in ``cfg`` outside ``hydra`` resolves; else ``ConfigError`` for the first:
     ``<key>='<as typed>' cannot be resolved (<reason>): <fix>``."""
-    unresolved = OmegaConf.to_container(cfg, resolve=False)
-    for path, value in _interpolations(unresolved):
-        if path[0] in skip:
+    for path, value in _interpolations(OmegaConf.to_container(cfg, resolve=False)):
+        if path[0] == "hydra":
             continue
         try:
             node: Any = cfg
@@ -56,9 +50,13 @@ def check_resolvable(cfg: DictConfig, skip: tuple[str, ...] = ("hydra",)) -> Non
                 else "give a value, or interpolate a key that exists (e.g. ${data.num_features})"
             )
             if path[0] == "model" and value == f"${{data.{path[-1]}}}":  # the model's sizes follow the data's
-                fix = f"the data has no {path[-1]} to follow: give the model's sizes ({SIZES_FIX}), or, for a class "
-                fix += "that takes neither, give model a yaml of its own (conf/model/<name>.yaml)"
-            raise ConfigError(f"{_dotted(path)}={value!r} cannot be resolved ({reason}): {fix}") from err
+                fix = (
+                    f"the data has no {path[-1]} to follow: give the model's sizes (model.num_features=<features per "
+                    "sample> model.num_classes=<classes>), or, for a class that takes neither, give model a yaml of "
+                    "its own (conf/model/<name>.yaml)"
+                )
+            dotted = "".join(f"[{p}]" if isinstance(p, int) else f"{'.' if i else ''}{p}" for i, p in enumerate(path))
+            raise ConfigError(f"{dotted}={value!r} cannot be resolved ({reason}): {fix}") from err
 
 
 def key_advice(prefix: str, key: str, allowed: list[str]) -> str:
@@ -75,7 +73,7 @@ def check_plain(cfg: DictConfig | Mapping) -> None:
             return
         check_device_values(cfg)
         checked_int("seed", cfg["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
-        if (cfg["data"] or {}).get("_target_") == RANDOM_TENSORS:
+        if (cfg["data"] or {}).get("_target_") == "dpddp.data.random_tensors.RandomTensorDataModule":
             check_random_tensors(cfg["data"], 1)
     except ConfigError:
         raise
