@@ -1,4 +1,4 @@
-"""``dpddp.parallel.rendezvous.join_start``: the ranks of one start agree on a fresh key prefix in a store that
+"""``dpddp.parallel.peers.join_start``: the ranks of one start agree on a fresh key prefix in a store that
 outlives starts (torchrun's agent store), also when a restarted rank reads the previous start's name first. In
 one process: each rank is a thread with its own client of a real TCPStore."""
 
@@ -14,8 +14,8 @@ import torch
 
 from dpddp._compat import AGENT_STORE_ENV
 from dpddp.errors import RankFailed
-from dpddp.parallel import rendezvous
-from dpddp.parallel.rendezvous import START_KEY, join_start, torchrun_restarted
+from dpddp.parallel import peers
+from dpddp.parallel.peers import START_KEY, join_start, torchrun_restarted
 
 
 @pytest.fixture
@@ -99,5 +99,5 @@ def test_an_unreachable_agent_store_is_no_restart(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv(AGENT_STORE_ENV, "True")
-    monkeypatch.setattr(rendezvous, "timedelta", lambda seconds: timedelta(seconds=0.5))
+    monkeypatch.setattr(peers, "timedelta", lambda seconds: timedelta(seconds=0.5))
     assert not torchrun_restarted()

@@ -17,10 +17,7 @@ from dpddp.errors import local_rank as local_rank
 
 def env_rank() -> int:
     """``RANK`` (torchrun, a PyTorchJob), else ``SLURM_PROCID``, else 0."""
-    for key in ("RANK", "SLURM_PROCID"):
-        if key in os.environ:
-            return int(os.environ[key])
-    return 0
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
 
 
 def writes_outputs() -> bool:
@@ -68,10 +65,8 @@ def launch_environment() -> dict[str, str]:
 
 def process_name() -> str:
     """``""`` on global rank 0; else ``rank<N>``, or ``node<N>`` for node N's first process started by hand."""
-    if env_rank():
-        return f"rank{env_rank()}"
     node = _node()
-    return f"node{node}" if node not in ("", "0") else ""
+    return f"rank{env_rank()}" if env_rank() else f"node{node}" if node not in ("", "0") else ""
 
 
 def _node() -> str:
@@ -79,18 +74,16 @@ def _node() -> str:
 
 
 def run_name() -> str:
-    """The run directory's name, alike on every process and restart of one job (``<YYYY-MM-DD>/<HH-MM-SS>`` outside
-    a launcher)."""
-    if "SLURM_JOB_ID" in os.environ and "SLURM_NTASKS" in os.environ:
-        return f"slurm-{os.environ['SLURM_JOB_ID']}"
-    day = time.strftime("%Y-%m-%d")
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id is not None:
-        return f"torchrun-{run_id}" if run_id != "none" else f"torchrun-{day}-port{os.environ.get('MASTER_PORT')}"
-    if "RANK" in os.environ and "MASTER_PORT" in os.environ:
-        address = re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("MASTER_ADDR", "localhost"))
-        return f"job-{address}-port{os.environ['MASTER_PORT']}"
-    return time.strftime("%Y-%m-%d/%H-%M-%S")
+    """The run directory's name, alike on every process and restart of one job: from ``launch_id``, else
+    ``torchrun-<day>-port<MASTER_PORT>`` (torchrun without ``--rdzv-id``) or ``<YYYY-MM-DD>/<HH-MM-SS>``."""
+    job = launch_id()
+    if job is None and os.environ.get("TORCHELASTIC_RUN_ID") == "none":
+        return f"torchrun-{time.strftime('%Y-%m-%d')}-port{os.environ.get('MASTER_PORT')}"
+    if job is None:
+        return time.strftime("%Y-%m-%d/%H-%M-%S")
+    kind, _, name = job.partition(":")
+    address, _, port = name.rpartition(":")
+    return f"{kind}-" + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{address}-port{port}" if kind == "job" else name)
 
 
 def launch_id() -> str | None:
@@ -130,14 +123,8 @@ def cluster_world_size(cluster: str = "auto") -> tuple[int, str] | None:
 
 LAUNCHED_ENV = "DPDDP_LAUNCHED"  # set in every rank dpddp's own launcher starts
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
-NUMBERS = (
-    *RANK_VARIABLES,
-    "SLURM_PROCID",
-    "SLURM_LOCALID",
-    "SLURM_NODEID",
-    "SLURM_NTASKS",
-    "TORCHELASTIC_RESTART_COUNT",
-)
+NUMBERS: tuple[str, ...] = (*RANK_VARIABLES, "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS")
+NUMBERS += ("TORCHELASTIC_RESTART_COUNT",)
 
 
 def refuse_non_integer_variables() -> None:

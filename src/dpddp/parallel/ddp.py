@@ -34,9 +34,8 @@ from dpddp.diagnostics.whereabouts import METRIC_SYNC, Whereabouts, current, ent
 from dpddp.errors import ConfigError, Preempted, ReplicasDiverged, StepFailed, first_line
 from dpddp.messages import unused_parameters
 from dpddp.parallel.launcher import JobLauncher, RankJob
-from dpddp.parallel.peers import PeerWatch
+from dpddp.parallel.peers import PeerWatch, join_start
 from dpddp.parallel.rank import run_rank
-from dpddp.parallel.rendezvous import join_start
 from dpddp.parallel.workers import start_workers_safely
 
 __all__ = ["UNUSED_PARAMETERS_LINE", "DDPStrategy", "apply_interface"]

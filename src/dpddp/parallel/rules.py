@@ -143,8 +143,23 @@ def resolve_world(cfg: Mapping) -> World:
         raise ConfigError(problem)
     world = world_of(cfg)
     cluster = cluster_world_size(cfg["cluster"])
-    if cluster and num_nodes == "auto" and ddp:
-        _check_elastic(cluster, world.devices)
+    if cluster and num_nodes == "auto" and ddp:  # elastic: devices x nodes must be the launcher's
+        local, per_node = torchrun_local_world_size(), world.devices
+        if local is not None and local.isdigit() and int(local) != per_node:
+            raise ConfigError(
+                f"devices={per_node} but torchrun started {local} processes on this node (LOCAL_WORLD_SIZE={local}): "
+                f"set devices={local}, or torchrun --nproc_per_node={per_node}"
+            )
+        if cluster[0] % per_node:
+            raise ConfigError(
+                f"num_nodes=auto: the cluster started {cluster[0]} processes ({cluster[1]}={cluster[0]}), which "
+                f"devices={per_node} per node does not divide: set devices to the processes per node"
+            )
+        if torchrun_run_id() == "none":
+            raise ConfigError(
+                "num_nodes=auto under torchrun without --rdzv-id: every start of an elastic job finds its run "
+                "directory and last.ckpt by the job's id: add torchrun --rdzv-id=<job id>"
+            )
     if cluster and not ddp and cluster[0] > 1:  # each process would train alone
         raise ConfigError(
             f"the cluster started {cluster[0]} processes ({cluster[1]}={cluster[0]}) but strategy={strategy} runs "
@@ -157,28 +172,6 @@ def resolve_world(cfg: Mapping) -> World:
             f"{cluster[0]} ({cluster[1]}={cluster[0]}): make devices x num_nodes match the cluster's tasks"
         )
     return world
-
-
-def _check_elastic(cluster: tuple[int, str], devices: int) -> None:
-    """``ConfigError`` unless ``devices`` divides a launcher's world size, is its local world size, and torchrun's
-    run id is stable (``--rdzv-id``)."""
-    size, name = cluster
-    local = torchrun_local_world_size()
-    if local is not None and local.isdigit() and int(local) != devices:
-        raise ConfigError(
-            f"devices={devices} but torchrun started {local} processes on this node (LOCAL_WORLD_SIZE={local}): "
-            f"set devices={local}, or torchrun --nproc_per_node={devices}"
-        )
-    if size % devices:
-        raise ConfigError(
-            f"num_nodes=auto: the cluster started {size} processes ({name}={size}), which devices={devices} per "
-            f"node does not divide: set devices to the processes per node"
-        )
-    if torchrun_run_id() == "none":
-        raise ConfigError(
-            "num_nodes=auto under torchrun without --rdzv-id: every start of an elastic job finds its run directory "
-            "and last.ckpt by the job's id: add torchrun --rdzv-id=<job id>"
-        )
 
 
 def check_strategy_options(options: Mapping) -> None:
