@@ -15,8 +15,7 @@ import torch
 from conftest import ROOT, compose_cfg, global_step, max_diff, run_train, weights
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from dpddp.continuity.intervals import checkpoint_intervals
-from dpddp.continuity.io import BACKGROUND, AtomicCheckpointIO
+from dpddp.continuity.io import BACKGROUND, AtomicCheckpointIO, checkpoint_intervals
 from dpddp.errors import ConfigError
 from dpddp.run.config import check_config
 from dpddp.run.training import train

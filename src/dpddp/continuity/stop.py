@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from dpddp._compat import disable_sigterm_broadcast, restore_sigterm_broadcast
 from dpddp.cluster import launched, launched_by_dpddp
-from dpddp.continuity.intervals import IntervalCheckpoints
+from dpddp.continuity.io import IntervalCheckpoints
 from dpddp.diagnostics.whereabouts import AGREEMENT, entering
 from dpddp.errors import Preempted, local_rank, stop_line
 
@@ -283,36 +283,32 @@ def starting_up(scope: RunScope) -> Iterator[None]:
 # -- the training loop -------------------------------------------------------------------------------------
 
 
+@dataclass
 class Pace:
-    """Every ``every`` batches (1 to 1000, from the slowest rank's batch time): about ``interval_s`` apart."""
+    """Agree every ``every`` batches (1 to 1000, set by ``agreed`` from the slowest rank's batch time)."""
 
-    def __init__(self) -> None:
-        self.every, self.batches, self.since = 1, 0, time.perf_counter()
+    every: int = 1
+    batches: int = 0
+    since: float = field(default_factory=time.perf_counter)
 
     def due(self) -> bool:
         self.batches += 1
         return self.batches >= self.every
 
-    def batch_s(self) -> float:
-        return (time.perf_counter() - self.since) / max(self.batches, 1)
-
-    def agreed(self, interval_s: float, batch_s: float) -> None:
-        self.every = int(min(max(interval_s / max(batch_s, 1e-9), 1), 1000))
-        self.batches, self.since = 0, time.perf_counter()
-
 
 def agreed(flag: int, device: torch.device, pace: Pace | None, interval_s: float) -> int:
-    """The ranks' largest ``flag`` (one ``all_reduce(MAX)``; ``flag`` without a group); with ``pace``, the slowest
-    rank's batch time sets its next due batch."""
+    """The ranks' largest ``flag`` (one ``all_reduce(MAX)``; ``flag`` without a group); with ``pace``, its next due
+    batch about ``interval_s`` on, by the slowest rank's batch time."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return int(flag)
-    batch_s = pace.batch_s() if pace is not None else 0.0
+    batch_s = (time.perf_counter() - pace.since) / max(pace.batches, 1) if pace is not None else 0.0
     flags = torch.tensor([float(flag), batch_s], dtype=torch.float64).to(device)
     with entering(AGREEMENT):
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
     reduced, batch_s = flags.tolist()
     if pace is not None:
-        pace.agreed(interval_s, batch_s)
+        pace.every = int(min(max(interval_s / max(batch_s, 1e-9), 1), 1000))
+        pace.batches, pace.since = 0, time.perf_counter()
     return int(reduced)
 
 

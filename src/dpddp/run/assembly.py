@@ -21,8 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpddp._compat import mend_finetuning, mend_swa, skip_empty_batch_hooks, softmax_per_sample
 from dpddp.cluster import launch_id, writes_outputs
-from dpddp.continuity.intervals import IntervalCheckpoints, checkpoint_intervals
-from dpddp.continuity.io import AtomicCheckpointIO
+from dpddp.continuity.io import AtomicCheckpointIO, IntervalCheckpoints, checkpoint_intervals
 from dpddp.continuity.replicas import ReplicaGuard, check_every
 from dpddp.continuity.state import ResumableState
 from dpddp.continuity.stop import StepBoundaryStop

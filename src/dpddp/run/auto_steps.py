@@ -21,7 +21,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from dpddp._compat import agent_store
 from dpddp.cluster import in_cluster_job, launched_by_dpddp, master_address, torchrun_restart_count
-from dpddp.continuity.intervals import checkpoint_intervals
+from dpddp.continuity.io import checkpoint_intervals
 from dpddp.data.global_batch import GlobalBatchDataModule
 from dpddp.diagnostics.bandwidth import step_seconds
 from dpddp.errors import first_line
