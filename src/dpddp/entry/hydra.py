@@ -107,8 +107,7 @@ def _resume_command(overrides: list[str], output_dir: Path, multirun: bool) -> s
     return resume_command(invoked, overrides, ("resume=", "hydra.run.dir="), add)
 
 
-CONFIG_OPTIONS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
-"""Hydra's command-line options that choose the configs a command composes (kept in a resume command)."""
+CONFIG_OPTIONS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")  # kept in a resume command
 
 
 def _config_options(args: list[str]) -> list[str]:
@@ -133,8 +132,7 @@ def run_job(cfg: DictConfig, stage: str = "fit", late: list[Callable[[], str]] |
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    overrides = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)  # as typed: ${...} kept
-    assert isinstance(overrides, list)
+    overrides: Any = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)  # as typed: ${...} kept
     try:
         plan = job_plan(cfg, stage)
     except ConfigError as err:
@@ -308,8 +306,7 @@ class StartChecks(HydraCallback):
 def _directory(config: DictConfig, mode: str) -> str:
     """``hydra.<mode>.dir`` resolved as in the job; else ``fail``."""
     HydraConfig.instance().set_config(config)  # what Hydra does next: ${hydra:...} resolves as in the job
-    section = OmegaConf.to_container(config.hydra[mode], resolve=False)
-    typed = section.get("dir") if isinstance(section, dict) else None
+    typed = OmegaConf.to_container(config.hydra[mode], resolve=False)["dir"]  # type: ignore[index]
     try:
         return str(config.hydra[mode].dir)
     except Exception as err:
@@ -393,29 +390,21 @@ def _cell(value: Any) -> str:
 
 def objective_of(config: DictConfig) -> tuple[str, bool]:
     """The metric a sweep's jobs return and whether higher is better (``direction``, else the checkpoint's mode)."""
-    name = str(config.get("objective") or "val/loss")
     direction = config.hydra.sweeper.get("direction") if "hydra" in config else None
     if isinstance(direction, str):
-        return name, direction == "maximize"
+        return objective(config), direction == "maximize"
     mode = ((config.get("callbacks") or {}).get("model_checkpoint") or {}).get("mode")
-    return name, mode == "max"
-
-
-def best_row(rows: list[dict[str, Any]], objective: tuple[str, bool]) -> dict[str, Any] | None:
-    """The finished row with the best finite ``objective`` (the first of equals), or ``None``."""
-    name, maximize = objective
-    scored = [r for r in rows if r["status"] == "ok" and isinstance(r.get(name), (int, float)) and r[name] == r[name]]
-    if not scored:
-        return None
-    return (max if maximize else min)(scored, key=lambda r: r[name])
+    return objective(config), mode == "max"
 
 
 def write_summary(sweep_dir: Path, objective: tuple[str, bool] = ("val/loss", False)) -> list[dict[str, Any]]:
     """Write ``summary.csv`` and ``summary.md`` (a row per job directory: the overrides that differ, a ``best``
-    column by ``objective``), print the table, draw ``curves.png``; return the rows."""
+    column: the first best finite ``objective``), print the table, draw ``curves.png``; return the rows."""
     job_dirs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     rows = [_job_row(p) for p in job_dirs]
-    best = best_row(rows, objective)
+    name, maximize = objective
+    scored = [r for r in rows if r["status"] == "ok" and isinstance(r.get(name), (int, float)) and r[name] == r[name]]
+    best = (max if maximize else min)(scored, key=lambda r: r[name]) if scored else None
     for row in rows:
         row["best"] = row is best
     given, common = varying([row["overrides"] for row in rows])
@@ -435,7 +424,6 @@ def write_summary(sweep_dir: Path, objective: tuple[str, bool] = ("val/loss", Fa
     (sweep_dir / "summary.md").write_text(table)
     print(f"\nsweep summary ({sweep_dir / 'summary.md'}):\n{table}")
     if best is not None:
-        name, maximize = objective
         print(f"best: job {best['job']} ({name}={_cell(best[name])}, the {'highest' if maximize else 'lowest'})")
     if any((p / "metrics.csv").is_file() for p in job_dirs):
         print(f"curves: {write_plot(sweep_dir)}")

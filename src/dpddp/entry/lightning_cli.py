@@ -28,7 +28,6 @@ from typing_extensions import override
 
 from dpddp.cluster import in_cluster_job, run_name
 from dpddp.continuity import stop
-from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.entry.command_line import argument_error, unknown_option
 from dpddp.errors import (
     ConfigError,
@@ -41,7 +40,6 @@ from dpddp.errors import (
     shell,
     unwritable,
 )
-from dpddp.models.linear import LinearClassifier
 from dpddp.parallel.rules import lightning_equivalent, lightning_name_line
 from dpddp.run.config import CLI_CALLBACKS, Plan, check_config
 from dpddp.run.training import STAGES, isolated_job, train
@@ -49,10 +47,7 @@ from dpddp.run.training import STAGES, isolated_job, train
 # jsonargparse 4.49 renamed ArgumentParser.save's skip_none to skip_unset (the old name warns, and goes in 5.0).
 SKIP_UNSET = compare_version("jsonargparse", operator.ge, "4.49", use_base_version=True)  # 4.49.0rc1 too
 KEEP_NONE = {"skip_unset" if SKIP_UNSET else "skip_none": False}
-DEFAULT_CLASSES = {
-    "model": f"{LinearClassifier.__module__}.{LinearClassifier.__qualname__}",
-    "data": f"{RandomTensorDataModule.__module__}.{RandomTensorDataModule.__qualname__}",
-}
+DEFAULT_CLASSES = {"model": "dpddp.models.linear.LinearClassifier", "data": "dpddp.data.random_tensors.RandomTensorDataModule"}
 """The classes ``--model``/``--data`` name when a command line names none."""
 HELP = (
     "Train, validate, test or predict any LightningModule (--model=pkg.Class, default: {model}) on any "
@@ -82,7 +77,7 @@ def monitor_defaults() -> tuple[str, str]:
 
 
 def _packaged(group: str) -> Any:
-    return OmegaConf.load(str(files("dpddp.conf").joinpath(f"{group}/default.yaml")))
+    return OmegaConf.load(str(files("dpddp.conf") / group / "default.yaml"))
 
 
 class DPDDPCLI(LightningCLI):
@@ -138,8 +133,8 @@ def _spec(value: Any) -> Any:
 
 
 def _follow_data(model: dict[str, Any], data: dict[str, Any]) -> None:
-    """The model's ``SIZES`` follow the data's where the model's is its class default (a jsonargparse link would
-    drop a given size from the saved config)."""
+    """The model's ``SIZES`` follow the data's where the model's is its class default (not a jsonargparse link:
+    it drops a given size from the saved config)."""
     defaults = inspect.signature(get_class(model["_target_"])).parameters
     for key in SIZES:
         if key in model and key in data and key in defaults and model[key] == defaults[key].default:
@@ -175,8 +170,7 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
         "compile": given.get("compile", False),
         "trainer": trainer,
     }
-    merged = OmegaConf.merge(cfg, update)
-    assert isinstance(merged, DictConfig)
+    merged: Any = OmegaConf.merge(cfg, update)
     monitor, mode = given["monitor"], given["monitor_mode"]  # DPDDPCLI's arguments, with their defaults
     if trainer.get("enable_checkpointing") is False:  # Lightning's meaning: no checkpoint callback, ours included
         merged.callbacks.model_checkpoint = merged.callbacks.last_checkpoint = None

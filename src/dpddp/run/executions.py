@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from contextlib import ExitStack
+from operator import itemgetter
 from typing import Any, cast
 
 import lightning.pytorch as pl
@@ -26,8 +27,6 @@ from dpddp.errors import ConfigError
 from dpddp.models.classifier import Classifier
 from dpddp.nn import select_sample_part, select_sample_row
 
-__all__ = ["KNOWN", "StepsPerExecution", "execution_steps", "known"]
-
 log = logging.getLogger(__name__)
 
 STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
@@ -39,6 +38,7 @@ KNOWN: tuple[type, ...] = (EarlyStopping, ModelSummary, RichModelSummary, ModelC
 KNOWN += (CSVLogger, TensorBoardLogger, MLFlowLogger, WandbLogger, DummyLogger)
 """Lightning's classes, matched by exact type, whose objects see nothing an execution changes."""
 TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+ROWS = (torch.Tensor, DeferredRows)  # what an execution batch holds a global batch per row of
 
 
 def known(obj: object) -> bool:
@@ -52,30 +52,11 @@ def execution_steps(batch: Any, steps: int) -> int:
     return extract_batch_size(batch) if steps > 1 else 1
 
 
-def lean_steps(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
-    """Whether a step may skip Lightning's per-step wrappers: plain ``Precision`` and no ``STEP_HOOKS`` (nor
-    ``backward``) overridden."""
-    if type(trainer.precision_plugin) is not Precision:
-        return False
-    if any(is_overridden(hook, module, pl.LightningModule) for hook in (*STEP_HOOKS, "backward")):
-        return False
-    return not any(is_overridden(hook, cb, pl.Callback) for cb in trainer.callbacks for hook in STEP_HOOKS)  # type: ignore[attr-defined]
-
-
-def _step_rows(batch: Any, i: int) -> Any:
-    """Global batch ``i`` of an execution batch: row ``i`` of every tensor (a plain tuple without a walk)."""
-    if type(batch) in (tuple, list) and all(isinstance(t, (torch.Tensor, DeferredRows)) for t in batch):
-        return type(batch)(t[i] for t in batch)
-    return apply_to_collection(batch, (torch.Tensor, DeferredRows), lambda t: t[i])
-
-
 class StepsPerExecution(pl.Callback):
     """Replaces ``module``'s ``training_step`` by manual optimization: ``zero_grad``, backward, ``clip`` and
     ``step`` for each of an execution's ``steps`` global batches (to ``max_steps``: ``cut``), so the weights equal
-    ``K=1``'s; ``micro`` (samples, or ``"auto"``: halved on out of memory) splits each step's share. ``auto``: K was
-    chosen by ``steps_per_execution=auto``. Raises ``ConfigError``: manual optimization, an overridden
-    ``SKIPPED_HOOKS``, BatchNorm with ``micro``; at the fit's start several optimizers, a scheduler with K above 1, a
-    plateau scheduler, clipping under a gradient scaler; a ``training_step`` returning ``None``."""
+    ``K=1``'s; ``micro`` (samples, or ``"auto"``: halved on out of memory) splits each step's share; ``auto``: K was
+    chosen by ``steps_per_execution=auto``. Raises ``ConfigError`` for what the weights could not equal K=1's in."""
 
     def __init__(
         self,
@@ -123,13 +104,14 @@ class StepsPerExecution(pl.Callback):
         self.cut = left < rows
         if self.cut:  # max_steps inside the execution: K=1 stops before the epoch's end, with no validation there
             skip_next_validation(trainer)
+        plain = type(batch) in (tuple, list) and all(isinstance(t, ROWS) for t in batch)  # its rows without a walk
         for i in range(min(rows, left)):
             if i:
                 count_logged_step(trainer)  # Lightning counts the loop iteration's first
             one = batch
             if self.steps > 1:
                 select_sample_row(i)  # the sample keys of global batch i
-                one = _step_rows(batch, i)
+                one = type(batch)(t[i] for t in batch) if plain else apply_to_collection(batch, ROWS, itemgetter(i))
             optimizer.zero_grad()
             lean = self.lean and self.micro is None
             if self.micro is not None:
@@ -262,7 +244,11 @@ class StepsPerExecution(pl.Callback):
                 f"trainer.gradient_clip_val={self.clip[0]} with {self.setting} under a gradient scaler "
                 f"(trainer.precision={trainer.precision}): use trainer.precision=bf16-mixed, or {self.fix}"
             )
-        self.lean, self.loop_dtype = lean_steps(trainer, pl_module), torch.get_default_dtype()
+        # A lean step skips Lightning's per-step wrappers: plain Precision, no STEP_HOOKS (nor backward) overridden.
+        wrapped: list[tuple[str, Any, type]] = [(h, pl_module, pl.LightningModule) for h in (*STEP_HOOKS, "backward")]
+        wrapped += [(h, cb, pl.Callback) for cb in trainer.callbacks for h in STEP_HOOKS]  # type: ignore[attr-defined]
+        self.lean = type(trainer.precision_plugin) is Precision and not any(is_overridden(*w) for w in wrapped)
+        self.loop_dtype = torch.get_default_dtype()
         data = trainer.datamodule  # type: ignore[attr-defined]
         if self.steps > 1 and self.lean and isinstance(data, GlobalBatchDataModule):
             hooked = any(

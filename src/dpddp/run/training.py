@@ -40,8 +40,6 @@ from dpddp.run.build import build
 from dpddp.run.config import Plan, check_config, check_model_callbacks, check_output_dir
 from dpddp.run.executions import StepsPerExecution
 
-__all__ = ["METRIC_KEYS", "STAGES", "isolated_job", "objective", "train", "train_rank"]
-
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # The global-batch data resumes mid-epoch exactly (its sampler skips the batches already trained), which
@@ -102,7 +100,7 @@ def _train(
         if executions is not None:
             executions.check_observers(trainer, datamodule)
         running.own(trainer)
-    metrics, ran, predict_error = _run_stages(trainer, model, datamodule, cfg, stage, running)
+    metrics, ran, predict_error = _run_stages(trainer, model, datamodule, plan, running)
     costs, records = _callback(trainer, Costs), _callback(trainer, EpochRecord)
     result: dict[str, Any] = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
     result.update(
@@ -156,8 +154,7 @@ TRAINING_KEYS = ("samples_per_sec", "train_time_s", "first_step_unix_s")
 def _missing(
     trainer: pl.Trainer, metrics: dict[str, float], stage: str, ran: set[str]
 ) -> tuple[dict[str, str], tuple[str, ...]]:
-    """Why each metric without a value has none, where more is known than ``report.metrics.MISSING``: the stage ran
-    alone (also left out of the log line), the model logged a non-finite value, or none in a stage that ran."""
+    """Why each metric without a value has none (beyond ``report.metrics.MISSING``), and the keys the line omits."""
     tally = _callback(trainer, FitTally)
     logged = {"val/": "validate" in ran or (tally is not None and tally.validated_step is not None)}
     logged["test/"] = "test" in ran
@@ -181,8 +178,7 @@ def objective(cfg: DictConfig) -> str:
 
 
 def _log_world(world: World, elastic: bool) -> None:
-    """Log this start's world size under DDP (once per node); with ``elastic`` under torchrun sharing its store
-    with the workers, warn that a node joining at a restart cannot start (torch 2.13)."""
+    """Log this start's world size under DDP (once per node); warn where an ``elastic`` node cannot join."""
     if world.family != "ddp" or launched_by_dpddp():
         return
     size, count, per = world.world_size, world.nodes, world.processes_per_node
@@ -210,21 +206,17 @@ def train_rank(job: RankJob) -> None:
 
 
 def _run_stages(
-    trainer: pl.Trainer,
-    model: pl.LightningModule,
-    datamodule: pl.LightningDataModule,
-    cfg: DictConfig,
-    stage: str,
-    running: RunScope,
+    trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule, plan: Plan, running: RunScope
 ) -> tuple[dict[str, float], set[str], Exception | None]:
-    """Run ``stage``; return the metrics as floats, the stages run, and a predict's error after a fit (the fit's
-    metrics stand). A lost rank or loader worker is named; a SIGTERM since the last agreement raises ``Preempted``."""
+    """Run the plan's stage; return the metrics as floats, the stages run, and a predict's error after a fit (the
+    fit's metrics stand). A lost rank or loader worker is named; a SIGTERM since the last agreement: ``Preempted``."""
+    cfg, stage = plan.cfg, plan.stage
     finished, predict_error, ran, metrics = False, None, {stage}, {}
     try:
         if stage == "fit":
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
             metrics.update(_floats(trainer.callback_metrics))
-            metrics.update(_final_weights(trainer, model, datamodule))
+            metrics.update(_final_weights(trainer))
             if is_overridden("test_step", model):  # a user's model may have none: test/* are then null
                 trainer.test(model, datamodule=datamodule, verbose=False)
                 ran.add("test")
@@ -268,9 +260,7 @@ def _named(trainer: pl.Trainer, err: Exception) -> Exception:
     return RankFailed(f"{'; '.join(lost)}; ending the run (rank 0: {first_line(err)})") if lost else err
 
 
-def _final_weights(
-    trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule
-) -> dict[str, float]:
+def _final_weights(trainer: pl.Trainer) -> dict[str, float]:
     """Make the fit's outputs the final weights': write ``last.ckpt`` if its last write holds others, and validate
     if the last validation ran on others (a mid-epoch stop, a swapped-in average); return the new metrics, if any."""
     if trainer.fast_dev_run:  # type: ignore[attr-defined]  # no checkpoint, no more validation (Lightning)
@@ -281,9 +271,10 @@ def _final_weights(
     tally = _callback(trainer, FitTally)
     if tally is not None and tally.validated_step == trainer.global_step and not averaged:
         return {}
+    model = trainer.lightning_module
     if trainer.limit_val_batches == 0 or not is_overridden("validation_step", model):
         return {}
-    trainer.validate(model, datamodule=datamodule, verbose=False)
+    trainer.validate(model, datamodule=trainer.datamodule, verbose=False)  # type: ignore[attr-defined]
     return _floats(trainer.callback_metrics)
 
 
