@@ -72,9 +72,11 @@ class Costs(pl.Callback):
         self._timer: AllReduceTimer | None = None
 
     def _waited(self, settle: bool = False) -> float | None:
+        """The run's all-reduce seconds so far, kept in ``counts``; ``None`` when not timed."""
         if self._timer is None:
             return None
-        return self._base + (self._timer.settle() if settle else self._timer.seconds)
+        self.counts.allreduce_seconds = self._base + (self._timer.settle() if settle else self._timer.seconds)
+        return self.counts.allreduce_seconds
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -92,9 +94,7 @@ class Costs(pl.Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        seconds = self._waited()
-        if seconds is not None:
-            self.counts.allreduce_seconds = seconds
+        self._waited()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -111,10 +111,7 @@ class Costs(pl.Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        waited = self._waited(settle=True)
-        if waited is not None:
-            self.counts.allreduce_seconds = waited
-        found = self._over_ranks(trainer, waited, self.counts.fallback_seconds)
+        found = self._over_ranks(trainer, self._waited(settle=True), self.counts.fallback_seconds)
         peak = max(found["peak_mem_mib"], self.counts.peak_mem_mib)  # a continued run: its earlier segments too
         self.counts.peak_mem_mib = peak
         trainer.callback_metrics[self.MEMORY_KEY] = torch.tensor(peak, dtype=torch.float64)

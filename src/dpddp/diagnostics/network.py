@@ -27,33 +27,18 @@ def interface_address(name: str) -> str | None:
     return socket.inet_ntoa(reply[20:24])  # struct ifreq: 16-byte name, then sockaddr_in (family, port, addr)
 
 
-def _ipv6_interface(address: ipaddress.IPv6Address) -> str | None:
-    try:
-        rows = [line.split() for line in Path(_IF_INET6).read_text().splitlines()]
-        return next((f[5] for f in rows if len(f) == 6 and ipaddress.IPv6Address(int(f[0], 16)) == address), None)
-    except (OSError, ValueError):
-        return None
-
-
 def interface_for_address(address: str) -> str | None:
     """The local interface holding ``address`` (an IP literal, IPv6 with an optional ``%scope``), or ``None``."""
-    host, _, scope = address.partition("%")
     try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
+        ip = ipaddress.ip_address(address)
+        if isinstance(ip, ipaddress.IPv4Address):
+            return next((n for _, n in socket.if_nameindex() if interface_address(n) == str(ip)), None)
+        if ip.scope_id:
+            return socket.if_indextoname(int(ip.scope_id)) if ip.scope_id.isdigit() else ip.scope_id
+        rows = [line.split() for line in Path(_IF_INET6).read_text().splitlines()]
+        return next((f[5] for f in rows if len(f) == 6 and ipaddress.IPv6Address(int(f[0], 16)) == ip), None)
+    except (OSError, ValueError):
         return None
-    if ip.version == 6:
-        if scope:
-            try:
-                return socket.if_indextoname(int(scope)) if scope.isdigit() else scope
-            except OSError:
-                return None
-        return _ipv6_interface(ip)
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    return next((name for name in names if interface_address(name) == str(ip)), None)
 
 
 def _resolve(address: str, port: int, kind: int) -> list[tuple[Any, ...]] | None:

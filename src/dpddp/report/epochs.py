@@ -146,13 +146,12 @@ class EpochRecord(pl.Callback):
 
     @override
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.is_global_zero:
-            return
-        metrics = trainer.callback_metrics
-        row: dict[str, Any] = {k: float(metrics[k]) for k in ("test/loss", "test/acc") if k in metrics}
-        epoch = self.table.rows[-1]["epoch"] if self.table.rows else ""
-        row["world_size"] = trainer.world_size
-        self._write([{"stage": "test", "epoch": epoch, "step": trainer.global_step, **row}], "a")
+        if trainer.is_global_zero:
+            metrics = trainer.callback_metrics
+            row: dict[str, Any] = {"stage": "test", "epoch": self.table.rows[-1]["epoch"] if self.table.rows else ""}
+            row.update(step=trainer.global_step, world_size=trainer.world_size)
+            row.update({k: float(metrics[k]) for k in ("test/loss", "test/acc") if k in metrics})
+            self._write([row], "a")
 
     def snapshot(self) -> EpochTable:
         """The table as a checkpoint taken now holds it: the running segment's seconds included."""

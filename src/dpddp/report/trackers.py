@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 IDS_FILE = "trackers.json"
 """``<run dir>/trackers.json``: ``{"mlflow": {"run_id": ..., "experiment_id": ...}, "wandb": {"id": ...}}``."""
 KINDS = {"MLFlowLogger": "mlflow", "WandbLogger": "wandb"}
+SWEEP_EXPERIMENT = "dpddp sweep {}"  # the experiment (W&B: group) of every job of the sweep in a directory
+MLFLOW_STORE = "sqlite:///{}/mlflow.db"  # MLflow's default store, in <where dpddp runs>/outputs
 
 
 def is_tracker(spec: Any) -> str | None:
@@ -51,17 +53,8 @@ def _identity(output_dir: Path) -> tuple[str, str, dict[str, str]]:
     if hydra.mode == RunMode.MULTIRUN:
         sweep = str(Path(hydra.sweep.dir))
         tags.update({"dpddp.job": str(hydra.job.num), "dpddp.sweep_dir": sweep})
-        return sweep_experiment(sweep), f"job {hydra.job.num}: {shown}".strip(), tags
+        return SWEEP_EXPERIMENT.format(sweep), f"job {hydra.job.num}: {shown}".strip(), tags
     return "dpddp", str(Path(hydra.run.dir)), tags
-
-
-def sweep_experiment(sweep_dir: str) -> str:
-    """The experiment (W&B: group) of every job of the sweep in ``sweep_dir``."""
-    return f"dpddp sweep {sweep_dir}"
-
-
-def _mlflow_uri(root: Path) -> str:
-    return f"sqlite:///{root / 'mlflow.db'}"
 
 
 def logger_specs(cfg: Any) -> list[tuple[str, Any]]:
@@ -122,8 +115,8 @@ def check_file_stores(configs: list[DictConfig]) -> None:
 def open_stores(configs: list[DictConfig], sweep_dir: str, cwd: Path) -> None:
     """Make each MLflow store and experiment the sweep's jobs share, before they start; ``ConfigError`` if one fails."""
     for key, spec in _mlflow_specs(configs):
-        uri = str(spec.get("tracking_uri") or _mlflow_uri(cwd / "outputs"))
-        name = str(spec.get("experiment_name") or sweep_experiment(sweep_dir))
+        uri = str(spec.get("tracking_uri") or MLFLOW_STORE.format(cwd / "outputs"))
+        name = str(spec.get("experiment_name") or SWEEP_EXPERIMENT.format(sweep_dir))
         _opened(key, uri, name, spec.get("artifact_location"))
 
 
@@ -134,10 +127,10 @@ def tracker_options(kind: str, spec: DictConfig, output_dir: Path, key: str = "l
     kept = kept_ids(output_dir).get(kind, {})
     if kind == "mlflow":
         root = (Path(HydraConfig.get().runtime.cwd) if HydraConfig.initialized() else Path.cwd()) / "outputs"
-        uri = str(spec.get("tracking_uri") or _mlflow_uri(root))
+        uri = str(spec.get("tracking_uri") or MLFLOW_STORE.format(root))
         _opened(key, uri, str(spec.get("experiment_name") or experiment), spec.get("artifact_location"))
         options: dict[str, Any] = {
-            "tracking_uri": _mlflow_uri(root),
+            "tracking_uri": MLFLOW_STORE.format(root),
             "experiment_name": experiment,
             "run_name": name,
             "tags": tags,
@@ -176,14 +169,11 @@ class TrackerRuns(pl.Callback):
         for logger in trainer.loggers:
             kind = KINDS.get(type(logger).__name__)
             if kind == "mlflow":
-                new["mlflow"] = {"run_id": logger.run_id, "experiment_id": logger.experiment_id}  # type: ignore[attr-defined]
+                new[kind] = {"run_id": logger.run_id, "experiment_id": logger.experiment_id}  # type: ignore[attr-defined]
             elif kind == "wandb":
-                new["wandb"] = {"id": logger.experiment.id}  # type: ignore[attr-defined]
-            else:
-                continue
-            if kind not in kept:
-                config = OmegaConf.to_container(self.cfg, resolve=True)
-                logger.log_hyperparams(_flat(config))
+                new[kind] = {"id": logger.experiment.id}  # type: ignore[attr-defined]
+            if kind is not None and kind not in kept:
+                logger.log_hyperparams(_flat(OmegaConf.to_container(self.cfg, resolve=True)))
         if new != kept:
             (self.output_dir / IDS_FILE).write_text(json.dumps(new, indent=2) + "\n")
 
