@@ -42,7 +42,6 @@ from packaging.version import Version
 from torchmetrics import MeanMetric
 
 from dpddp import DataParallelStrategy, _compat
-from dpddp._compat import processes
 from dpddp.entry import hydra as hydra_entry
 from dpddp.entry.command_line import MODE_GROUPS
 from dpddp.parallel.ddp import DDPStrategy
@@ -768,11 +767,11 @@ def test_forget_forkserver_gives_a_forked_process_a_fork_server_of_its_own():
     parent_server = server_module._forkserver._forkserver_pid
 
     def child() -> str:
-        processes.forget_forkserver()
+        _compat.forget_forkserver()
         assert server_module._forkserver._forkserver_pid is None
         server_module.ensure_running()
         own = server_module._forkserver._forkserver_pid
-        processes.stop_worker_servers()
+        _compat.stop_worker_servers()
         return str(own)
 
     said, code = _in_forked_child(child)
@@ -790,12 +789,12 @@ def test_forkserver_preload_is_what_set_forkserver_preload_set_and_a_loader_adds
 
     from dpddp.parallel import workers
 
-    before = processes.forkserver_preload()
+    before = _compat.forkserver_preload()
     try:
         multiprocessing.set_forkserver_preload(["__main__", "json"])
-        assert processes.forkserver_preload() == ["__main__", "json"]
+        assert _compat.forkserver_preload() == ["__main__", "json"]
         workers.start_workers_safely(DataLoader(TensorDataset(torch.zeros(2)), num_workers=1), 0)
-        after = processes.forkserver_preload()
+        after = _compat.forkserver_preload()
         assert {"json", "torch", workers.__name__, TensorDataset.__module__} <= set(after) and "__main__" not in after
     finally:
         multiprocessing.set_forkserver_preload(before)
@@ -810,10 +809,10 @@ def test_at_multiprocessing_exit_registers_a_function_once_per_process():
         return [f for f in list(registry.values()) if f._callback is print and f._pid == os.getpid()]
 
     try:
-        processes.at_multiprocessing_exit(print)
-        processes.at_multiprocessing_exit(print)
+        _compat.at_multiprocessing_exit(print)
+        _compat.at_multiprocessing_exit(print)
         assert [f._key[0] for f in mine()] == [-100]
-        said, code = _in_forked_child(lambda: (processes.at_multiprocessing_exit(print), str(len(mine())))[1])
+        said, code = _in_forked_child(lambda: (_compat.at_multiprocessing_exit(print), str(len(mine())))[1])
         assert (said, code) == ("1", 0)
     finally:
         for finalizer in mine():
@@ -824,13 +823,13 @@ def test_at_multiprocessing_exit_registers_a_function_once_per_process():
 _EXIT_SCRIPT = """
 import multiprocessing, multiprocessing.forkserver as server, multiprocessing.resource_tracker as tracker, os, time
 import multiprocessing.util
-from dpddp._compat import processes
+from dpddp import _compat
 context = multiprocessing.get_context("forkserver")
 lock = context.Lock()  # a semaphore the tracker knows: multiprocessing unlinks and unregisters it at exit
 child = context.Process(target=time.sleep, args=(60,), daemon=True)  # joined at exit, after a SIGTERM
 child.start()
 pids = [server._forkserver._forkserver_pid, tracker._resource_tracker._pid, child.pid]
-processes.at_multiprocessing_exit(processes.stop_worker_servers)
+_compat.at_multiprocessing_exit(_compat.stop_worker_servers)
 def after():  # runs after the finalizer under test, before this process exits
     for pid in pids:
         try:
@@ -863,18 +862,18 @@ def test_raised_pickling_a_process_is_true_for_a_process_multiprocessing_cannot_
         process = multiprocessing.get_context(method).Process(target=lambda: None)
         with pytest.raises(Exception) as err:
             process.start()
-        assert processes.raised_pickling_a_process(err.value), (method, err.value)
+        assert _compat.raised_pickling_a_process(err.value), (method, err.value)
     try:
         raise RuntimeError("Can't pickle this")
     except RuntimeError as other:
-        assert not processes.raised_pickling_a_process(other)
+        assert not _compat.raised_pickling_a_process(other)
 
 
 def test_the_fork_server_runs_python_c_with_fork_server_command_and_this_process_is_not_it():
     """``in_fork_server`` knows the server by the command ``ForkServer.ensure_running`` starts it with."""
     source = inspect.getsource(server_module.ForkServer.ensure_running)
-    assert f"cmd = ('{processes.FORK_SERVER_COMMAND}; ' +" in source and "args += ['-c', cmd]" in source
-    assert not processes.in_fork_server()
+    assert f"cmd = ('{_compat.FORK_SERVER_COMMAND}; ' +" in source and "args += ['-c', cmd]" in source
+    assert not _compat.in_fork_server()
 
 
 def test_hydra_main_reports_through_run_and_report_and_hydra_reported_sees_it_first(tmp_path, monkeypatch, capsys):
@@ -1172,7 +1171,7 @@ def test_forget_resource_sharer_gives_a_forked_process_a_sharer_of_its_own():
     parent_address, _ = resource_sharer._resource_sharer.register(lambda conn, pid: None, lambda: None)
 
     def child() -> str:
-        processes.forget_resource_sharer()
+        _compat.forget_resource_sharer()
         own, _ = resource_sharer._resource_sharer.register(lambda conn, pid: None, lambda: None)
         resource_sharer.stop()
         return str(own)

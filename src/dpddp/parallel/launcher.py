@@ -25,8 +25,13 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins import ClusterEnvironment
 from typing_extensions import override
 
-from dpddp._compat import SubprocessScriptLauncher, set_num_threads_if_needed
-from dpddp._compat.processes import forget_forkserver, forget_resource_sharer, stop_worker_servers
+from dpddp._compat import (
+    SubprocessScriptLauncher,
+    forget_forkserver,
+    forget_resource_sharer,
+    set_num_threads_if_needed,
+    stop_worker_servers,
+)
 from dpddp.cluster import LAUNCHED_ENV, master_address
 from dpddp.diagnostics.network import route_interface
 from dpddp.errors import EXIT_CRASH, EXIT_PREEMPTED, ConfigError, RankFailed, first_line

@@ -15,7 +15,7 @@ from types import FunctionType, ModuleType
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader
 
-from dpddp._compat.processes import (
+from dpddp._compat import (
     at_multiprocessing_exit,
     forget_forkserver,
     forkserver_preload,
