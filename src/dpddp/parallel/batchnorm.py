@@ -19,8 +19,6 @@ from dpddp.diagnostics.whereabouts import BATCHNORM, entering
 from dpddp.errors import ConfigError
 from dpddp.parallel.rules import world_of
 
-__all__ = ["BatchNormSync", "GlobalBatchNorm", "batchnorm_plugins", "convert", "revert"]
-
 log = logging.getLogger(__name__)
 
 ORIGINAL = "_dpddp_original"  # where a converted layer keeps the module it replaced (outside ``state_dict``)

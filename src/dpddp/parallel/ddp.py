@@ -17,17 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from typing_extensions import override
 
-from dpddp._compat import (
-    Launcher,
-    agent_store,
-    bucket_assignment,
-    init_process_group,
-    load_powersgd_state,
-    powersgd_state,
-    rank0_store,
-    resolve_process_group_backend,
-    wrapping_frozen,
-)
+import dpddp._compat as compat
 from dpddp.diagnostics.allreduce import COMM_HOOKS, AllReduceTimer
 from dpddp.diagnostics.network import choose_interface, interface_address
 from dpddp.diagnostics.whereabouts import METRIC_SYNC, Whereabouts, current, entering
@@ -37,8 +27,6 @@ from dpddp.parallel.launcher import JobLauncher, RankJob
 from dpddp.parallel.peers import PeerWatch, join_start
 from dpddp.parallel.rank import run_rank
 from dpddp.parallel.workers import start_workers_safely
-
-__all__ = ["UNUSED_PARAMETERS_LINE", "DDPStrategy", "apply_interface"]
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +98,7 @@ class DDPStrategy(LightningDDPStrategy):
 
     @property
     @override
-    def launcher(self) -> Launcher | None:
+    def launcher(self) -> compat.Launcher | None:
         """A ``JobLauncher`` for a ``popen`` launch with a job; else Lightning's."""
         if self.job is None or self.start_method != "popen":
             return super().launcher
@@ -157,7 +145,7 @@ class DDPStrategy(LightningDDPStrategy):
         self.set_world_ranks()
         if not initialized:
             log.info(f"network: {apply_interface(env.main_address, self.num_nodes)}")
-            client = agent_store(env.main_address, env.main_port, self.pg_timeout)
+            client = compat.agent_store(env.main_address, env.main_port, self.pg_timeout)
             if client is not None:
                 self._prefix = join_start(
                     client, self.global_rank, self.world_size, self.num_processes, self.pg_timeout.total_seconds()
@@ -174,12 +162,12 @@ class DDPStrategy(LightningDDPStrategy):
         if initialized or (store is None and sock is None):
             return super().setup_distributed()
         reset_seed()
-        backend = resolve_process_group_backend(self)
+        backend = compat.resolve_process_group_backend(self)
         if sock is not None:
             assert launcher is not None
             launcher.listen_socket = None
-            store = rank0_store(sock, self.world_size, self.pg_timeout)
-        init_process_group(env, backend, self.pg_timeout, self.root_device, store)
+            store = compat.rank0_store(sock, self.world_size, self.pg_timeout)
+        compat.init_process_group(env, backend, self.pg_timeout, self.root_device, store)
 
     @override
     def configure_ddp(self) -> None:
@@ -189,9 +177,9 @@ class DDPStrategy(LightningDDPStrategy):
         assert module is not None
         with contextlib.ExitStack() as stack:
             if any(isinstance(c, BaseFinetuning) for c in getattr(module.trainer, "callbacks", [])):
-                stack.enter_context(wrapping_frozen(self, module))
+                stack.enter_context(compat.wrapping_frozen(self, module))
             if self.comm_state is not None:
-                params = stack.enter_context(bucket_assignment(self._restored_layout))
+                params = stack.enter_context(compat.bucket_assignment(self._restored_layout))
             super().configure_ddp()
         if self.comm_state is not None:
             self._param_index = {id(p): i for i, p in enumerate(params)}
@@ -210,12 +198,12 @@ class DDPStrategy(LightningDDPStrategy):
         if self.comm_state is None:
             return None
         layout = [self._layout[i] for i in sorted(self._layout)]
-        return {"powersgd": powersgd_state(self.comm_state), "layout": layout}
+        return {"powersgd": compat.powersgd_state(self.comm_state), "layout": layout}
 
     def load_comm_state_dict(self, saved: dict[str, Any]) -> None:
         """Restore a ``comm_state_dict`` before ``configure_ddp``: the state, and DDP's first buckets as saved."""
         assert self.comm_state is not None
-        load_powersgd_state(self.comm_state, saved["powersgd"], self.root_device)
+        compat.load_powersgd_state(self.comm_state, saved["powersgd"], self.root_device)
         self._restored_layout = [list(b) for b in saved["layout"]] or None
 
     @override

@@ -12,8 +12,6 @@ from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from torch import nn
 from typing_extensions import override
 
-__all__ = ["DataParallelStrategy", "OneProcessStrategy", "replicate_forward", "restore_forward"]
-
 
 class _Forward(nn.Module):
     """Runs the class's forward on each replica's copy of ``module`` (bypassing the instance-level patch)."""

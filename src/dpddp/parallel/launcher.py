@@ -36,8 +36,6 @@ from dpddp.cluster import LAUNCHED_ENV, master_address
 from dpddp.diagnostics.network import route_interface
 from dpddp.errors import EXIT_CRASH, EXIT_PREEMPTED, ConfigError, RankFailed, first_line
 
-__all__ = ["JobLauncher", "RankJob", "die_with_parent"]
-
 log = logging.getLogger(__name__)
 
 

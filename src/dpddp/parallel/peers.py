@@ -20,9 +20,6 @@ from dpddp._compat import agent_store
 from dpddp.cluster import master_address, torchrun_restart_count
 from dpddp.errors import RankFailed
 
-__all__ = ["BEAT_S", "CAUSE_GRACE_S", "STALE_S", "START_KEY", "PeerWatch", "StoreClient", "describe_ranks"]
-__all__ += ["join_start", "torchrun_restarted"]
-
 log = logging.getLogger(__name__)
 
 BEAT_S = 0.5  # seconds between two heartbeats (and reads of the peers')

@@ -12,8 +12,6 @@ from dpddp.errors import log_to, shell
 from dpddp.parallel.launcher import RankJob
 from dpddp.parallel.rules import world_of
 
-__all__ = ["main", "run_rank"]
-
 
 def run_rank(job: RankJob) -> int:
     """Run this rank's share of ``job``, logging to ``<run dir>/rank<N>.log``; return 0, or raise ``SystemExit`` with

@@ -11,26 +11,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
+import dpddp.cluster as launch
 from dpddp._compat import registered_strategies
-from dpddp.cluster import (
-    cluster_world_size,
-    env_rank,
-    launch_id,
-    launched_by_dpddp,
-    master_address,
-    node_rank,
-    stray_address_variables,
-    stray_rank_variables,
-    torchrun_local_world_size,
-    torchrun_run_id,
-    writes_outputs,
-)
 from dpddp.diagnostics.allreduce import COMM_HOOKS
 from dpddp.errors import ConfigError, checked_float, checked_int, local_rank
 from dpddp.parallel.settings import CLUSTERS, STRATEGIES, check_device_values
-
-__all__ = ["DDP_FAMILY", "DDP_OPTIONS", "STRATEGIES", "World", "check_strategy_options", "is_ddp_family"]
-__all__ += ["lightning_equivalent", "lightning_name_line", "resolve_accelerator", "resolve_world", "world_of"]
 
 DDP_FAMILY = ("ddp", "ddp_spawn")
 """The strategies that run one process per device (dpddp's launcher, or a cluster's); the others run one."""
@@ -80,7 +65,7 @@ def world_of(cfg: Mapping) -> World:
     strategy = cfg["strategy"]["name"]
     family = "ddp" if is_ddp_family(strategy) else "dp" if strategy == "dp" else "one"
     devices = cfg["devices"] if cfg["devices"] != -1 else torch.cuda.device_count()
-    elastic = cluster_world_size(cfg["cluster"]) if family == "ddp" and cfg["num_nodes"] == "auto" else None
+    elastic = launch.cluster_world_size(cfg["cluster"]) if family == "ddp" and cfg["num_nodes"] == "auto" else None
     if elastic is not None:
         nodes = max(elastic[0] // max(devices, 1), 1)
     else:
@@ -96,10 +81,10 @@ def world_of(cfg: Mapping) -> World:
         world_size=size,
         world_size_source=f"{elastic[1]}={elastic[0]}" if elastic else "devices x num_nodes",
         replicas=devices if family == "dp" else size,
-        global_rank=node_rank() * devices + local_rank() if launched_by_dpddp() else env_rank(),
+        global_rank=launch.node_rank() * devices + local_rank() if launch.launched_by_dpddp() else launch.env_rank(),
         local_rank=local_rank(),
-        writes_outputs=writes_outputs(),
-        launch_id=launch_id(),
+        writes_outputs=launch.writes_outputs(),
+        launch_id=launch.launch_id(),
     )
 
 
@@ -137,39 +122,39 @@ def resolve_world(cfg: Mapping) -> World:
         raise ConfigError(f"cluster={cfg['cluster']!r} is unknown: choose one of {', '.join(CLUSTERS)}")
     check_strategy_options(cfg["strategy"])
     alone = 1 if num_nodes == "auto" else num_nodes  # the nodes of a run no launcher started (auto: this one)
-    if problem := stray_rank_variables(cfg["cluster"], alone):  # before world_of reads the rank variables
+    if problem := launch.stray_rank_variables(cfg["cluster"], alone):  # before world_of reads the rank variables
         raise ConfigError(problem)
-    if ddp and (problem := stray_address_variables(cfg["cluster"], alone)):
+    if ddp and (problem := launch.stray_address_variables(cfg["cluster"], alone)):
         raise ConfigError(problem)
     world = world_of(cfg)
-    cluster = cluster_world_size(cfg["cluster"])
-    if cluster and num_nodes == "auto" and ddp:  # elastic: devices x nodes must be the launcher's
-        local, per_node = torchrun_local_world_size(), world.devices
+    started = launch.cluster_world_size(cfg["cluster"])
+    if started and num_nodes == "auto" and ddp:  # elastic: devices x nodes must be the launcher's
+        local, per_node = launch.torchrun_local_world_size(), world.devices
         if local is not None and local.isdigit() and int(local) != per_node:
             raise ConfigError(
                 f"devices={per_node} but torchrun started {local} processes on this node (LOCAL_WORLD_SIZE={local}): "
                 f"set devices={local}, or torchrun --nproc_per_node={per_node}"
             )
-        if cluster[0] % per_node:
+        if started[0] % per_node:
             raise ConfigError(
-                f"num_nodes=auto: the cluster started {cluster[0]} processes ({cluster[1]}={cluster[0]}), which "
+                f"num_nodes=auto: the cluster started {started[0]} processes ({started[1]}={started[0]}), which "
                 f"devices={per_node} per node does not divide: set devices to the processes per node"
             )
-        if torchrun_run_id() == "none":
+        if launch.torchrun_run_id() == "none":
             raise ConfigError(
                 "num_nodes=auto under torchrun without --rdzv-id: every start of an elastic job finds its run "
                 "directory and last.ckpt by the job's id: add torchrun --rdzv-id=<job id>"
             )
-    if cluster and not ddp and cluster[0] > 1:  # each process would train alone
+    if started and not ddp and started[0] > 1:  # each process would train alone
         raise ConfigError(
-            f"the cluster started {cluster[0]} processes ({cluster[1]}={cluster[0]}) but strategy={strategy} runs "
+            f"the cluster started {started[0]} processes ({started[1]}={started[0]}) but strategy={strategy} runs "
             f"one, so each would train alone into the same directory: use strategy=ddp with devices x num_nodes = "
-            f"{cluster[0]}"
+            f"{started[0]}"
         )
-    if cluster and ddp and cluster[0] != world.world_size:
+    if started and ddp and started[0] != world.world_size:
         raise ConfigError(
             f"devices={devices} x num_nodes={num_nodes} = {world.world_size} processes, but the cluster started "
-            f"{cluster[0]} ({cluster[1]}={cluster[0]}): make devices x num_nodes match the cluster's tasks"
+            f"{started[0]} ({started[1]}={started[0]}): make devices x num_nodes match the cluster's tasks"
         )
     return world
 
@@ -212,7 +197,7 @@ def check_strategy_options(options: Mapping) -> None:
     for key in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
         if key in options and not isinstance(options[key], bool):
             raise ConfigError(f"strategy.{key}={options[key]!r} is invalid: use true or false")
-    port = master_address()[1]
+    port = launch.master_address()[1]
     if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
         raise ConfigError(f"MASTER_PORT={port!r} (environment) is not a port: unset it or use 1-65535")
 

@@ -27,9 +27,6 @@ from dpddp.errors import LoaderFailed, first_line
 from dpddp.messages import dataloader_failure
 from dpddp.parallel.launcher import die_with_parent
 
-__all__ = ["START_METHOD", "WORKER_TIMEOUT_S", "WorkerInitFailed", "WorkerStart", "loader_failed"]
-__all__ += ["start_workers_safely"]
-
 START_METHOD = "forkserver"  # a fork of a rank that runs threads can deadlock in the child
 WORKER_TIMEOUT_S = 60.0  # seconds a rank waits for its workers' next batch, unless the loader has a timeout
 
