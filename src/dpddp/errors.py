@@ -1,5 +1,4 @@
-"""The project's errors, their exit statuses, and the shell every entry point's ``main`` runs in (no torch import:
-an entry point answers a bad command line before it)."""
+"""The project's errors, their exit statuses, and the shell every entry point's ``main`` runs in (no torch)."""
 
 from __future__ import annotations
 
@@ -16,11 +15,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dpddp.messages import without_torch_prefixes
-
-__all__ = ["EXIT_CONFIG", "EXIT_CRASH", "EXIT_PREEMPTED", "KNOWN", "ConfigError", "LoaderFailed", "Preempted"]
-__all__ += ["PromiseBroken", "RankFailed", "ReplicasDiverged", "StepFailed", "WriteFailed", "checked_float"]
-__all__ += ["checked_int", "exit_on", "exit_status", "fail", "first_line", "invocation_name", "invocations"]
-__all__ += ["local_rank", "log_quietly", "log_to", "rank_status", "resume_command", "shell", "stop_line", "unwritable"]
 
 EXIT_CRASH = 1
 EXIT_CONFIG = 2
@@ -66,11 +60,7 @@ class WriteFailed(RuntimeError):
 
 def exit_status(err: BaseException) -> int:
     """The process exit status for ``err``: 2 a ``ConfigError``, 143 a ``Preempted``, else 1."""
-    if isinstance(err, ConfigError):
-        return EXIT_CONFIG
-    if isinstance(err, Preempted):
-        return EXIT_PREEMPTED
-    return EXIT_CRASH
+    return EXIT_CONFIG if isinstance(err, ConfigError) else EXIT_PREEMPTED if isinstance(err, Preempted) else EXIT_CRASH
 
 
 def first_line(err: BaseException, limit: int = 200) -> str:
@@ -101,8 +91,7 @@ KNOWN = (ConfigError, RankFailed, Preempted, WriteFailed, LoaderFailed, StepFail
 
 
 def fail(line: str, status: int = EXIT_CONFIG, log: logging.Logger | None = None) -> NoReturn:
-    """Say ``error: <line>`` on stderr (or through ``log``) and exit with ``status``; a bad setting only once per
-    node (local rank 0: every process checks the same config)."""
+    """Say ``error: <line>`` on stderr (or ``log``), a bad setting once per node; exit with ``status``."""
     if log is None and status == EXIT_CONFIG and local_rank():
         log_quietly(logging.getLogger(__name__), f"error: {line}")
     elif log is None:
@@ -147,8 +136,7 @@ def log_quietly(log: logging.Logger, message: str) -> None:
 
 
 def rank_status(err: BaseException, log: logging.Logger) -> int:
-    """In a launched rank: log ``err`` (``error: <message>`` for a known one, a ``Preempted`` into the log file only,
-    else its traceback); return its exit status."""
+    """In a launched rank: log ``err`` (a known one's line, a ``Preempted`` to file, else traceback); its status."""
     if isinstance(err, (ConfigError, LoaderFailed, StepFailed, ReplicasDiverged)):
         log.error(f"error: {err}")
     elif isinstance(err, Preempted):
@@ -191,8 +179,7 @@ def resume_command(program: Sequence[str], args: Iterable[str], drop: tuple[str,
 
 def invocation_name(first: str, n: int) -> str:
     """What the ``n``-th invocation (from 1) into a run directory writes: ``first``, then ``config-1.yaml``, ..."""
-    path = Path(first)
-    return first if n == 1 else f"{path.stem}-{n - 1}{path.suffix}"
+    return first if n == 1 else f"{Path(first).stem}-{n - 1}{Path(first).suffix}"
 
 
 def invocations(run_dir: str | Path, first: str) -> list[Path]:

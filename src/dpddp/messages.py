@@ -70,9 +70,6 @@ def named_setting(reason: str, keys: list[str]) -> str | None:
     return (quoted or named)[0] if len(quoted or named) == 1 else None
 
 
-JSONARGPARSE_EXPECTED = re.compile(r"Expected a (?:<class '(.+)'>|typing\.Literal\[(.+?)\])")
-
-
 class JsonargparseRefusal(NamedTuple):
     """What a jsonargparse ``ArgumentError`` says; a part its message lacks is ``None``."""
 
@@ -91,6 +88,7 @@ def jsonargparse_refusal(lines: list[str]) -> JsonargparseRefusal:
     head, inner = (lines or [""])[0], lines[1:]
     grouped = re.match(r"Group '(.+)' does not accept option '(.+)'", head)
     parsed = re.match(r'Parser key "(.+?)":\s*(.*)', head)
+    expected = re.compile(r"Expected a (?:<class '(.+)'>|typing\.Literal\[(.+?)\])")
 
     def first(pattern: str) -> str | None:
         return next((m.group(1) for line in inner if (m := re.match(pattern, line))), None)
@@ -101,7 +99,7 @@ def jsonargparse_refusal(lines: list[str]) -> JsonargparseRefusal:
         reason=parsed.group(2) if parsed else None,
         option=first(r"Option '(.+)' is not accepted"),
         class_path=first(r"Problem with given class_path '(.+)'"),
-        expected=[m.group(1) or m.group(2) for line in inner if (m := JSONARGPARSE_EXPECTED.match(line))],
+        expected=[m[1] or m[2] for line in inner if (m := expected.match(line))],
         detail=next((line for line in inner if not line.startswith("Problem with")), ""),
         cause=next((line for line in inner if not line.startswith(("Problem with", "Expected a path"))), None),
     )
@@ -137,10 +135,7 @@ def mlflow_opt_out(text: str) -> str | None:
     return found.group(1) if found else None
 
 
-_WRAPPED = re.compile(r"(?:Got the following error when running the callback: \w+: )+")  # torch's Future.then
-_SOURCE = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h):\d+\] ")  # a C++ source location (torch, gloo)
-
-
 def without_torch_prefixes(text: str) -> str:
-    """``text`` without torch's ``Future.then`` wrappings and its first C++ source location."""
-    return _SOURCE.sub("", _WRAPPED.sub("", text), count=1)
+    """``text`` without torch's ``Future.then`` wrappings and its first C++ source location (torch's, gloo's)."""
+    text = re.sub(r"(?:Got the following error when running the callback: \w+: )+", "", text)
+    return re.sub(r"\[[^\]\s]+\.(?:cc|cpp|h):\d+\] ", "", text, count=1)

@@ -1,5 +1,4 @@
-"""What ``train.py`` answers before torch and Lightning are imported: ``--help``, and the first bad setting that
-needs neither, with ``dpddp.entry.hydra.main``'s line and exit status."""
+"""``train.py``'s answers before torch is imported: ``--help``, and the bad settings that need neither torch."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ HELP = ("--help", "-h", "--hydra-help")  # Hydra's help options, answered here w
 
 
 def answer(argv: list[str]) -> None:
-    """Print Hydra's help for a help option given alone (exit 0), or ``fail`` with the first bad setting judged
-    without torch and Lightning (a launcher variable that is not a number included; exit 2); else return."""
+    """Print Hydra's help (exit 0), or ``fail`` with a bad setting judged without torch (exit 2); else return."""
     register_resolvers()
     if argv in (["--help"], ["-h"]):
         print(app_help())
@@ -62,8 +60,7 @@ def answer(argv: list[str]) -> None:
 
 
 def app_help() -> str:
-    """Hydra's ``--help`` text for the packaged config (its template's ``$APP_CONFIG_GROUPS`` and ``$CONFIG``), read
-    from ``conf/``: faster than Hydra's listing."""
+    """Hydra's ``--help`` text for the packaged config, read from ``conf/`` (faster than Hydra's listing)."""
     with initialize_config_module(config_module="dpddp.conf", version_base="1.3"):
         cfg = compose(config_name="config", return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)
@@ -148,10 +145,8 @@ def unknown_option(argv: list[str], lightning_line: Callable[[str], str | None] 
             continue
         for option in value.removeprefix("[").removesuffix("]").split(","):  # a list: callbacks=[a,b]
             if option not in ("", "null") and not any((d / key / f"{option}.yaml").is_file() for d in dirs):
-                if key == "strategy" and lightning_line is None and option in LIGHTNING_STRATEGIES:
-                    return None
-                if key == "strategy" and lightning_line is not None and (line := lightning_line(option)):
-                    return line
+                if key == "strategy" and option in LIGHTNING_STRATEGIES:  # Lightning's name: its line, or the check's
+                    return lightning_line(option) if lightning_line else None
                 if hydra_group:
                     known = _hydra_options(key)
                     if option in known or not known:
@@ -182,8 +177,7 @@ def dotted_keys(cfg: Container | dict, prefix: str = "") -> list[str]:
 
 
 def key_hints(key: str, cfg: DictConfig, instead: str = "") -> str:
-    """Of ``key``, which ``cfg`` lacks: its nearest key (unless ``instead`` names it) and the group's options that
-    have it; ``""`` when neither."""
+    """`` (<nearest key>; <the group's options that have it>)`` of ``key``, which ``cfg`` lacks, or ``""``."""
     keys = [k for k in dotted_keys(cfg) if key.startswith("hydra.") or not k.startswith("hydra")]
     near = difflib.get_close_matches(key, keys, n=1, cutoff=0.8)
     said = [f"nearest: {near[0]}"] if near and near[0] not in instead else []

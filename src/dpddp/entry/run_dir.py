@@ -57,8 +57,7 @@ def continues(cfg: DictConfig, multirun: bool, last: CheckpointFacts) -> bool:
 
 
 def directory_problem(cfg: DictConfig, output_dir: Path, resume: bool, named: bool, ckpt: str | None) -> str | None:
-    """Why one run must not start in ``output_dir`` (``resume=true`` without a ``named`` one, or another run's that
-    it neither continues nor starts from), or ``None``."""
+    """Why one run must not start in ``output_dir`` (another run's, or ``resume=true`` unnamed), or ``None``."""
     if cfg.get("resume") and not named:
         return (
             "resume=true needs the run to resume: add hydra.run.dir=<its directory> (e.g. "
@@ -100,8 +99,7 @@ def _first_apart(before: Iterable, now: list[str]) -> str | None:
 
 
 def other_run(output_dir: Path, overrides: list[str], first: Path | None) -> str | None:
-    """Why a run given ``overrides`` must not continue the run in ``output_dir`` (its first config directory:
-    ``first``): the first setting of ``WEIGHTS`` that differs, or ``None``."""
+    """The first of ``WEIGHTS`` where ``overrides`` differ from the run in ``output_dir`` (``first``), or ``None``."""
     typed = first / "overrides.yaml" if first is not None else None
     if typed is None or not typed.is_file() or not (apart := _first_apart(OmegaConf.load(typed), overrides)):
         return None

@@ -1,13 +1,10 @@
-"""The strategy, accelerator and cluster names a run may have and the checks of their values, without torch or
-Lightning, so that a bad value is answered before they are imported."""
+"""The strategy, accelerator and cluster names and their checks, without torch (answered before its import)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 from dpddp.errors import ConfigError, checked_int
-
-__all__ = ["ACCELERATORS", "CLUSTERS", "LIGHTNING_STRATEGIES", "STRATEGIES", "check_device_values"]
 
 STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
@@ -25,8 +22,7 @@ LIGHTNING_STRATEGIES = frozenset(
 
 
 def check_device_values(cfg: Mapping) -> None:
-    """``ConfigError`` for the first of ``strategy.name``, ``accelerator``, ``devices``, ``num_nodes`` (read alone)
-    that is not one of the names, or not a positive number."""
+    """``ConfigError`` for a bad ``strategy.name``, ``accelerator``, ``devices`` or ``num_nodes``."""
     strategy, devices, num_nodes = cfg["strategy"]["name"], cfg["devices"], cfg["num_nodes"]
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}")

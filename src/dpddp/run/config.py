@@ -1,5 +1,4 @@
-"""The check of a composed config (``check_config``): every bad setting is one ``ConfigError`` line (the setting, the
-value, what to do instead) before any process starts; a good one gives the run's ``Plan``."""
+"""``check_config``: a bad setting is one ``ConfigError`` line (setting, value, fix) before anything starts."""
 
 from __future__ import annotations
 
@@ -44,9 +43,6 @@ from dpddp.run.build import build
 from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, check_targets, target_class, with_defaults
 from dpddp.run.plain import check_plain, check_resolvable
 from dpddp.run.trainer_flags import refused_flag
-
-__all__ = ["CLI_CALLBACKS", "check_config", "check_output_dir", "check_precision", "check_resolvable"]
-__all__ += ["Plan", "check_checkpoint", "check_model_callbacks", "execution_refusal", "needs_logger"]
 
 
 def _check_val_interval(trainer: Mapping, batches: int) -> None:
@@ -210,8 +206,7 @@ def _check_checkpointing(cfg: Mapping) -> None:
 
 
 def needs_logger(cls: type) -> bool:
-    """Whether the callback class ``cls`` raises without a logger: a method of it or of a base below ``pl.Callback``
-    holds Lightning's test (``if not trainer.loggers: raise ...``), read from its source."""
+    """Whether a method of ``cls`` (or a base) raises under Lightning's ``if not trainer.loggers``, read from source."""
     for base in cls.__mro__:
         if base in (pl.Callback, object):
             continue
@@ -255,8 +250,7 @@ def _check_callback_needs(cfg: Mapping) -> None:
 
 
 def check_model_callbacks(cfg: Mapping, model: pl.LightningModule, trainer: pl.Trainer) -> None:
-    """``ConfigError`` for a callback that ``model.configure_callbacks()`` (on ``trainer``) returns and that needs a
-    logger, with ``logger=none``."""
+    """``ConfigError`` for a callback ``model.configure_callbacks()`` returns that needs a logger, with none."""
     if logger_specs(cfg) or not is_overridden("configure_callbacks", model):
         return
     model.trainer = trainer
@@ -296,8 +290,7 @@ TRAINER_COUNTS = (
 
 
 def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> Plan:
-    """Check a composed config for ``stage``, its settings then its ``ckpt_path``; return its ``Plan``. Raises
-    ``ConfigError``: the first bad setting (a key, a value, the world, the checkpoint), in one line."""
+    """The ``Plan`` of a composed config for ``stage``; ``ConfigError`` for its first bad setting or checkpoint."""
     world = _check_settings(cfg, stage)
     return Plan(cfg, stage, world, check_checkpoint(cfg, stage, None))
 
@@ -384,8 +377,6 @@ def check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None)
             f"ckpt_path={str(ckpt)!r} does not exist: give a checkpoint file, e.g. <run dir>/checkpoints/last.ckpt"
         )
     loaded = readable(ckpt) if loaded is None else loaded
-    max_epochs = (cfg["trainer"] or {}).get("max_epochs")
-    data = dict(cfg["data"]) if cfg.get("resume") or stage == "eval" else None  # the run's data, the run's metrics
     k = cfg.get("steps_per_execution", 1) if stage == "fit" else None
     if k == "auto":  # the checkpoint's K is reused, unless the config refuses any K above 1
         k = 1 if execution_refusal(cfg) else None
@@ -393,8 +384,8 @@ def check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None)
     batch = batch if isinstance(batch, int) else None
     if problem := checkpoint_problem(
         ckpt,
-        max_epochs,
-        data,
+        (cfg["trainer"] or {}).get("max_epochs"),
+        dict(cfg["data"]) if cfg.get("resume") or stage == "eval" else None,  # the run's data, the run's metrics
         k,
         fit=stage == "fit",
         whole=stage == "eval",
@@ -445,8 +436,7 @@ def _check_checkpoint_dirs(cfg: Mapping) -> None:
 
 
 def check_output_dir(output_dir: Path) -> None:
-    """The run directory (its ``checkpoints/`` once it has one) can be written; else ``ConfigError`` (a run with
-    a ``last.ckpt`` is told to continue it elsewhere)."""
+    """``ConfigError`` when the run directory (or its ``checkpoints/``) cannot be written."""
     checkpoints = output_dir / "checkpoints"
     directory = checkpoints if checkpoints.is_dir() else output_dir
     if why := _unwritable_where(directory):

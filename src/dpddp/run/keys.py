@@ -1,5 +1,4 @@
-"""The keys a run config may have, per section from the signatures of the classes it feeds, and the advice for
-an unknown one."""
+"""The keys a run config may have (from its classes' signatures), and the advice for an unknown one."""
 
 from __future__ import annotations
 
@@ -20,9 +19,6 @@ from dpddp.errors import ConfigError
 from dpddp.models.linear import LinearClassifier
 from dpddp.parallel.rules import DDP_OPTIONS
 from dpddp.run.plain import GROUPS, PRESETS, key_advice
-
-__all__ = ["TOP_LEVEL_KEYS", "TRAINER_OWNED", "allowed_keys", "check_keys", "check_targets", "import_problem"]
-__all__ += ["key_hint", "target_class", "with_defaults"]
 
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
 TOP_LEVEL_RUN = ("steps_per_execution", "compile", "checkpoint", "check_replicas")  # how training runs, is checked
@@ -76,8 +72,7 @@ def with_defaults(cfg: DictConfig | Mapping) -> DictConfig | Mapping:
 
 
 def import_problem(target: str) -> str | None:
-    """Why the ``_target_`` ``target`` cannot be imported, in one line (a missing module, its import's error, or
-    a missing name with the nearest one), or ``None``."""
+    """Why the ``_target_`` ``target`` cannot be imported (in one line, the nearest name included), or ``None``."""
     try:
         locate(target)
         return None
@@ -114,8 +109,7 @@ def _importable(key: str, target: str) -> None:
 
 
 def target_class(section: str, spec: Mapping) -> type:
-    """The class the config node ``section`` builds (its ``_target_``). Raises ``ConfigError``: no ``_target_``,
-    one that cannot be imported (``import_problem``), or not a class."""
+    """The class ``section``'s ``_target_`` names; ``ConfigError`` if missing, not importable, or not a class."""
     target = spec.get("_target_")
     if not target:
         raise ConfigError(f"{section}._target_ is missing: name the class to build, e.g. {section}._target_=pkg.Class")
@@ -127,8 +121,7 @@ def target_class(section: str, spec: Mapping) -> type:
 
 
 def missing_argument(node: Mapping, injected: tuple[str, ...] = ()) -> str | None:
-    """The first required argument of ``node["_target_"]`` that neither ``node`` nor ``injected`` gives, or
-    ``None`` (also for a ``_partial_`` node, ``_args_``, or a signature that cannot be read)."""
+    """The first required argument of ``node["_target_"]`` neither ``node`` nor ``injected`` gives, or ``None``."""
     if node.get("_partial_") or node.get("_args_"):
         return None
     try:
@@ -141,8 +134,7 @@ def missing_argument(node: Mapping, injected: tuple[str, ...] = ()) -> str | Non
 
 
 def check_targets(cfg: Mapping) -> None:
-    """Raises ``ConfigError`` for the first ``_target_`` under a section of ``cfg`` that cannot be imported, or is not
-    given a required argument (``missing_argument``)."""
+    """``ConfigError`` for the first ``_target_`` in ``cfg`` not importable or lacking a required argument."""
 
     def walk(node: Any, key: str, injected: tuple[str, ...] = ()) -> None:
         if isinstance(node, Mapping):
@@ -159,22 +151,19 @@ def check_targets(cfg: Mapping) -> None:
 
 def allowed_keys(cfg: Mapping | None = None) -> dict[str, list[str]]:
     """Valid keys per section, from its classes' signatures (``model``, ``data``: the built-ins without ``cfg``)."""
-    ddp = list(DDP_OPTIONS) + _params(torch.nn.parallel.DistributedDataParallel.__init__)[1:]
-    trainer = [k for k in _params(pl.Trainer.__init__) if k not in TRAINER_OWNED]
     model = target_class("model", cfg["model"]) if cfg else LinearClassifier
     data = target_class("data", cfg["data"]) if cfg else RandomTensorDataModule
     return {
         "": list(TOP_LEVEL_KEYS),
         "data": ["_target_", *_params(data)],
         "model": ["_target_", *_params(model)],
-        "trainer": trainer,
-        "strategy": ["name"] + ddp,
+        "trainer": [k for k in _params(pl.Trainer.__init__) if k not in TRAINER_OWNED],
+        "strategy": ["name", *DDP_OPTIONS, *_params(torch.nn.parallel.DistributedDataParallel.__init__)[1:]],
     }
 
 
 def _key_problem(section: str, key: str, allowed: list[str], spec: Mapping | None = None) -> tuple[str, str] | None:
-    """``(what is wrong, what to do instead)`` for ``key`` of ``section``, or ``None`` when ``allowed`` has it
-    (``spec``: the section as given)."""
+    """``(what is wrong, the fix)`` for ``key`` of ``section`` (given as ``spec``), or ``None`` if ``allowed``."""
     prefix, builtin = f"{section}." if section else "", allowed_keys()[section] if spec is not None else []
     if section == "trainer" and key in TRAINER_OWNED:
         return f"trainer.{key} is not set in the trainer group", TRAINER_OWNED[key]
@@ -205,8 +194,7 @@ def check_keys(section: str, keys: Iterable[str], allowed: list[str], spec: Mapp
 
 
 def key_hint(cfg: Mapping, key: str) -> str | None:
-    """What ``check_config`` would advise instead of the dotted ``key`` added to ``cfg``, so that a refused
-    override's line never suggests what the check refuses next; ``None`` when the check would take it."""
+    """``check_config``'s advice for the dotted ``key`` added to ``cfg``; ``None`` when it would take it."""
     section, _, rest = key.partition(".")
     if section == "hydra":
         return None

@@ -1,5 +1,4 @@
-"""The first checks of a composed config (``check_config`` runs them first): its interpolations and the values
-read alone. They need neither torch nor Lightning: ``train.py`` answers them before importing those."""
+"""``check_config``'s first checks, without torch or Lightning: interpolations and the values read alone."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ from dpddp.data.rules import check_random_tensors
 from dpddp.errors import ConfigError, checked_int
 from dpddp.messages import omegaconf_reason
 from dpddp.parallel.settings import LIGHTNING_STRATEGIES, STRATEGIES, check_device_values
-
-__all__ = ["GROUPS", "PRESETS", "check_plain", "check_resolvable", "key_advice"]
 
 GROUPS = ("data", "model", "trainer", "logger", "callbacks")  # the config's sections that are groups
 PRESETS = ("experiment", "debug", "hparams_search")  # the groups of presets, merged at the top level
@@ -32,8 +29,7 @@ def _interpolations(node: Any, path: tuple = ()) -> Iterable[tuple[tuple, str]]:
 
 
 def check_resolvable(cfg: DictConfig) -> None:
-    """Every interpolation in ``cfg`` outside ``hydra`` resolves; else ``ConfigError`` for the first:
-    ``<key>='<as typed>' cannot be resolved (<reason>): <fix>``."""
+    """``ConfigError`` for the first interpolation of ``cfg`` (outside ``hydra``) that does not resolve."""
     for path, value in _interpolations(OmegaConf.to_container(cfg, resolve=False)):
         if path[0] == "hydra":
             continue
@@ -66,8 +62,7 @@ def key_advice(prefix: str, key: str, allowed: list[str]) -> str:
 
 
 def check_plain(cfg: DictConfig | Mapping) -> None:
-    """The settings read alone, in ``check_config``'s order (the device settings, the seed, the built-in data's);
-    silent at a value it cannot read or a strategy Lightning registers. Raises ``check_config``'s ``ConfigError``."""
+    """``check_config``'s ``ConfigError`` for the devices, seed and built-in data; silent where it cannot read."""
     try:
         if cfg["strategy"]["name"] not in STRATEGIES and cfg["strategy"]["name"] in LIGHTNING_STRATEGIES:
             return

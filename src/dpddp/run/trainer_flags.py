@@ -1,5 +1,4 @@
-"""Lightning's own check of the ``trainer`` flags before anything is made: the flags go to a bare ``pl.Trainer``, so
-a value only Lightning knows to be wrong (``trainer.precision=17``) is one line naming the flag."""
+"""The ``trainer`` flags checked by Lightning itself (its signature's types, a bare ``pl.Trainer``) before a run."""
 
 from __future__ import annotations
 
@@ -19,8 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpddp.messages import jsonargparse_refusal
 from dpddp.run.keys import TRAINER_OWNED
-
-__all__ = ["TRAINER_ERRORS", "refused_flag", "takes"]
 
 TRAINER_ERRORS = (ValueError, TypeError, ImportError, MisconfigurationException)
 """What ``pl.Trainer`` raises for a flag it refuses (``ImportError``: a precision whose package is missing)."""
@@ -77,8 +74,7 @@ def _line(err: Exception) -> str:
 
 
 def refused_flag(trainer: Mapping[str, Any]) -> str | None:
-    """``trainer.<flag>=<value> is invalid: <why>`` for the first flag whose type ``pl.Trainer`` does not take, or
-    that it refuses alone; else ``None``. What dpddp sets itself (``strategy``, ``logger``) is not tried."""
+    """``trainer.<flag>=<value> is invalid: <why>`` for the first flag ``pl.Trainer`` refuses, or ``None``."""
     given = OmegaConf.to_container(trainer, resolve=True) if isinstance(trainer, DictConfig) else trainer
     assert isinstance(given, Mapping)
     flags = {str(k): v for k, v in given.items() if k not in _OWNED}
