@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import suppress
 from functools import partial
 from typing import Any
 
@@ -30,13 +31,10 @@ def collate_function(given: Callable[[list], Any] | str | None) -> Callable[[lis
     """``given``, or the function its dotted path names. Raises ConfigError: a path naming nothing callable."""
     if not isinstance(given, str):
         return given
-    try:
-        found = locate(given)
-    except (ImportError, ValueError):
-        found = None
-    if not callable(found):
-        raise ConfigError(f"data.collate_fn={given!r} names no function: give my_pkg.my_collate (importable)")
-    return found
+    with suppress(ImportError, ValueError):
+        if callable(found := locate(given)):
+            return found
+    raise ConfigError(f"data.collate_fn={given!r} names no function: give my_pkg.my_collate (importable)")
 
 
 class YieldedIds:
@@ -52,15 +50,17 @@ class YieldedIds:
         self._yielded: dict[int, tuple[int, torch.Tensor]] = {}
 
     def ids_at(self, position: int) -> tuple[int, torch.Tensor] | None:
-        """``(epoch, ids)`` of the item at ``position`` (``batch_idx``), or ``None``; earlier ones are forgotten."""
+        """``(epoch, ids)`` of the training item at ``position`` (``batch_idx``), else ``None``; forgets earlier."""
         for earlier in [p for p in self._yielded if p < position]:
             del self._yielded[earlier]
         return self._yielded.get(position)
 
     def _record(self, position: int, epoch: int, ids: torch.Tensor) -> torch.Tensor:
-        self._yielded[position] = (epoch, ids)
-        if len(self._yielded) > self.recorded:
-            del self._yielded[next(iter(self._yielded))]
+        """``ids``, kept for ``ids_at`` in training (the last ``recorded`` items)."""
+        if self.train:
+            self._yielded[position] = (epoch, ids)
+            if len(self._yielded) > self.recorded:
+                del self._yielded[next(iter(self._yielded))]
         return ids
 
     def set_epoch(self, epoch: int) -> None:
@@ -109,42 +109,33 @@ class GlobalBatchSampler(YieldedIds, DistributedSampler):
         """Items per epoch: global batches, or executions of them."""
         return -(-self.steps_per_epoch // self.steps_per_execution)
 
-    def _epoch_order(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """``None`` (identity), ``(perm, None)`` or ``(block perm, rows (a * r + c) mod K)``, ``a`` odd."""
+    def _order(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The epoch's ids at positions ``at``: identity (evaluation), a permutation, or whole blocks of
+        ``block_size`` permuted with rows ``(a * r + c) mod K`` (``a`` odd), the trailing partial block in order."""
         if not self.train:
-            return None
+            return lambda at: at
         gen = epoch_generator(self.seed, self.epoch)
         if self.block_size is None:
-            return torch.randperm(self.num_samples, generator=gen), None
+            return torch.randperm(self.num_samples, generator=gen).__getitem__
         k = self.block_size
         perm = torch.randperm(self.num_samples // k, generator=gen)
         a = 2 * int(torch.randint(0, k // 2, (1,), generator=gen)) + 1
-        return perm, (a * torch.arange(k) + int(torch.randint(0, k, (1,), generator=gen))) % k
-
-    def _ids(self, order: tuple | None, start: int, stop: int) -> torch.Tensor:
-        """The ids at positions ``[start, stop)`` of the epoch's order."""
-        if order is None:
-            return torch.arange(start, stop)
-        perm, rows = order
-        if rows is None:
-            return perm[start:stop]
-        k, at = self.block_size, torch.arange(start, stop)
-        assert k is not None  # rows come with the block shuffle only
+        rows = (a * torch.arange(k) + int(torch.randint(0, k, (1,), generator=gen))) % k
         if not len(perm):  # no full block
-            return at
-        blocks = at // k  # a full block's row r: rows[r] of its place in perm; the trailing partial block in order
-        return torch.where(blocks < len(perm), rows[at % k] + perm[blocks.clamp(max=len(perm) - 1)] * k, at)
+            return lambda at: at
+        last = len(perm) - 1
+        return lambda at: torch.where(at // k <= last, rows[at % k] + perm[(at // k).clamp(max=last)] * k, at)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         epoch, step = self._start()
         if self.position is not None:
             self.set_epoch(epoch)
-        order, b, k, steps = self._epoch_order(), self.batch_size, self.steps_per_execution, self.steps_per_epoch
+        order, b, k, steps = self._order(), self.batch_size, self.steps_per_execution, self.steps_per_epoch
         while step < steps:  # k > 1 (training): full global batches, executions aligned to multiples of k
             end = min((step // k + 1) * k, steps)
-            ids = self._ids(order, step * b, min(end * b, self.num_samples))
+            ids = order(torch.arange(step * b, min(end * b, self.num_samples)))
             ids = self._chunk(ids) if k == 1 else ids.view(end - step, self.world_size, -1)[:, self.rank]
-            yield self._record(step // k, epoch, ids) if self.train else ids
+            yield self._record(step // k, epoch, ids)
             step = end
 
 

@@ -74,12 +74,6 @@ class StreamShares(YieldedIds, IterableDataset):
     def __len__(self) -> int:
         return self.length // self.batch_size if self.train else -(-self.length // self.batch_size)
 
-    def _share(self, batch: list[Any], k: int, epoch: int) -> Any:
-        ids = self._chunk(torch.arange(len(batch)))
-        if self.train:
-            self._record(k, epoch, ids + k * self.batch_size)
-        return self.collate([batch[i] for i in ids.tolist()]) if len(ids) else empty_batch(self.collate(batch[:1]))
-
     def __iter__(self) -> Iterator[Any]:
         epoch, skip = self._start()
         if callable(set_epoch := getattr(self.stream, "set_epoch", None)):
@@ -88,7 +82,10 @@ class StreamShares(YieldedIds, IterableDataset):
         for done in range(0, self.start + skip * b, 4096):  # past the samples before this split and those trained
             own.read(min(4096, self.start + skip * b - done))
         for k in range(skip, len(self)):
-            yield self._share(own.read(min(b, self.length - k * b)), k, epoch)
+            batch = own.read(min(b, self.length - k * b))
+            share = self._record(k, epoch, self._chunk(torch.arange(k * b, k * b + len(batch))))
+            mine = [batch[i - k * b] for i in share.tolist()]
+            yield self.collate(mine) if mine else empty_batch(self.collate(batch[:1]))
 
 
 class StreamDataModule(SplitLoaders):
