@@ -104,8 +104,13 @@ class Costs(pl.Callback):
         self.epoch = self._over_ranks(trainer, waited, stepped, epoch=trainer.current_epoch)
         compute = self.counts.compute_s_per_rank
         slow = len(compute) >= 2 and self.epoch.get("slowest_ratio", math.nan) >= STRAGGLER_RATIO
-        if slow and not epoch_cut(trainer):  # the same on every rank: the host names' all-gather
-            line = straggler_line(compute, trainer.current_epoch, self._host_names())
+        if slow and not epoch_cut(trainer):  # the same on every rank: the host names' all-gather, once a fit
+            if self._hosts is None:
+                hosts: list[Any] = [None] * torch.distributed.get_world_size()
+                with entering("the host-name gather"):
+                    torch.distributed.all_gather_object(hosts, socket.gethostname())
+                self._hosts = [str(h) for h in hosts]
+            line = straggler_line(compute, trainer.current_epoch, self._hosts)
             if line is not None and trainer.is_global_zero:
                 log.warning(line)
 
@@ -131,15 +136,6 @@ class Costs(pl.Callback):
             "slowest_rank": rank,
             "slowest_ratio": ratio,
         }
-
-    def _host_names(self) -> list[str]:
-        """Every rank's host name (an all-gather, once per fit)."""
-        if self._hosts is None:
-            hosts: list[Any] = [None] * torch.distributed.get_world_size()
-            with entering("the host-name gather"):
-                torch.distributed.all_gather_object(hosts, socket.gethostname())
-            self._hosts = [str(h) for h in hosts]
-        return self._hosts
 
     def _over_ranks(
         self, trainer: pl.Trainer, waited: float | None, stepped: float, epoch: int | None = None

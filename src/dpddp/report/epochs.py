@@ -37,22 +37,6 @@ class EpochTable:
     validation: dict[str, float] = field(default_factory=dict)
 
 
-def early_stops(trainer: pl.Trainer) -> list[str]:
-    """One line per ``EarlyStopping`` that stopped the fit: the epoch, where it tripped, and Lightning's reason."""
-    lines = []
-    last, loop = trainer.current_epoch - 1, trainer.fit_loop
-    held = f"trainer.min_epochs={loop.min_epochs}" if loop.min_epochs else f"trainer.min_steps={loop.min_steps}"
-    for callback in trainer.early_stopping_callbacks:
-        if callback.stopping_reason is EarlyStoppingReason.NOT_STOPPED:
-            continue
-        reason = (callback.stopping_reason_message or callback.stopping_reason.value).strip()
-        reason = reason.removesuffix("Signaling Trainer to stop.").strip()
-        tripped = callback.stopped_epoch
-        ended = f"{tripped}" if last <= tripped else f"{last} (it tripped after epoch {tripped}; {held} held the run)"
-        lines.append(f"EarlyStopping ended the run after epoch {ended}: {reason}")
-    return lines
-
-
 class EpochRecord(pl.Callback):
     """Writes ``<output_dir>/metrics.csv`` on rank 0 (a ``fit`` row per epoch, and with ``lines`` its log line; a
     ``test`` row) and the early-stop lines. A resumed run extends the checkpoint's rows."""
@@ -125,9 +109,16 @@ class EpochRecord(pl.Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.flush(trainer)
-        if trainer.is_global_zero:
-            for line in early_stops(trainer):
-                log.info(line)
+        last, loop = trainer.current_epoch - 1, trainer.fit_loop  # each EarlyStopping that stopped the fit: a line
+        held = f"trainer.min_epochs={loop.min_epochs}" if loop.min_epochs else f"trainer.min_steps={loop.min_steps}"
+        for callback in trainer.early_stopping_callbacks if trainer.is_global_zero else []:
+            if callback.stopping_reason is EarlyStoppingReason.NOT_STOPPED:
+                continue
+            reason = (callback.stopping_reason_message or callback.stopping_reason.value).strip()
+            reason = reason.removesuffix("Signaling Trainer to stop.").strip()
+            at = callback.stopped_epoch
+            ended = str(at) if last <= at else f"{last} (it tripped after epoch {at}; {held} held the run)"
+            log.info(f"EarlyStopping ended the run after epoch {ended}: {reason}")
         if self.tally.stepped:
             self.table.train_time_s = self.train_time_s
         self._segment_start = None
