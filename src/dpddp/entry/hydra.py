@@ -186,9 +186,8 @@ def job_plan(cfg: DictConfig, stage: str) -> Plan | str:
     """The ``Plan`` of the Hydra job ``cfg`` for ``stage``, or the line that says why nothing trains (``_plan``)."""
     hydra_cfg = HydraConfig.get()
     targets = [spec.get("_target_") for spec in (hydra_cfg.callbacks or {}).values() if spec]
-    if hydra_cfg.mode == RunMode.RUN and any(
-        isinstance(t, str) and issubclass(get_class(t), StartChecks) for t in targets
-    ):
+    checked = any(isinstance(t, str) and issubclass(get_class(t), StartChecks) for t in targets)
+    if hydra_cfg.mode == RunMode.RUN and checked:
         return _taken(cfg, stage)
     return _plan(cfg, lambda: Path(hydra_cfg.runtime.output_dir), stage)
 
@@ -233,10 +232,8 @@ def _resume_kind(cfg: DictConfig, output_dir: Path) -> str | None:
 
 
 def _taken(cfg: DictConfig, stage: str) -> Plan:
-    """The ``Plan`` of a job ``StartChecks`` decided (its ``ckpt_path``), nothing checked again."""
+    """The ``Plan`` of a job ``StartChecks`` decided (its ``ckpt_path``, made absolute), nothing checked again."""
     ckpt = cfg.get("ckpt_path")
-    if ckpt:
-        cfg.ckpt_path = ckpt = to_absolute_path(str(ckpt))
     facts = CheckpointFacts.of(ckpt, readable(ckpt)) if ckpt else None
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     return Plan(cfg, stage, world_of(cfg), facts, _resume_kind(cfg, output_dir))
@@ -306,7 +303,7 @@ class StartChecks(HydraCallback):
 def _directory(config: DictConfig, mode: str) -> str:
     """``hydra.<mode>.dir`` resolved as in the job; else ``fail``."""
     HydraConfig.instance().set_config(config)  # what Hydra does next: ${hydra:...} resolves as in the job
-    typed = OmegaConf.to_container(config.hydra[mode], resolve=False)["dir"]  # type: ignore[index]
+    typed = OmegaConf.to_container(config.hydra[mode], resolve=False)["dir"]  # type: ignore[index,call-overload]
     try:
         return str(config.hydra[mode].dir)
     except Exception as err:

@@ -49,8 +49,6 @@ from dpddp.run.draws_seen import draws_line, find_draws
 from dpddp.run.executions import StepsPerExecution
 from dpddp.run.trainer_flags import TRAINER_ERRORS, refused_flag
 
-__all__ = ["COMPILE_LIMITS", "MODES", "build_strategy", "build_trainer", "compile_mode", "compile_model", "epoch_lines"]
-
 log = logging.getLogger(__name__)
 
 
@@ -247,9 +245,8 @@ def build_trainer(
     predicts_forward: bool = False,
     datamodule: pl.LightningDataModule | None = None,
 ) -> pl.Trainer:
-    """The ``pl.Trainer`` of ``cfg`` (trainer flags passed through; strategy and devices from the top-level knobs;
-    ``executions`` among its callbacks; ``predicts_forward``: predictions by the forward). ``ConfigError``: a flag
-    Lightning refused."""
+    """The ``pl.Trainer`` of ``cfg`` (its flags, the top-level knobs, ``executions`` among its callbacks;
+    ``predicts_forward``: predictions by the forward). Raises ``ConfigError`` for a flag Lightning refused."""
     softmax_per_sample()  # a torchmetrics metric fed logits: the same value however a batch is chunked
     flags = {k: v for k, v in (cfg.trainer or {}).items() if k != "enable_progress_bar"}
     bar = (cfg.trainer or {}).get("enable_progress_bar")  # null: Lightning's bar on a terminal only

@@ -31,19 +31,12 @@ from dpddp.run.draws_seen import streams_kept
 from dpddp.run.executions import known
 from dpddp.run.keys import target_class
 
-__all__ = ["LOOP_OVERHEAD_S", "MAX_AUTO_STEPS", "OVERHEAD_SHARE", "auto_steps", "resolve_steps", "seen_executions"]
-
 log = logging.getLogger(__name__)
 
-LOOP_OVERHEAD_S = 1.0e-3
-"""Seconds one Lightning loop iteration costs beside its steps (bench/PROFILE.md)."""
-OVERHEAD_SHARE = 0.05
-"""The largest share of an execution's time the loop's cost may take."""
-MAX_AUTO_STEPS = 256
-"""The largest K auto chooses (a bound where a step is too short to time)."""
-PROBE_STEPS = 5
-"""Timed steps of the probe after its warm-up, when the warm-up is short."""
-
+LOOP_OVERHEAD_S = 1.0e-3  # seconds one Lightning loop iteration costs beside its steps (bench/PROFILE.md)
+OVERHEAD_SHARE = 0.05  # the largest share of an execution's time the loop's cost may take
+MAX_AUTO_STEPS = 256  # the largest K auto chooses (a bound where a step is too short to time)
+PROBE_STEPS = 5  # timed steps of the probe after its warm-up, when the warm-up is short
 CALLBACKS_FACTORY = "lightning.pytorch.callbacks_factory"  # entry points Lightning adds to every Trainer
 
 
@@ -102,18 +95,12 @@ def _probe(
     after a warm-up, or why there is none. The model and random streams are untouched; the data is set up."""
     with streams_kept([device.index or 0] if device.type == "cuda" else ()), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log outside a Trainer
-        try:
+        try:  # a data module's setup or an optimizer that needs its Trainer, a model that cannot be copied
             datamodule.setup("fit")
-        except Exception as err:  # a data module of the user's that needs its Trainer: not timed here
-            return f"{type(datamodule).__name__}.setup needs its Trainer ({type(err).__name__})"
-        try:
             twin = copy.deepcopy(model).to(device).train()
-        except Exception as err:  # the run itself says what is wrong, where it would have at K=1
-            return f"a copy of {type(model).__name__} for the probe failed ({type(err).__name__}: {first_line(err)})"
-        try:
             optimizer = _single_optimizer(twin.configure_optimizers())
-        except Exception as err:  # e.g. one that reads its Trainer: not timed here
-            return f"{type(model).__name__}.configure_optimizers needs its Trainer ({type(err).__name__})"
+        except Exception as err:  # not timed here; the run itself says what is wrong, where it would at K=1
+            return f"the probe could not start ({type(err).__name__}: {first_line(err)})"
         if optimizer is None:
             return f"{type(model).__name__} has more than one optimizer or an LR scheduler"
         train, ids = datamodule.splits["train"], torch.arange(share)
@@ -141,8 +128,8 @@ def _probe(
             return f"{type(model).__name__}.training_step returned None (a skipped step)"
         if first < LOOP_OVERHEAD_S / OVERHEAD_SHARE:
             return step_seconds(step, reps=PROBE_STEPS)
-        start = time.perf_counter()  # a slow warm-up (one-time costs: the optimizer's state, allocations, a busy
-        step()  # machine): one more step decides
+        start = time.perf_counter()  # a slow warm-up (one-time costs, a busy machine): one more step decides
+        step()
         return time.perf_counter() - start
 
 
@@ -168,9 +155,8 @@ def _agreed(plan: Plan, measure: Callable[[], tuple[int, str]]) -> tuple[int, st
 
 
 def resolve_steps(plan: Plan, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> int:
-    """The K of ``plan``'s ``steps_per_execution=auto`` fit, the same on every rank, logged with why: 1 where K
-    above 1 is refused, seen or cannot be probed; the checkpoint's K when continuing; else ``auto_steps`` of the
-    probed step."""
+    """The K of ``plan``'s ``steps_per_execution=auto`` fit, alike on every rank, logged with why: 1 where K above 1
+    is refused, seen or not probed; the checkpoint's when continuing; else ``auto_steps`` of the probed step."""
     k, why = _resolve(plan, model, datamodule)
     if plan.world.writes_outputs:
         log.info(f"steps_per_execution=auto: {k} ({why})")

@@ -17,8 +17,6 @@ from dpddp.messages import instantiate_key, instantiate_target, locating_failed,
 from dpddp.report.trackers import is_tracker
 from dpddp.run.keys import import_problem
 
-__all__ = ["build", "build_error"]
-
 
 def build(node: DictConfig, key: str, **kwargs: Any) -> Any:
     """``instantiate(node, **kwargs)`` of the node at ``key``; ``ConfigError`` (``build_error``) where it fails."""

@@ -22,8 +22,6 @@ from dpddp.errors import first_line
 from dpddp.nn import SampleDropout, assign_layer_keys, sample_keys
 from dpddp.report.tally import rows
 
-__all__ = ["Draw", "draws_line", "find_draws", "global_draws", "streams_kept"]
-
 PLAIN = (list, dict, set, tuple, int, float, bool, str, type(None))
 PROBE_ROWS = 8
 """Samples of the probe batch, at most."""
@@ -98,9 +96,8 @@ def _copy(value: Any) -> Any:
 
 
 def global_draws(model: pl.LightningModule, batch: Any, keyed: bool) -> list[Draw]:
-    """The draws from the global random streams of one ``training_step`` of ``model`` on ``batch`` (with
-    ``keyed``, sample keys set as a run sets them); ``model`` and every stream are left as they were. Raises what
-    the step raises."""
+    """The draws from the global random streams of one ``training_step`` of ``model`` on ``batch`` (``keyed``: sample
+    keys set as a run sets them), ``model`` and the streams left as they were. Raises what the step raises."""
     names = {id(m): f"model.{n}" if n else "model.forward" for n, m in model.named_modules()}
     stack: list[nn.Module] = []
     seen: dict[str, tuple[nn.Module | None, set[str]]] = {}

@@ -153,8 +153,7 @@ class StepsPerExecution(pl.Callback):
         return loss
 
     def _split_step(self, batch: Any, batch_idx: int) -> None:
-        """This rank's share ``batch`` in micro-batches, retried smaller under ``"auto"`` when a rank ran out of
-        memory; then the gradients averaged."""
+        """This rank's share in micro-batches (halved under ``auto`` on out of memory), then the gradients averaged."""
         module, trainer, n = self.module, self.module.trainer, extract_batch_size(batch)
         if self.micro_size is None:  # auto: the whole share first
             self.micro_size = n

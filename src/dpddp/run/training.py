@@ -52,10 +52,10 @@ STAGES = ("fit", "validate", "test", "predict")
 def train(
     cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: dict | None = None, plan: Plan | None = None
 ) -> dict[str, Any]:
-    """Build ``cfg``'s model and data and run ``stage`` on its ``plan`` (else ``check_config``'s): ``"fit"`` fits,
-    tests, and predicts with ``predict=true``; ``"eval"`` validates and tests ``ckpt_path``; else that stage alone.
-    Rank 0 writes the outputs into ``output_dir``. Returns ``metrics.json``'s metrics (with ``extra``), the same on
-    every rank. Raises ``ConfigError`` (before any process starts), ``RankFailed`` or ``Preempted``."""
+    """Run ``stage`` of ``cfg`` on its ``plan`` (else ``check_config``'s): ``"fit"`` fits, tests (and predicts with
+    ``predict=true``); ``"eval"`` validates and tests ``ckpt_path``; else that stage alone. Rank 0 writes the outputs
+    into ``output_dir``. Returns ``metrics.json``'s metrics (with ``extra``), the same on every rank. Raises
+    ``ConfigError`` (before any process starts), ``RankFailed`` or ``Preempted``."""
     with run_stops(Path(output_dir)) as running:
         return _train(cfg, Path(output_dir), stage, extra, running, plan)
 
@@ -261,8 +261,7 @@ def _named(trainer: pl.Trainer, err: Exception) -> Exception:
 
 
 def _final_weights(trainer: pl.Trainer) -> dict[str, float]:
-    """Make the fit's outputs the final weights': write ``last.ckpt`` if its last write holds others, and validate
-    if the last validation ran on others (a mid-epoch stop, a swapped-in average); return the new metrics, if any."""
+    """Make ``last.ckpt`` and the validation metrics the final weights' (a mid-epoch stop, a swapped-in average)."""
     if trainer.fast_dev_run:  # type: ignore[attr-defined]  # no checkpoint, no more validation (Lightning)
         return {}
     averaged = save_final_checkpoint(trainer)  # other weights than last.ckpt's at its step: an average swapped in
@@ -284,8 +283,7 @@ def _floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
 
 @contextmanager
 def isolated_job() -> Iterator[None]:
-    """Leave nothing of a job for the next one in the same process: restore ``os.environ`` and the thread count,
-    and destroy the process group."""
+    """Leave nothing of a job for the next one in this process: ``os.environ``, the thread count, the process group."""
     saved = dict(os.environ)
     threads = torch.get_num_threads()
     try:
