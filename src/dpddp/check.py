@@ -469,13 +469,8 @@ def compare(straight: Path, continued: Path, kind: str, cause: str = "") -> tupl
     restored = records[0].get("restored", {})
     ours, theirs = (_pieces(c, restored) for c in ckpts)
     worst = 0.0
-    for name in [*ours, *(n for n in theirs if n not in ours)]:
-        if name not in ours or name not in theirs:
-            return (
-                math.inf,
-                f"{name}: missing in the {'continued' if name in ours else 'straight'} run, after a {kind} continue",
-            )
-        left, right = _leaves(ours[name], "", straight), _leaves(theirs[name], "", continued)
+    for name in [*ours, *(n for n in theirs if n not in ours)]:  # a piece on one side only: its leaves missing
+        left, right = _leaves(ours.get(name), "", straight), _leaves(theirs.get(name), "", continued)
         gaps = {k: _gap(left[k], right[k]) for k in left if k in right}
         missing = [k for k in [*left, *right] if (left.get(k) is None) != (right.get(k) is None)]
         where = missing[0] if missing else max(gaps, key=gaps.__getitem__, default="")
