@@ -9,7 +9,7 @@ import os
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -104,34 +104,34 @@ def checkpoint_intervals(cfg: Mapping) -> tuple[int | None, float | None]:
     return steps, seconds
 
 
+@dataclass
 class IntervalCheckpoints:
     """Writes ``<dirpath>/last.ckpt`` in the background at a step boundary every ``every_n_steps`` steps, or
-    ``every_s`` seconds once the ranks agree (in ``StepBoundaryStop``'s agreement)."""
+    ``every_s`` seconds once the ranks agree (``due``, set by ``StepBoundaryStop``'s agreement)."""
 
-    def __init__(self, dirpath: str | Path, every_n_steps: int | None = None, every_s: float | None = None) -> None:
-        self.path, self.every_n_steps, self.every_s = Path(dirpath) / "last.ckpt", every_n_steps, every_s
-        self.start(0)
+    dirpath: Path
+    every_n_steps: int | None = None
+    every_s: float | None = None
+    step: int = 0
+    at: float = field(default_factory=time.monotonic)
+    due: bool = False
 
     def start(self, step: int) -> None:
         """A fit starts at ``step``: the intervals count from here."""
-        self._step, self._at, self._due = step, time.monotonic(), False
+        self.step, self.at, self.due = step, time.monotonic(), False
 
     def time_due(self) -> bool:
         """Whether ``every_s`` has passed on this rank."""
-        return self.every_s is not None and time.monotonic() - self._at >= self.every_s
-
-    def agreed_due(self) -> None:
-        """Some rank found the time due: write at the next step boundary."""
-        self._due = True
+        return self.every_s is not None and time.monotonic() - self.at >= self.every_s
 
     def at_step_boundary(self, trainer: pl.Trainer) -> None:
         """After an optimizer step: write when a step or time interval is due."""
         every, step = self.every_n_steps, trainer.global_step
-        if step > self._step and (self._due or (every and step // every > self._step // every)):
-            self._step, self._due = step, False
-            background = isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
-            trainer.save_checkpoint(self.path, weights_only=False, storage_options=BACKGROUND if background else None)
-            self._at = time.monotonic()
+        if step > self.step and (self.due or (every and step // every > self.step // every)):
+            self.step, self.due = step, False
+            background = BACKGROUND if isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO) else None
+            trainer.save_checkpoint(self.dirpath / "last.ckpt", weights_only=False, storage_options=background)
+            self.at = time.monotonic()
 
 
 def read_checkpoint(path: str | Path) -> Any:

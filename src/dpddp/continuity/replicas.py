@@ -46,14 +46,11 @@ def checksums(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) 
 def divergent(table: list[list[int]]) -> tuple[int, int] | None:
     """``(rank, column)``: the first column of ``table`` (a row per rank) where ranks differ, and the first rank off
     the majority there (a tie: rank 0 is right); ``None`` when all agree."""
-    for column in range(len(table[0]) if table else 0):
-        values = [row[column] for row in table]
+    for column, values in enumerate(zip(*table, strict=True)):
         counts = Counter(values)
-        if len(counts) == 1:
-            continue
-        most = max(counts.values())
-        right = values[0] if counts[values[0]] == most else next(v for v in values if counts[v] == most)
-        return next(rank for rank, v in enumerate(values) if v != right), column
+        right = max(values, key=lambda v: (counts[v], v == values[0]))
+        if len(counts) > 1:
+            return next(rank for rank, v in enumerate(values) if v != right), column
     return None
 
 
@@ -77,9 +74,8 @@ class ReplicaGuard(pl.Callback):
 
     def check(self, trainer: pl.Trainer) -> None:
         """Compare the ranks' checksums now (a collective)."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return
-        world = torch.distributed.get_world_size()
+        ready = torch.distributed.is_available() and torch.distributed.is_initialized()
+        world = torch.distributed.get_world_size() if ready else 1
         if world < 2:
             return
         self._checked_step = trainer.global_step

@@ -402,5 +402,5 @@ class StepBoundaryStop(pl.Callback):
         due = self.intervals.time_due()
         level = agreed(2 if self.requested else int(due), trainer.strategy.root_device, pace, self.interval_s)
         if level == 1:  # a time-interval write, at the next step boundary
-            self.intervals.agreed_due()
+            self.intervals.due = True
         return level == 2
