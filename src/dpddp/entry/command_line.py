@@ -204,22 +204,17 @@ def sweep_variants(config: DictConfig) -> list[list[str]]:
 BOILERPLATE = ("Does not validate against", "Subtypes:", "Errors:", "Given value", "Expected a <class 'NoneType'>")
 
 
-def nearest_option(name: str, options: list[str]) -> str | None:
-    """The option of ``options`` nearest to ``name``; else, for ``modle.lr``, the near group with ``name``'s rest."""
-    near = difflib.get_close_matches(name, options, n=1, cutoff=0.8)
-    if near:
-        return near[0]
-    first, _, rest = name.partition(".")
-    group = difflib.get_close_matches(first, [o for o in options if "." not in o], n=1, cutoff=0.6) if rest else []
-    return f"{group[0]}.{rest}" if group else None
-
-
 def argument_error(message: str, args: list[str], options: list[str], prog: str) -> str:
     """One line for jsonargparse's refusal ``message`` of ``args`` of ``prog`` (``options``: dotted, no ``--``)."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     head, see = (lines or [message])[0], f"see {prog} --help"
     if (given := unrecognized(head)) is not None:
-        nearest = nearest_option(given.split()[0].split("=")[0].lstrip("-"), options)
+        name = given.split()[0].split("=")[0].lstrip("-")
+        near = difflib.get_close_matches(name, options, n=1, cutoff=0.8)
+        first, _, rest = name.partition(".")  # modle.lr: the near group with the rest
+        groups = [o for o in options if "." not in o]
+        group = difflib.get_close_matches(first, groups, n=1, cutoff=0.6) if rest and not near else []
+        nearest = near[0] if near else f"{group[0]}.{rest}" if group else None
         return f"{given}: no such option{f' (nearest: --{nearest})' if nearest else ''}: {see}"
     inner = [line.lstrip("- ") for line in lines[1:] if not line.lstrip("- ").startswith(BOILERPLATE)]
     said = jsonargparse_refusal([head, *inner])

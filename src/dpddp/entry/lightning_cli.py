@@ -73,12 +73,6 @@ def trainer_defaults() -> dict[str, Any]:
     return {**own, "sync_batchnorm": True, "use_distributed_sampler": False}
 
 
-def monitor_defaults() -> tuple[str, str]:
-    """``--monitor`` and ``--monitor_mode``'s defaults: the packaged ``callbacks/default.yaml``'s."""
-    best = _packaged("callbacks")["model_checkpoint"]
-    return str(best["monitor"]), str(best["mode"])
-
-
 def _packaged(group: str) -> Any:
     return OmegaConf.load(str(files("dpddp.conf") / group / "default.yaml"))
 
@@ -88,7 +82,7 @@ class DPDDPCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        monitor, mode = monitor_defaults()
+        best = _packaged("callbacks")["model_checkpoint"]  # --monitor and --monitor_mode's defaults
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint, or 'last'")
         parser.add_argument(
             "--steps_per_execution",
@@ -99,10 +93,12 @@ class DPDDPCLI(LightningCLI):
         parser.add_argument(
             "--monitor",
             type=str | None,
-            default=monitor,
+            default=best.monitor,
             help="the metric best.ckpt is chosen by, and the run's objective (null: no best.ckpt)",
         )
-        parser.add_argument("--monitor_mode", type=Literal["min", "max"], default=mode, help="min or max of --monitor")
+        parser.add_argument(
+            "--monitor_mode", type=Literal["min", "max"], default=best.mode, help="min or max of --monitor"
+        )
         parser.add_argument(
             "--compile",
             type=bool | str,
@@ -133,15 +129,6 @@ def _spec(value: Any) -> Any:
     if isinstance(value, list):
         return [_spec(v) for v in value]
     return value
-
-
-def _follow_data(model: dict[str, Any], data: dict[str, Any]) -> None:
-    """The model's ``SIZES`` follow the data's where the model's is its class default (not a jsonargparse link:
-    it drops a given size from the saved config)."""
-    defaults = inspect.signature(get_class(model["_target_"])).parameters
-    for key in SIZES:
-        if key in model and key in data and key in defaults and model[key] == defaults[key].default:
-            model[key] = data[key]
 
 
 def run_config(parsed: Any, defaults: Any) -> DictConfig:
@@ -182,7 +169,10 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
     else:
         merged.callbacks.model_checkpoint.monitor, merged.callbacks.model_checkpoint.mode = monitor, mode
     model, data = _spec(given["model"]), _spec(given["data"])  # each replaced whole: its class's own keys
-    _follow_data(model, data)
+    defaults = inspect.signature(get_class(model["_target_"])).parameters  # not a jsonargparse link: it would drop
+    for key in SIZES:  # a given size from the saved config; the model's SIZES follow the data's where the class's
+        if key in model and key in data and key in defaults and model[key] == defaults[key].default:
+            model[key] = data[key]
     merged.model, merged.data = model, data
     if logger is False:
         merged.logger = None

@@ -94,7 +94,10 @@ def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], set
         storage=storage, study_name=str(settings["study_name"]), direction=settings["direction"], load_if_exists=True
     )
     earlier = study.get_trials()
-    study.sampler = _sampler(settings["sampler"], len(earlier))
+    sampler = OmegaConf.create(settings["sampler"] or {"_target_": "optuna.samplers.TPESampler"})
+    if sampler.get("seed") is not None and earlier:  # moved by the trials so far: no repeated samples
+        sampler.seed = int(sampler.seed) + len(earlier)
+    study.sampler = instantiate(sampler)
     stale = [t for t in earlier if t.state == TrialState.RUNNING]
     log.info(
         f"Optuna study {study.study_name} in {storage}: {len(earlier) - len(stale)} finished trials, "
@@ -131,13 +134,3 @@ def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], set
     results = {"name": "optuna", "best_trial": best.number, "best_params": best.params, "best_value": best.value}
     OmegaConf.save(OmegaConf.create(results), sweep_dir / "optimization_results.yaml")
     log.info(f"Best trial: {best.number} (job {best.number}), value {best.value}, parameters {best.params}")
-
-
-def _sampler(config: Any, trials: int) -> optuna.samplers.BaseSampler:
-    """The sampler of ``config`` (TPE when ``None``), its ``seed`` moved by ``trials`` (no repeated samples)."""
-    if config is None:
-        return optuna.samplers.TPESampler()
-    config = OmegaConf.create(config)
-    if config.get("seed") is not None and trials:
-        config.seed = int(config.seed) + trials
-    return instantiate(config)

@@ -54,13 +54,6 @@ def _streams() -> dict[str, Any]:
     return found
 
 
-def _kind(module: nn.Module | None) -> str:
-    """What a drawing module is, by its attributes (see ``Draw``)."""
-    if isinstance(getattr(module, "p", None), float):
-        return "dropout"
-    return "attention" if isinstance(getattr(module, "dropout", None), float) else "code"
-
-
 @contextmanager
 def _model_kept(model: nn.Module) -> Iterator[None]:
     """``model`` as it was after the block: modes, buffers, torchmetrics' states, ``SampleDropout`` keys and the
@@ -138,7 +131,12 @@ def global_draws(model: pl.LightningModule, batch: Any, keyed: bool) -> list[Dra
         last[0] = _streams()
         step(model, batch, 0)
         note()
-    return [Draw(name, tuple(sorted(streams)), _kind(owner)) for name, (owner, streams) in seen.items()]
+    draws = []
+    for name, (owner, streams) in seen.items():  # the kind by the module's attributes
+        dropout = isinstance(getattr(owner, "p", None), float)
+        kind = "dropout" if dropout else "attention" if isinstance(getattr(owner, "dropout", None), float) else "code"
+        draws.append(Draw(name, tuple(sorted(streams)), kind))
+    return draws
 
 
 @contextmanager
