@@ -11,7 +11,7 @@ import time
 from omegaconf import OmegaConf
 
 from dpddp.diagnostics.network import is_local_address
-from dpddp.errors import EXIT_CONFIG
+from dpddp.errors import EXIT_CONFIG, ConfigError
 from dpddp.errors import local_rank as local_rank
 
 
@@ -141,26 +141,24 @@ def refuse_non_integer_variables() -> None:
             sys.exit(EXIT_CONFIG)
 
 
-def stray_rank_variables(cluster: str, num_nodes: int) -> str | None:
-    """Why this process's rank variables cannot be trusted (one line, with what to do), or ``None``."""
+def check_rank_variables(cluster: str, num_nodes: int) -> None:
+    """``ConfigError`` when no launcher started this process but rank variables are set, or when
+    ``cluster=kubeflow`` lacks a PyTorchJob's."""
     env = os.environ
-    if launched():
-        return None
-    if cluster == "kubeflow":
-        missing = [k for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT") if k not in env]  # a PyTorchJob's
-        if missing:
-            return (
-                f"cluster=kubeflow but {', '.join(missing)} not set: run inside a PyTorchJob, or drop cluster=kubeflow"
-            )
-        return None
+    missing = [k for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT") if k not in env]  # a PyTorchJob's
     stray = [k for k in RANK_VARIABLES if k in env]
-    if not stray or (stray == ["NODE_RANK"] and num_nodes > 1):
-        return None
-    names = ", ".join(f"{k}={env[k]}" for k in stray)
-    return (
-        f"{names} set in the environment, but no launcher (torchrun, SLURM, a PyTorchJob with cluster=kubeflow) "
-        f"started this process: unset {' '.join(stray)} (e.g. env -u {' -u '.join(stray)} python train.py ...)"
-    )
+    if launched():
+        return
+    if cluster == "kubeflow" and missing:
+        raise ConfigError(
+            f"cluster=kubeflow but {', '.join(missing)} not set: run inside a PyTorchJob, or drop cluster=kubeflow"
+        )
+    if cluster != "kubeflow" and stray and not (stray == ["NODE_RANK"] and num_nodes > 1):
+        names = ", ".join(f"{k}={env[k]}" for k in stray)
+        raise ConfigError(
+            f"{names} set in the environment, but no launcher (torchrun, SLURM, a PyTorchJob with cluster=kubeflow) "
+            f"started this process: unset {' '.join(stray)} (e.g. env -u {' -u '.join(stray)} python train.py ...)"
+        )
 
 
 def launched() -> bool:
@@ -170,33 +168,31 @@ def launched() -> bool:
     return bool(os.environ.get(LAUNCHED_ENV)) or "TORCHELASTIC_RUN_ID" in os.environ or SLURMEnvironment.detect()
 
 
-def stray_address_variables(cluster: str, num_nodes: int) -> str | None:
-    """Why ``MASTER_ADDR``/``MASTER_PORT`` cannot serve a DDP run started without a launcher (one line, with
-    what to do), or ``None``: node 0 serves the rendezvous, so its ``MASTER_ADDR`` must be this machine's."""
+def check_address_variables(cluster: str, num_nodes: int) -> None:
+    """``ConfigError`` when ``MASTER_ADDR``/``MASTER_PORT`` cannot serve a DDP run started without a launcher:
+    node 0 serves the rendezvous, so its ``MASTER_ADDR`` must be this machine's."""
     env = os.environ
     if cluster == "kubeflow" or launched():
-        return None
+        return
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
     if num_nodes > 1 and missing:
-        return (
+        raise ConfigError(
             f"num_nodes={num_nodes} without a launcher, but {' and '.join(missing)} not set: set MASTER_ADDR (node "
             "0's address) and MASTER_PORT alike on every node and NODE_RANK on each, or start the nodes with "
             "torchrun"
         )
     address = env.get("MASTER_ADDR")
-    if address is None or (num_nodes > 1 and _node() not in ("", "0")):  # another node: node 0's address
-        return None
-    local = is_local_address(address)
-    if local:
-        return None
+    another_node = num_nodes > 1 and _node() not in ("", "0")  # which gives node 0's address
+    if address is None or another_node or (local := is_local_address(address)):
+        return
     what = "does not resolve to an address" if local is None else "is not an address of this machine"
     if num_nodes == 1:
-        return (
+        raise ConfigError(
             f"MASTER_ADDR={address} (environment) {what}, but a one-machine run (num_nodes=1) starts every rank here: "
             "unset MASTER_ADDR (env -u MASTER_ADDR python train.py ...), or run under a launcher (torchrun, SLURM) "
             "to use several machines"
         )
-    return (
+    raise ConfigError(
         f"MASTER_ADDR={address} (environment) {what}, but this is node 0 (NODE_RANK unset or 0), which serves the "
         "rendezvous: give every node this machine's address as MASTER_ADDR, or set NODE_RANK to this node's rank"
     )

@@ -90,7 +90,6 @@ class DDPStrategy(LightningDDPStrategy):
         super().__init__(timeout=self.pg_timeout, **kwargs)
         self.allreduce_timer = timer
         self.job, self.launch_mode = job, launch
-        self.start_method = kwargs.get("start_method", "popen")
         self.supervisor: JobLauncher | None = None  # the launcher that started this node's other ranks, if ours did
         self._peer_watch: PeerWatch | None = None
         self._whereabouts: Whereabouts | None = None
@@ -99,8 +98,8 @@ class DDPStrategy(LightningDDPStrategy):
     @property
     @override
     def launcher(self) -> compat.Launcher | None:
-        """A ``JobLauncher`` for a ``popen`` launch with a job; else Lightning's."""
-        if self.job is None or self.start_method != "popen":
+        """A ``JobLauncher`` for a job; else Lightning's."""
+        if self.job is None:
             return super().launcher
         if self.supervisor is None:
             env = self.cluster_environment
@@ -127,12 +126,9 @@ class DDPStrategy(LightningDDPStrategy):
 
     def _position(self) -> tuple[str, int]:
         """The trainer's ``(stage, global_step)``, ``("setup", 0)`` before one."""
-        module = self.lightning_module
         try:
-            trainer = module.trainer if module is not None else None
-        except RuntimeError:  # not attached to a trainer
-            trainer = None
-        if trainer is None:
+            trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        except (AttributeError, RuntimeError):  # no module yet, or one not attached to a trainer
             return "setup", 0
         stage = trainer.state.stage
         return (stage.value if stage is not None else "setup"), trainer.global_step

@@ -183,44 +183,35 @@ class PeerWatch(threading.Thread):
         )
 
 
-def _key(name: str, *parts: str) -> str:
-    return "/".join(["dpddp", name, *parts])
-
-
 def join_start(store: Any, rank: int, world_size: int, ranks_per_node: int, timeout_s: float) -> str:
     """A fresh key prefix in ``store`` agreed with this start's other ranks, e.g. ``"dpddp/3f2a.../"``. Raises
     ``RankFailed`` naming the nodes and ranks that did not join within ``timeout_s`` seconds."""
-    if rank == 0:
-        return _lead(store, world_size, ranks_per_node, timeout_s)
-    token = uuid.uuid4().hex
     deadline = time.monotonic() + timeout_s
+    if rank == 0:  # name this start, wait for every other rank's token, list them
+        name = uuid.uuid4().hex
+        store.set(START_KEY, name)
+        pending = list(range(1, world_size))
+        while pending := [r for r in pending if not store.check([f"dpddp/{name}/join/{r}"])]:
+            if time.monotonic() > deadline:
+                what = describe_ranks(pending, ranks_per_node)
+                raise RankFailed(f"{what} lost: not started within {timeout_s:.0f} s; ending the run")
+            time.sleep(_POLL_S)
+        tokens = [store.get(f"dpddp/{name}/join/{r}").decode() for r in range(1, world_size)]
+        store.set(f"dpddp/{name}/members", json.dumps(tokens))
+        return f"dpddp/{name}/"
+    token = uuid.uuid4().hex
     joined: str | None = None
     while time.monotonic() < deadline:
-        name = store.get(START_KEY).decode() if store.check([START_KEY]) else None
-        if name is not None and name != joined:
-            store.set(_key(name, "join", str(rank)), token)
-            joined = name
-        if joined is not None and store.check([m := _key(joined, "members")]) and token in json.loads(store.get(m)):
-            return _key(joined, "")
+        latest = store.get(START_KEY).decode() if store.check([START_KEY]) else None
+        if latest is not None and latest != joined:
+            store.set(f"dpddp/{latest}/join/{rank}", token)
+            joined = latest
+        if joined is not None and store.check([m := f"dpddp/{joined}/members"]) and token in json.loads(store.get(m)):
+            return f"dpddp/{joined}/"
         time.sleep(_POLL_S)
-    what = describe_ranks([0], ranks_per_node)
-    raise RankFailed(f"{what} lost: this start was not joined by rank 0 within {timeout_s:.0f} s; ending the run")
-
-
-def _lead(store: Any, world_size: int, ranks_per_node: int, timeout_s: float) -> str:
-    """Rank 0's part: name this start, wait for every other rank's token, list them."""
-    name = uuid.uuid4().hex
-    store.set(START_KEY, name)
-    deadline = time.monotonic() + timeout_s
-    pending = list(range(1, world_size))
-    while pending := [r for r in pending if not store.check([_key(name, "join", str(r))])]:
-        if time.monotonic() > deadline:
-            what = describe_ranks(pending, ranks_per_node)
-            raise RankFailed(f"{what} lost: not started within {timeout_s:.0f} s; ending the run")
-        time.sleep(_POLL_S)
-    tokens = [store.get(_key(name, "join", str(r))).decode() for r in range(1, world_size)]
-    store.set(_key(name, "members"), json.dumps(tokens))
-    return _key(name, "")
+    raise RankFailed(
+        f"node 0 (rank 0) lost: this start was not joined by rank 0 within {timeout_s:.0f} s; ending the run"
+    )
 
 
 def torchrun_restarted() -> bool:

@@ -122,10 +122,9 @@ def resolve_world(cfg: Mapping) -> World:
         raise ConfigError(f"cluster={cfg['cluster']!r} is unknown: choose one of {', '.join(CLUSTERS)}")
     check_strategy_options(cfg["strategy"])
     alone = 1 if num_nodes == "auto" else num_nodes  # the nodes of a run no launcher started (auto: this one)
-    if problem := launch.stray_rank_variables(cfg["cluster"], alone):  # before world_of reads the rank variables
-        raise ConfigError(problem)
-    if ddp and (problem := launch.stray_address_variables(cfg["cluster"], alone)):
-        raise ConfigError(problem)
+    launch.check_rank_variables(cfg["cluster"], alone)  # before world_of reads the rank variables
+    if ddp:
+        launch.check_address_variables(cfg["cluster"], alone)
     world = world_of(cfg)
     started = launch.cluster_world_size(cfg["cluster"])
     if started and num_nodes == "auto" and ddp:  # elastic: devices x nodes must be the launcher's
@@ -223,10 +222,9 @@ def lightning_equivalent(name: str) -> tuple[str, ...] | None:
 def lightning_name_line(name: str, prefix: str = "") -> str | None:
     """The line for ``<prefix>strategy=<name>``, a Lightning strategy name dpddp has no config for: its
     ``lightning_equivalent``, or the strategy to use instead; ``None`` for a name Lightning lacks too."""
-    found = registered_strategies().get(name)
-    if name in STRATEGIES or found is None:
+    cls, params = registered_strategies().get(name, (None, {}))
+    if name in STRATEGIES or cls is None:
         return None
-    cls, params = found
     if (settings := lightning_equivalent(name)) is not None:
         given = ", ".join(f"{k}={v!r}" for k, v in sorted(params.items()))
         return f"{prefix}strategy={name} is Lightning's name for {cls.__name__}({given}): use {' '.join(settings)}"
