@@ -60,12 +60,8 @@ class EpochRecord(pl.Callback):
         return self.table.train_time_s + running
 
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._counted = False
-
-    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._segment_start = time.perf_counter()
+        self._segment_start, self._counted = time.perf_counter(), False
         # a fit restarted mid-epoch gets no on_train_epoch_start for that epoch: time its rest from here
         self._epoch_start, self._samples = self._segment_start, 0
         self.table.rows = [row for row in self.table.rows if row["epoch"] < trainer.current_epoch]

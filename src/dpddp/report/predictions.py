@@ -89,10 +89,8 @@ class PredictionWriter(BasePredictionWriter):
         out = prediction.detach().to(torch.float64).cpu()
         n = len(rows)
         target = batch[1] if isinstance(batch, (tuple, list)) and len(batch) >= 3 else None  # (x, y, ..., rows)
-        if isinstance(target, torch.Tensor) and target.dim() == 1:
-            target = target.to(torch.float64).reshape(n, 1).cpu()
-        else:
-            target = torch.full((n, 1), math.nan)
+        known = isinstance(target, torch.Tensor) and target.dim() == 1
+        target = target.to(torch.float64).reshape(n, 1).cpu() if known else torch.full((n, 1), math.nan)
         scores = out if out.dim() == 2 and out.shape[1] > 1 else out.reshape(n, -1)[:, :0]
         pred = out.argmax(dim=1, keepdim=True).to(out.dtype) if scores.shape[1] else out.reshape(n, 1)
         self.rows.append(torch.cat([rows.reshape(n, 1).to(torch.float64).cpu(), target, pred, scores], 1))
@@ -110,15 +108,13 @@ class PredictionWriter(BasePredictionWriter):
         out = Path(self.output_dir or trainer.log_dir or trainer.default_root_dir)  # log_dir: a broadcast, all ranks
         if not trainer.is_global_zero:
             return
-        filled = [p for p in parts if len(p)]
-        table = torch.cat(filled) if filled else mine
+        table = torch.cat([p for p in parts if len(p)] or [mine])
         table = table[table[:, 0].argsort()]
         out.mkdir(parents=True, exist_ok=True)
-        num_scores = table.shape[1] - 3
         path = out / "predictions.csv"
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["index", "target", "pred", *(f"{self.scores}_{c}" for c in range(num_scores))])
+            writer.writerow(["index", "target", "pred", *(f"{self.scores}_{c}" for c in range(table.shape[1] - 3))])
             for row in table.tolist():
                 writer.writerow([int(row[0]), _number(row[1]), _number(row[2]), *(f"{p:.6g}" for p in row[3:])])
         log.info(f"predictions: {path.absolute()} ({len(table)} rows)")
