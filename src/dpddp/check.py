@@ -159,25 +159,19 @@ def _advice(rows: list[dict[str, Any]], ratios: list[float]) -> str:
     waits = f"the gradient all-reduce takes {share:.0%} of each ddp step" if share is not None else "ddp all-reduces"
     shown = ", ".join(f"{r:.2f}" for r in ratios)
     rounds = f"{len(ratios)} alternated timings of ddp(2) over one process: {shown}"
-    verdict, ratio = _agreed(ratios), math.prod(ratios) ** (1 / len(ratios))
-    if verdict == "one":
-        return (
-            f"advice: one process is fastest here for this model size ({1 / ratio:.1f}x ddp(2); {rounds}): {waits}, "
-            "more than the half step the second process saves; ddp pays off with heavier steps (a larger model or "
-            "batch, more features) or more cores"
-        )
-    if verdict == "ddp":
-        return (
-            f"advice: ddp(2) is fastest here for this model size ({ratio:.1f}x one process; {rounds}): each replica's "
-            f"share of the step saves more than it waits ({waits})"
-        )
-    if verdict == "even":
-        return f"advice: one process and ddp(2) are about as fast here for this model size ({rounds}): {waits}"
-    return (
-        f"advice: this machine cannot tell now whether one process or ddp(2) is faster ({rounds}): the timings "
-        f"fall on both sides of {MARGIN:g}x or spread {SPREAD:g}x or more, as a changing load makes them; run the "
-        "check again when it is idle"
-    )
+    ratio = math.prod(ratios) ** (1 / len(ratios))
+    said = {
+        "one": f"one process is fastest here for this model size ({1 / ratio:.1f}x ddp(2); {rounds}): {waits}, more "
+        "than the half step the second process saves; ddp pays off with heavier steps (a larger model or batch, more "
+        "features) or more cores",
+        "ddp": f"ddp(2) is fastest here for this model size ({ratio:.1f}x one process; {rounds}): each replica's share "
+        f"of the step saves more than it waits ({waits})",
+        "even": f"one process and ddp(2) are about as fast here for this model size ({rounds}): {waits}",
+        None: f"this machine cannot tell now whether one process or ddp(2) is faster ({rounds}): the timings fall on "
+        f"both sides of {MARGIN:g}x or spread {SPREAD:g}x or more, as a changing load makes them; run the check again "
+        "when it is idle",
+    }
+    return f"advice: {said[_agreed(ratios)]}"
 
 
 def _draws(cfg: DictConfig, stepped: bool = False) -> str:
