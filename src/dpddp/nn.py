@@ -187,9 +187,8 @@ def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
 
 
 class SampleDropout(nn.Dropout):
-    """``nn.Dropout`` with the keyed mask (samples along dim 0) when keys are set in training. Raises ValueError:
-    ``p`` outside ``[0, 1]``, or with keys a 0-dim input or samples not matching the ids; RuntimeError: with keys,
-    no layer key (``assign_layer_keys``)."""
+    """``nn.Dropout``, keyed (samples along dim 0) when keys are set in training. Raises ValueError: ``p`` outside
+    ``[0, 1]``, keys and a 0-dim input or samples not the ids; RuntimeError: keys and no ``assign_layer_keys``."""
 
     layer_key: int | None = None
 

@@ -85,9 +85,8 @@ def empty_batch(batch: Any) -> Any:
 
 
 class Batches(Dataset):
-    """Any map-style ``dataset`` by whole batches: ``view[idx]`` is the collated batch of samples ``ids[idx]``
-    (all of ``dataset`` for ``ids=None``), ``[k, b]`` ids giving a leading ``[k, b]``; ``with_index``: the whole
-    data set's rows appended (``with_rows``). Draws are keyed by the sample (``dpddp.data.draws``)."""
+    """``dataset`` by whole batches: ``view[idx]`` collates samples ``ids[idx]`` (``None``: all), ``[k, b]`` ids
+    giving ``[k, b, ...]``; ``with_index``: their rows appended (``with_rows``). Draws keyed (``data.draws``)."""
 
     batch_indexable = True
     defer = False

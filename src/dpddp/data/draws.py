@@ -1,6 +1,5 @@
-"""A data set's draws from the global random streams (torch's CPU stream, numpy's, Python's), keyed by the sample:
-sample ``i`` of epoch ``epoch`` is fetched with them seeded from ``sample_seeds(seed, epoch, i)`` and, in the rank,
-put back afterwards. See docs/design-notes.md (data.draws)."""
+"""A data set's draws from the global streams (torch's CPU, numpy's, Python's) keyed by the sample: seeded from
+``sample_seeds(seed, epoch, i)`` for its fetch, then (in the rank) put back. See docs/design-notes.md (data.draws)."""
 
 from __future__ import annotations
 
@@ -81,18 +80,14 @@ class EpochIds(list):
 
 
 class KeyedSamples(Dataset):
-    """``dataset`` for torch's loader: ``__getitems__(ids)`` keys each sample's draws by ``(seed, epoch, id)``
-    (``epoch`` that of ``EpochIds``, else 0), one key a batch where ``dataset`` has its own ``__getitems__``;
-    ``rows``: each sample fetched alone, as ``(sample, id)``."""
+    """``dataset`` for torch's loader: ``__getitems__(ids)`` keys each sample by ``(seed, epoch, id)`` (``EpochIds``'
+    epoch, else 0), a batch by its first id where ``dataset`` has ``__getitems__``; ``rows``: ``(sample, id)``s."""
 
     def __init__(self, dataset: Any, seed: int = 0, rows: bool = False) -> None:
         self.dataset, self.seed, self.rows = dataset, seed, rows
 
     def __len__(self) -> int:
         return len(self.dataset)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.dataset[i]
 
     def __getitems__(self, ids: list[int]) -> list[Any]:
         keys = sample_seeds(self.seed, getattr(ids, "epoch", 0), torch.tensor(ids, dtype=torch.long)) if ids else []

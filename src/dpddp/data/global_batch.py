@@ -79,9 +79,8 @@ class YieldedIds:
 
 
 class GlobalBatchSampler(YieldedIds, DistributedSampler):
-    """This rank's ids (int64) of each global batch; a ``DistributedSampler`` by type only, so Lightning does not
-    wrap it. ``train``: shuffled by ``(seed, epoch)`` (``block_size``: in blocks), full batches only; else in order.
-    ``steps_per_execution`` ``k``: items ``[k, b]``. Raises ConfigError: ``batch_size`` not divisible by ranks."""
+    """This rank's int64 ids of each global batch (``[k, b]``: ``k`` steps an execution); ``train``: shuffled by
+    ``(seed, epoch)``, full batches. Not wrapped by Lightning. Raises ConfigError: ``batch_size`` % ranks."""
 
     def __init__(
         self,
@@ -177,10 +176,9 @@ class SplitLoaders(pl.LightningDataModule):
 
 
 class GlobalBatchDataModule(SplitLoaders):
-    """Map-style ``dataset`` (or ``make_dataset``/``make_splits``) cut by a permutation from ``seed`` into ``[train |
-    val | test]``, served in global batches; building it and a subclass's hooks run inside ``data_streams(seed)``.
-    Raises ConfigError: an ``IterableDataset``, a bad ``collate_fn``, an unusable split, no data, or samples that
-    do not collate."""
+    """Map-style ``dataset`` (or ``make_dataset``/``make_splits``, run as a subclass's hooks inside ``data_streams``)
+    cut by a permutation from ``seed`` into ``[train | val | test]``, in global batches. Raises ConfigError: an
+    ``IterableDataset``, a bad ``collate_fn``, an unusable split, no data, samples that do not collate."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -36,9 +36,8 @@ def _sampler(trainer: pl.Trainer) -> YieldedIds | None:
 
 
 class SampleKeyCallback(pl.Callback):
-    """Sets each training batch's keys ``(seed, epoch, ids)`` from the ids recorded at its ``batch_idx`` and clears
-    them at its end; keys the layers at the fit's start. Raises ConfigError: training data served by no
-    ``YieldedIds``; RuntimeError: no ids recorded for a batch."""
+    """Keys the layers at the fit's start and each training batch by ``(seed, epoch, ids at batch_idx)``. Raises
+    ConfigError: training data served by no ``YieldedIds``; RuntimeError: no ids recorded for a batch."""
 
     devices: list[int] | None = None
 

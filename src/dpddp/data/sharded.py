@@ -58,9 +58,8 @@ def epoch_order(sampler: Sampler, seed: int) -> Callable[[int], list[int]]:
 
 
 class ShardedBatchSampler(YieldedIds, Sampler[list[int]]):
-    """This rank's chunk of each global batch of ``batches``: training, ``epoch_order`` cut into full batches from
-    the position; evaluation, ``batches`` as they come. Raises ConfigError: a training batch not divisible by the
-    ranks, or a sampler ``epoch_order`` refuses."""
+    """This rank's chunk of each global batch: training, full batches of ``epoch_order`` from the position; else
+    ``batches`` as they come. Raises ConfigError: a training batch % ranks, a sampler ``epoch_order`` refuses."""
 
     def __init__(self, batches: Any, rank: int, world_size: int, train: bool, seed: int = 0) -> None:
         super().__init__(rank, world_size, train, seed)
@@ -102,9 +101,8 @@ def _collate(collate: Any, dataset: Any, rows: bool, samples: list) -> Any:
 def shard_loader(
     loader: Any, rank: int, world_size: int, train: bool, seed: int = 0, with_rows: bool = False
 ) -> DataLoader:
-    """``loader`` (a plain ``DataLoader`` over a map-style data set) rebuilt with a ``ShardedBatchSampler``, its
-    draws keyed (``KeyedSamples``); ``with_rows``: each batch followed by its rows in the data set. Raises
-    ConfigError: a loader that cannot be sharded, or whose training batches cannot be ordered."""
+    """``loader`` (a plain map-style ``DataLoader``) with a ``ShardedBatchSampler``, keyed draws; ``with_rows``:
+    each batch followed by its rows. Raises ConfigError: a loader not sharded, or training batches not ordered."""
     fix = (
         "return a plain DataLoader(dataset, batch_size=...), or subclass dpddp.data.global_batch.GlobalBatchDataModule"
     )

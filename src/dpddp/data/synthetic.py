@@ -74,29 +74,20 @@ class StreamingTensors(Dataset):
 
     def block(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ``k``: ``x [BLOCK, num_features]`` float32, ``y [BLOCK]`` int64."""
-        if k in self._cache:
-            return self._cache[k]
-        gen = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + k + 1) % 2**63)
-        x = torch.randn(BLOCK, self.num_features, generator=gen)
-        y = label(x, self.teacher, self.bias, self.label_noise, self.num_classes, gen)
-        if len(self._cache) >= self.cache_blocks:
-            del self._cache[next(iter(self._cache))]  # the oldest
-        self._cache[k] = (x, y)
-        return x, y
+        if k not in self._cache:
+            gen = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + k + 1) % 2**63)
+            x = torch.randn(BLOCK, self.num_features, generator=gen)
+            self._cache[k] = x, label(x, self.teacher, self.bias, self.label_noise, self.num_classes, gen)
+            if len(self._cache) > self.cache_blocks:
+                del self._cache[next(iter(self._cache))]  # the oldest
+        return self._cache[k]
 
     def __getitem__(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ids = idx + self.offset
         if not len(ids):  # a rank's empty chunk of a short last evaluation batch
             return torch.empty(0, self.num_features), torch.empty(0, dtype=torch.long)
-        first, last = int(ids.min()) // BLOCK, int(ids.max()) // BLOCK
-        if first == last:  # the usual case: one block, one gather
-            x, y = self.block(first)
-            rows = ids - first * BLOCK
-            x, y = x[rows], y[rows]
-        else:
-            blocks = ids // BLOCK
-            uniq = torch.unique(blocks).tolist()
-            parts = [self.block(k) for k in uniq]
-            rows = torch.searchsorted(torch.tensor(uniq), blocks) * BLOCK + ids % BLOCK
-            x, y = torch.cat([p[0] for p in parts])[rows], torch.cat([p[1] for p in parts])[rows]
-        return x, y
+        blocks = torch.unique(ids // BLOCK)
+        parts = [self.block(k) for k in blocks.tolist()]  # usually one: no copy of it
+        x, y = parts[0] if len(parts) == 1 else (torch.cat(part) for part in zip(*parts, strict=True))
+        rows = torch.searchsorted(blocks, ids // BLOCK) * BLOCK + ids % BLOCK
+        return x[rows], y[rows]

@@ -15,9 +15,8 @@ OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 
 
 class Classifier(pl.LightningModule):
-    """Cross-entropy over ``num_classes``: a subclass builds ``forward`` (``x -> logits [batch, num_classes]``)
-    and saves ``optimizer``, ``lr``, ``momentum``, ``weight_decay`` as hyperparameters. Logs ``{train,val,test}/loss``
-    and ``{val,test}/acc`` at epoch end over all processes. Raises ``ValueError``: ``dropout`` outside ``[0, 1)``."""
+    """Cross-entropy: a subclass builds ``forward`` (``x -> logits``), saves ``optimizer, lr, momentum, weight_decay``.
+    Logs ``{train,val,test}/loss``, ``{val,test}/acc`` an epoch. Raises ``ValueError``: ``dropout`` outside [0, 1)."""
 
     # Set around every hook call (dpddp._compat.HOOK_NAME_ATTRIBUTE): skip nn.Module.__setattr__'s checks.
     _PLAIN_ATTRIBUTES = frozenset({HOOK_NAME_ATTRIBUTE})
@@ -99,11 +98,9 @@ class Classifier(pl.LightningModule):
 
     @override
     def on_train_epoch_end(self) -> None:
-        self._fold_train_losses()
+        total, samples = self.train_loss_sums()
         if self._train_samples or self._carried[1]:  # the epoch's mean, weight = samples: sums and counts sync
-            total = self._train_loss_sum if self._train_loss_sum is not None else torch.zeros((), dtype=torch.float64)
-            samples = self._train_samples + self._carried[1]
-            self.train_loss.update((total + self._carried[0]) / samples, weight=samples)
+            self.train_loss.update(total / samples, weight=self._train_samples + self._carried[1])
         self._log_epoch("train")
 
     def train_loss_sums(self) -> torch.Tensor:
