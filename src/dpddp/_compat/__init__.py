@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from datetime import timedelta
@@ -40,15 +41,13 @@ from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batch
 from lightning.pytorch.trainer.states import RunningStage
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-CHECKED = {"lightning": "2.6.6", "torch": "2.13.0", "hydra-core": "1.3.8"}
-"""The versions every entry below was read in and tested against."""
+CHECKED = {"lightning": "2.6.6", "torch": "2.13.0", "hydra-core": "1.3.8"}  # every entry below was tested in these
 
 SubprocessScriptLauncher = _SubprocessScriptLauncher
 Launcher = _Launcher
 set_num_threads_if_needed = _set_num_threads_if_needed
 
-HOOK_NAME_ATTRIBUTE = "_current_fx_name"
-"""Lightning 2.6.6's ``LightningModule._current_fx_name``, set around every hook call."""
+HOOK_NAME_ATTRIBUTE = "_current_fx_name"  # Lightning 2.6.6 sets it on the LightningModule around every hook call
 
 
 def resolve_process_group_backend(strategy: DDPStrategy) -> str:
@@ -61,9 +60,7 @@ def init_process_group(
     env: ClusterEnvironment, backend: str, timeout: timedelta, device: torch.device, store: Any = None
 ) -> None:
     """Lightning 2.6.6's ``_init_dist_connection`` as ``DDPStrategy.setup_distributed`` calls it, with ``store``."""
-    kwargs: dict[str, Any] = {"timeout": timeout}
-    if store is not None:
-        kwargs["store"] = store
+    kwargs: dict[str, Any] = {"timeout": timeout, **({"store": store} if store is not None else {})}
     if _TORCH_GREATER_EQUAL_2_3:
         kwargs["device_id"] = device if device.type != "cpu" else None
     _init_dist_connection(env, backend, **kwargs)
@@ -79,8 +76,7 @@ def rank0_store(sock: socket.socket, world_size: int, timeout: timedelta) -> tor
     return torch.distributed.PrefixStore("default_pg", store)
 
 
-AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
-"""Set to ``"True"`` by torch 2.13's ``LocalElasticAgent._start_workers`` when the master is the agent's store."""
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"  # "True": torch 2.13's LocalElasticAgent shares its store
 
 
 def agent_store_shared() -> bool:
@@ -90,9 +86,8 @@ def agent_store_shared() -> bool:
 
 def agent_store(address: str, port: int, timeout: timedelta) -> torch.distributed.Store | None:
     """A client of torchrun's agent store when this worker was handed one, else ``None`` (torch 2.13)."""
-    if not agent_store_shared():
-        return None
-    return torch.distributed.TCPStore(address, port, is_master=False, timeout=timeout)
+    shared = agent_store_shared()
+    return torch.distributed.TCPStore(address, port, is_master=False, timeout=timeout) if shared else None
 
 
 def _present(owner: Any, name: str) -> None:
@@ -211,17 +206,15 @@ def restart_train_iterator(trainer: pl.Trainer) -> None:
     loop = trainer.fit_loop
     if not hasattr(loop, "_data_fetcher"):
         raise RuntimeError("lightning moved _FitLoop._data_fetcher: update dpddp._compat")
-    if trainer.current_epoch > 0 and not loop.is_resuming and not loop.epoch_loop.restarting:
-        return  # the epoch loop makes it
-    if loop._data_fetcher is not None:
+    ours = trainer.current_epoch == 0 or loop.is_resuming or loop.epoch_loop.restarting  # else the epoch loop's
+    if ours and loop._data_fetcher is not None:
         iter(loop._data_fetcher)
 
 
 def logged_metric_kinds(trainer: pl.Trainer) -> dict[str, tuple[bool, bool]]:
     """``{name: (is a torchmetrics Metric, sync_dist)}`` logged in the loop (Lightning 2.6.6's ``_results``)."""
-    results = trainer._results
     found: dict[str, tuple[bool, bool]] = {}
-    for value in (results or {}).values():
+    for value in (trainer._results or {}).values():
         meta = getattr(value, "meta", None)
         if meta is not None:
             found[meta.name] = (not value.is_tensor, bool(meta.sync.should))
@@ -360,12 +353,8 @@ def hydra_override_refused(refused: Callable[[Any, Any, Exception], None]) -> Ab
     return patch.object(ConfigLoaderImpl, "_apply_overrides_to_config", staticmethod(one_at_a_time))
 
 
-BatchNormBase = torch.nn.modules.batchnorm._BatchNorm
-"""torch 2.13's ``_BatchNorm``, base of every BatchNorm."""
-
-
-HYDRA_BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
-"""The ``_target_`` of hydra-core 1.3.8's basic launcher."""
+BatchNormBase = torch.nn.modules.batchnorm._BatchNorm  # torch 2.13's base of every BatchNorm
+HYDRA_BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"  # hydra-core 1.3.8's _target_
 
 
 @contextmanager
@@ -403,8 +392,7 @@ def hydra_reported(report: Callable[[Exception], None], kinds: tuple[type[Except
 
 
 def locate(path: str) -> Any:
-    """What ``instantiate`` builds for ``_target_: <path>``, without ``get_class``'s log lines. Raises ``ImportError``
-    or ``ValueError``."""
+    """What ``_target_: <path>`` builds, without ``get_class``'s log lines; raises ``ImportError``, ``ValueError``."""
     from hydra._internal.utils import _locate
 
     return _locate(path)
@@ -482,8 +470,7 @@ def mend_swa(callback: StochasticWeightAveraging) -> None:
 
 # torch 2.13: PowerSGD's hook state, DDP's bucket assignment.
 
-POWERSGD_FIELDS = ("rng", "error_dict", "p_memory_dict", "q_memory_dict", "iter")
-"""``PowerSGDState``'s fields that change as training runs (pickled by its ``__getstate__``)."""
+POWERSGD_FIELDS = ("rng", "error_dict", "p_memory_dict", "q_memory_dict", "iter")  # those that change as it runs
 
 
 def powersgd_state(state: PowerSGDState) -> dict[str, Any]:
@@ -528,8 +515,7 @@ def bucket_assignment(layout: list[list[int]] | None) -> Iterator[list[torch.Ten
 
 # CPython 3.11.7's multiprocessing (DataLoader workers' helpers; docs/design-notes.md, parallel.workers).
 
-FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"
-"""How ``ForkServer.ensure_running``'s command (``python -c``) begins."""
+FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"  # how ForkServer's python -c command begins
 
 
 def in_fork_server() -> bool:
@@ -543,8 +529,7 @@ def forkserver_preload() -> list[str]:
 
 
 def forget_forkserver() -> None:
-    """In a just forked process: forget the parent's fork server (``forkserver._forkserver``); a new one starts on
-    first use."""
+    """In a just forked process: forget the parent's fork server (``_forkserver``); a new one starts on first use."""
     server: Any = multiprocessing.forkserver._forkserver
     _close(server._forkserver_alive_fd)
     server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
@@ -599,18 +584,12 @@ def at_multiprocessing_exit(function: Callable[[], object]) -> None:
     """Call ``function()`` at this process's normal exit, after multiprocessing's own exit work (``util.Finalize``
     with the lowest ``exitpriority``); registered once per process however often it is asked."""
     registry = multiprocessing.util._finalizer_registry  # type: ignore[attr-defined]
-    mine = [f for f in list(registry.values()) if f._callback is function and f._pid == os.getpid()]
-    if not mine:
+    if not any(f._callback is function and f._pid == os.getpid() for f in list(registry.values())):
         multiprocessing.util.Finalize(None, function, exitpriority=-100)
 
 
 def raised_pickling_a_process(err: BaseException) -> bool:
-    """Whether ``err`` was raised while multiprocessing pickled a process to start it (its traceback runs through
-    ``multiprocessing/reduction.py``'s ``dump``)."""
-    tb = err.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_name == "dump" and code.co_filename.endswith(os.path.join("multiprocessing", "reduction.py")):
-            return True
-        tb = tb.tb_next
-    return False
+    """Whether ``err`` came from multiprocessing pickling a process to start it (in ``reduction.py``'s ``dump``)."""
+    codes = [frame.f_code for frame, _ in traceback.walk_tb(err.__traceback__)]
+    reduction = os.path.join("multiprocessing", "reduction.py")
+    return any(code.co_name == "dump" and code.co_filename.endswith(reduction) for code in codes)
