@@ -25,13 +25,7 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins import ClusterEnvironment
 from typing_extensions import override
 
-from dpddp._compat import (
-    SubprocessScriptLauncher,
-    forget_forkserver,
-    forget_resource_sharer,
-    set_num_threads_if_needed,
-    stop_worker_servers,
-)
+import dpddp._compat as compat
 from dpddp.cluster import LAUNCHED_ENV, master_address
 from dpddp.diagnostics.network import route_interface
 from dpddp.errors import EXIT_CRASH, EXIT_PREEMPTED, ConfigError, RankFailed, first_line
@@ -73,8 +67,7 @@ class RankJob:
 
 def die_with_parent() -> None:
     """In a launched rank: get SIGKILL when the launching process dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 _STOPPED = (EXIT_PREEMPTED, -signal.SIGTERM)  # a rank's exit status when SIGTERM stopped it
@@ -158,7 +151,7 @@ class _ForkedRank:
         self.send_signal(signal.SIGKILL)
 
 
-class JobLauncher(SubprocessScriptLauncher):
+class JobLauncher(compat.SubprocessScriptLauncher):
     """Lightning's ``_SubprocessScriptLauncher`` starting local ranks from ``job``: forked (``fork``, running
     ``run_forked(job)`` for an exit status) or ``python -m dpddp.parallel.rank``. ``explain_failure(err)``: the line
     naming the peer to blame for a failed run, or ``None``."""
@@ -184,7 +177,7 @@ class JobLauncher(SubprocessScriptLauncher):
         if not self.cluster_environment.creates_processes_externally:
             self._start_ranks()
             threading.Thread(target=_watch_ranks, args=(self.procs, self.done), daemon=True, name="dpddp-ranks").start()
-        set_num_threads_if_needed(num_processes=self.num_processes)  # as Lightning's launch does
+        compat.set_num_threads_if_needed(num_processes=self.num_processes)  # as Lightning's launch does
         try:
             return function(*args, **kwargs)
         except Exception as err:
@@ -234,15 +227,15 @@ class JobLauncher(SubprocessScriptLauncher):
             if os.getppid() == parent:  # else the launcher died before prctl took effect
                 if self.listen_socket is not None:
                     self.listen_socket.close()  # rank 0's store socket: only rank 0 keeps it
-                forget_forkserver()  # a fork server of an earlier job is rank 0's: this rank's workers get their own
-                forget_resource_sharer()  # likewise the sharer that hands tensors' descriptors to workers
+                compat.forget_forkserver()  # an earlier job's fork server is rank 0's: this rank's workers get theirs
+                compat.forget_resource_sharer()  # likewise the sharer that hands tensors' descriptors to workers
                 os.environ.update(LOCAL_RANK=str(local_rank), **{LAUNCHED_ENV: "1"})
                 code = self.run_forked(self.job)
         except SystemExit as end:  # the rank's shell (dpddp.errors.shell) ends it with its status
             code = 0 if end.code is None else end.code if isinstance(end.code, int) else EXIT_CRASH
         finally:
             try:  # whatever fails here, this process ends here (never returns into the launcher's code)
-                stop_worker_servers()  # os._exit runs no exit handler: its fork server and tracker end with it here
+                compat.stop_worker_servers()  # os._exit runs no exit handler: its fork server and tracker end here
                 logging.shutdown()
                 sys.stdout.flush()
                 sys.stderr.flush()

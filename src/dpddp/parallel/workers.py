@@ -15,14 +15,7 @@ from types import FunctionType, ModuleType
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader
 
-from dpddp._compat import (
-    at_multiprocessing_exit,
-    forget_forkserver,
-    forkserver_preload,
-    in_fork_server,
-    raised_pickling_a_process,
-    stop_worker_servers,
-)
+import dpddp._compat as compat
 from dpddp.errors import LoaderFailed, first_line
 from dpddp.messages import dataloader_failure
 from dpddp.parallel.launcher import die_with_parent
@@ -32,20 +25,12 @@ WORKER_TIMEOUT_S = 60.0  # seconds a rank waits for its workers' next batch, unl
 
 
 def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie does not)."""
-    if sys.platform.startswith("linux"):
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                return stat.read().rpartition(")")[2].split()[0] != "Z"
-        except OSError:
-            return False
+    """Whether process ``pid`` runs (a zombie does not), from ``/proc`` (dpddp runs on Linux)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
         return False
-    except PermissionError:  # another user's
-        pass
-    return True
 
 
 class WorkerInitFailed(RuntimeError):
@@ -62,8 +47,9 @@ class WorkerStart:
 
     def __call__(self, worker_id: int) -> None:
         die_with_parent()
-        forget_forkserver()  # the server sent this worker the rank's end of its keep-alive pipe: it would keep the
-        # server (and so this worker) alive after the rank is gone
+        # the server sent this worker the rank's end of its keep-alive pipe, which would keep the server (and so
+        # this worker) alive after the rank is gone
+        compat.forget_forkserver()
         if not _alive(self.rank_pid):  # the rank died before the signal was armed: nothing would send it
             os._exit(1)
         if self.then is not None:
@@ -74,7 +60,7 @@ class WorkerStart:
                 raise WorkerInitFailed(f"its worker_init_fn {name} raised {first_line(err)}") from err
 
 
-if in_fork_server():  # it preloads this module: exit at once, without finalizing what it imported
+if compat.in_fork_server():  # it preloads this module: exit at once, without finalizing what it imported
     atexit.register(os._exit, 0)  # the last registered runs first
 
 
@@ -92,7 +78,7 @@ def _preload(loader: DataLoader) -> None:
     imported = [v for v in main if isinstance(v, (ModuleType, type, FunctionType)) and v is not builtins]
     inner = getattr(loader.dataset, "dataset", None)  # a wrapper's (a Subset's, dpddp's keyed samples)
     found = _modules_of(loader.dataset, inner, loader.collate_fn, *imported) | {"torch", __name__}
-    preloaded = set(forkserver_preload()) - {"__main__"}
+    preloaded = set(compat.forkserver_preload()) - {"__main__"}
     if not found <= preloaded:
         multiprocessing.set_forkserver_preload(sorted(preloaded | found))
 
@@ -106,7 +92,7 @@ def start_workers_safely(loader: object, rank: int) -> object:
     if loader.multiprocessing_context is None and START_METHOD in multiprocessing.get_all_start_methods():
         loader.multiprocessing_context = START_METHOD
         _preload(loader)
-    at_multiprocessing_exit(stop_worker_servers)  # this process stops and reaps its fork server and tracker
+    compat.at_multiprocessing_exit(compat.stop_worker_servers)  # this process stops and reaps its server and tracker
     then = loader.worker_init_fn
     if then is None and int(os.environ.get("PL_SEED_WORKERS", 0)):
         then = partial(pl_worker_init_function, rank=rank)
@@ -126,7 +112,7 @@ def loader_failed(err: BaseException, rank: int) -> LoaderFailed | None:
             f"{start}: {said}; fix it (it runs first in each worker process), or set data.num_workers=0 to load in "
             "the rank"
         )
-    if raised_pickling_a_process(err):
+    if compat.raised_pickling_a_process(err):
         return LoaderFailed(
             f"{start}: the DataLoader cannot be pickled ({first_line(err)}): its workers start from a fork server, "
             "which gets the data set, sampler, collate_fn and worker_init_fn pickled; define them at a module's top "
