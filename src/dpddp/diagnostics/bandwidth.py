@@ -18,7 +18,6 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from dpddp.diagnostics.network import choose_interface
 
 BIG_BYTES = 32 * 2**20  # the buffer whose all-reduce sets the bus bandwidth (latency a small part)
-CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -43,28 +42,28 @@ def ring_seconds(nbytes: int, world_size: int, latency_s: float, bus_bytes_per_s
     return latency_s + 2 * (world_size - 1) / world_size * nbytes / bus_bytes_per_s
 
 
-def _median_seconds(tensor: torch.Tensor, reps: int) -> float:
+def _median_seconds(tensor: torch.Tensor) -> float:
     def once() -> None:
         dist.all_reduce(tensor)
         if tensor.is_cuda:
             torch.cuda.synchronize(tensor.device)
 
-    median = step_seconds(once, reps, before=dist.barrier)
+    median = step_seconds(once, before=dist.barrier)
     slowest = torch.tensor([median], dtype=torch.float64, device=tensor.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends when its slowest rank's does
     return float(slowest.item())
 
 
-def _in_group(rank: int, world_size: int, device: torch.device, sizes: list[int], reps: int = 10) -> Collective:
+def _in_group(rank: int, world_size: int, device: torch.device, sizes: list[int]) -> Collective:
     """Time float32 all-reduces of one float and of each of ``sizes`` bytes on ``device``, in a default process
-    group this rank starts and ends (NCCL on a GPU, else gloo): the slowest rank's medians of ``reps``."""
+    group this rank starts and ends (NCCL on a GPU, else gloo): the slowest rank's medians."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     try:
-        latency = _median_seconds(torch.zeros(1, device=device), reps)
-        times = {n: _median_seconds(torch.zeros(max(n // 4, 1), device=device), reps) for n in sorted(set(sizes))}
+        latency = _median_seconds(torch.zeros(1, device=device))
+        times = {n: _median_seconds(torch.zeros(max(n // 4, 1), device=device)) for n in sorted(set(sizes))}
         return Collective(world_size, backend, latency, times)
     finally:
         dist.destroy_process_group()
@@ -73,7 +72,8 @@ def _in_group(rank: int, world_size: int, device: torch.device, sizes: list[int]
 def _spawned_rank(rank: int, world: int, port: int, sizes: list[int], out: SimpleQueue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    found = _in_group(rank, world, torch.device("cuda", rank) if torch.cuda.device_count() >= world else CPU, sizes)
+    device = torch.device("cuda", rank) if torch.cuda.device_count() >= world else torch.device("cpu")
+    found = _in_group(rank, world, device, sizes)
     if rank == 0:
         out.put(found)
 
@@ -92,7 +92,7 @@ def measure_ranks(processes: int, sizes: list[int]) -> Collective | None:
     cluster = env()
     updates, _ = choose_interface(cluster.main_address)
     os.environ.update(updates, MASTER_ADDR=cluster.main_address, MASTER_PORT=str(cluster.main_port))
-    device = torch.device("cuda", cluster.local_rank()) if torch.cuda.is_available() else CPU
+    device = torch.device("cuda", cluster.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
     found = _in_group(cluster.global_rank(), cluster.world_size(), device, sizes)
     return found if cluster.global_rank() == 0 else None
 
