@@ -344,9 +344,8 @@ WALL_CLOCK = ("Timer",)  # callbacks whose state is time measured (trainer.max_t
 
 
 class StopAt(pl.Callback):
-    """Sends this process ``signal`` (``""``: none) before the batch of global step ``step + 1``; at the end writes
-    ``RECORD``: later epochs' first steps, users' callbacks' numbers, the keys each ``load_state_dict`` reads, the
-    LR schedulers' classes."""
+    """Sends this process ``signal`` (``""``: none) before global step ``step + 1``; at the end writes ``RECORD``
+    (epochs' first steps, users' callbacks' numbers, the keys each ``load_state_dict`` reads, the schedulers)."""
 
     def __init__(self, signal: str = "", step: int = -1) -> None:
         self.signal, self.step = signal, step
@@ -450,9 +449,8 @@ def _pieces(ckpt: dict, restored: dict[str, list[str] | None]) -> dict[str, Any]
 
 
 def compare(straight: Path, continued: Path, kind: str, cause: str = "") -> tuple[float, str | None]:
-    """Compare two run directories' ``last.ckpt`` piece by piece (``_pieces``). Returns the largest difference,
-    and ``None`` or one line naming the first piece apart by more than ``STOPS_TOLERANCE`` (or missing on one
-    side), after its cause where known (``cause``; a schedule built for another limit; a callback attribute)."""
+    """Compare two run directories' ``last.ckpt`` piece by piece: the largest difference, and ``None`` or the line
+    naming the first leaf apart by more than ``STOPS_TOLERANCE`` or missing, after its cause where known."""
     ckpts = [
         torch.load(d / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
         for d in (straight, continued)
@@ -521,9 +519,8 @@ def _entry_point(args: list[str], expect: int, what: str) -> None:
 
 
 def check_stops(overrides: list[str], config_dir: str | None, work: Path) -> None:
-    """``--stops``: the tiny run straight, then stopped at seeded steps (a limit, a SIGTERM, a SIGKILL) and
-    continued; one line per stop. Raises ``ConfigError`` (fewer than 2 epochs or 3 steps), ``PromiseBroken`` (a
-    continue not equal) and ``RuntimeError`` (a stop or continue that did not exit as it should)."""
+    """``--stops``: the tiny run straight, then stopped (a limit, a SIGTERM, a SIGKILL) and continued. Raises
+    ``ConfigError`` (under 2 epochs or 3 steps), ``PromiseBroken`` and ``RuntimeError`` (a wrong exit)."""
     base = [*overrides, *ONE_PROCESS, STOP_CALLBACK]
     straight = work / "straight"
     straight.mkdir()

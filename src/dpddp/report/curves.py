@@ -27,8 +27,7 @@ def varying(overrides: list[list[str]]) -> tuple[list[list[str]], list[str]]:
 
 
 def curves(path: str | Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """``{label: {column: [(epoch, value)]}}`` of the fit rows of a run's or sweep's ``metrics.csv`` files.
-    Raises ``FileNotFoundError`` where there is none."""
+    """``{label: {column: [(epoch, value)]}}`` of a run's or sweep's ``metrics.csv`` (``FileNotFoundError``: none)."""
     path = Path(path)
     runs = [path] if (path / "metrics.csv").is_file() else sorted(
         (p for p in path.iterdir() if p.is_dir() and p.name.isdigit() and (p / "metrics.csv").is_file()),

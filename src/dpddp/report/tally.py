@@ -21,8 +21,7 @@ def rows(batch: Any) -> int | None:
 
 
 class FitTally(pl.Callback):
-    """The running fit's counts for the reporters after it: ``stepped``, ``validated_step``, ``batches`` (global
-    batches of the last training batch) and ``samples`` (theirs, over all processes)."""
+    """The running fit's counts for the reporters after it (``batches``, ``samples``: the last training batch's)."""
 
     def __init__(self, steps_per_execution: int = 1) -> None:
         self.by_steps = steps_per_execution > 1
