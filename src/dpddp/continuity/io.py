@@ -1,5 +1,4 @@
-"""Checkpoints that survive a kill at any moment, written at intervals too, and a clean refusal of one that cannot be
-read."""
+"""Checkpoints that survive a kill at any moment, at intervals too, and a clean refusal of one that cannot be read."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ from dpddp._compat import processed_epochs, swapped_average
 from dpddp.cluster import cluster_world_size
 from dpddp.errors import WriteFailed, checked_float, checked_int, first_line
 
-BACKGROUND = {"dpddp": "background"}
-"""``storage_options`` that make ``AtomicCheckpointIO`` write in its background thread."""
+BACKGROUND = {"dpddp": "background"}  # storage_options: AtomicCheckpointIO writes in its background thread
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -150,8 +148,7 @@ def readable(path: str | Path) -> dict | None:
 
 @dataclass(frozen=True)
 class CheckpointFacts:
-    """What a run takes from the checkpoint it continues from, read once: the launch id that wrote it, its
-    ``steps_per_execution``, epochs done and global step."""
+    """What a continued run takes from its checkpoint, read once: launch id, ``steps_per_execution``, epochs, step."""
 
     path: str
     launch: str | None = None
@@ -164,8 +161,7 @@ class CheckpointFacts:
         """The facts of ``ckpt``, read from ``path`` (``None``: unreadable)."""
         if ckpt is None:
             return cls(str(path))
-        entry = ckpt.get("dpddp")
-        entry = entry if isinstance(entry, dict) else {}
+        entry = ckpt["dpddp"] if isinstance(ckpt.get("dpddp"), dict) else {}
         k = entry.get("steps_per_execution", 1)
         k = k if isinstance(k, int) and k >= 1 else 1
         step = int(ckpt.get("global_step", -1))

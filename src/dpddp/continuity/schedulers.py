@@ -1,5 +1,4 @@
-"""The plateau steps Lightning skips across a stop, taken again, and a restored schedule built for another limit
-(docs/design-notes.md, continuity.schedulers)."""
+"""The plateau steps Lightning skips across a stop, taken again; a restored schedule built for another limit, said."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ def take_skipped_plateau_steps(trainer: pl.Trainer, epoch: int, saved: dict[int,
             module.lr_scheduler_step(config.scheduler, value)
 
 
-LIMIT_MARK = "so it cannot equal a straight run to this limit"
-"""In each ``limit_line`` (``dpddp.check --stops`` finds them by it)."""
+LIMIT_MARK = "so it cannot equal a straight run to this limit"  # in each limit_line: dpddp.check --stops finds it
 LOOK_AHEAD = 3
 
 

@@ -36,8 +36,7 @@ from dpddp.report.throughput import ThroughputCounts
 
 log = logging.getLogger(__name__)
 
-KEY = "dpddp"
-"""The checkpoint entry this module owns (``checkpoint["dpddp"]``)."""
+KEY = "dpddp"  # the checkpoint entry this module owns
 
 
 @runtime_checkable
@@ -46,11 +45,9 @@ class TrainLossSums(Protocol):
 
     def train_loss_sums(self) -> torch.Tensor:
         """``[2]`` float64: this rank's loss sum and sample count this epoch."""
-        ...
 
     def carry_train_loss(self, total: float, samples: int) -> None:
         """Add a restored ``(sum, samples)`` (on global rank 0 only)."""
-        ...
 
 
 def rank_seed(seed: int, global_rank: int) -> int:
@@ -108,7 +105,6 @@ class ResumableState(pl.Callback):
         self._should_stop = False  # restored: a callback had latched trainer.should_stop
         self._stopped_by: list[str] = []  # the state keys of the EarlyStopping callbacks that had stopped the fit
         self._cut: tuple[bool, dict[str, Any]] | None = None  # a cut epoch's flag and EarlyStoppings before its end
-        self._unchecked: list[pl.Callback] = []  # EarlyStoppings whose check at a cut epoch's end is skipped
         self._schedules: list[dict[str, Any]] = []  # the schedulers' states as the run's first fit built them
         self._restored_schedules: list[dict[str, Any]] | None = None
         self._in_loop = False  # between on_train_start and on_train_end: the epoch-end updates are still due
@@ -225,23 +221,22 @@ class ResumableState(pl.Callback):
             self._cut = self._latched_stop(trainer), states
             for cb in trainer.early_stopping_callbacks:
                 cb.__dict__["on_train_epoch_end"] = lambda *args: None  # no check, this epoch's end only: _check_again
-            self._unchecked = list(trainer.early_stopping_callbacks)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._check_again()
+        self._check_again(trainer)
         self._take_plateau_steps(trainer)
         self._in_loop = False
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._check_again()
+        self._check_again(trainer)
 
-    def _check_again(self) -> None:
+    @staticmethod
+    def _check_again(trainer: pl.Trainer) -> None:
         """The EarlyStoppings a cut epoch's end skipped check again."""
-        for cb in self._unchecked:
+        for cb in trainer.early_stopping_callbacks:
             cb.__dict__.pop("on_train_epoch_end", None)
-        self._unchecked = []
 
     def _take_plateau_steps(self, trainer: pl.Trainer) -> None:
         """Once the restored epoch has ended: the plateau steps Lightning skipped there."""

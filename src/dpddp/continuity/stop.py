@@ -1,5 +1,4 @@
-"""The one owner of SIGTERM: the loop (``StepBoundaryStop``), a run (``run_stops``), a command (``command``), a
-sweep (``start``, ``watch``); docs/design-notes.md (continuity.stop)."""
+"""The one owner of SIGTERM: the loop (``StepBoundaryStop``), a run, a command, a sweep (docs/design-notes.md)."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ from dpddp.continuity.io import IntervalCheckpoints
 from dpddp.diagnostics.whereabouts import AGREEMENT, entering
 from dpddp.errors import Preempted, local_rank, stop_line
 
-ENV = "DPDDP_SWEEP_STOP"
-"""The variable naming a sweep's stop file, ``<sweep dir>/.stop``, that every process of the sweep sees."""
+ENV = "DPDDP_SWEEP_STOP"  # names the sweep's stop file, <sweep dir>/.stop, that every process of the sweep sees
 
 _watching = False
 _requested = False
@@ -46,8 +44,6 @@ def _preempted(last: Path, step: int) -> Preempted:
 
 
 # -- the sweep ---------------------------------------------------------------------------------------------
-
-
 def start(sweep_dir: str | Path) -> None:
     """In the sweep's own process, before any job: name a fresh stop file in ``$DPDDP_SWEEP_STOP``, and ``watch``."""
     path = Path(sweep_dir).absolute() / ".stop"
@@ -94,8 +90,6 @@ def watch() -> None:
 
 
 # -- the run -----------------------------------------------------------------------------------------------
-
-
 class Phase(Enum):
     """Where a run is, for SIGTERM (``ON_SIGTERM``, ``TRANSITIONS``)."""
 
@@ -264,8 +258,7 @@ def command(resume: Callable[[], str]) -> Iterator[None]:
 
 @contextmanager
 def starting_up(scope: RunScope) -> Iterator[None]:
-    """The run's start-up: a SIGTERM in it raises ``Preempted`` at its end, or, in a launched rank, is requested
-    of the first agreement, so every rank stops together."""
+    """The run's start-up: a SIGTERM in it raises ``Preempted`` at its end (a launched rank: at the first agreement)."""
     scope.go("start")
     try:
         yield
@@ -281,8 +274,6 @@ def starting_up(scope: RunScope) -> Iterator[None]:
 
 
 # -- the training loop -------------------------------------------------------------------------------------
-
-
 @dataclass
 class Pace:
     """Agree every ``every`` batches (1 to 1000, set by ``agreed`` from the slowest rank's batch time)."""
