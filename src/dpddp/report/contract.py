@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import logging
 from typing import Any
 
 import lightning.pytorch as pl
@@ -13,8 +12,6 @@ from typing_extensions import override
 from dpddp._compat import float_batch_counts, logged_metric_kinds, logged_tensor_states, restore_logged_tensors
 from dpddp.errors import ConfigError
 from dpddp.report.tally import FitTally, rows
-
-log = logging.getLogger(__name__)
 
 REQUIRED = {"fit": ("train/loss", "val/loss", "val/acc"), "test": ("test/loss", "test/acc")}
 

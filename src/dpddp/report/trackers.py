@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import json
-import logging
 import os
 import uuid
 from pathlib import Path
@@ -19,8 +18,6 @@ from typing_extensions import override
 
 from dpddp.errors import ConfigError, first_line
 from dpddp.messages import mlflow_opt_out
-
-log = logging.getLogger(__name__)
 
 IDS_FILE = "trackers.json"
 """``<run dir>/trackers.json``: ``{"mlflow": {"run_id": ..., "experiment_id": ...}, "wandb": {"id": ...}}``."""
