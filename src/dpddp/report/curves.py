@@ -64,13 +64,11 @@ def drawable(path: str | Path) -> bool:
 def write_plot(path: str | Path, out: str | Path | None = None) -> Path:
     """Draw ``curves(path)`` into a PNG (default ``<path>/curves.png``), one colour per run; return its path."""
     data = curves(path)
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(10, 7), dpi=100)
-    FigureCanvasAgg(fig)
+    fig = Figure(figsize=(10, 7), dpi=100)  # no pyplot: no global state, no GUI backend
     (loss_ax, acc_ax), (speed_ax, memory_ax) = fig.subplots(2, 2)
     panels = [("train/loss", loss_ax, "--"), ("val/loss", loss_ax, "-"), ("val/acc", acc_ax, "-")]
     panels += [("samples_per_sec", speed_ax, "-"), ("peak_mem_mib", memory_ax, "-")]
@@ -82,10 +80,8 @@ def write_plot(path: str | Path, out: str | Path | None = None) -> Path:
     titles = ("loss (train dashed, val solid)", "val/acc", "training samples/s", "peak memory (MiB)")
     last = max((x for series in data.values() for points in series.values() for x, _ in points), default=0)
     for ax, title in zip((loss_ax, acc_ax, speed_ax, memory_ax), titles, strict=True):
-        ax.set_xlim(-0.2, max(last, 1) + 0.2)  # whole epochs on the axis, even for one
-        ax.set_xlabel("epoch")
+        ax.set(xlim=(-0.2, max(last, 1) + 0.2), xlabel="epoch", title=title)  # whole epochs, even for one
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(title)
         ax.grid(alpha=0.3)
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.95, hspace=0.3, wspace=0.2)  # tight_layout: 2x
     if len(data) > 1:  # one run: its lines need no names
