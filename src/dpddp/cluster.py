@@ -37,14 +37,11 @@ def master_address() -> tuple[str | None, str | None]:
     return os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
 
 
-def torchrun_run_id() -> str | None:
-    """``TORCHELASTIC_RUN_ID`` (``"none"`` without ``--rdzv-id``), or ``None`` outside torchrun."""
-    return os.environ.get("TORCHELASTIC_RUN_ID")
-
-
-def torchrun_local_world_size() -> str | None:
-    """Under torchrun, ``LOCAL_WORLD_SIZE`` (unchecked); else ``None``."""
-    return os.environ.get("LOCAL_WORLD_SIZE") if torchrun_run_id() is not None else None
+def torchrun_node() -> tuple[str | None, str | None]:
+    """``TORCHELASTIC_RUN_ID`` (``"none"`` without ``--rdzv-id``) and ``LOCAL_WORLD_SIZE`` (unchecked) under
+    torchrun; ``(None, None)`` outside it."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return run_id, os.environ.get("LOCAL_WORLD_SIZE") if run_id is not None else None
 
 
 def torchrun_restart_count() -> int:

@@ -115,25 +115,6 @@ class DDPStrategy(LightningDDPStrategy):
     def setup_distributed(self) -> None:
         """Lightning's, on the chosen interface, in this start's keys, with a ``PeerWatch`` (several nodes) and
         ``Whereabouts``. Raises ``ConfigError`` (``apply_interface``), or ``RankFailed`` (``join_start``)."""
-        self._setup_group()
-        if self._whereabouts is None:
-            env = self.cluster_environment
-            assert env is not None
-            self._whereabouts = Whereabouts(
-                env.main_address, env.main_port, self.global_rank, self.world_size, self._prefix, self._position
-            )
-            self._whereabouts.start()
-
-    def _position(self) -> tuple[str, int]:
-        """The trainer's ``(stage, global_step)``, ``("setup", 0)`` before one."""
-        try:
-            trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        except (AttributeError, RuntimeError):  # no module yet, or one not attached to a trainer
-            return "setup", 0
-        stage = trainer.state.stage
-        return (stage.value if stage is not None else "setup"), trainer.global_step
-
-    def _setup_group(self) -> None:
         env = self.cluster_environment
         assert env is not None
         initialized = torch.distributed.is_initialized()  # fit, then test: one group
@@ -156,14 +137,29 @@ class DDPStrategy(LightningDDPStrategy):
         launcher = self.supervisor
         sock = launcher.listen_socket if launcher is not None else None
         if initialized or (store is None and sock is None):
-            return super().setup_distributed()
-        reset_seed()
-        backend = compat.resolve_process_group_backend(self)
-        if sock is not None:
-            assert launcher is not None
-            launcher.listen_socket = None
-            store = compat.rank0_store(sock, self.world_size, self.pg_timeout)
-        compat.init_process_group(env, backend, self.pg_timeout, self.root_device, store)
+            super().setup_distributed()
+        else:
+            reset_seed()
+            backend = compat.resolve_process_group_backend(self)
+            if sock is not None:
+                assert launcher is not None
+                launcher.listen_socket = None
+                store = compat.rank0_store(sock, self.world_size, self.pg_timeout)
+            compat.init_process_group(env, backend, self.pg_timeout, self.root_device, store)
+        if self._whereabouts is None:
+            self._whereabouts = Whereabouts(
+                env.main_address, env.main_port, self.global_rank, self.world_size, self._prefix, self._position
+            )
+            self._whereabouts.start()
+
+    def _position(self) -> tuple[str, int]:
+        """The trainer's ``(stage, global_step)``, ``("setup", 0)`` before one."""
+        try:
+            trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        except (AttributeError, RuntimeError):  # no module yet, or one not attached to a trainer
+            return "setup", 0
+        stage = trainer.state.stage
+        return (stage.value if stage is not None else "setup"), trainer.global_step
 
     @override
     def configure_ddp(self) -> None:

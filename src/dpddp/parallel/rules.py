@@ -128,7 +128,7 @@ def resolve_world(cfg: Mapping) -> World:
     world = world_of(cfg)
     started = launch.cluster_world_size(cfg["cluster"])
     if started and num_nodes == "auto" and ddp:  # elastic: devices x nodes must be the launcher's
-        local, per_node = launch.torchrun_local_world_size(), world.devices
+        (run_id, local), per_node = launch.torchrun_node(), world.devices
         if local is not None and local.isdigit() and int(local) != per_node:
             raise ConfigError(
                 f"devices={per_node} but torchrun started {local} processes on this node (LOCAL_WORLD_SIZE={local}): "
@@ -139,7 +139,7 @@ def resolve_world(cfg: Mapping) -> World:
                 f"num_nodes=auto: the cluster started {started[0]} processes ({started[1]}={started[0]}), which "
                 f"devices={per_node} per node does not divide: set devices to the processes per node"
             )
-        if launch.torchrun_run_id() == "none":
+        if run_id == "none":
             raise ConfigError(
                 "num_nodes=auto under torchrun without --rdzv-id: every start of an elastic job finds its run "
                 "directory and last.ckpt by the job's id: add torchrun --rdzv-id=<job id>"
