@@ -32,7 +32,7 @@ def take_skipped_plateau_steps(trainer: pl.Trainer, epoch: int, saved: dict[int,
     """Take the plateau steps of ``epoch``'s end, with the values ``saved``, else the ones logged now."""
     module, metrics = trainer.lightning_module, trainer.callback_metrics
     for i, config in _due(trainer, epoch):
-        value = saved.get(i, metrics[config.monitor] if config.monitor in metrics else None)
+        value = saved.get(i, metrics.get(config.monitor))
         if value is not None:
             module.lr_scheduler_step(config.scheduler, value)
 

@@ -52,9 +52,7 @@ class TrainLossSums(Protocol):
 
 def rank_seed(seed: int, global_rank: int) -> int:
     """The seed of rank ``global_rank``'s random stream: ``seed`` on rank 0, a distinct one on every other."""
-    if global_rank == 0:
-        return seed
-    return int(np.random.SeedSequence([seed, global_rank]).generate_state(1)[0])
+    return seed if global_rank == 0 else int(np.random.SeedSequence([seed, global_rank]).generate_state(1)[0])
 
 
 def random_state() -> dict[str, Any]:

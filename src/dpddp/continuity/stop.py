@@ -375,16 +375,14 @@ class StepBoundaryStop(pl.Callback):
     on_test_end = on_predict_end = on_validation_end
 
     def _evaluated(self, trainer: pl.Trainer, at_end: bool) -> None:
-        """After an evaluation batch or loop: on an agreed SIGTERM, stop; in a fit's validation, at the next step
-        boundary or the fit's end (docs/design-notes.md, continuity.stop)."""
+        """After an evaluation batch or loop: stop on an agreed SIGTERM (in a fit: at its next step boundary or end)."""
         if not self._agreed:
             self._agreed = self.agree(trainer, None if at_end else self._eval)
         if self._agreed and not (trainer.state.fn == "fit" and not trainer.sanity_checking):
             raise _preempted(self.last, trainer.global_step)
 
     def agree(self, trainer: pl.Trainer, pace: Pace | None = None) -> bool:
-        """Whether any rank got SIGTERM (or its sweep stops), agreed by every rank: now, or at ``pace``'s due
-        batches (``False`` in between, no collective)."""
+        """Whether any rank got SIGTERM or its sweep stops, agreed by all: now, or at ``pace``'s due batches only."""
         if pace is not None and not pace.due():
             return False
         if not self.requested and time.perf_counter() - self._sweep_checked >= 0.25:  # a stat, not every batch
