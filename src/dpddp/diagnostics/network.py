@@ -81,10 +81,9 @@ def route_interface(address: str, port: int = 9) -> tuple[str, str] | None:
     return None
 
 
-def choose_interface(master_addr: str, environ: Mapping[str, str] | None = None) -> tuple[dict[str, str], str]:
+def choose_interface(master_addr: str, environ: Mapping[str, str] = os.environ) -> tuple[dict[str, str], str]:
     """The ``IFNAME_VARS`` to set to reach ``master_addr`` and why; ``({}, why)`` when set or nothing routes there."""
-    env = os.environ if environ is None else environ
-    given = [f"{var}={env[var]}" for var in IFNAME_VARS if env.get(var)]
+    given = [f"{var}={environ[var]}" for var in IFNAME_VARS if environ.get(var)]
     if given:
         return {}, f"{' '.join(given)} set by the user"
     found = route_interface(master_addr)

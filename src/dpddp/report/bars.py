@@ -55,8 +55,7 @@ class _ThrottledBar(ProgressBar):
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        batch_idx = args[2]  # outputs, batch, batch_idx[, dataloader_idx]
-        if self._due("validate", batch_idx + 1, self.total_val_batches_current_dataloader):
+        if self._due("validate", args[2] + 1, self.total_val_batches_current_dataloader):  # args[2]: batch_idx
             super().on_validation_batch_end(trainer, pl_module, *args)
 
     @override
