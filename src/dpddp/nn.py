@@ -65,25 +65,11 @@ def sample_states(seed: int, epoch: int, ids: torch.Tensor) -> torch.Tensor:
     return _fold(key64(seed, epoch), ids)
 
 
-_BLOCK = 1 << 16  # elements hashed at a time on CPU: the int64 scratch stays in cache
-
-
 def _keep_mask(states: torch.Tensor, elements: torch.Tensor, p: float) -> torch.Tensor:
     """bool ``[len(states), len(elements)]``: whether element ``e`` of the sample of ``states[j]`` is kept."""
-    device, n, numel = states.device, len(states), len(elements)
-    keep = torch.empty(n, numel, dtype=torch.bool, device=device)
-    rows = max(1, _BLOCK // max(numel, 1)) if device.type == "cpu" else max(n, 1)
-    z_block = torch.empty(min(rows, n) * numel, dtype=torch.int64, device=device)
-    tmp_block = torch.empty_like(z_block)
-    threshold = math.ceil(p * 2.0**53)  # u >= p exactly: p * 2**53 is exact in a float
-    for start in range(0, n, rows):
-        size = min(rows, n - start)
-        z, tmp = z_block[: size * numel].view(size, numel), tmp_block[: size * numel].view(size, numel)
-        torch.add(states[start : start + size, None], elements, out=z)
-        _mix_(z, tmp)
-        torch.bitwise_right_shift(z, 11, out=tmp)
-        torch.ge(tmp.bitwise_and_(_LOW[11]), threshold, out=keep[start : start + size])
-    return keep
+    z = states[:, None] + elements
+    tmp = _mix_(z, torch.empty_like(z)).bitwise_right_shift(11).bitwise_and_(_LOW[11])
+    return tmp >= math.ceil(p * 2.0**53)  # u >= p exactly: p * 2**53 is exact in a float
 
 
 def replica_ids(ids: torch.Tensor, rows: int, device: torch.device, devices: Sequence[int] | None) -> torch.Tensor:
