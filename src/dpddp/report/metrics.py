@@ -15,16 +15,14 @@ log = logging.getLogger(__name__)
 
 METRIC_KEYS = ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc")
 
-MISSING = {
-    "train/": "no training step ran",
+MISSING: dict[str | tuple[str, ...], str] = {  # by the key's prefix
+    ("train/", "peak_mem_mib"): "no training step ran",
     "val/": "no validation ran on the final weights (trainer.limit_val_batches=0, or an empty split)",
     "test/": "no test ran",
     "samples_per_sec": "fewer than two training steps: no steady state to measure",
-    "peak_mem_mib": "no training step ran",
     "allreduce_share": "not timed: a ddp_comm_hook of your own, or no training step",
-    "compute_s_per_rank": "not timed: a ddp_comm_hook of your own, or no training epoch finished",
-    "allreduce_wait_s_per_rank": "not timed: a ddp_comm_hook of your own, or no training epoch finished",
-    "slowest_": "not timed: a ddp_comm_hook of your own, or no training epoch finished",
+    ("compute_s_", "allreduce_wait_s_", "slowest_"): "not timed: a ddp_comm_hook of your own, or no training epoch "
+    "finished",
 }
 
 
