@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from text_models import NoisyTextTransformer, TextTransformer
 from torch import nn
 
-from dpddp.continuity.schedulers import limit_line
+from dpddp.continuity.state import limit_line
 from dpddp.entry.run_dir import other_run
 from dpddp.models.mlp import MLPClassifier
 from dpddp.run.assembly import _warn_global_rng

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from dpddp._compat import hydra_override_refused
 from dpddp.cluster import launch_environment, master_address, register_resolvers
-from dpddp.continuity.schedulers import LIMIT_MARK, built_apart
+from dpddp.continuity.state import LIMIT_MARK, built_apart
 from dpddp.diagnostics.bandwidth import BIG_BYTES, bus_bandwidth, measure_ranks, recommend, ring_seconds, step_seconds
 from dpddp.diagnostics.network import choose_interface
 from dpddp.entry.command_line import refused_override
