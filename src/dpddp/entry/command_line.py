@@ -68,8 +68,8 @@ def mode_conflict(argv: list[str]) -> str | None:
     return None
 
 
-MODE_GROUPS = ("hparams_search",)
-"""The packaged config groups whose options may set ``hydra.mode`` (tests/test_compat.py composes each)."""
+MODE_GROUPS = ("hparams_search",)  # the packaged groups whose options may set hydra.mode (test_compat composes each)
+CONFIG_OPTIONS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")  # the configs composed
 
 
 def sets_no_mode(argv: list[str]) -> bool:
@@ -95,8 +95,7 @@ def refused_arguments(argv: list[str], prog: str) -> str | None:
     return f"{message.removeprefix('argument ')}: see {prog} --help"
 
 
-HYDRA_FAILURES = (MissingConfigException, SearchPathException)
-"""Hydra's errors of a search path, config file or group option it cannot find: each one line (``hydra_failure``)."""
+HYDRA_FAILURES = (MissingConfigException, SearchPathException)  # a search path, config or option not found
 
 
 def hydra_failure(err: Exception, argv: list[str]) -> str:
@@ -222,7 +221,7 @@ def argument_error(message: str, args: list[str], options: list[str], prog: str)
         near = difflib.get_close_matches(said.group_key, options, n=1, cutoff=0.8)
         where = f"{said.group_key} (in a --config file)"
         return f"{where}: no such option{f' (nearest: {near[0]})' if near else ''}: {see}"
-    key, reason, option, cls = said.key, said.reason or "", said.option, said.class_path
+    key, option, cls = said.key, said.option, said.class_path
     if key is None:
         return f"{head}: {see}"
     name = key.split(".")[0]
@@ -233,13 +232,12 @@ def argument_error(message: str, args: list[str], options: list[str], prog: str)
         near = difflib.get_close_matches(option, params, n=1, cutoff=0.8)
         hint = f"did you mean --{name}.{near[0]}?" if near else f"its options: {', '.join(params)}"
         return f"{given}: {cls} takes no {option} ({hint}): give one of its options, or another --{name}=pkg.Class"
-    expected = said.expected
     flag = key.removeprefix("trainer.")
     if name == "trainer" and option is None and cls is None and (accepts := takes(flag)):
         return f"{given} is invalid: pl.Trainer takes {accepts} for {flag}: {see}"
-    if expected:
-        return f"{given} is invalid (expected {' or '.join(expected)}): give a value of that type, {see}"
-    detail = reason or said.detail
+    if said.expected:
+        return f"{given} is invalid (expected {' or '.join(said.expected)}): give a value of that type, {see}"
+    detail = said.reason or said.detail
     if cls is not None:
         cause = said.cause or detail
         return f"{given}: {cls} cannot be used ({cause}): give an importable class, e.g. --{key}=pkg.Class"

@@ -31,6 +31,7 @@ from dpddp.cluster import register_resolvers, run_name
 from dpddp.continuity import stop as sweep_stop
 from dpddp.continuity.io import CheckpointFacts, readable
 from dpddp.entry.command_line import (
+    CONFIG_OPTIONS,
     HYDRA_FAILURES,
     hydra_failure,
     mode_conflict,
@@ -107,10 +108,8 @@ def _resume_command(overrides: list[str], output_dir: Path, multirun: bool) -> s
     return resume_command(invoked, overrides, ("resume=", "hydra.run.dir="), add)
 
 
-CONFIG_OPTIONS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")  # kept in a resume command
-
-
 def _config_options(args: list[str]) -> list[str]:
+    """The ``CONFIG_OPTIONS`` of ``args``, with their values (kept in a resume command)."""
     found, rest = [], iter(args)
     for arg in rest:
         if arg in CONFIG_OPTIONS:

@@ -41,11 +41,9 @@ def search_space(params: Mapping[str, Any] | None, arguments: Sequence[str]) -> 
             continue
         value = override.value()
         if isinstance(value, IntervalSweep):  # its tags: search_refusal
-            log_scale = "log" in value.tags
-            if isinstance(value.start, int) and isinstance(value.end, int):
-                space[key] = IntDistribution(value.start, value.end, log=log_scale)
-            else:
-                space[key] = FloatDistribution(float(value.start), float(value.end), log=log_scale)  # type: ignore[arg-type]
+            ints = isinstance(value.start, int) and isinstance(value.end, int)
+            kind = IntDistribution if ints else FloatDistribution
+            space[key] = kind(value.start, value.end, log="log" in value.tags)  # type: ignore[arg-type]
         else:
             values = override.sweep_iterator(transformer=Transformer.encode)
             space[key] = CategoricalDistribution(list(values))  # type: ignore[arg-type]

@@ -23,8 +23,7 @@ from dpddp.nn import SampleDropout, assign_layer_keys, sample_keys
 from dpddp.report.tally import rows
 
 PLAIN = (list, dict, set, tuple, int, float, bool, str, type(None))
-PROBE_ROWS = 8
-"""Samples of the probe batch, at most."""
+PROBE_ROWS = 8  # samples of the probe batch, at most
 
 
 @dataclass(frozen=True)
