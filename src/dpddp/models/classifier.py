@@ -18,8 +18,6 @@ class Classifier(pl.LightningModule):
     """Cross-entropy: a subclass builds ``forward`` (``x -> logits``), saves ``optimizer, lr, momentum, weight_decay``.
     Logs ``{train,val,test}/loss``, ``{val,test}/acc`` an epoch. Raises ``ValueError``: ``dropout`` outside [0, 1)."""
 
-    # Set around every hook call (dpddp._compat.HOOK_NAME_ATTRIBUTE): skip nn.Module.__setattr__'s checks.
-    _PLAIN_ATTRIBUTES = frozenset({HOOK_NAME_ATTRIBUTE})
     _FOLD_EVERY = 256  # step losses kept before they are summed into the float64 total
 
     def __init__(self, num_classes: int, dropout: float = 0.0) -> None:
@@ -36,7 +34,7 @@ class Classifier(pl.LightningModule):
 
     @override
     def __setattr__(self, name: str, value: object) -> None:
-        if name in self._PLAIN_ATTRIBUTES:  # a string, never a parameter, buffer or module
+        if name == HOOK_NAME_ATTRIBUTE:  # a string set around every hook call: skip nn.Module's checks
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)  # type: ignore[arg-type]
