@@ -356,8 +356,7 @@ class StopAt(pl.Callback):
             self.epoch_starts.append(trainer.global_step)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
-        per_execution = getattr(trainer.datamodule, "steps_per_execution", 1)  # type: ignore[attr-defined]
-        steps = execution_steps(batch, per_execution)
+        steps = execution_steps(batch, getattr(trainer.datamodule, "steps_per_execution", 1))  # type: ignore[attr-defined]
         if self.signal and trainer.global_step <= self.step < trainer.global_step + steps:
             os.kill(os.getpid(), getattr(signal, self.signal))
 
@@ -526,7 +525,7 @@ def check_stops(overrides: list[str], config_dir: str | None, work: Path) -> Non
     straight.mkdir()
     cfg = _compose(base, config_dir)
     _train(cfg, straight)
-    total = int(torch.load(straight / "checkpoints" / "last.ckpt", weights_only=True)["global_step"])
+    total = _weights(straight)[1]
     starts = torch.load(straight / RECORD, weights_only=True)["epoch_starts"]
     if not starts or total < 3:
         raise ConfigError(

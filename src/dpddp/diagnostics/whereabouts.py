@@ -51,13 +51,9 @@ def describe(rank: int, mine: tuple[str, int, str], others: dict[int, tuple[str,
     if not absent:
         return None
     places = "; ".join(f"rank {r} {_place(where)}" for r, where in sorted(absent.items()))
-    ranks = ", ".join(map(str, sorted(absent)))
-    who = f"rank {ranks}" if len(absent) == 1 else f"ranks {ranks}"
-    waited = ", ".join(map(str, sorted(waiting)))
-    return (
-        f"{who} did not reach {collective} ({_STAGES.get(stage, stage)}, step {step}): {places} "
-        f"(rank{'s' if len(waiting) > 1 else ''} {waited} waited in it)"
-    )
+    who, waited = (f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, sorted(r)))}" for r in (absent, waiting))
+    at = f"{_STAGES.get(stage, stage)}, step {step}"
+    return f"{who} did not reach {collective} ({at}): {places} ({waited} waited in it)"
 
 
 def _place(where: tuple[str, int, str] | None) -> str:
