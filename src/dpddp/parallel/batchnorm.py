@@ -3,6 +3,7 @@ it in for a fit, and the decision from the config (docs/design-notes.md, paralle
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -117,13 +118,7 @@ def _move_state(source: nn.Module, target: nn.Module) -> None:
 
 def _replace_each(model: nn.Module, swap: Callable[[nn.Module], nn.Module]) -> nn.Module:
     """``model`` (or its replacement) with every module ``m`` replaced by ``swap(m)`` in place, once each."""
-    done: dict[int, nn.Module] = {}
-
-    def replaced(module: nn.Module) -> nn.Module:
-        if id(module) not in done:
-            done[id(module)] = swap(module)
-        return done[id(module)]
-
+    replaced = functools.cache(swap)  # a module reached by several names is swapped once
     for name, module in list(model.named_modules(remove_duplicate=False)):
         if name and (new := replaced(module)) is not module:
             parent, _, leaf = name.rpartition(".")

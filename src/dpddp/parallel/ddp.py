@@ -238,10 +238,9 @@ class DDPStrategy(LightningDDPStrategy):
             return None
         where = self._whereabouts
         line = (watch.explain() if watch is not None else None) or (where.explain() if where is not None else None)
-        if watch is None:
-            return line
-        watch.report(line or f"rank {self.global_rank} (node {self.node_rank}) failed: {first_line(err)}")
-        watch.stop(clean=False)
+        if watch is not None:
+            watch.report(line or f"rank {self.global_rank} (node {self.node_rank}) failed: {first_line(err)}")
+            watch.stop(clean=False)
         return line
 
     @override

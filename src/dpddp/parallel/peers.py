@@ -96,7 +96,6 @@ class PeerWatch(threading.Thread):
         self._cause: str | None = None
         self._cause_seen: float | None = None
         self._left = False  # whether this rank's counter carries -LEFT (set by `stop`, undone by the next watch)
-        self._beater = threading.Thread(target=self._beat_loop, daemon=True, name="dpddp-peer-beat")
 
     def stop(self, clean: bool = True) -> None:
         """End the watch (``clean``: tell the peers this rank left, so its silence is not a loss). Never raises."""
@@ -110,7 +109,7 @@ class PeerWatch(threading.Thread):
             self._left = True
 
     def run(self) -> None:
-        self._beater.start()
+        threading.Thread(target=self._beat_loop, daemon=True, name="dpddp-peer-beat").start()
         while not self.stopped.wait(BEAT_S):
             now = time.monotonic()
             stale = [r for r, (_, t) in self._seen.items() if now - t > self.timeout_s]

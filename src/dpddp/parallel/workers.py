@@ -64,20 +64,17 @@ if compat.in_fork_server():  # it preloads this module: exit at once, without fi
     atexit.register(os._exit, 0)  # the last registered runs first
 
 
-def _modules_of(*objects: object) -> set[str]:
-    """The importable modules that define ``objects``."""
-    names = {o.__name__ if isinstance(o, ModuleType) else getattr(o, "__module__", None) for o in objects}
-    names |= {getattr(type(o), "__module__", None) for o in objects if not isinstance(o, (ModuleType, type))}
-    return {n for n in names if isinstance(n, str) and n not in ("__main__", "__mp_main__", "builtins")}
-
-
 def _preload(loader: DataLoader) -> None:
     """Add to the fork server's preload: torch, this module, the modules of the loader's data set and collate_fn and
     of what the main module imported (each worker runs the main module again: not ``__main__`` itself)."""
     main = vars(sys.modules["__main__"]).values() if "__main__" in sys.modules else ()
     imported = [v for v in main if isinstance(v, (ModuleType, type, FunctionType)) and v is not builtins]
     inner = getattr(loader.dataset, "dataset", None)  # a wrapper's (a Subset's, dpddp's keyed samples)
-    found = _modules_of(loader.dataset, inner, loader.collate_fn, *imported) | {"torch", __name__}
+    objects = [loader.dataset, inner, loader.collate_fn, *imported]
+    names = {o.__name__ if isinstance(o, ModuleType) else getattr(o, "__module__", None) for o in objects}
+    names |= {getattr(type(o), "__module__", None) for o in objects if not isinstance(o, (ModuleType, type))}
+    found = {n for n in names if isinstance(n, str) and n not in ("__main__", "__mp_main__", "builtins")}
+    found |= {"torch", __name__}
     preloaded = set(compat.forkserver_preload()) - {"__main__"}
     if not found <= preloaded:
         multiprocessing.set_forkserver_preload(sorted(preloaded | found))
