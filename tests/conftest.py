@@ -13,7 +13,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -21,6 +22,7 @@ import psutil
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 from dpddp.cluster import register_resolvers
@@ -114,6 +116,51 @@ def run_cli(
         assert proc.returncode == 0, f"{' '.join(args)}\n{proc.stderr[-3000:]}"
         assert leftover(tag) == []
     return proc
+
+
+@contextmanager
+def _entry_here(cwd: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> Iterator[list[int]]:
+    """An entry point's run in this process, in ``cwd`` with ``sys.argv`` = ``argv``: yields a list that gets its
+    exit status (0 unless it raises ``SystemExit``). The SIGTERM handler, Hydra's global state and the root
+    logger's handlers are put back after."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", argv)
+    handler, root = signal.getsignal(signal.SIGTERM), logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    status = [0]
+    try:
+        yield status
+    except SystemExit as stop:
+        status[0] = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        GlobalHydra.instance().clear()
+        for made in root.handlers:
+            if made not in handlers:
+                made.close()
+        root.handlers[:], root.level = handlers, level
+
+
+def train_py_here(*args: str, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    """``python train.py ARGS`` (and ``QUIET``, where ARGS do not set it) in this process and in ``cwd``: train.py's
+    two calls, ``answer`` then ``main``. Returns the exit status. For a run whose ranks are not the point."""
+    from dpddp.entry import hydra as hydra_entry
+    from dpddp.entry.early import answer
+
+    argv = [*args, *unset(QUIET, args)]
+    with _entry_here(cwd, monkeypatch, [str(ROOT / "train.py"), *argv]) as status:
+        answer(argv)
+        hydra_entry.main()
+    return status[0]
+
+
+def cli_here(*args: str, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    """``python -m dpddp.cli ARGS`` in this process and in ``cwd`` (its ``main``). Returns the exit status."""
+    from dpddp.entry.lightning_cli import main
+
+    with _entry_here(cwd, monkeypatch, [sys.executable, "-m", "dpddp.cli", *args]) as status:
+        main(list(args))
+    return status[0]
 
 
 def cli_config(*args: str) -> DictConfig:

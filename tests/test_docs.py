@@ -1,8 +1,9 @@
 """The README and the pages in docs/: the README stays short, every relative link resolves (to a file, and to a
 heading where it names one), and every ``python train.py`` command they show composes and passes the config check
-(in-process, through Hydra's compose API), and runs (a subprocess, with limits appended), as does every Lightning CLI
-command of their code blocks. ``python -m dpddp.check`` (test_check.py, test_network_check.py) and
-``python -m dpddp.plot`` (test_progress.py) are run by their own tests."""
+(in-process, through Hydra's compose API), and runs with limits appended (a ddp command as train.py's processes,
+the others through train.py's calls in this process), as does every Lightning CLI command of their code blocks.
+``python -m dpddp.check`` (test_check.py, test_network_check.py) and ``python -m dpddp.plot`` (test_progress.py)
+are run by their own tests."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, compose_cfg, run_cli, run_train
+from conftest import ROOT, cli_here, compose_cfg, run_cli, run_train, train_py_here
 
 from dpddp.errors import ConfigError
 from dpddp.run.config import check_config
@@ -198,14 +199,18 @@ LIMITS += ["trainer.enable_progress_bar=false", "hydra.run.dir=run", "hydra.swee
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("page", "command", "error"), RUN, ids=[f"{p}: {c}" for p, c, _ in RUN])
-def test_every_command_runs(page, command, error, tmp_path):
+def test_every_command_runs(page, command, error, tmp_path, monkeypatch):
     """Each command as a user types it, in a fresh directory, with limits appended so that it ends soon (32 steps,
-    2 validation and test batches; a sampling sweep: 2 trials): exit 0, and each run's ``metrics.json``. The
-    commands that compile are left to ``test_compile.py``."""
+    2 validation and test batches; a sampling sweep: 2 trials): exit 0, and each run's ``metrics.json``. A ddp
+    command runs as train.py's processes; the others run train.py's calls in this process. The commands that
+    compile are left to ``test_compile.py``."""
     args = shlex.split(command)[2:] + LIMITS + (["hydra.sweeper.n_trials=2"] if "optuna" in command else [])
-    proc = run_train(*args, cwd=tmp_path, timeout=300, check=True)
+    if "strategy=ddp" in args:
+        run_train(*args, cwd=tmp_path, timeout=300, check=True)
+    else:
+        assert train_py_here(*args, cwd=tmp_path, monkeypatch=monkeypatch) == 0
     found = sorted(tmp_path.rglob("metrics.json"))
-    assert found and all(json.loads(p.read_text())["world_size"] >= 1 for p in found), proc.stderr[-2000:]
+    assert found and all(json.loads(p.read_text())["world_size"] >= 1 for p in found)
 
 
 CLI_SKIPPED = {
@@ -238,10 +243,11 @@ CLI_RUN = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("page", "index", "block"), CLI_RUN, ids=[f"{p}: block {i}" for p, i, _ in CLI_RUN])
-def test_every_cli_command_runs(page, index, block, tmp_path):
+def test_every_cli_command_runs(page, index, block, tmp_path, monkeypatch, capsys):
     """Each code block's Lightning CLI commands, in its order, in one fresh directory (``> my.yaml`` writes the file
-    the next reads), as typed (``python -m dpddp.cli`` or the console script), with limits appended: exit 0, and a
-    run's ``metrics.json`` for each fit. The commands of ``CLI_SKIPPED`` are left to the tests it names."""
+    the next reads), with limits appended: exit 0, and a run's ``metrics.json`` for each fit. A ddp command runs as
+    typed (``python -m dpddp.cli`` or the console script); the others run the CLI's ``main`` in this process. The
+    commands of ``CLI_SKIPPED`` are left to the tests it names."""
     fits = 0
     for command in block:
         head, _, out = command.partition(" > ")
@@ -249,8 +255,14 @@ def test_every_cli_command_runs(page, index, block, tmp_path):
         script = args[0] != "python"  # the dpddp console script, else python -m dpddp.cli
         args = args[1:] if script else args[3:]  # the stage and what follows
         printing = "--print_config" in args
-        proc = run_cli(*args, *([] if printing else CLI_LIMITS), cwd=tmp_path, script=script, timeout=300, check=True)
+        args += [] if printing else CLI_LIMITS
+        if "--trainer.strategy=ddp" in args:
+            printed = run_cli(*args, cwd=tmp_path, script=script, timeout=300, check=True).stdout
+        else:
+            capsys.readouterr()
+            assert cli_here(*args, cwd=tmp_path, monkeypatch=monkeypatch) == 0
+            printed = capsys.readouterr().out
         if out:
-            (tmp_path / out.strip()).write_text(proc.stdout)
+            (tmp_path / out.strip()).write_text(printed)
         fits += args[0] == "fit" and not printing
     assert len(list(tmp_path.glob("lightning_logs/version_*/metrics.json"))) == fits > 0
