@@ -66,10 +66,9 @@ def world_of(cfg: Mapping) -> World:
     family = "ddp" if is_ddp_family(strategy) else "dp" if strategy == "dp" else "one"
     devices = cfg["devices"] if cfg["devices"] != -1 else torch.cuda.device_count()
     elastic = launch.cluster_world_size(cfg["cluster"]) if family == "ddp" and cfg["num_nodes"] == "auto" else None
-    if elastic is not None:
+    nodes = 1 if cfg["num_nodes"] == "auto" else cfg["num_nodes"]
+    if elastic is not None:  # a launcher's world size over the processes per node
         nodes = max(elastic[0] // max(devices, 1), 1)
-    else:
-        nodes = 1 if cfg["num_nodes"] == "auto" else cfg["num_nodes"]
     size = devices * nodes if family == "ddp" else 1
     return World(
         strategy=strategy,
