@@ -38,8 +38,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
-        """Write ``checkpoint`` to ``path`` atomically. Raises ``WriteFailed``: this write or the background one
-        before it failed (the previous file is left whole)."""
+        """Write ``checkpoint`` to ``path`` atomically; ``WriteFailed``: this or the last background write failed."""
         self.wait()
         if storage_options == BACKGROUND:
             copy = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))

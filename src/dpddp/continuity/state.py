@@ -238,7 +238,7 @@ class ResumableState(pl.Callback):
                 uncount_last_batch(checkpoint)
         finished = not fitting or epoch_finished_in(trainer, checkpoint)
         comm = getattr(trainer.strategy, "comm_state_dict", lambda: None)()  # PowerSGD's, on every rank
-        entry: dict[str, Any] = {
+        checkpoint[KEY] = {
             "throughput": asdict(self.throughput),
             "epochs": asdict(self.epochs.snapshot()),
             "train_loss": None if finished else self._train_loss(trainer, pl_module),
@@ -253,7 +253,6 @@ class ResumableState(pl.Callback):
             "batch_size": self.batch_size,
             "comm_state": None if comm is None else self._gather(trainer, comm),
         }
-        checkpoint[KEY] = entry
         if self._cut is not None and not finished and "callbacks" in checkpoint:
             checkpoint["callbacks"].update(copy.deepcopy(self._cut[1]))
 
