@@ -181,13 +181,11 @@ def _draws(cfg: DictConfig, stepped: bool = False) -> str:
         draws = find_draws(instantiate(cfg.model, _convert_="all"), instantiate(cfg.data, _convert_="all"))
     if isinstance(draws, str):
         return f"; no training step could run outside the fit to find draws from the global random streams ({draws})"
-    if draws:
-        return f"; {draws_line(draws)}"
+    if draws or not stepped:
+        return f"; {draws_line(draws)}" if draws else ""
     return (
         "; no module drew from the global random streams in a training step: the model's computation depends on "
         "the process (its rank, the world size or its share of the batch)"
-        if stepped
-        else ""
     )
 
 
@@ -236,13 +234,12 @@ def _rounding(
         for row in rows[1:]:
             row["bound"] = TOLERANCE
         return f"rounding, in {precision}: the scale not measured ({scaled}; {wide}); the bound is {TOLERANCE:.0e}"
+    against = wide if isinstance(scaled, str) else scaled
+    assert not isinstance(against, str)
+    scale, _ = _difference(against[0], rows[0]["weights"])
+    how = f"one process summing its batch in 2 micro-batches ends {scale:.1e} from itself (the scale)"
     if isinstance(scaled, str):
-        assert not isinstance(wide, str)
-        scale, _ = _difference(wide[0], rows[0]["weights"])
         how = f"one process ends {scale:.1e} from its 64-bit run (the scale; 2 micro-batches: {scaled})"
-    else:
-        scale, _ = _difference(scaled[0], rows[0]["weights"])
-        how = f"one process summing its batch in 2 micro-batches ends {scale:.1e} from itself (the scale)"
     parts = []
     for row in rows[1:]:
         row["bound"] = BOUND * max(TOLERANCE, scale)
