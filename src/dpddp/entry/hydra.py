@@ -77,6 +77,7 @@ from dpddp.run.training import isolated_job, objective, train
 log = logging.getLogger(__name__)
 register_resolvers()
 CONFIG_DIR = ".hydra"
+LIMITS = ("max_epochs", "max_steps", "max_time")  # the trainer's limits a finished run continues to
 
 
 def config_dirs(output_dir: str | Path) -> list[Path]:
@@ -84,13 +85,11 @@ def config_dirs(output_dir: str | Path) -> list[Path]:
     return invocations(output_dir, CONFIG_DIR)
 
 
-def config_subdir(output_dir: str) -> str:
-    """Hydra's ``output_subdir`` for the invocation starting now: the first free name of ``config_dirs``."""
-    return invocation_name(CONFIG_DIR, len(config_dirs(output_dir)) + 1)
-
-
-if not OmegaConf.has_resolver("dpddp.config_subdir"):
-    OmegaConf.register_new_resolver("dpddp.config_subdir", config_subdir)
+OmegaConf.register_new_resolver(  # Hydra's output_subdir for the invocation starting now: the first free name
+    "dpddp.config_subdir",
+    lambda output_dir: invocation_name(CONFIG_DIR, len(config_dirs(output_dir)) + 1),
+    replace=True,
+)
 
 
 def sweep_resume_command(sweep_dir: Path) -> str:
@@ -154,7 +153,13 @@ def run_job(cfg: DictConfig, stage: str = "fit", late: list[Callable[[], str]] |
     dirs = config_dirs(output_dir)
     if dirs and hydra_cfg.output_subdir is not None:  # None: a rank other than 0 (it writes no config)
         log.info(f"invocation {len(dirs)} into this run directory: config and overrides in {dirs[-1].name}/")
-    _log_resume(plan)
+    if plan.resume == "finished":  # train.log says what the job continues from
+        limits = [f"trainer.{k}={cfg.trainer.get(k)}" for k in LIMITS if cfg.trainer.get(k) not in (None, -1)]
+        log.info(f"continuing finished job from {cfg.ckpt_path} to {', '.join(limits)}")
+    elif plan.resume == "interrupted":
+        log.info(f"resuming interrupted job from {cfg.ckpt_path}")
+    elif cfg.get("resume") and cfg.get("ckpt_path") is None:
+        log.info("resume=true but there is no checkpoints/last.ckpt in the run directory: starting fresh")
     resume = partial(_resume_command, overrides, output_dir, multirun)
     if late is not None:  # main's, for a SIGTERM after the job's end
         late[:] = [resume]
@@ -231,27 +236,13 @@ def _resume_kind(cfg: DictConfig, output_dir: Path) -> str | None:
 
 
 def _taken(cfg: DictConfig, stage: str) -> Plan:
-    """The ``Plan`` of a job ``StartChecks`` decided (its ``ckpt_path``, made absolute), nothing checked again."""
+    """The ``Plan`` of a job ``StartChecks`` decided (its ``ckpt_path``), nothing checked again."""
     ckpt = cfg.get("ckpt_path")
+    if ckpt:  # relative to the directory it was given in
+        cfg.ckpt_path = ckpt = to_absolute_path(str(ckpt))
     facts = CheckpointFacts.of(ckpt, readable(ckpt)) if ckpt else None
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     return Plan(cfg, stage, world_of(cfg), facts, _resume_kind(cfg, output_dir))
-
-
-def _log_resume(plan: Plan) -> None:
-    """Say in ``train.log`` what the job continues from, when it continues its run."""
-    cfg = plan.cfg
-    if plan.resume == "finished":
-        limits = ", ".join(
-            f"trainer.{k}={cfg.trainer.get(k)}"
-            for k in ("max_epochs", "max_steps", "max_time")
-            if cfg.trainer.get(k) not in (None, -1)
-        )
-        log.info(f"continuing finished job from {cfg.ckpt_path} to {limits}")
-    elif plan.resume == "interrupted":
-        log.info(f"resuming interrupted job from {cfg.ckpt_path}")
-    elif cfg.get("resume") and cfg.get("ckpt_path") is None:
-        log.info("resume=true but there is no checkpoints/last.ckpt in the run directory: starting fresh")
 
 
 def _job_failed(num: int, output_dir: Path, line: str) -> float:
