@@ -152,7 +152,6 @@ def select_sample_part(part: tuple[int, int] | None) -> None:
 
 @contextmanager
 def sample_keys(seed: int, epoch: int, ids: torch.Tensor, devices: Sequence[int] | None = None) -> Iterator[SampleKeys]:
-    """``set_sample_keys`` for the block, then ``clear_sample_keys``."""
     try:
         yield set_sample_keys(seed, epoch, ids, devices)
     finally:

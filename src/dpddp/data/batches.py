@@ -80,7 +80,6 @@ def with_rows(batch: Any, rows: torch.Tensor) -> Any:
 
 
 def empty_batch(batch: Any) -> Any:
-    """``batch`` with every tensor cut to 0 rows."""
     return apply_to_collection(batch, torch.Tensor, lambda t: t[:0])
 
 

@@ -56,7 +56,6 @@ class YieldedIds:
         return self._yielded.get(position)
 
     def _record(self, position: int, epoch: int, ids: torch.Tensor) -> torch.Tensor:
-        """``ids``, kept for ``ids_at`` in training (the last ``recorded`` items)."""
         if self.train:
             self._yielded[position] = (epoch, ids)
             if len(self._yielded) > self.recorded:

@@ -16,12 +16,10 @@ from dpddp.parallel.dp import DataParallelStrategy
 
 
 def uses_sample_keys(model: nn.Module) -> bool:
-    """Whether ``model`` has a ``SampleDropout`` or sets ``uses_sample_keys = True``."""
     return bool(getattr(model, "uses_sample_keys", False)) or any(isinstance(m, SampleDropout) for m in model.modules())
 
 
 def sample_key_callbacks(model: nn.Module) -> list[pl.Callback]:
-    """``[SampleKeyCallback()]`` for a model that uses sample keys, else ``[]``."""
     return [SampleKeyCallback()] if uses_sample_keys(model) else []
 
 
