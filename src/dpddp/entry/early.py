@@ -147,8 +147,9 @@ def unknown_option(argv: list[str], lightning_line: Callable[[str], str | None] 
             if option not in ("", "null") and not any((d / key / f"{option}.yaml").is_file() for d in dirs):
                 if key == "strategy" and option in LIGHTNING_STRATEGIES:  # Lightning's name: its line, or the check's
                     return lightning_line(option) if lightning_line else None
-                if hydra_group:
-                    known = _hydra_options(key)
+                if hydra_group:  # Hydra's options for it, its plugins' included
+                    with initialize_config_module(config_module="dpddp.conf", version_base="1.3"):
+                        known = GlobalHydra.instance().config_loader().get_group_options(key)
                     if option in known or not known:
                         continue
                     return f"{key}={option} is unknown: choose one of {', '.join(known)}"  # Hydra's line (-m)
@@ -157,12 +158,6 @@ def unknown_option(argv: list[str], lightning_line: Callable[[str], str | None] 
                 hint = f" (did you mean {near[0]}?)" if near else ""
                 return f"{key}={option} is unknown{hint}: choose one of {', '.join(known)}"
     return None
-
-
-def _hydra_options(group: str) -> list[str]:
-    """The options of Hydra's config group ``group`` (``hydra/launcher``), its plugins' included."""
-    with initialize_config_module(config_module="dpddp.conf", version_base="1.3"):
-        return GlobalHydra.instance().config_loader().get_group_options(group)
 
 
 def dotted_keys(cfg: Container | dict, prefix: str = "") -> list[str]:

@@ -76,16 +76,12 @@ def directory_problem(cfg: DictConfig, output_dir: Path, resume: bool, named: bo
 
 def _settings(overrides: Iterable) -> dict[str, str]:
     """``key: value`` of the overrides under ``WEIGHTS`` but not ``CONTINUE_MAY_CHANGE`` (a deletion's: ``~``)."""
-
-    def under(key: str, keys: tuple[str, ...]) -> bool:
-        return any(key == k or key.startswith(f"{k}.") for k in keys)
-
     found = {}
     for override in overrides:
         key, sep, value = str(override).partition("=")
-        bare = key.lstrip("+~")
-        if under(bare, WEIGHTS) and not under(bare, CONTINUE_MAY_CHANGE) and bare != "trainer":
-            found[bare] = value if sep and not key.startswith("~") else "~"
+        parts = key.lstrip("+~").split(".")
+        if parts[0] in WEIGHTS and ".".join(parts[:2]) not in CONTINUE_MAY_CHANGE and parts != ["trainer"]:
+            found[".".join(parts)] = value if sep and not key.startswith("~") else "~"
     return found
 
 

@@ -289,15 +289,14 @@ TRAINER_COUNTS = (
 )
 
 
-def check_config(cfg: DictConfig | Mapping, stage: str = "fit") -> Plan:
+def check_config(cfg: DictConfig, stage: str = "fit") -> Plan:
     """The ``Plan`` of a composed config for ``stage``; ``ConfigError`` for its first bad setting or checkpoint."""
     world = _check_settings(cfg, stage)
     return Plan(cfg, stage, world, check_checkpoint(cfg, stage, None))
 
 
-def _check_settings(cfg: DictConfig | Mapping, stage: str) -> World:
-    if isinstance(cfg, DictConfig):
-        check_resolvable(cfg)
+def _check_settings(cfg: DictConfig, stage: str) -> World:
+    check_resolvable(cfg)
     check_plain(cfg)  # first (the seed's check included): train.py answers these before the imports, in the same line
     check_keys("", [str(k) for k in cfg.keys()], list(TOP_LEVEL_KEYS))
     keys = allowed_keys(cfg)
@@ -329,8 +328,7 @@ def _check_settings(cfg: DictConfig | Mapping, stage: str) -> World:
                 f"model.{key}={cfg['model'][key]!r} differs from data.{key}={cfg['data'][key]!r}: set data.{key} "
                 f"only (model.{key} follows it)"
             )
-    overfit = (cfg["trainer"] or {}).get("overfit_batches") or 0
-    if overfit:  # Lightning swaps the training sampler for a sequential one, and the global batch is lost
+    if overfit := (cfg["trainer"] or {}).get("overfit_batches"):  # a sequential sampler: the global batch lost
         raise ConfigError(
             f"trainer.overfit_batches={overfit!r} is not offered: Lightning replaces the training sampler for it; "
             f"use trainer.limit_train_batches={overfit!r} trainer.limit_val_batches={overfit!r} instead"
@@ -357,13 +355,12 @@ def _check_settings(cfg: DictConfig | Mapping, stage: str) -> World:
     for key, taken, fix in TRAINER_COUNTS:
         if (value := (cfg["trainer"] or {}).get(key)) not in taken:
             checked_int(f"trainer.{key}", value, 1, fix)
-    clip = (cfg["trainer"] or {}).get("gradient_clip_val")
-    if clip is not None:
+    if (clip := (cfg["trainer"] or {}).get("gradient_clip_val")) is not None:
         checked_float("trainer.gradient_clip_val", clip, 0.0, math.inf, "use a non-negative norm or value, or null")
     return world
 
 
-def check_checkpoint(cfg: DictConfig | Mapping, stage: str, loaded: dict | None) -> CheckpointFacts | None:
+def check_checkpoint(cfg: DictConfig, stage: str, loaded: dict | None) -> CheckpointFacts | None:
     """The ``ckpt_path`` part of ``check_config`` (``loaded``: that file, read); its facts, or ``ConfigError``."""
     ckpt = cfg["ckpt_path"]
     if ckpt is None:
@@ -406,7 +403,7 @@ def _configured_model(cfg: Mapping) -> ConfiguredModel | None:
     except Exception:  # a model whose constructor needs real tensors (loads weights, moves data) is not checked
         return None
     spec = cfg["model"]
-    raw = OmegaConf.to_container(spec, resolve=False) if isinstance(spec, DictConfig) else dict(spec)
+    raw = OmegaConf.to_container(spec, resolve=False)
     assert isinstance(raw, dict)
     settings: dict[str, tuple[str, Any]] = {}
     for key, given in raw.items():

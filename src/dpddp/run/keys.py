@@ -52,22 +52,16 @@ def _params(fn: Any) -> list[str]:
     return [p.name for p in _parameters(fn) if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
-def with_defaults(cfg: DictConfig | Mapping) -> DictConfig | Mapping:
-    """A copy of ``cfg`` whose ``model`` and ``data`` also have each plain default of their class's keys."""
-    filled: Any = copy.deepcopy(cfg) if isinstance(cfg, DictConfig) else {**cfg}
+def with_defaults(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` whose ``model`` and ``data`` (whose classes import) also have their classes' plain defaults."""
+    filled = copy.deepcopy(cfg)
+    plain = (bool, int, float, str, type(None), list, tuple, dict)
     for section in ("model", "data"):
-        spec = cfg.get(section)
-        if not isinstance(spec, Mapping) or not spec.get("_target_"):
-            continue
-        plain = (bool, int, float, str, type(None), list, tuple, dict)
-        params = _parameters(target_class(section, spec))
-        missing = {p.name: p.default for p in params if p.default is not p.empty and p.name not in spec}
+        params = _parameters(target_class(section, cfg[section]))
+        missing = {p.name: p.default for p in params if p.default is not p.empty and p.name not in cfg[section]}
         missing = {k: list(v) if isinstance(v, tuple) else v for k, v in missing.items() if isinstance(v, plain)}
-        if isinstance(filled, DictConfig):
-            with open_dict(filled):
-                filled[section].merge_with(missing)
-        else:
-            filled[section] = {**missing, **spec}
+        with open_dict(filled):
+            filled[section].merge_with(missing)
     return filled
 
 

@@ -22,8 +22,6 @@ from dpddp.run.keys import TRAINER_OWNED
 TRAINER_ERRORS = (ValueError, TypeError, ImportError, MisconfigurationException)
 """What ``pl.Trainer`` raises for a flag it refuses (``ImportError``: a precision whose package is missing)."""
 _BARE = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "accelerator": "cpu"}
-_OWNED = (*TRAINER_OWNED, "plugins")  # what dpddp sets itself
-_UNTYPED = ("sync_batchnorm",)  # dpddp's own values too (auto, null: dpddp.parallel.batchnorm checks them)
 
 
 @contextlib.contextmanager
@@ -55,7 +53,7 @@ def takes(flag: str) -> str | None:
 
 def _mistyped(flags: Mapping[str, Any]) -> str | None:
     """The first flag whose value ``pl.Trainer``'s signature does not take, in one line (a null is never checked)."""
-    given = {k: v for k, v in flags.items() if v is not None and k not in _UNTYPED}
+    given = {k: v for k, v in flags.items() if v is not None and k != "sync_batchnorm"}  # dpddp's auto included
     parser = ArgumentParser(exit_on_error=False)  # what LightningCLI checks a flag's type with
     parser.add_class_arguments(pl.Trainer, "trainer")
     try:
@@ -77,7 +75,7 @@ def refused_flag(trainer: Mapping[str, Any]) -> str | None:
     """``trainer.<flag>=<value> is invalid: <why>`` for the first flag ``pl.Trainer`` refuses, or ``None``."""
     given = OmegaConf.to_container(trainer, resolve=True) if isinstance(trainer, DictConfig) else trainer
     assert isinstance(given, Mapping)
-    flags = {str(k): v for k, v in given.items() if k not in _OWNED}
+    flags = {str(k): v for k, v in given.items() if k not in TRAINER_OWNED and k != "plugins"}  # dpddp sets them
     if problem := _mistyped(flags):
         return problem
     defaults = inspect.signature(pl.Trainer.__init__).parameters
