@@ -29,15 +29,6 @@ def memory_bytes() -> int:
     return limit
 
 
-def data_bytes(num_samples: int, num_features: int, num_classes: int, batch_size: int, streaming: bool) -> int:
-    """Bytes one process holds for the built-in data: the tensors (in memory) or five cached blocks
-    (streaming), the training order, the teacher and three batches in flight."""
-    per_batch = 3 * batch_size * num_features * 4 + num_features * num_classes * 4
-    if streaming:
-        return 5 * BLOCK * (num_features + 2) * 4 + num_samples // BLOCK * 8 + per_batch
-    return num_samples * (4 * num_features + 16) + per_batch
-
-
 def check_memory(data: Mapping, per_node: int, available: int) -> None:
     """Raises ConfigError: ``per_node`` processes of the built-in data ``data`` need more than 80% of
     ``available`` bytes; the advice names settings that fit."""
@@ -45,8 +36,9 @@ def check_memory(data: Mapping, per_node: int, available: int) -> None:
     n, f, c, b = (data[k] for k in ("num_samples", "num_features", "num_classes", "batch_size"))
     streaming = bool(data.get("streaming"))
 
-    def need(features: int, stream: bool) -> int:
-        return per_node * (PROCESS_BASE_BYTES + data_bytes(n, features, c, b, stream))
+    def need(features: int, stream: bool) -> int:  # the tensors or five cached blocks, the order, teacher, 3 batches
+        held = 5 * BLOCK * (features + 2) * 4 + n // BLOCK * 8 if stream else n * (4 * features + 16)
+        return per_node * (PROCESS_BASE_BYTES + held + 3 * b * features * 4 + features * c * 4)
 
     if need(f, streaming) <= limit:
         return
