@@ -65,13 +65,6 @@ def sample_states(seed: int, epoch: int, ids: torch.Tensor) -> torch.Tensor:
     return _fold(key64(seed, epoch), ids)
 
 
-def _keep_mask(states: torch.Tensor, elements: torch.Tensor, p: float) -> torch.Tensor:
-    """bool ``[len(states), len(elements)]``: whether element ``e`` of the sample of ``states[j]`` is kept."""
-    z = states[:, None] + elements
-    tmp = _mix_(z, torch.empty_like(z)).bitwise_right_shift(11).bitwise_and_(_LOW[11])
-    return tmp >= math.ceil(p * 2.0**53)  # u >= p exactly: p * 2**53 is exact in a float
-
-
 def replica_ids(ids: torch.Tensor, rows: int, device: torch.device, devices: Sequence[int] | None) -> torch.Tensor:
     """The ids of ``rows`` samples on ``device``: ``ids``, or under ``DataParallel`` over CUDA ``devices`` the
     chunk torch's scatter gives ``device``. Raises ValueError: no chunk of ``rows`` ids belongs to ``device``."""
@@ -201,7 +194,9 @@ class SampleDropout(nn.Dropout):
             zero = torch.zeros((), dtype=input.dtype, device=input.device)
             return input.mul_(zero) if self.inplace else input * zero
         elements = self._elements(self.layer_key, math.prod(input.shape[1:]), input.device)
-        keep = _keep_mask(states, elements, self.p).view(input.shape)
+        z = states[:, None] + elements
+        u = _mix_(z, torch.empty_like(z)).bitwise_right_shift(11).bitwise_and_(_LOW[11])
+        keep = (u >= math.ceil(self.p * 2.0**53)).view(input.shape)  # u >= p exactly: p * 2**53 is exact in a float
         scale = 1 / (1 - self.p)
         if self.inplace:
             return input.mul_(scale).masked_fill_(~keep, 0)
