@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import re
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import ROOT, child_env, run_project
+from conftest import ROOT, child_env
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_bring_your_own import _project
 
@@ -45,21 +46,32 @@ def _check(*args: str, timeout: float = 300, cwd: Path | None = None) -> subproc
 def _main(capsys, *args: str) -> tuple[int, str, str]:
     """``main(args)`` in this process (its loggers' levels restored): the exit status, stdout and stderr."""
     levels = {n: logging.getLogger(n).level for n in ("lightning", "lightning.pytorch", "lightning.fabric", "dpddp")}
+    code = 0
     try:
-        with pytest.raises(SystemExit) as exited:
-            main(list(args))
+        main(list(args))
+    except SystemExit as exited:
+        code = int(exited.code or 0)
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
     out, err = capsys.readouterr()
-    return int(exited.value.code or 0), out, err
+    return code, out, err
 
 
-def _error_line(proc: subprocess.CompletedProcess) -> str:
-    """The one ``error:`` line of a check that exited 1 (asserted: status 1, one line on stderr)."""
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr[-3000:]
+def _stops_here(capsys, monkeypatch, cwd: Path, *args: str) -> tuple[int, str, str]:
+    """``python -m dpddp.check --stops ARGS`` in this process and in ``cwd`` (``_main``), its stopped runs started
+    with ``cwd`` and ``tests/`` on ``PYTHONPATH``: the exit status, stdout and stderr."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(cwd), str(ROOT / "tests")]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    return _main(capsys, "--stops", *args)
+
+
+def _error_line(code: int, err: str) -> str:
+    """The one ``error:`` line of a check that exited ``code`` 1 (asserted: status 1, one line on stderr)."""
+    assert code == 1, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err[-3000:]
     return lines[0]
 
 
@@ -177,7 +189,7 @@ def test_a_transformer_drawing_in_its_own_forward_fails_the_check_naming_it(tmp_
         r"\(\S+ of the largest weight; tolerance 1e-09; the largest in \S+\): another computation, not rounding; "
         r"model\.forward draws from the global random streams; use draws keyed by the sample in model\.forward "
         r"\(dpddp\.nn\.SampleDropout, dpddp\.nn\.sample_generator\)",
-        _error_line(proc),
+        _error_line(proc.returncode, proc.stderr),
     )
     assert "NOT the same math" in proc.stdout and "does NOT hold" in proc.stdout
 
@@ -300,12 +312,16 @@ STOPS = r"stops: (limit|SIGTERM|SIGKILL) continued equals the straight run \(max
 
 
 @pytest.mark.slow
-def test_the_stops_check_passes_on_the_readmes_template_model(tmp_path):
+def test_the_stops_check_passes_on_the_readmes_template_model(tmp_path, monkeypatch, capsys):
     user = ["--config-dir", "conf", "--model", "my_net", "--data", "dataset", "--data", "+dataset._target_=mine.Blobs"]
-    check = [sys.executable, "-m", "dpddp.check", "--stops"]
-    proc = run_project(_project(tmp_path), *user, command=check, pythonpath=[ROOT / "tests"], timeout=480)  # none left
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+    project = _project(tmp_path)
+    monkeypatch.syspath_prepend(str(project))
+    try:
+        code, out, err = _stops_here(capsys, monkeypatch, project, *user)
+    finally:
+        sys.modules.pop("mine", None)
+    assert code == 0, err[-3000:]
+    lines = out.strip().splitlines()
     # 1013 samples: 811 to train, 12 whole batches of 64 an epoch; the check's 2 epochs
     assert re.fullmatch(
         r"stops: the straight run takes 24 steps; a limit at step \d+, a SIGTERM before step \d+, a SIGKILL before "
@@ -315,21 +331,24 @@ def test_the_stops_check_passes_on_the_readmes_template_model(tmp_path):
     found = [re.fullmatch(STOPS, line) for line in lines[1:]]
     assert [m.group(1) for m in found if m] == ["limit", "SIGTERM", "SIGKILL"] and len(lines) == 4
     assert all(float(m.group(2)) <= STOPS_TOLERANCE for m in found if m)
-    assert proc.stderr == ""
+    assert err == ""
 
 
 @pytest.mark.slow
-def test_a_callback_whose_state_dict_leaves_out_its_count_fails_the_stops_check_naming_it():
-    proc = _check("--stops", "data.num_samples=1000", "+callbacks.counter._target_=users_models.BatchCounter")
+def test_a_callback_whose_state_dict_leaves_out_its_count_fails_the_stops_check_naming_it(
+    tmp_path, monkeypatch, capsys
+):
+    counter = ["data.num_samples=1000", "+callbacks.counter._target_=users_models.BatchCounter"]
+    code, out, err = _stops_here(capsys, monkeypatch, tmp_path, *counter)
     # 800 samples to train, 12 batches of 64 an epoch: 24 steps, the limit drawn at step 13 (seed 0)
     assert re.fullmatch(
         r"error: callbacks\.BatchCounter: its count is 13 apart at the end, and its state_dict does not restore it: "
         r"keep it in the callback's state_dict and load_state_dict; first apart: weights: linear\.(weight|bias) \S+ "
         r"apart after a limit continue",
-        _error_line(proc),
+        _error_line(code, err),
     )
-    assert "stops: the straight run takes 24 steps; a limit at step 13," in proc.stdout
-    assert "continued equals" not in proc.stdout
+    assert "stops: the straight run takes 24 steps; a limit at step 13," in out
+    assert "continued equals" not in out
 
 
 def test_the_stops_check_of_one_epoch_is_one_line_and_exit_2(capsys):
@@ -344,12 +363,12 @@ def test_the_stops_check_of_one_epoch_is_one_line_and_exit_2(capsys):
 
 
 @pytest.mark.slow
-def test_the_stops_check_passes_at_the_defaults_where_auto_takes_executions():
+def test_the_stops_check_passes_at_the_defaults_where_auto_takes_executions(tmp_path, monkeypatch, capsys):
     """The defaults' model takes ``steps_per_execution=auto``'s K above 1 (32: 51 steps an epoch): each stop,
     sent before a step inside an execution, still continues exactly."""
-    proc = _check("--stops")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+    code, out, err = _stops_here(capsys, monkeypatch, tmp_path)
+    assert code == 0, err[-3000:]
+    lines = out.strip().splitlines()
     assert lines[0].startswith("stops: the straight run takes 102 steps"), lines
     found = [re.fullmatch(STOPS, line) for line in lines[1:]]
     assert [m.group(1) for m in found if m] == ["limit", "SIGTERM", "SIGKILL"] and len(lines) == 4
@@ -357,28 +376,30 @@ def test_the_stops_check_passes_at_the_defaults_where_auto_takes_executions():
 
 
 @pytest.mark.slow
-def test_the_stops_check_passes_a_model_whose_last_epoch_is_not_its_best():
+def test_the_stops_check_passes_a_model_whose_last_epoch_is_not_its_best(tmp_path, monkeypatch, capsys):
     """Case 61: at lr 3.0 with noisy labels val/loss is best at epoch 0 (2.58, then 4.04);
     ``ModelCheckpoint.current_score``, which Lightning never restores, is not compared (exit 1 before)."""
-    proc = _check("--stops", "--model", "lr=3.0", "data.num_samples=1000", "data.label_noise=0.3")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = [re.fullmatch(STOPS, line) for line in proc.stdout.strip().splitlines()[1:]]
+    noisy = ["--model", "lr=3.0", "data.num_samples=1000", "data.label_noise=0.3"]
+    code, out, err = _stops_here(capsys, monkeypatch, tmp_path, *noisy)
+    assert code == 0, err[-3000:]
+    found = [re.fullmatch(STOPS, line) for line in out.strip().splitlines()[1:]]
     assert [m.group(1) for m in found if m] == ["limit", "SIGTERM", "SIGKILL"]
 
 
 @pytest.mark.slow
-def test_the_stops_check_names_a_schedule_built_from_estimated_stepping_batches():
+def test_the_stops_check_names_a_schedule_built_from_estimated_stepping_batches(tmp_path, monkeypatch, capsys):
     """``OneCycleLR`` built for the stop's limit: the continue fails stepping past it; the line names the scheduler
     first, as train.py's continue names it (a ``LambdaLR``'s line: test_verdicts.py)."""
     data = "data.num_samples=1000"  # 24 steps; the limit drawn at step 13 (seed 0)
-    proc = _check("--stops", "--model", "mlp", "--model", "_target_=users_models.OneCycleMLP", data)
+    one_cycle = ["--model", "mlp", "--model", "_target_=users_models.OneCycleMLP", data]
+    code, _, err = _stops_here(capsys, monkeypatch, tmp_path, *one_cycle)
     assert re.fullmatch(
         r"error: OneCycleLR was built with total_steps=13 for the limit the checkpoint's run had, and this run builds "
         r"total_steps=24: the continued run follows the first schedule, so it cannot equal a straight run to this "
         r"limit \(its learning rate from step 13: \S+, then its step raises ValueError: Tried to step 14 times\. .*\); "
         r"keep the first run's limit, or use a schedule that does not depend on it; the limit continue then failed: "
         r"ValueError: Tried to step 14 times\. The specified number of total steps is 13",
-        _error_line(proc),
+        _error_line(code, err),
     )
 
 
