@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUIET, cli_config, compose_cfg, max_diff, run_cli, weights
+from conftest import QUIET, cli_config, cli_here, compose_cfg, max_diff, run_cli, weights
 
 from dpddp.data.synthetic import make_tensors
 from dpddp.entry.lightning_cli import main
@@ -23,28 +23,43 @@ cli = functools.partial(run_cli, check=True)
 """``python -m dpddp.cli ARGS`` (or ``script=True``: the console script): exit 0 and no leftover process."""
 
 
+@pytest.fixture
+def cli_here_ok(monkeypatch, capsys):
+    """``cli_here_ok(*args, cwd=...)``: a one-process ``python -m dpddp.cli ARGS`` run in this process (its ranks
+    are not the point): asserts exit 0, returns what it wrote to stdout and stderr."""
+
+    def run(*args: str, cwd: Path) -> str:
+        capsys.readouterr()
+        code = cli_here(*args, cwd=cwd, monkeypatch=monkeypatch)
+        out, err = capsys.readouterr()
+        assert code == 0, f"{' '.join(args)}\n{err[-3000:]}"
+        return out + err
+
+    return run
+
+
 def _ckpt(root):
     (path,) = root.glob("lightning_logs/version_*/checkpoints/last.ckpt")
     return path
 
 
-def test_print_config_round_trip(tmp_path, cli_status):
+def test_print_config_round_trip(tmp_path, cli_status, cli_here_ok):
     code, printed = cli_status("fit", *FAST, "--model.lr=0.05", "--data.batch_size=32", "--print_config")
     assert code == 0
     assert "strategy: auto" in printed and "batch_size: 32" in printed and "lr: 0.05" in printed
     (tmp_path / "config.yaml").write_text(printed)
-    cli("fit", *FAST, "--model.lr=0.05", "--data.batch_size=32", "--trainer.default_root_dir=a", cwd=tmp_path)
-    cli("fit", "--config", "config.yaml", "--trainer.default_root_dir=b", cwd=tmp_path, script=True)
+    cli_here_ok("fit", *FAST, "--model.lr=0.05", "--data.batch_size=32", "--trainer.default_root_dir=a", cwd=tmp_path)
+    cli_here_ok("fit", "--config", "config.yaml", "--trainer.default_root_dir=b", cwd=tmp_path)
     assert max_diff(weights(_ckpt(tmp_path / "a")), weights(_ckpt(tmp_path / "b"))) == 0
 
 
-def test_fit_ddp_and_dp_and_rerun_into_the_same_directory(tmp_path):
+def test_fit_ddp_and_dp_and_rerun_into_the_same_directory(tmp_path, cli_here_ok):
     """LightningCLI refusing to re-run into an existing directory: the same command twice into the same
-    default_root_dir runs again and keeps the first run's files."""
+    default_root_dir runs again and keeps the first run's files. The console script starts the ddp run."""
     root = ["--trainer.default_root_dir=runs"]
-    cli("fit", *FAST, "--trainer.strategy=ddp", "--trainer.devices=2", *root, cwd=tmp_path)
-    cli("fit", *FAST, "--trainer.strategy=dp", "--trainer.devices=1", *root, cwd=tmp_path)
-    cli("fit", *FAST, "--trainer.strategy=dp", "--trainer.devices=1", *root, cwd=tmp_path)
+    cli("fit", *FAST, "--trainer.strategy=ddp", "--trainer.devices=2", *root, cwd=tmp_path, script=True)
+    cli_here_ok("fit", *FAST, "--trainer.strategy=dp", "--trainer.devices=1", *root, cwd=tmp_path)
+    cli_here_ok("fit", *FAST, "--trainer.strategy=dp", "--trainer.devices=1", *root, cwd=tmp_path)
     configs = sorted(p.relative_to(tmp_path / "runs").as_posix() for p in tmp_path.glob("runs/**/config*.yaml"))
     assert len(configs) == 3 and len({c.split("/")[1] for c in configs}) == 3
     ckpts = sorted(tmp_path.glob("runs/lightning_logs/version_*/checkpoints/last.ckpt"))
@@ -243,15 +258,15 @@ def test_the_cli_prints_the_trainer_defaults_that_run_and_keeps_a_value_equal_to
     assert given.sync_batchnorm is False and given.enable_model_summary is True
 
 
-def test_ckpt_path_last_continues_the_newest_run_in_its_directory(tmp_path, cli_status):
+def test_ckpt_path_last_continues_the_newest_run_in_its_directory(tmp_path, cli_status, cli_here_ok):
     """The CLI keeps the layout of the others: ``--ckpt_path=last`` resumes the latest run where a user expects it,
     keeping both invocations' configs, one metrics table and both segments; without a run, one line."""
     root = ["--trainer.default_root_dir=runs", "--data.num_samples=1005"]
     code, err = cli_status("fit", *FAST, *root, "--ckpt_path=last")
     assert code == 2 and "--ckpt_path=last: no run under" in err
-    outputs = [cli("fit", *FAST, *root, "--trainer.max_epochs=2", cwd=tmp_path)]
-    outputs.append(cli("fit", *FAST, *root, "--trainer.max_epochs=4", "--ckpt_path=last", cwd=tmp_path))
-    assert all("metrics: train/loss=" in out.stdout + out.stderr for out in outputs)
+    outputs = [cli_here_ok("fit", *FAST, *root, "--trainer.max_epochs=2", cwd=tmp_path)]
+    outputs.append(cli_here_ok("fit", *FAST, *root, "--trainer.max_epochs=4", "--ckpt_path=last", cwd=tmp_path))
+    assert all("metrics: train/loss=" in out for out in outputs)
     assert sorted(p.name for p in (tmp_path / "runs/lightning_logs").iterdir()) == ["version_0"]
     run = tmp_path / "runs/lightning_logs/version_0"
     assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 4 * (805 // 64)
@@ -288,7 +303,9 @@ def test_each_invocation_into_a_run_directory_keeps_its_own_config(tmp_path):
     assert [p.name for p in invocations(tmp_path, "config.yaml")] == ["config.yaml", "config-1.yaml"]
 
 
-def test_monitor_and_its_mode_choose_best_ckpt_and_the_objective_and_null_drops_best_ckpt(tmp_path, cli_status):
+def test_monitor_and_its_mode_choose_best_ckpt_and_the_objective_and_null_drops_best_ckpt(
+    tmp_path, cli_status, cli_here_ok
+):
     """``--monitor=val/acc --monitor_mode=max`` is the best checkpoint's monitor and mode and the run's objective,
     as ``callbacks.model_checkpoint.monitor`` is for ``train.py``; ``--monitor=null`` drops best.ckpt's callback
     and the objective stays ``val/loss``, as ``train.py callbacks.model_checkpoint=null``'s."""
@@ -305,7 +322,7 @@ def test_monitor_and_its_mode_choose_best_ckpt_and_the_objective_and_null_drops_
     dropped = cli_config("--monitor=null")
     assert dropped.callbacks.model_checkpoint is None and dropped.callbacks.last_checkpoint is not None
     assert dropped.objective == compose_cfg("callbacks.model_checkpoint=null").objective == "val/loss"
-    cli("fit", *FAST, "--monitor=val/acc", "--monitor_mode=max", cwd=tmp_path)
+    cli_here_ok("fit", *FAST, "--monitor=val/acc", "--monitor_mode=max", cwd=tmp_path)
     (run,) = tmp_path.glob("lightning_logs/version_*")
     best = torch.load(run / "checkpoints/best.ckpt", weights_only=False)
     (key,) = [k for k, v in best["callbacks"].items() if k.startswith("ModelCheckpoint") and v["monitor"]]
@@ -319,10 +336,10 @@ def max_val_acc(metrics_csv):
     return max(float(r["val/acc"]) for r in rows if r.get("val/acc"))
 
 
-def test_the_cli_without_checkpointing_drops_the_checkpoint_callbacks_and_writes_none(tmp_path):
+def test_the_cli_without_checkpointing_drops_the_checkpoint_callbacks_and_writes_none(tmp_path, cli_here_ok):
     """``--trainer.enable_checkpointing=false`` means no checkpoint callback, as in Lightning: dpddp's two are
     dropped (``train.py`` says which to drop, with its keys; the CLI has no option for them)."""
-    cli("fit", *FAST, "--trainer.enable_checkpointing=false", cwd=tmp_path)
+    cli_here_ok("fit", *FAST, "--trainer.enable_checkpointing=false", cwd=tmp_path)
     (run,) = tmp_path.glob("lightning_logs/version_*")
     assert list(tmp_path.rglob("*.ckpt")) == [] and json.loads((run / "metrics.json").read_text())["test/acc"] > 0
 
