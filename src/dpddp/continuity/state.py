@@ -95,15 +95,6 @@ def due_plateau_values(trainer: pl.Trainer) -> dict[int, float]:
     return {i: float(metrics[c.monitor]) for i, c in _due(trainer, trainer.current_epoch) if c.monitor in metrics}
 
 
-def take_skipped_plateau_steps(trainer: pl.Trainer, epoch: int, saved: dict[int, float]) -> None:
-    """Take the plateau steps of ``epoch``'s end, with the values ``saved``, else the ones logged now."""
-    module, metrics = trainer.lightning_module, trainer.callback_metrics
-    for i, config in _due(trainer, epoch):
-        value = saved.get(i, metrics.get(config.monitor))
-        if value is not None:
-            module.lr_scheduler_step(config.scheduler, value)
-
-
 LIMIT_MARK = "so it cannot equal a straight run to this limit"  # in each limit_line: dpddp.check --stops finds it
 LOOK_AHEAD = 3
 
@@ -349,10 +340,15 @@ class ResumableState(pl.Callback):
             cb.__dict__.pop("on_train_epoch_end", None)
 
     def _take_plateau_steps(self, trainer: pl.Trainer) -> None:
-        """Once the restored epoch has ended: the plateau steps Lightning skipped there."""
-        if self._plateau is not None and trainer.current_epoch > self._plateau[0]:
-            take_skipped_plateau_steps(trainer, *self._plateau)
-            self._plateau = None
+        """Once the restored epoch has ended: the plateau steps Lightning skipped there, with the values saved, else
+        the ones logged now."""
+        if self._plateau is None or trainer.current_epoch <= self._plateau[0]:
+            return
+        (epoch, saved), self._plateau = self._plateau, None
+        for i, config in _due(trainer, epoch):
+            value = saved.get(i, trainer.callback_metrics.get(config.monitor))
+            if value is not None:
+                trainer.lightning_module.lr_scheduler_step(config.scheduler, value)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
