@@ -25,8 +25,6 @@ from dpddp.parallel.settings import LIGHTNING_STRATEGIES
 from dpddp.run.plain import GROUPS as SECTIONS
 from dpddp.run.plain import PRESETS, check_plain, check_resolvable, key_advice
 
-HELP = ("--help", "-h", "--hydra-help")  # Hydra's help options, answered here when given alone
-
 
 def answer(argv: list[str]) -> None:
     """Print Hydra's help (exit 0), or ``fail`` with a bad setting judged without torch (exit 2); else return."""
@@ -34,7 +32,7 @@ def answer(argv: list[str]) -> None:
     if argv in (["--help"], ["-h"]):
         print(app_help())
         sys.exit(0)
-    if len(argv) == 1 and argv[0] in HELP:
+    if len(argv) == 1 and argv[0] in ("--help", "-h", "--hydra-help"):  # Hydra's help, given alone
         hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(print)()  # exits
     refuse_non_integer_variables()
     if not argv or any(arg.startswith("-") for arg in argv):
