@@ -333,8 +333,7 @@ def hydra_mode_unset() -> AbstractContextManager[Any]:
 
 
 def hydra_override_refused(refused: Callable[[Any, Any, Exception], None]) -> AbstractContextManager[Any]:
-    """Inside it, hydra-core 1.3.8's ``ConfigLoaderImpl._apply_overrides_to_config`` calls ``refused(override,
-    cfg, err)`` before it raises."""
+    """Inside it, Hydra 1.3.8's ``_apply_overrides_to_config`` calls ``refused(override, cfg, err)``, then raises."""
     from unittest.mock import patch
 
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
@@ -399,8 +398,6 @@ def locate(path: str) -> Any:
 
 
 # Lightning 2.6.6: the strategy registry, DDPStrategy._ddp_kwargs, callbacks' internals.
-
-
 def registered_strategies() -> dict[str, tuple[type, dict[str, Any]]]:
     """``{name: (strategy class, the arguments the name gives it)}`` of Lightning's ``StrategyRegistry``."""
     return {
@@ -469,7 +466,6 @@ def mend_swa(callback: StochasticWeightAveraging) -> None:
 
 
 # torch 2.13: PowerSGD's hook state, DDP's bucket assignment.
-
 POWERSGD_FIELDS = ("rng", "error_dict", "p_memory_dict", "q_memory_dict", "iter")  # those that change as it runs
 
 
@@ -514,7 +510,6 @@ def bucket_assignment(layout: list[list[int]] | None) -> Iterator[list[torch.Ten
 
 
 # CPython 3.11.7's multiprocessing (DataLoader workers' helpers; docs/design-notes.md, parallel.workers).
-
 FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"  # how ForkServer's python -c command begins
 
 

@@ -207,8 +207,7 @@ def _run_data(path: str | Path) -> dict:
 
 
 def other_steps_problem(ckpt: dict, steps_per_execution: int) -> str | None:
-    """Why ``ckpt`` cannot be continued with ``steps_per_execution``: another K continues only from an epoch's end
-    (one line, ending with what to do), or ``None``."""
+    """Why ``ckpt`` cannot go on with ``steps_per_execution`` (another K: only from an epoch's end), or ``None``."""
     entry = ckpt.get("dpddp") or {}
     k = entry.get("steps_per_execution", 1)  # the resumable state's entry; none: 1
     if k == steps_per_execution or not entry.get("mid_epoch"):
