@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, child_env, compose_cfg, leftover, run_train
+from conftest import ROOT, child_env, compose_cfg, leftover, run_train, train_py_here
 from hydra.errors import InstantiationException
 
 from dpddp.errors import ConfigError
@@ -166,23 +166,24 @@ def refused_file_stores(tmp_path_factory, monkeypatch):
     pytest.skip(f"MLflow {mlflow.__version__} opens file stores")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["run", "sweep"])
 def test_an_mlflow_file_store_mlflow_refuses_is_one_line_before_anything_is_written(
-    tmp_path, mode, refused_file_stores
+    tmp_path, mode, refused_file_stores, monkeypatch, capfd
 ):
     """MLflow 3 refuses a file store (``tracking_uri`` a path or ``file:``) unless ``MLFLOW_ALLOW_FILE_STORE=true``:
-    one line with MLflow's way out, exit 2, before the run's or sweep's directory and any job (each job failed)."""
+    one line with MLflow's way out, exit 2, before the run's or sweep's directory and any job (each job failed).
+    train.py's calls in this process."""
     uri = f"file://{tmp_path / 'mlruns'}" if mode == "run" else str(tmp_path / "mlruns")
     where = f"hydra.run.dir={tmp_path / 'run'}" if mode == "run" else f"hydra.sweep.dir={tmp_path / 'run'}"
     sweep = ["-m", "seed=0,1"] if mode == "sweep" else []
-    proc = run_train(*sweep, *ARGS, "logger=mlflow", f"logger.tracking_uri={uri}", where, cwd=tmp_path)
-    assert proc.returncode == 2
-    line = proc.stderr.strip().splitlines()[-1]
+    code = train_py_here(
+        *sweep, *ARGS, "logger=mlflow", f"logger.tracking_uri={uri}", where, cwd=tmp_path, monkeypatch=monkeypatch
+    )
+    assert code == 2
+    line = capfd.readouterr().err.strip().splitlines()[-1]
     assert line.startswith(f"error: logger.tracking_uri={uri!r}: MLflow refuses this file store (MlflowException")
     assert line.endswith("or set MLFLOW_ALLOW_FILE_STORE=true as MLflow says")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
-    assert leftover(proc.tag) == []
 
 
 def test_an_mlflow_file_store_opens_where_mlflow_allows_it(tmp_path, monkeypatch, refused_file_stores):
