@@ -83,28 +83,14 @@ class DPDDPCLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         best = _packaged("callbacks")["model_checkpoint"]  # --monitor and --monitor_mode's defaults
-        parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint, or 'last'")
-        parser.add_argument(
-            "--steps_per_execution",
-            type=int | Literal["auto"],
-            default="auto",
-            help="optimizer steps per Lightning loop iteration, or auto (timed from the model's step)",
-        )
-        parser.add_argument(
-            "--monitor",
-            type=str | None,
-            default=best.monitor,
-            help="the metric best.ckpt is chosen by, and the run's objective (null: no best.ckpt)",
-        )
-        parser.add_argument(
-            "--monitor_mode", type=Literal["min", "max"], default=best.mode, help="min or max of --monitor"
-        )
-        parser.add_argument(
-            "--compile",
-            type=bool | str,
-            default=False,
-            help="torch.compile the model's forward: true, a mode (max-autotune, ...), or false",
-        )
+        for name, kind, default, text in (
+            ("--ckpt_path", str | None, None, "checkpoint, or 'last'"),
+            ("--steps_per_execution", int | Literal["auto"], "auto", "optimizer steps per loop iteration, or auto"),
+            ("--monitor", str | None, best.monitor, "best.ckpt's metric and the run's objective (null: no best.ckpt)"),
+            ("--monitor_mode", Literal["min", "max"], best.mode, "min or max of --monitor"),
+            ("--compile", bool | str, False, "torch.compile the model's forward: true, a mode, or false"),
+        ):
+            parser.add_argument(name, type=kind, default=default, help=text)
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
