@@ -334,8 +334,7 @@ class StepBoundaryStop(pl.Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if not self._agreed:
-            self._agreed = self.agree(trainer, self._train)
+        self._agreed = self._agreed or self.agree(trainer, self._train)
         batch_idx = args[-1]  # every rank sees the same one
         window_closed = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
         if not (window_closed or batch_idx + 1 >= trainer.num_training_batches):
@@ -376,8 +375,7 @@ class StepBoundaryStop(pl.Callback):
 
     def _evaluated(self, trainer: pl.Trainer, at_end: bool) -> None:
         """After an evaluation batch or loop: stop on an agreed SIGTERM (in a fit: at its next step boundary or end)."""
-        if not self._agreed:
-            self._agreed = self.agree(trainer, None if at_end else self._eval)
+        self._agreed = self._agreed or self.agree(trainer, None if at_end else self._eval)
         if self._agreed and not (trainer.state.fn == "fit" and not trainer.sanity_checking):
             raise _preempted(self.last, trainer.global_step)
 
