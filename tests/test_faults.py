@@ -76,29 +76,33 @@ def test_single_node_ddp_listens_on_loopback_only(tmp_path):
     assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in seen), seen
 
 
-@pytest.mark.parametrize("entry", ENTRIES)
-def test_a_busy_master_port_fails_fast_and_leaves_the_other_run_alone(tmp_path, entry):
-    """A rendezvous port clash: the second run exits within seconds naming the port; the first finishes; no orphans."""
+def test_a_busy_master_port_fails_fast_and_leaves_the_other_run_alone(tmp_path):
+    """A rendezvous port clash, for either entry point: each second run exits naming the port; the first (held
+    before its first step, so it runs, without training, until both are refused) finishes; no orphans."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         store_port = str(sock.getsockname()[1])
-    # trains until told to stop (at most 60 s), whatever the machine's speed: still running when the second run is
-    # refused (forked ranks start fast; a fixed number of epochs could end before the second run's imports are done)
-    stop = tmp_path / "stop"
-    long = ["trainer.max_epochs=100000", "trainer.max_time=00:00:01:00", "hydra.run.dir=first"]
-    long += ["+callbacks.stop._target_=conftest.StopWhenFile", f"+callbacks.stop.path={stop}"]
-    first = _start(tmp_path, *DDP, *long, MASTER_PORT=store_port, PYTHONPATH=str(ROOT / "tests"))
-    _wait_ranks(first)
+    held = tmp_path / "held"
+    hold = ["+callbacks.hold._target_=conftest.HoldAt", "+callbacks.hold.step=0", f"+callbacks.hold.path={held}"]
+    first = _start(tmp_path, *DDP, "trainer.max_epochs=1", *hold, "hydra.run.dir=first",
+                   MASTER_PORT=store_port, PYTHONPATH=str(ROOT / "tests"))  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not held.exists() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert held.exists(), first.stderr.read()[-3000:] if first.poll() is not None else "not held"
     assert ("127.0.0.1", int(store_port)) in _listening(first.tag)  # rank 0's store took the port
-    args, _ = _args(entry, "second", strategy="ddp", devices=2, **{"trainer.max_epochs": 1})
-    second = _start(tmp_path, *args, MASTER_PORT=store_port)
-    _, err = second.communicate(timeout=90)  # the hang guard; no timing asserted (a loaded machine is slow)
-    assert second.returncode == 2
-    lines = [x for x in err.splitlines() if x.startswith("error:")]
-    assert len(lines) == 1 and f"MASTER_PORT={store_port}" in lines[0] and "unset MASTER_PORT" in lines[0]
-    assert leftover(second.tag) == []
+    seconds = []
+    for entry in ENTRIES:
+        args, _ = _args(entry, f"second-{entry}", strategy="ddp", devices=2, **{"trainer.max_epochs": 1})
+        seconds.append(_start(tmp_path, *args, MASTER_PORT=store_port))
+    for second in seconds:
+        _, err = second.communicate(timeout=90)  # the hang guard; no timing asserted (a loaded machine is slow)
+        assert second.returncode == 2, err[-3000:]
+        lines = [x for x in err.splitlines() if x.startswith("error:")]
+        assert len(lines) == 1 and f"MASTER_PORT={store_port}" in lines[0] and "unset MASTER_PORT" in lines[0]
+        assert leftover(second.tag) == []
     assert first.poll() is None  # the port was the running first run's
-    stop.touch()
+    held.unlink()
     first.communicate(timeout=240)
     assert first.returncode == 0
     assert metrics(tmp_path / "first")["world_size"] == 2
