@@ -269,7 +269,7 @@ class StartChecks(HydraCallback):
         if isinstance(plan, str):  # nothing to train: nothing is made
             print(plan)
             sys.exit(0)
-        _check_writable(config, "run")
+        _directory(config, "run", writable=True)
         with open_dict(config):  # the decision, in the config Hydra hands the job (a deep copy of it)
             config.ckpt_path = job.ckpt_path
 
@@ -284,29 +284,25 @@ class StartChecks(HydraCallback):
         jobs = [config, *(loader.load_sweep_config(config, job) for job in sweep_variants(config))]
         try:
             check_file_stores(jobs)  # before the sweep's directory is made
-            _check_writable(config, "sweep")
+            _directory(config, "sweep", writable=True)
             open_stores(jobs, str(Path(config.hydra.sweep.dir)), Path(config.hydra.runtime.cwd))  # shared, made once
         except ConfigError as err:
             fail(str(err))
 
 
-def _directory(config: DictConfig, mode: str) -> str:
-    """``hydra.<mode>.dir`` resolved as in the job; else ``fail``."""
+def _directory(config: DictConfig, mode: str, writable: bool = False) -> str:
+    """``hydra.<mode>.dir`` resolved as in the job (``writable``: made here, and can be written); else ``fail``."""
     HydraConfig.instance().set_config(config)  # what Hydra does next: ${hydra:...} resolves as in the job
     typed = OmegaConf.to_container(config.hydra[mode], resolve=False)["dir"]  # type: ignore[index,call-overload]
     try:
-        return str(config.hydra[mode].dir)
+        directory = str(config.hydra[mode].dir)
     except Exception as err:
         reason = (str(err).splitlines() or [type(err).__name__])[0]
         fail(f"hydra.{mode}.dir={typed!r} cannot be resolved ({reason}): give a directory (hydra.{mode}.dir=runs/a)")
-
-
-def _check_writable(config: DictConfig, mode: str) -> None:
-    """``hydra.<mode>.dir`` resolves and can be written (it is made here); else ``fail``."""
-    directory = _directory(config, mode)
-    if why := unwritable(directory):
+    if writable and (why := unwritable(directory)):
         given = f"hydra.{mode}.dir={hydra_value(directory)}"
         fail(f"{given} cannot be written ({why}): give a directory you can write (hydra.{mode}.dir=<directory>)")
+    return directory
 
 
 def main() -> None:
