@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import QUIET, child_env, compose_cfg, made_once
+from conftest import QUIET, child_env, compose_cfg, made_once, train_py_here
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -368,6 +368,12 @@ def _here(cwd: Path, run: str, *args: str) -> Path:
     return cwd / run
 
 
+def _py_here(monkeypatch, cwd: Path, run: str, *args: str) -> Path:
+    """``_run``'s one-process run through train.py's calls in this process (``resume=true`` is the entry's)."""
+    assert train_py_here(*args, f"hydra.run.dir={run}", cwd=cwd, monkeypatch=monkeypatch) == 0
+    return cwd / run
+
+
 def _net(run: Path) -> dict[str, torch.Tensor]:
     state = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     return {k: v for k, v in state["state_dict"].items() if k.startswith("net.")} | {"step": state["global_step"]}
@@ -390,7 +396,7 @@ def test_mlp_dropout_ddp_and_dp_equal_one_process(tmp_path, mlp_one):
     no_dropout = _net(_here(tmp_path, "p0", *MLP, "model.dropout=0"))  # no dropout layer: net.2 is the output
     assert (one["net.0.weight"] - no_dropout["net.0.weight"]).abs().max() > 1e-3  # the dropout is on
     assert _diff(dict(one), _net(_run(tmp_path, "ddp", *MLP, "strategy=ddp", "devices=2"))) <= 1e-5
-    assert _diff(dict(one), _net(_run(tmp_path, "dp", *MLP, "strategy=dp", "devices=1"))) <= 1e-6
+    assert _diff(dict(one), _net(_here(tmp_path, "dp", *MLP, "strategy=dp", "devices=1"))) <= 1e-6
 
 
 @pytest.mark.slow
@@ -402,24 +408,26 @@ def test_digits_ddp_with_loader_workers_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_continued_mid_epoch_equals_a_straight_one(tmp_path, mlp_one):
+def test_a_run_continued_mid_epoch_equals_a_straight_one(tmp_path, mlp_one, monkeypatch):
     """12 steps an epoch: stopped at step 7 (mid-epoch) and continued to the end of epoch 2, on 1 and on 2
     processes, against the shared straight run."""
     straight = mlp_one
-    shutil.copytree(_run(tmp_path, "a", *MLP, "trainer.max_steps=7"), tmp_path / "b")  # one stop, two continues
-    assert _diff(dict(straight), _net(_run(tmp_path, "a", *MLP, "resume=true"))) <= 1e-6
+    first = _py_here(monkeypatch, tmp_path, "a", *MLP, "trainer.max_steps=7")
+    shutil.copytree(first, tmp_path / "b")  # one stop, two continues
+    assert _diff(dict(straight), _net(_py_here(monkeypatch, tmp_path, "a", *MLP, "resume=true"))) <= 1e-6
     assert _diff(straight, _net(_run(tmp_path, "b", *MLP, "resume=true", "strategy=ddp", "devices=2"))) <= 1e-5
 
 
 @pytest.mark.slow
-def test_steps_per_execution_draws_the_masks_of_single_steps(tmp_path, mlp_one):
+def test_steps_per_execution_draws_the_masks_of_single_steps(tmp_path, mlp_one, monkeypatch):
     """K=4 equals K=1, also on 2 processes and stopped inside an execution (step 6) and continued."""
     k1 = mlp_one
-    assert _diff(dict(k1), _net(_run(tmp_path, "k4", *MLP, "steps_per_execution=4"))) <= 1e-6
+    assert _diff(dict(k1), _net(_here(tmp_path, "k4", *MLP, "steps_per_execution=4"))) <= 1e-6
     ddp = ["strategy=ddp", "devices=2", "steps_per_execution=4"]
     assert _diff(dict(k1), _net(_run(tmp_path, "k4ddp", *MLP, *ddp))) <= 1e-5
-    _run(tmp_path, "cut", *MLP, "steps_per_execution=4", "trainer.max_steps=6")
-    assert _diff(k1, _net(_run(tmp_path, "cut", *MLP, "steps_per_execution=4", "resume=true"))) <= 1e-6
+    _py_here(monkeypatch, tmp_path, "cut", *MLP, "steps_per_execution=4", "trainer.max_steps=6")
+    resumed = _py_here(monkeypatch, tmp_path, "cut", *MLP, "steps_per_execution=4", "resume=true")
+    assert _diff(k1, _net(resumed)) <= 1e-6
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
