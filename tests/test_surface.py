@@ -6,16 +6,18 @@ metrics of one process (1e-5; every flag's ddp run is a job of one sweep). Each 
 Every other row names the tests that check its promises: each must be a test pytest collects, not skipped on
 CPU, that runs the row's setting. The README's table is the generated one."""
 
+import hashlib
 import importlib
 import inspect
 import random
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, max_diff, metrics, weights
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, made_once, max_diff, metrics, weights
 from omegaconf import OmegaConf
 from surface import SURFACE, markdown
 
@@ -31,16 +33,23 @@ def _step(run):
     return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
 
 
+def _one(shared_dir: Path, *args: str) -> Path:
+    """``args`` trained on one process in this process, once a session: a row's straight run, which its stop
+    and continue and its ddp job are compared to."""
+    name = "surface_" + hashlib.sha1("\0".join(args).encode()).hexdigest()[:16]
+    return made_once(shared_dir, name, lambda path: train(compose_cfg(*args), path))
+
+
 @pytest.mark.parametrize("setting", FLAGS, ids=[s.name for s in FLAGS])
-def test_a_stop_at_a_random_step_then_continued_equals_a_straight_run(tmp_path, setting):
+def test_a_stop_at_a_random_step_then_continued_equals_a_straight_run(tmp_path, shared_dir, setting):
     args = [*BASE, "trainer.max_epochs=3", *setting.overrides]
-    train(compose_cfg(*args), tmp_path / "straight")
-    stop = random.Random(setting.name).randint(1, _step(tmp_path / "straight") - 1)  # anywhere before its end
+    straight = _one(shared_dir, *args)
+    stop = random.Random(setting.name).randint(1, _step(straight) - 1)  # anywhere before its end
     train(compose_cfg(*args, f"trainer.max_steps={stop}"), tmp_path / "first")
     assert _step(tmp_path / "first") == stop
     train(compose_cfg(*args, f"ckpt_path={tmp_path / 'first/checkpoints/last.ckpt'}"), tmp_path / "continued")
-    assert _step(tmp_path / "continued") == _step(tmp_path / "straight")
-    a, b = weights(tmp_path / "continued/checkpoints/last.ckpt"), weights(tmp_path / "straight/checkpoints/last.ckpt")
+    assert _step(tmp_path / "continued") == _step(straight)
+    a, b = weights(tmp_path / "continued/checkpoints/last.ckpt"), weights(straight / "checkpoints/last.ckpt")
     assert max_diff(a, b) <= 1e-6
 
 
@@ -52,9 +61,9 @@ DDP_FLAGS = [
 
 
 @pytest.mark.slow
-def test_each_flag_on_two_processes_equals_one_process(tmp_path):
+def test_each_flag_on_two_processes_equals_one_process(tmp_path, shared_dir):
     """Promise 1 on every flag: one sweep (one interpreter) runs each flag's ddp(2) run as a job, a config of
-    the ``surface`` group written here; meanwhile each flag's one-process run runs in this process."""
+    the ``surface`` group written here; meanwhile each flag's one-process run (``_one``) runs in this process."""
     assert DDP_FLAGS
     rows = tmp_path / "conf" / "surface"
     rows.mkdir(parents=True)
@@ -74,15 +83,14 @@ def test_each_flag_on_two_processes_equals_one_process(tmp_path):
     cmd = [sys.executable, str(ROOT / "train.py"), *args]
     sweep = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for i, setting in enumerate(DDP_FLAGS):
-            train(compose_cfg(*BASE, "trainer.max_epochs=3", *setting.overrides), tmp_path / "one" / str(i))
+        ones = [_one(shared_dir, *BASE, "trainer.max_epochs=3", *setting.overrides) for setting in DDP_FLAGS]
         _, err = sweep.communicate(timeout=600)
     finally:
         sweep.kill()
     assert sweep.returncode == 0, err[-3000:]
     assert leftover(tag) == []
     for i, setting in enumerate(DDP_FLAGS):
-        one, two = tmp_path / "one" / str(i), tmp_path / "sweep" / str(i)
+        one, two = ones[i], tmp_path / "sweep" / str(i)
         assert metrics(two)["world_size"] == 2, setting.name
         assert _step(two) == _step(one), setting.name
         assert max_diff(weights(two / "checkpoints/last.ckpt"), weights(one / "checkpoints/last.ckpt")) <= 1e-5, (
@@ -126,17 +134,17 @@ def _state_diff(a, b) -> float:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("setting", MODELS, ids=[s.name.split(":")[0] for s in MODELS])
-def test_a_models_stop_at_a_random_step_then_continued_equals_a_straight_run(tmp_path, setting, variant):
+def test_a_models_stop_at_a_random_step_then_continued_equals_a_straight_run(tmp_path, shared_dir, setting, variant):
     args = [*MODEL_BASE, *_model(setting), *([variant] if variant else [])]
-    train(compose_cfg(*args), tmp_path / "straight")
-    steps = _step(tmp_path / "straight")
+    straight = _one(shared_dir, *args)
+    steps = _step(straight)
     k = 4 if "steps_per_execution" in variant else 1  # a stop inside an execution is its own test
     stop = k * random.Random(setting.name + variant).randint(1, steps // k - 1)
     train(compose_cfg(*args, f"trainer.max_steps={stop}"), tmp_path / "first")
     assert _step(tmp_path / "first") == stop
     train(compose_cfg(*args, f"ckpt_path={tmp_path / 'first/checkpoints/last.ckpt'}"), tmp_path / "continued")
     assert _step(tmp_path / "continued") == steps
-    assert _state_diff(tmp_path / "continued", tmp_path / "straight") <= 1e-6
+    assert _state_diff(tmp_path / "continued", straight) <= 1e-6
 
 
 def _job_config(overrides: list[str]) -> str:
@@ -153,9 +161,9 @@ MODEL_JOBS = [(s, v, 2) for s in MODELS for v in VARIANTS] + [(s, "", 3) for s i
 
 
 @pytest.mark.slow
-def test_each_model_on_two_and_three_processes_equals_one_process(tmp_path):
+def test_each_model_on_two_and_three_processes_equals_one_process(tmp_path, shared_dir):
     """Promise 1 on each model row: ddp on 2 processes with each variant, and on 3, as jobs of one sweep; the
-    weights and running statistics of one process (1e-5), and its step and metrics."""
+    weights and running statistics of one process (``_one``: 1e-5), and its step and metrics."""
     rows = tmp_path / "conf" / "surface"
     rows.mkdir(parents=True)
     for i, (setting, variant, devices) in enumerate(MODEL_JOBS):
@@ -167,15 +175,14 @@ def test_each_model_on_two_and_three_processes_equals_one_process(tmp_path):
     cmd = [sys.executable, str(ROOT / "train.py"), *args]
     sweep = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for i, (setting, variant, _) in enumerate(MODEL_JOBS):
-            train(compose_cfg(*MODEL_BASE, *_model(setting), *([variant] if variant else [])), tmp_path / f"one/{i}")
+        ones = [_one(shared_dir, *MODEL_BASE, *_model(s), *([v] if v else [])) for s, v, _ in MODEL_JOBS]
         _, err = sweep.communicate(timeout=900)
     finally:
         sweep.kill()
     assert sweep.returncode == 0, err[-3000:]
     assert leftover(tag) == []
     for i, (setting, variant, devices) in enumerate(MODEL_JOBS):
-        one, many, case = tmp_path / f"one/{i}", tmp_path / f"sweep/{i}", (setting.name, variant, devices)
+        one, many, case = ones[i], tmp_path / f"sweep/{i}", (setting.name, variant, devices)
         assert metrics(many)["world_size"] == devices and _step(many) == _step(one), case
         assert _state_diff(many, one) <= 1e-5, case
         for key in ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc"):
