@@ -17,8 +17,8 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 
 from dpddp.entry.command_line import sweep_refusal
 from dpddp.entry.hydra import config_dirs
-from dpddp.entry.sweeper import search_space, trial_overrides
 from dpddp.errors import ConfigError
+from hydra_plugins.dpddp_sweeper.optuna_sweeper import search_space, trial_overrides
 
 optuna = pytest.importorskip("optuna")
 

@@ -8,7 +8,7 @@ import pytest
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
-from dpddp.entry.sweeper import job_outcome, search
+from hydra_plugins.dpddp_sweeper.optuna_sweeper import job_outcome, search
 
 optuna = pytest.importorskip("optuna")
 
