@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUIET, compose_cfg, leftover, max_diff, metrics, run_train, weights
+from conftest import QUIET, compose_cfg, leftover, max_diff, metrics, run_train, train_py_here, weights
 
 from dpddp.run.training import train
 
@@ -57,14 +57,14 @@ def test_ddp_two_processes_equal_one_process(tmp_path, launch):
     assert [int(r.split(",")[0]) for r in rows[1:]] == list(range(905, 1005))
 
 
-def test_resume_from_relative_path_on_one_and_two_devices(tmp_path):
+def test_resume_from_relative_path_on_one_and_two_devices(tmp_path, monkeypatch):
     """A relative path resolved against a changed working directory: ckpt_path relative to where the command ran, also
-    with hydra.job.chdir=true and on 2 devices."""
+    with hydra.job.chdir=true (train.py's calls in this process) and on 2 devices."""
     common = ["accelerator=cpu", "data.num_samples=1005", "model.optimizer=adam", "model.lr=0.01"]
     train(compose_cfg(*common, *QUIET, "trainer.max_epochs=4", "logger=none"), tmp_path / "runs/straight")
     train(compose_cfg(*common, *QUIET, "trainer.max_epochs=2", "logger=none"), tmp_path / "runs/a")
     resume = [*common, "trainer.max_epochs=4", "ckpt_path=runs/a/checkpoints/last.ckpt", "hydra.job.chdir=true"]
-    _ok(run_train(*resume, "hydra.run.dir=runs/b", cwd=tmp_path))
+    assert train_py_here(*resume, "hydra.run.dir=runs/b", cwd=tmp_path, monkeypatch=monkeypatch) == 0
     _ok(run_train(*resume, "strategy=ddp", "devices=2", "hydra.run.dir=runs/c", cwd=tmp_path))
     straight = tmp_path / "runs/straight/checkpoints/last.ckpt"
     for run, tol in (("b", 1e-6), ("c", 1e-5)):
@@ -83,13 +83,13 @@ BAD = [
 
 
 @pytest.mark.parametrize("args,message", BAD, ids=[a[-1] for a, _ in BAD])
-def test_bad_input_exits_with_one_line(tmp_path, args, message):
-    proc = run_train(*args, "hydra.run.dir=bad", cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+def test_bad_input_exits_with_one_line(tmp_path, args, message, monkeypatch, capfd):
+    """train.py's calls in this process: exit 2, one ``error:`` line, no traceback, nothing written."""
+    assert train_py_here(*args, "hydra.run.dir=bad", cwd=tmp_path, monkeypatch=monkeypatch) == 2
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0]
-    assert "Traceback" not in proc.stderr
-    assert leftover(proc.tag) == []
+    assert "Traceback" not in err
     assert not (tmp_path / "bad" / "checkpoints").exists() and not (tmp_path / "bad" / "metrics.json").exists()
 
 
