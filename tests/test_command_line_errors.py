@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONF, QUIET, ROOT, child_env, compose_cfg, metrics, run_train
+from conftest import CONF, QUIET, ROOT, child_env, compose_cfg, metrics, run_train, train_py_here
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
@@ -600,23 +600,28 @@ def test_train_py_ends_a_command_line_error_in_one_line_before_writing_anything(
 
 
 @pytest.mark.slow
-def test_a_sweep_records_a_job_whose_interpolation_fails_and_goes_on(tmp_path):
-    proc = run_train("-m", "model.lr=0.05,${nope}", *ONE, "hydra.sweep.dir=sweep", cwd=tmp_path, timeout=180)
-    assert proc.returncode == 1, proc.stderr[-2000:]  # a failed job: the sweep's usual status
+def test_a_sweep_records_a_job_whose_interpolation_fails_and_goes_on(tmp_path, monkeypatch, capfd):
+    """train.py's calls in this process."""
+    code = train_py_here(
+        "-m", "model.lr=0.05,${nope}", *ONE, "hydra.sweep.dir=sweep", cwd=tmp_path, monkeypatch=monkeypatch
+    )
+    err = capfd.readouterr().err
+    assert code == 1, err[-2000:]  # a failed job: the sweep's usual status
     sweep = tmp_path / "sweep"
     assert metrics(sweep / "0")["world_size"] == 1
     assert (sweep / "1" / "error.txt").read_text().startswith("model.lr='${nope}' cannot be resolved")
     rows = list(csv.DictReader(open(sweep / "summary.csv")))
     assert [r["status"][:6] for r in rows] == ["ok", "failed"]
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in err
 
 
 @pytest.mark.slow
-def test_metrics_json_keeps_the_overrides_as_typed(tmp_path):
-    """An interpolation in an override that resolves: ``overrides`` has it as typed, not its value."""
+def test_metrics_json_keeps_the_overrides_as_typed(tmp_path, monkeypatch):
+    """An interpolation in an override that resolves: ``overrides`` has it as typed, not its value (train.py's
+    calls in this process)."""
     typed = "model.optimizer=${oc.env:DPDDP_TEST_OPTIMIZER}"
-    proc = run_train(typed, *ONE, "hydra.run.dir=run", cwd=tmp_path, env={"DPDDP_TEST_OPTIMIZER": "adam"}, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    monkeypatch.setenv("DPDDP_TEST_OPTIMIZER", "adam")
+    assert train_py_here(typed, *ONE, "hydra.run.dir=run", cwd=tmp_path, monkeypatch=monkeypatch) == 0
     assert metrics(tmp_path / "run")["overrides"] == [typed, *ONE, *QUIET]
 
 
@@ -659,21 +664,19 @@ def test_a_run_or_sweep_directory_that_cannot_be_written_is_one_line(tmp_path, m
     ), line
 
 
-@pytest.mark.slow
-def test_a_run_directory_under_a_file_is_one_line(tmp_path):
+def test_a_run_directory_under_a_file_is_one_line(tmp_path, monkeypatch, capfd):
+    """train.py's calls in this process."""
     (tmp_path / "file").write_text("")
-    proc = run_train(*ONE, "hydra.run.dir=file/run", cwd=tmp_path, timeout=120)
-    assert proc.returncode == 2
-    assert _error_lines(proc.stderr) == [
+    assert train_py_here(*ONE, "hydra.run.dir=file/run", cwd=tmp_path, monkeypatch=monkeypatch) == 2
+    assert _error_lines(capfd.readouterr().err) == [
         "error: hydra.run.dir=file/run cannot be written (Not a directory): give a directory you can write "
         "(hydra.run.dir=<directory>)"
     ]
 
 
 @pytest.mark.slow
-def test_resuming_a_run_whose_checkpoints_cannot_be_written_is_one_line_and_keeps_the_checkpoint(tmp_path):
-    first = run_train(*ONE, "hydra.run.dir=run", cwd=tmp_path, timeout=180)
-    assert first.returncode == 0, first.stderr[-2000:]
+def test_resuming_a_run_whose_checkpoints_cannot_be_written_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch):
+    assert train_py_here(*ONE, "hydra.run.dir=run", cwd=tmp_path, monkeypatch=monkeypatch) == 0  # in this process
     ckpts = tmp_path / "run" / "checkpoints"
     before = (ckpts / "last.ckpt").read_bytes()
     proc = _run_read_only(ckpts, [*ONE, "trainer.max_epochs=2", "resume=true", "hydra.run.dir=run"], tmp_path)
