@@ -109,10 +109,8 @@ def compile_model(model: pl.LightningModule, mode: str | None) -> None:
 def build_strategy(cfg: DictConfig, job: RankJob | None) -> pl.strategies.Strategy:
     """The Trainer's strategy: ``OneProcessStrategy`` (``auto``), ``dp``, or ``DDPStrategy`` starting ranks from ``job``
     (``ddp_spawn``: each rank a fresh interpreter, so a SIGTERM to the parent still stops them with a checkpoint)."""
-    container = OmegaConf.to_container(cfg.strategy)
-    assert isinstance(container, dict)
-    options = {str(k): v for k, v in container.items() if k != "name"}
-    name = cfg.strategy.name
+    options: Any = OmegaConf.to_container(cfg.strategy)  # its keys, str
+    name = options.pop("name")
     if name == "dp":
         return DataParallelStrategy(start_workers=start_workers_safely)
     if name == "ddp_spawn":
