@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import QUIET, compose_cfg, run_train
+from conftest import QUIET, compose_cfg, run_train, train_py_here
 
 from dpddp.continuity.state import random_state, rank_seed, set_random_state
 from dpddp.run.training import train
@@ -143,8 +143,9 @@ def test_under_ddp_a_global_rng_layer_is_named_in_one_line_at_start(tmp_path, ca
 
 
 @pytest.mark.slow
-def test_a_plateau_scheduler_killed_by_sigkill_and_resumed_equals_the_straight_run(tmp_path):
-    """SIGKILL after batch 40 (epoch 3 of 6): ``resume=true`` continues from the epoch-3 ``last.ckpt``."""
+def test_a_plateau_scheduler_killed_by_sigkill_and_resumed_equals_the_straight_run(tmp_path, monkeypatch):
+    """SIGKILL after batch 40 (epoch 3 of 6): ``resume=true`` (train.py's calls in this process) continues from the
+    epoch-3 ``last.ckpt``."""
     args = ["accelerator=cpu", "model=mlp", "model._target_=users_models.PlateauMLP", "data.num_samples=1024"]
     args += ["trainer.max_epochs=6", "hydra.run.dir=run"]
     train(compose_cfg(*QUIET, *args[:-1]), tmp_path / "straight")
@@ -153,8 +154,7 @@ def test_a_plateau_scheduler_killed_by_sigkill_and_resumed_equals_the_straight_r
     killed = run_train(*args, *kill, cwd=tmp_path, env=env)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert _state(tmp_path / "run")["global_step"] == 36  # the last epoch-end checkpoint
-    resumed = run_train(*args, "resume=true", cwd=tmp_path, env=env)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert train_py_here(*args, "resume=true", cwd=tmp_path, monkeypatch=monkeypatch) == 0
     assert _max_diff(tmp_path / "run", tmp_path / "straight") <= 1e-6
 
 
@@ -187,11 +187,13 @@ def test_augmentation_keyed_by_the_sample_continues_exactly_across_a_stop(tmp_pa
 
 @pytest.mark.slow
 def test_augmentation_keyed_by_the_sample_is_the_same_on_two_processes_and_with_loader_workers(tmp_path):
+    """ddp(2) as train.py's processes; one loader worker in this process's run."""
     train(compose_cfg(*NOISY), tmp_path / "one")
     env = {"PYTHONPATH": str(Path(__file__).parent)}
-    for name, extra in (("two", ["strategy=ddp", "devices=2"]), ("workers", ["data.num_workers=1"])):
-        proc = run_train(*NOISY, *extra, f"hydra.run.dir={name}", cwd=tmp_path, env=env)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_train(*NOISY, "strategy=ddp", "devices=2", "hydra.run.dir=two", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    train(compose_cfg(*NOISY, "data.num_workers=1"), tmp_path / "workers")
+    for name in ("two", "workers"):
         assert _max_diff(tmp_path / name, tmp_path / "one") <= 1e-5, name
 
 
