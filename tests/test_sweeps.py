@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, leftover, max_diff, metrics, run_train, weights
+from conftest import QUIET, ROOT, child_env, leftover, max_diff, metrics, run_train, train_py_here, weights
 
 pytestmark = pytest.mark.slow
 SMALL = ["accelerator=cpu", "data.num_samples=606", "trainer.max_epochs=1"]
@@ -70,15 +70,18 @@ def test_sweep_started_as_a_module(tmp_path):
     assert metrics(tmp_path / "sweep/0")["val/loss"] != metrics(tmp_path / "sweep/1")["val/loss"]
 
 
-def test_optuna_search_records_a_failed_trial_and_goes_on(tmp_path):
+def test_optuna_search_records_a_failed_trial_and_goes_on(tmp_path, monkeypatch, capfd):
     """A failed job must not end a whole search: a refused trial (it returns nan) is a FAILED trial, the others run, the
-    summary is written; the search's best value is the least val/loss of its trials."""
+    summary is written; the search's best value is the least val/loss of its trials. One-process jobs: train.py's
+    calls in this process."""
     optuna = pytest.importorskip("optuna")
     args = ["hparams_search=optuna", "hydra.sweeper.n_trials=3", "model.lr=choice(0.1,-1.0)", "trainer.max_steps=10"]
     args += ["hydra.sweeper.sampler.seed=14", *SMALL[:2]]
-    proc = run_train(*args, "hydra.sweep.dir=opt", cwd=tmp_path)  # seed 14: trial 0 gets lr=-1.0, 1 and 2 get 0.1
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "error: 1 of 3 jobs failed: job 0" in proc.stderr and "Traceback" not in proc.stderr
+    # seed 14: trial 0 gets lr=-1.0, 1 and 2 get 0.1
+    code = train_py_here(*args, "hydra.sweep.dir=opt", cwd=tmp_path, monkeypatch=monkeypatch)
+    err = capfd.readouterr().err
+    assert code == 1, err[-3000:]
+    assert "error: 1 of 3 jobs failed: job 0" in err and "Traceback" not in err
     assert (tmp_path / "opt/0/error.txt").read_text().startswith("model.lr=-1.0")
     rows = list(csv.DictReader(open(tmp_path / "opt/summary.csv")))
     assert [r["status"][:7] for r in rows] == ["failed:", "ok", "ok"]
