@@ -3,19 +3,23 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import compose_cfg
 from omegaconf import open_dict
+from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from dpddp.data.global_batch import Batches, GlobalBatchDataModule, GlobalBatchSampler
 from dpddp.data.sharded import ShardedDataModule, shard_loader
 from dpddp.data.tables import TableDataModule
 from dpddp.errors import ConfigError
+from dpddp.models.mlp import MLPClassifier
 from dpddp.report.contract import MetricContract
 from dpddp.report.tally import FitTally
 from dpddp.run.config import check_config
+from dpddp.run.draws_seen import find_draws
 
 
 class PerSample(Dataset):
@@ -185,6 +189,25 @@ def test_a_users_data_module_under_ddp_is_refused_unless_sharded():
     assert "\n" not in str(err.value)
     check_config(compose_cfg(*ddp, "data=sharded", f"+data.module._target_={user}"))
     assert isinstance(ShardedDataModule(module=None), ShardedDataModule)  # type: ignore[arg-type]
+
+
+def test_the_draws_probe_reads_a_sharded_loader_with_workers_in_this_process():
+    """The probe before a fit takes a worker loader's first batch through the wrapper's data set (no worker
+    started), so a model's nn.Dropout is still named under data=sharded with num_workers > 0."""
+
+    class Workers(pl.LightningDataModule):
+        def train_dataloader(self) -> DataLoader:
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+            return DataLoader(TensorDataset(x, torch.arange(8) % 3), batch_size=4, num_workers=1)
+
+    class Dropped(MLPClassifier):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(nn.functional.dropout(x, 0.5, self.training))
+
+    model = Dropped(num_features=4, num_classes=3, hidden=[8])
+    draws = find_draws(model, ShardedDataModule(Workers()))
+    assert not isinstance(draws, str), draws
+    assert [d.name for d in draws] == ["model.forward"]
 
 
 def test_tables_are_bundled_and_their_sizes_are_checked():

@@ -89,6 +89,9 @@ class KeyedSamples(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def __getitem__(self, i: int) -> Any:  # unkeyed: a look at a sample outside the loader (draws_seen's probe)
+        return self.dataset[i]
+
     def __getitems__(self, ids: list[int]) -> list[Any]:
         keys = sample_seeds(self.seed, getattr(ids, "epoch", 0), torch.tensor(ids, dtype=torch.long)) if ids else []
         getitems = None if self.rows else getattr(self.dataset, "__getitems__", None)
