@@ -38,6 +38,13 @@ def test_every_option_composes_validates_and_builds(strategy, logger, tmp_path):
         assert isinstance(instantiate(spec), pl.Callback)
 
 
+def test_strategy_name_given_by_an_interpolation_builds_that_strategy():
+    # check_config and the world read the resolved name (ddp, 2 processes): the built strategy must be ddp's too
+    cfg = compose_cfg("strategy=ddp", "accelerator=cpu", "devices=2", "strategy.name=${oc.env:DPDDP_UNSET_NAME,ddp}")
+    assert check_config(cfg).world.world_size == 2
+    assert type(build_strategy(cfg, None)).__name__ == "DDPStrategy"
+
+
 @pytest.mark.parametrize("group,cls", [("data", RandomTensorDataModule), ("model", LinearClassifier)])
 def test_config_defaults_match_class_signatures(group, cls):
     """One source of truth: the classes' signatures; the YAML repeats them (and the CLI reads them)."""

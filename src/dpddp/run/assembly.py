@@ -110,7 +110,8 @@ def build_strategy(cfg: DictConfig, job: RankJob | None) -> pl.strategies.Strate
     """The Trainer's strategy: ``OneProcessStrategy`` (``auto``), ``dp``, or ``DDPStrategy`` starting ranks from ``job``
     (``ddp_spawn``: each rank a fresh interpreter, so a SIGTERM to the parent still stops them with a checkpoint)."""
     options: Any = OmegaConf.to_container(cfg.strategy)  # its keys, str
-    name = options.pop("name")
+    del options["name"]
+    name = cfg.strategy.name  # resolved, as the checks read it (the container keeps an interpolation as typed)
     if name == "dp":
         return DataParallelStrategy(start_workers=start_workers_safely)
     if name == "ddp_spawn":
