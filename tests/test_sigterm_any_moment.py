@@ -113,7 +113,7 @@ def _straight(shared_dir, strategy: str, devices: int):
     (every continued run is compared to them)."""
 
     def make(path):
-        kill = ["+callbacks.kill._target_=test_sigterm_any_moment.SigtermAtExit", "+callbacks.kill.wait_s=5"]
+        kill = ["+callbacks.kill._target_=test_sigterm_any_moment.SigtermAtExit", "+callbacks.kill.wait_s=1"]
         proc = run_train(
             *_world(strategy, devices), *SETTINGS, *kill, f"hydra.run.dir={path}", cwd=path.parent, env=ENV
         )
@@ -215,27 +215,35 @@ class SigtermInValidation(pl.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+PLATEAU = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "trainer.max_epochs=3"]
+PLATEAU += ["model=mlp", "model._target_=users_models.PlateauMLP", "data.batch_size=30"]
+
+
+@pytest.fixture(scope="module")
+def plateau_straight(tmp_path_factory) -> tuple[Path, dict]:
+    """``PLATEAU`` run straight in this process, once for both rows: its run directory and metrics."""
+    run = tmp_path_factory.mktemp("plateau") / "straight"
+    return run, train(compose_cfg(*PLATEAU), run)
+
+
 @pytest.mark.parametrize("epoch", [0, 1])
-def test_a_sigterm_mid_validation_lets_a_plateau_scheduler_see_the_whole_validation_before_the_stop(tmp_path, epoch):
+def test_a_sigterm_mid_validation_lets_a_plateau_scheduler_see_the_whole_validation_before_the_stop(
+    tmp_path, plateau_straight, epoch
+):
     """The validation inside the fit runs to its end, and the epoch too, before the stop at the next step, so
     ``ReduceLROnPlateau`` on ``val/loss`` (users_models.PlateauMLP) steps on the whole epoch's value: the
     continued run ends with the straight run's weights exactly (stopped at validation batch 1 and continued from
     there, they differed by up to 0.052)."""
-    settings = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "trainer.max_epochs=3"]
-    settings += ["model=mlp", "model._target_=users_models.PlateauMLP", "data.batch_size=30"]
     kill = ["+callbacks.kill._target_=test_sigterm_any_moment.SigtermInValidation", f"+callbacks.kill.epoch={epoch}"]
     kill.append(f"+callbacks.kill.once={tmp_path}/sent")
     with pytest.raises(Preempted) as stop:
-        train(compose_cfg(*settings, *kill), tmp_path / "run")
+        train(compose_cfg(*PLATEAU, *kill), tmp_path / "run")
     assert stop.value.step == 26 * (epoch + 1) + 1  # the next step: 805 training samples / 30 a step
-    resumed = train(compose_cfg(*settings, *kill, f"ckpt_path={stop.value.path}"), tmp_path / "resumed")
-    straight = train(compose_cfg(*settings), tmp_path / "straight")
-    ended, expected = (
-        _state(tmp_path / "resumed/checkpoints/last.ckpt"),
-        _state(tmp_path / "straight/checkpoints/last.ckpt"),
-    )
+    resumed = train(compose_cfg(*PLATEAU, *kill, f"ckpt_path={stop.value.path}"), tmp_path / "resumed")
+    straight, measured = plateau_straight
+    ended, expected = _state(tmp_path / "resumed/checkpoints/last.ckpt"), _state(straight / "checkpoints/last.ckpt")
     assert max((ended[k] - expected[k]).abs().max().item() for k in expected) == 0
-    assert resumed["val/loss"] == pytest.approx(straight["val/loss"], abs=1e-6)
+    assert resumed["val/loss"] == pytest.approx(measured["val/loss"], abs=1e-6)
 
 
 class SigtermAfterTheRun(pl.Callback):
