@@ -128,39 +128,27 @@ def _interval_last(step: int, every: int, after: int) -> bool:
 
 
 @pytest.mark.slow
-def test_an_epoch_limit_stop_with_loader_workers_then_a_sigkill_after_a_step_interval_checkpoint_continue_exactly(
-    tmp_path, straight
-):
+def test_an_epoch_limit_stop_with_loader_workers_resumed_on_three_processes_is_the_straight_run(tmp_path, straight):
     """Cases 48, 47 and 46: ``max_epochs=3`` (step 30, EarlyStopping tripped, ``min_epochs`` not reached) with one
-    loader worker per rank; continued with ``checkpoint.every_n_steps=4`` (which writes ``last.ckpt`` and changes
-    nothing else), every process SIGKILLed at a seeded step inside epoch 3 after an interval write (not at the
-    validation's); continued again (``resume=true``, without the kill) from that interval ``last.ckpt``: every
-    rank's random state and the latched flag travel (workers' draws are keyed by the sample): step 40 and the
-    straight run's weights and epoch table."""
-    workers, every = "data.num_workers=1", 4
+    loader worker per rank, resumed to ``max_epochs=8``: every rank's random state and the latched flag travel
+    (workers' draws are keyed by the sample): step 40 and the straight run's weights and epoch table."""
+    workers = "data.num_workers=1"
     first = _train(tmp_path, workers, "trainer.max_epochs=3")
     assert first.returncode == 0 and leftover(first.tag) == [], first.stderr[-3000:]
     assert global_step(tmp_path / "run") == 30
-    kill = random.Random(36).choice([s for s in range(31, STRAIGHT_STEP) if _interval_last(s, every, 30)])
-    args = [workers, f"checkpoint.every_n_steps={every}"]
-    kill_at = ["+callbacks.kill._target_=test_three_processes.SigkillRunAtStep", f"+callbacks.kill.step={kill}"]
-    killed = _train(tmp_path, *args, *kill_at, "resume=true")
-    assert killed.returncode == -signal.SIGKILL and leftover(killed.tag) == [], killed.stderr[-3000:]
-    saved = global_step(tmp_path / "run")
-    assert saved == kill // every * every and 0 < kill - saved < every, (kill, saved)
-    assert not (tmp_path / "run/checkpoints/last.ckpt.tmp").exists()
-    _continued_is_straight(tmp_path, straight, *args)
+    _continued_is_straight(tmp_path, straight, workers)
 
 
 @pytest.mark.slow
-def test_a_max_steps_stop_inside_an_epoch_then_a_sigterm_after_an_epochs_last_validation_continue_exactly(
-    tmp_path, straight
-):
-    """``max_steps`` at a seeded step inside an epoch (24: epoch 2, after the trip at 14 and the validation at 21),
-    continued without it (``max_steps=-1``, the straight run's) with a SIGTERM to every rank before step 29, after
-    epoch 2's last validation (step 28; cases 55, 46 and 47): it stops at step 29 (exit 143); continued again, it
-    ends at step 40 with the straight run's weights and epoch table (the cut epoch's row, written at each stop, is
-    made again; epoch 2's row keeps the val columns measured before the stop)."""
+def test_a_max_steps_stop_a_sigterm_and_a_sigkill_after_a_step_interval_checkpoint_continue_exactly(tmp_path, straight):
+    """One run stopped three ways, each continued (``resume=true``) into the next: ``max_steps`` at a seeded step
+    inside an epoch (24: epoch 2, after the trip at 14 and the validation at 21; the cut epoch's rows); a SIGTERM
+    to every rank before step 29, after epoch 2's last validation (step 28; cases 55, 46 and 47): exit 143 at step
+    29; with ``checkpoint.every_n_steps=4`` (which writes ``last.ckpt`` and changes nothing else), every process
+    SIGKILLed at a seeded step inside epoch 3 after an interval write (not the validation's). The last continue
+    starts from that interval ``last.ckpt`` and ends at step 40 with the straight run's weights and epoch table
+    (the cut epoch's row, written at each stop, is made again; epoch 2's row keeps the val columns measured before
+    the stop)."""
     stop = random.Random(36).choice([s for s in range(1, STRAIGHT_STEP) if s % 10])
     first = _train(tmp_path, f"trainer.max_steps={stop}")
     assert first.returncode == 0 and leftover(first.tag) == [], first.stderr[-3000:]
@@ -170,11 +158,20 @@ def test_a_max_steps_stop_inside_an_epoch_then_a_sigterm_after_an_epochs_last_va
         *(("fit", str(e), str(step)) for e, step in rows),
         ("test", str(stop // 10), str(stop)),
     ]
-    kill = ["+callbacks.kill._target_=test_three_processes.SigtermAtStepEveryRankAgreeing", "+callbacks.kill.step=28"]
-    stopped = _train(tmp_path, *kill, "resume=true")
+    term = ["+callbacks.term._target_=test_three_processes.SigtermAtStepEveryRankAgreeing", "+callbacks.term.step=28"]
+    stopped = _train(tmp_path, *term, "resume=true")
     assert stopped.returncode == 143 and leftover(stopped.tag) == [], stopped.stderr[-3000:]
     assert global_step(tmp_path / "run") == 29
-    _continued_is_straight(tmp_path, straight, *kill)
+    every = 4
+    kill = random.Random(36).choice([s for s in range(30, STRAIGHT_STEP) if _interval_last(s, every, 29)])
+    interval = f"checkpoint.every_n_steps={every}"
+    kill_at = ["+callbacks.kill._target_=test_three_processes.SigkillRunAtStep", f"+callbacks.kill.step={kill}"]
+    killed = _train(tmp_path, *term, interval, *kill_at, "resume=true")
+    assert killed.returncode == -signal.SIGKILL and leftover(killed.tag) == [], killed.stderr[-3000:]
+    saved = global_step(tmp_path / "run")
+    assert saved == kill // every * every and 0 < kill - saved < every, (kill, saved)
+    assert not (tmp_path / "run/checkpoints/last.ckpt.tmp").exists()
+    _continued_is_straight(tmp_path, straight, *term, interval)
 
 
 @pytest.mark.slow
