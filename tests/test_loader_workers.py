@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import psutil
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, made_once, max_diff, run_train, tagged, weights
+from conftest import QUIET, ROOT, child_env, compose_cfg, made_once, max_diff, run_train, tagged, weights
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader, TensorDataset
 from users_models import _Mapped, open_shard
@@ -35,6 +35,7 @@ from dpddp.parallel.workers import (
     loader_failed,
     start_workers_safely,
 )
+from dpddp.run.training import train
 
 
 def _own_init(worker_id: int) -> None:
@@ -167,10 +168,9 @@ def _server_born(p: psutil.Process) -> bool:
 
 
 def _straight(run: Path) -> None:
+    """The straight run: one process without loader workers, trained in this process."""
     serial = ["+data.module.num_workers=0", "+data.module.persistent_workers=false"]
-    proc = run_train(*RUN, *DATA, *serial, f"hydra.run.dir={run}", cwd=run.parent,
-                     env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train(compose_cfg(*RUN, *DATA, *serial, *QUIET), run)
 
 
 @pytest.mark.slow
