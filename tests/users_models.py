@@ -309,14 +309,6 @@ class SlowEvalMLP(MLPClassifier):
         return super().predict_step(batch, batch_idx)
 
 
-class RandnNoiseMLP(MLPClassifier):
-    """Adds ``0.1 * torch.randn_like(x)`` (the global RNG) to every training batch; no dropout."""
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return super().training_step((x + 0.1 * torch.randn_like(x), y), batch_idx)
-
-
 class ScriptedScoreMLP(MLPClassifier):
     """Logs ``val/score`` at each validation's end from ``scores`` by epoch (the last one after them): an
     EarlyStopping monitor whose course a test chooses."""
