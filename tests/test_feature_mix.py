@@ -5,18 +5,12 @@ with nothing written. One process rows run ``train.py``'s own two calls (``answe
 the ddp(2) row runs ``train.py`` as a subprocess."""
 
 import json
-import logging
 import math
-import signal
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import QUIET, ROOT, compose_cfg, run_train
-from hydra.core.global_hydra import GlobalHydra
+from conftest import QUIET, compose_cfg, run_train, train_py_here
 
-from dpddp.entry import hydra as hydra_entry
-from dpddp.entry.early import answer
 from dpddp.parallel.rules import STRATEGIES
 from dpddp.run.training import train
 
@@ -144,28 +138,6 @@ def ckpt(tmp_path_factory) -> Path:
     return found
 
 
-def _train_py(argv: list[str], monkeypatch) -> int:
-    """``train.py ARGV`` in this process (its ``answer``, then its ``main``): the exit status. Hydra's logging,
-    the SIGTERM handler and Hydra's global state are put back as they were."""
-    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *argv])
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
-        answer(argv)
-        hydra_entry.main()
-        return 0
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else 1
-    finally:
-        signal.signal(signal.SIGTERM, handler)
-        for made in root.handlers:
-            if made not in handlers:
-                made.close()
-        root.handlers[:], root.level = handlers, level
-        GlobalHydra.instance().clear()
-
-
 def _tiny(overrides: list[str]) -> list[str]:
     """``TINY``, without its data size for a row that brings a data module of its own (``~data``)."""
     return [a for a in TINY if not (a.startswith("data.") and "~data" in overrides)]
@@ -188,7 +160,7 @@ def test_each_feature_works_or_is_one_line_and_nothing_is_written(
         done = run_train(*argv, cwd=tmp_path, check=True)
         assert done.returncode == 0 and math.isfinite(_objective(tmp_path / "run"))
         return
-    code = _train_py(argv, monkeypatch)
+    code = train_py_here(*argv, cwd=tmp_path, monkeypatch=monkeypatch)
     err = capfd.readouterr().err
     if kind == "works":
         assert code == 0, err[-3000:]
@@ -219,7 +191,7 @@ def test_a_refused_feature_in_a_sweep_fails_each_job_with_its_line(
     has is refused for the whole sweep, as for one run."""
     argv = ["-m", "seed=0,1", *(o.format(ckpt=ckpt) for o in overrides), *_tiny(overrides), "hydra.sweep.dir=sweep"]
     monkeypatch.chdir(tmp_path)
-    code = _train_py(argv, monkeypatch)
+    code = train_py_here(*argv, cwd=tmp_path, monkeypatch=monkeypatch)
     err = capfd.readouterr().err
     up_front = any(o.startswith("strategy=") and o[9:] not in STRATEGIES for o in overrides)  # no such option
     assert code == (2 if up_front else 1) and "Traceback" not in err, err[-3000:]

@@ -3,11 +3,9 @@ the sweeper chosen, or is one line naming what takes it, before the sweep starts
 
 import copy
 import functools
-import signal
-import sys
 
 import pytest
-from conftest import CONF
+from conftest import CONF, train_py_here
 from hydra import initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
@@ -15,7 +13,6 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict, read_write
 
-from dpddp.entry import hydra as hydra_entry
 from dpddp.entry.command_line import repeated_key, sweep_refusal, sweep_without_multirun
 
 OPTUNA = "hparams_search=optuna"
@@ -127,15 +124,10 @@ def test_a_sweep_in_a_single_run_is_one_line(override, line):
 
 def test_case_52_interval_under_the_basic_sweeper_is_one_line_and_nothing_is_made(tmp_path, monkeypatch, capsys):
     """``python train.py -m 'model.lr=interval(0.01,0.1)'``, train.py's main in this process."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["train.py", "-m", "model.lr=interval(0.01,0.1)", "hydra.sweep.dir=sweep"])
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
-        with pytest.raises(SystemExit) as stop:
-            hydra_entry.main()
-    finally:
-        signal.signal(signal.SIGTERM, handler)
-    assert stop.value.code == 2
+    code = train_py_here(
+        "-m", "model.lr=interval(0.01,0.1)", "hydra.sweep.dir=sweep", cwd=tmp_path, monkeypatch=monkeypatch
+    )
+    assert code == 2
     assert capsys.readouterr().err.splitlines() == [f"error: {BASIC[9][1]}"]
     assert list(tmp_path.iterdir()) == []
 
