@@ -1,5 +1,4 @@
-"""A data set's draws from the global streams (torch's CPU, numpy's, Python's) keyed by the sample: seeded from
-``sample_seeds(seed, epoch, i)`` for its fetch, then (in the rank) put back. See docs/design-notes.md (data.draws)."""
+"""A data set's draws from the global streams keyed by the sample (docs/design-notes.md, data.draws)."""
 
 from __future__ import annotations
 
@@ -71,9 +70,7 @@ def fetch_keyed(dataset: Any, ids: Any, keys: list[int], getitems: Callable[[Any
         return samples
 
 
-class EpochIds(list):
-    """A batch's sample ids with the training ``epoch`` their draws are keyed by."""
-
+class EpochIds(list):  # a batch's sample ids with the training epoch their draws are keyed by
     def __init__(self, ids: list[int], epoch: int) -> None:
         super().__init__(ids)
         self.epoch = epoch
@@ -123,8 +120,7 @@ class UnkeyedDraws(pl.Callback):
         same_epoch = (trainer.current_epoch, batch_idx) == (epoch, before + 1)
         if same_epoch and trainer.is_global_zero and not torch.equal(state, torch.default_generator.get_state()):
             log.warning(
-                "the training data drew from torch's global random stream between two steps (a data set's "
-                "__getitem__: torchvision's transforms do) where no keyed fetch serves it, so a continued run "
-                "will not equal a straight one: serve it with data=dataset or data=sharded "
-                "+data.module._target_=..., or draw from dpddp.nn.sample_generator(seed, epoch, index)"
+                "the training data drew from torch's global random stream between two steps where no keyed fetch "
+                "serves it, so a continued run will not equal a straight one: serve it with data=dataset or "
+                "data=sharded, or draw from dpddp.nn.sample_generator(seed, epoch, index)"
             )

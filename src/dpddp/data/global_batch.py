@@ -1,5 +1,4 @@
-"""Global batches for any map-style data set, the same on every world size: step ``k`` takes ``perm[k * B:(k + 1)
-* B]`` of the epoch's permutation, rank ``r`` its ``r``-th chunk. See docs/design-notes.md (data.global_batch)."""
+"""Global batches for any map-style data set, the same on every world size (docs/design-notes.md, data.global_batch)."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ def collate_function(given: Callable[[list], Any] | str | None) -> Callable[[lis
 
 
 class YieldedIds:
-    """A training sampler's rank share of each global batch (``_chunk``), its position (``_start``), and the
-    ``(epoch, ids)`` it yielded by position (``ids_at``), for the sample keys."""
+    """A sampler's rank share of each global batch (``_chunk``) and the ``(epoch, ids)`` it yielded (``ids_at``)."""
 
     recorded: int = 256  # more than a loader prefetches
     on_epoch: Callable[[int], None] | None = None  # a data set's set_epoch
@@ -103,8 +101,7 @@ class GlobalBatchSampler(YieldedIds, DistributedSampler):
         """Global batches per epoch (training: full ones only)."""
         return self.num_samples // self.batch_size if self.train else -(-self.num_samples // self.batch_size)
 
-    def __len__(self) -> int:
-        """Items per epoch: global batches, or executions of them."""
+    def __len__(self) -> int:  # global batches, or executions of them
         return -(-self.steps_per_epoch // self.steps_per_execution)
 
     def _order(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -144,34 +141,30 @@ def _check_collates(train: Any, collate_fn: Callable[[list], Any] | None) -> Non
     except (RuntimeError, TypeError, ValueError) as err:
         given = "its collate_fn" if collate_fn is not None else "torch's default_collate (stacks samples of one shape)"
         raise ConfigError(
-            f"data: two training samples do not collate into a batch with {given} ({type(err).__name__}: "
-            f"{first_line(err, 120)}): samples of different shapes (sequences) need "
-            "data.collate_fn=my_pkg.pad_collate, a function of a list of samples that pads them "
-            "(docs/your-model-and-data.md, Text)"
+            f"data: two training samples do not collate into a batch with {given} ({first_line(err, 120)}): samples "
+            "of different shapes need data.collate_fn=my_pkg.pad_collate, a function that pads a list of samples"
         ) from err
 
 
+def split_loader(split: str) -> Callable[[SplitLoaders], DataLoader]:
+    """A ``<split>_dataloader`` method: ``_loader(split, rank, world_size)``, the trainer's (``0, 1`` without)."""
+
+    def loader(self: SplitLoaders) -> DataLoader:
+        rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        return self._loader(split, rank, world_size)
+
+    return loader
+
+
 class SplitLoaders(pl.LightningDataModule):
-    """A data module whose loaders are ``_loader(split, rank, world_size)``, the trainer's rank (``0, 1`` without)."""
+    """A data module whose loaders are ``_loader(split, rank, world_size)``."""
 
     def _loader(self, split: str, rank: int, world_size: int) -> DataLoader:
         raise NotImplementedError
 
-    def _split_loader(self, split: str) -> DataLoader:
-        rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-        return self._loader(split, rank, world_size)
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        return self._split_loader("train")
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return self._split_loader("val")
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return self._split_loader("test")
+    train_dataloader = split_loader("train")
+    val_dataloader = split_loader("val")
+    test_dataloader = split_loader("test")
 
 
 class GlobalBatchDataModule(SplitLoaders):
@@ -265,6 +258,4 @@ class GlobalBatchDataModule(SplitLoaders):
         loader = DataLoader(ds, sampler=sampler, batch_size=None, num_workers=self.num_workers)
         return start_workers_safely(loader, rank)  # type: ignore[return-value]
 
-    @override
-    def predict_dataloader(self) -> DataLoader:  # the test split, each batch followed by its rows in the data set
-        return self._split_loader("predict")
+    predict_dataloader = split_loader("predict")  # the test split, each batch followed by its rows in the data set

@@ -47,9 +47,8 @@ class SampleKeyCallback(pl.Callback):
         self.devices = [d.index for d in parallel if d.type == "cuda"] if len(parallel) > 1 else None
         if uses_sample_keys(pl_module) and _sampler(trainer) is None:  # a SampleDropout, or said
             raise ConfigError(
-                f"model: {type(pl_module).__name__}'s SampleDropout (per-sample randomness) has no sample keys: the "
-                "training data comes from loaders dpddp does not serve, so it would be a plain nn.Dropout: serve the "
-                "data with data=dataset or data=sharded +data.module._target_=..., or use nn.Dropout"
+                f"model: {type(pl_module).__name__}'s SampleDropout (per-sample randomness) has no sample keys from "
+                "loaders dpddp does not serve: serve the data with data=dataset or data=sharded, or use nn.Dropout"
             )
 
     @override
@@ -68,16 +67,7 @@ class SampleKeyCallback(pl.Callback):
         epoch, ids = found
         set_sample_keys(sampler.seed, epoch, ids, self.devices)
 
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def _clear(self, *args: Any, **kwargs: Any) -> None:
         clear_sample_keys()
 
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        clear_sample_keys()
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        clear_sample_keys()
+    on_train_batch_end = on_train_end = on_exception = _clear

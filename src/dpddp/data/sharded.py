@@ -1,5 +1,4 @@
-"""A user's LightningDataModule with plain DataLoaders, sharded: each batch of its loaders is a global batch split
-over the ranks. See docs/design-notes.md (data.sharded)."""
+"""A user's LightningDataModule's batches as global batches over the ranks (docs/design-notes.md, data.sharded)."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from dpddp._compat import data_position
 from dpddp.data.batches import dataset_rows, empty_batch, with_rows
 from dpddp.data.built import data_streams, in_data_streams
 from dpddp.data.draws import EpochIds, KeyedSamples
-from dpddp.data.global_batch import SplitLoaders, YieldedIds, epoch_generator
+from dpddp.data.global_batch import SplitLoaders, YieldedIds, epoch_generator, split_loader
 from dpddp.errors import ConfigError
 from dpddp.parallel.workers import start_workers_safely
 
@@ -50,9 +49,8 @@ def epoch_order(sampler: Sampler, seed: int) -> Callable[[int], list[int]]:
     if not isinstance(sampler, SequentialSampler) and told(0) != told(0):
         raise ConfigError(
             f"data: the training loader's sampler ({type(sampler).__name__}) gives another order each time it is "
-            "iterated, so a continued run or another world size would train other batches: order it by the seed "
-            "and set_epoch(epoch) (seed a generator inside __iter__, as DistributedSampler does), or use "
-            "shuffle=True (dpddp then orders each epoch by (seed, epoch))"
+            "iterated, so a continued run would train other batches: order it by the seed and set_epoch(epoch) "
+            "(as DistributedSampler does), or use shuffle=True"
         )
     return told
 
@@ -101,21 +99,20 @@ def _collate(collate: Any, dataset: Any, rows: bool, samples: list) -> Any:
 def shard_loader(
     loader: Any, rank: int, world_size: int, train: bool, seed: int = 0, with_rows: bool = False
 ) -> DataLoader:
-    """``loader`` (a plain map-style ``DataLoader``) with a ``ShardedBatchSampler``, keyed draws; ``with_rows``:
-    each batch followed by its rows. Raises ConfigError: a loader not sharded, or training batches not ordered."""
-    fix = (
-        "return a plain DataLoader(dataset, batch_size=...), or subclass dpddp.data.global_batch.GlobalBatchDataModule"
-    )
+    """``loader`` (a plain map-style ``DataLoader``) sharded, its draws keyed; ``with_rows``: batches end with their
+    rows. Raises ConfigError: a loader that cannot be sharded or ordered."""
     if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
         what = type(loader).__name__ if type(loader) is not DataLoader else "a DataLoader without batch_size"
         if isinstance(getattr(loader, "dataset", None), IterableDataset):
             what = "a DataLoader over an IterableDataset"
-        raise ConfigError(f"data: the data module returns {what}, which dpddp cannot shard over ranks: {fix}")
+        raise ConfigError(
+            f"data: the data module returns {what}, which dpddp cannot shard over ranks: return a plain "
+            "DataLoader(dataset, batch_size=...), or subclass dpddp.data.global_batch.GlobalBatchDataModule"
+        )
     if train and type(loader.batch_sampler) is not BatchSampler:
         raise ConfigError(
-            f"data: the training loader has a batch sampler of its own ({type(loader.batch_sampler).__name__}), "
-            "whose batches dpddp cannot order by (seed, epoch): give DataLoader(dataset, batch_size=..., "
-            "shuffle=... or sampler=...)"
+            f"data: the training loader has a batch sampler of its own ({type(loader.batch_sampler).__name__}): "
+            "give DataLoader(dataset, batch_size=..., shuffle=... or sampler=...)"
         )
     batches = ShardedBatchSampler(loader.batch_sampler, rank, world_size, train, seed)
     if train and not len(batches):
@@ -180,6 +177,4 @@ class ShardedDataModule(SplitLoaders):
                 loader.batch_sampler.position = partial(data_position, self.trainer, len(loader.batch_sampler))
         return loader
 
-    @override
-    def predict_dataloader(self) -> DataLoader:  # each batch followed by its rows in the data set
-        return self._split_loader("predict")
+    predict_dataloader = split_loader("predict")  # each batch followed by its rows in the data set

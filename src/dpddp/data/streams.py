@@ -1,5 +1,4 @@
-"""An ``IterableDataset`` served in global batches (``data=stream``): every rank reads the whole stream and keeps
-its share of each global batch of the next ``batch_size`` samples."""
+"""An ``IterableDataset`` in global batches (``data=stream``): every rank reads the stream and keeps its share."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ STREAM = 0x57EA_DA7A  # folded into the seed first: the stream's own draws stay 
 
 
 class _OwnStreams:
-    """``stream``'s samples, read with global random streams of its own (no loader workers): seeded from
-    ``key64(STREAM, seed, epoch)`` and swapped in around each read, apart from the rank's."""
+    """``stream``'s samples, read with global random streams seeded from ``key64(STREAM, seed, epoch)``."""
 
     def __init__(self, stream: Any, seed: int, epoch: int, needed: int) -> None:
         self.stream, self.samples, self.needed, self.count = stream, iter(stream), needed, 0
@@ -104,17 +102,13 @@ class StreamDataModule(SplitLoaders):
     ) -> None:
         super().__init__()
         if not isinstance(stream, IterableDataset):
-            raise ConfigError(
-                f"data.stream={type(stream).__name__}: give an IterableDataset, +data.stream._target_=my_pkg.MyStream"
-            )
+            raise ConfigError(f"data.stream={type(stream).__name__}: give +data.stream._target_=my_pkg.MyStream")
         if num_samples is None:
             try:
                 num_samples = len(stream)  # type: ignore[arg-type]
             except TypeError as err:
-                raise ConfigError(
-                    f"data.num_samples=null and {type(stream).__name__} has no len(): give data.num_samples, the "
-                    "samples in one pass of the stream"
-                ) from err
+                msg = f"data.num_samples=null and {type(stream).__name__} has no len(): give data.num_samples"
+                raise ConfigError(msg) from err
         self.stream, self.num_samples, self.batch_size, self.seed = stream, num_samples, batch_size, seed
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.collate_fn = collate_function(collate_fn) or default_collate
