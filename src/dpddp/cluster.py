@@ -38,8 +38,7 @@ def master_address() -> tuple[str | None, str | None]:
 
 
 def torchrun_node() -> tuple[str | None, str | None]:
-    """``TORCHELASTIC_RUN_ID`` (``"none"`` without ``--rdzv-id``) and ``LOCAL_WORLD_SIZE`` (unchecked) under
-    torchrun; ``(None, None)`` outside it."""
+    """``(TORCHELASTIC_RUN_ID, LOCAL_WORLD_SIZE)`` under torchrun (``"none"``: no ``--rdzv-id``), else ``None``s."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     return run_id, os.environ.get("LOCAL_WORLD_SIZE") if run_id is not None else None
 
@@ -62,8 +61,7 @@ def launch_environment() -> dict[str, str]:
 
 def process_name() -> str:
     """``""`` on global rank 0; else ``rank<N>``, or ``node<N>`` for node N's first process started by hand."""
-    node = _node()
-    return f"rank{env_rank()}" if env_rank() else f"node{node}" if node not in ("", "0") else ""
+    return f"rank{env_rank()}" if env_rank() else f"node{_node()}" if _node() not in ("", "0") else ""
 
 
 def _node() -> str:
@@ -71,8 +69,7 @@ def _node() -> str:
 
 
 def run_name() -> str:
-    """The run directory's name, alike on every process and restart of one job: from ``launch_id``, else
-    ``torchrun-<day>-port<MASTER_PORT>`` (torchrun without ``--rdzv-id``) or ``<YYYY-MM-DD>/<HH-MM-SS>``."""
+    """The run directory's name, alike on every process and restart of one job (``launch_id``), else the time's."""
     job = launch_id()
     if job is None and os.environ.get("TORCHELASTIC_RUN_ID") == "none":
         return f"torchrun-{time.strftime('%Y-%m-%d')}-port{os.environ.get('MASTER_PORT')}"
@@ -84,8 +81,7 @@ def run_name() -> str:
 
 
 def launch_id() -> str | None:
-    """The launcher's job id, alike on its processes and restarts: ``slurm:<id>``, ``torchrun:<run id>``,
-    ``job:<MASTER_ADDR>:<MASTER_PORT>``; ``None`` without one (or dpddp's, or torchrun without ``--rdzv-id``)."""
+    """The launcher's job id, alike on its processes and restarts (``slurm:<id>``), or ``None`` without one."""
     env = os.environ
     if "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env:
         return f"slurm:{env['SLURM_JOB_ID']}"
@@ -97,8 +93,7 @@ def launch_id() -> str | None:
 
 
 def register_resolvers() -> None:
-    """``conf/hydra``'s resolvers: ``dpddp.run_name``, ``dpddp.rank_zero:a,b`` (``a`` on rank 0),
-    ``dpddp.job_name`` (the log file's name), ``dpddp.rank_tag`` (the log lines' prefix)."""
+    """``conf/hydra``'s resolvers: the run's name, ``rank_zero:a,b`` (``a`` on rank 0), the log's name and prefix."""
     if not OmegaConf.has_resolver("dpddp.run_name"):
         OmegaConf.register_new_resolver("dpddp.run_name", run_name, use_cache=True)
         OmegaConf.register_new_resolver("dpddp.rank_zero", lambda a, b: b if process_name() else a)
@@ -125,8 +120,7 @@ NUMBERS += ("TORCHELASTIC_RESTART_COUNT",)
 
 
 def refuse_non_integer_variables() -> None:
-    """Exit 2 with one line on stderr when a launcher variable read as a number is not an integer; call it before
-    torch is imported (torchmetrics reads ``LOCAL_RANK`` on import)."""
+    """Exit 2 with one line when a launcher's number is not an integer (before torch: torchmetrics reads it)."""
     for name in NUMBERS:
         value = os.environ.get(name)
         if value is not None and not re.fullmatch(r"\s*[+-]?\d+\s*", value):
@@ -139,13 +133,12 @@ def refuse_non_integer_variables() -> None:
 
 
 def check_rank_variables(cluster: str, num_nodes: int) -> None:
-    """``ConfigError`` when no launcher started this process but rank variables are set, or when
-    ``cluster=kubeflow`` lacks a PyTorchJob's."""
+    """``ConfigError``: rank variables set without a launcher, or ``cluster=kubeflow`` without a PyTorchJob's."""
     env = os.environ
-    missing = [k for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT") if k not in env]  # a PyTorchJob's
-    stray = [k for k in RANK_VARIABLES if k in env]
     if launched():
         return
+    missing = [k for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT") if k not in env]  # a PyTorchJob's
+    stray = [k for k in RANK_VARIABLES if k in env]
     if cluster == "kubeflow" and missing:
         raise ConfigError(
             f"cluster=kubeflow but {', '.join(missing)} not set: run inside a PyTorchJob, or drop cluster=kubeflow"
@@ -166,8 +159,7 @@ def launched() -> bool:
 
 
 def check_address_variables(cluster: str, num_nodes: int) -> None:
-    """``ConfigError`` when ``MASTER_ADDR``/``MASTER_PORT`` cannot serve a DDP run started without a launcher:
-    node 0 serves the rendezvous, so its ``MASTER_ADDR`` must be this machine's."""
+    """``ConfigError`` when ``MASTER_ADDR``/``MASTER_PORT`` cannot serve a DDP run started without a launcher."""
     env = os.environ
     if cluster == "kubeflow" or launched():
         return

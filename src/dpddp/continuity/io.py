@@ -27,8 +27,7 @@ BACKGROUND = {"dpddp": "background"}  # storage_options: AtomicCheckpointIO writ
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` writing ``<name>.tmp``, then ``os.replace``: a kill mid-write leaves the previous file
-    whole. ``storage_options=BACKGROUND``: a CPU copy written in one background thread, one write in flight."""
+    """``TorchCheckpointIO`` writing ``<name>.tmp``, then ``os.replace``; ``BACKGROUND``: in a thread, one at a time."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -85,8 +84,7 @@ CHECKPOINT_KEYS = ("every_n_steps", "every_seconds")
 
 
 def checkpoint_intervals(cfg: Mapping) -> tuple[int | None, float | None]:
-    """``(checkpoint.every_n_steps, checkpoint.every_seconds)``, ``None`` when off (``auto``: 600 s under a cluster
-    launcher). Raises ``ConfigError`` for a value that is not null, positive (or ``auto``)."""
+    """``(checkpoint.every_n_steps, checkpoint.every_seconds)``, ``None`` when off; raises ``ConfigError``."""
     section = cfg.get("checkpoint") or {}
     steps, seconds = section.get("every_n_steps"), section.get("every_seconds")
     if steps is not None:
@@ -103,8 +101,7 @@ def checkpoint_intervals(cfg: Mapping) -> tuple[int | None, float | None]:
 
 @dataclass
 class IntervalCheckpoints:
-    """Writes ``<dirpath>/last.ckpt`` in the background at a step boundary every ``every_n_steps`` steps, or
-    ``every_s`` seconds once the ranks agree (``due``, set by ``StepBoundaryStop``'s agreement)."""
+    """Writes ``<dirpath>/last.ckpt`` in the background every ``every_n_steps`` steps or ``every_s`` seconds."""
 
     dirpath: Path
     every_n_steps: int | None = None
@@ -163,13 +160,11 @@ class CheckpointFacts:
         entry = ckpt["dpddp"] if isinstance(ckpt.get("dpddp"), dict) else {}
         k = entry.get("steps_per_execution", 1)
         k = k if isinstance(k, int) and k >= 1 else 1
-        step = int(ckpt.get("global_step", -1))
-        return cls(str(path), entry.get("launch"), k, processed_epochs(ckpt), step)
+        return cls(str(path), entry.get("launch"), k, processed_epochs(ckpt), int(ckpt.get("global_step", -1)))
 
 
 class ConfiguredModel(NamedTuple):
-    """What a checkpoint's weights must load into: the configured model's ``state_dict`` shapes, its
-    ``strict_loading``, and its settings by hyper-parameter name: ``(the setting that gives it, its value)``."""
+    """The configured model's ``state_dict`` shapes, ``strict_loading``, ``{hparam: (setting, value)}``."""
 
     shapes: dict[str, tuple[int, ...]]
     strict: bool
@@ -232,8 +227,7 @@ def checkpoint_problem(
     batch_size: int | None = None,
     loaded: dict | None = None,
 ) -> str | None:
-    """Why ``path`` (or ``loaded``, the checkpoint read from it) cannot be continued (``fit``) or evaluated
-    (``whole``: on the run's ``SPLIT_SETTINGS``) with these settings: one line ending with what to do, or ``None``."""
+    """Why ``path`` (``loaded``: read) cannot be continued (``fit``) or evaluated (``whole``) so, or ``None``."""
     try:
         ckpt = read_checkpoint(path) if loaded is None else loaded
     except Exception as err:  # a truncated zip, a pickle, not a checkpoint at all: all one answer to the user
@@ -253,10 +247,8 @@ def checkpoint_problem(
     later = fit and max_epochs not in (None, -1) and isinstance(done, int) and max_epochs > done
     if later and (swa := swapped_average(ckpt)):
         return (
-            f"holds the average {swa[0]} swapped in as its fit ended ({done} epochs done, {swa[1]} averaged): a "
-            f"fit continued from it to trainer.max_epochs={max_epochs} cannot equal a straight run (the averaging "
-            "window follows max_epochs, and training would go on from the average, not the raw weights); start a "
-            f"new run with trainer.max_epochs={max_epochs}"
+            f"holds the average {swa[0]} swapped in as its fit ended ({done} epochs done, {swa[1]} averaged): a fit "
+            f"continued from it cannot equal a straight run; start a new run with trainer.max_epochs={max_epochs}"
         )
     if steps_per_execution is not None and (problem := other_steps_problem(ckpt, steps_per_execution)):
         return problem

@@ -1,5 +1,4 @@
-"""The one owner of the resumable state: dpddp's checkpoint entry, every edit of Lightning's loop counters, the
-plateau steps Lightning skips across a stop, and a restored schedule built for another limit (said)."""
+"""The resumable state: dpddp's checkpoint entry, every edit of Lightning's loop counters, skipped plateau steps."""
 
 from __future__ import annotations
 
@@ -100,8 +99,7 @@ LOOK_AHEAD = 3
 
 
 def _stepped(scheduler: Any, build: dict[str, Any] | None = None, steps: int = 0) -> list[float | str]:
-    """The first group's learning rate now and at the next ``LOOK_AHEAD`` steps (from ``build`` stepped ``steps``
-    times, when given), then what a step raised; ``scheduler`` and its optimizer are left as they were."""
+    """The first group's rate now and at the next ``LOOK_AHEAD`` steps (of ``build`` after ``steps``), or an error."""
     groups = scheduler.optimizer.param_groups
     saved = copy.deepcopy(scheduler.state_dict()), [{k: v for k, v in g.items() if k != "params"} for g in groups]
     found: list[float | str] = []
@@ -135,8 +133,7 @@ def _shown(lrs: list[float | str], raised: bool = True) -> str:
 
 
 def limit_line(scheduler: Any, plateau: bool, old: dict[str, Any], new: dict[str, Any]) -> str | None:
-    """The warning for a restored ``scheduler`` whose first build ``old`` differs from this run's ``new``, or
-    whose next rates differ from a straight run's (a ``plateau`` one: by builds only); else ``None``."""
+    """The warning for a restored ``scheduler`` built (``old``) or stepping unlike a straight run's (``new``)."""
     name, apart = type(scheduler).__name__, built_apart(old, new)
     at = int(getattr(scheduler, "last_epoch", 0))
     plateau = plateau or getattr(scheduler, "optimizer", None) is None  # not stepped here: by its builds only
@@ -183,8 +180,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 class ResumableState(pl.Callback):
-    """Saves and loads ``checkpoint["dpddp"]`` and edits its loop counters, on every rank (docs/design-notes.md,
-    continuity.state). Raises ``ConfigError`` for a mid-epoch checkpoint of another ``steps_per_execution``."""
+    """Saves and loads ``checkpoint["dpddp"]`` and edits its loop counters, on every rank (docs/design-notes.md)."""
 
     def __init__(
         self,
@@ -264,11 +260,8 @@ class ResumableState(pl.Callback):
         states = entry.get("random") or []
         self._random = states[trainer.global_rank] if len(states) == trainer.world_size else None
         if states and self._random is None and trainer.global_rank == 0:
-            log.info(
-                f"the checkpoint holds the random states of {len(states)} processes and this run has "
-                f"{trainer.world_size}: randomness from the global stream starts from this run's seeds (a continued "
-                "run equals a straight one on the same world size)"
-            )
+            had = f"the checkpoint holds the random states of {len(states)} processes and this run has"
+            log.info(f"{had} {trainer.world_size}: the global random stream starts from this run's seeds")
         self._load_comm_state(trainer, entry.get("comm_state"))
         self._mid_epoch = bool(entry.get("mid_epoch"))
         self._should_stop = bool(entry.get("should_stop"))
@@ -340,8 +333,7 @@ class ResumableState(pl.Callback):
             cb.__dict__.pop("on_train_epoch_end", None)
 
     def _take_plateau_steps(self, trainer: pl.Trainer) -> None:
-        """Once the restored epoch has ended: the plateau steps Lightning skipped there, with the values saved, else
-        the ones logged now."""
+        """Once the restored epoch has ended: the plateau steps Lightning skipped there (saved values, else now's)."""
         if self._plateau is None or trainer.current_epoch <= self._plateau[0]:
             return
         (epoch, saved), self._plateau = self._plateau, None

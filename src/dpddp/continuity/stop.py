@@ -45,7 +45,7 @@ def _preempted(last: Path, step: int) -> Preempted:
 
 # -- the sweep ---------------------------------------------------------------------------------------------
 def start(sweep_dir: str | Path) -> None:
-    """In the sweep's own process, before any job: name a fresh stop file in ``$DPDDP_SWEEP_STOP``, and ``watch``."""
+    """In the sweep's own process, before any job: a fresh stop file in ``$DPDDP_SWEEP_STOP``, and ``watch``."""
     path = Path(sweep_dir).absolute() / ".stop"
     path.unlink(missing_ok=True)
     os.environ[ENV] = str(path)
@@ -209,8 +209,7 @@ def run_stops(output_dir: Path) -> Iterator[RunScope]:
 
 @dataclass
 class _Outside:
-    """A SIGTERM handler for outside a run's scope: records one (``came``); inside ``command``, the run that
-    ``ended`` last in it and the command's ``resume`` command."""
+    """SIGTERM's handler outside a run's scope: records one (``came``); in a ``command``, its last run and resume."""
 
     command: bool = False
     came: bool = False
@@ -288,8 +287,7 @@ class Pace:
 
 
 def agreed(flag: int, device: torch.device, pace: Pace | None, interval_s: float) -> int:
-    """The ranks' largest ``flag`` (one ``all_reduce(MAX)``; ``flag`` without a group); with ``pace``, its next due
-    batch about ``interval_s`` on, by the slowest rank's batch time."""
+    """The ranks' largest ``flag`` (one ``all_reduce``); ``pace``'s next due batch about ``interval_s`` on."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return int(flag)
     batch_s = (time.perf_counter() - pace.since) / max(pace.batches, 1) if pace is not None else 0.0
@@ -304,8 +302,7 @@ def agreed(flag: int, device: torch.device, pace: Pace | None, interval_s: float
 
 
 class StepBoundaryStop(pl.Callback):
-    """Stops every stage on a SIGTERM to any rank, all ranks together within about ``interval_s``: in a fit after
-    writing ``<dirpath>/last.ckpt`` at a step boundary; raises ``Preempted``. ``intervals`` writes it too."""
+    """On a SIGTERM to any rank, every rank stops together (a fit: at a step boundary, after ``last.ckpt``)."""
 
     def __init__(self, dirpath: str | Path, intervals: IntervalCheckpoints) -> None:
         self.last, self.intervals, self.interval_s = Path(dirpath) / "last.ckpt", intervals, 1.0
