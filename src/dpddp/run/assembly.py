@@ -35,7 +35,7 @@ from dpddp.parallel.batchnorm import batchnorm_plugins
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy, OneProcessStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.parallel.rules import DDP_FAMILY, is_ddp_family, resolve_accelerator, world_of
+from dpddp.parallel.rules import is_ddp_family, resolve_accelerator, world_of
 from dpddp.parallel.workers import start_workers_safely
 from dpddp.report.bars import RichBar, TQDMBar
 from dpddp.report.contract import LoggedTensors, MetricContract
@@ -70,21 +70,11 @@ def epoch_lines(cfg: Mapping) -> bool:
     return value is True or (value == "auto" and not sys.stdout.isatty())
 
 
-MODES = ("default", "lite", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-"""``torch.compile``'s modes (tests/test_compat.py checks that torch takes each)."""
-COMPILE_LIMITS = (
-    (
-        "strategy",
-        ("auto", *DDP_FAMILY),
-        "DataParallel's replicas run the model's forward uncompiled; ddp compiles it on every rank",
-    ),
-)
-"""(setting, the values that keep the promises with ``compile``, why), as ``run.config.EXECUTION_LIMITS``."""
+MODES = ("default", "lite", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 
 
 def compile_mode(cfg: Mapping) -> str | None:
-    """The ``torch.compile`` mode of ``cfg["compile"]``: ``None`` (eager), ``"default"`` for ``true``, or the one
-    named. Raises ``ConfigError`` for another value."""
+    """``cfg["compile"]``'s ``torch.compile`` mode (``None``: eager; ``true``: ``"default"``), else ``ConfigError``."""
     value = cfg.get("compile", False)
     if isinstance(value, bool) or (isinstance(value, str) and value in MODES):
         return "default" if value is True else value or None
@@ -95,8 +85,7 @@ def compile_mode(cfg: Mapping) -> str | None:
 
 
 def compile_model(model: pl.LightningModule, mode: str | None) -> None:
-    """Give ``model`` its class's ``forward`` compiled in ``mode`` (``None``: nothing) as a bound instance
-    attribute, after dropping an earlier job's graphs (they count towards torch's recompile limit)."""
+    """Bind ``model`` its class's ``forward`` compiled in ``mode`` (``None``: none), an earlier job's graphs dropped."""
     if mode is None:
         return
     torch.compiler.reset()
@@ -107,8 +96,7 @@ def compile_model(model: pl.LightningModule, mode: str | None) -> None:
 
 
 def build_strategy(cfg: DictConfig, job: RankJob | None) -> pl.strategies.Strategy:
-    """The Trainer's strategy: ``OneProcessStrategy`` (``auto``), ``dp``, or ``DDPStrategy`` starting ranks from ``job``
-    (``ddp_spawn``: each rank a fresh interpreter, so a SIGTERM to the parent still stops them with a checkpoint)."""
+    """The Trainer's strategy; ``ddp_spawn``: fresh interpreters, so a SIGTERM to the parent still stops them."""
     options: Any = OmegaConf.to_container(cfg.strategy)  # its keys, str
     del options["name"]
     name = cfg.strategy.name  # resolved, as the checks read it (the container keeps an interpolation as typed)
@@ -165,8 +153,7 @@ def _build_callbacks(
             _own_checkpoint(callback, f"callbacks.{key}", output_dir / "checkpoints", [*callbacks, *last])
         (last if key == "last_checkpoint" else callbacks).append(callback)
         settings[id(callback)] = f"callbacks.{key}"
-    # The stop's checkpoint at a step's end comes after every other callback's on_train_batch_end (an
-    # EMAWeightAveraging's update of that step), as a ModelCheckpoint's does (Lightning orders those last).
+    # The stop's step-end checkpoint follows every other callback's on_train_batch_end (an EMA's update).
     callbacks += [stop, *last]
     keeps = (cfg.trainer or {}).get("enable_checkpointing") is not False  # false: no checkpoint wanted
     if keeps and not any(_writes_last(cb, output_dir / "checkpoints") for cb in callbacks) and writes_outputs():
@@ -188,8 +175,7 @@ def _writes_last(callback: pl.Callback, dirpath: Path) -> bool:
 
 
 def _own_checkpoint(callback: ModelCheckpoint, setting: str, dirpath: Path, others: list[pl.Callback]) -> None:
-    """A configured ``ModelCheckpoint``: without a ``dirpath`` it writes into the run's ``checkpoints/``, and one whose
-    state key equals another's gets its setting's name in its key (stable across a resume)."""
+    """Default ``callback``'s ``dirpath`` to ``dirpath``; a state key taken by ``others`` gets ``setting`` in it."""
     if callback.dirpath is None:
         callback.dirpath = os.path.realpath(dirpath)
     if any(cb.state_key == callback.state_key for cb in others):
@@ -199,8 +185,7 @@ def _own_checkpoint(callback: ModelCheckpoint, setting: str, dirpath: Path, othe
 
 
 def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
-    """The ``logger`` group: ``False``, one logger or a list, each under the run directory; a tracker only on the
-    process that opens the run (``report.trackers``)."""
+    """The ``logger`` group's loggers under ``output_dir`` (else ``False``); a tracker where outputs are written."""
     loggers = []
     for key, spec in logger_specs(cfg):
         kind = is_tracker(spec)
@@ -216,8 +201,7 @@ def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
 
 
 def _warn_global_rng(model: pl.LightningModule, datamodule: pl.LightningDataModule, cfg: DictConfig) -> None:
-    """One line when ``model``'s training step draws from the global random streams and the run has several
-    replicas: the weights then depend on the world size."""
+    """Warn once when ``model``'s training step draws from the global streams and the run has several replicas."""
     count = world_of(cfg).replicas
     if count < 2 or not writes_outputs():
         return
@@ -244,8 +228,7 @@ def build_trainer(
     predicts_forward: bool = False,
     datamodule: pl.LightningDataModule | None = None,
 ) -> pl.Trainer:
-    """The ``pl.Trainer`` of ``cfg`` (its flags, the top-level knobs, ``executions`` among its callbacks;
-    ``predicts_forward``: predictions by the forward). Raises ``ConfigError`` for a flag Lightning refused."""
+    """The ``pl.Trainer`` of ``cfg`` with ``executions`` among its callbacks; ``ConfigError`` for a refused flag."""
     softmax_per_sample()  # a torchmetrics metric fed logits: the same value however a batch is chunked
     flags = {k: v for k, v in (cfg.trainer or {}).items() if k != "enable_progress_bar"}
     bar = (cfg.trainer or {}).get("enable_progress_bar")  # null: Lightning's bar on a terminal only

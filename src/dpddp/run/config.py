@@ -38,7 +38,7 @@ from dpddp.errors import ConfigError, checked_float, checked_int, unwritable
 from dpddp.models.classifier import OPTIMIZERS, Classifier
 from dpddp.parallel.rules import DDP_FAMILY, World, resolve_world
 from dpddp.report.trackers import logger_specs
-from dpddp.run.assembly import COMPILE_LIMITS, compile_mode, epoch_lines
+from dpddp.run.assembly import compile_mode, epoch_lines
 from dpddp.run.build import build
 from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, check_targets, target_class, with_defaults
 from dpddp.run.plain import check_plain, check_resolvable
@@ -172,6 +172,8 @@ MICRO_BATCH_LIMITS = (
     ("trainer.accumulate_grad_batches", (None, 1), "a split step is one optimizer step per global batch"),
     ("strategy", ("auto", *DDP_FAMILY), "DataParallel splits each batch over its devices itself"),
 )
+UNCOMPILED = "DataParallel's replicas run the model's forward uncompiled; ddp compiles it on every rank"
+COMPILE_LIMITS = (("strategy", ("auto", *DDP_FAMILY), UNCOMPILED),)  # with compile: as MICRO_BATCH_LIMITS
 
 
 def check_precision(cfg: Mapping, world: World) -> None:
