@@ -52,97 +52,92 @@ STAGES = ("fit", "validate", "test", "predict")
 def train(
     cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: dict | None = None, plan: Plan | None = None
 ) -> dict[str, Any]:
-    """Run ``stage`` of ``cfg`` on its ``plan`` (else ``check_config``'s): ``"fit"`` fits, tests (and predicts with
-    ``predict=true``); ``"eval"`` validates and tests ``ckpt_path``; else that stage alone. Rank 0 writes the outputs
-    into ``output_dir``. Returns ``metrics.json``'s metrics (with ``extra``), the same on every rank. Raises
-    ``ConfigError`` (before any process starts), ``RankFailed`` or ``Preempted``."""
-    with run_stops(Path(output_dir)) as running:
-        return _train(cfg, Path(output_dir), stage, extra, running, plan)
-
-
-def _train(
-    cfg: DictConfig, output_dir: Path, stage: str, extra: dict | None, running: RunScope, plan: Plan | None
-) -> dict[str, Any]:
-    start = time.perf_counter()
-    with starting_up(running):  # the check is the start-up's: a SIGTERM in it is held to its end
-        plan = plan or check_config(cfg, stage)
-        stage, world = plan.stage, plan.world
-        _log_world(world, cfg.num_nodes == "auto")
-        cfg.num_nodes = world.nodes  # num_nodes=auto: the launcher's, for this start
-        if world.writes_outputs:
-            check_output_dir(output_dir)
-        if cfg.get("print_config") and world.writes_outputs:  # once per run
-            log.info("config:\n" + OmegaConf.to_yaml(cfg, resolve=True))
-        pl.seed_everything(cfg.seed, workers=True, verbose=False)
-        with data_streams(cfg.seed):  # a data set built from the global streams: the same on every rank
-            datamodule = build(cfg.data, "data", _convert_="all")
-        model = build(cfg.model, "model", _convert_="all")
-        forward = bool(cfg.predict or stage == "predict") and check_predictable(model)
-        if forward:
-            predict_forward(model)
-        steps, micro = cfg.get("steps_per_execution", 1), getattr(datamodule, "micro_batch_size", None)
-        auto = steps == "auto"
-        if auto:
-            steps = resolve_steps(plan, model, datamodule) if stage == "fit" else 1
-            cfg.steps_per_execution = steps  # what the launched ranks' job, the tally and the checkpoint see
-        clip = ((cfg.trainer or {}).get("gradient_clip_val"), (cfg.trainer or {}).get("gradient_clip_algorithm"))
-        fused = (steps > 1 or micro) and stage == "fit"
-        executions = StepsPerExecution(model, steps, micro, clip=clip, auto=auto) if fused else None
-        if executions is not None:
-            datamodule.steps_per_execution = steps
-        compile_model(model, compile_mode(cfg))  # after resolve_steps: steps_per_execution=auto times eager steps
-        config = {str(k): v for k, v in OmegaConf.to_container(cfg, resolve=True).items()}  # type: ignore[union-attr]
-        job = RankJob(entry=f"{__name__}:train_rank", config=config, output_dir=str(output_dir), stage=stage)
-        trainer = build_trainer(
-            cfg, output_dir, job, executions, model=model, predicts_forward=forward, datamodule=datamodule
+    """Run ``stage`` of ``cfg`` on its ``plan`` (``fit``: then test, and predict with ``predict=true``; ``eval``:
+    validate and test). Returns ``metrics.json``'s metrics with ``extra``; raises ``ConfigError``, ``RankFailed``,
+    ``Preempted``."""
+    start, output_dir = time.perf_counter(), Path(output_dir)
+    with run_stops(output_dir) as running:
+        with starting_up(running):  # the check is the start-up's: a SIGTERM in it is held to its end
+            plan = plan or check_config(cfg, stage)
+            stage, world = plan.stage, plan.world
+            _log_world(world, cfg.num_nodes == "auto")
+            cfg.num_nodes = world.nodes  # num_nodes=auto: the launcher's, for this start
+            if world.writes_outputs:
+                check_output_dir(output_dir)
+            if cfg.get("print_config") and world.writes_outputs:  # once per run
+                log.info("config:\n" + OmegaConf.to_yaml(cfg, resolve=True))
+            pl.seed_everything(cfg.seed, workers=True, verbose=False)
+            with data_streams(cfg.seed):  # a data set built from the global streams: the same on every rank
+                datamodule = build(cfg.data, "data", _convert_="all")
+            model = build(cfg.model, "model", _convert_="all")
+            forward = bool(cfg.predict or stage == "predict") and check_predictable(model)
+            if forward:
+                predict_forward(model)
+            steps, micro = cfg.get("steps_per_execution", 1), getattr(datamodule, "micro_batch_size", None)
+            auto = steps == "auto"
+            if auto:
+                steps = resolve_steps(plan, model, datamodule) if stage == "fit" else 1
+                cfg.steps_per_execution = steps  # what the launched ranks' job, the tally and the checkpoint see
+            clip = ((cfg.trainer or {}).get("gradient_clip_val"), (cfg.trainer or {}).get("gradient_clip_algorithm"))
+            fused = (steps > 1 or micro) and stage == "fit"
+            executions = StepsPerExecution(model, steps, micro, clip=clip, auto=auto) if fused else None
+            if executions is not None:
+                datamodule.steps_per_execution = steps
+            compile_model(model, compile_mode(cfg))  # after resolve_steps: steps_per_execution=auto times eager steps
+            config: Any = OmegaConf.to_container(cfg, resolve=True)  # its keys, str
+            job = RankJob(entry=f"{__name__}:train_rank", config=config, output_dir=str(output_dir), stage=stage)
+            trainer = build_trainer(
+                cfg, output_dir, job, executions, model=model, predicts_forward=forward, datamodule=datamodule
+            )
+            check_model_callbacks(cfg, model, trainer)
+            if executions is not None:
+                executions.check_observers(trainer, datamodule)
+            running.own(trainer)
+        metrics, ran, predict_error = _run_stages(trainer, model, datamodule, plan, running)
+        costs, records = _callback(trainer, Costs), _callback(trainer, EpochRecord)
+        result: dict[str, Any] = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
+        result.update(
+            samples_per_sec=metrics.get(Throughput.KEY, math.nan),
+            peak_mem_mib=metrics.get(Costs.MEMORY_KEY, math.nan),
+            peak_mem_of=peak_memory_mib(trainer)[1],
+            first_step_unix_s=metrics.get(Throughput.FIRST_STEP_KEY),
+            train_time_s=metrics.get(EpochRecord.TIME_KEY, math.nan),
+            segments=records.table.segments if records else 0,  # the weights' training: a checkpoint's in eval
+            segment_world_sizes=list(records.table.world_sizes) if records else [],
+            world_size=trainer.world_size,
+            strategy=cfg.strategy.name,
+            accelerator=world.accelerator,
+            devices=cfg.devices,
+            num_nodes=cfg.num_nodes,
+            precision=str(trainer.precision),  # Lightning's resolved flag: 16-mixed becomes bf16-mixed on CPU
+            micro_batch_size=executions.micro_size if executions is not None and executions.micro else None,
+            steps_per_execution=steps if stage == "fit" else None,
+            wall_time_s=time.perf_counter() - start,
+            **(
+                {"allreduce_share": metrics.get(Costs.SHARE_KEY, math.nan), **(costs.rank_figures() if costs else {})}
+                if isinstance(trainer.strategy, DDPStrategy)
+                else {}
+            ),
+            **(extra or {}),
         )
-        check_model_callbacks(cfg, model, trainer)
-        if executions is not None:
-            executions.check_observers(trainer, datamodule)
-        running.own(trainer)
-    metrics, ran, predict_error = _run_stages(trainer, model, datamodule, plan, running)
-    costs, records = _callback(trainer, Costs), _callback(trainer, EpochRecord)
-    result: dict[str, Any] = {key: metrics.get(key, math.nan) for key in METRIC_KEYS}
-    result.update(
-        samples_per_sec=metrics.get(Throughput.KEY, math.nan),
-        peak_mem_mib=metrics.get(Costs.MEMORY_KEY, math.nan),
-        peak_mem_of=peak_memory_mib(trainer)[1],
-        first_step_unix_s=metrics.get(Throughput.FIRST_STEP_KEY),
-        train_time_s=metrics.get(EpochRecord.TIME_KEY, math.nan),
-        segments=records.table.segments if records else 0,  # the weights' training: a checkpoint's in eval
-        segment_world_sizes=list(records.table.world_sizes) if records else [],
-        world_size=trainer.world_size,
-        strategy=cfg.strategy.name,
-        accelerator=world.accelerator,
-        devices=cfg.devices,
-        num_nodes=cfg.num_nodes,
-        precision=str(trainer.precision),  # Lightning's resolved flag: 16-mixed becomes bf16-mixed on CPU
-        micro_batch_size=executions.micro_size if executions is not None and executions.micro else None,
-        steps_per_execution=steps if stage == "fit" else None,
-        wall_time_s=time.perf_counter() - start,
-        **(
-            {"allreduce_share": metrics.get(Costs.SHARE_KEY, math.nan), **(costs.rank_figures() if costs else {})}
-            if isinstance(trainer.strategy, DDPStrategy)
-            else {}
-        ),
-        **(extra or {}),
-    )
-    result["objective"] = name = objective(cfg)
-    if name not in result:  # a name of the user's (callbacks.model_checkpoint.monitor=val_loss)
-        result[name] = metrics.get(name, math.nan)
-    if predict_error is not None:
-        result["predict_error"] = first_line(predict_error)
-    reasons, unshown = _missing(trainer, metrics, stage, ran)
-    unshown += PER_RANK_KEYS  # one entry per rank: in the file
-    if stage != "fit":  # a stage run alone: its line shows only what it measured
-        unshown += tuple(k for k, v in result.items() if k == "objective" or (isinstance(v, float) and math.isnan(v)))
-    if trainer.is_global_zero:
-        write_metrics(output_dir, result, reasons, unshown, draw=cfg.get("curves", True))
-    if predict_error is not None:
-        raise PredictFailed(
-            f"predict failed (metrics.json of the fit and test is written): {first_line(predict_error)}"
-        ) from predict_error
-    return result
+        result["objective"] = name = objective(cfg)
+        if name not in result:  # a name of the user's (callbacks.model_checkpoint.monitor=val_loss)
+            result[name] = metrics.get(name, math.nan)
+        if predict_error is not None:
+            result["predict_error"] = first_line(predict_error)
+        reasons, unshown = _missing(trainer, metrics, stage, ran)
+        unshown += PER_RANK_KEYS  # one entry per rank: in the file
+        if stage != "fit":  # a stage run alone: its line shows only what it measured
+            unshown += tuple(
+                k for k, v in result.items() if k == "objective" or (isinstance(v, float) and math.isnan(v))
+            )
+        if trainer.is_global_zero:
+            write_metrics(output_dir, result, reasons, unshown, draw=cfg.get("curves", True))
+        if predict_error is not None:
+            raise PredictFailed(
+                f"predict failed (metrics.json of the fit and test is written): {first_line(predict_error)}"
+            ) from predict_error
+        return result
 
 
 NOT_RUN = {"fit": (), "validate": ("train/", "test/"), "test": ("train/", "val/"), "eval": ("train/",)}
@@ -208,8 +203,7 @@ def train_rank(job: RankJob) -> None:
 def _run_stages(
     trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule, plan: Plan, running: RunScope
 ) -> tuple[dict[str, float], set[str], Exception | None]:
-    """Run the plan's stage; return the metrics as floats, the stages run, and a predict's error after a fit (the
-    fit's metrics stand). A lost rank or loader worker is named; a SIGTERM since the last agreement: ``Preempted``."""
+    """The plan's stage run: its metrics, the stages run and a predict's error after a fit (the fit's metrics stand)."""
     cfg, stage = plan.cfg, plan.stage
     finished, predict_error, ran, metrics = False, None, {stage}, {}
     try:
