@@ -341,8 +341,7 @@ WALL_CLOCK = ("Timer",)  # callbacks whose state is time measured (trainer.max_t
 
 
 class StopAt(pl.Callback):
-    """Sends this process ``signal`` (``""``: none) before global step ``step + 1``; at the end writes ``RECORD``
-    (epochs' first steps, users' callbacks' numbers, the keys each ``load_state_dict`` reads, the schedulers)."""
+    """Sends this process ``signal`` (``""``: none) before global step ``step + 1``; writes ``RECORD`` at the end."""
 
     def __init__(self, signal: str = "", step: int = -1) -> None:
         self.signal, self.step = signal, step
@@ -445,8 +444,7 @@ def _pieces(ckpt: dict, restored: dict[str, list[str] | None]) -> dict[str, Any]
 
 
 def compare(straight: Path, continued: Path, kind: str, cause: str = "") -> tuple[float, str | None]:
-    """Compare two run directories' ``last.ckpt`` piece by piece: the largest difference, and ``None`` or the line
-    naming the first leaf apart by more than ``STOPS_TOLERANCE`` or missing, after its cause where known."""
+    """Two run directories' ``last.ckpt`` compared: the largest gap, and the first leaf apart's line or ``None``."""
     ckpts = [
         torch.load(d / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
         for d in (straight, continued)
@@ -515,8 +513,7 @@ def _entry_point(args: list[str], expect: int, what: str) -> None:
 
 
 def check_stops(overrides: list[str], config_dir: str | None, work: Path) -> None:
-    """``--stops``: the tiny run straight, then stopped (a limit, a SIGTERM, a SIGKILL) and continued. Raises
-    ``ConfigError`` (under 2 epochs or 3 steps), ``PromiseBroken`` and ``RuntimeError`` (a wrong exit)."""
+    """``--stops``: the run straight, then stopped 3 ways and continued; ``ConfigError``, ``PromiseBroken``."""
     base = [*overrides, *ONE_PROCESS, STOP_CALLBACK]
     straight = work / "straight"
     straight.mkdir()
