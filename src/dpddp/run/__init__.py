@@ -1,2 +1,1 @@
-"""The run: config check, trainer assembly, callbacks, checkpoint IO, and ``training.train``, the one function
-every entry point calls."""
+"""The run: the config check, the trainer's assembly, and ``training.train``, which every entry point calls."""

@@ -1,5 +1,4 @@
-"""``steps_per_execution=auto``: the fit's K, from the measured seconds of one optimizer step, so that the loop's
-cost per iteration is at most ``OVERHEAD_SHARE`` of an execution. See docs/performance.md (tiny steps)."""
+"""``steps_per_execution=auto``: the fit's K from a measured optimizer step (docs/performance.md, tiny steps)."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def _floor_power_of_two(n: int) -> int:
 
 
 def auto_steps(step_s: float, steps_per_epoch: int) -> int:
-    """The smallest power of two ``K`` with ``LOOP_OVERHEAD_S <= OVERHEAD_SHARE * K * step_s``, within
-    ``MAX_AUTO_STEPS`` and ``steps_per_epoch``; 1 for a step time that is not positive and finite."""
+    """The least power of two ``K`` with ``LOOP_OVERHEAD_S <= OVERHEAD_SHARE * K * step_s``, capped; 1 for no time."""
     if not math.isfinite(step_s) or step_s <= 0:
         return 1
     need = LOOP_OVERHEAD_S / (OVERHEAD_SHARE * step_s)
@@ -55,8 +53,7 @@ def auto_steps(step_s: float, steps_per_epoch: int) -> int:
 
 
 def seen_executions(cfg: Mapping, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> str | None:
-    """``"<what>: <why>"`` for the first object of ``cfg``'s run that could see an execution (one not ``known``,
-    a step or time trigger, ``trainer.max_time``, an installed callbacks factory), or ``None``."""
+    """``"<what>: <why>"`` for the first object of ``cfg``'s run that could see an execution, or ``None``."""
     for what, obj in (("model", model), ("data", datamodule)):
         if not known(obj):
             return f"{what}._target_ ({type(obj).__name__}) is not one of dpddp's own classes: it could see executions"
@@ -91,8 +88,7 @@ def _single_optimizer(conf: Any) -> torch.optim.Optimizer | None:
 def _probe(
     model: pl.LightningModule, datamodule: GlobalBatchDataModule, share: int, device: torch.device
 ) -> float | str:
-    """The median seconds of one optimizer step of a copy of ``model`` on this rank's ``share`` of a global batch
-    after a warm-up, or why there is none. The model and random streams are untouched; the data is set up."""
+    """The median seconds of a copy's optimizer step on ``share`` samples after a warm-up, or why there is none."""
     with streams_kept([device.index or 0] if device.type == "cuda" else ()), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log outside a Trainer
         try:  # a data module's setup or an optimizer that needs its Trainer, a model that cannot be copied
@@ -134,8 +130,7 @@ def _probe(
 
 
 def _agreed(plan: Plan, measure: Callable[[], tuple[int, str]]) -> tuple[int, str]:
-    """``measure()``'s ``(K, why)`` of rank 0 on every rank (through torchrun's agent store where the ranks
-    started apart; without one, 1)."""
+    """Rank 0's ``measure()`` on every rank (through torchrun's agent store where the ranks started apart)."""
     world = plan.world
     if world.world_size == 1 or launched_by_dpddp() or not (in_cluster_job() or world.nodes > 1):
         return measure()
@@ -155,8 +150,7 @@ def _agreed(plan: Plan, measure: Callable[[], tuple[int, str]]) -> tuple[int, st
 
 
 def resolve_steps(plan: Plan, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> int:
-    """The K of ``plan``'s ``steps_per_execution=auto`` fit, alike on every rank, logged with why: 1 where K above 1
-    is refused, seen or not probed; the checkpoint's when continuing; else ``auto_steps`` of the probed step."""
+    """The K of ``plan``'s ``steps_per_execution=auto`` fit, alike on every rank, logged with why."""
     k, why = _resolve(plan, model, datamodule)
     if plan.world.writes_outputs:
         log.info(f"steps_per_execution=auto: {k} ({why})")

@@ -1,5 +1,4 @@
-"""Building a config node (``hydra.utils.instantiate``): a class that refuses its arguments is one ``ConfigError``
-line naming the config key."""
+"""Building a config node: a class that refuses its arguments is one ``ConfigError`` line naming the key."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ def build(node: DictConfig, key: str, **kwargs: Any) -> Any:
 
 
 def build_error(node: DictConfig, key: str, err: InstantiationException) -> ConfigError:
-    """One line for Hydra's ``err`` building ``node`` at ``key``: the failing node's key, ``_target_`` and cause (an
-    unimportable target, an argument it does not take, the setting its refusal names, a tracker's own failure)."""
+    """The ``ConfigError`` for Hydra's ``err`` building ``node`` at ``key``: the failing key, target and cause."""
     text = str(err)
     full_key = instantiate_key(text) or key
     inner = node if full_key == key else OmegaConf.select(node, full_key.removeprefix(f"{key}."), default=None)

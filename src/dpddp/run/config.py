@@ -228,8 +228,7 @@ def needs_logger(cls: type) -> bool:
     return False
 
 
-CLI_CALLBACKS = "cli_"
-"""How the keys of the Lightning CLI's ``--trainer.callbacks`` begin in the run config (``cli_0``, ...)."""
+CLI_CALLBACKS = "cli_"  # how the keys of the Lightning CLI's --trainer.callbacks begin in the run config
 
 
 def _check_callback_needs(cfg: Mapping) -> None:
@@ -268,8 +267,7 @@ def check_model_callbacks(cfg: Mapping, model: pl.LightningModule, trainer: pl.T
 
 @dataclass(frozen=True)
 class Plan:
-    """One run's plan, made by ``check_config`` and handed down: the checked config, the stage, the ``World``, the
-    facts of ``ckpt_path``'s checkpoint (read once); ``resume``: ``"interrupted"`` or ``"finished"`` (its own)."""
+    """``check_config``'s result, handed down; ``resume``: ``"interrupted"`` or ``"finished"`` (its own)."""
 
     cfg: Any
     stage: str
@@ -283,11 +281,7 @@ TRAINER_COUNTS = (
     ("accumulate_grad_batches", (None,), "use a positive number of batches per optimizer step"),
     ("max_epochs", (None, -1), "use a positive number, or -1 for no limit"),
     ("max_steps", (None, -1), "use a positive number, or -1 for no limit"),
-    (
-        "check_val_every_n_epoch",
-        (None,),
-        "use a positive number of epochs, or null with an integer trainer.val_check_interval",
-    ),
+    ("check_val_every_n_epoch", (None,), "use a positive number, or null with an integer trainer.val_check_interval"),
 )
 
 

@@ -1,5 +1,4 @@
-"""Which parts of a model draw from the global random streams (torch's, CUDA's, numpy's, Python's), found by
-watching each module's forward in one training step on a real batch."""
+"""Which parts of a model draw from the global random streams, watched in one training step on a real batch."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ PROBE_ROWS = 8  # samples of the probe batch, at most
 
 @dataclass(frozen=True)
 class Draw:
-    """A module whose own code drew from global ``streams``: ``name`` (``model.x.y``, ``model.forward`` or
-    ``model.training_step``) and ``kind`` (a key of ``FIXES``)."""
+    """A module ``name`` (``model.x.y``, ``model.training_step``) that drew from ``streams``; ``kind``: of ``FIXES``."""
 
     name: str
     streams: tuple[str, ...]
@@ -55,8 +53,7 @@ def _streams() -> dict[str, Any]:
 
 @contextmanager
 def _model_kept(model: nn.Module) -> Iterator[None]:
-    """``model`` as it was after the block: modes, buffers, torchmetrics' states, ``SampleDropout`` keys and the
-    model's own plain attributes."""
+    """``model``'s modes, buffers, metric states, ``SampleDropout`` keys and plain attributes kept."""
     internals = set(vars(nn.Module()))
     plain = {k: v.clone() if isinstance(v, torch.Tensor) else copy.copy(v) for k, v in vars(model).items()
              if k not in internals and isinstance(v, (*PLAIN, torch.Tensor))}  # fmt: skip
@@ -88,8 +85,7 @@ def _copy(value: Any) -> Any:
 
 
 def global_draws(model: pl.LightningModule, batch: Any, keyed: bool) -> list[Draw]:
-    """The draws from the global random streams of one ``training_step`` of ``model`` on ``batch`` (``keyed``: sample
-    keys set as a run sets them), ``model`` and the streams left as they were. Raises what the step raises."""
+    """The global-stream draws of one ``training_step`` on ``batch`` (``keyed``: with sample keys); nothing changed."""
     names = {id(m): f"model.{n}" if n else "model.forward" for n, m in model.named_modules()}
     stack: list[nn.Module] = []
     seen: dict[str, tuple[nn.Module | None, set[str]]] = {}
@@ -140,8 +136,7 @@ def global_draws(model: pl.LightningModule, batch: Any, keyed: bool) -> list[Dra
 
 @contextmanager
 def streams_kept(cuda: Iterable[int] = ()) -> Iterator[None]:
-    """The global random streams (torch's, numpy's, Python's, and those of the CUDA devices ``cuda``) as they were
-    after the block."""
+    """The global random streams (torch's, numpy's, Python's, CUDA devices ``cuda``'s) restored after the block."""
     saved = np.random.get_state(), random.getstate()
     try:
         with torch.random.fork_rng(devices=cuda):

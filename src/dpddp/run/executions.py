@@ -1,5 +1,4 @@
-"""``steps_per_execution=K``: one loop iteration takes ``K`` optimizer steps on ``[k, b, ...]`` batches, and
-``data.micro_batch_size``: a step's share in micro-batches. See docs/design-notes.md (run.executions)."""
+"""``steps_per_execution=K`` and ``data.micro_batch_size`` (docs/design-notes.md, run.executions)."""
 
 from __future__ import annotations
 
@@ -200,8 +199,7 @@ class StepsPerExecution(pl.Callback):
             p.grad = g.view_as(p)
 
     def check_observers(self, trainer: pl.Trainer, datamodule: pl.LightningDataModule) -> None:
-        """Raises ``ConfigError`` (K above 1) for an object of the fit that would see executions: under ``auto``
-        any not ``known``; else one overriding ``BATCH_HOOKS`` or ``STEP_HOOKS``."""
+        """``ConfigError`` (K above 1) for an object of the fit that would see executions (``auto``: not ``known``)."""
         if self.steps < 2:
             return
         module = self.module
