@@ -55,8 +55,7 @@ def divergent(table: list[list[int]]) -> tuple[int, int] | None:
 
 
 class ReplicaGuard(pl.Callback):
-    """Compares the ranks' ``checksums`` (one ``all_gather``) every ``every_n_steps`` optimizer steps and before
-    every checkpoint (``check``). Raises ``ReplicasDiverged`` on every rank when one differs."""
+    """Compares the ranks' ``checksums`` every ``every_n_steps`` steps and before every checkpoint (``check``)."""
 
     def __init__(self, every_n_steps: int | None) -> None:
         self.every_n_steps = every_n_steps
@@ -74,14 +73,12 @@ class ReplicaGuard(pl.Callback):
 
     def check(self, trainer: pl.Trainer) -> None:
         """Compare the ranks' checksums now (a collective)."""
-        ready = torch.distributed.is_available() and torch.distributed.is_initialized()
-        world = torch.distributed.get_world_size() if ready else 1
-        if world < 2:
+        if trainer.world_size < 2:
             return
         self._checked_step = trainer.global_step
         names, sums = checksums(trainer.lightning_module, trainer.optimizers)
         sums = sums.to(trainer.strategy.root_device)
-        gathered = [torch.empty_like(sums) for _ in range(world)]
+        gathered = [torch.empty_like(sums) for _ in range(trainer.world_size)]
         with entering("the replica check"):
             torch.distributed.all_gather(gathered, sums)
         found = divergent([row.tolist() for row in gathered])

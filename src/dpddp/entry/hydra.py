@@ -1,5 +1,4 @@
-"""The Hydra entry point (``train.py``, ``dpddp-train``): one run, or one job of a sweep, and the sweep's summary at
-its end; registers the resolvers."""
+"""The Hydra entry point (``train.py``, ``dpddp-train``): one run, or a sweep's job, and the sweep's summary."""
 
 from __future__ import annotations
 
@@ -125,8 +124,7 @@ def _program() -> list[str]:
 
 
 def run_job(cfg: DictConfig, stage: str = "fit", late: list[Callable[[], str]] | None = None) -> float:
-    """Run one Hydra job, ``cfg``, for ``stage``; return its ``objective`` (``late`` gets its resume command). In a
-    sweep, a failed or diverged job writes ``error.txt`` and returns ``nan``; else a known error is one line."""
+    """Run one Hydra job for ``stage``; its ``objective`` (a sweep's failed job: ``error.txt``, ``nan``)."""
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
@@ -187,18 +185,21 @@ def run_job(cfg: DictConfig, stage: str = "fit", late: list[Callable[[], str]] |
 
 
 def job_plan(cfg: DictConfig, stage: str) -> Plan | str:
-    """The ``Plan`` of the Hydra job ``cfg`` for ``stage``, or the line that says why nothing trains (``_plan``)."""
+    """The ``Plan`` of the Hydra job ``cfg`` for ``stage`` (``StartChecks``' when it ran), or ``_plan``'s line."""
     hydra_cfg = HydraConfig.get()
+    output_dir = Path(hydra_cfg.runtime.output_dir)
     targets = [spec.get("_target_") for spec in (hydra_cfg.callbacks or {}).values() if spec]
     checked = any(isinstance(t, str) and issubclass(get_class(t), StartChecks) for t in targets)
-    if hydra_cfg.mode == RunMode.RUN and checked:
-        return _taken(cfg, stage)
-    return _plan(cfg, lambda: Path(hydra_cfg.runtime.output_dir), stage)
+    if hydra_cfg.mode != RunMode.RUN or not checked:
+        return _plan(cfg, lambda: output_dir, stage)
+    if ckpt := cfg.get("ckpt_path"):  # StartChecks' decision, relative to the directory it was given in
+        cfg.ckpt_path = ckpt = to_absolute_path(str(ckpt))
+    facts = CheckpointFacts.of(ckpt, readable(ckpt)) if ckpt else None
+    return Plan(cfg, stage, world_of(cfg), facts, _resume_kind(cfg, output_dir))
 
 
 def _plan(job: DictConfig, directory: Callable[[], Path], stage: str) -> Plan | str:
-    """The job's ``Plan``: ``check_config``, then whether it continues the run in ``directory()`` from its
-    ``last.ckpt`` (read once); or the line that says why nothing trains. Raises ``ConfigError``."""
+    """The job's ``Plan`` (``check_config``, and whether it continues ``directory()``), or why nothing trains."""
     plan = check_config(job, stage)
     output_dir = directory()
     hydra_cfg = HydraConfig.get()
@@ -235,16 +236,6 @@ def _resume_kind(cfg: DictConfig, output_dir: Path) -> str | None:
     return "finished" if (output_dir / "metrics.json").is_file() else "interrupted"
 
 
-def _taken(cfg: DictConfig, stage: str) -> Plan:
-    """The ``Plan`` of a job ``StartChecks`` decided (its ``ckpt_path``), nothing checked again."""
-    ckpt = cfg.get("ckpt_path")
-    if ckpt:  # relative to the directory it was given in
-        cfg.ckpt_path = ckpt = to_absolute_path(str(ckpt))
-    facts = CheckpointFacts.of(ckpt, readable(ckpt)) if ckpt else None
-    output_dir = Path(HydraConfig.get().runtime.output_dir)
-    return Plan(cfg, stage, world_of(cfg), facts, _resume_kind(cfg, output_dir))
-
-
 def _job_failed(num: int, output_dir: Path, line: str) -> float:
     """A sweep job's failure: said on stderr, recorded in its ``error.txt`` (the summary's row); ``nan``."""
     print(f"job {num} failed: {line}", file=sys.stderr)
@@ -253,8 +244,7 @@ def _job_failed(num: int, output_dir: Path, line: str) -> float:
 
 
 class StartChecks(HydraCallback):
-    """Before Hydra makes anything: one run is planned (``_plan``, its decision written into the job's config), a
-    sweep's syntax checked, the directory writable; else one ``error:`` line, exit 2."""
+    """Before Hydra makes anything: a run planned (``_plan``), a sweep checked; else one ``error:`` line, exit 2."""
 
     stage = "fit"
 
@@ -348,14 +338,10 @@ def _job_row(job_dir: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"job": job_dir.name, "overrides": job_overrides(job_dir)}
     metrics_file, error_file = job_dir / "metrics.json", job_dir / "error.txt"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else None
-    if error_file.is_file():
-        row["status"] = "failed: " + error_file.read_text().strip()
-    elif metrics is not None:
-        row["status"] = "ok"
-    elif (job_dir / "checkpoints" / "last.ckpt").is_file():
-        row["status"] = "incomplete: resumes from checkpoints/last.ckpt"
-    else:
-        row["status"] = "not started"
+    last = job_dir / "checkpoints" / "last.ckpt"
+    started = "incomplete: resumes from checkpoints/last.ckpt" if last.is_file() else "not started"
+    failed = "failed: " + error_file.read_text().strip() if error_file.is_file() else ""
+    row["status"] = failed or ("ok" if metrics is not None else started)
     if metrics is not None and (row["status"] == "ok" or metrics.get("predict_error")):  # a failed predict: the
         row.update({k: metrics.get(k) for k in SUMMARY_COLUMNS[3:]})  # fit's and test's metrics stand beside it
         if metrics.get("objective"):  # a name of the user's (callbacks.model_checkpoint.monitor=val_loss)
@@ -381,8 +367,7 @@ def objective_of(config: DictConfig) -> tuple[str, bool]:
 
 
 def write_summary(sweep_dir: Path, objective: tuple[str, bool] = ("val/loss", False)) -> list[dict[str, Any]]:
-    """Write ``summary.csv`` and ``summary.md`` (a row per job directory: the overrides that differ, a ``best``
-    column: the first best finite ``objective``), print the table, draw ``curves.png``; return the rows."""
+    """Write and print ``summary.csv`` and ``summary.md`` (a row per job, the best marked), draw ``curves.png``."""
     job_dirs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     rows = [_job_row(p) for p in job_dirs]
     name, maximize = objective
@@ -414,8 +399,7 @@ def write_summary(sweep_dir: Path, objective: tuple[str, bool] = ("val/loss", Fa
 
 
 def end_sweep(sweep_dir: Path, cut_short: bool = False, objective: tuple[str, bool] = ("val/loss", False)) -> None:
-    """Write the summary; exit 143 with the resume command if SIGTERM stopped the sweep before every job finished
-    (``cut_short``: more jobs were to launch), or 1 with one line if a job failed or did not finish."""
+    """Write the summary; exit 143 if SIGTERM stopped the sweep unfinished (``cut_short``), 1 if a job failed."""
     rows = write_summary(sweep_dir, objective)
     stopped = sweep_stop.active() and sweep_stop.requested()
     sweep_stop.clear()

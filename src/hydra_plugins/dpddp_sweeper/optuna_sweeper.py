@@ -56,8 +56,7 @@ class OptunaSweeper(Sweeper):
 
 
 def search_space(params: Mapping[str, Any] | None, arguments: Sequence[str]) -> SearchSpace:
-    """The search of ``params`` then ``arguments`` (a later key replaces an earlier one): an ``interval`` is a
-    range (of integers, ``log``-scaled by its tag), any other sweep a choice, a plain ``key=value`` fixed."""
+    """The search of ``params`` then ``arguments``: an ``interval`` a range, another sweep a choice, else fixed."""
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     from dpddp.entry.command_line import parsed_sweep
@@ -97,13 +96,9 @@ def trial_overrides(number: int, params: Mapping[str, Any], space: SearchSpace) 
 
 def job_outcome(ret: JobReturn) -> float | None:
     """A finished job's objective value, or ``None`` when it raised or returned no finite number."""
-    if ret.status != JobStatus.COMPLETED:
+    if ret.status != JobStatus.COMPLETED or not isinstance(ret.return_value, (int, float)):
         return None
-    try:
-        value = float(ret.return_value)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) else None
+    return float(ret.return_value) if math.isfinite(ret.return_value) else None
 
 
 def _runs(trials: list[Trial | FrozenTrial], size: int) -> Iterator[list[Any]]:
@@ -114,8 +109,7 @@ def _runs(trials: list[Trial | FrozenTrial], size: int) -> Iterator[list[Any]]:
 
 
 def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], settings: Mapping[str, Any]) -> None:
-    """Run the search of ``settings`` (``hydra.sweeper``) over ``arguments`` through ``launcher``, trial ``n`` in
-    ``<sweep dir>/<n>``, trials left running first. Raises ``ConfigError`` for a setting it cannot run."""
+    """Run the search of ``settings`` over ``arguments``, trial ``n`` in ``<sweep dir>/<n>``; raises ``ConfigError``."""
     import optuna
     from optuna.trial import TrialState
 
@@ -145,8 +139,7 @@ def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], set
     )
 
     def launch(trials: list[Any]) -> None:
-        """Launch ``trials`` and tell the study each value, or ``FAIL``; after a SIGTERM, an unfinished trial stays
-        running (the next invocation continues it) and the sweep ends."""
+        """Launch ``trials``, tell the study each value or ``FAIL`` (after a SIGTERM: an unfinished one stays)."""
         overrides = [trial_overrides(t.number, t.params, space) for t in trials]
         returns = launcher.launch(overrides, initial_job_idx=trials[0].number)
         stopped = sweep_stop.active() and sweep_stop.requested()
