@@ -1,5 +1,4 @@
-"""Other libraries' messages read as data, and only here, as the versions in ``dpddp._compat.CHECKED`` write them
-(jsonargparse 4.x); it imports nothing. tests/test_messages.py feeds each reader the library's real message."""
+"""Other libraries' messages read as data, only here, as the versions in ``dpddp._compat.CHECKED`` write them."""
 
 from __future__ import annotations
 

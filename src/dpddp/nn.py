@@ -69,8 +69,7 @@ _BLOCK = 1 << 16  # elements hashed at a time on CPU: the int64 scratch stays in
 
 
 def _keep_mask(states: torch.Tensor, elements: torch.Tensor, p: float) -> torch.Tensor:
-    """bool ``[len(states), len(elements)]``: whether element ``e`` of the sample of ``states[j]`` is kept (on CPU
-    in blocks of ``_BLOCK`` elements: a whole int64 scratch is 1.1-5x slower and 16 bytes an element)."""
+    """bool ``[len(states), len(elements)]``: element ``e`` of sample ``j`` kept (CPU: ``_BLOCK`` at a time)."""
     device, n, numel = states.device, len(states), len(elements)
     keep = torch.empty(n, numel, dtype=torch.bool, device=device)
     rows = max(1, _BLOCK // max(numel, 1)) if device.type == "cpu" else max(n, 1)

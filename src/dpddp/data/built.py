@@ -1,5 +1,4 @@
-"""Data built in code is the same on every rank: built inside ``data_streams(seed)``, and checked by
-``SameDataOnEveryRank``. See docs/your-model-and-data.md."""
+"""Data built in code is the same on every rank: seeded by ``data_streams``, checked by ``SameDataOnEveryRank``."""
 
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ def data_checksum(splits: Mapping[str, Any]) -> int:
 
 
 class SameDataOnEveryRank(pl.Callback):
-    """At a fit's ``setup`` on several processes, the ranks compare ``data_checksum`` of the data module's
-    ``splits``. Raises ConfigError: the ranks built different data."""
+    """Raises ConfigError at a fit's ``setup`` when the ranks' ``data_checksum`` of the module's ``splits`` differ."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -57,8 +57,7 @@ def streams_kept() -> Iterator[None]:
 
 
 def fetch_keyed(dataset: Any, ids: Any, keys: list[int], getitems: Callable[[Any], Any] | None) -> Any:
-    """``dataset[i]`` for each of ``ids`` under its key of ``keys``, or one ``getitems(ids)`` under the first key (0
-    for no ids); the streams kept around it."""
+    """``dataset[i]`` for each of ``ids`` seeded by its key, or ``getitems(ids)`` seeded by the first (0: no ids)."""
     with streams_kept():
         if getitems is not None:
             seed_streams(keys[0] if keys else 0)
@@ -99,8 +98,7 @@ class KeyedSamples(Dataset):
 
 
 class UnkeyedDraws(pl.Callback):
-    """One warning line (global rank 0) when torch's global stream moved between a fit's first two training batches
-    of an epoch, where only the next fetch runs: data draws that no keyed fetch serves."""
+    """Warns once (rank 0) when torch's global stream moved between an epoch's first two training batches."""
 
     _after: tuple[int, int, torch.Tensor] | None = None
     _looked = False

@@ -30,8 +30,7 @@ def memory_bytes() -> int:
 
 
 def check_memory(data: Mapping, per_node: int, available: int) -> None:
-    """Raises ConfigError: ``per_node`` processes of the built-in data ``data`` need more than 80% of
-    ``available`` bytes; the advice names settings that fit."""
+    """Raises ConfigError: ``per_node`` processes of the built-in ``data`` need over 80% of ``available`` bytes."""
     limit = available * 0.8
     n, f, c, b = (data[k] for k in ("num_samples", "num_features", "num_classes", "batch_size"))
     streaming = bool(data.get("streaming"))

@@ -17,8 +17,7 @@ log = logging.getLogger(__name__)
 
 
 class RandomTensorDataModule(GlobalBatchDataModule):
-    """``make_tensors``' task cut into contiguous ``[train | val | test]``; ``streaming``: samples generated as
-    batches need them (``StreamingTensors``)."""
+    """``make_tensors``' task cut into ``[train | val | test]``; ``streaming``: as ``StreamingTensors``."""
 
     def __init__(
         self,

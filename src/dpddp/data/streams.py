@@ -51,8 +51,7 @@ class _OwnStreams:
 
 
 class StreamShares(YieldedIds, IterableDataset):
-    """This rank's chunk of each global batch of samples ``[start, start + length)`` of ``stream``, collated;
-    training: full batches only, from the position. Raises ConfigError: the stream ends before them."""
+    """This rank's collated share of each global batch of ``stream[start:start + length]`` (training: full ones)."""
 
     def __init__(
         self,
@@ -87,8 +86,7 @@ class StreamShares(YieldedIds, IterableDataset):
 
 
 class StreamDataModule(SplitLoaders):
-    """``stream`` (``num_samples`` a pass; ``None``: its ``len``) cut into contiguous ``[train | val | test]``,
-    served by ``StreamShares``. Raises ConfigError: no ``IterableDataset``, no sample count, bad split settings."""
+    """``stream`` (``num_samples`` a pass, else its ``len``) cut into ``[train | val | test]``, as ``StreamShares``."""
 
     def __init__(
         self,

@@ -1,5 +1,4 @@
-"""Random-tensor classification data from ``seed``: ``x ~ N(0, 1)``, labels ``argmax(x @ W + b)`` of a random
-teacher, whole or block by block. Torch only: ``bench/``'s plain-PyTorch baselines import it."""
+"""Random-tensor classification data from ``seed``, whole or block by block (torch only: ``bench/`` imports it)."""
 
 from __future__ import annotations
 

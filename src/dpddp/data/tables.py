@@ -19,8 +19,7 @@ TABLES = {"digits": datasets.load_digits, "breast_cancer": datasets.load_breast_
 
 
 class TableDataModule(GlobalBatchDataModule):
-    """The table ``name`` of ``TABLES``, each feature standardized; ``num_features`` and ``num_classes`` state its
-    sizes for the model's to follow. Raises ConfigError: an unknown ``name``, or sizes other than the table's."""
+    """The table ``name`` of ``TABLES``, standardized. Raises ConfigError: an unknown ``name``, sizes not its own."""
 
     def __init__(
         self,

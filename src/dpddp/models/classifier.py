@@ -49,7 +49,6 @@ class Classifier(pl.LightningModule):
 
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """Mean cross-entropy of this rank's chunk ``(x, y)``."""
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         self._step_losses.append((loss.detach(), len(y)))  # summed in float64 every _FOLD_EVERY steps, not each step

@@ -11,8 +11,8 @@ from dpddp.nn import SampleDropout
 
 
 class MLPClassifier(Classifier):
-    """``x: [batch, num_features] -> logits`` through ``Linear -> ReLU`` layers of widths ``hidden``, each followed
-    by ``SampleDropout(dropout)`` when ``dropout > 0``. Raises ``ValueError``: a width below 1, or a bad ``dropout``."""
+    """``x: [batch, num_features] -> logits`` by ``Linear -> ReLU [-> SampleDropout]`` layers of widths ``hidden``.
+    Raises ``ValueError``: a width below 1, or a bad ``dropout``."""
 
     def __init__(
         self,

@@ -29,10 +29,8 @@ def varying(overrides: list[list[str]]) -> tuple[list[list[str]], list[str]]:
 def curves(path: str | Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """``{label: {column: [(epoch, value)]}}`` of a run's or sweep's ``metrics.csv`` (``FileNotFoundError``: none)."""
     path = Path(path)
-    runs = [path] if (path / "metrics.csv").is_file() else sorted(
-        (p for p in path.iterdir() if p.is_dir() and p.name.isdigit() and (p / "metrics.csv").is_file()),
-        key=lambda p: int(p.name),
-    )  # fmt: skip
+    jobs = (p for p in path.iterdir() if p.is_dir() and p.name.isdigit() and (p / "metrics.csv").is_file())
+    runs = [path] if (path / "metrics.csv").is_file() else sorted(jobs, key=lambda p: int(p.name))
     if not runs:
         raise FileNotFoundError(f"no metrics.csv in {path} or in its job directories")
     labels = [path.name]

@@ -39,13 +39,12 @@ class FitTally(pl.Callback):
             self._step = trainer.global_step
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.by_steps:
             self.batches = trainer.global_step - self._step
             self.samples = self.batches * trainer.datamodule.batch_size  # type: ignore[attr-defined]
         else:
-            self.samples = (rows(batch) or 0) * trainer.world_size  # ddp: every rank's share is as large
+            self.samples = (rows(args[1]) or 0) * trainer.world_size  # args[1]: the batch; each rank's is as large
         self.stepped = True
 
     @override

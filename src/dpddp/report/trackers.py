@@ -69,8 +69,7 @@ def _mlflow_specs(configs: list[DictConfig]) -> list[tuple[str, Any]]:
 
 
 def _opened(key: str, uri: str, experiment: str, artifact_location: str | None) -> None:
-    """Make the SQLite store ``uri`` and its ``experiment``, locked (runs at once would each migrate it).
-    Raises ``ConfigError`` naming ``key`` when MLflow fails."""
+    """Make the SQLite store ``uri`` and ``experiment``, locked. Raises ``ConfigError`` naming ``key``: MLflow fails."""
     if not uri.startswith("sqlite:///"):
         return
     db = Path(uri.removeprefix("sqlite:///"))
