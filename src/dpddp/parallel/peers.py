@@ -1,6 +1,5 @@
-"""The ranks of a start through the rendezvous store: a key prefix of their own (``join_start``, in torchrun's
-agent store, which outlives a start), and heartbeats, so that a lost node ends a multi-node run everywhere within
-about ``strategy.timeout_s + 2 x BEAT_S`` seconds with one line naming it (docs/design-notes.md, parallel.peers)."""
+"""The ranks of a start through the rendezvous store: their own key prefix (``join_start``) and heartbeats, so that
+a lost node ends a multi-node run everywhere with one line naming it (docs/design-notes.md, parallel.peers)."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ class StoreClient:
 
     def bounded(self, what: str, op: Callable[[torch.distributed.Store], object], connect: bool = True) -> bool:
         """Whether ``op`` ran on the client (``connect=False``: one already connected) within about ``2 x
-        _STORE_OP_S`` seconds, from a helper thread (a silent store never answers); returns as soon as the helper
-        ends. Never raises."""
+        _STORE_OP_S`` seconds, in a helper thread (a silent store never answers). Never raises."""
         ended, ran = threading.Event(), []
 
         def call() -> None:
@@ -111,17 +109,23 @@ class PeerWatch(threading.Thread):
     def run(self) -> None:
         threading.Thread(target=self._beat_loop, daemon=True, name="dpddp-peer-beat").start()
         while not self.stopped.wait(BEAT_S):
-            now = time.monotonic()
-            stale = [r for r, (_, t) in self._seen.items() if now - t > self.timeout_s]
-            if now - self._answered > self.timeout_s:
-                why = f" ({self._error})" if self._error else ""
-                self._end(f"{self._store_gone()} for {self.timeout_s:.0f} s{why}")
-            elif stale:
-                self._end(f"{describe_ranks(stale, self.ranks_per_node)} lost: no heartbeat for {self.timeout_s:.0f} s")
+            if line := self._lost(self.timeout_s):
+                self._end(line)
             elif self._cause is not None:
-                self._cause_seen = self._cause_seen or now
-                if now - self._cause_seen > CAUSE_GRACE_S:
+                self._cause_seen = self._cause_seen or time.monotonic()
+                if time.monotonic() - self._cause_seen > CAUSE_GRACE_S:
                     self._end(self._cause)
+
+    def _lost(self, limit: float) -> str | None:
+        """The line for node 0's store or the peers silent for more than ``limit`` seconds, or ``None``."""
+        now = time.monotonic()
+        if now - self._answered > limit:  # then no peer can be seen either
+            why = f" ({self._error})" if self._error else ""
+            store = f"the rendezvous store at {self._client.address}:{self._client.port}"
+            return f"node 0 lost: {store} has not answered for {int(now - self._answered)} s{why}"
+        stale = [r for r, (_, t) in self._seen.items() if now - t > limit]
+        silent = max((now - self._seen[r][1] for r in stale), default=0.0)
+        return f"{describe_ranks(stale, self.ranks_per_node)} lost: no heartbeat for {int(silent)} s" if stale else None
 
     def _beat_loop(self) -> None:
         while not self.stopped.wait(BEAT_S):
@@ -147,31 +151,19 @@ class PeerWatch(threading.Thread):
                 self._seen[r] = (count, now)
         self._cause = cause
 
-    def _store_gone(self) -> str:
-        return f"node 0 lost: the rendezvous store at {self._client.address}:{self._client.port} has not answered"
-
     def _end(self, line: str) -> None:
         log.error(f"error: {line}; ending the run")
         logging.shutdown()
         os._exit(1)
 
     def explain(self) -> str | None:
-        """The peer to blame for the run's failure (a lost node, a reported cause, node 0's store), or ``None`` if
-        all still beat; blocks up to ``STALE_S + 1`` seconds."""
+        """The peer to blame for the run's failure, or ``None`` if all still beat; blocks up to ``STALE_S + 1`` s."""
         deadline = time.monotonic() + STALE_S + 1.0
-        while True:
-            now = time.monotonic()
-            if self._cause is not None:
-                return self._cause
-            if now - self._answered >= STALE_S:  # then no peer can be seen either
-                return self._store_gone()
-            stale = [r for r, (_, t) in self._seen.items() if now - t >= STALE_S]
-            if stale:
-                silent = max(now - self._seen[r][1] for r in stale)
-                return f"{describe_ranks(stale, self.ranks_per_node)} lost: no heartbeat for {silent:.0f} s"
-            if now > deadline or not self.is_alive():
+        while (line := self._cause or self._lost(STALE_S)) is None:
+            if time.monotonic() > deadline or not self.is_alive():
                 return None
             time.sleep(0.1)
+        return line
 
     def report(self, line: str) -> None:
         """Tell the peers why this rank is failing (the first report wins). Never raises."""
@@ -214,8 +206,7 @@ def join_start(store: Any, rank: int, world_size: int, ranks_per_node: int, time
 
 
 def torchrun_restarted() -> bool:
-    """Whether this worker belongs to a restart of its torchrun job (a restart count, or an earlier start in the
-    agent's store); ``False`` outside torchrun or if the store does not answer within 10 s."""
+    """Whether this worker belongs to a restart of its torchrun job; ``False`` outside torchrun or if it is silent."""
     if torchrun_restart_count() > 0:
         return True
     address, port = master_address()
