@@ -137,7 +137,7 @@ def world_of_one():
 
 def test_init_process_group_passes_what_lightnings_setup_distributed_passes(world_of_one, monkeypatch):
     """The copy of ``DDPStrategy.setup_distributed`` hands ``_init_dist_connection`` the same backend and keyword
-    arguments as Lightning's own (the timeout, and ``device_id`` under its torch >= 2.3 guard)."""
+    arguments as Lightning's own (the timeout, and ``device_id``: dpddp needs torch >= 2.3, Lightning's guard)."""
     from lightning.pytorch.strategies import ddp as lightning_ddp
 
     passed = {}
@@ -151,7 +151,6 @@ def test_init_process_group_passes_what_lightnings_setup_distributed_passes(worl
     strategy.setup_distributed()
     _compat.init_process_group(world_of_one, "gloo", strategy._timeout, strategy.root_device)
     assert passed["ours"] == passed["its"] == ("gloo", {"timeout": strategy._timeout, "device_id": None})
-    assert _compat._TORCH_GREATER_EQUAL_2_3 is (Version(torch.__version__) >= Version("2.3"))
 
 
 def test_init_process_group_joins_through_lightnings_dist_connection_with_a_given_store(world_of_one):

@@ -1,9 +1,9 @@
-"""Every private Lightning, torch and Hydra name dpddp relies on, with the version checked; tests/test_compat.py
-fails when one moves (docs/design-notes.md, _compat)."""
+"""Every private Lightning, torch and Hydra name dpddp relies on, with the version checked (tests/test_compat.py)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import multiprocessing.forkserver
 import multiprocessing.resource_sharer
@@ -19,18 +19,23 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from datetime import timedelta
+from functools import partial
 from typing import Any, NoReturn
+from unittest.mock import patch
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.distributed as dist
+from hydra._internal import utils as hydra_utils
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra._internal.hydra import Hydra
+from hydra.errors import ConfigCompositionException
 from hydra.types import RunMode
 from lightning.fabric.plugins import ClusterEnvironment
 
 # Lightning 2.6.6, as its DDPStrategy.setup_distributed uses them.
 from lightning.fabric.utilities.distributed import _init_dist_connection, _set_num_threads_if_needed
-from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_3
 from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
@@ -60,10 +65,9 @@ def init_process_group(
     env: ClusterEnvironment, backend: str, timeout: timedelta, device: torch.device, store: Any = None
 ) -> None:
     """Lightning 2.6.6's ``_init_dist_connection`` as ``DDPStrategy.setup_distributed`` calls it, with ``store``."""
-    kwargs: dict[str, Any] = {"timeout": timeout, **({"store": store} if store is not None else {})}
-    if _TORCH_GREATER_EQUAL_2_3:
-        kwargs["device_id"] = device if device.type != "cpu" else None
-    _init_dist_connection(env, backend, **kwargs)
+    device_id = device if device.type != "cpu" else None  # as Lightning's, torch >= 2.3
+    extra = {"store": store} if store is not None else {}
+    _init_dist_connection(env, backend, timeout=timeout, device_id=device_id, **extra)
 
 
 def rank0_store(sock: socket.socket, world_size: int, timeout: timedelta) -> torch.distributed.Store:
@@ -263,11 +267,7 @@ def _softmax_per_sample(tensor: torch.Tensor, normalization: Any, original: Any)
 
 
 def softmax_per_sample() -> None:
-    """Make torchmetrics 1.9's ``normalize_logits_if_needed(preds, "softmax")`` decide per sample, in the modules
-    that call it (AUROC, AveragePrecision, ROC, ..., calibration error, hinge); idempotent."""
-    import importlib
-    from functools import partial
-
+    """Make torchmetrics 1.9's ``normalize_logits_if_needed(preds, "softmax")`` decide per sample; idempotent."""
     for name in ("precision_recall_curve", "calibration_error", "hinge"):
         module = importlib.import_module(f"torchmetrics.functional.classification.{name}")
         current = module.normalize_logits_if_needed
@@ -293,9 +293,7 @@ def skip_empty_batch_hooks(callbacks: Iterable[pl.Callback]) -> None:
 
 def _hydra_parser() -> argparse.ArgumentParser:
     """hydra-core 1.3.8's ``get_args_parser``, raising ``argparse.ArgumentError`` where it would exit."""
-    from hydra._internal.utils import get_args_parser
-
-    parser = get_args_parser()
+    parser = hydra_utils.get_args_parser()
 
     def refuse(message: str) -> NoReturn:
         raise argparse.ArgumentError(None, message)
@@ -325,20 +323,11 @@ def hydra_argument_error(argv: list[str]) -> str | None:
 
 def hydra_mode_unset() -> AbstractContextManager[Any]:
     """Inside it, hydra-core 1.3.8's ``Hydra.get_mode`` returns ``None`` without composing."""
-    from unittest.mock import patch
-
-    from hydra._internal.hydra import Hydra
-
     return patch.object(Hydra, "get_mode", lambda self, config_name, overrides: None)
 
 
 def hydra_override_refused(refused: Callable[[Any, Any, Exception], None]) -> AbstractContextManager[Any]:
     """Inside it, Hydra 1.3.8's ``_apply_overrides_to_config`` calls ``refused(override, cfg, err)``, then raises."""
-    from unittest.mock import patch
-
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra.errors import ConfigCompositionException
-
     apply = ConfigLoaderImpl.__dict__["_apply_overrides_to_config"]
 
     def one_at_a_time(overrides: list[Any], cfg: Any) -> None:
@@ -359,10 +348,7 @@ HYDRA_BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLaunche
 @contextmanager
 def hydra_reported(report: Callable[[Exception], None], kinds: tuple[type[Exception], ...]) -> Iterator[None]:
     """Inside it, Hydra's ``run_and_report`` and ``show_info`` call ``report(err)`` first for an error of ``kinds``."""
-    from hydra._internal import utils
-    from hydra._internal.hydra import Hydra
-
-    run_and_report, show_info = utils.run_and_report, Hydra.show_info
+    run_and_report, show_info = hydra_utils.run_and_report, Hydra.show_info
 
     def composed_first(self: Any, info: str, config_name: Any, overrides: list[str], *args: Any) -> None:
         try:
@@ -383,18 +369,16 @@ def hydra_reported(report: Callable[[Exception], None], kinds: tuple[type[Except
 
         return run_and_report(call)
 
-    utils.run_and_report, Hydra.show_info = reported, composed_first  # type: ignore[method-assign,assignment]
+    hydra_utils.run_and_report, Hydra.show_info = reported, composed_first  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        utils.run_and_report, Hydra.show_info = run_and_report, show_info  # type: ignore[method-assign]
+        hydra_utils.run_and_report, Hydra.show_info = run_and_report, show_info  # type: ignore[method-assign]
 
 
-def locate(path: str) -> Any:
-    """What ``_target_: <path>`` builds, without ``get_class``'s log lines; raises ``ImportError``, ``ValueError``."""
-    from hydra._internal.utils import _locate
-
-    return _locate(path)
+locate = (
+    hydra_utils._locate
+)  # what ``_target_: <path>`` builds, without get_class's log lines (ImportError, ValueError)
 
 
 # Lightning 2.6.6: the strategy registry, DDPStrategy._ddp_kwargs, callbacks' internals.
@@ -576,8 +560,7 @@ def stop_worker_servers(wait_s: float = 5.0) -> None:
 
 
 def at_multiprocessing_exit(function: Callable[[], object]) -> None:
-    """Call ``function()`` at this process's normal exit, after multiprocessing's own exit work (``util.Finalize``
-    with the lowest ``exitpriority``); registered once per process however often it is asked."""
+    """Call ``function()`` once at this process's normal exit, after multiprocessing's own exit work."""
     registry = multiprocessing.util._finalizer_registry  # type: ignore[attr-defined]
     if not any(f._callback is function and f._pid == os.getpid() for f in list(registry.values())):
         multiprocessing.util.Finalize(None, function, exitpriority=-100)
