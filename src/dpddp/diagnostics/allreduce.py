@@ -15,7 +15,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_h
 from dpddp.diagnostics.whereabouts import GRADIENTS, mark
 
 COMM_HOOKS = {"fp16_compress": fp16_compress_hook, "bf16_compress": bf16_compress_hook, "powersgd": powerSGD_hook}
-"""``strategy.ddp_comm_hook``'s names for torch's hooks (PowerSGD takes a ``PowerSGDState``)."""
 
 
 class AllReduceTimer:

@@ -55,8 +55,8 @@ def _median_seconds(tensor: torch.Tensor) -> float:
 
 
 def _in_group(rank: int, world_size: int, device: torch.device, sizes: list[int]) -> Collective:
-    """Time float32 all-reduces of one float and of each of ``sizes`` bytes on ``device``, in a default process
-    group this rank starts and ends (NCCL on a GPU, else gloo): the slowest rank's medians."""
+    """The slowest rank's median seconds of float32 all-reduces of one float and of ``sizes`` bytes on ``device``,
+    in a process group this rank starts and ends (NCCL on a GPU, else gloo)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -23,8 +23,7 @@ from dpddp.report.throughput import ThroughputCounts
 
 log = logging.getLogger(__name__)
 
-STRAGGLER_RATIO = 1.5
-"""An epoch's compute time, over the ranks' median, from which a rank is warned about."""
+STRAGGLER_RATIO = 1.5  # an epoch's compute time, over the ranks' median, from which a rank is warned about
 
 
 def slowest(compute_s: Sequence[float]) -> tuple[int, float]:
@@ -59,7 +58,7 @@ def peak_memory_mib(trainer: pl.Trainer) -> tuple[float, str]:
 
 class Costs(pl.Callback):
     """Fills ``epoch`` at each epoch's end, keeps the run's figures in ``counts`` (resumable), publishes them at
-    ``on_fit_end`` (``MEMORY_KEY``, ``SHARE_KEY``) and warns of a straggler. One all-gather an epoch, one at the end."""
+    ``on_fit_end`` (``MEMORY_KEY``, ``SHARE_KEY``) and warns of a straggler."""
 
     MEMORY_KEY = "perf/peak_mem_mib"
     SHARE_KEY = "perf/allreduce_share"

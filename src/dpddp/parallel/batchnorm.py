@@ -1,5 +1,4 @@
-"""BatchNorm over the global batch on any backend (torch's ``nn.SyncBatchNorm`` is CUDA-only), the plugin that swaps
-it in for a fit, and the decision from the config (docs/design-notes.md, parallel.batchnorm)."""
+"""BatchNorm over the global batch on any backend (torch's ``nn.SyncBatchNorm`` is CUDA-only), and its plugin."""
 
 from __future__ import annotations
 
@@ -52,9 +51,8 @@ def _group_size(group: Any) -> int:
 
 
 class GlobalBatchNorm(BatchNormBase):
-    """``nn.BatchNorm*`` (its arguments) whose batch statistics, on more than one process, are over
-    ``process_group`` (``None``: the world). Input ``[N, C, *]``. Raises ``ValueError``: input of fewer than 2 dims;
-    in training, at most one value per channel globally."""
+    """``nn.BatchNorm*`` whose batch statistics are over ``process_group`` (``None``: the world). Input ``[N, C, *]``.
+    Raises ``ValueError``: input of fewer than 2 dims; in training, at most one value per channel globally."""
 
     def __init__(self, *args: Any, process_group: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -127,8 +125,7 @@ def _replace_each(model: nn.Module, swap: Callable[[nn.Module], nn.Module]) -> n
 
 
 def convert(module: nn.Module, cuda: bool = False) -> nn.Module:
-    """``module`` (or its replacement) with every initialised BatchNorm replaced by a ``GlobalBatchNorm`` (``cuda``:
-    ``nn.SyncBatchNorm``) holding the same tensors."""
+    """``module`` with every initialised BatchNorm replaced by a ``GlobalBatchNorm`` (``cuda``: ``SyncBatchNorm``)."""
     target = nn.SyncBatchNorm if cuda else GlobalBatchNorm
 
     def synced(old: nn.Module) -> nn.Module:
@@ -164,8 +161,7 @@ def _names(names: list[str], most: int = 4) -> str:
 
 
 class BatchNormSync(LayerSync):
-    """Lightning's ``LayerSync`` for BatchNorm under DDP: ``sync`` converts (``cuda``: ``SyncBatchNorm``), else rank 0
-    warns, naming the modules."""
+    """Lightning's ``LayerSync`` under DDP: ``sync`` converts (``cuda``: ``SyncBatchNorm``), else warns."""
 
     def __init__(self, sync: bool = True, cuda: bool = False, processes: int = 2) -> None:
         self.sync, self.cuda, self.processes = sync, cuda, processes
@@ -201,9 +197,8 @@ _warn = rank_zero_only(log.warning)
 
 
 def batchnorm_plugins(cfg: Mapping, model: nn.Module | None = None) -> list[LayerSync]:
-    """``[BatchNormSync]`` under ddp with more than one process, else ``[]``. Raises ``ConfigError``: a
-    ``trainer.sync_batchnorm`` other than null/auto/true/false, or ``strategy=dp`` over several devices with
-    BatchNorm modules in ``model`` (``None``: not checked)."""
+    """``[BatchNormSync]`` under ddp with more than one process, else ``[]``. Raises ``ConfigError``: a bad
+    ``trainer.sync_batchnorm``, or ``strategy=dp`` over several devices with BatchNorm modules in ``model``."""
     sync = (cfg.get("trainer") or {}).get("sync_batchnorm")
     if not (sync is None or isinstance(sync, bool) or sync == "auto"):
         raise ConfigError(

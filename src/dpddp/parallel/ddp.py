@@ -1,5 +1,4 @@
-"""Lightning's DDP strategy with dpddp's launcher, network interface, rendezvous, peer watch and whereabouts
-(docs/design-notes.md, parallel.ddp)."""
+"""Lightning's DDP strategy with dpddp's launcher, network interface, rendezvous, peer watch and whereabouts."""
 
 from __future__ import annotations
 
@@ -58,10 +57,9 @@ UNUSED_PARAMETERS_LINE = (
 
 
 class DDPStrategy(LightningDDPStrategy):
-    """Lightning's ``DDPStrategy`` whose launcher starts ranks from ``job`` (``None``: Lightning's). ``timeout_s``:
-    seconds a collective waits for a lost peer; ``launch``: ``"fork"``, ``"exec"`` or ``"auto"`` (fork on CPU while
-    CUDA is not initialised). No ``ddp_comm_hook`` or one of ``COMM_HOOKS``: timed by ``allreduce_timer``;
-    ``"powersgd"`` keeps a ``PowerSGDState`` (``comm_state``). ``**kwargs`` go to Lightning's."""
+    """Lightning's ``DDPStrategy`` whose launcher starts ranks from ``job`` (``None``: Lightning's); ``launch``:
+    ``"fork"``, ``"exec"`` or ``"auto"`` (fork on CPU while CUDA is not initialised). The all-reduce is timed by
+    ``allreduce_timer``; ``"powersgd"`` keeps its ``comm_state``. ``**kwargs`` go to Lightning's."""
 
     def __init__(
         self,
@@ -76,10 +74,7 @@ class DDPStrategy(LightningDDPStrategy):
         hook = kwargs.get("ddp_comm_hook")
         self.comm_state: PowerSGDState | None = None
         if hook == "powersgd":
-            self.comm_state = PowerSGDState(
-                None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=powersgd_start_iter
-            )
-            kwargs["ddp_comm_state"] = self.comm_state
+            kwargs["ddp_comm_state"] = self.comm_state = PowerSGDState(None, powersgd_rank, powersgd_start_iter)
         self._layout: dict[int, list[int]] = {}  # PowerSGD: each bucket's parameters, as the last backward had them
         self._restored_layout: list[list[int]] | None = None
         self._param_index: dict[int, int] = {}
@@ -98,7 +93,6 @@ class DDPStrategy(LightningDDPStrategy):
     @property
     @override
     def launcher(self) -> compat.Launcher | None:
-        """A ``JobLauncher`` for a job; else Lightning's."""
         if self.job is None:
             return super().launcher
         if self.supervisor is None:
@@ -113,8 +107,8 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        """Lightning's, on the chosen interface, in this start's keys, with a ``PeerWatch`` (several nodes) and
-        ``Whereabouts``. Raises ``ConfigError`` (``apply_interface``), or ``RankFailed`` (``join_start``)."""
+        """Lightning's, on the chosen interface, with a ``PeerWatch`` (several nodes) and ``Whereabouts``. Raises
+        ``ConfigError`` (``apply_interface``), or ``RankFailed`` (``join_start``)."""
         env = self.cluster_environment
         assert env is not None
         initialized = torch.distributed.is_initialized()  # fit, then test: one group
@@ -163,8 +157,7 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """Lightning's, with the communication hook on CPU too, and over the parameters a ``BaseFinetuning``
-        callback froze (all-reduced once it unfreezes them)."""
+        """Lightning's, with the comm hook on CPU too, over the parameters a ``BaseFinetuning`` callback froze."""
         module = self.lightning_module
         assert module is not None
         with contextlib.ExitStack() as stack:
@@ -180,7 +173,6 @@ class DDPStrategy(LightningDDPStrategy):
             self.model.register_comm_hook(self.comm_state, self._hook)
 
     def _recording_hook(self, state: Any, bucket):  # no annotations on bucket and the return: DDP checks them
-        """The timed hook, recording the bucket's parameters for ``comm_state_dict``."""
         self._layout[bucket.index()] = [self._param_index[id(p)] for p in bucket.parameters()]
         assert self.allreduce_timer is not None
         return self.allreduce_timer.hook(state, bucket)
@@ -216,7 +208,6 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        """Lightning's; a caller's mark (e.g. ``Costs``' "the cost gather") stays the one reported."""
         with entering(current() or "Lightning's all_gather"):
             return super().all_gather(tensor, group, sync_grads)
 
@@ -231,8 +222,8 @@ class DDPStrategy(LightningDDPStrategy):
             return super().broadcast(obj, src)
 
     def explain_failure(self, err: BaseException) -> str | None:
-        """The line naming the peer to blame for ``err`` (``PeerWatch``'s, else ``Whereabouts``'), or ``None``
-        (this rank's own failure, reported to the peers). Stops the watch."""
+        """The line naming the peer to blame for ``err``, or ``None`` (this rank's own failure, reported to the
+        peers). Stops the watch."""
         watch, self._peer_watch = self._peer_watch, None
         if isinstance(err, (ConfigError, Preempted, ReplicasDiverged)):  # every rank's own
             return None
@@ -245,12 +236,10 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Every loader of every stage, its workers started safely (``start_workers_safely``)."""
         return start_workers_safely(dataloader, self.global_rank)
 
     @override
     def teardown(self) -> None:
-        """Stop the ``PeerWatch`` cleanly and the ``Whereabouts``, then Lightning's teardown."""
         for watch in (self._peer_watch, self._whereabouts):
             if watch is not None:
                 watch.stop()

@@ -1,5 +1,4 @@
-"""One process: ``strategy=auto`` on one device, and the ``dp`` strategy that Lightning 2.x removed (the forward
-replicated over GPUs by ``torch.nn.DataParallel``; docs/design-notes.md, parallel.dp)."""
+"""One process: ``strategy=auto`` on one device, and ``dp`` (``nn.DataParallel``), which Lightning 2.x removed."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def restore_forward(module: pl.LightningModule) -> None:
 
 
 class OneProcessStrategy(SingleDeviceStrategy):
-    """Lightning's single-device strategy on the first of the ``parallel_devices`` Lightning's connector fills in;
-    ``start_workers(loader, global_rank)`` returns each loader as it is to run."""
+    """Lightning's single-device strategy on the first of its ``parallel_devices``; ``start_workers(loader, rank)``."""
 
     def __init__(self, start_workers: Callable[[Any, int], Any] | None = None, **kwargs: Any) -> None:
         super().__init__(device="cpu", **kwargs)
@@ -70,9 +68,8 @@ class OneProcessStrategy(SingleDeviceStrategy):
 
 
 class DataParallelStrategy(OneProcessStrategy):
-    """``torch.nn.DataParallel`` over several GPUs (the global batch split along dim 0, the outputs gathered on the
-    first; checkpoints hold the plain module's weights); one device runs the module unwrapped. Raises
-    ``ValueError`` at Trainer construction for more than one CPU device (use ``strategy=ddp``)."""
+    """``torch.nn.DataParallel`` over several GPUs; checkpoints hold the plain module's weights. Raises ``ValueError``
+    at Trainer construction for more than one CPU device."""
 
     strategy_name = "dp"
 

@@ -1,5 +1,4 @@
-"""Starting and supervising a DDP run's local ranks from a ``RankJob`` (docs/design-notes.md, parallel.launcher).
-Lightning's ``Trainer(devices=, num_nodes=)`` gives the strategy the processes per node it passes here."""
+"""Starting and supervising a DDP run's local ranks from a ``RankJob`` (docs/design-notes.md, parallel.launcher)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, MutableMapping
 from contextlib import suppress
 from typing import Any, ClassVar
 
@@ -36,8 +35,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class RankJob:
     """What a launched rank needs, without Hydra or ``sys.argv``: ``entry`` (``"module:function"``, called with
-    the job), the resolved ``config`` (JSON types), the shared ``output_dir``, the ``stage``, and the launcher's
-    ``cwd`` and ``sys_path``."""
+    the job), the resolved ``config`` (JSON types), the run directory, the stage, the launcher's cwd and path."""
 
     ENV: ClassVar[str] = "DPDDP_JOB"
 
@@ -53,9 +51,9 @@ class RankJob:
         return {self.ENV: json.dumps(dataclasses.asdict(self))}
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> RankJob:
-        """The job that ``to_env`` wrote. Raises ``KeyError`` if ``$DPDDP_JOB`` is not set."""
-        fields = json.loads(environ[cls.ENV])
+    def from_env(cls, environ: MutableMapping[str, str] = os.environ) -> RankJob:
+        """The job that ``to_env`` wrote, taken out of ``environ``. Raises ``KeyError`` if ``$DPDDP_JOB`` is not set."""
+        fields = json.loads(environ.pop(cls.ENV))
         return cls(**{**fields, "sys_path": tuple(fields["sys_path"])})
 
     def entry_function(self) -> Callable[[RankJob], Any]:
@@ -81,9 +79,8 @@ def _rank_ended(rank: int, proc: Any) -> str:
 
 
 def _watch_ranks(procs: list[Any], done: threading.Event, grace_s: float = 10.0) -> None:
-    """Until ``done``: when a launched rank exits non-zero, kill the others and, unless rank 0 fails within
-    ``grace_s`` seconds, end it with exit status 1; a rank stopped by SIGTERM first gets ``grace_s`` for rank 0 to
-    stop too."""
+    """Until ``done``: when a launched rank exits non-zero (after ``grace_s`` for SIGTERM's), kill the others and,
+    unless rank 0 fails within ``grace_s`` seconds, end it with exit status 1."""
     while not done.wait(0.5):
         failed = [(r, p) for r, p in enumerate(procs, 1) if p.poll() not in (None, 0)]
         if not failed:
@@ -152,9 +149,8 @@ class _ForkedRank:
 
 
 class JobLauncher(compat.SubprocessScriptLauncher):
-    """Lightning's ``_SubprocessScriptLauncher`` starting local ranks from ``job``: forked (``fork``, running
-    ``run_forked(job)`` for an exit status) or ``python -m dpddp.parallel.rank``. ``explain_failure(err)``: the line
-    naming the peer to blame for a failed run, or ``None``."""
+    """Lightning's ``_SubprocessScriptLauncher`` starting local ranks from ``job``: forked (``fork``: exiting with
+    ``run_forked(job)``) or ``python -m dpddp.parallel.rank``; ``explain_failure(err)``: the peer to blame, or None."""
 
     def __init__(
         self,

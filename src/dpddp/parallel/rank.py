@@ -1,5 +1,4 @@
-"""Entry of a launched DDP rank: ``python -m dpddp.parallel.rank`` (exec'd, its ``RankJob`` in ``$DPDDP_JOB``), or
-``run_rank`` in a forked one."""
+"""Entry of a launched DDP rank: ``python -m dpddp.parallel.rank`` (its ``RankJob`` in ``$DPDDP_JOB``), or forked."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ def run_rank(job: RankJob) -> int:
 
 
 def main() -> int:
-    """``python -m dpddp.parallel.rank``: run the rank whose job is in ``$DPDDP_JOB``; return the exit status."""
+    """Run the rank whose job is in ``$DPDDP_JOB``; return the exit status."""
     job = RankJob.from_env()
-    del os.environ[RankJob.ENV]
     os.chdir(job.cwd)
     return run_rank(job)
 

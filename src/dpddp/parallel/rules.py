@@ -1,5 +1,4 @@
-"""The device and strategy settings a run may have (each bad one a ``ConfigError`` line before any process starts),
-and ``resolve_world``, the one resolver of the ``World`` they give."""
+"""The device and strategy settings a run may have, each bad one refused, and ``resolve_world``, their ``World``."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ from dpddp.diagnostics.allreduce import COMM_HOOKS
 from dpddp.errors import ConfigError, checked_float, checked_int, local_rank
 from dpddp.parallel.settings import CLUSTERS, STRATEGIES, check_device_values
 
-DDP_FAMILY = ("ddp", "ddp_spawn")
-"""The strategies that run one process per device (dpddp's launcher, or a cluster's); the others run one."""
+DDP_FAMILY = ("ddp", "ddp_spawn")  # the strategies that run one process per device; the others run one
 
 
 def is_ddp_family(strategy: str) -> bool:
@@ -27,8 +25,7 @@ def is_ddp_family(strategy: str) -> bool:
 
 
 DDP_OPTIONS: tuple[str, ...] = ("process_group_backend", "timeout_s", "launch", "start_method", "ddp_comm_hook")
-DDP_OPTIONS += ("powersgd_rank", "powersgd_start_iter")
-"""dpddp's own ``strategy.*`` keys; the others are ``DistributedDataParallel``'s arguments."""
+DDP_OPTIONS += ("powersgd_rank", "powersgd_start_iter")  # the others are DistributedDataParallel's arguments
 
 
 def resolve_accelerator(accelerator: str) -> str:
@@ -59,15 +56,14 @@ class World:
 
 
 def world_of(cfg: Mapping) -> World:
-    """The ``World`` of ``cfg``'s device settings, read as they are (``resolve_world`` checks them first): under DDP
-    ``devices x nodes`` processes (``num_nodes=auto``: a launcher's world size over ``devices``, else 1 node); under
-    ``dp`` one process with a replica per GPU; else one of each."""
+    """The ``World`` of ``cfg``'s device settings, unchecked (``resolve_world`` checks them); ``num_nodes=auto`` under
+    DDP: a launcher's world size over ``devices``, else 1 node."""
     strategy = cfg["strategy"]["name"]
     family = "ddp" if is_ddp_family(strategy) else "dp" if strategy == "dp" else "one"
     devices = cfg["devices"] if cfg["devices"] != -1 else torch.cuda.device_count()
     elastic = launch.cluster_world_size(cfg["cluster"]) if family == "ddp" and cfg["num_nodes"] == "auto" else None
     nodes = 1 if cfg["num_nodes"] == "auto" else cfg["num_nodes"]
-    if elastic is not None:  # a launcher's world size over the processes per node
+    if elastic is not None:
         nodes = max(elastic[0] // max(devices, 1), 1)
     size = devices * nodes if family == "ddp" else 1
     return World(
@@ -88,8 +84,8 @@ def world_of(cfg: Mapping) -> World:
 
 
 def resolve_world(cfg: Mapping) -> World:
-    """The run's ``World``, once its device settings, ``strategy.*`` options and launcher's world (it must be the
-    run's) are checked. Raises ``ConfigError`` naming the first setting this machine or cluster cannot run."""
+    """The run's ``World``, its device settings, ``strategy.*`` options and launcher's world checked. Raises
+    ``ConfigError`` naming the first setting this machine or cluster cannot run."""
     strategy, devices, num_nodes = cfg["strategy"]["name"], cfg["devices"], cfg["num_nodes"]
     ddp = is_ddp_family(strategy)
     if strategy not in STRATEGIES and (line := lightning_name_line(strategy)):  # dpddp's settings for Lightning's name
@@ -107,8 +103,7 @@ def resolve_world(cfg: Mapping) -> World:
         raise ConfigError(f"devices={devices} CPU processes on {cores} cores: use at most {4 * cores}")
     if strategy == "dp" and accelerator == "cpu" and devices > 1:
         raise ConfigError(
-            f"strategy=dp with devices={devices} on CPU: DataParallel replicates over CUDA GPUs in one process; "
-            f"for several CPU processes use strategy=ddp devices={devices}"
+            f"strategy=dp with devices={devices} on CPU: DataParallel needs GPUs: use strategy=ddp devices={devices}"
         )
     if strategy in ("auto", "dp") and num_nodes != "auto" and num_nodes > 1:
         raise ConfigError(
@@ -145,9 +140,8 @@ def resolve_world(cfg: Mapping) -> World:
             )
     if started and not ddp and started[0] > 1:  # each process would train alone
         raise ConfigError(
-            f"the cluster started {started[0]} processes ({started[1]}={started[0]}) but strategy={strategy} runs "
-            f"one, so each would train alone into the same directory: use strategy=ddp with devices x num_nodes = "
-            f"{started[0]}"
+            f"the cluster started {started[0]} processes ({started[1]}={started[0]}) but strategy={strategy} runs one "
+            f"(each would train alone): use strategy=ddp with devices x num_nodes = {started[0]}"
         )
     if started and ddp and started[0] != world.world_size:
         raise ConfigError(
@@ -201,8 +195,7 @@ def check_strategy_options(options: Mapping) -> None:
 
 
 def lightning_equivalent(name: str) -> tuple[str, ...] | None:
-    """dpddp's settings for a Lightning strategy name it can run (``ddp_fork``: ``strategy=ddp
-    strategy.launch=fork``), or ``None``."""
+    """dpddp's settings for a Lightning strategy name it can run (``ddp_fork``: ``strategy.launch=fork``), or None."""
     cls, params = registered_strategies().get(name, (None, {}))
     if cls is SingleDeviceStrategy:
         return ("strategy=auto",)

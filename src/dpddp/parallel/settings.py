@@ -17,8 +17,7 @@ LIGHTNING_STRATEGIES = frozenset(
     | {"deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3"}
     | {"deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", "dp", "fsdp", "fsdp_cpu_offload"}
     | {"single_device", "single_tpu", "single_xla", "xla", "xla_debug"}
-)
-"""The names in Lightning 2.6.6's ``StrategyRegistry`` (tests/test_early.py fails when it registers one more)."""
+)  # the names in Lightning 2.6.6's StrategyRegistry (tests/test_early.py checks them)
 
 
 def check_device_values(cfg: Mapping) -> None:

@@ -1,5 +1,4 @@
-"""DataLoader workers that start from a fork server, end with their rank, and end the run with one line when
-stuck or dead (docs/design-notes.md, parallel.workers)."""
+"""DataLoader workers that start from a fork server, end with their rank, and end the run in one line if stuck."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ def _alive(pid: int) -> bool:
 
 
 class WorkerInitFailed(RuntimeError):
-    """Raised in a DataLoader worker whose loader's own ``worker_init_fn`` raised; torch re-raises it in the rank,
-    the worker's traceback's last line ``...WorkerInitFailed: <this message>``."""
+    """Raised in a DataLoader worker whose loader's own ``worker_init_fn`` raised (torch re-raises it in the rank)."""
 
 
 class WorkerStart:
@@ -65,8 +63,8 @@ if compat.in_fork_server():  # it preloads this module: exit at once, without fi
 
 
 def _preload(loader: DataLoader) -> None:
-    """Add to the fork server's preload: torch, this module, the modules of the loader's data set and collate_fn and
-    of what the main module imported (each worker runs the main module again: not ``__main__`` itself)."""
+    """Add torch, this module and those of the loader's data set, collate_fn and main module's imports to the fork
+    server's preload (each worker runs the main module again)."""
     main = vars(sys.modules["__main__"]).values() if "__main__" in sys.modules else ()
     imported = [v for v in main if isinstance(v, (ModuleType, type, FunctionType)) and v is not builtins]
     inner = getattr(loader.dataset, "dataset", None)  # a wrapper's (a Subset's, dpddp's keyed samples)
@@ -81,9 +79,8 @@ def _preload(loader: DataLoader) -> None:
 
 
 def start_workers_safely(loader: object, rank: int) -> object:
-    """``loader``, changed in place when it is a ``DataLoader`` with workers: ``START_METHOD`` and a ``timeout`` of
-    ``WORKER_TIMEOUT_S`` unless it has its own, a ``WorkerStart`` around its ``worker_init_fn`` (or Lightning's
-    seeding of global rank ``rank``, as Lightning would add it). Any other object is returned as it is."""
+    """``loader``, changed in place when it is a ``DataLoader`` with workers: ``START_METHOD``, ``WORKER_TIMEOUT_S``
+    unless it has a timeout, a ``WorkerStart`` around its ``worker_init_fn`` (or Lightning's seeding of ``rank``)."""
     if not isinstance(loader, DataLoader) or not loader.num_workers or isinstance(loader.worker_init_fn, WorkerStart):
         return loader
     if loader.multiprocessing_context is None and START_METHOD in multiprocessing.get_all_start_methods():
