@@ -58,8 +58,7 @@ def _check_val_interval(trainer: Mapping, batches: int) -> None:
     if interval > batches:
         raise ConfigError(
             f"trainer.val_check_interval={interval} is more than the {batches} training batches of an epoch: use at "
-            f"most {batches}, a fraction of the epoch (e.g. 0.5), or set trainer.check_val_every_n_epoch=null to count "
-            "batches across epochs"
+            f"most {batches}, a fraction (e.g. 0.5), or trainer.check_val_every_n_epoch=null"
         )
 
 
@@ -183,9 +182,8 @@ def check_precision(cfg: Mapping, world: World) -> None:
     if precision in half and count > 1:
         where = f"{count} GPUs under strategy=dp" if world.family == "dp" else f"{count} processes"
         raise ConfigError(
-            f"trainer.precision={precision} with {where}: the weights and the gradient all-reduce would be 16-bit, "
-            "so the weights drift from one process's: use trainer.precision=bf16-mixed (or 16-mixed on GPUs), "
-            f"which keeps them 32-bit, or one device with trainer.precision={precision}"
+            f"trainer.precision={precision} with {where}: the weights and the gradient all-reduce would be 16-bit: use "
+            f"trainer.precision=bf16-mixed (or 16-mixed on GPUs), or one device with trainer.precision={precision}"
         )
 
 
@@ -281,7 +279,11 @@ TRAINER_COUNTS = (
     ("accumulate_grad_batches", (None,), "use a positive number of batches per optimizer step"),
     ("max_epochs", (None, -1), "use a positive number, or -1 for no limit"),
     ("max_steps", (None, -1), "use a positive number, or -1 for no limit"),
-    ("check_val_every_n_epoch", (None,), "use a positive number, or null with an integer trainer.val_check_interval"),
+    (
+        "check_val_every_n_epoch",
+        (None,),
+        "use a positive number of epochs, or null with an integer trainer.val_check_interval",
+    ),
 )
 
 

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, open_dict
 
 from dpddp._compat import locate
 from dpddp.data.random_tensors import RandomTensorDataModule
-from dpddp.errors import ConfigError
+from dpddp.errors import ConfigError, first_line
 from dpddp.models.linear import LinearClassifier
 from dpddp.parallel.rules import DDP_OPTIONS
 from dpddp.run.plain import GROUPS, PRESETS, key_advice
@@ -77,13 +77,11 @@ def import_problem(target: str) -> str | None:
         name = ".".join(parts[:i])
         try:
             module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name != name:  # a module it imports is missing
-                return f"importing {name} failed: {err}"
+        except Exception as err:
+            if not isinstance(err, ModuleNotFoundError) or err.name != name:  # or a module it imports is missing
+                return f"importing {name} failed: {first_line(err)}"
             i -= 1
             break
-        except Exception as err:
-            return f"importing {name} failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
     if module is None:
         return f"no module named {parts[0]}: is it installed, or on PYTHONPATH?"
     obj: Any = module
