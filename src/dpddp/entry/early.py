@@ -124,9 +124,7 @@ GROUPS = ("strategy", *SECTIONS, *PRESETS)
 
 
 def unknown_option(argv: list[str], lightning_line: Callable[[str], str | None] | None = None) -> str | None:
-    """The line for the first ``group=option`` override with no ``<group>/<option>.yaml`` in ``conf/`` or a
-    ``--config-dir`` (``hydra/<group>``: no option of Hydra's); ``None`` when all exist or Hydra answers. A
-    Lightning strategy gets ``lightning_line``'s line."""
+    """The line for the first ``group=option`` override with no such option (a Lightning one: ``lightning_line``)."""
     dirs = [Path(str(files("dpddp.conf")))]
     for i, arg in enumerate(argv):
         if arg in ("--config-dir", "-cd") and i + 1 < len(argv):

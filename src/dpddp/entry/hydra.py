@@ -102,19 +102,13 @@ def _resume_command(overrides: list[str], output_dir: Path, multirun: bool) -> s
     if multirun:
         return sweep_resume_command(output_dir.parent)
     add = ["resume=true", f"hydra.run.dir={hydra_value(str(output_dir))}"]
-    invoked = [*_program(), *_config_options(sys.argv[1:])]  # and the config options given
-    return resume_command(invoked, overrides, ("resume=", "hydra.run.dir="), add)
-
-
-def _config_options(args: list[str]) -> list[str]:
-    """The ``CONFIG_OPTIONS`` of ``args``, with their values (kept in a resume command)."""
-    found, rest = [], iter(args)
+    invoked, rest = _program(), iter(sys.argv[1:])  # and the config options given, with their values
     for arg in rest:
         if arg in CONFIG_OPTIONS:
-            found += [arg, next(rest, "")]
+            invoked += [arg, next(rest, "")]
         elif arg.startswith(tuple(f"{option}=" for option in CONFIG_OPTIONS)):
-            found.append(arg)
-    return found
+            invoked.append(arg)
+    return resume_command(invoked, overrides, ("resume=", "hydra.run.dir="), add)
 
 
 def _program() -> list[str]:

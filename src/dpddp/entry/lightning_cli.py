@@ -138,15 +138,8 @@ def run_config(parsed: Any, defaults: Any) -> DictConfig:
     trainer.pop("default_root_dir", None)
     logger = trainer.pop("logger", None)
     callbacks = trainer.pop("callbacks", None) or []
-    update: dict[str, Any] = {
-        **top,
-        "seed": given.get("seed_everything", 0),
-        "ckpt_path": given.get("ckpt_path"),
-        "steps_per_execution": given.get("steps_per_execution", "auto"),
-        "compile": given.get("compile", False),
-        "trainer": trainer,
-    }
-    merged: Any = OmegaConf.merge(cfg, update)
+    update = {key: given[key] for key in ("ckpt_path", "steps_per_execution", "compile")}  # DPDDPCLI's, defaulted
+    merged: Any = OmegaConf.merge(cfg, top, update, {"seed": given["seed_everything"], "trainer": trainer})
     monitor, mode = given["monitor"], given["monitor_mode"]  # DPDDPCLI's arguments, with their defaults
     if trainer.get("enable_checkpointing") is False:  # Lightning's meaning: no checkpoint callback, ours included
         merged.callbacks.model_checkpoint = merged.callbacks.last_checkpoint = None

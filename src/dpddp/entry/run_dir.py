@@ -14,8 +14,7 @@ from dpddp.continuity.io import CheckpointFacts
 from dpddp.parallel.peers import torchrun_restarted
 from dpddp.run.training import METRIC_KEYS
 
-# The overrides (and their sub-keys) that say what a run trains, and of those what a continue may change (and the
-# trainer group's choice, whose presets set the world).
+# The overrides (and sub-keys) that say what a run trains, and of those what a continue may change.
 WEIGHTS = ("model", "data", "trainer", "seed")
 CONTINUE_MAY_CHANGE = ("trainer.max_epochs", "trainer.max_steps", "trainer.max_time", "trainer.enable_progress_bar")
 
@@ -50,8 +49,7 @@ def reached_limit(trainer: DictConfig, last: CheckpointFacts) -> str | None:
 
 
 def continues(cfg: DictConfig, multirun: bool, last: CheckpointFacts) -> bool:
-    """Whether the job continues the run whose ``last.ckpt`` is ``last``: a sweep job, ``resume=true``, or a
-    launcher's restart of the job that wrote ``last`` (torchrun, a SLURM requeue, a pod restart)."""
+    """Whether the job continues ``last``'s run: a sweep job, ``resume=true``, or a launcher's restart of it."""
     own = (job := launch_id()) is not None and last.launch == job
     return bool(multirun or cfg.get("resume") or own or torchrun_restarted())
 
