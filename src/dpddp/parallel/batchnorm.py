@@ -182,9 +182,7 @@ class BatchNormSync(LayerSync):
         if names := _batchnorms(model):
             _warn(
                 f"trainer.sync_batchnorm=false with {self.processes} processes: {_names(names)} normalise each "
-                "process's own share of the global batch, so ddp no longer trains as one process (weights and "
-                "running statistics differ); set trainer.sync_batchnorm=null (true under dpddp fit) to take them "
-                "over the global batch"
+                "process's own share of the global batch, so ddp no longer trains as one process: null syncs them"
             )
         return model
 
@@ -201,16 +199,12 @@ def batchnorm_plugins(cfg: Mapping, model: nn.Module | None = None) -> list[Laye
     ``trainer.sync_batchnorm``, or ``strategy=dp`` over several devices with BatchNorm modules in ``model``."""
     sync = (cfg.get("trainer") or {}).get("sync_batchnorm")
     if not (sync is None or isinstance(sync, bool) or sync == "auto"):
-        raise ConfigError(
-            f"trainer.sync_batchnorm={sync!r} is invalid: use null (BatchNorm synced over the global batch when "
-            "several processes train), true or false"
-        )
+        raise ConfigError(f"trainer.sync_batchnorm={sync!r} is invalid: use null (sync when ddp), true or false")
     world, devices = world_of(cfg), cfg["devices"]
     if world.family == "dp" and world.replicas > 1 and model is not None and (names := _batchnorms(model)):
         raise ConfigError(
-            f"strategy=dp with devices={devices} and BatchNorm modules ({_names(names)}): each DataParallel "
-            "replica normalises its own chunk and the replicas' running statistics are dropped, so the model "
-            f"drifts from one process's: use strategy=ddp devices={devices} (BatchNorm synced over the global batch)"
+            f"strategy=dp with devices={devices} and BatchNorm modules ({_names(names)}): each replica normalises "
+            f"its own chunk and its running statistics are dropped: use strategy=ddp devices={devices}"
         )
     if world.family != "ddp" or world.world_size <= 1:
         return []

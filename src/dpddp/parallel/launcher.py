@@ -103,17 +103,13 @@ def _bind_store_socket(address: str) -> socket.socket:
     ``ConfigError`` if ``MASTER_PORT`` is in use."""
     port = int(master_address()[1] or 0)
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.bind((address, port))
+        return socket.create_server((address, port), family=family, backlog=128)
     except OSError as err:
-        sock.close()
         raise ConfigError(
             f"MASTER_PORT={port} on {address} is not free ({err.strerror}): unset MASTER_PORT to pick a free port, "
             "or choose another"
         ) from err
-    sock.listen(128)
-    return sock
 
 
 class _ForkedRank:
