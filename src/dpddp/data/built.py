@@ -72,8 +72,7 @@ class SameDataOnEveryRank(pl.Callback):
         sums = trainer.strategy.all_gather(mine.to(trainer.strategy.root_device)).reshape(-1).tolist()
         if len(set(sums)) > 1:
             raise ConfigError(
-                f"data: {type(data).__name__} built different data on the ranks (checksums differ: "
-                f"{len(set(sums))} kinds over {len(sums)} ranks), so they would train on different samples: build "
-                "it in make_dataset/make_splits or setup without seeding the global streams per rank, or from "
+                f"data: {type(data).__name__} built different data on the ranks ({len(set(sums))} checksums over "
+                f"{len(sums)} ranks): build it without seeding the global streams per rank, or from "
                 "torch.Generator().manual_seed(seed)"
             )
