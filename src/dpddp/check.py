@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -370,6 +370,8 @@ class StopAt(pl.Callback):
 class _Reads(dict):
     """A ``state_dict`` that records the keys read from it (a ``dict``, for loads that check that)."""
 
+    get, items, values = Mapping.get, Mapping.items, Mapping.values  # type: ignore[assignment]  # via __getitem__
+
     def __init__(self, state: dict) -> None:
         super().__init__(state)
         self.read: set = set()
@@ -378,21 +380,8 @@ class _Reads(dict):
         self.read.add(key)
         return super().__getitem__(key)
 
-    def get(self, key: Any, default: Any = None) -> Any:
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __iter__(self) -> Any:  # also what dict.update(this) and **this read through
-        self.read.update(self.keys())
+    def __iter__(self) -> Any:  # not dict's own: dict.update(this) and **this then read through __getitem__
         return super().__iter__()
-
-    def items(self) -> Any:
-        self.read.update(self.keys())
-        return super().items()
-
-    def values(self) -> Any:
-        self.read.update(self.keys())
-        return super().values()
 
 
 def _read_keys(callback: pl.Callback) -> list[str] | None:
