@@ -82,8 +82,7 @@ class StepsPerExecution(pl.Callback):
         if micro is not None and norms:
             raise ConfigError(
                 f"data.micro_batch_size={micro} with BatchNorm (model.{norms[0]}): a micro-batch's statistics are "
-                "not the share's, so the weights would depend on the split: remove data.micro_batch_size, or lower "
-                "data.batch_size"
+                "not the share's: remove data.micro_batch_size, or lower data.batch_size"
             )
         self.steps, self.module, self.cut, self.lean, self.setting = steps, module, False, False, setting
         self.clip, self.auto, self.loop_dtype = clip, auto, torch.get_default_dtype()
@@ -231,8 +230,8 @@ class StepsPerExecution(pl.Callback):
             )
         if self.steps > 1 and trainer.lr_scheduler_configs:
             raise ConfigError(
-                f"{self.setting}: {name} has an LR scheduler, and trainer.estimated_stepping_batches (what a "
-                f"schedule's length is set from) would count executions: {self.fix}"
+                f"{self.setting}: {name} has an LR scheduler, and trainer.estimated_stepping_batches would count "
+                f"executions: {self.fix}"
             )
         if any(config.reduce_on_plateau for config in trainer.lr_scheduler_configs):
             raise ConfigError(f"{self.setting}: {name} has a ReduceLROnPlateau scheduler: {self.fix}")

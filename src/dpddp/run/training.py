@@ -181,9 +181,8 @@ def _log_world(world: World, elastic: bool) -> None:
     log.info(f"world size {size}: {nodes} x {per} process{'es' if per > 1 else ''} ({world.world_size_source})")
     if elastic and agent_store_shared() and world.global_rank == 0:
         log.warning(
-            "torchrun shares its rendezvous store with the workers, so a node that joins at a restart cannot start "
-            "(torch keeps the store's address for the first round only): start torchrun with "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment on every node"
+            "torchrun shares its rendezvous store with the workers, so a node that joins at a restart cannot start: "
+            "start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment on every node"
         )
 
 
