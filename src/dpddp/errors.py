@@ -59,7 +59,6 @@ class WriteFailed(RuntimeError):
 
 
 def exit_status(err: BaseException) -> int:
-    """The process exit status for ``err``: 2 a ``ConfigError``, 143 a ``Preempted``, else 1."""
     return EXIT_CONFIG if isinstance(err, ConfigError) else EXIT_PREEMPTED if isinstance(err, Preempted) else EXIT_CRASH
 
 
@@ -107,7 +106,6 @@ def local_rank() -> int:
 
 
 def stop_line(err: Preempted, resume: Callable[[], str] | None) -> str:
-    """``err``'s message, with ``: resume with <resume()>`` when ``resume`` is given."""
     return f"{err}: resume with {resume()}" if resume is not None else str(err)
 
 
@@ -191,7 +189,6 @@ def invocations(run_dir: str | Path, first: str) -> list[Path]:
 
 
 def log_to(path: Path, fmt: str) -> None:
-    """Log INFO and above to stderr and ``path`` in ``fmt``, replacing the handlers set before."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr), logging.FileHandler(path)]
     logging.basicConfig(level=logging.INFO, format=fmt, handlers=handlers, force=True)
 

@@ -9,7 +9,6 @@ from dpddp.errors import ConfigError, checked_float, checked_int
 
 
 def split_sizes(n: int, val_fraction: float, test_fraction: float) -> tuple[int, int, int]:
-    """``(train, val, test)`` sample counts of ``n``: ``int(n * fraction)`` held out for each."""
     num_val, num_test = int(n * val_fraction), int(n * test_fraction)
     return n - num_val - num_test, num_val, num_test
 

@@ -63,7 +63,6 @@ def logger_specs(cfg: Any) -> list[tuple[str, Any]]:
 
 
 def _mlflow_specs(configs: list[DictConfig]) -> list[tuple[str, Any]]:
-    """``(key, spec)`` of each MLflow logger of ``configs``, when MLflow is installed."""
     found = [(key, spec) for cfg in configs for key, spec in logger_specs(cfg) if is_tracker(spec) == "mlflow"]
     return found if found and importlib.util.find_spec("mlflow") is not None else []
 
