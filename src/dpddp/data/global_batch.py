@@ -168,9 +168,8 @@ class SplitLoaders(pl.LightningDataModule):
 
 
 class GlobalBatchDataModule(SplitLoaders):
-    """Map-style ``dataset`` (or ``make_dataset``/``make_splits``, run as a subclass's hooks inside ``data_streams``)
-    cut by a permutation from ``seed`` into ``[train | val | test]``, in global batches. Raises ConfigError: an
-    ``IterableDataset``, a bad ``collate_fn``, an unusable split, no data, samples that do not collate."""
+    """Map-style ``dataset`` (or a subclass's ``make_dataset``/``make_splits``, inside ``data_streams``) cut by a
+    permutation from ``seed`` into ``[train | val | test]`` global batches. Raises ConfigError: unusable data."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
