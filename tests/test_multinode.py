@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, max_diff, metrics, weights
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, made_once, max_diff, metrics, weights
 from netns import IFNAME, bed_fixture, listening, pids_in, run_in
 from test_network_check import _figures
 
@@ -67,7 +67,7 @@ def _start(bed, how, devices, cwd, *args):
 
 # torchrun with one rank per node: torchrun's two ranks per node reach each of its paths (local rank 0 and 1)
 @pytest.mark.parametrize(("how", "devices"), [("torchrun", 2), ("by-hand", 2)])
-def test_two_nodes_on_separate_interfaces_train_one_model(bed2, tmp_path, how, devices):
+def test_two_nodes_on_separate_interfaces_train_one_model(bed2, tmp_path, shared_dir, how, devices):
     watch = _Listeners(bed2)
     watch.start()
     procs = _start(bed2, how, devices, tmp_path, *SMALL)
@@ -83,9 +83,8 @@ def test_two_nodes_on_separate_interfaces_train_one_model(bed2, tmp_path, how, d
     assert "network: GLOO_SOCKET_IFNAME=dpddp0 (routes to MASTER_ADDR=198.18.0.1 from 198.18.0.2)" in out[1]
     if how == "torchrun":  # torchrun's run id names the directory; each rank logs to its own file
         assert run_dir.name.startswith("torchrun-") and (run_dir / f"rank{2 * devices - 1}.log").is_file()
-    single = tmp_path / "single"
-    one = train(compose_cfg(*SMALL, "logger=none"), single)
-    last = "checkpoints/last.ckpt"
+    single = made_once(shared_dir, "multinode_single", lambda path: train(compose_cfg(*SMALL, "logger=none"), path))
+    one, last = metrics(single), "checkpoints/last.ckpt"
     assert max_diff(weights(run_dir / last), weights(single / last)) <= 1e-5
     for key in ("val/loss", "val/acc", "test/loss", "test/acc"):
         assert m[key] == pytest.approx(one[key], abs=1e-6), key
@@ -118,51 +117,29 @@ def test_killed_node_ends_the_run_on_the_other_node(bed2, tmp_path):
     assert pids_in(bed2.nodes[0]) == [] and pids_in(bed2.nodes[1]) == []
 
 
-bed4 = bed_fixture(4)
-
-
-def test_silent_node_ends_the_run_on_the_other_node(bed4, tmp_path):
-    """Two runs of 2 nodes at once (namespaces 0-1 and 2-3): node 1 of the first stops answering without its
-    processes exiting (SIGSTOP), node 1 of the second loses its link (its interface set down). Node 0 of each
-    ends within ``strategy.timeout_s`` + 10 s, non-zero, with one line naming node 1; node 1 ends by itself
-    once it runs again (SIGCONT) or on its own timeout; nothing is left in any namespace."""
+def test_silent_node_ends_the_run_on_the_other_node(bed2, tmp_path):
+    """Node 1 loses its link (its interface set down): its processes do not exit, nothing answers. Node 0 ends
+    within ``strategy.timeout_s`` + 10 s, non-zero, with one line naming node 1; node 1 ends by itself on its own
+    timeout; nothing is left in either namespace. A node that stops answering with its link up (``SIGSTOP``) takes
+    the same branches: on node 0 node 1's heartbeat goes stale (``PeerWatch._lost``), and node 1, run again, finds
+    the store silent past its timeout (the same ``_lost``) or its connections reset (the killed node's path)."""
     args = [*SMALL[:2], *QUIET, "trainer.max_epochs=100000", f"strategy.timeout_s={TIMEOUT_S}"]
-    runs = {"sigstop": (0, 1), "link-down": (2, 3)}
-    procs = {}
-    for name, nodes in runs.items():
-        cwd = tmp_path / name
-        cwd.mkdir()
-        for node_rank, index in enumerate(nodes):
-            rdzv = [f"--master_addr={bed4.addresses[nodes[0]]}", f"--master_port={PORT}", "--nnodes=2"]
-            cmd = [*TORCHRUN, *rdzv, f"--node_rank={node_rank}", "--nproc_per_node=1", str(ROOT / "train.py")]
-            cmd += ["strategy=ddp", "devices=1", "num_nodes=2", *args]
-            out = open(cwd / f"node{node_rank}.out", "w")
-            procs[name, node_rank] = run_in(
-                bed4.nodes[index], cmd, env=_env(), cwd=cwd, stdout=out, stderr=subprocess.STDOUT
-            )
+    procs = _start(bed2, "torchrun", 1, tmp_path, *args)
     deadline = time.monotonic() + 90
-    for name in runs:
-        while not list((tmp_path / name).glob("outputs/*/checkpoints/last.ckpt")) and time.monotonic() < deadline:
-            assert procs[name, 0].poll() is None, (tmp_path / name / "node0.out").read_text()[-3000:]
-            time.sleep(0.2)
-    stopped = pids_in(bed4.nodes[1])
-    for pid in stopped:
-        os.kill(pid, signal.SIGSTOP)
-    subprocess.run(["ip", "-n", bed4.nodes[3], "link", "set", IFNAME, "down"], check=True)
+    while not list(tmp_path.glob("outputs/*/checkpoints/last.ckpt")) and time.monotonic() < deadline:
+        assert procs[0].poll() is None, (tmp_path / "node0.out").read_text()[-3000:]
+        time.sleep(0.2)
+    subprocess.run(["ip", "-n", bed2.nodes[1], "link", "set", IFNAME, "down"], check=True)
     start = time.monotonic()
-    for name in runs:
-        code = procs[name, 0].wait(timeout=60)
-        seconds = time.monotonic() - start
-        out = (tmp_path / name / "node0.out").read_text()
-        assert code != 0 and seconds <= TIMEOUT_S + 10, (name, code, seconds, out[-3000:])
-        lines = [line for line in out.splitlines() if "error: node 1 (rank 1) lost" in line]
-        assert len(lines) == 1, (name, out[-3000:])
-    for pid in stopped:
-        os.kill(pid, signal.SIGCONT)
-    for name in runs:
-        assert procs[name, 1].wait(timeout=30) != 0
+    code = procs[0].wait(timeout=60)
+    seconds = time.monotonic() - start
+    out = (tmp_path / "node0.out").read_text()
+    assert code != 0 and seconds <= TIMEOUT_S + 10, (code, seconds, out[-3000:])
+    lines = [line for line in out.splitlines() if "error: node 1 (rank 1) lost" in line]
+    assert len(lines) == 1, out[-3000:]
+    assert procs[1].wait(timeout=30) != 0
     time.sleep(0.5)
-    assert [pids_in(ns) for ns in bed4.nodes] == [[], [], [], []]
+    assert pids_in(bed2.nodes[0]) == [] and pids_in(bed2.nodes[1]) == []
 
 
 def test_torchrun_restart_resumes_from_last_ckpt(tmp_path):
