@@ -33,10 +33,9 @@ def check_resolvable(cfg: DictConfig) -> None:
     for path, value in _interpolations(OmegaConf.to_container(cfg, resolve=False)):
         if path[0] == "hydra":
             continue
+        dotted = "".join(f"[{p}]" if isinstance(p, int) else f"{'.' if i else ''}{p}" for i, p in enumerate(path))
         try:
-            node: Any = cfg
-            for key in path:
-                node = node[key]
+            OmegaConf.select(cfg, dotted, throw_on_resolution_failure=True)
         except Exception as err:  # OmegaConf's resolution errors, or a resolver's own
             reason = omegaconf_reason((str(err).splitlines() or [type(err).__name__])[0])
             env = re.search(r"\$\{oc\.env:([^,}]+)", value)
@@ -51,7 +50,6 @@ def check_resolvable(cfg: DictConfig) -> None:
                     "sample> model.num_classes=<classes>), or, for a class that takes neither, give model a yaml of "
                     "its own (conf/model/<name>.yaml)"
                 )
-            dotted = "".join(f"[{p}]" if isinstance(p, int) else f"{'.' if i else ''}{p}" for i, p in enumerate(path))
             raise ConfigError(f"{dotted}={value!r} cannot be resolved ({reason}): {fix}") from err
 
 
