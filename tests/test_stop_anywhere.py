@@ -5,12 +5,25 @@ silent exit; the resumed run ends with the straight run's weights and a whole ``
 import io
 import logging
 import os
+import shlex
 import signal
 import sys
 
 import lightning.pytorch as pl
+import psutil
 import pytest
-from conftest import QUIET, compose_cfg, max_diff, metrics, weights
+from conftest import (
+    QUIET,
+    ROOT,
+    compose_cfg,
+    global_step,
+    leftover,
+    max_diff,
+    metrics,
+    run_train,
+    train_py_here,
+    weights,
+)
 
 from dpddp.continuity.stop import ON_SIGTERM, TRANSITIONS, Action, Phase, RunScope, run_stops, starting_up
 from dpddp.data.random_tensors import RandomTensorDataModule
@@ -112,43 +125,6 @@ class SigtermRankAt(pl.Callback):
         self.seen += 1
 
 
-@pytest.mark.slow
-# (a launched rank of ddp(3): ddp(2)'s rank 1 row; a SIGTERM stop on 3 processes: test_three_processes)
-@pytest.mark.parametrize("strategy,devices,rank", [("auto", 1, 0), ("ddp", 2, 0), ("ddp", 2, 1)])
-def test_a_sigterm_in_the_last_steps_of_fit_stops_with_the_final_checkpoint_on_any_strategy(
-    tmp_path, strategy, devices, rank
-):
-    """A signal between the ranks' last agreement and the fit's end (its last batch) is agreed on when the fit
-    ends: every rank stops with ``last.ckpt`` at the final step, exit 143 and the one line, before the test; the
-    printed command continues to whole outputs without training again."""
-    import shlex
-
-    import torch
-    from conftest import ROOT, leftover, run_train
-
-    settings = [f"strategy={strategy}", f"devices={devices}", "accelerator=cpu", "data.num_samples=1005"]
-    settings += ["data.batch_size=60", "trainer.max_epochs=2", "model.optimizer=adam"]
-    steps = 2 * (1005 - 2 * round(1005 * 0.1)) // 60  # the fit's steps: two epochs of whole global batches
-    kill = ["+callbacks.kill._target_=test_stop_anywhere.SigtermRankAt", f"+callbacks.kill.at={steps - 1}"]
-    kill.append(f"+callbacks.kill.rank={rank}")
-    env = {"PYTHONPATH": str(ROOT / "tests")}
-    proc = run_train(*settings, *kill, "hydra.run.dir=run", cwd=tmp_path, env=env, timeout=240)
-    assert proc.returncode == 143, proc.stderr[-3000:]
-    lines = [x for x in proc.stderr.splitlines() if x.startswith("error: stopped by SIGTERM after step")]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    step = torch.load(last, weights_only=True)["global_step"]
-    assert lines[0].startswith(f"error: stopped by SIGTERM after step {step}; checkpoint: {last}: resume with ")
-    assert not (tmp_path / "run" / "metrics.json").exists() and leftover(proc.tag) == []
-    stopped = weights(last)
-    command = shlex.split(lines[0].split("resume with ", 1)[1])[2:]
-    resumed = run_train(*command, cwd=tmp_path, env=env, timeout=240)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert torch.load(last, weights_only=True)["global_step"] == step  # nothing left to train: the fit had ended
-    assert max_diff(weights(last), stopped) == 0
-    assert metrics(tmp_path / "run")["test/acc"] is not None
-
-
 class SigtermRankOnTest(pl.Callback):
     """Sends this process SIGTERM at the start of the test after the fit, on global rank ``rank`` only."""
 
@@ -160,24 +136,69 @@ class SigtermRankOnTest(pl.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("rank", [0])  # rank 1: test_sigterm_any_moment
-def test_a_sigterm_to_rank_0_while_testing_under_ddp_stops_the_run_with_143(tmp_path, rank):
-    """In the test after the fit the ranks agree on it at a test batch: the run ends with 143, its checkpoint and
-    the one line, and no rank is left."""
-    import torch
-    from conftest import ROOT, leftover, run_train
+def _said_stop(status: int, stderr: str, left: list[int], run_dir) -> str:
+    """Assert a stop: exit 143, the one line at ``last.ckpt``'s step, no ``metrics.json``, nothing left. Its line."""
+    assert status == 143, stderr[-3000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    lines = [x for x in stderr.splitlines() if x.startswith("error: stopped by SIGTERM")]
+    said = f"error: stopped by SIGTERM after step {global_step(last)}; checkpoint: {last}: resume with "
+    assert len(lines) == 1 and lines[0].startswith(said), stderr[-3000:]
+    assert not (run_dir / "metrics.json").exists() and left == []
+    return lines[0]
 
-    settings = ["strategy=ddp", "devices=2", "accelerator=cpu", "data.num_samples=1005", "trainer.max_epochs=2"]
-    kill = ["+callbacks.kill._target_=test_stop_anywhere.SigtermRankOnTest", f"+callbacks.kill.rank={rank}"]
-    proc = run_train(*settings, *kill, "hydra.run.dir=run", cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "tests")})
-    assert proc.returncode == 143, proc.stderr[-3000:]
+
+def _stops_at_the_fit_end_then_continues(tmp_path, strategy: str, devices: int, rank: int, run, then=()) -> None:
+    """Rank ``rank`` signalled in the fit's last batch stops (``_said_stop``) at the final step; the printed
+    command (with ``then``) trains no step more and ends with whole outputs, or, with ``then`` (a SIGTERM in the
+    test), stops. ``run(args)`` runs ``train.py ARGS`` in ``tmp_path``: its exit status, stderr, processes left."""
+    settings = [f"strategy={strategy}", f"devices={devices}", "accelerator=cpu", "data.num_samples=1005"]
+    settings += ["data.batch_size=60", "trainer.max_epochs=2", "model.optimizer=adam"]
+    steps = 2 * (1005 - 2 * round(1005 * 0.1)) // 60  # the fit's steps: two epochs of whole global batches
+    kill = ["+callbacks.kill._target_=test_stop_anywhere.SigtermRankAt", f"+callbacks.kill.at={steps - 1}"]
+    kill.append(f"+callbacks.kill.rank={rank}")
+    line = _said_stop(*run([*settings, *kill, "hydra.run.dir=run"]), tmp_path / "run")
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    step = torch.load(last, weights_only=True)["global_step"]
-    lines = [x for x in proc.stderr.splitlines() if x.startswith("error: stopped by SIGTERM")]
-    assert len(lines) == 1 and lines[0].startswith(f"error: stopped by SIGTERM after step {step}; checkpoint: {last}")
-    assert "resume with " in lines[0] and not (tmp_path / "run" / "metrics.json").exists()
-    assert leftover(proc.tag) == []
+    step, stopped = global_step(last), weights(last)
+    assert step == steps
+    status, stderr, left = run([*shlex.split(line.split("resume with ", 1)[1])[2:], *then])
+    if then:
+        _said_stop(status, stderr, left, tmp_path / "run")
+    else:
+        assert status == 0 and left == [], stderr[-3000:]
+        assert metrics(tmp_path / "run")["test/acc"] is not None
+    assert global_step(last) == step  # nothing left to train: the fit had ended
+    assert max_diff(weights(last), stopped) == 0
+
+
+@pytest.mark.slow  # the row was slow as a process; the fast tier keeps its time
+def test_a_sigterm_in_the_last_step_of_fit_on_one_process_stops_with_the_final_checkpoint(tmp_path, monkeypatch, capfd):
+    """One process (no rank to agree with) signalled in the fit's last batch: the stop at the fit's end, before
+    the test; train.py run here (the stop is not about a process: its status is ``main``'s ``SystemExit``)."""
+
+    def here(args: list[str]) -> tuple[int, str, list[int]]:
+        status = train_py_here(*args, cwd=tmp_path, monkeypatch=monkeypatch)
+        return status, capfd.readouterr().err, [p.pid for p in psutil.Process().children(recursive=True)]
+
+    _stops_at_the_fit_end_then_continues(tmp_path, "auto", 1, 0, here)
+
+
+@pytest.mark.slow
+# (a launched rank of ddp(3): ddp(2)'s rank 1 row; a SIGTERM stop on 3 processes: test_three_processes)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_sigterm_in_the_last_steps_of_fit_stops_every_ddp_rank_with_the_final_checkpoint(tmp_path, rank):
+    """A signal between the ranks' last agreement and the fit's end (its last batch) is agreed on when the fit
+    ends: every rank stops with ``last.ckpt`` at the final step, exit 143 and the one line, before the test; the
+    printed command continues without training again, to whole outputs (rank 1's row), or in rank 0's row with
+    a SIGTERM to rank 0 at the test's start: the ranks agree on it at a test batch, 143, the same checkpoint, the
+    one line, no rank left (a launched rank's stop in the test: test_sigterm_any_moment). The continue restores
+    the same final checkpoint whichever rank was signalled, so the whole outputs are one row's."""
+    then = ["+callbacks.kill_test._target_=test_stop_anywhere.SigtermRankOnTest", "+callbacks.kill_test.rank=0"]
+
+    def process(args: list[str]) -> tuple[int, str, list[int]]:
+        proc = run_train(*args, cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "tests")}, timeout=240)
+        return proc.returncode, proc.stderr, leftover(proc.tag)
+
+    _stops_at_the_fit_end_then_continues(tmp_path, "ddp", 2, rank, process, then if rank == 0 else ())
 
 
 @pytest.mark.parametrize("local_rank", ["0", "1"])
