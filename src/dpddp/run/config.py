@@ -289,8 +289,7 @@ TRAINER_COUNTS = (
 
 def check_config(cfg: DictConfig, stage: str = "fit") -> Plan:
     """The ``Plan`` of a composed config for ``stage``; ``ConfigError`` for its first bad setting or checkpoint."""
-    world = _check_settings(cfg, stage)
-    return Plan(cfg, stage, world, check_checkpoint(cfg, stage, None))
+    return Plan(cfg, stage, _check_settings(cfg, stage), check_checkpoint(cfg, stage, None))
 
 
 def _check_settings(cfg: DictConfig, stage: str) -> World:
@@ -375,8 +374,6 @@ def check_checkpoint(cfg: DictConfig, stage: str, loaded: dict | None) -> Checkp
     k = cfg.get("steps_per_execution", 1) if stage == "fit" else None
     if k == "auto":  # the checkpoint's K is reused, unless the config refuses any K above 1
         k = 1 if execution_refusal(cfg) else None
-    batch = (cfg["data"] or {}).get("batch_size")
-    batch = batch if isinstance(batch, int) else None
     if problem := checkpoint_problem(
         ckpt,
         (cfg["trainer"] or {}).get("max_epochs"),
@@ -385,7 +382,7 @@ def check_checkpoint(cfg: DictConfig, stage: str, loaded: dict | None) -> Checkp
         fit=stage == "fit",
         whole=stage == "eval",
         model=_configured_model(cfg),
-        batch_size=batch,
+        batch_size=batch if isinstance(batch := (cfg["data"] or {}).get("batch_size"), int) else None,
         loaded=loaded,
     ):
         raise ConfigError(f"ckpt_path={str(ckpt)!r} {problem}")
