@@ -172,8 +172,8 @@ def _stops_at_the_fit_end_then_continues(tmp_path, strategy: str, devices: int, 
 
 @pytest.mark.slow  # the row was slow as a process; the fast tier keeps its time
 def test_a_sigterm_in_the_last_step_of_fit_on_one_process_stops_with_the_final_checkpoint(tmp_path, monkeypatch, capfd):
-    """One process (no rank to agree with) signalled in the fit's last batch: the stop at the fit's end, before
-    the test; train.py run here (the stop is not about a process: its status is ``main``'s ``SystemExit``)."""
+    """One process signalled in the fit's last batch stops at the fit's end; train.py runs here (no rank to agree
+    with: the stop is not about a process)."""
 
     def here(args: list[str]) -> tuple[int, str, list[int]]:
         status = train_py_here(*args, cwd=tmp_path, monkeypatch=monkeypatch)
@@ -187,11 +187,9 @@ def test_a_sigterm_in_the_last_step_of_fit_on_one_process_stops_with_the_final_c
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_sigterm_in_the_last_steps_of_fit_stops_every_ddp_rank_with_the_final_checkpoint(tmp_path, rank):
     """A signal between the ranks' last agreement and the fit's end (its last batch) is agreed on when the fit
-    ends: every rank stops with ``last.ckpt`` at the final step, exit 143 and the one line, before the test; the
-    printed command continues without training again, to whole outputs (rank 1's row), or in rank 0's row with
-    a SIGTERM to rank 0 at the test's start: the ranks agree on it at a test batch, 143, the same checkpoint, the
-    one line, no rank left (a launched rank's stop in the test: test_sigterm_any_moment). The continue restores
-    the same final checkpoint whichever rank was signalled, so the whole outputs are one row's."""
+    ends: every rank stops with ``last.ckpt`` at the final step, exit 143 and the one line, before the test. The
+    printed command trains no step more: to whole outputs (rank 1), or stopped by a SIGTERM to rank 0 in the test
+    (rank 0; the ranks agree on it at a test batch; a launched rank's: test_sigterm_any_moment)."""
     then = ["+callbacks.kill_test._target_=test_stop_anywhere.SigtermRankOnTest", "+callbacks.kill_test.rank=0"]
 
     def process(args: list[str]) -> tuple[int, str, list[int]]:
