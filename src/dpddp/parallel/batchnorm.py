@@ -172,12 +172,8 @@ class BatchNormSync(LayerSync):
             converted = convert(model, self.cuda)
             if lazy := [name for name, module in converted.named_modules() if _lazy(module)]:
                 _warn(f"lazy BatchNorm modules not yet initialised are not synced: {_names(lazy)}")
-            untracked = [n for n in _batchnorms(converted) if converted.get_submodule(n).running_mean is None]
-            if untracked:
-                _warn(
-                    f"{_names(untracked)} keep no running statistics (track_running_stats=False): validation in the "
-                    "fit uses the global batch's, but test and predict after it each process's own share"
-                )
+            if untracked := [n for n in _batchnorms(converted) if converted.get_submodule(n).running_mean is None]:
+                _warn(f"{_names(untracked)} keep no running statistics: test and predict use each process's own share")
             return converted
         if names := _batchnorms(model):
             _warn(
