@@ -2,6 +2,7 @@
 rank."""
 
 import ipaddress
+import os
 import shlex
 import signal
 import socket
@@ -11,7 +12,18 @@ import time
 
 import psutil
 import pytest
-from conftest import QUIET, ROOT, child_env, launched, leftover, made_once, metrics, tagged
+from conftest import (
+    QUIET,
+    ROOT,
+    child_env,
+    cli_here,
+    launched,
+    leftover,
+    made_once,
+    metrics,
+    tagged,
+    train_py_here,
+)
 
 pytestmark = pytest.mark.slow
 DDP = ["strategy=ddp", "devices=2", "accelerator=cpu", *QUIET]
@@ -62,22 +74,9 @@ def _wait_ranks(proc, n=2, timeout=180):
     raise AssertionError("ranks did not come up")
 
 
-def test_single_node_ddp_listens_on_loopback_only(tmp_path):
-    """(train.py only: the CLI's run goes through the same ``train`` and launcher, which choose the addresses.)"""
-    args, _ = _args("train.py", "run", strategy="ddp", devices=2, **{"trainer.max_epochs": 10})  # seconds after start
-    proc = _start(tmp_path, *args)
-    _wait_ranks(proc)
-    seen = set()
-    while proc.poll() is None:
-        seen |= _listening(proc.tag)
-        time.sleep(0.3)
-    assert proc.returncode == 0, proc.stderr.read()[-3000:]
-    assert len(seen) >= 3  # rank 0's store, and a gloo listener per rank
-    assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in seen), seen
-
-
-def test_a_busy_master_port_fails_fast_and_leaves_the_other_run_alone(tmp_path):
-    """A rendezvous port clash, for either entry point: each second run exits naming the port; the first (held
+def test_a_busy_master_port_fails_fast_and_leaves_the_other_run_alone(tmp_path, monkeypatch, capfd):
+    """A rendezvous port clash, for either entry point: each second run exits 2 with one line naming the port and
+    starts no process (both in this process: the launcher refuses the port before it forks a rank); the first (held
     before its first step, so it runs, without training, until both are refused) finishes; no orphans."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -91,16 +90,15 @@ def test_a_busy_master_port_fails_fast_and_leaves_the_other_run_alone(tmp_path):
         time.sleep(0.1)
     assert held.exists(), first.stderr.read()[-3000:] if first.poll() is not None else "not held"
     assert ("127.0.0.1", int(store_port)) in _listening(first.tag)  # rank 0's store took the port
-    seconds = []
-    for entry in ENTRIES:
+    monkeypatch.setenv("MASTER_PORT", store_port)
+    children = set(psutil.Process().children(recursive=True))
+    for entry, here in (("train.py", train_py_here), ("cli", cli_here)):
         args, _ = _args(entry, f"second-{entry}", strategy="ddp", devices=2, **{"trainer.max_epochs": 1})
-        seconds.append(_start(tmp_path, *args, MASTER_PORT=store_port))
-    for second in seconds:
-        _, err = second.communicate(timeout=90)  # the hang guard; no timing asserted (a loaded machine is slow)
-        assert second.returncode == 2, err[-3000:]
+        assert here(*args, cwd=tmp_path, monkeypatch=monkeypatch) == 2, entry
+        err = capfd.readouterr().err
         lines = [x for x in err.splitlines() if x.startswith("error:")]
-        assert len(lines) == 1 and f"MASTER_PORT={store_port}" in lines[0] and "unset MASTER_PORT" in lines[0]
-        assert leftover(second.tag) == []
+        assert len(lines) == 1 and f"MASTER_PORT={store_port}" in lines[0] and "unset MASTER_PORT" in lines[0], err
+        assert set(psutil.Process().children(recursive=True)) <= children  # no rank started, none left
     assert first.poll() is None  # the port was the running first run's
     held.unlink()
     first.communicate(timeout=240)
@@ -109,12 +107,23 @@ def test_a_busy_master_port_fails_fast_and_leaves_the_other_run_alone(tmp_path):
     assert leftover(first.tag) == []
 
 
-def test_two_ddp_runs_at_once_both_succeed(tmp_path):
+def test_two_ddp_runs_at_once_both_succeed_and_listen_on_loopback_only(tmp_path):
+    """Two one-machine ddp(2) runs at once (train.py; the CLI's run goes through the same ``train`` and launcher,
+    which choose the addresses): both end 0 with the same loss, and every socket either listens on is loopback."""
     runs = [_start(tmp_path, *DDP, "trainer.max_epochs=3", f"hydra.run.dir=run{i}") for i in range(2)]
+    seen: list[set] = [set(), set()]
     for run in runs:
-        run.communicate(timeout=240)
-        assert run.returncode == 0
+        _wait_ranks(run)
+    while any(run.poll() is None for run in runs):
+        for run, addrs in zip(runs, seen, strict=True):
+            addrs |= _listening(run.tag)
+        time.sleep(0.3)
+    for run, addrs in zip(runs, seen, strict=True):
+        _, err = run.communicate(timeout=240)
+        assert run.returncode == 0, err[-3000:]
         assert leftover(run.tag) == []
+        assert len(addrs) >= 3  # rank 0's store, and a gloo listener per rank
+        assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in addrs), addrs
     assert metrics(tmp_path / "run0")["val/loss"] == pytest.approx(metrics(tmp_path / "run1")["val/loss"])
 
 
@@ -146,25 +155,48 @@ def test_killing_the_launching_process_leaves_no_orphan(tmp_path):
     assert leftover(proc.tag) == []
 
 
-def test_six_random_kills_each_resume_to_completion(tmp_path):
+def _forked_train(cwd, log, *args: str) -> int:
+    """``python train.py ARGS`` in a child forked from this process (its imports done), its output into ``log``:
+    the child's pid. The child ends with the run's exit status (1 on an error that escapes it)."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        out = open(log, "a")
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        sys.stdout = sys.stderr = out
+        code = train_py_here(*args, cwd=cwd, monkeypatch=pytest.MonkeyPatch())
+    finally:
+        os._exit(code)
+
+
+def test_six_random_kills_each_resume_to_completion(tmp_path, monkeypatch, capfd):
     """Kill a run at 6 random moments (SIGKILL: no handler runs), resuming each time with resume=true; every
-    resume must load last.ckpt (atomic writes), and the chain must end where an uninterrupted run ends."""
+    resume must load last.ckpt (atomic writes), and the chain must end where an uninterrupted run ends. Each
+    killed run is train.py's calls in a child forked from this process (imports done: every kill lands after its
+    first line); the last one in this process."""
     import random
 
     import torch
 
     rng = random.Random(0)
-    args = ["accelerator=cpu", "data.num_samples=20000", "trainer.max_epochs=20", *QUIET, "resume=true"]
+    args = ["accelerator=cpu", "data.num_samples=20000", "trainer.max_epochs=20", "resume=true", "hydra.run.dir=run"]
+    log = tmp_path / "killed.log"
+    log.touch()
     for _ in range(6):
-        proc = _start(tmp_path, *args, "hydra.run.dir=run")
-        time.sleep(rng.uniform(2.0, 6.0))  # start-up (imports) takes about 3 s: kills land before and in training
-        proc.send_signal(signal.SIGKILL)
-        _, err = proc.communicate(timeout=30)
+        size = log.stat().st_size
+        pid = _forked_train(tmp_path, log, *args)
+        deadline = time.monotonic() + 120
+        while log.stat().st_size == size and time.monotonic() < deadline:  # its first line: the run has begun
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 3.0))  # in its start (last.ckpt read, data, checks) or its training
+        os.kill(pid, signal.SIGKILL)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         # killed, or already finished; never refused (exit 2: unreadable last.ckpt) nor crashed (exit 1)
-        assert proc.returncode in (-signal.SIGKILL, 0), err[-2000:]
-    final = _start(tmp_path, *args, "hydra.run.dir=run")
-    _, err = final.communicate(timeout=240)
-    assert final.returncode == 0, err[-3000:]
+        assert code in (-signal.SIGKILL, 0), log.read_text()[-2000:]
+    assert train_py_here(*args, cwd=tmp_path, monkeypatch=monkeypatch) == 0, capfd.readouterr().err[-3000:]
     assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 20 * (16000 // 64)
     assert metrics(tmp_path / "run")["val/acc"] >= 0.9
 
@@ -189,7 +221,9 @@ def ddp_straight(shared_dir):
     "strategy,target",
     [("auto", "rank 0"), ("ddp", "rank 1")],  # ddp_spawn, torchrun, the CLI: test_sigterm_any_moment's entry points
 )
-def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(tmp_path, request, strategy, target):
+def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(
+    tmp_path, request, monkeypatch, strategy, target
+):
     import torch
     from conftest import compose_cfg, max_diff, weights
 
@@ -224,9 +258,12 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_equals_uninterrupted(tmp_pat
     if strategy == "auto":  # one process checks for a SIGTERM after every step; ranks agree about once a second
         assert step == 301
     assert leftover(proc.tag) == []
-    resumed = _start(tmp_path, *command, **env)
-    _, err = resumed.communicate(timeout=240)
-    assert resumed.returncode == 0, err[-2000:]
+    if strategy == "auto":  # one process: train.py's calls in this process (conftest.HoldAt imported already)
+        assert train_py_here(*command, cwd=tmp_path, monkeypatch=monkeypatch) == 0
+    else:
+        resumed = _start(tmp_path, *command, **env)
+        _, err = resumed.communicate(timeout=240)
+        assert resumed.returncode == 0, err[-2000:]
     # the same run uninterrupted: in-process for one process; DDP ranks must be real processes
     if strategy == "auto":
         overrides = [a for a in _args("train.py", "x", **settings)[0] if not a.startswith("hydra.")]
@@ -256,18 +293,19 @@ def test_a_rank_killed_in_one_sweep_job_does_not_end_the_sweep(tmp_path):
     assert leftover(proc.tag) == []
 
 
-def test_a_master_addr_that_is_not_this_machines_is_named_not_the_port(tmp_path):
+def test_a_master_addr_that_is_not_this_machines_is_named_not_the_port(tmp_path, monkeypatch, capfd):
     """An address variable left in the shell: one line naming MASTER_ADDR (not MASTER_PORT), exit 2, no rank
-    started, no process left. (The config check's refusal, parallel.rules: the CLI's check of the same config is
-    test_cli.py's test_the_cli_applies_the_checks_of_train_py.)"""
+    started, no process left (train.py's calls in this process). (The config check's refusal, parallel.rules: the
+    CLI's check of the same config is test_cli.py's test_the_cli_applies_the_checks_of_train_py.)"""
     args, _ = _args("train.py", "run", strategy="ddp", devices=2, **{"trainer.max_epochs": 1})
-    proc = _start(tmp_path, *args, MASTER_ADDR="198.18.255.1")
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2, err[-2000:]
+    monkeypatch.setenv("MASTER_ADDR", "198.18.255.1")
+    children = set(psutil.Process().children(recursive=True))
+    assert train_py_here(*args, cwd=tmp_path, monkeypatch=monkeypatch) == 2
+    err = capfd.readouterr().err
     lines = [x for x in err.splitlines() if x.startswith("error:")]
     assert lines == [
         "error: MASTER_ADDR=198.18.255.1 (environment) is not an address of this machine, but a one-machine run "
         "(num_nodes=1) starts every rank here: unset MASTER_ADDR (env -u MASTER_ADDR python train.py ...), or run "
         "under a launcher (torchrun, SLURM) to use several machines"
     ]
-    assert "MASTER_PORT" not in err and leftover(proc.tag) == []
+    assert "MASTER_PORT" not in err and set(psutil.Process().children(recursive=True)) <= children
