@@ -124,11 +124,8 @@ def refuse_non_integer_variables() -> None:
     for name in NUMBERS:
         value = os.environ.get(name)
         if value is not None and not re.fullmatch(r"\s*[+-]?\d+\s*", value):
-            print(
-                f"error: {name}={value!r} (environment) is not an integer: a launcher sets it to a number; unset it "
-                f"(env -u {name} ...) or give it one",
-                file=sys.stderr,
-            )
+            fix = f"a launcher sets it to a number; unset it (env -u {name} ...) or give it one"
+            print(f"error: {name}={value!r} (environment) is not an integer: {fix}", file=sys.stderr)
             sys.exit(EXIT_CONFIG)
 
 
@@ -140,15 +137,13 @@ def check_rank_variables(cluster: str, num_nodes: int) -> None:
     missing = [k for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT") if k not in env]  # a PyTorchJob's
     stray = [k for k in RANK_VARIABLES if k in env]
     if cluster == "kubeflow" and missing:
-        raise ConfigError(
-            f"cluster=kubeflow but {', '.join(missing)} not set: run inside a PyTorchJob, or drop cluster=kubeflow"
-        )
+        fix = "run inside a PyTorchJob, or drop cluster=kubeflow"
+        raise ConfigError(f"cluster=kubeflow but {', '.join(missing)} not set: {fix}")
     if cluster != "kubeflow" and stray and not (stray == ["NODE_RANK"] and num_nodes > 1):
         names = ", ".join(f"{k}={env[k]}" for k in stray)
-        raise ConfigError(
-            f"{names} set in the environment, but no launcher (torchrun, SLURM, a PyTorchJob with cluster=kubeflow) "
-            f"started this process: unset {' '.join(stray)} (e.g. env -u {' -u '.join(stray)} python train.py ...)"
-        )
+        no = "but no launcher (torchrun, SLURM, a PyTorchJob with cluster=kubeflow) started this process"
+        fix = f"unset {' '.join(stray)} (e.g. env -u {' -u '.join(stray)} python train.py ...)"
+        raise ConfigError(f"{names} set in the environment, {no}: {fix}")
 
 
 def launched() -> bool:
@@ -165,23 +160,18 @@ def check_address_variables(cluster: str, num_nodes: int) -> None:
         return
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
     if num_nodes > 1 and missing:
-        raise ConfigError(
-            f"num_nodes={num_nodes} without a launcher, but {' and '.join(missing)} not set: set MASTER_ADDR (node "
-            "0's address) and MASTER_PORT alike on every node and NODE_RANK on each, or start the nodes with "
-            "torchrun"
-        )
+        unset = f"num_nodes={num_nodes} without a launcher, but {' and '.join(missing)} not set"
+        fix = "set MASTER_ADDR (node 0's address) and MASTER_PORT alike on every node and NODE_RANK on each"
+        raise ConfigError(f"{unset}: {fix}, or start the nodes with torchrun")
     address = env.get("MASTER_ADDR")
     another_node = num_nodes > 1 and _node() not in ("", "0")  # which gives node 0's address
     if address is None or another_node or (local := is_local_address(address)):
         return
     what = "does not resolve to an address" if local is None else "is not an address of this machine"
     if num_nodes == 1:
-        raise ConfigError(
-            f"MASTER_ADDR={address} (environment) {what}, but a one-machine run (num_nodes=1) starts every rank here: "
-            "unset MASTER_ADDR (env -u MASTER_ADDR python train.py ...), or run under a launcher (torchrun, SLURM) "
-            "to use several machines"
-        )
-    raise ConfigError(
-        f"MASTER_ADDR={address} (environment) {what}, but this is node 0 (NODE_RANK unset or 0), which serves the "
-        "rendezvous: give every node this machine's address as MASTER_ADDR, or set NODE_RANK to this node's rank"
-    )
+        fix = "unset MASTER_ADDR (env -u MASTER_ADDR python train.py ...), or run under a launcher (torchrun, SLURM)"
+        why = f"{what}, but a one-machine run (num_nodes=1) starts every rank here"
+        raise ConfigError(f"MASTER_ADDR={address} (environment) {why}: {fix} to use several machines")
+    why = f"{what}, but this is node 0 (NODE_RANK unset or 0), which serves the rendezvous"
+    fix = "give every node this machine's address as MASTER_ADDR, or set NODE_RANK to this node's rank"
+    raise ConfigError(f"MASTER_ADDR={address} (environment) {why}: {fix}")

@@ -73,10 +73,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 tmp.unlink(missing_ok=True)
             why = err.strerror or str(err)
             kept = f" (the earlier {path.name} is whole)" if path.is_file() else ""
-            raise WriteFailed(
-                f"cannot write {path.name} in {str(path.parent)!r}: {why}: free space or make it writable, then "
-                f"resume{kept}"
-            ) from err
+            fix = f"free space or make it writable, then resume{kept}"
+            raise WriteFailed(f"cannot write {path.name} in {str(path.parent)!r}: {why}: {fix}") from err
         self.saved_steps[path.name] = int(checkpoint.get("global_step", -1))
 
 
@@ -207,12 +205,9 @@ def other_steps_problem(ckpt: dict, steps_per_execution: int) -> str | None:
     k = entry.get("steps_per_execution", 1)  # the resumable state's entry; none: 1
     if k == steps_per_execution or not entry.get("mid_epoch"):
         return None
-    end = int(ckpt.get("epoch", 0)) + 1
-    return (
-        f"stopped inside an epoch with steps_per_execution={k}: continue it with steps_per_execution={k} (and the "
-        f"callbacks it ran with) to the epoch's end (trainer.max_epochs={end}), then with "
-        f"steps_per_execution={steps_per_execution}"
-    )
+    end = f"to the epoch's end (trainer.max_epochs={int(ckpt.get('epoch', 0)) + 1})"
+    fix = f"continue it with steps_per_execution={k} (and the callbacks it ran with) {end}"
+    return f"stopped inside an epoch with steps_per_execution={k}: {fix}, then with {steps_per_execution=}"
 
 
 def checkpoint_problem(
@@ -228,37 +223,33 @@ def checkpoint_problem(
     loaded: dict | None = None,
 ) -> str | None:
     """Why ``path`` (``loaded``: read) cannot be continued (``fit``) or evaluated (``whole``) so, or ``None``."""
+    written = "give a last.ckpt or best.ckpt written by dpddp"
     try:
         ckpt = read_checkpoint(path) if loaded is None else loaded
     except Exception as err:  # a truncated zip, a pickle, not a checkpoint at all: all one answer to the user
-        return (
-            f"cannot be read as a checkpoint ({first_line(err, 120)}): give a last.ckpt or best.ckpt written by dpddp"
-        )
+        return f"cannot be read as a checkpoint ({first_line(err, 120)}): {written}"
     if isinstance(ckpt, dict) and ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
         return (
             "is a bare state dict (weights only: torch.save(model.state_dict())), not a Lightning checkpoint: give "
             "its run's checkpoints/last.ckpt, or load the weights into the model yourself and start without ckpt_path"
         )
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        return "is not a Lightning checkpoint (no state_dict): give a last.ckpt or best.ckpt written by dpddp"
+        return f"is not a Lightning checkpoint (no state_dict): {written}"
     done = processed_epochs(ckpt)
     if max_epochs not in (None, -1) and isinstance(done, int) and done > max_epochs:
         return f"has finished {done} epochs, more than trainer.max_epochs={max_epochs}: raise trainer.max_epochs"
     later = fit and max_epochs not in (None, -1) and isinstance(done, int) and max_epochs > done
     if later and (swa := swapped_average(ckpt)):
-        return (
-            f"holds the average {swa[0]} swapped in as its fit ended ({done} epochs done, {swa[1]} averaged): a fit "
-            f"continued from it cannot equal a straight run; start a new run with trainer.max_epochs={max_epochs}"
-        )
+        ended = f"holds the average {swa[0]} swapped in as its fit ended ({done} epochs done, {swa[1]} averaged)"
+        fix = f"start a new run with trainer.max_epochs={max_epochs}"
+        return f"{ended}: a fit continued from it cannot equal a straight run; {fix}"
     if steps_per_execution is not None and (problem := other_steps_problem(ckpt, steps_per_execution)):
         return problem
     entry = ckpt.get("dpddp") or {}
     was = entry.get("batch_size")
     if fit and entry.get("mid_epoch") and batch_size is not None and was is not None and was != batch_size:
-        return (
-            f"stopped inside an epoch with data.batch_size={was}: continue it with data.batch_size={was}, or "
-            f"change it from a checkpoint written at an epoch's end"
-        )
+        fix = f"continue it with data.batch_size={was}, or change it from a checkpoint written at an epoch's end"
+        return f"stopped inside an epoch with data.batch_size={was}: {fix}"
     saved = {**(_run_data(path) if whole else {}), **(ckpt.get("datamodule_hyper_parameters") or {})}
     data = {k: v for k, v in (data or {}).items() if k in SPLIT_SETTINGS or not whole}
     changed = [k for k in data if k in saved and saved[k] != data[k]]
@@ -272,10 +263,8 @@ def checkpoint_problem(
         trained = (ckpt.get("hyper_parameters") or {}) if same_layers else {}
         given = model.settings.items()
         was = [f"{name}={trained[k]!r}" for k, (name, value) in given if k in trained and trained[k] != value]
-        return (
-            f"holds another model's weights ({other}): give a checkpoint of this model, or the model settings it "
-            "was trained with" + (f" ({' '.join(was)})" if was else "")
-        )
+        fix = "give a checkpoint of this model, or the model settings it was trained with"
+        return f"holds another model's weights ({other}): {fix}" + (f" ({' '.join(was)})" if was else "")
     if (fit or whole) and "optimizer_states" not in ckpt:
         last = Path(path).parent / "last.ckpt"
         beside = last.name != Path(path).name and "optimizer_states" in (readable(last) or {})
@@ -283,8 +272,6 @@ def checkpoint_problem(
         only = "holds the model's weights only (no optimizer_states or callback states: saved with weights_only=True)"
         if not fit:
             return f"{only}, so eval.py cannot restore the run it came from: give {instead}"
-        return (
-            f"{only}, so a fit cannot continue from it: continue from {instead}, or load the weights in the model "
-            "yourself and start without ckpt_path"
-        )
+        fix = f"continue from {instead}, or load the weights in the model yourself and start without ckpt_path"
+        return f"{only}, so a fit cannot continue from it: {fix}"
     return None

@@ -83,9 +83,7 @@ class ReplicaGuard(pl.Callback):
             torch.distributed.all_gather(gathered, sums)
         found = divergent([row.tolist() for row in gathered])
         if found is not None:
-            rank, column = found
-            raise ReplicasDiverged(
-                f"rank {rank}'s replica differs from the others' at step {trainer.global_step}, first in "
-                f"{names[column]}: a fault on that rank's device, a non-deterministic kernel, or code that changes "
-                "one rank's weights; no checkpoint is written from it (last.ckpt holds the last agreed weights)"
-            )
+            at = f"at step {trainer.global_step}, first in {names[found[1]]}"
+            why = "a fault on that rank's device, a non-deterministic kernel, or code that changes one rank's weights"
+            kept = "no checkpoint is written from it (last.ckpt holds the last agreed weights)"
+            raise ReplicasDiverged(f"rank {found[0]}'s replica differs from the others' {at}: {why}; {kept}")

@@ -88,12 +88,6 @@ def _due(trainer: pl.Trainer, epoch: int) -> list[tuple[int, Any]]:
     ]
 
 
-def due_plateau_values(trainer: pl.Trainer) -> dict[int, float]:
-    """``{scheduler index: monitored value}`` of the plateau steps still due at the current epoch's end."""
-    metrics = trainer.callback_metrics
-    return {i: float(metrics[c.monitor]) for i, c in _due(trainer, trainer.current_epoch) if c.monitor in metrics}
-
-
 LIMIT_MARK = "so it cannot equal a straight run to this limit"  # in each limit_line: dpddp.check --stops finds it
 LOOK_AHEAD = 3
 
@@ -147,17 +141,13 @@ def limit_line(scheduler: Any, plateau: bool, old: dict[str, Any], new: dict[str
             "built for this run's limit, takes over from there, after steps the first run's lambda took"
         )
     elif apart is not None:
-        why = (
-            f"{name} was built with {apart[0]} for the limit the checkpoint's run had, and this run builds "
-            f"{apart[1]}: the continued run follows the first schedule"
-        )
+        builds = f"this run builds {apart[1]}: the continued run follows the first schedule"
+        why = f"{name} was built with {apart[0]} for the limit the checkpoint's run had, and {builds}"
     else:
         why = f"{name} continues another schedule than a straight run to this limit takes"
     measured = f" (its learning rate from step {at}: {_shown(ahead)}; a straight run's: {_shown(straight, False)})"
-    return (
-        f"{why}, {LIMIT_MARK}{measured if ahead else ''}; keep the first run's "
-        "limit, or use a schedule that does not depend on it"
-    )
+    fix = "keep the first run's limit, or use a schedule that does not depend on it"
+    return f"{why}, {LIMIT_MARK}{measured if ahead else ''}; {fix}"
 
 
 def built_apart(old: dict[str, Any], new: dict[str, Any]) -> tuple[str, str] | None:
@@ -225,13 +215,15 @@ class ResumableState(pl.Callback):
                 uncount_last_batch(checkpoint)
         finished = not fitting or epoch_finished_in(trainer, checkpoint)
         comm = getattr(trainer.strategy, "comm_state_dict", lambda: None)()  # PowerSGD's, on every rank
+        due = _due(trainer, trainer.current_epoch) if fitting and finished and self._in_loop else []
+        metrics = trainer.callback_metrics  # the plateau steps still due at this epoch's end, and their values
         checkpoint[KEY] = {
             "throughput": asdict(self.throughput),
             "epochs": asdict(self.epochs.snapshot()),
             "train_loss": None if finished else self._train_loss(trainer, pl_module),
             "random": self._gather(trainer, random_state()),
             "mid_epoch": not finished,
-            "plateau": due_plateau_values(trainer) if fitting and finished and self._in_loop else {},
+            "plateau": {i: float(metrics[c.monitor]) for i, c in due if c.monitor in metrics},
             "should_stop": self._latched_stop(trainer) if self._cut is None or finished else self._cut[0],
             "stopped_by": [cb.state_key for cb in trainer.early_stopping_callbacks if _stopped(cb)],
             "schedules": self._schedules,
@@ -262,7 +254,13 @@ class ResumableState(pl.Callback):
         if states and self._random is None and trainer.global_rank == 0:
             had = f"the checkpoint holds the random states of {len(states)} processes and this run has"
             log.info(f"{had} {trainer.world_size}: the global random stream starts from this run's seeds")
-        self._load_comm_state(trainer, entry.get("comm_state"))
+        saved = entry.get("comm_state")  # this rank's PowerSGD state; none, or another world size's: left fresh
+        if getattr(trainer.strategy, "comm_state", None) is not None and trainer.state.fn == "fit":
+            if saved is not None and len(saved) == trainer.world_size:
+                trainer.strategy.load_comm_state_dict(saved[trainer.global_rank])  # type: ignore[attr-defined]
+            elif trainer.global_rank == 0:
+                had = f"the states of {len(saved)} processes" if saved else "no PowerSGD state"
+                log.info(f"the checkpoint holds {had}: PowerSGD starts afresh (plain all-reduce first)")
         self._mid_epoch = bool(entry.get("mid_epoch"))
         self._should_stop = bool(entry.get("should_stop"))
         self._stopped_by = list(entry.get("stopped_by") or [])
@@ -284,10 +282,8 @@ class ResumableState(pl.Callback):
         present = {cb.state_key for cb in trainer.callbacks}  # type: ignore[attr-defined]
         gone = self._stopped_by and not present & set(self._stopped_by)
         if self._should_stop and gone and trainer.global_rank == 0:
-            log.warning(
-                f"the checkpoint's fit was stopped by {', '.join(self._stopped_by)}, which this run does not have: "
-                "training goes on to this run's limits"
-            )
+            by = f"the checkpoint's fit was stopped by {', '.join(self._stopped_by)}"
+            log.warning(f"{by}, which this run does not have: training goes on to this run's limits")
         if self._should_stop and not gone:  # EarlyStopping before min_epochs, or a run it ended: the straight run's
             trainer.should_stop = True
         restored, self._restored_schedules = self._restored_schedules, None
@@ -347,17 +343,6 @@ class ResumableState(pl.Callback):
         if self._random is not None:  # after a mid-epoch checkpoint: where the straight run's next batch began
             set_random_state(self._random)
             self._random = None
-
-    @staticmethod
-    def _load_comm_state(trainer: pl.Trainer, saved: list[dict[str, Any]] | None) -> None:
-        """This rank's saved PowerSGD state into the strategy's; none, or another world size's: left fresh."""
-        if getattr(trainer.strategy, "comm_state", None) is None or trainer.state.fn != "fit":
-            return
-        if saved is not None and len(saved) == trainer.world_size:
-            trainer.strategy.load_comm_state_dict(saved[trainer.global_rank])  # type: ignore[attr-defined]
-        elif trainer.global_rank == 0:
-            had = f"the states of {len(saved)} processes" if saved else "no PowerSGD state"
-            log.info(f"the checkpoint holds {had}: PowerSGD starts afresh (plain all-reduce first)")
 
     @staticmethod
     def _latched_stop(trainer: pl.Trainer) -> bool:

@@ -59,10 +59,8 @@ def mode_conflict(argv: list[str]) -> str | None:
             advice = "--cfg job prints a run's config: give one value per setting, not a sweep list"
         else:
             advice = "; ".join(f"{spelled.split()[0]} {MODE_USES[name]}" for name, spelled in given)
-        return (
-            f"{' and '.join(spelled for _, spelled in given)} cannot be given together: Hydra runs one of them; keep "
-            f"one ({advice})"
-        )
+        both = " and ".join(spelled for _, spelled in given)
+        return f"{both} cannot be given together: Hydra runs one of them; keep one ({advice})"
     if args.resolve and args.cfg is None:
         return "--resolve works only with --cfg: add --cfg job (or hydra, all), or drop --resolve"
     return None
@@ -113,10 +111,8 @@ def hydra_failure(err: Exception, argv: list[str]) -> str:
     if missing == name and missing_primary_config(first):
         known = [o for o in (loader.get_group_options("") if loader else []) if not o.startswith("_")]
         where = ", ".join(s.full_path() for s in loader.get_sources()) if loader else "the config search path"
-        return (
-            f"--config-name {name}: no config {name}.yaml in {where}: choose one of {', '.join(known)}, or add your "
-            "configs' directory with --config-dir <dir>"
-        )
+        fix = f"choose one of {', '.join(known)}, or add your configs' directory with --config-dir <dir>"
+        return f"--config-name {name}: no config {name}.yaml in {where}: {fix}"
     group, _, option = missing.rpartition("/")
     known = list(getattr(err, "options", None) or (loader.get_group_options(group) if loader else []))
     typed = any(a.partition("=")[0].lstrip("+~").partition("@")[0] == group for a in getattr(args, "overrides", []))
@@ -136,10 +132,9 @@ def unreadable_override(argv: list[str]) -> str | None:
             parser.parse_overrides([given])
         except OverrideParseException as err:
             reason = hydra_override_reason(str(err)) or "not an override"
-            return (
-                f"{given!r} cannot be read as an override ({reason}): write key=value, quoting a value with "
-                "special characters (key='a,b'); see https://hydra.cc/docs/advanced/override_grammar/basic/"
-            )
+            fix = "write key=value, quoting a value with special characters (key='a,b')"
+            see = "https://hydra.cc/docs/advanced/override_grammar/basic/"
+            return f"{given!r} cannot be read as an override ({reason}): {fix}; see {see}"
     return None
 
 
@@ -271,17 +266,15 @@ def search_refusal(settings: Mapping[str, Any], arguments: Sequence[str]) -> str
         if not isinstance(settings.get(key), int) or settings[key] < 1:
             return f"hydra.sweeper.{key}={settings.get(key)}: give a positive number of trials"
     if not settings.get("storage"):
-        return (
-            f"hydra.sweeper.storage={settings.get('storage') or 'null'}: a search without a storage cannot continue "
-            "after a stop: keep the default (sqlite:///<sweep dir>/optuna.db) or give a database URL"
-        )
+        given = f"hydra.sweeper.storage={settings.get('storage') or 'null'}"
+        fix = "keep the default (sqlite:///<sweep dir>/optuna.db) or give a database URL"
+        return f"{given}: a search without a storage cannot continue after a stop: {fix}"
     for override in parsed_sweep(settings.get("params"), arguments):
         value = override.value() if override.is_interval_sweep() else None
         if isinstance(value, IntervalSweep) and (unknown := set(value.tags) - {"log"}):
-            return (
-                f"{override.input_line}: the Optuna sweeper knows the interval tag log only, not "
-                f"{', '.join(sorted(unknown))}: give tag(log, interval(a, b)) or interval(a, b)"
-            )
+            tags = ", ".join(sorted(unknown))
+            fix = "give tag(log, interval(a, b)) or interval(a, b)"
+            return f"{override.input_line}: the Optuna sweeper knows the interval tag log only, not {tags}: {fix}"
     return None
 
 
@@ -292,10 +285,8 @@ def _refused(override: Override, basic: bool, choices: Any, loader: Any) -> str 
             return None
         value = override.value()
         assert isinstance(value, IntervalSweep)
-        return (
-            f"{line}: interval() needs a sampling sweeper (hparams_search=optuna), or give a list "
-            f"({key}={value.start},{value.end})"
-        )
+        fix = f"or give a list ({key}={value.start},{value.end})"
+        return f"{line}: interval() needs a sampling sweeper (hparams_search=optuna), {fix}"
     values = list(override.sweep_string_iterator())
     is_glob = override.value_type is ValueType.GLOB_CHOICE_SWEEP
     if is_glob and key not in choices:
@@ -308,10 +299,9 @@ def _refused(override: Override, basic: bool, choices: Any, loader: Any) -> str 
     sweep = override.value()
     if isinstance(sweep, RangeSweep) and float in (type(sweep.start), type(sweep.stop)) and len(values) == 1:
         start, stop = float(sweep.start or 0.0), float(sweep.stop or 0.0)
-        return (
-            f"{line} gives one value ({values[0]}): range() steps by {sweep.step} unless given a step: give one, "
-            f"e.g. {key}=range({start:g},{stop:g},{(stop - start) / 4:g}), or list the values"
-        )
+        example = f"{key}=range({start:g},{stop:g},{(stop - start) / 4:g})"
+        why = f"range() steps by {sweep.step} unless given a step"
+        return f"{line} gives one value ({values[0]}): {why}: give one, e.g. {example}, or list the values"
     if is_glob and not basic:
         choice = f"{key}=choice({','.join(values)})"
         return f"{line}: glob() is the basic sweeper's; a sampling sweeper takes the options as {choice}"

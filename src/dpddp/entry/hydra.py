@@ -117,14 +117,14 @@ def _program() -> list[str]:
     return ["python", argv0] if argv0.endswith(".py") else [Path(argv0).name]
 
 
-def run_job(cfg: DictConfig, stage: str = "fit", late: list[Callable[[], str]] | None = None) -> float:
-    """Run one Hydra job for ``stage``; its ``objective`` (a sweep's failed job: ``error.txt``, ``nan``)."""
+def run_job(cfg: DictConfig, late: list[Callable[[], str]]) -> float:
+    """Run one Hydra job (``late``: its resume command); its ``objective`` (a sweep's failed job: ``nan``)."""
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     overrides: Any = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)  # as typed: ${...} kept
     try:
-        plan = job_plan(cfg, stage)
+        plan = job_plan(cfg, "fit")
     except ConfigError as err:
         if not multirun:
             fail(str(err))
@@ -153,12 +153,11 @@ def run_job(cfg: DictConfig, stage: str = "fit", late: list[Callable[[], str]] |
     elif cfg.get("resume") and cfg.get("ckpt_path") is None:
         log.info("resume=true but there is no checkpoints/last.ckpt in the run directory: starting fresh")
     resume = partial(_resume_command, overrides, output_dir, multirun)
-    if late is not None:  # main's, for a SIGTERM after the job's end
-        late[:] = [resume]
+    late[:] = [resume]  # main's, for a SIGTERM after the job's end
     with shell(resume, log):  # a lost rank's line: into train.log too
         try:
             with isolated_job():
-                value = train(cfg, output_dir, stage, extra={"overrides": overrides}, plan=plan)[objective(cfg)]
+                value = train(cfg, output_dir, "fit", extra={"overrides": overrides}, plan=plan)[objective(cfg)]
             if not multirun or math.isfinite(value):
                 return value
             line = f"{objective(cfg)} (the objective) is {value}: the training diverged, or no validation logged it"

@@ -250,16 +250,13 @@ def _parsed(stage: str, rest: list[str]) -> tuple[Plan, Path, bool]:
     if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
         made = not output_dir.exists()
         if why := unwritable(output_dir):  # makes it
-            raise ConfigError(
-                f"--trainer.default_root_dir={str(root)!r}: {str(output_dir)!r} cannot be written ({why}): "
-                "give a directory you can write"
-            )
+            given = f"--trainer.default_root_dir={str(root)!r}"
+            raise ConfigError(f"{given}: {str(output_dir)!r} cannot be written ({why}): give a directory you can write")
         n = len(invocations(output_dir, CONFIG)) + 1  # config.yaml, then config-1.yaml, ... (as .hydra/)
         cli.parser.save(cli.config, str(output_dir / invocation_name(CONFIG, n)), **KEEP_NONE)
         log_to(output_dir / "train.log", LOG_FORMAT)
-        logging.getLogger(__name__).info(
-            f"invocation {n} into this run directory ({stage}): {invocation_name(CONFIG, n)}"
-        )
+        line = f"invocation {n} into this run directory ({stage}): {invocation_name(CONFIG, n)}"
+        logging.getLogger(__name__).info(line)
     return plan, output_dir, made
 
 

@@ -57,18 +57,14 @@ def continues(cfg: DictConfig, multirun: bool, last: CheckpointFacts) -> bool:
 def directory_problem(cfg: DictConfig, output_dir: Path, resume: bool, named: bool, ckpt: str | None) -> str | None:
     """Why one run must not start in ``output_dir`` (another run's, or ``resume=true`` unnamed), or ``None``."""
     if cfg.get("resume") and not named:
-        return (
-            "resume=true needs the run to resume: add hydra.run.dir=<its directory> (e.g. "
-            "hydra.run.dir=outputs/2026-01-31/12-00-00)"
-        )
+        fix = "add hydra.run.dir=<its directory> (e.g. hydra.run.dir=outputs/2026-01-31/12-00-00)"
+        return f"resume=true needs the run to resume: {fix}"
     last = output_dir / "checkpoints" / "last.ckpt"
     held = [p.name for p in (last, output_dir / "metrics.json") if p.is_file()]
     if held and not resume and ckpt != str(last):
-        return (
-            f"the run directory {hydra_value(str(output_dir))} holds another run ({', '.join(held)}): "
-            "continue it with resume=true, or give this run its own directory (hydra.run.dir=..., or "
-            "torchrun --rdzv-id=<job id>)"
-        )
+        held_by = f"the run directory {hydra_value(str(output_dir))} holds another run ({', '.join(held)})"
+        fix = "give this run its own directory (hydra.run.dir=..., or torchrun --rdzv-id=<job id>)"
+        return f"{held_by}: continue it with resume=true, or {fix}"
     return None
 
 
@@ -97,11 +93,10 @@ def other_run(output_dir: Path, overrides: list[str], first: Path | None) -> str
     typed = first / "overrides.yaml" if first is not None else None
     if typed is None or not typed.is_file() or not (apart := _first_apart(OmegaConf.load(typed), overrides)):
         return None
-    return (
-        f"the run directory {hydra_value(str(output_dir))} holds a run with other settings: this one gives {apart}, "
-        "and a continue changes no setting of its model, data, Trainer or seed but a limit: give this run its own "
-        f"directory (hydra.run.dir={hydra_value(str(output_dir))}-2)"
-    )
+    where = hydra_value(str(output_dir))
+    why = f"this one gives {apart}, and a continue changes no setting of its model, data, Trainer or seed but a limit"
+    fix = f"give this run its own directory (hydra.run.dir={where}-2)"
+    return f"the run directory {where} holds a run with other settings: {why}: {fix}"
 
 
 def other_sweep(sweep_dir: Path, overrides: list[str]) -> str | None:
@@ -112,8 +107,7 @@ def other_sweep(sweep_dir: Path, overrides: list[str]) -> str | None:
         return None
     if not (apart := _first_apart(OmegaConf.load(record).hydra.overrides.task, overrides)):
         return None
-    return (
-        f"hydra.sweep.dir={hydra_value(str(sweep_dir))} holds the jobs of a sweep with other settings: this one "
-        f"gives {apart}, and a job continues only with its own model, data, Trainer and seed settings (a limit "
-        f"aside): give this sweep its own directory (hydra.sweep.dir={hydra_value(str(sweep_dir))}-2)"
-    )
+    where = hydra_value(str(sweep_dir))
+    why = f"this one gives {apart}, and a job continues only with its own model, data, Trainer and seed settings"
+    fix = f"give this sweep its own directory (hydra.sweep.dir={where}-2)"
+    return f"hydra.sweep.dir={where} holds the jobs of a sweep with other settings: {why} (a limit aside): {fix}"

@@ -87,10 +87,9 @@ def trial_overrides(number: int, params: Mapping[str, Any], space: SearchSpace) 
 
     distributions, fixed = space
     if set(params) != set(distributions):
-        raise ConfigError(
-            f"trial {number} of the study samples {', '.join(sorted(params))}, the search space "
-            f"{', '.join(distributions)}: continue it with its own search, or give this one its own hydra.sweep.dir"
-        )
+        fix = "continue it with its own search, or give this one its own hydra.sweep.dir"
+        apart = f"the study samples {', '.join(sorted(params))}, the search space {', '.join(distributions)}"
+        raise ConfigError(f"trial {number} of {apart}: {fix}")
     return [f"{key}={Transformer.str(params[key])}" for key in distributions] + fixed
 
 
@@ -133,10 +132,8 @@ def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], set
         sampler.seed = int(sampler.seed) + len(earlier)
     study.sampler = instantiate(sampler)
     stale = [t for t in earlier if t.state == TrialState.RUNNING]
-    log.info(
-        f"Optuna study {study.study_name} in {storage}: {len(earlier) - len(stale)} finished trials, "
-        f"{len(stale)} to continue, {max(settings['n_trials'] - len(earlier), 0)} to sample"
-    )
+    counts = f"{len(stale)} to continue, {max(settings['n_trials'] - len(earlier), 0)} to sample"
+    log.info(f"Optuna study {study.study_name} in {storage}: {len(earlier) - len(stale)} finished trials, {counts}")
 
     def launch(trials: list[Any]) -> None:
         """Launch ``trials``, tell the study each value or ``FAIL`` (after a SIGTERM: an unfinished one stays)."""
