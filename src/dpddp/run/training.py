@@ -126,7 +126,6 @@ def train(
         if predict_error is not None:
             result["predict_error"] = first_line(predict_error)
         reasons, unshown = _missing(trainer, metrics, stage, ran)
-        unshown += PER_RANK_KEYS  # one entry per rank: in the file
         if stage != "fit":  # a stage run alone: its line shows only what it measured
             unshown += tuple(
                 k for k, v in result.items() if k == "objective" or (isinstance(v, float) and math.isnan(v))
@@ -154,7 +153,7 @@ def _missing(
     logged = {"val/": "validate" in ran or (tally is not None and tally.validated_step is not None)}
     logged["test/"] = "test" in ran
     reasons: dict[str, str] = {}
-    unshown = []
+    unshown = list(PER_RANK_KEYS)  # one entry per rank: in the file
     for key in (*METRIC_KEYS, *TRAINING_KEYS):
         prefix = key.split("/")[0] + "/"
         if prefix in NOT_RUN[stage] or (key in TRAINING_KEYS and stage != "fit"):
