@@ -252,8 +252,7 @@ def _rounding(
 
 def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
     """Print the report and draw ``PICTURE``. Raises ``ConfigError`` and ``PromiseBroken`` (promise 1 fails)."""
-    for line in environment_lines():
-        print(line)
+    print(*environment_lines(), sep="\n")
     gpus, on = torch.cuda.device_count(), "gpu" if torch.cuda.device_count() >= 2 else "cpu"
     runs = [("1 process", 1, "auto"), ("ddp(2)", 2, "ddp"), *([(f"dp({gpus})", gpus, "dp")] if gpus >= 2 else [])]
     rows: list[dict[str, Any]] = [
@@ -285,8 +284,7 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
         _side_run([*row["settings"], *overrides, SIXTY_FOUR], config_dir, work / f"wide{i}")
         for i, row in enumerate(rows)
     ]
-    for line in _same_math(rows, sixty_four):
-        print(line)
+    print(*_same_math(rows, sixty_four), sep="\n")  # a line for each replicated training
     half = f"data.micro_batch_size={max(int(rows[0]['cfg'].data.batch_size) // 2, 1)}"
     scaled = _side_run([*rows[0]["settings"], *overrides, half], config_dir, work / "micro")
     print(_rounding(rows, scaled, sixty_four[0], rows[0]["precision"]))
@@ -590,8 +588,7 @@ def check_network(overrides: list[str], config_dir: str | None, processes: int) 
     world = found.world_size
     bus = bus_bandwidth(BIG_BYTES, found.times[BIG_BYTES] - found.latency_s, world)
     measured, bound = found.times[grad_bytes], ring_seconds(grad_bytes, world, found.latency_s, bus)
-    for line in environment_lines():
-        print(line)
+    print(*environment_lines(), sep="\n")
     print(
         f"all-reduce over {world} processes ({found.backend}): latency {found.latency_s * 1e6:,.0f} us, bus "
         f"bandwidth {bus / 1e9:.2f} GB/s (on {BIG_BYTES // 2**20} MiB)"
