@@ -88,7 +88,7 @@ def compile_model(model: pl.LightningModule, mode: str | None) -> None:
     """Bind ``model`` its class's ``forward`` compiled in ``mode`` (``None``: none), an earlier job's graphs dropped."""
     if mode is None:
         return
-    torch.compiler.reset()
+    torch.compiler.reset()  # an earlier job's graphs count towards torch's recompile limit
     forward = torch.compile(type(model).forward, mode=mode)
     model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
     if writes_outputs():  # once per run
