@@ -26,7 +26,16 @@ from dpddp.run.config import check_config
 from dpddp.run.training import train
 
 BASE = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "model.optimizer=adam", "model.lr=0.01"]
-FLAGS = [s for s in SURFACE if s.kind == "trainer flag" and not s.refused and not s.tested_by]
+WALKED = [s for s in SURFACE if s.kind == "trainer flag" and not s.refused and not s.tested_by]
+# A row whose config is contained in another row's runs as that row's (test_a_folded_row_is_contained_in_its_runs):
+# what the other row adds only records (LearningRateMonitor, CSVLogger) or warns (the metric contract), or ends the
+# run at the end of an epoch (EarlyStopping), so each line the folded row's runs would reach, its runs reach.
+FOLDED = {
+    "callbacks=model_checkpoint": "trainer.max_epochs=N",
+    "callbacks=early_stopping": "callbacks=[early_stopping,lr_monitor] logger=csv",
+    "callbacks=lr_monitor logger=csv": "callbacks=[early_stopping,lr_monitor] logger=csv",
+}
+FLAGS = [s for s in WALKED if s.name not in FOLDED]
 
 
 def _step(run):
@@ -51,6 +60,24 @@ def test_a_stop_at_a_random_step_then_continued_equals_a_straight_run(tmp_path, 
     assert _step(tmp_path / "continued") == _step(straight)
     a, b = weights(tmp_path / "continued/checkpoints/last.ckpt"), weights(straight / "checkpoints/last.ckpt")
     assert max_diff(a, b) <= 1e-6
+
+
+def _leaves(value, key: str = "") -> set[tuple[str, str]]:
+    """The (dotted key, value) pairs of a config's leaves; a ``None`` leaf is left out (as if the key were absent)."""
+    if isinstance(value, dict):
+        return set().union(*(_leaves(v, f"{key}.{k}") for k, v in value.items()))
+    return set() if value is None else {(key, repr(value))}
+
+
+@pytest.mark.parametrize(("folded", "runs"), FOLDED.items())
+def test_a_folded_row_is_contained_in_its_runs(folded, runs):
+    """Every setting of the folded row's config, with the same value, in the config of the row that runs it."""
+    rows = {s.name: s for s in WALKED}
+    inner, outer = (
+        _leaves(OmegaConf.to_container(compose_cfg(*BASE, "trainer.max_epochs=3", *rows[name].overrides)))
+        for name in (folded, runs)
+    )
+    assert inner < outer, sorted(inner - outer)
 
 
 REFUSED = [s for s in SURFACE if s.refused]
@@ -189,7 +216,7 @@ def test_each_model_on_two_and_three_processes_equals_one_process(tmp_path, shar
             assert metrics(many)[key] == pytest.approx(metrics(one)[key], abs=1e-5), (case, key)
 
 
-ROWS = [s for s in SURFACE if s not in FLAGS and s not in MODELS and not s.refused]
+ROWS = [s for s in SURFACE if s not in WALKED and s not in MODELS and not s.refused]
 NAMED = [(setting, name) for setting in ROWS for name in setting.tested_by]
 
 
