@@ -129,8 +129,16 @@ def refuse_non_integer_variables() -> None:
             sys.exit(EXIT_CONFIG)
 
 
-def check_rank_variables(cluster: str, num_nodes: int) -> None:
-    """``ConfigError``: rank variables set without a launcher, or ``cluster=kubeflow`` without a PyTorchJob's."""
+def launched() -> bool:
+    """Whether torchrun, SLURM or dpddp's launcher started this process."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return bool(os.environ.get(LAUNCHED_ENV)) or "TORCHELASTIC_RUN_ID" in os.environ or SLURMEnvironment.detect()
+
+
+def check_launch_variables(cluster: str, num_nodes: int, ddp: bool) -> None:
+    """``ConfigError`` for a run no launcher started: rank variables set, ``cluster=kubeflow`` without a PyTorchJob's,
+    or (``ddp``) a ``MASTER_ADDR``/``MASTER_PORT`` that cannot serve its rendezvous."""
     env = os.environ
     if launched():
         return
@@ -144,19 +152,7 @@ def check_rank_variables(cluster: str, num_nodes: int) -> None:
         no = "but no launcher (torchrun, SLURM, a PyTorchJob with cluster=kubeflow) started this process"
         fix = f"unset {' '.join(stray)} (e.g. env -u {' -u '.join(stray)} python train.py ...)"
         raise ConfigError(f"{names} set in the environment, {no}: {fix}")
-
-
-def launched() -> bool:
-    """Whether torchrun, SLURM or dpddp's launcher started this process."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
-    return bool(os.environ.get(LAUNCHED_ENV)) or "TORCHELASTIC_RUN_ID" in os.environ or SLURMEnvironment.detect()
-
-
-def check_address_variables(cluster: str, num_nodes: int) -> None:
-    """``ConfigError`` when ``MASTER_ADDR``/``MASTER_PORT`` cannot serve a DDP run started without a launcher."""
-    env = os.environ
-    if cluster == "kubeflow" or launched():
+    if cluster == "kubeflow" or not ddp:
         return
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
     if num_nodes > 1 and missing:

@@ -353,10 +353,8 @@ def _cell(value: Any) -> str:
 def objective_of(config: DictConfig) -> tuple[str, bool]:
     """The metric a sweep's jobs return and whether higher is better (``direction``, else the checkpoint's mode)."""
     direction = config.hydra.sweeper.get("direction") if "hydra" in config else None
-    if isinstance(direction, str):
-        return objective(config), direction == "maximize"
     mode = ((config.get("callbacks") or {}).get("model_checkpoint") or {}).get("mode")
-    return objective(config), mode == "max"
+    return objective(config), direction == "maximize" if isinstance(direction, str) else mode == "max"
 
 
 def write_summary(sweep_dir: Path, objective: tuple[str, bool] = ("val/loss", False)) -> list[dict[str, Any]]:
@@ -398,12 +396,10 @@ def end_sweep(sweep_dir: Path, cut_short: bool = False, objective: tuple[str, bo
     sweep_stop.clear()
     unfinished = [row["job"] for row in rows if row["status"] != "ok" and not row["status"].startswith("failed")]
     if stopped and (unfinished or cut_short):
-        jobs: dict[str, list[str]] = {}
-        for row in rows:
-            jobs.setdefault(row["status"].split(":")[0], []).append(row["job"])
-        kinds = (("incomplete", "stopped with a checkpoint"), ("not started", "not started"), ("failed", "failed"))
-        parts = [f"{len(jobs.get('ok', []))} of {len(rows)} jobs finished"]
-        parts += [f"{what}: {_jobs(jobs[key])}" for key, what in kinds if key in jobs]
+        kinds = {"ok": "", "incomplete": "stopped with a checkpoint", "not started": "not started", "failed": "failed"}
+        jobs = {key: [row["job"] for row in rows if row["status"].split(":")[0] == key] for key in kinds}
+        parts = [f"{len(jobs['ok'])} of {len(rows)} jobs finished"]
+        parts += [f"{what}: {_jobs(jobs[key])}" for key, what in kinds.items() if what and jobs[key]]
         command = sweep_resume_command(sweep_dir)
         fail(f"the sweep was stopped by SIGTERM ({'; '.join(parts)}): resume with {command}", EXIT_PREEMPTED)
     failed = [row["job"] for row in rows if row["status"] != "ok"]

@@ -116,9 +116,7 @@ def resolve_world(cfg: Mapping) -> World:
         raise ConfigError(f"cluster={cfg['cluster']!r} is unknown: choose one of {', '.join(CLUSTERS)}")
     check_strategy_options(cfg["strategy"])
     alone = 1 if num_nodes == "auto" else num_nodes  # the nodes of a run no launcher started (auto: this one)
-    launch.check_rank_variables(cfg["cluster"], alone)  # before world_of reads the rank variables
-    if ddp:
-        launch.check_address_variables(cfg["cluster"], alone)
+    launch.check_launch_variables(cfg["cluster"], alone, ddp)  # before world_of reads the rank variables
     world = world_of(cfg)
     started = launch.cluster_world_size(cfg["cluster"])
     if started and num_nodes == "auto" and ddp:  # elastic: devices x nodes must be the launcher's
