@@ -1,5 +1,4 @@
-"""What the launcher says (torchrun, SLURM, a PyTorchJob, dpddp's own): ranks, world size, rendezvous, run name.
-The only reader of the launcher's variables (docs/design-notes.md, cluster)."""
+"""The only reader of the launcher's variables (torchrun, SLURM, a PyTorchJob, dpddp's): ranks, world, run name."""
 
 from __future__ import annotations
 

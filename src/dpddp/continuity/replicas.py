@@ -44,8 +44,7 @@ def checksums(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) 
 
 
 def divergent(table: list[list[int]]) -> tuple[int, int] | None:
-    """``(rank, column)``: the first column of ``table`` (a row per rank) where ranks differ, and the first rank off
-    the majority there (a tie: rank 0 is right); ``None`` when all agree."""
+    """``(rank, column)``: the first column where ranks (rows) differ, the first rank off its majority; or ``None``."""
     for column, values in enumerate(zip(*table, strict=True)):
         counts = Counter(values)
         right = max(values, key=lambda v: (counts[v], v == values[0]))

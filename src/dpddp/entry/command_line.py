@@ -1,5 +1,4 @@
-"""The command lines of ``train.py`` and ``dpddp``: what Hydra or jsonargparse would refuse in many lines, in one;
-Hydra's sweep syntax against the sweeper that runs it, before the sweep starts."""
+"""The command lines of ``train.py`` and ``dpddp``, and a sweep's syntax, refused in one line before anything runs."""
 
 from __future__ import annotations
 

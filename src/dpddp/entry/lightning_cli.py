@@ -1,5 +1,4 @@
-"""The Lightning CLI entry point, ``dpddp fit --trainer.devices=2``: LightningCLI's parse of any LightningModule and
-LightningDataModule, run by ``train`` as ``train.py``'s config is (docs/design-notes.md, entry)."""
+"""The Lightning CLI entry point (``dpddp fit``): LightningCLI's parse, run by ``train`` as ``train.py``'s config is."""
 
 from __future__ import annotations
 
