@@ -23,7 +23,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, made_once, run_train
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, made_once, run_train, train_py_here
 from hydra.experimental.callback import Callback
 
 from dpddp.continuity.stop import RunScope
@@ -107,48 +107,36 @@ def _world(strategy: str, devices: int) -> list[str]:
     return [f"strategy={strategy}", f"devices={devices}"]
 
 
-def _straight(shared_dir, strategy: str, devices: int):
-    """The straight run's ``last.ckpt``. The run gets a SIGTERM while its interpreter exits, after ``main``
-    returned (``SigtermAtExit``): it ends with 143 and the one line naming its final checkpoint, its outputs whole
-    (every continued run is compared to them)."""
+def _straight(shared_dir) -> Path:
+    """The straight ddp(2) run's ``last.ckpt``, made once a session. It gets a SIGTERM while its interpreter exits
+    (``SigtermAtExit``; ``stop.command``'s ``at_exit`` answers, on any strategy): 143, the one line naming its final
+    checkpoint, its outputs whole."""
 
     def make(path):
         kill = ["+callbacks.kill._target_=test_sigterm_any_moment.SigtermAtExit", "+callbacks.kill.wait_s=1"]
-        proc = run_train(
-            *_world(strategy, devices), *SETTINGS, *kill, f"hydra.run.dir={path}", cwd=path.parent, env=ENV
-        )
+        proc = run_train(*_world("ddp", 2), *SETTINGS, *kill, f"hydra.run.dir={path}", cwd=path.parent, env=ENV)
         assert proc.returncode == 143, proc.stderr[-3000:]
         lines = [x for x in proc.stderr.splitlines() if "stopped by SIGTERM" in x]
-        step, last = (
-            torch.load(path / "checkpoints/last.ckpt", weights_only=True)["global_step"],
-            path / "checkpoints/last.ckpt",
-        )
+        last = path / "checkpoints/last.ckpt"
+        step = torch.load(last, weights_only=True)["global_step"]
         said = f"error: stopped by SIGTERM after step {step}; checkpoint: {last}: resume with "
         assert len(lines) == 1 and lines[0].startswith(said) and (path / "metrics.json").is_file(), lines
 
-    return made_once(shared_dir, f"sigterm-straight-{strategy}-{devices}", make) / "checkpoints" / "last.ckpt"
+    return made_once(shared_dir, "sigterm-straight-ddp-2", make) / "checkpoints" / "last.ckpt"
 
 
 def _state(ckpt) -> dict[str, torch.Tensor]:
     return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
 
 
-def _stops_then_continues(
-    tmp_path,
-    shared_dir,
-    strategy: str,
-    devices: int,
-    kill: list[str],
-    first_checkpoint: bool = False,
-    whole: bool = False,
-) -> float:
-    """Run with ``kill``; assert the stop (143, the line, ``last.ckpt`` at its step, or none before the
-    ``first_checkpoint``, no process left; ``metrics.json`` written only if the run was ``whole``), paste the
-    printed command and assert it ends with the straight run's weights (from a ``whole`` run: without a step
-    more). Returns the stopped run's wall time."""
+def _stops(tmp_path, args: list[str], first_checkpoint: bool = False, whole: bool = False) -> list[str]:
+    """Run ``train.py ARGS`` into ``tmp_path/run``; assert the stop (143, the one line, ``last.ckpt`` at its step,
+    or none before the ``first_checkpoint``, no process left; ``metrics.json`` there only if the run was ``whole``;
+    after a checkpoint, within 120 s: gloo's 180 s timeout, where a rank left waiting alone would end, is not
+    waited out). Returns the printed command's arguments (after ``python train.py``)."""
     started = time.monotonic()
-    proc = run_train(*_world(strategy, devices), *SETTINGS, *kill, "hydra.run.dir=run", cwd=tmp_path, env=ENV)
-    elapsed = time.monotonic() - started
+    proc = run_train(*args, cwd=tmp_path, env=ENV)
+    assert first_checkpoint or time.monotonic() - started < 120, proc.stderr[-3000:]
     assert proc.returncode == 143, proc.stderr[-3000:]
     lines = [x for x in (proc.stderr + proc.stdout).splitlines() if "stopped by SIGTERM" in x]  # the console
     assert len(lines) == 1, proc.stderr[-3000:]  # not a launched rank's too
@@ -159,47 +147,79 @@ def _stops_then_continues(
         step = torch.load(last, weights_only=True)["global_step"]
         assert lines[0].startswith(f"error: stopped by SIGTERM after step {step}; checkpoint: {last}: resume with ")
     assert (tmp_path / "run" / "metrics.json").exists() == whole and leftover(proc.tag) == []
-    step = None if first_checkpoint else torch.load(last, weights_only=True)["global_step"]
-    command = shlex.split(lines[0].split("resume with ", 1)[1])[2:]  # after "python train.py"
-    resumed = run_train(*command, cwd=tmp_path, env=ENV)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    if whole:
-        assert torch.load(last, weights_only=True)["global_step"] == step
-    straight, ended = _state(_straight(shared_dir, strategy, devices)), _state(last)
-    assert straight.keys() == ended.keys()
-    assert max((straight[k] - ended[k]).abs().max().item() for k in straight) <= 1e-5
-    return elapsed
+    return shlex.split(lines[0].split("resume with ", 1)[1])[2:]
 
 
-CASES = [  # (strategy, devices, hook, rank); rank 0 of ddp(2) at fit_end and predict: the entry points' cases
-    ("ddp", 2, "last_train_batch", 1),
-    ("ddp", 2, "validation", 1),
-    ("ddp", 2, "test", 1),
-    ("ddp", 2, "predict_teardown", 1),
-    ("auto", 1, "validation", 0),
-]  # a launched rank of ddp(3) stopped in validation: ddp(2)'s rank 1 here, 3 ranks in test_three_processes
+def _same_weights(straight: Path, last: Path) -> None:
+    """``last`` holds the weights of the straight run's ``straight`` (1e-5)."""
+    expected, ended = _state(straight), _state(last)
+    assert expected.keys() == ended.keys()
+    assert max((expected[k] - ended[k]).abs().max().item() for k in expected) <= 1e-5
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy,devices,hook,rank", CASES)
-def test_a_sigterm_at_a_random_moment_of_any_stage_stops_every_rank_and_continues_to_the_straight_weights(
-    tmp_path, shared_dir, strategy, devices, hook, rank
-):
-    """The bound on the stopped run's time is gloo's 180 s timeout, where a rank left waiting alone would end
-    (rank 1 in the test did, in Lightning's SIGTERM broadcast from rank 0): generous, not a measurement."""
+def _sigterm_after(tmp_path, strategy: str, devices: int, hook: str, rank: int) -> list[str]:
+    """``SigtermAfter`` at ``hook`` on ``rank``, at a moment seeded by the row, as the callback ``kill_<hook>``."""
     delay = random.Random(f"{strategy}{devices}{hook}{rank}").uniform(0, WINDOW_S[hook])
-    kill = ["+callbacks.kill._target_=test_sigterm_any_moment.SigtermAfter", f"+callbacks.kill.hook={hook}"]
-    kill += [f"+callbacks.kill.delay_s={delay:.3f}", f"+callbacks.kill.rank={rank}"]
-    kill.append(f"+callbacks.kill.once={tmp_path}/sent")
-    assert _stops_then_continues(tmp_path, shared_dir, strategy, devices, kill) < 120
+    key = f"+callbacks.kill_{hook}"
+    kill = [f"{key}._target_=test_sigterm_any_moment.SigtermAfter", f"{key}.hook={hook}", f"{key}.rank={rank}"]
+    return [*kill, f"{key}.delay_s={delay:.3f}", f"{key}.once={tmp_path}/sent-{hook}"]
+
+
+# ddp(2)'s stops in the order a run meets them: a launched rank's, at a seeded moment of each stage; rank 0 of ddp(2)
+# at fit_end and predict: the entry points' cases; a launched rank of ddp(3) stopped in validation: ddp(2)'s rank 1
+# here, 3 ranks in test_three_processes
+DDP_STOPS = [("validation", 1), ("last_train_batch", 1), ("test", 1), ("predict_teardown", 1)]
 
 
 @pytest.mark.slow
-def test_a_sigterm_in_a_launched_ranks_start_up_stops_every_rank_at_the_first_agreement(tmp_path, shared_dir):
-    """Rank 1 holds the signal to its start-up's end (rank 0 waits for it in the group's set-up), then the first
-    agreement, at the sanity check's first batch, stops every rank before any checkpoint."""
+def test_a_sigterm_at_a_random_moment_of_any_stage_stops_every_ddp_rank_and_each_command_continues_to_the_next(
+    tmp_path, shared_dir
+):
+    """One ddp(2) run stopped six times, each printed command run with the next stop added, the last one to the
+    straight run's weights (a wrong continue at any stop carries into them): in a launched rank's start-up (held
+    to its end, then the first agreement stops every rank before any checkpoint); at a seeded moment of each stage
+    of ``DDP_STOPS``; after the ranks' last agreement, to a launched rank (no outputs; the command makes them)."""
     data = ["data._target_=test_sigterm_any_moment.SigtermRankInInit", "+data.rank=1", f"+data.once={tmp_path}/sent"]
-    _stops_then_continues(tmp_path, shared_dir, "ddp", 2, data, first_checkpoint=True)
+    command = _stops(tmp_path, [*_world("ddp", 2), *SETTINGS, *data, "hydra.run.dir=run"], first_checkpoint=True)
+    for hook, rank in DDP_STOPS:
+        command = _stops(tmp_path, [*command, *_sigterm_after(tmp_path, "ddp", 2, hook, rank)])
+    delay = random.Random("afterddp21").uniform(0, 0.4)
+    kill = ["+callbacks.kill._target_=test_sigterm_any_moment.SigtermAfterTheRun", "+callbacks.kill.rank=1"]
+    kill += [
+        f"+callbacks.kill.delay_s={delay:.3f}",
+        "+callbacks.kill.wait_s=0.5",
+        f"+callbacks.kill.once={tmp_path}/sent-run",
+    ]
+    command = _stops(tmp_path, [*command, *kill])
+    resumed = run_train(*command, cwd=tmp_path, env=ENV)
+    assert resumed.returncode == 0 and (tmp_path / "run" / "metrics.json").is_file(), resumed.stderr[-3000:]
+    _same_weights(_straight(shared_dir), tmp_path / "run" / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.slow
+def test_a_sigterm_mid_fit_then_after_the_jobs_end_stops_one_process_and_continues_to_the_straight_weights(
+    tmp_path, monkeypatch
+):
+    """One process stopped at a seeded moment of its first validation; its command stopped at a seeded moment
+    after the job's end (the outputs written and kept); that command (run here) ends without a step more, with the
+    straight run's weights."""
+    command = [
+        *_world("auto", 1),
+        *SETTINGS,
+        *_sigterm_after(tmp_path, "auto", 1, "validation", 0),
+        "hydra.run.dir=run",
+    ]
+    command = _stops(tmp_path, command)
+    delay = random.Random("afterauto10").uniform(0, 0.4)
+    kill = ["+hydra.callbacks.kill._target_=test_sigterm_any_moment.SigtermAfterTheJob"]
+    kill += [f"+hydra.callbacks.kill.delay_s={delay:.3f}", "+hydra.callbacks.kill.wait_s=0.5"]
+    command = _stops(tmp_path, [*command, *kill], whole=True)
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    step = torch.load(last, weights_only=True)["global_step"]
+    assert train_py_here(*command, cwd=tmp_path, monkeypatch=monkeypatch) == 0
+    assert torch.load(last, weights_only=True)["global_step"] == step
+    train(compose_cfg(*QUIET, *_world("auto", 1), *SETTINGS), tmp_path / "straight")  # here: the weights only
+    _same_weights(tmp_path / "straight" / "checkpoints" / "last.ckpt", last)
 
 
 class SigtermInValidation(pl.Callback):
@@ -219,29 +239,26 @@ PLATEAU = [*QUIET, "accelerator=cpu", "data.num_samples=1005", "logger=none", "t
 PLATEAU += ["model=mlp", "model._target_=users_models.PlateauMLP", "data.batch_size=30"]
 
 
-@pytest.fixture(scope="module")
-def plateau_straight(tmp_path_factory) -> tuple[Path, dict]:
-    """``PLATEAU`` run straight in this process, once for both rows: its run directory and metrics."""
-    run = tmp_path_factory.mktemp("plateau") / "straight"
-    return run, train(compose_cfg(*PLATEAU), run)
-
-
-@pytest.mark.parametrize("epoch", [0, 1])
-def test_a_sigterm_mid_validation_lets_a_plateau_scheduler_see_the_whole_validation_before_the_stop(
-    tmp_path, plateau_straight, epoch
-):
+def test_a_sigterm_mid_validation_lets_a_plateau_scheduler_see_the_whole_validation_before_the_stop(tmp_path):
     """The validation inside the fit runs to its end, and the epoch too, before the stop at the next step, so
-    ``ReduceLROnPlateau`` on ``val/loss`` (users_models.PlateauMLP) steps on the whole epoch's value: the
-    continued run ends with the straight run's weights exactly (stopped at validation batch 1 and continued from
-    there, they differed by up to 0.052)."""
-    kill = ["+callbacks.kill._target_=test_sigterm_any_moment.SigtermInValidation", f"+callbacks.kill.epoch={epoch}"]
-    kill.append(f"+callbacks.kill.once={tmp_path}/sent")
-    with pytest.raises(Preempted) as stop:
-        train(compose_cfg(*PLATEAU, *kill), tmp_path / "run")
-    assert stop.value.step == 26 * (epoch + 1) + 1  # the next step: 805 training samples / 30 a step
-    resumed = train(compose_cfg(*PLATEAU, *kill, f"ckpt_path={stop.value.path}"), tmp_path / "resumed")
-    straight, measured = plateau_straight
-    ended, expected = _state(tmp_path / "resumed/checkpoints/last.ckpt"), _state(straight / "checkpoints/last.ckpt")
+    ``ReduceLROnPlateau`` on ``val/loss`` (users_models.PlateauMLP) steps on the whole epoch's value: stopped in
+    epoch 0's validation, continued and stopped in epoch 1's, continued again, the run ends with the straight
+    run's weights exactly (stopped at validation batch 1 and continued from there, they differed by up to 0.052)."""
+    args, resume = list(PLATEAU), []
+    for epoch in (0, 1):
+        key = f"+callbacks.kill_{epoch}"
+        args += [f"{key}._target_=test_sigterm_any_moment.SigtermInValidation", f"{key}.epoch={epoch}"]
+        args.append(f"{key}.once={tmp_path}/sent-{epoch}")
+        with pytest.raises(Preempted) as stop:
+            train(compose_cfg(*args, *resume), tmp_path / f"run{epoch}")
+        assert stop.value.step == 26 * (epoch + 1) + 1  # the next step: 805 training samples / 30 a step
+        resume = [f"ckpt_path={stop.value.path}"]
+    resumed = train(compose_cfg(*args, *resume), tmp_path / "resumed")
+    measured = train(compose_cfg(*PLATEAU), tmp_path / "straight")
+    ended, expected = (
+        _state(tmp_path / "resumed/checkpoints/last.ckpt"),
+        _state(tmp_path / "straight/checkpoints/last.ckpt"),
+    )
     assert max((ended[k] - expected[k]).abs().max().item() for k in expected) == 0
     assert resumed["val/loss"] == pytest.approx(measured["val/loss"], abs=1e-6)
 
@@ -278,29 +295,6 @@ class SigtermAfterTheJob(Callback):
         pid = os.getpid()
         threading.Timer(self.delay_s, lambda: os.kill(pid, signal.SIGTERM)).start()
         time.sleep(self.wait_s)
-
-
-AFTER = [("ddp", 2, 1, "run"), ("auto", 1, 0, "job")]  # (strategy, devices, rank, after)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy,devices,rank,after", AFTER)
-def test_a_sigterm_after_the_last_agreement_still_stops_with_143_and_the_line(
-    tmp_path, shared_dir, strategy, devices, rank, after
-):
-    """After the ranks' last agreement, to a launched rank (rank 0 maps its stop when it joins it: the run's
-    outputs are not written, the command continues to them), or after the job's end (``train`` returned, the
-    outputs written and kept: the command ends without a step more); at a seeded random moment of a wait."""
-    delay = random.Random(f"after{strategy}{devices}{rank}").uniform(0, 0.4)
-    if after == "run":
-        kill = ["+callbacks.kill._target_=test_sigterm_any_moment.SigtermAfterTheRun", f"+callbacks.kill.rank={rank}"]
-        kill += [f"+callbacks.kill.delay_s={delay:.3f}", "+callbacks.kill.wait_s=0.5"]
-        kill.append(f"+callbacks.kill.once={tmp_path}/sent")
-    else:
-        kill = ["+hydra.callbacks.kill._target_=test_sigterm_any_moment.SigtermAfterTheJob"]
-        kill += [f"+hydra.callbacks.kill.delay_s={delay:.3f}", "+hydra.callbacks.kill.wait_s=0.5"]
-    elapsed = _stops_then_continues(tmp_path, shared_dir, strategy, devices, kill, whole=after == "job")
-    assert elapsed < 120
 
 
 def _cli(args: list[str]) -> list[str]:
@@ -367,8 +361,7 @@ def test_a_sigterm_at_a_random_moment_stops_every_entry_point_and_continues_to_t
     )
     resumed = subprocess.run(resumed_cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    straight, ended = _state(_straight(shared_dir, "ddp", 2)), _state(last)
-    assert max((straight[k] - ended[k]).abs().max().item() for k in straight) <= 1e-5
+    _same_weights(_straight(shared_dir), last)
 
 
 def _held(pid: int) -> bool:
