@@ -26,6 +26,7 @@ from dpddp.check import (
     _advice,
     _agreed,
     _compose,
+    _difference,
     _ratios,
     _read_keys,
     _rounding,
@@ -446,6 +447,13 @@ def test_an_unknown_key_is_refused_with_dpddp_trains_line(capsys):
         "error: model.bias=true: the config has no key model.bias: valid keys: _target_, lr, momentum, num_classes, "
         "num_features, optimizer, weight_decay"
     ]
+
+
+def test_a_nan_on_one_side_is_an_infinite_difference_not_a_pass():
+    """A NaN weight in one training only: ``inf`` (``nan > bound`` would say promise 1 holds); NaN on both: 0."""
+    one, nan = torch.tensor([1.0, 2.0]), torch.tensor([1.0, math.nan])
+    assert _difference({"w": nan}, {"w": one}) == (math.inf, "w")
+    assert _difference({"w": nan}, {"w": nan.clone()}) == (0.0, "w")
 
 
 def test_a_model_that_takes_no_micro_batches_is_scaled_by_its_64_bit_run():

@@ -115,10 +115,10 @@ def _weights(run_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
 
 
 def _difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """The largest absolute difference of two state dicts and its entry (``inf`` when the keys differ)."""
+    """The largest absolute difference of two state dicts and its entry (``inf``: the keys, or a NaN on one side)."""
     if a.keys() != b.keys():
         return float("inf"), "the state dict's keys"
-    diffs = {k: (a[k].double() - b[k].double()).abs().max().item() for k in a}
+    diffs = {k: _gap(a[k], b[k]) for k in a}
     worst = max(diffs, key=diffs.__getitem__, default="")
     return diffs.get(worst, 0.0), worst
 
