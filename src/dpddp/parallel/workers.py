@@ -45,9 +45,7 @@ class WorkerStart:
 
     def __call__(self, worker_id: int) -> None:
         die_with_parent()
-        # the server sent this worker the rank's end of its keep-alive pipe, which would keep the server (and so
-        # this worker) alive after the rank is gone
-        compat.forget_forkserver()
+        compat.forget_forkserver()  # the rank's keep-alive pipe, sent here, would keep the server (and this) alive
         if not _alive(self.rank_pid):  # the rank died before the signal was armed: nothing would send it
             os._exit(1)
         if self.then is not None:
