@@ -2,14 +2,18 @@
 table (``--dry-run``: listed with what each needs, then run on CPU at tiny sizes, ``accelerator=cpu``).
 
 Each check compares the final weights (``last.ckpt``) of two runs of ``train.py``; a run several checks use runs
-once. Runs are fresh processes; "2 ranks sharing one GPU" are two torchrun agents on this machine (``num_nodes=2``,
-one process each, both on GPU 0), over gloo, which carries CUDA tensors (NCCL refuses two ranks on one device).
+once. Runs are fresh processes (the dry run's one-process runs: in this process, ``train_here``); "2 ranks
+sharing one GPU" are two torchrun agents on this machine (``num_nodes=2``, one process each, both on GPU 0), over
+gloo, which carries CUDA tensors (NCCL refuses two ranks on one device).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -139,6 +143,9 @@ def _run(name: str, where: str, gpus: int, out: Path, env: dict[str, str], timeo
         if where == "cpu":  # the dry run: dp over CPU is refused, nccl needs CUDA
             args = [a for a in args if a not in ("strategy=dp", "strategy.process_group_backend=nccl")]
             args += [] if "strategy=ddp" in args else ["strategy=ddp"]
+    if where == "cpu" and kind != SHARED and "strategy=ddp" not in args:
+        train_here(args, out, out / f"{name}.0.log")
+        return run_dir
     train = [str(ROOT / "train.py")]
     if kind == SHARED:
         node = ["--nnodes=2", "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={_port()}"]
@@ -163,6 +170,39 @@ def _run(name: str, where: str, gpus: int, out: Path, env: dict[str, str], timeo
     if any(code != 0 for code in codes):
         raise RuntimeError(f"{name} exited {codes}: " + logs[0].read_text()[-2000:])
     return run_dir
+
+
+def train_here(args: list[str], cwd: Path, log: Path) -> None:
+    """``python train.py ARGS`` in this process (train.py's two calls), in ``cwd``, its output into ``log``. Puts
+    back the working directory, ``sys.argv``, the SIGTERM handler, Hydra's global state and the root logger's
+    handlers. Raises ``RuntimeError`` with the log's tail when it fails."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dpddp.entry import hydra as entry
+    from dpddp.entry.early import answer
+
+    root = logging.getLogger()
+    saved = os.getcwd(), sys.argv, signal.getsignal(signal.SIGTERM), root.handlers[:], root.level
+    os.chdir(cwd)
+    sys.argv = [str(ROOT / "train.py"), *args]
+    try:
+        with open(log, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            answer(args)
+            entry.main()
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            raise RuntimeError(f"train.py exited {stop.code}: " + log.read_text()[-2000:]) from None
+    except Exception as err:
+        raise RuntimeError(f"train.py failed ({err!r}): " + log.read_text()[-2000:]) from err
+    finally:
+        os.chdir(saved[0])
+        sys.argv = saved[1]
+        signal.signal(signal.SIGTERM, saved[2])
+        GlobalHydra.instance().clear()
+        for made in root.handlers:
+            if made not in saved[3]:
+                made.close()
+        root.handlers[:], root.level = saved[3], saved[4]
 
 
 def _weights_and_scaler(run: Path) -> tuple[dict[str, Any], Any]:

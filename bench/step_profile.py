@@ -1,5 +1,5 @@
 """Where a training step's time goes, per workload: ``python bench/step_profile.py [--runs 3] [--workloads W2,W3]
-[--quick] [--out bench/]`` writes ``PROFILE.md``.
+[--impls plain,project,project-defaults,project-k16] [--quick] [--out bench/]`` writes ``PROFILE.md``.
 
 Each run is a fresh process of this script's ``--child`` mode, which wraps a few functions with timers and then
 runs the program as its own command line would (``runpy``): plain PyTorch (``bench/plain.py single``) and dpddp
@@ -153,14 +153,15 @@ def measure(impl: str, sizes: tuple[int, ...], env: dict[str, str]) -> dict[str,
 
 
 def table(results: list[dict[str, Any]]) -> list[str]:
-    """A markdown table of one workload: a column per implementation, per row the median over the runs of the
+    """A markdown table of one workload: a column per implementation run, per row the median over the runs of the
     per-step microseconds and its share of the step."""
-    lines = ["| per step | " + " | ".join(IMPLS.values()) + " |", "| --- |" + " --- |" * len(IMPLS)]
-    med = {impl: statistics.median(r["step_us"] for r in results if r["impl"] == impl) for impl in IMPLS}
-    lines.append("| **step (us)** | " + " | ".join(f"**{med[impl]:.1f}**" for impl in IMPLS) + " |")
+    impls = [impl for impl in IMPLS if any(r["impl"] == impl for r in results)]
+    lines = ["| per step | " + " | ".join(IMPLS[impl] for impl in impls) + " |", "| --- |" + " --- |" * len(impls)]
+    med = {impl: statistics.median(r["step_us"] for r in results if r["impl"] == impl) for impl in impls}
+    lines.append("| **step (us)** | " + " | ".join(f"**{med[impl]:.1f}**" for impl in impls) + " |")
     for row in ROWS:
         cells = []
-        for impl in IMPLS:
+        for impl in impls:
             runs = [r for r in results if r["impl"] == impl]
             us = statistics.median(r["us"][row] for r in runs)
             share = statistics.median(r["us"][row] / r["step_us"] for r in runs)
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="fresh processes per implementation (median)")
     parser.add_argument("--workloads", default="W2,W3", help="comma-separated subset of W2,W3")
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run (the smoke test)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench", help="where PROFILE.md goes (default bench/)")
     parser.add_argument("--child", nargs=5, metavar=("IMPL", "N", "F", "C", "B"), help=argparse.SUPPRESS)
@@ -197,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if unknown := set(workloads) - set(WORKLOADS):
         parser.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    if unknown := set(impls) - set(IMPLS):
+        parser.error(f"unknown implementations {sorted(unknown)}; choose from {', '.join(IMPLS)}")
     sizes_of = QUICK_WORKLOADS if args.quick else WORKLOADS
     runs = 1 if args.quick else args.runs
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -204,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for workload in workloads:
         for rep in range(runs):
-            for impl in IMPLS:  # alternating, like bench/run.py
+            for impl in impls:  # alternating, like bench/run.py
                 record = measure(impl, sizes_of[workload], env) | {"impl": impl, "workload": workload, "rep": rep}
                 print(f"{workload} {impl:12} run {rep}: {record['step_us']:9.1f} us/step", flush=True)
                 results.append(record)
