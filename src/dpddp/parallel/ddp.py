@@ -222,8 +222,7 @@ class DDPStrategy(LightningDDPStrategy):
             return super().broadcast(obj, src)
 
     def explain_failure(self, err: BaseException) -> str | None:
-        """The line naming the peer to blame for ``err``, or ``None`` (this rank's own failure, reported to the
-        peers). Stops the watch."""
+        """The line naming the peer to blame for ``err``, or ``None`` (its own, told to the peers); stops the watch."""
         watch, self._peer_watch = self._peer_watch, None
         if isinstance(err, (ConfigError, Preempted, ReplicasDiverged)):  # every rank's own
             return None
