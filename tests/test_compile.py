@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ROOT, compose_cfg, made_once, max_diff, metrics, run_train, weights
+from conftest import ROOT, compose_cfg, made_once, max_diff, metrics, run_train, train_py_here, weights
 
 from dpddp.errors import ConfigError
 from dpddp.models.mlp import MLPClassifier
@@ -74,10 +74,12 @@ def test_two_compiled_ddp_processes_with_batchnorm_are_within_the_bound_of_one_e
 
 
 @pytest.mark.slow
-def test_a_compiled_run_stopped_then_continued_equals_the_straight_compiled_run(shared_dir, tmp_path):
+def test_a_compiled_run_stopped_then_continued_equals_the_straight_compiled_run(shared_dir, tmp_path, monkeypatch):
+    """Both segments: train.py's calls in this process (each compiles afresh: ``compile_model`` resets torch's)."""
     straight, run = _compiled(shared_dir), tmp_path / "run"
-    _run(run, "compile=true", "trainer.max_epochs=1")
-    _run(run, "compile=true", "resume=true")  # to BASE's 2 epochs
+    for segment in ["trainer.max_epochs=1"], ["resume=true"]:  # then to BASE's 2 epochs
+        args = [*BASE, "compile=true", *segment, f"hydra.run.dir={run}"]
+        assert train_py_here(*args, cwd=tmp_path, monkeypatch=monkeypatch) == 0
     assert metrics(run)["segments"] == 2
     continued, whole = weights(run / "checkpoints/last.ckpt"), weights(straight / "checkpoints/last.ckpt")
     assert max_diff(continued, whole) <= BOUND
@@ -114,11 +116,12 @@ def test_what_compile_cannot_keep_is_one_line(overrides, line):
     assert str(err.value) == line
 
 
-@pytest.mark.slow
-def test_a_refused_compile_exits_2_with_its_line_and_writes_nothing(tmp_path):
-    proc = run_train("compile=fast", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: compile='fast' is not offered")
-    assert len(proc.stderr.strip().splitlines()) == 1
+def test_a_refused_compile_exits_2_with_its_line_and_writes_nothing(tmp_path, monkeypatch, capfd):
+    """train.py's calls in this process."""
+    code = train_py_here("compile=fast", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, monkeypatch=monkeypatch)
+    err = capfd.readouterr().err
+    assert code == 2 and err.strip().startswith("error: compile='fast' is not offered"), err
+    assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
 
 
