@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, child_env, compose_cfg, leftover, run_train, train_py_here
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, run_train, train_py_here, unset
 from hydra.errors import InstantiationException
 
 from dpddp.errors import ConfigError
@@ -22,7 +22,7 @@ from dpddp.report.trackers import check_file_stores
 from dpddp.run.build import build_error
 
 mlflow = pytest.importorskip("mlflow")
-pytest.importorskip("wandb")
+wandb = pytest.importorskip("wandb")
 from mlflow.tracking import MlflowClient  # noqa: E402
 from wandb.proto import wandb_internal_pb2  # noqa: E402
 
@@ -83,19 +83,31 @@ def test_mlflow_and_wandb_on_ddp_give_one_run_each_continued_by_resume(tmp_path)
     """ddp(2), 2 epochs, then resume=true to 3: one MLflow run (in experiment dpddp, named by the run directory),
     its val/acc the epoch table's, epochs 0..2 once each, the config as parameters; one W&B id across the two
     invocations' offline files, epochs 0..2 once each; no process left. A callback that needs a logger
-    (LearningRateMonitor) runs on every rank (rank 1 has no tracker of its own) and logs into rank 0's."""
+    (LearningRateMonitor) runs on every rank (rank 1 has no tracker of its own) and logs into rank 0's. Its first
+    invocation starts at once with two single MLflow runs in the same directory, on a store that does not exist
+    yet (case 53's kind outside a sweep: unlocked, all but one failed migrating it, ``table metrics already
+    exists``): each opens it, one tracker run each."""
     lr = "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor"
     run = ["logger=mlflow_wandb", "strategy=ddp", "devices=2", "hydra.run.dir=outputs/run", lr]
-    first = run_train(*ARGS, *run, "trainer.max_epochs=2", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+    singles = [[*ARGS, "trainer.max_epochs=1", "logger=mlflow", f"hydra.run.dir=outputs/run{i}"] for i in (1, 2)]
+    env, tag = child_env()
+    procs = []
+    for i, args in enumerate([[*ARGS, *run, "trainer.max_epochs=2"], *singles]):
+        with open(tmp_path / f"stderr{i}.txt", "w") as err:
+            cmd = [sys.executable, str(ROOT / "train.py"), *args, *unset(QUIET, args)]
+            procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err))
+    codes = [p.wait(timeout=240) for p in procs]
+    assert codes == [0, 0, 0], [(tmp_path / f"stderr{i}.txt").read_text()[-1500:] for i in range(3)]
     again = run_train(*ARGS, *run, "trainer.max_epochs=3", "resume=true", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert leftover(first.tag) == [] and leftover(again.tag) == []
+    assert leftover(tag) == [] and leftover(again.tag) == []
     run_dir = tmp_path / "outputs/run"
     client = _client(tmp_path)
     runs = _runs(client)
-    assert list(runs) == ["dpddp"] and len(runs["dpddp"]) == 1
-    (tracked,) = runs["dpddp"]
+    assert list(runs) == ["dpddp"] and len(runs["dpddp"]) == 3  # one experiment, one tracker run per run
+    by_dir = {r.data.tags["dpddp.run_dir"]: r for r in runs["dpddp"]}
+    assert sorted(Path(d).name for d in by_dir) == ["run", "run1", "run2"]
+    tracked = by_dir[str(run_dir)]
     rates = client.get_metric_history(tracked.info.run_id, "lr-SGD")
     assert rates and {m.value for m in rates} == {0.1}  # the packaged model's learning rate
     history = client.get_metric_history(tracked.info.run_id, "val/acc")
@@ -114,18 +126,22 @@ def test_mlflow_and_wandb_on_ddp_give_one_run_each_continued_by_resume(tmp_path)
 
 
 @pytest.mark.slow
-def test_a_sweep_gives_one_run_per_job_in_one_experiment_and_its_resume_continues_them(tmp_path):
+def test_a_sweep_gives_one_run_per_job_in_one_experiment_and_its_resume_continues_them(tmp_path, monkeypatch):
     """A 2-job sweep (seed=0,1) with MLflow and W&B, its jobs in parallel (the joblib launcher's 2 workers) on a
     store that does not exist yet, then the same sweep to 2 epochs: 2 finished MLflow runs in one experiment named
     for the sweep (case 53: the workers made and migrated the store at once, and jobs failed; the sweep's process
     makes it first), named and tagged with the job number and overrides, each with val/acc for epochs 0 and 1
-    once; 2 W&B ids in one group."""
-    sweep = ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "logger=mlflow_wandb", "seed=0,1"]
-    sweep += ["hydra.sweep.dir=multirun/s"]
-    for epochs in (1, 2):
-        proc = run_train(*sweep, *ARGS, f"trainer.max_epochs={epochs}", cwd=tmp_path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert leftover(proc.tag) == []
+    once; 2 W&B ids in one group. The resume runs in this process (basic launcher): a job's own directory decides
+    its continue, whatever the launcher."""
+    sweep = ["-m", "logger=mlflow_wandb", "seed=0,1", "hydra.sweep.dir=multirun/s", *ARGS]
+    joblib = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
+    proc = run_train(*sweep, *joblib, "trainer.max_epochs=1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert leftover(proc.tag) == []
+    try:
+        assert train_py_here(*sweep, "trainer.max_epochs=2", cwd=tmp_path, monkeypatch=monkeypatch) == 0
+    finally:
+        wandb.teardown()  # the W&B service this process started
     client = _client(tmp_path)
     runs = _runs(client)
     assert list(runs) == ["dpddp sweep multirun/s"]
@@ -193,27 +209,3 @@ def test_an_mlflow_file_store_opens_where_mlflow_allows_it(tmp_path, monkeypatch
     with pytest.raises(ConfigError, match="MLflow refuses this file store"):
         check_file_stores([compose_cfg("logger=mlflow", f"logger.tracking_uri={tmp_path / 'other'}")])
     check_file_stores([compose_cfg("logger=mlflow")])  # the default SQLite store: not a file store
-
-
-@pytest.mark.slow
-def test_runs_that_start_at_once_on_a_fresh_mlflow_store_all_open_it(tmp_path):
-    """Case 53's kind outside a sweep: three single runs started together in one directory each make the default
-    SQLite store; unlocked, all but one failed migrating it (``table metrics already exists``)."""
-    args = [*ARGS, "trainer.max_epochs=1", "logger=mlflow", "trainer.enable_progress_bar=false"]
-    env, tag = child_env()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir=run{i}"],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for i in range(3)
-    ]
-    errors = [p.communicate(timeout=240)[1] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], [e[-1500:] for e in errors]
-    runs = _runs(_client(tmp_path))["dpddp"]  # one experiment, one tracker run each
-    assert sorted(Path(r.data.tags["dpddp.run_dir"]).name for r in runs) == ["run0", "run1", "run2"]
-    assert leftover(tag) == []
