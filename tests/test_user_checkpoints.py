@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, leftover, run_train
+from conftest import ROOT, leftover, run_train, train_py_here
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +34,11 @@ def _ok(proc) -> None:
     assert leftover(proc.tag) == []
 
 
-def test_a_top3_checkpoint_on_the_built_in_monitor_lives_beside_best_ckpt(tmp_path):
+def test_a_top3_checkpoint_on_the_built_in_monitor_lives_beside_best_ckpt(tmp_path, monkeypatch):
+    """train.py runs here: one process, no rank (the callback's files are the point, not the process)."""
     top3 = [f"+callbacks.top3._target_={MC}", "+callbacks.top3.monitor=val/loss", "+callbacks.top3.save_top_k=3"]
-    proc = run_train("model=mlp", "trainer.max_epochs=5", *top3, "hydra.run.dir=run", cwd=tmp_path)
-    _ok(proc)
+    args = ["model=mlp", "trainer.max_epochs=5", *top3, "hydra.run.dir=run"]
+    assert train_py_here(*args, cwd=tmp_path, monkeypatch=monkeypatch) == 0
     run = tmp_path / "run"
     val = _epochs(run, "val/loss")
     kept = _kept(run, "[callbacks.top3]")  # its key: the built-in's (same monitor and mode) and its setting
@@ -49,15 +50,21 @@ def test_a_top3_checkpoint_on_the_built_in_monitor_lives_beside_best_ckpt(tmp_pa
 
 
 @pytest.mark.parametrize("devices", [1, 2])
-def test_a_topk_checkpoint_without_dirpath_keeps_its_top_k_across_a_resume(tmp_path, devices):
+def test_a_topk_checkpoint_without_dirpath_keeps_its_top_k_across_a_resume(tmp_path, monkeypatch, devices):
+    """On 1 process train.py runs here (its stop and resume: exit statuses from its own handler, no rank); on 2,
+    as processes (the ranks' stop)."""
     topk = [f"+callbacks.topk._target_={MC}", "+callbacks.topk.monitor=val/acc", "+callbacks.topk.mode=max"]
     topk += ["+callbacks.topk.save_top_k=2", "logger=csv", "trainer.max_epochs=5", "hydra.run.dir=run"]
     ddp = ["strategy=ddp", f"devices={devices}"] if devices > 1 else []
     kill = ["+callbacks.kill._target_=conftest.SigtermAt", "+callbacks.kill.at=120"]  # in epoch 2 (51 steps each)
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests")])}
-    stopped = run_train(*topk, *ddp, *kill, cwd=tmp_path, env=env)
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
-    _ok(run_train(*topk, *ddp, "resume=true", cwd=tmp_path))
+    if devices == 1:
+        assert train_py_here(*topk, *kill, cwd=tmp_path, monkeypatch=monkeypatch) == 143
+        assert train_py_here(*topk, "resume=true", cwd=tmp_path, monkeypatch=monkeypatch) == 0
+    else:
+        stopped = run_train(*topk, *ddp, *kill, cwd=tmp_path, env=env)
+        assert stopped.returncode == 143, stopped.stderr[-3000:]
+        _ok(run_train(*topk, *ddp, "resume=true", cwd=tmp_path))
     run = tmp_path / "run"
     acc = _epochs(run, "val/acc")
     assert sorted(acc) == [0, 1, 2, 3, 4]
