@@ -7,7 +7,7 @@ import torch
 import yaml
 from conftest import CONF, QUIET, compose_cfg
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpddp.data.random_tensors import RandomTensorDataModule
@@ -16,6 +16,7 @@ from dpddp.models.linear import LinearClassifier
 from dpddp.parallel.dp import OneProcessStrategy
 from dpddp.run.assembly import build_strategy
 from dpddp.run.config import check_config
+from dpddp.run.plain import check_resolvable
 
 
 def _defaults(cls):
@@ -248,3 +249,14 @@ def test_resume_refusals_name_the_setting_before_anything_starts(tmp_path):
             compose_cfg(*args, "trainer.max_epochs=5", f"ckpt_path={last}", "resume=true", "data.streaming=true")
         )
     check_config(compose_cfg(*args, "trainer.max_epochs=5", f"ckpt_path={last}", "data.num_samples=900"))  # a new run
+
+
+@pytest.mark.parametrize("key,named", [("dpddp.team", "callbacks.tags.dpddp.team"), (0, "callbacks.tags[0]")])
+def test_an_interpolation_under_a_dotted_or_integer_key_that_does_not_resolve_is_refused(key, named):
+    """A key with a dot (MLflow's tags are named so) or an integer key is one key, not a dotted path."""
+    cfg = compose_cfg("accelerator=cpu")
+    with open_dict(cfg):
+        cfg.callbacks.tags = OmegaConf.create({key: "${oc.env:DPDDP_NOPE_UNSET}"})
+    with pytest.raises(ConfigError) as err:
+        check_resolvable(cfg)
+    assert str(err.value).startswith(f"{named}='${{oc.env:DPDDP_NOPE_UNSET}}' cannot be resolved ")

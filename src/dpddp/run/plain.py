@@ -35,7 +35,9 @@ def check_resolvable(cfg: DictConfig) -> None:
             continue
         dotted = "".join(f"[{p}]" if isinstance(p, int) else f"{'.' if i else ''}{p}" for i, p in enumerate(path))
         try:
-            OmegaConf.select(cfg, dotted, throw_on_resolution_failure=True)
+            node: Any = cfg
+            for key in path:  # not OmegaConf.select: its dotted grammar reads a key "a.b" as two keys
+                node = node[key]
         except Exception as err:  # OmegaConf's resolution errors, or a resolver's own
             reason = omegaconf_reason((str(err).splitlines() or [type(err).__name__])[0])
             env = re.search(r"\$\{oc\.env:([^,}]+)", value)
