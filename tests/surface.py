@@ -329,7 +329,6 @@ SURFACE: tuple[Setting, ...] = (
         "sweeper/launcher",
         "hydra/launcher=joblib",
         tested_by=(
-            "test_sweeps.py::test_joblib_launcher_runs_ddp_jobs_in_parallel",
             "test_sweeps.py::test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resumes_exactly",
         ),
         note=SWEEP_SIGTERM,

@@ -11,19 +11,24 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, leftover, max_diff, metrics, run_train, train_py_here, weights
+from conftest import QUIET, ROOT, child_env, leftover, made_once, max_diff, metrics, run_train, train_py_here, weights
 
 pytestmark = pytest.mark.slow
 SMALL = ["accelerator=cpu", "data.num_samples=606", "trainer.max_epochs=1"]
 
 
 def test_mixed_strategies_with_a_failing_job_then_resume(tmp_path):
-    args = ["-m", "strategy=auto,ddp", "devices=1,2", *SMALL, "hydra.sweep.dir=sweep"]
-    proc = run_train(*args, cwd=tmp_path)
+    """Started as ``python -m train`` from the project root (job 3's ranks do not depend on how the script was
+    started), resumed as ``python train.py``."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", "strategy=auto,ddp", "devices=1,2", *SMALL, f"hydra.sweep.dir={sweep}"]
+    env, tag = child_env()
+    proc = subprocess.run(
+        [sys.executable, "-m", "train", *args, *QUIET], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 1  # job 1 (auto on 2 devices) failed; the others ran
     assert "error: 1 of 4 jobs failed: job 1" in proc.stderr
-    assert leftover(proc.tag) == []
-    sweep = tmp_path / "sweep"
+    assert leftover(tag) == []
     with open(sweep / "summary.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["job"] for r in rows] == ["0", "1", "2", "3"]
@@ -36,6 +41,7 @@ def test_mixed_strategies_with_a_failing_job_then_resume(tmp_path):
         for key in ("val/loss", "val/acc", "test/acc", "samples_per_sec", "wall_time_s"):
             assert float(row[key]) == pytest.approx(job[key], rel=1e-9), key
     assert [metrics(sweep / j)["world_size"] for j in "023"] == [1, 1, 2]
+    assert metrics(sweep / "3")["val/loss"] == pytest.approx(metrics(sweep / "2")["val/loss"])  # its ranks: one job
     assert "| 3 | strategy=ddp devices=2" in (sweep / "summary.md").read_text()
 
     # Resume: complete jobs are skipped, an interrupted one (no metrics.json, a last.ckpt) resumes.
@@ -47,27 +53,6 @@ def test_mixed_strategies_with_a_failing_job_then_resume(tmp_path):
     assert "resuming interrupted job from" in (sweep / "3" / "train.log").read_text()
     assert metrics(sweep / "3")["world_size"] == 2
     assert len(list(csv.DictReader(open(sweep / "summary.csv")))) == 4
-
-
-def test_joblib_launcher_runs_ddp_jobs_in_parallel(tmp_path):
-    args = ["-m", "hydra/launcher=joblib", "strategy=ddp", "devices=2,1", *SMALL, "hydra.sweep.dir=sweep"]
-    proc = run_train(*args, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [metrics(tmp_path / "sweep" / j)["world_size"] for j in "01"] == [2, 1]
-    assert metrics(tmp_path / "sweep/0")["val/loss"] == pytest.approx(metrics(tmp_path / "sweep/1")["val/loss"])
-    assert leftover(proc.tag) == []
-
-
-def test_sweep_started_as_a_module(tmp_path):
-    """``python -m train`` from the project root: ranks do not depend on how the script was started."""
-    env, _ = child_env()
-    args = ["-m", "strategy=ddp", "devices=2", "seed=0,1", *SMALL, f"hydra.sweep.dir={tmp_path / 'sweep'}", *QUIET]
-    proc = subprocess.run(
-        [sys.executable, "-m", "train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [metrics(tmp_path / "sweep" / j)["world_size"] for j in "01"] == [2, 2]
-    assert metrics(tmp_path / "sweep/0")["val/loss"] != metrics(tmp_path / "sweep/1")["val/loss"]
 
 
 def test_optuna_search_records_a_failed_trial_and_goes_on(tmp_path, monkeypatch, capfd):
@@ -112,7 +97,7 @@ def _sweep_watched(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[sub
                         seen[child.pid] = child
                 except psutil.Error:
                     continue
-            time.sleep(0.2)
+            time.sleep(0.5)  # a worker or rank lives for seconds at least: its imports
         proc.kill()
         proc.wait()
         out.seek(0)
@@ -151,12 +136,15 @@ def _alive(p: psutil.Process) -> bool:
     [["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"], ["hydra/launcher=submitit_local"], []],
     ids=["joblib", "submitit_local", "basic"],
 )
-def test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resumes_exactly(tmp_path, launcher):
+def test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resumes_exactly(
+    tmp_path, launcher, shared_dir, monkeypatch
+):
     """A SIGTERM must reach the processes a launcher plugin started: two identical DDP jobs, in parallel (one after the
     other under the basic launcher); job 1, before its first batch and once job 0 has finished, SIGTERMs the sweep's
     process. Job 1's ranks stop after that batch with ``last.ckpt``, the summary is written, one line says how to
-    resume, exit 143, no worker, rank, tracker or controller is left. The printed command skips job 0 and continues job
-    1 to job 0's weights."""
+    resume, exit 143, no worker, rank, tracker or controller is left. Job 0 (its ranks started from a launcher's
+    worker, in parallel with job 1 under joblib) ends at one device's weights. The printed command skips job 0 and
+    continues job 1 to job 0's weights."""
     env, tag = child_env(PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     stop = ["+callbacks.stop._target_=conftest.SigtermSweepAt", "+callbacks.stop.step=-1,0"]
     stop += ["+callbacks.stop.after=sweep/0/metrics.json"]
@@ -173,6 +161,8 @@ def test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resum
     rows = list(csv.DictReader(open(sweep / "summary.csv")))
     assert [r["status"].split(":")[0] for r in rows] == ["ok", "incomplete"]
     assert metrics(sweep / "0")["world_size"] == 2  # a ddp job under each launcher
+    one = made_once(shared_dir, "sweep-one-device", lambda path: _one_device(path, monkeypatch))
+    assert max_diff(weights(sweep / "0/checkpoints/last.ckpt"), weights(one / "checkpoints/last.ckpt")) <= 1e-5
     steps = _step(sweep / "0/checkpoints/last.ckpt")  # 2 epochs of 25
     # at a check after the SIGTERM, mid-fit: the first batch's on an idle machine, the next (ranks agree about once
     # a second) when the stop reaches a rank after it; the resume below equals job 0 either way
@@ -190,6 +180,12 @@ def test_sigterm_to_a_sweep_stops_its_jobs_with_a_checkpoint_and_the_sweep_resum
     assert max_diff(weights(sweep / "1/checkpoints/last.ckpt"), weights(sweep / "0/checkpoints/last.ckpt")) <= 1e-6
     assert [r["status"] for r in csv.DictReader(open(sweep / "summary.csv"))] == ["ok", "ok"]
     assert _left(seen, tmp_path, tag) == []
+
+
+def _one_device(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep's job as one process on one device, into ``run_dir``: train.py's calls in this process."""
+    args = [*SMALL[:1], "data.num_samples=2048", "logger=none", "trainer.max_epochs=2", f"hydra.run.dir={run_dir}"]
+    assert train_py_here(*args, cwd=run_dir.parent, monkeypatch=monkeypatch) == 0
 
 
 def _step(ckpt: Path) -> int:
