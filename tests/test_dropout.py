@@ -344,8 +344,9 @@ def test_callback_passes_dataparallel_devices_and_is_only_for_models_that_need_i
 
 def test_callback_refuses_data_served_by_no_sampler_of_dpddps():
     trainer = SimpleNamespace(train_dataloader=DataLoader(list(range(8)), batch_size=4), strategy=None)
-    with pytest.raises(ConfigError, match=r"^model: MLPClassifier's SampleDropout .* has no sample keys"):
+    with pytest.raises(ConfigError, match=r"^model: MLPClassifier's SampleDropout .* has no sample keys") as err:
         SampleKeyCallback().on_train_start(trainer, MLPClassifier(dropout=0.5))
+    assert str(err.value).endswith("data=sharded +data.module._target_=..., or use nn.Dropout")
 
 
 # End to end: python train.py (needs the run to add the callback: dpddp.data.keys.sample_key_callbacks)

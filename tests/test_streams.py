@@ -77,3 +77,9 @@ def test_a_stream_stopped_on_ddp_2_and_continued_on_ddp_3_ends_with_one_process_
     one, continued = metrics(tmp_path / "one"), metrics(tmp_path / "continued")
     for key in ("val/loss", "val/acc", "test/loss", "test/acc"):
         assert continued[key] == pytest.approx(one[key], abs=1e-5), key
+
+
+def test_a_map_style_stream_is_refused_naming_what_to_give():
+    with pytest.raises(ConfigError) as err:
+        StreamDataModule(torch.utils.data.TensorDataset(torch.zeros(4, 2)))
+    assert str(err.value) == "data.stream=TensorDataset: give an IterableDataset, +data.stream._target_=my_pkg.MyStream"

@@ -120,5 +120,5 @@ class UnkeyedDraws(pl.Callback):
             log.warning(
                 "the training data drew from torch's global random stream between two steps where no keyed fetch "
                 "serves it, so a continued run will not equal a straight one: serve it with data=dataset or "
-                "data=sharded, or draw from dpddp.nn.sample_generator(seed, epoch, index)"
+                "data=sharded +data.module._target_=..., or draw from dpddp.nn.sample_generator(seed, epoch, index)"
             )

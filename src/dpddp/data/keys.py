@@ -48,7 +48,8 @@ class SampleKeyCallback(pl.Callback):
         if uses_sample_keys(pl_module) and _sampler(trainer) is None:  # a SampleDropout, or said
             raise ConfigError(
                 f"model: {type(pl_module).__name__}'s SampleDropout (per-sample randomness) has no sample keys from "
-                "loaders dpddp does not serve: serve the data with data=dataset or data=sharded, or use nn.Dropout"
+                "loaders dpddp does not serve: serve it with data=dataset or data=sharded +data.module._target_=..., "
+                "or use nn.Dropout"
             )
 
     @override

@@ -100,7 +100,9 @@ class StreamDataModule(SplitLoaders):
     ) -> None:
         super().__init__()
         if not isinstance(stream, IterableDataset):
-            raise ConfigError(f"data.stream={type(stream).__name__}: give +data.stream._target_=my_pkg.MyStream")
+            raise ConfigError(
+                f"data.stream={type(stream).__name__}: give an IterableDataset, +data.stream._target_=my_pkg.MyStream"
+            )
         if num_samples is None:
             try:
                 num_samples = len(stream)  # type: ignore[arg-type]

@@ -178,7 +178,8 @@ class BatchNormSync(LayerSync):
         if names := _batchnorms(model):
             _warn(
                 f"trainer.sync_batchnorm=false with {self.processes} processes: {_names(names)} normalise each "
-                "process's own share of the global batch, so ddp no longer trains as one process: null syncs them"
+                "process's own share of the global batch, so ddp no longer trains as one process: "
+                "trainer.sync_batchnorm=null syncs them"
             )
         return model
 
