@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import QUIET, ROOT, compose_cfg, metrics, run_project
+from conftest import QUIET, ROOT, compose_cfg, metrics, run_project, train_py_here
 from test_any_data import PerSample
-from test_bring_your_own import USER_ARGS, _project
+from test_bring_your_own import USER_ARGS, _project, train_here
 from torch.utils.data import Subset, TensorDataset
 
 from dpddp.data.batches import Batches, batch_inputs, dataset_rows
@@ -119,20 +120,20 @@ def _expected_rows(project: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 @pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2])
-def test_the_readme_template_model_predicts_the_data_sets_rows(tmp_path, devices):
+def test_the_readme_template_model_predicts_the_data_sets_rows(tmp_path, monkeypatch, caplog, devices):
+    """On 1 process trained here (the predictions are the point, not the process); on 2, as train.py's ranks."""
     project = _project(tmp_path)
-    ddp = ["strategy=ddp", "devices=2"] if devices == 2 else []
-    proc = run_project(
-        project,
-        *USER_ARGS,
-        *ddp,
-        "trainer.max_epochs=1",
-        "predict=true",
-        "hydra.run.dir=run",
-        pythonpath=[ROOT / "tests"],
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"predictions: {project / 'run/predictions.csv'} (101 rows)" in proc.stderr + proc.stdout
+    args = [*USER_ARGS, "trainer.max_epochs=1", "predict=true"]
+    if devices == 1:
+        with caplog.at_level(logging.INFO):
+            train_here(project, args, "run", monkeypatch)
+        said = caplog.text
+    else:
+        ddp = ["strategy=ddp", "devices=2", "hydra.run.dir=run"]
+        proc = run_project(project, *args, *ddp, pythonpath=[ROOT / "tests"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        said = proc.stderr + proc.stdout
+    assert f"predictions: {project / 'run/predictions.csv'} (101 rows)" in said
     rows = _rows(project / "run/predictions.csv")
     assert list(rows[0]) == ["index", "target", "pred", "out_0", "out_1", "out_2"]  # the forward's outputs
     test_rows, x, y = _expected_rows(project)
@@ -150,12 +151,14 @@ def test_the_readme_template_model_predicts_the_data_sets_rows(tmp_path, devices
 
 
 @pytest.mark.slow
-def test_a_failed_predict_in_a_sweep_keeps_the_jobs_metrics_and_says_predict_failed(tmp_path):
+def test_a_failed_predict_in_a_sweep_keeps_the_jobs_metrics_and_says_predict_failed(tmp_path, monkeypatch, capfd):
+    """The user's train.py runs here, twice (its exit status, a job's files and the summary are the point)."""
     project = _project(tmp_path)
     boom = ["+callbacks.boom._target_=conftest.PredictFails", "predict=true", "trainer.max_epochs=1"]
     sweep = ["-m", *USER_ARGS, *boom, "seed=0", "hydra.sweep.dir=sweep"]
-    proc = run_project(project, *sweep, pythonpath=[ROOT / "tests"])
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    monkeypatch.syspath_prepend(str(project))
+    monkeypatch.delitem(sys.modules, "mine", raising=False)  # another test's module of that name
+    assert train_py_here(*sweep, cwd=project, monkeypatch=monkeypatch) == 1
     error = (project / "sweep/0/error.txt").read_text()
     said = "PredictFailed: predict failed (metrics.json of the fit and test is written): RuntimeError: injected"
     assert error.startswith(said)
@@ -164,10 +167,9 @@ def test_a_failed_predict_in_a_sweep_keeps_the_jobs_metrics_and_says_predict_fai
     (row,) = _rows(project / "sweep/summary.csv")
     assert row["status"] == f"failed: {error.strip()}"
     assert float(row["test/acc"]) == written["test/acc"] and float(row["val/loss"]) < 1  # the row keeps them
-    again = run_project(
-        project, *sweep, pythonpath=[ROOT / "tests"]
-    )  # the same command runs it again: a failed predict is not a complete job
-    assert again.returncode == 1 and "already complete" not in again.stderr + again.stdout
+    capfd.readouterr()
+    again = train_py_here(*sweep, cwd=project, monkeypatch=monkeypatch)  # the same command runs it again:
+    assert again == 1 and "already complete" not in "".join(capfd.readouterr())  # a failed predict is not complete
     assert json.loads((project / "sweep/0/metrics.json").read_text())["predict_error"]
 
 
