@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import psutil
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, compose_cfg, made_once, max_diff, run_train, tagged, weights
+from conftest import QUIET, ROOT, child_env, cli_here, compose_cfg, made_once, max_diff, run_train, tagged, weights
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader, TensorDataset
 from users_models import _Mapped, open_shard
@@ -173,51 +173,38 @@ def _straight(run: Path) -> None:
     train(compose_cfg(*RUN, *DATA, *serial, *QUIET), run)
 
 
-@pytest.mark.slow
-def test_stop_and_continue_cycles_with_persistent_workers_leave_no_process_and_end_as_the_straight_run(
-    tmp_path, shared_dir
-):
-    """A SIGTERM to rank 0 of ddp(2) at a seeded step, then the run continued from its checkpoint, every loader
-    with 2 persistent workers: the stop ends 143 at a step boundary (a continued run's checkpoint continued again:
-    the soak's chain below); while it ran, every rank's workers were forked by a fork server, not by the rank; as
-    it returns, no process of its tree runs; the continued run ends with the weights of a straight run on one
-    process without workers (1e-5)."""
-    straight = made_once(shared_dir, STRAIGHT, _straight)
-    rng, ckpt, stopped_at = random.Random(42), None, 0
-    env, tag = child_env(PYTHONPATH=str(ROOT / "tests"))
-    for cycle in range(2):
-        run, flag = tmp_path / f"segment{cycle}", tmp_path / f"paused{cycle}"
-        pause = stopped_at + rng.randint(3, 8)
-        more = [] if cycle == 1 else ["+callbacks.pause._target_=test_loader_workers.PauseAtStep",
-                                      f"+callbacks.pause.step={pause}", f"+callbacks.pause.flag={flag}"]  # fmt: skip
-        resume = [f"ckpt_path={ckpt}"] if ckpt else []
-        cmd = [sys.executable, str(ROOT / "train.py"), *RUN, *DATA, "strategy=ddp", "devices=2", *resume, *more,
-               *QUIET, f"hydra.run.dir={run}"]  # fmt: skip
-        log = open(tmp_path / f"{run.name}.log", "w")  # a file: a pipe not read while it runs would fill and block
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        if cycle < 1:
-            deadline = time.monotonic() + 240
-            while not flag.exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert proc.poll() is None, (tmp_path / f"{run.name}.log").read_text()[-3000:]
-            tree = _tree(proc.pid)
-            born = [p for p in tree if _server_born(p)]
-            workers = [p for p in born if p.ppid() in {s.pid for s in born}]
-            ranks = [p for p in tree if p.ppid() == proc.pid and not _server_born(p) and "resource_tracker" not in
-                     " ".join(p.cmdline())]  # fmt: skip
-            assert len(ranks) == 1 and len(born) - len(workers) == 2, [p.cmdline()[:3] for p in tree]  # a server each
-            assert len(workers) >= 4  # the training loader's 2 persistent workers on each rank, at least
-            proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=240)
-        log.close()
-        out = (tmp_path / f"{run.name}.log").read_text()
-        assert proc.returncode == (143 if cycle < 1 else 0), out[-3000:]
-        assert _gone(tree if cycle < 1 else tagged(tag)) == [], out[-3000:]  # the tree seen while it ran: all gone
-        ckpt = run / "checkpoints" / "last.ckpt"
-        step = torch.load(ckpt, weights_only=True)["global_step"]
-        assert (step >= pause if cycle < 1 else step == STEPS) and step > stopped_at, (step, pause)
-        stopped_at = step
-    assert max_diff(weights(ckpt), weights(straight / "checkpoints/last.ckpt")) <= 1e-5
+def _stopped_at_a_paused_step(tmp_path: Path) -> Path:
+    """ddp(2), every loader with 2 persistent workers, paused on rank 0 after a seeded step and sent SIGTERM there:
+    asserts that it ends 143 at that step or later, that while it ran every rank's workers were forked by a fork
+    server of that rank's (not by the rank), and that no process of its tree runs as it returns. Its last.ckpt."""
+    pause, run, flag = random.Random(42).randint(3, 8), tmp_path / "paused", tmp_path / "paused.flag"
+    env = child_env(PYTHONPATH=str(ROOT / "tests"))[0]
+    more = ["+callbacks.pause._target_=test_loader_workers.PauseAtStep", f"+callbacks.pause.step={pause}",
+            f"+callbacks.pause.flag={flag}"]  # fmt: skip
+    cmd = [sys.executable, str(ROOT / "train.py"), *RUN, *DATA, "strategy=ddp", "devices=2", *more, *QUIET,
+           f"hydra.run.dir={run}"]  # fmt: skip
+    log = open(tmp_path / "paused.log", "w")  # a file: a pipe not read while it runs would fill and block
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not flag.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, (tmp_path / "paused.log").read_text()[-3000:]
+    tree = _tree(proc.pid)
+    born = [p for p in tree if _server_born(p)]
+    workers = [p for p in born if p.ppid() in {s.pid for s in born}]
+    ranks = [p for p in tree if p.ppid() == proc.pid and not _server_born(p) and "resource_tracker" not in
+             " ".join(p.cmdline())]  # fmt: skip
+    assert len(ranks) == 1 and len(born) - len(workers) == 2, [p.cmdline()[:3] for p in tree]  # a server each
+    assert len(workers) >= 4  # the training loader's 2 persistent workers on each rank, at least
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=240)
+    log.close()
+    out = (tmp_path / "paused.log").read_text()
+    assert proc.returncode == 143, out[-3000:]
+    assert _gone(tree) == [], out[-3000:]  # the tree seen while it ran: all gone
+    ckpt = run / "checkpoints" / "last.ckpt"
+    assert torch.load(ckpt, weights_only=True)["global_step"] >= pause
+    return ckpt
 
 
 @pytest.mark.slow
@@ -288,15 +275,18 @@ def _signal(proc: subprocess.Popen, rank: int, signum: int) -> int:
 
 @pytest.mark.slow
 def test_soak_seeded_sigterms_and_sigkills_at_random_moments_on_ddp_with_workers(tmp_path, shared_dir):
-    """``SOAK_SIGNALS`` seeded signals (SIGTERM or SIGKILL, to rank 0 or rank 1) at a random moment of a random stage on
-    ddp(2) with 2 persistent workers per loader, through fit, validation, test and predict, each run continuing
-    the last checkpoint: a SIGTERM ends 143 with the stop line, a SIGKILL of rank 1 ends 1 with the line naming it
-    (of rank 0: its ranks die with it); no process of the run left as it returns; each chain of continues that
-    finishes ends with the straight run's weights (1e-5). The counts are printed."""
+    """Stop-and-continue cycles on ddp(2) with 2 persistent workers per loader. First a SIGTERM at a paused step
+    (``_stopped_at_a_paused_step``: 143, every rank's workers from its own fork server, nothing left). Then, each
+    run continuing the last checkpoint, ``SOAK_SIGNALS`` seeded signals (SIGTERM or SIGKILL, to rank 0 or rank 1)
+    at a random moment of a random stage, through fit, validation, test and predict: a SIGTERM ends 143 with the
+    stop line, a SIGKILL of rank 1 ends 1 with the line naming it (of rank 0: its ranks die with it); no process of
+    the run left as it returns; each chain of continues that finishes (the first: continued from the paused stop)
+    ends with the weights of a straight run on one process without workers (1e-5). The counts are printed."""
     straight = made_once(shared_dir, STRAIGHT, _straight)
+    first = _stopped_at_a_paused_step(tmp_path)
     # seed 44: its 4 signals aim at each stage once, and SIGTERM and SIGKILL each reach both ranks (TERM to rank 0 in
     # validation, KILL to rank 0 in fit, KILL to rank 1 in predict, TERM to rank 1 in test)
-    rng, ckpt, env = random.Random(44), None, child_env(PYTHONPATH=str(ROOT / "tests"))[0]
+    rng, ckpt, env = random.Random(44), first, child_env(PYTHONPATH=str(ROOT / "tests"))[0]
     landed: Counter[str] = Counter()
     finished, lags = 0, []
     for i in range(SOAK_SIGNALS + 1):
@@ -370,26 +360,29 @@ class WorkerCensus(pl.Callback):
 
 
 @pytest.mark.slow
-def test_the_lightning_cli_on_one_process_starts_a_users_loader_workers_from_a_fork_server(tmp_path):
+def test_the_lightning_cli_on_one_process_starts_a_users_loader_workers_from_a_fork_server(tmp_path, monkeypatch):
     """``dpddp fit`` on one process (no ddp) with a user's LightningDataModule whose loaders have 2 workers: its
     training loader gets the fork server, the 60 s timeout and the ``WorkerStart``; every process under the run
     while it trains is the fork server, a worker it forked or multiprocessing's resource tracker (none forked by
-    the training process); after the run, none is left; the weights equal a ``num_workers=0`` run's. (Not
-    persistent: torch draws a persistent iterator's worker seed from the loader's generator once, not each epoch,
-    so its ``shuffle=True`` order differs from the second epoch on.)"""
+    the training process); after the run, none is left; the weights equal a ``num_workers=0`` run's (that one in
+    this process). (Not persistent: torch draws a persistent iterator's worker seed from the loader's generator
+    once, not each epoch, so its ``shuffle=True`` order differs from the second epoch on.)"""
     base = ["fit", "--data=users_models.WorkerData", "--data.persistent_workers=false", "--model.num_features=4",
             "--model.num_classes=3", "--trainer.accelerator=cpu", "--trainer.max_epochs=2", "--trainer.logger=false",
             "--trainer.enable_progress_bar=false"]  # fmt: skip
     census = tmp_path / "census.json"
     watch = ["--trainer.callbacks+=test_loader_workers.WorkerCensus", "--trainer.callbacks.step=3",
              f"--trainer.callbacks.path={census}"]  # fmt: skip
+    env, tag = child_env(PYTHONPATH=str(ROOT / "tests"))
+    cmd = [sys.executable, "-m", "dpddp.cli", *base, *watch, "--trainer.default_root_dir=workers"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _gone(tagged(tag)) == []
+    # the reference: the same command without workers, in this process (no process of its own to look at)
+    assert cli_here(*base, "--data.num_workers=0", "--trainer.default_root_dir=serial", cwd=tmp_path,
+                    monkeypatch=monkeypatch) == 0  # fmt: skip
     ends = {}
-    for name, more in [("workers", watch), ("serial", ["--data.num_workers=0"])]:
-        env, tag = child_env(PYTHONPATH=str(ROOT / "tests"))
-        cmd = [sys.executable, "-m", "dpddp.cli", *base, *more, f"--trainer.default_root_dir={name}"]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert _gone(tagged(tag)) == [], name
+    for name in ("workers", "serial"):
         (ends[name],) = (tmp_path / name).glob("lightning_logs/version_*/checkpoints/last.ckpt")
     seen = json.loads(census.read_text())
     assert (seen["context"], seen["timeout"], seen["init"]) == ("forkserver", WORKER_TIMEOUT_S, "WorkerStart"), seen
