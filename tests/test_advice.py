@@ -4,6 +4,7 @@ check, or at least meet no second refusal of the same setting."""
 from __future__ import annotations
 
 import re
+import socket
 
 import lightning.pytorch as pl
 import pytest
@@ -141,3 +142,20 @@ def test_a_model_class_that_takes_no_sizes_is_told_what_works_for_it(tmp_path):
 def test_the_packaged_data_module_without_a_data_set_is_refused_by_the_check(given, line):
     """Before anything is written (the run's data module said it in ``setup``, after the run directory)."""
     assert _refusal(*given, "model.num_features=16", "model.num_classes=4") == line
+
+
+def test_a_busy_master_port_names_the_port_and_unsetting_it_binds_a_free_one(monkeypatch):
+    from dpddp.parallel.launcher import _bind_store_socket
+
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(ConfigError) as err:
+            _bind_store_socket("127.0.0.1")
+        assert str(err.value) == (
+            f"MASTER_PORT={port} on 127.0.0.1 is not free (Address already in use): unset MASTER_PORT to pick a "
+            "free port, or choose another"
+        )
+        monkeypatch.delenv("MASTER_PORT")
+        with _bind_store_socket("127.0.0.1") as bound:
+            assert bound.getsockname()[1] not in (0, port)

@@ -107,7 +107,8 @@ def _bind_store_socket(address: str) -> socket.socket:
         return socket.create_server((address, port), family=family, backlog=128)
     except OSError as err:
         raise ConfigError(
-            f"MASTER_PORT={port} on {address} is not free ({err.strerror}): unset MASTER_PORT for a free one"
+            f"MASTER_PORT={port} on {address} is not free ({os.strerror(err.errno or 0)}): unset MASTER_PORT to "
+            "pick a free port, or choose another"
         ) from err
 
 
