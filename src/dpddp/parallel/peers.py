@@ -109,23 +109,26 @@ class PeerWatch(threading.Thread):
     def run(self) -> None:
         threading.Thread(target=self._beat_loop, daemon=True, name="dpddp-peer-beat").start()
         while not self.stopped.wait(BEAT_S):
-            if line := self._lost(self.timeout_s):
+            if line := self._lost(self.timeout_s, said=self.timeout_s):
                 self._end(line)
             elif self._cause is not None:
                 self._cause_seen = self._cause_seen or time.monotonic()
                 if time.monotonic() - self._cause_seen > CAUSE_GRACE_S:
                     self._end(self._cause)
 
-    def _lost(self, limit: float) -> str | None:
-        """The line for node 0's store or the peers silent for more than ``limit`` seconds, or ``None``."""
+    def _lost(self, limit: float, said: float | None = None) -> str | None:
+        """The line for node 0's store or the peers silent for more than ``limit`` seconds, or ``None``; it gives
+        ``said`` seconds (the run's limit), else the silence measured."""
         now = time.monotonic()
         if now - self._answered > limit:  # then no peer can be seen either
             why = f" ({self._error})" if self._error else ""
             store = f"the rendezvous store at {self._client.address}:{self._client.port}"
-            return f"node 0 lost: {store} has not answered for {int(now - self._answered)} s{why}"
+            return f"node 0 lost: {store} has not answered for {said or now - self._answered:.0f} s{why}"
         stale = [r for r, (_, t) in self._seen.items() if now - t > limit]
-        silent = max((now - self._seen[r][1] for r in stale), default=0.0)
-        return f"{describe_ranks(stale, self.ranks_per_node)} lost: no heartbeat for {int(silent)} s" if stale else None
+        if not stale:
+            return None
+        silent = max(now - self._seen[r][1] for r in stale)
+        return f"{describe_ranks(stale, self.ranks_per_node)} lost: no heartbeat for {said or silent:.0f} s"
 
     def _beat_loop(self) -> None:
         while not self.stopped.wait(BEAT_S):
