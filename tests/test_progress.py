@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, compose_cfg, leftover
+from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, train_py_here
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from PIL import Image
 
@@ -159,14 +159,15 @@ def test_the_quickstart_run_redirected_learns_prints_epoch_lines_and_no_warning(
 
 
 @pytest.mark.slow
-def test_continued_run_keeps_both_configs_one_table_and_the_time(tmp_path):
-    """2 epochs (resume=true into a directory with no checkpoint yet: a fresh run), then the same run directory
-    continued to 4 (resume=true): both invocations' configs kept, the log says "continuing", the step is 4
-    epochs', metrics.csv is one table (epochs 0..3 once each), time and segments add up, and python -m
-    dpddp.plot draws the continued run."""
+def test_continued_run_keeps_both_configs_one_table_and_the_time(tmp_path, monkeypatch, capfd):
+    """2 epochs (resume=true into a directory with no checkpoint yet: a fresh run; train.py here), then the same
+    run directory continued to 4 (resume=true; a process, its console read): both invocations' configs kept, the
+    log says "continuing", the step is 4 epochs', metrics.csv is one table (epochs 0..3 once each), time and
+    segments add up, and python -m dpddp.plot draws the continued run."""
     args = ["accelerator=cpu", "data.num_samples=1005", "hydra.run.dir=run", "resume=true"]
-    output = _train_py(*args, "trainer.max_epochs=2", cwd=tmp_path, log=tmp_path / "first.txt")
-    assert "resume=true but there is no" in output
+    defaults = ["trainer.enable_progress_bar=null", "curves=true"]  # train.py's, where train_py_here sets QUIET
+    assert train_py_here(*args, "trainer.max_epochs=2", *defaults, cwd=tmp_path, monkeypatch=monkeypatch) == 0
+    assert "resume=true but there is no" in "".join(capfd.readouterr())
     first = json.loads((tmp_path / "run/metrics.json").read_text())
     output = _train_py(*args, "trainer.max_epochs=4", cwd=tmp_path, log=tmp_path / "second.txt")
     run = tmp_path / "run"
