@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import compose_cfg, run_train
+from conftest import compose_cfg, run_train, train_py_here
 from hydra.utils import instantiate
 from text_models import NoisyTextTransformer, TextTransformer
 from torch import nn
@@ -178,10 +178,16 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_a_different_sweep_into_a_used_sweep_directory_is_one_line_before_anything_is_written(tmp_path):
+def test_a_different_sweep_into_a_used_sweep_directory_is_one_line_before_anything_is_written(
+    tmp_path, monkeypatch, capfd
+):
     """Case 69, under the basic launcher and joblib: another global batch into the first sweep's directory is
-    refused before any job starts, naming the setting and another directory; the first sweep's files stay."""
-    run_train("-m", "model.lr=0.05,0.2", *TINY, "hydra.sweep.dir=sweeps/lr", cwd=tmp_path, check=True)
+    refused before any job starts, naming the setting and another directory; the first sweep's files stay. The
+    first sweep and the joblib one run train.py's calls in this process; the basic one is a process of its own
+    (its whole stderr is the line)."""
+    sweep = ["-m", "model.lr=0.05,0.2", *TINY, "hydra.sweep.dir=sweeps/lr"]
+    assert train_py_here(*sweep, cwd=tmp_path, monkeypatch=monkeypatch) == 0
+    capfd.readouterr()
     before = _files(tmp_path / "sweeps")
     line = (
         "error: hydra.sweep.dir=sweeps/lr holds the jobs of a sweep with other settings: this one gives "
@@ -191,14 +197,19 @@ def test_a_different_sweep_into_a_used_sweep_directory_is_one_line_before_anythi
     )
     for launcher in ([], ["hydra/launcher=joblib"]):
         again = ["-m", "model.lr=0.05,0.2", *TINY, "data.batch_size=128", *launcher, "hydra.sweep.dir=sweeps/lr"]
-        proc = run_train(*again, cwd=tmp_path)
-        assert (proc.returncode, proc.stderr.strip()) == (2, line), proc.stderr[-2000:]
+        if launcher:
+            said = train_py_here(*again, cwd=tmp_path, monkeypatch=monkeypatch), capfd.readouterr().err.strip()
+        else:
+            proc = run_train(*again, cwd=tmp_path)
+            said = proc.returncode, proc.stderr.strip()
+        assert said == (2, line), said[1][-2000:]
         assert _files(tmp_path / "sweeps") == before
 
 
 @pytest.mark.slow
-def test_resuming_a_run_with_another_setting_is_one_line_before_anything_is_written(tmp_path):
-    run_train(*TINY, "hydra.run.dir=runs/a", cwd=tmp_path, check=True)
+def test_resuming_a_run_with_another_setting_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
+    """The first run trains in this process (train.py's calls); the refused resume is a train.py process."""
+    assert train_py_here(*TINY, "hydra.run.dir=runs/a", cwd=tmp_path, monkeypatch=monkeypatch) == 0
     before = _files(tmp_path / "runs")
     proc = run_train(*TINY, "model.lr=0.3", "resume=true", "hydra.run.dir=runs/a", cwd=tmp_path)
     assert (proc.returncode, proc.stderr.strip()) == (
