@@ -1,13 +1,14 @@
 """An evaluation run (eval.py, dpddp-eval): a checkpoint validated and tested exactly on any world size, nothing
 trained, metrics.json written; a checkpoint of another model or a weights-only one is one line, exit 2."""
 
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, metrics
+from conftest import QUIET, ROOT, _entry_here, child_env, compose_cfg, leftover, metrics
 
 from dpddp.entry import eval as eval_entry
 from dpddp.errors import ConfigError
@@ -89,23 +90,25 @@ def test_another_models_checkpoint_and_no_checkpoint_are_one_line_and_help(train
 
 
 @pytest.mark.slow
-def test_eval_py_and_dpddp_eval_on_one_and_three_processes_give_the_runs_test_metrics(trained, tmp_path):
-    env, tag = child_env()
+def test_eval_py_and_dpddp_eval_on_one_and_three_processes_give_the_runs_test_metrics(trained, tmp_path, monkeypatch):
+    """eval.py's own file run in this process (``runpy``: its ``__main__`` block, one process) and the dpddp-eval
+    console script on 3 ddp processes."""
     ckpt = trained / "checkpoints/last.ckpt"
-    commands = {
-        "one": [sys.executable, str(ROOT / "eval.py")],
-        "three": [str(Path(sys.executable).parent / "dpddp-eval")],  # the console script
-    }
-    for name, cmd in commands.items():
-        world = ["strategy=ddp", "devices=3"] if name == "three" else []
-        args = [*cmd, f"ckpt_path={ckpt}", *DATA, *world, *QUIET, f"hydra.run.dir={tmp_path / name}"]
-        proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert metrics(tmp_path / name)["world_size"] == (3 if name == "three" else 1)
+    args = [f"ckpt_path={ckpt}", *DATA, *QUIET]
+    with _entry_here(tmp_path, monkeypatch, ["eval.py", *args, f"hydra.run.dir={tmp_path / 'one'}"]) as status:
+        runpy.run_path(str(ROOT / "eval.py"), run_name="__main__")
+    assert status == [0]
+    env, tag = child_env()
+    cmd = [str(Path(sys.executable).parent / "dpddp-eval"), *args, "strategy=ddp", "devices=3"]  # the console script
+    cmd.append(f"hydra.run.dir={tmp_path / 'three'}")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert leftover(tag) == []
+    for name, world in (("one", 1), ("three", 3)):
+        assert metrics(tmp_path / name)["world_size"] == world
         assert metrics(tmp_path / name)["segment_world_sizes"] == [1]  # the weights' training, not this world
         for key in KEYS:
             assert metrics(tmp_path / name)[key] == pytest.approx(metrics(trained)[key], abs=1e-6), (name, key)
-    assert leftover(tag) == []
 
 
 def test_eval_on_other_data_than_the_runs_is_one_line_naming_the_fix(trained, tmp_path, monkeypatch, capsys):
