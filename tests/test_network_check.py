@@ -3,6 +3,7 @@ torchrun, the ring bound for the model's gradient, the predicted ddp step and th
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -58,21 +59,26 @@ def _figures(stdout: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_the_network_check_measures_two_processes_and_forecasts_the_models_step():
-    env, _ = child_env()
-    cmd = [sys.executable, "-m", "dpddp.check", "--network", "--model", "mlp"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    figures = _figures(proc.stdout)
+def test_the_network_check_measures_two_processes_and_forecasts_the_models_step(capsys):
+    """The check's ``main`` here (it spawns its 2 ranks; ``python -m dpddp.check`` as a process: the torchrun test)."""
+    loggers = [logging.getLogger(n) for n in ("lightning", "lightning.pytorch", "lightning.fabric", "dpddp")]
+    levels = [logger.level for logger in loggers]
+    try:
+        main(["--network", "--model", "mlp"])  # exit 0: returns
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)  # main quiets them for its process
+    out = capsys.readouterr().out
+    figures = _figures(out)
     model = instantiate(_compose(["model=mlp"], None).model, _convert_="all")
     assert figures["grad_bytes"] == sum(p.numel() * p.element_size() for p in model.parameters())
-    assert "all-reduce over 2 processes (gloo)" in proc.stdout
+    assert "all-reduce over 2 processes (gloo)" in out
     assert figures["latency_us"] > 0 and figures["bus_gbs"] > 0
     bound = ring_seconds(int(figures["grad_bytes"]), 2, figures["latency_us"] * 1e-6, figures["bus_gbs"] * 1e9)
     assert figures["bound_ms"] == pytest.approx(bound * 1e3, rel=0.05, abs=2e-3)  # the printed figures' rounding
     share = figures["measured_ms"] / (figures["compute_ms"] + figures["measured_ms"])
     assert figures["share"] == pytest.approx(100 * share, abs=1.5)
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("recommendation: ")]
+    (line,) = [x for x in out.splitlines() if x.startswith("recommendation: ")]
     assert line == f"recommendation: {recommend(figures['share'] / 100, compressible=figures['grad_bytes'] >= 2**20)}"
 
 
