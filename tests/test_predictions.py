@@ -157,7 +157,8 @@ def test_a_failed_predict_in_a_sweep_keeps_the_jobs_metrics_and_says_predict_fai
     boom = ["+callbacks.boom._target_=conftest.PredictFails", "predict=true", "trainer.max_epochs=1"]
     sweep = ["-m", *USER_ARGS, *boom, "seed=0", "hydra.sweep.dir=sweep"]
     monkeypatch.syspath_prepend(str(project))
-    monkeypatch.delitem(sys.modules, "mine", raising=False)  # another test's module of that name
+    monkeypatch.setitem(sys.modules, "mine", None)  # undone after the test: sys.modules' "mine" as it was before
+    monkeypatch.delitem(sys.modules, "mine")  # the run imports the user's module of this project
     assert train_py_here(*sweep, cwd=project, monkeypatch=monkeypatch) == 1
     error = (project / "sweep/0/error.txt").read_text()
     said = "PredictFailed: predict failed (metrics.json of the fit and test is written): RuntimeError: injected"
