@@ -6,8 +6,9 @@ import sys
 import time
 import uuid
 
+import psutil
 import pytest
-from conftest import QUIET, ROOT, child_env, compose_cfg, free_port, leftover, metrics
+from conftest import QUIET, ROOT, child_env, compose_cfg, free_port, leftover, metrics, train_py_here
 from netns import netns_available
 
 from dpddp.run.training import train
@@ -100,11 +101,17 @@ def test_simulated_slurm_job_with_two_tasks(tmp_path):
     assert m["world_size"] == 2
 
 
-def test_simulated_slurm_task_mismatch_is_refused(tmp_path):
-    """A cluster task count that disagrees with devices x num_nodes: one task started, devices=2 asked."""
-    codes, out, seconds = _slurm(tmp_path, ntasks=1, devices=2, job_id="4243")
-    assert codes == [2] and seconds < FAST_S
-    line = [x for x in out[0].splitlines() if x.startswith("error:")]
+def test_simulated_slurm_task_mismatch_is_refused(tmp_path, monkeypatch, capfd):
+    """A cluster task count that disagrees with devices x num_nodes: one task started, devices=2 asked; train.py
+    runs here (one task: the refusal before anything starts is the point, not a process)."""
+    env = dict(SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1", SLURM_NNODES="1", SLURM_JOB_NAME="train")
+    env.update(SLURM_JOB_ID="4243", SLURM_NODEID="0", SLURM_NODELIST="127.0.0.1", MASTER_PORT=str(free_port()))
+    for key, value in dict(env, SLURM_PROCID="0", SLURM_LOCALID="0").items():
+        monkeypatch.setenv(key, value)
+    start = time.monotonic()
+    code = train_py_here("strategy=ddp", "devices=2", *SMALL, cwd=tmp_path, monkeypatch=monkeypatch)
+    assert code == 2 and time.monotonic() - start < FAST_S and psutil.Process().children(recursive=True) == []
+    line = [x for x in "".join(capfd.readouterr()).splitlines() if x.startswith("error:")]
     assert line == [
         "error: devices=2 x num_nodes=1 = 2 processes, but the cluster started 1 (SLURM_NTASKS=1): "
         "make devices x num_nodes match the cluster's tasks"
