@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import CONF, ROOT, child_env, compose_cfg
+from conftest import CONF, ROOT, child_env, compose_cfg, train_py_here
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hypothesis import given, settings
@@ -185,14 +185,11 @@ def test_the_printed_resume_command_parses_back_to_the_run_directory(tmp_path, m
 
 
 @pytest.mark.slow
-def test_resume_without_naming_the_run_is_refused(tmp_path):
+def test_resume_without_naming_the_run_is_refused(tmp_path, monkeypatch, capfd):
     """A resume request that would silently start fresh (``resume=true`` alone: a new time-stamped directory) is
-    refused in one line that says how to name the run."""
-    env, _ = child_env()
-    cmd = [sys.executable, str(ROOT / "train.py"), "resume=true"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert [x for x in proc.stderr.splitlines() if x.startswith("error:")] == [
+    refused in one line that says how to name the run (train.py's calls in this process)."""
+    assert train_py_here("resume=true", cwd=tmp_path, monkeypatch=monkeypatch) == 2
+    assert [x for x in capfd.readouterr().err.splitlines() if x.startswith("error:")] == [
         "error: resume=true needs the run to resume: add hydra.run.dir=<its directory> "
         "(e.g. hydra.run.dir=outputs/2026-01-31/12-00-00)"
     ]
@@ -217,12 +214,20 @@ def _train_py(tmp_path, *args, **env):
     ],
     ids=["named", "static-torchrun"],
 )
-def test_a_second_run_never_writes_into_another_runs_directory(tmp_path, args, env):
+def test_a_second_run_never_writes_into_another_runs_directory(tmp_path, monkeypatch, args, env):
     """One run's outputs overwritten by another's (a named directory used twice; a static torchrun run id): the
     second run is refused in one line (exit 2) and the first run's files are untouched; resume=true continues
-    the first run."""
-    first = _train_py(tmp_path, "trainer.max_epochs=1", *args, **env)
-    assert first.returncode == 0, first.stderr[-2000:]
+    the first run. The refused run is a train.py process; the first run and the continue run train.py's calls in
+    this process, under the launcher's variables where the row has them (a world of one: no process group)."""
+
+    def trained(*more: str) -> None:
+        with monkeypatch.context() as launcher:
+            for key, value in env.items():
+                launcher.setenv(key, value)
+            assert train_py_here(*more, cwd=tmp_path, monkeypatch=monkeypatch) == 0
+        assert not torch.distributed.is_initialized()
+
+    trained("trainer.max_epochs=1", *args)
     (run,) = {p.parent.parent for p in tmp_path.rglob("checkpoints/last.ckpt")}
     before = (run / "checkpoints/last.ckpt").read_bytes(), (run / "metrics.json").read_text()
     second = _train_py(tmp_path, "trainer.max_epochs=1", *args, **env)
@@ -231,17 +236,16 @@ def test_a_second_run_never_writes_into_another_runs_directory(tmp_path, args, e
     assert len(lines) == 1 and "holds another run (last.ckpt, metrics.json): continue it with resume=true" in lines[0]
     assert ((run / "checkpoints/last.ckpt").read_bytes(), (run / "metrics.json").read_text()) == before
     named = args or [f"hydra.run.dir={run}"]
-    again = _train_py(tmp_path, "trainer.max_epochs=2", *named, "resume=true", **env)
-    assert again.returncode == 0, again.stderr[-2000:]
+    trained("trainer.max_epochs=2", *named, "resume=true")
 
 
 @pytest.mark.slow
-def test_resuming_a_finished_run_at_its_own_limit_trains_nothing_and_rewrites_nothing(tmp_path):
+def test_resuming_a_finished_run_at_its_own_limit_trains_nothing_and_rewrites_nothing(tmp_path, monkeypatch):
     """A finished run resumed with the same trainer.max_epochs: one line says there is nothing to train, exit 0,
     and last.ckpt (its epoch: the straight run's) and metrics.json are unchanged (it re-ran and wrote epoch 2 over
-    1 before)."""
+    1 before). The finished run trains in this process (train.py's calls); the resume is a train.py process."""
     args = ["trainer.max_epochs=2", "data.num_samples=300", "hydra.run.dir=run", "logger=none"]
-    assert _train_py(tmp_path, *args).returncode == 0
+    assert train_py_here(*args, "curves=true", cwd=tmp_path, monkeypatch=monkeypatch) == 0
     run = tmp_path / "run"
     before = (run / "checkpoints/last.ckpt").read_bytes(), (run / "metrics.json").read_text()
     assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["epoch"] == 1
