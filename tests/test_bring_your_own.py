@@ -1,5 +1,6 @@
 """A user's own model and data set, written outside the package as a user would (the template in docs/), trained
-through train.py with _target_ overrides; the bundled tables; the installed command from any directory."""
+through train.py with _target_ overrides; the bundled tables; the installed commands from a directory of the user's,
+stopped and continued by the command they print."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
-from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, made_once, metrics, run_project
+from conftest import QUIET, ROOT, _entry_here, child_env, compose_cfg, leftover, made_once, metrics, run_project
 
+from dpddp.entry import hydra as hydra_entry
+from dpddp.entry.lightning_cli import main as cli_main
 from dpddp.run.training import train
 
 pytestmark = pytest.mark.slow
@@ -197,31 +201,54 @@ def test_digits_with_the_mlp_reaches_095_on_one_and_two_processes(tmp_path):
         assert abs(one[key] - two[key]) <= 1e-5, key
 
 
-def test_the_installed_command_trains_from_any_directory(tmp_path):
-    command = shutil.which("dpddp-train", path=str(Path(sys.executable).parent))
-    assert command, "dpddp-train is not installed next to this Python"
-    run_project(tmp_path, "trainer.max_epochs=1", "hydra.run.dir=run", *QUIET, command=[command], check=True)
-    assert metrics(tmp_path / "run")["val/acc"] > 0.5 and (tmp_path / "run/checkpoints/last.ckpt").is_file()
-
-
 BIN = Path(sys.executable).parent  # dpddp-train and dpddp, installed next to this Python
 KILL = ["+callbacks.kill._target_=conftest.SigtermAtStep", "+callbacks.kill.step=37"]  # in epoch 1 of 3
 
 
-def _stopped_then_pasted(cwd: Path, command: list[str], stop_line: str) -> str:
-    """Run ``command`` in ``cwd`` (a SIGTERM stops it: exit 143), then the command its one ``stop_line`` prints
-    after ``resume with``, pasted into a shell as it is (the same environment: PATH and PYTHONPATH); return it."""
-    env, tag = child_env(PYTHONPATH=os.pathsep.join([str(cwd), str(ROOT / "tests")]))  # conftest.SigtermAtStep
+def _env(cwd: Path) -> tuple[dict[str, str], str]:
+    """A user's shell in ``cwd``: the project and tests/ (conftest.SigtermAtStep) on PYTHONPATH, BIN on PATH."""
+    env, tag = child_env(PYTHONPATH=os.pathsep.join([str(cwd), str(ROOT / "tests")]))
     env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
-    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 143, proc.stderr[-3000:]
-    (line,) = [x for x in proc.stderr.splitlines() if x.startswith(stop_line)]
-    assert leftover(tag) == []
+    return env, tag
+
+
+def _pasted(cwd: Path, stderr: str, stop_line: str) -> str:
+    """The command the one ``stop_line`` of ``stderr`` prints after ``resume with``, pasted into a shell in ``cwd``
+    as it is (``_env``): it exits 0 and leaves no process. Returns it."""
+    (line,) = [x for x in stderr.splitlines() if x.startswith(stop_line)]
     pasted = line.split("resume with ", 1)[1]
+    env, tag = _env(cwd)
     resumed = subprocess.run(pasted, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, pasted + "\n" + resumed.stderr[-3000:]
     assert leftover(tag) == []
     return pasted
+
+
+def _stopped_then_pasted(cwd: Path, command: list[str], stop_line: str) -> str:
+    """Run ``command`` in ``cwd`` (a SIGTERM stops it: exit 143), then ``_pasted``; return the pasted command."""
+    env, tag = _env(cwd)
+    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert leftover(tag) == []
+    return _pasted(cwd, proc.stderr, stop_line)
+
+
+def _stopped_here_then_pasted(cwd: Path, command: list[str], main, stop_line: str, monkeypatch, capfd) -> str:
+    """``_stopped_then_pasted`` with the stopped run in this process: ``main``, the installed command's function,
+    with ``sys.argv`` the command (its program from BIN) and ``cwd`` on ``sys.path`` (the project's modules dropped
+    after). The stop is not about the process: its status is main's SystemExit, its line from stderr."""
+    monkeypatch.syspath_prepend(str(cwd))
+    try:
+        with _entry_here(cwd, monkeypatch, [str(BIN / command[0]), *command[1:]]) as status:
+            main()
+    finally:
+        for name, module in list(sys.modules.items()):
+            if str(getattr(module, "__file__", None) or "").startswith(str(cwd)):
+                del sys.modules[name]
+    err = capfd.readouterr().err
+    assert status == [143], err[-3000:]
+    assert psutil.Process().children(recursive=True) == []
+    return _pasted(cwd, err, stop_line)
 
 
 @pytest.fixture
@@ -233,14 +260,20 @@ def bare_project(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_the_printed_resume_command_of_the_installed_command_continues_to_the_straight_run(bare_project, one_process):
+def test_the_printed_resume_command_of_the_installed_command_continues_to_the_straight_run(
+    bare_project, one_process, monkeypatch, capfd
+):
     """``dpddp-train --config-dir conf model=my_net ...`` stopped by SIGTERM mid-epoch (815 training samples / 32
     = 25 batches an epoch; step 38 is in epoch 1) in a project without train.py: the printed line, pasted, runs
-    and ends with the uninterrupted run's weights."""
-    pasted = _stopped_then_pasted(
-        bare_project, ["dpddp-train", *USER_ARGS, *KILL, "hydra.run.dir=run"], "error: stopped by SIGTERM after step"
-    )
+    and ends with the uninterrupted run's weights. The pasted command is the installed command trained from a
+    directory that is not the repository's (its outputs whole: metrics.json, last.ckpt); the stopped run is its
+    function in this process."""
+    command = ["dpddp-train", *USER_ARGS, *KILL, "hydra.run.dir=run"]
+    stop = "error: stopped by SIGTERM after step"
+    pasted = _stopped_here_then_pasted(bare_project, command, hydra_entry.main, stop, monkeypatch, capfd)
     assert pasted.startswith("dpddp-train --config-dir conf model=my_net ")
+    assert shutil.which("dpddp-train", path=str(BIN)), "dpddp-train is not installed next to this Python"
+    assert metrics(bare_project / "run")["val/acc"] > 0.9 and (bare_project / "run/checkpoints/last.ckpt").is_file()
     assert _close(_weights(bare_project / "run", "net."), _weights(one_process, "net."), 1e-6)
 
 
@@ -253,12 +286,16 @@ def test_the_printed_resume_command_of_a_sweep_continues_its_job_to_the_straight
     assert _close(_weights(bare_project / "sweep/0", "net."), _weights(one_process, "net."), 1e-6)
 
 
-def test_the_printed_resume_command_of_the_lightning_cli_continues_to_the_straight_run(bare_project, one_process):
-    """The same for ``dpddp fit --model=mine.TwoLayerNet --data=mine.BlobsData`` on one process."""
+def test_the_printed_resume_command_of_the_lightning_cli_continues_to_the_straight_run(
+    bare_project, one_process, monkeypatch, capfd
+):
+    """The same for ``dpddp fit --model=mine.TwoLayerNet --data=mine.BlobsData`` on one process (stopped in this
+    process, pasted in a shell)."""
     command = ["dpddp", "fit", "--model=mine.TwoLayerNet", "--data=mine.BlobsData", "--data.batch_size=32"]
     command += ["--trainer.max_epochs=3", "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false"]
     command += ["--trainer.callbacks+=conftest.SigtermAtStep", "--trainer.callbacks.step=37"]
-    pasted = _stopped_then_pasted(bare_project, command, "error: stopped by SIGTERM after step")
+    stop = "error: stopped by SIGTERM after step"
+    pasted = _stopped_here_then_pasted(bare_project, command, cli_main, stop, monkeypatch, capfd)
     assert pasted.startswith("dpddp fit --model=mine.TwoLayerNet ") and pasted.endswith("--ckpt_path=last")
     run = bare_project / "lightning_logs/version_0"
     assert [p.name for p in sorted(run.glob("config*.yaml"))] == ["config-1.yaml", "config.yaml"]  # one run
