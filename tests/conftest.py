@@ -371,7 +371,8 @@ class SigtermSweepAt(pl.Callback):
         while self.after and not Path(self.after).exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         me = psutil.Process()
-        ours = [p for p in [me, *me.parents()] if _environ(p).get("DPDDP_TEST_TAG") == os.environ["DPDDP_TEST_TAG"]]
+        tag = os.environ["DPDDP_TEST_TAG"]  # this process's own (a test's sweep run in-process sets it)
+        ours = [me, *(p for p in me.parents() if _environ(p).get("DPDDP_TEST_TAG") == tag)]
         ours[-1].send_signal(signal.SIGTERM)
         while not sweep_stop.requested() and time.monotonic() < deadline:
             time.sleep(0.05)

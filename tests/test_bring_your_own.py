@@ -224,19 +224,11 @@ def _pasted(cwd: Path, stderr: str, stop_line: str) -> str:
     return pasted
 
 
-def _stopped_then_pasted(cwd: Path, command: list[str], stop_line: str) -> str:
-    """Run ``command`` in ``cwd`` (a SIGTERM stops it: exit 143), then ``_pasted``; return the pasted command."""
-    env, tag = _env(cwd)
-    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 143, proc.stderr[-3000:]
-    assert leftover(tag) == []
-    return _pasted(cwd, proc.stderr, stop_line)
-
-
 def _stopped_here_then_pasted(cwd: Path, command: list[str], main, stop_line: str, monkeypatch, capfd) -> str:
-    """``_stopped_then_pasted`` with the stopped run in this process: ``main``, the installed command's function,
-    with ``sys.argv`` the command (its program from BIN) and ``cwd`` on ``sys.path`` (the project's modules dropped
-    after). The stop is not about the process: its status is main's SystemExit, its line from stderr."""
+    """``command`` stopped by a SIGTERM in this process (exit 143, no process left), then ``_pasted``; returns the
+    pasted command. The run is ``main``, the installed command's function, with ``sys.argv`` the command (its
+    program from BIN) and ``cwd`` on ``sys.path`` (the project's modules dropped after): the stop is not about the
+    process, its status is main's SystemExit and its line from stderr."""
     monkeypatch.syspath_prepend(str(cwd))
     try:
         with _entry_here(cwd, monkeypatch, [str(BIN / command[0]), *command[1:]]) as status:
@@ -277,11 +269,16 @@ def test_the_printed_resume_command_of_the_installed_command_continues_to_the_st
     assert _close(_weights(bare_project / "run", "net."), _weights(one_process, "net."), 1e-6)
 
 
-def test_the_printed_resume_command_of_a_sweep_continues_its_job_to_the_straight_run(bare_project, one_process):
-    """The same for a sweep of the installed command (``-m``; its job 0 is ``one_process``'s run, seed 0)."""
+def test_the_printed_resume_command_of_a_sweep_continues_its_job_to_the_straight_run(
+    bare_project, one_process, monkeypatch, capfd
+):
+    """The same for a sweep of the installed command (``-m``; its job 0 is ``one_process``'s run, seed 0), stopped
+    in this process (``SigtermSweepAt`` signals the topmost process of the test's tag: this one)."""
     kill = ["+callbacks.stop._target_=conftest.SigtermSweepAt", "+callbacks.stop.step=37"]
     command = ["dpddp-train", "-m", *USER_ARGS, *kill, "seed=0", "hydra.sweep.dir=sweep"]
-    pasted = _stopped_then_pasted(bare_project, command, "error: the sweep was stopped by SIGTERM")
+    monkeypatch.setenv("DPDDP_TEST_TAG", child_env()[1])
+    stop = "error: the sweep was stopped by SIGTERM"
+    pasted = _stopped_here_then_pasted(bare_project, command, hydra_entry.main, stop, monkeypatch, capfd)
     assert pasted.startswith("dpddp-train -m --config-dir conf model=my_net ")
     assert _close(_weights(bare_project / "sweep/0", "net."), _weights(one_process, "net."), 1e-6)
 
