@@ -207,12 +207,14 @@ def test_a_different_sweep_into_a_used_sweep_directory_is_one_line_before_anythi
 
 
 @pytest.mark.slow
-def test_resuming_a_run_with_another_setting_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
-    """The first run trains in this process (train.py's calls); the refused resume is a train.py process."""
+def test_resuming_a_run_with_another_setting_is_one_line_before_anything_is_written(tmp_path, monkeypatch, capfd):
+    """train.py's calls in this process, both runs: the refusal's stderr in a process of its own is the sweep's
+    (test_a_different_sweep_...: the same StartChecks refusal after the same imports)."""
     assert train_py_here(*TINY, "hydra.run.dir=runs/a", cwd=tmp_path, monkeypatch=monkeypatch) == 0
+    capfd.readouterr()
     before = _files(tmp_path / "runs")
-    proc = run_train(*TINY, "model.lr=0.3", "resume=true", "hydra.run.dir=runs/a", cwd=tmp_path)
-    assert (proc.returncode, proc.stderr.strip()) == (
+    again = [*TINY, "model.lr=0.3", "resume=true", "hydra.run.dir=runs/a"]
+    assert (train_py_here(*again, cwd=tmp_path, monkeypatch=monkeypatch), capfd.readouterr().err.strip()) == (
         2,
         "error: the run directory runs/a holds a run with other settings: this one gives model.lr=0.3 where it had "
         "the config's model.lr, and a continue changes no setting of its model, data, Trainer or seed but a limit: "
