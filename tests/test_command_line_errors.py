@@ -577,44 +577,30 @@ def test_an_override_hydra_cannot_read_is_one_line(override, reason):
     )
 
 
+# main's refusals run train.py's calls here; answer's (before torch) and one of main's (a sweep job's missing key)
+# are train.py processes: their whole stderr, imports included, is the one line
+MAIN_HERE = (["hydra.run.dir=${nope}"], ["-m", "--cfg", "job", "seed=0,1"], ["model.lr=["])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "args,start,here",
+    "args,start",
     [
-        # answered before torch (train.py's ``answer``): a train.py process, its whole stderr the line
-        (
-            ["model.lr=${nope}"],
-            "error: model.lr='${nope}' cannot be resolved (Interpolation key 'nope' not found)",
-            False,
-        ),
+        (["model.lr=${nope}"], "error: model.lr='${nope}' cannot be resolved (Interpolation key 'nope' not found)"),
         # (an oc.env interpolation: model.lr's path; its line in test_an_interpolation_that_does_not_resolve_...)
-        (
-            ["hydra.run.dir=${nope}"],
-            "error: hydra.run.dir='${nope}' cannot be resolved (Interpolation key 'nope'",
-            True,
-        ),
-        (["-m", "--cfg", "job", "seed=0,1"], "error: --multirun (-m) and --cfg (-c) cannot be given together", True),
+        (["hydra.run.dir=${nope}"], "error: hydra.run.dir='${nope}' cannot be resolved (Interpolation key 'nope'"),
+        (["-m", "--cfg", "job", "seed=0,1"], "error: --multirun (-m) and --cfg (-c) cannot be given together"),
         # (--resolve without --cfg: -m --cfg's path, mode_conflict; its line in test_hydra_modes_that_cannot_be_...)
-        (
-            ["model.lr=["],
-            "error: 'model.lr=[' cannot be read as an override (no viable alternative at input '[')",
-            True,
-        ),
-        (["devises=2"], "error: devises=2: the config has no key devises: did you mean devices?", False),
-        # a key one job of the sweep lacks: no sweep directory, no multirun.yaml; main's refusal in a train.py process
-        (
-            ["-m", "data=default,digits", "data.label_noise=0.1"],
-            "error: data.label_noise=0.1: the config has no key",
-            False,
-        ),
+        (["model.lr=["], "error: 'model.lr=[' cannot be read as an override (no viable alternative at input '[')"),
+        (["devises=2"], "error: devises=2: the config has no key devises: did you mean devices?"),
+        # a key one job of the sweep lacks: no sweep directory, no multirun.yaml
+        (["-m", "data=default,digits", "data.label_noise=0.1"], "error: data.label_noise=0.1: the config has no key"),
     ],
 )
 def test_train_py_ends_a_command_line_error_in_one_line_before_writing_anything(
-    tmp_path, monkeypatch, capfd, args, start, here
+    tmp_path, monkeypatch, capfd, args, start
 ):
-    """Each refusal of ``answer`` and of ``main``; one of main's is a train.py process (its stderr, imports
-    included, is the one line), its others run train.py's calls here (the same process's path to that line)."""
-    if here:
+    if args in MAIN_HERE:
         code, err = train_py_here(*args, *ONE, cwd=tmp_path, monkeypatch=monkeypatch), capfd.readouterr().err
     else:
         proc = run_train(*args, *ONE, cwd=tmp_path, timeout=120)
