@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -121,11 +122,12 @@ def run_cli(
 @contextmanager
 def _entry_here(cwd: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> Iterator[list[int]]:
     """An entry point's run in this process, in ``cwd`` with ``sys.argv`` = ``argv``: yields a list that gets its
-    exit status (0 unless it raises ``SystemExit``). The SIGTERM handler, Hydra's global state and the root
-    logger's handlers are put back after."""
+    exit status (0 unless it raises ``SystemExit``). The SIGTERM handler and signal mask, Hydra's global state and
+    the root logger's handlers are put back after, and what ``main``'s ``gc.freeze`` froze is unfrozen."""
     monkeypatch.chdir(cwd)
     monkeypatch.setattr(sys, "argv", argv)
     handler, root = signal.getsignal(signal.SIGTERM), logging.getLogger()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     handlers, level = root.handlers[:], root.level
     status = [0]
     try:
@@ -134,6 +136,8 @@ def _entry_here(cwd: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> 
         status[0] = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
     finally:
         signal.signal(signal.SIGTERM, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        gc.unfreeze()
         GlobalHydra.instance().clear()
         for made in root.handlers:
             if made not in handlers:

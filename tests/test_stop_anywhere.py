@@ -176,8 +176,9 @@ def test_a_sigterm_in_the_last_step_of_fit_on_one_process_stops_with_the_final_c
     with: the stop is not about a process)."""
 
     def here(args: list[str]) -> tuple[int, str, list[int]]:
+        before = set(psutil.Process().children(recursive=True))  # an earlier test's fork server stays
         status = train_py_here(*args, cwd=tmp_path, monkeypatch=monkeypatch)
-        return status, capfd.readouterr().err, [p.pid for p in psutil.Process().children(recursive=True)]
+        return status, capfd.readouterr().err, [p.pid for p in set(psutil.Process().children(recursive=True)) - before]
 
     _stops_at_the_fit_end_then_continues(tmp_path, "auto", 1, 0, here)
 
