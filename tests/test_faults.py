@@ -191,6 +191,7 @@ def test_six_random_kills_each_resume_to_completion(tmp_path, monkeypatch, capfd
         deadline = time.monotonic() + 120
         while log.stat().st_size == size and time.monotonic() < deadline:  # its first line: the run has begun
             time.sleep(0.05)
+        assert log.stat().st_size > size, f"the forked run printed nothing in 120 s: {log.read_text()[-2000:]}"
         time.sleep(rng.uniform(0.0, 3.0))  # in its start (last.ckpt read, data, checks) or its training
         os.kill(pid, signal.SIGKILL)
         code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
