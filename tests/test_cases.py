@@ -240,20 +240,22 @@ def test_a_second_run_never_writes_into_another_runs_directory(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_resuming_a_finished_run_at_its_own_limit_trains_nothing_and_rewrites_nothing(tmp_path, monkeypatch):
+def test_resuming_a_finished_run_at_its_own_limit_trains_nothing_and_rewrites_nothing(tmp_path, monkeypatch, capfd):
     """A finished run resumed with the same trainer.max_epochs: one line says there is nothing to train, exit 0,
     and last.ckpt (its epoch: the straight run's) and metrics.json are unchanged (it re-ran and wrote epoch 2 over
-    1 before). The finished run trains in this process (train.py's calls); the resume is a train.py process."""
-    args = ["trainer.max_epochs=2", "data.num_samples=300", "hydra.run.dir=run", "logger=none"]
-    assert train_py_here(*args, "curves=true", cwd=tmp_path, monkeypatch=monkeypatch) == 0
+    1 before). Both runs are train.py's calls in this process (with its curves default); what they print, the
+    log's lines included, is read from this process's streams."""
+    args = ["trainer.max_epochs=2", "data.num_samples=300", "hydra.run.dir=run", "logger=none", "curves=true"]
+    assert train_py_here(*args, cwd=tmp_path, monkeypatch=monkeypatch) == 0
+    capfd.readouterr()
     run = tmp_path / "run"
     before = (run / "checkpoints/last.ckpt").read_bytes(), (run / "metrics.json").read_text()
     assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["epoch"] == 1
-    again = _train_py(tmp_path, *args, "resume=true")
-    assert again.returncode == 0, again.stderr[-2000:]
-    said = [x for x in (again.stdout + again.stderr).splitlines() if "nothing to train" in x]
+    code, (out, err) = train_py_here(*args, "resume=true", cwd=tmp_path, monkeypatch=monkeypatch), capfd.readouterr()
+    assert code == 0, err[-2000:]
+    said = [x for x in (out + err).splitlines() if "nothing to train" in x]
     assert len(said) == 1 and "is already at trainer.max_epochs=2; raise it to continue the run" in said[0]
-    assert "continuing finished job" not in again.stdout + again.stderr
+    assert "continuing finished job" not in out + err
     assert ((run / "checkpoints/last.ckpt").read_bytes(), (run / "metrics.json").read_text()) == before
 
 
