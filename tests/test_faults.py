@@ -2,7 +2,6 @@
 rank."""
 
 import ipaddress
-import os
 import shlex
 import signal
 import socket
@@ -155,48 +154,24 @@ def test_killing_the_launching_process_leaves_no_orphan(tmp_path):
     assert leftover(proc.tag) == []
 
 
-def _forked_train(cwd, log, *args: str) -> int:
-    """``python train.py ARGS`` in a child forked from this process (its imports done), its output into ``log``:
-    the child's pid. The child ends with the run's exit status (1 on an error that escapes it)."""
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        out = open(log, "a")
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
-        sys.stdout = sys.stderr = out
-        code = train_py_here(*args, cwd=cwd, monkeypatch=pytest.MonkeyPatch())
-    finally:
-        os._exit(code)
-
-
 def test_six_random_kills_each_resume_to_completion(tmp_path, monkeypatch, capfd):
     """Kill a run at 6 random moments (SIGKILL: no handler runs), resuming each time with resume=true; every
-    resume must load last.ckpt (atomic writes), and the chain must end where an uninterrupted run ends. Each
-    killed run is train.py's calls in a child forked from this process (imports done: every kill lands after its
-    first line); the last one in this process."""
+    resume must load last.ckpt (atomic writes), and the chain must end where an uninterrupted run ends (the last
+    run in this process). The killed runs are processes: a child forked from a pytest-xdist worker (threads) can
+    hang before its first line."""
     import random
 
     import torch
 
     rng = random.Random(0)
     args = ["accelerator=cpu", "data.num_samples=20000", "trainer.max_epochs=20", "resume=true", "hydra.run.dir=run"]
-    log = tmp_path / "killed.log"
-    log.touch()
     for _ in range(6):
-        size = log.stat().st_size
-        pid = _forked_train(tmp_path, log, *args)
-        deadline = time.monotonic() + 120
-        while log.stat().st_size == size and time.monotonic() < deadline:  # its first line: the run has begun
-            time.sleep(0.05)
-        assert log.stat().st_size > size, f"the forked run printed nothing in 120 s: {log.read_text()[-2000:]}"
-        time.sleep(rng.uniform(0.0, 3.0))  # in its start (last.ckpt read, data, checks) or its training
-        os.kill(pid, signal.SIGKILL)
-        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        proc = _start(tmp_path, *args, *QUIET)
+        time.sleep(rng.uniform(2.0, 6.0))  # start-up (imports) takes about 3 s: kills land before and in training
+        proc.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
         # killed, or already finished; never refused (exit 2: unreadable last.ckpt) nor crashed (exit 1)
-        assert code in (-signal.SIGKILL, 0), log.read_text()[-2000:]
+        assert proc.returncode in (-signal.SIGKILL, 0), err[-2000:]
     assert train_py_here(*args, cwd=tmp_path, monkeypatch=monkeypatch) == 0, capfd.readouterr().err[-3000:]
     assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 20 * (16000 // 64)
     assert metrics(tmp_path / "run")["val/acc"] >= 0.9
