@@ -2,6 +2,7 @@
 rank."""
 
 import ipaddress
+import os
 import shlex
 import signal
 import socket
@@ -154,24 +155,49 @@ def test_killing_the_launching_process_leaves_no_orphan(tmp_path):
     assert leftover(proc.tag) == []
 
 
+def _forked_train(cwd, log, *args: str) -> int:
+    """``python train.py ARGS`` in a child forked from this process (its imports done), its output into ``log``:
+    the child's pid. The child ends with the run's exit status (1 on an error that escapes it)."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        out = open(log, "a")
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        sys.stdout = sys.stderr = out
+        code = train_py_here(*args, cwd=cwd, monkeypatch=pytest.MonkeyPatch())
+    finally:
+        os._exit(code)
+
+
 def test_six_random_kills_each_resume_to_completion(tmp_path, monkeypatch, capfd):
     """Kill a run at 6 random moments (SIGKILL: no handler runs), resuming each time with resume=true; every
-    resume must load last.ckpt (atomic writes), and the chain must end where an uninterrupted run ends (the last
-    run in this process). The killed runs are processes: a child forked from a pytest-xdist worker (threads) can
-    hang before its first line."""
+    resume must load last.ckpt (atomic writes), and the chain must end where an uninterrupted run ends. Each
+    killed run is train.py's calls in a child forked from this process (imports done), killed 0 to 3 epochs on,
+    whatever the machine's speed; the last run in this process."""
     import random
 
     import torch
 
     rng = random.Random(0)
     args = ["accelerator=cpu", "data.num_samples=20000", "trainer.max_epochs=20", "resume=true", "hydra.run.dir=run"]
-    for _ in range(6):
-        proc = _start(tmp_path, *args, *QUIET)
-        time.sleep(rng.uniform(2.0, 6.0))  # start-up (imports) takes about 3 s: kills land before and in training
-        proc.send_signal(signal.SIGKILL)
-        _, err = proc.communicate(timeout=30)
-        # killed, or already finished; never refused (exit 2: unreadable last.ckpt) nor crashed (exit 1)
-        assert proc.returncode in (-signal.SIGKILL, 0), err[-2000:]
+    log = tmp_path / "killed.log"
+    log.touch()
+    for _ in range(6):  # each run ends 0 to 3 epochs on (18 at most of the 20): every kill lands in a run
+        epochs = log.read_text().count(" - epoch ") + rng.randint(0, 3)
+        pid = _forked_train(tmp_path, log, *args)
+        deadline, ended = time.monotonic() + 120, 0
+        while log.read_text().count(" - epoch ") < epochs and time.monotonic() < deadline:
+            ended, status = os.waitpid(pid, os.WNOHANG)
+            assert not ended, log.read_text()[-2000:]
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.1))  # a moment into the next epoch, or into its start (last.ckpt read, checks)
+        os.kill(pid, signal.SIGKILL)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        # killed; never refused (exit 2: unreadable last.ckpt), crashed (exit 1) or ended
+        assert code == -signal.SIGKILL, log.read_text()[-2000:]
     assert train_py_here(*args, cwd=tmp_path, monkeypatch=monkeypatch) == 0, capfd.readouterr().err[-3000:]
     assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 20 * (16000 // 64)
     assert metrics(tmp_path / "run")["val/acc"] >= 0.9
