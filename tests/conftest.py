@@ -56,22 +56,31 @@ def unset(defaults: list[str], args: Sequence[str]) -> list[str]:
     return [d for d in defaults if d.split("=")[0] not in given]
 
 
+def _loggers() -> dict[str, tuple]:
+    """Every logger's level, disabled flag, propagation and handlers (root's too)."""
+    made = [v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger)]
+    return {lg.name: (lg, lg.level, lg.disabled, lg.propagate, lg.handlers[:]) for lg in [logging.getLogger(), *made]}
+
+
 @pytest.fixture(autouse=True)
 def _restore_env():
-    """The environment, torch's threads and the root logger's handlers as they were before the test (an entry's
-    ``main`` run in-process gets Hydra's logging, whose handlers write to the test's captured streams)."""
+    """The environment, torch's threads and every logger as they were before the test (an entry's ``main`` run
+    in-process gets Hydra's logging config, whose handlers write to the test's captured streams; a check's ``main``
+    sets loggers' levels)."""
     saved = dict(os.environ)
     threads = torch.get_num_threads()
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    loggers, disabled = _loggers(), logging.root.manager.disable
     yield
     os.environ.clear()
     os.environ.update(saved)
     torch.set_num_threads(threads)
-    for made in root.handlers:
-        if made not in handlers:
-            made.close()
-    root.handlers[:], root.level = handlers, level
+    logging.disable(disabled)
+    for logger, level, off, propagate, handlers in loggers.values():
+        for made in logger.handlers:
+            if made not in handlers:
+                made.close()
+        logger.handlers[:], logger.disabled, logger.propagate = handlers, off, propagate
+        logger.setLevel(level)  # and the loggers' cached levels cleared
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -142,7 +151,8 @@ def _entry_here(cwd: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> 
         for made in root.handlers:
             if made not in handlers:
                 made.close()
-        root.handlers[:], root.level = handlers, level
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 
 def train_py_here(*args: str, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> int:

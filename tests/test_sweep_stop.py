@@ -20,7 +20,6 @@ def sweep_process(monkeypatch):
     """This process as a sweep's own process (``sweep_stop.start``), put back as it was afterwards."""
     handler = signal.getsignal(signal.SIGTERM)
     monkeypatch.setattr(sweep_stop, "_requested", False)
-    monkeypatch.setattr(sweep_stop, "_watching", False)
     yield
     signal.signal(signal.SIGTERM, handler)
 

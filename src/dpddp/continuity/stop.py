@@ -26,7 +26,6 @@ from dpddp.errors import Preempted, local_rank, stop_line
 
 ENV = "DPDDP_SWEEP_STOP"  # names the sweep's stop file, <sweep dir>/.stop, that every process of the sweep sees
 
-_watching = False
 _requested = False
 
 
@@ -45,7 +44,10 @@ def _preempted(last: Path, step: int) -> Preempted:
 
 # -- the sweep ---------------------------------------------------------------------------------------------
 def start(sweep_dir: str | Path) -> None:
-    """In the sweep's own process, before any job: a fresh stop file in ``$DPDDP_SWEEP_STOP``, and ``watch``."""
+    """In the sweep's own process, before any job: a fresh stop file in ``$DPDDP_SWEEP_STOP``, not requested, and
+    ``watch``."""
+    global _requested
+    _requested = False
     path = Path(sweep_dir).absolute() / ".stop"
     path.unlink(missing_ok=True)
     os.environ[ENV] = str(path)
@@ -79,12 +81,14 @@ def clear() -> None:
         Path(path).unlink(missing_ok=True)
 
 
+def _request_on_sigterm(signum: int, frame: Any) -> None:
+    request()
+
+
 def watch() -> None:
     """From now on a SIGTERM stops the sweep (``request``) instead of ending this process."""
-    global _watching
-    if not _watching and _on_main_thread():
-        previous = _install(lambda signum, frame: request())
-        _watching = True
+    if _on_main_thread() and signal.getsignal(signal.SIGTERM) is not _request_on_sigterm:
+        previous = _install(_request_on_sigterm)
         if isinstance(previous, _Outside) and previous.take():  # the command's, before the sweep started
             request()
 
