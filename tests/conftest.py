@@ -81,6 +81,11 @@ def _restore_env():
                 made.close()
         logger.handlers[:], logger.disabled, logger.propagate = handlers, off, propagate
         logger.setLevel(level)  # and the loggers' cached levels cleared
+    for name, (logger, *_) in _loggers().items():  # made during the test: a logging config may have disabled one
+        if name not in loggers:
+            logger.disabled = False
+            if name.split(".")[0] == "dpddp":  # dpddp's own set no level; a check's main quiets them
+                logger.setLevel(logging.NOTSET)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -138,6 +143,10 @@ def _entry_here(cwd: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> 
     handler, root = signal.getsignal(signal.SIGTERM), logging.getLogger()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     handlers, level = root.handlers[:], root.level
+    for name, (logger, *_) in _loggers().items():  # dpddp's loggers as a fresh process has them (_restore_env
+        if name.split(".")[0] == "dpddp":  # puts them back): an earlier run's logging config may have changed one
+            logger.disabled, logger.propagate, logger.handlers[:] = False, True, []
+            logger.setLevel(logging.NOTSET)
     status = [0]
     try:
         yield status
