@@ -18,7 +18,7 @@ from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, run_train, t
 from hydra.errors import InstantiationException
 
 from dpddp.errors import ConfigError
-from dpddp.report.trackers import check_file_stores
+from dpddp.report.trackers import check_file_stores, tracker_options
 from dpddp.run.build import build_error
 
 mlflow = pytest.importorskip("mlflow")
@@ -209,3 +209,21 @@ def test_an_mlflow_file_store_opens_where_mlflow_allows_it(tmp_path, monkeypatch
     with pytest.raises(ConfigError, match="MLflow refuses this file store"):
         check_file_stores([compose_cfg("logger=mlflow", f"logger.tracking_uri={tmp_path / 'other'}")])
     check_file_stores([compose_cfg("logger=mlflow")])  # the default SQLite store: not a file store
+
+
+@pytest.mark.parametrize(
+    ("text", "wrong"),
+    [('{"wandb": {"id": "ab', "does not read (JSONDecodeError: "), ('["ab12"]', "holds no {kind: ids} mapping")],
+)
+def test_a_trackers_json_that_does_not_read_is_one_line_not_a_new_tracker_run(tmp_path, text, wrong):
+    """A continued run's ``trackers.json`` cut short or not a mapping: one line naming the file and the way out,
+    not a new W&B run. No file: a new run's id."""
+    spec = compose_cfg("logger=wandb").logger
+    assert len(tracker_options("wandb", spec, tmp_path)["id"]) == 12
+    (tmp_path / "trackers.json").write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        tracker_options("wandb", spec, tmp_path)
+    assert str(refused.value).startswith(f"{tmp_path / 'trackers.json'} {wrong}")
+    assert str(refused.value).endswith(
+        ": a continued run reopens the tracker runs it names: restore it, or delete it to open new ones"
+    )

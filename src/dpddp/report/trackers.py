@@ -33,11 +33,20 @@ def is_tracker(spec: Any) -> str | None:
 
 
 def kept_ids(output_dir: Path) -> dict[str, dict[str, Any]]:
-    """The tracker ids kept in ``output_dir`` (empty when none)."""
+    """The tracker ids kept in ``output_dir`` (empty when none). Raises ``ConfigError``: a file that does not read."""
+    path = output_dir / IDS_FILE
     try:
-        return json.loads((output_dir / IDS_FILE).read_text())
-    except (OSError, ValueError):
+        kept = json.loads(path.read_text())
+        if isinstance(kept, dict) and all(isinstance(ids, dict) for ids in kept.values()):
+            return kept
+        wrong = "holds no {kind: ids} mapping"
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as err:
+        wrong = f"does not read ({first_line(err, 90)})"
+    raise ConfigError(
+        f"{path} {wrong}: a continued run reopens the tracker runs it names: restore it, or delete it to open new ones"
+    )
 
 
 def _identity(output_dir: Path) -> tuple[str, str, dict[str, str]]:
