@@ -24,11 +24,8 @@ from dpddp.check import (
     RECORD,
     STOPS_TOLERANCE,
     TOLERANCE,
-    _advice,
-    _agreed,
     _compose,
     _difference,
-    _ratios,
     _read_keys,
     _rounding,
     compare,
@@ -154,7 +151,6 @@ def test_the_check_passes_here_and_prints_its_parts(tmp_path):
     )
     assert rounding and float(rounding.group(2)) == float(ddp[-1])
     assert "promise 1 (the same math as one process; in 32-true, a drift within rounding): holds" in out
-    assert re.search(r"^advice: (one process|ddp\(2\)|this machine cannot tell now)", out, re.M)
     assert out.splitlines()[-1] == f"picture: {tmp_path / 'check.png'}"  # the trainings' curves, one colour each
     png = (tmp_path / "check.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR" and len(png) > 10_000
@@ -404,49 +400,6 @@ def test_the_stops_check_names_a_schedule_built_from_estimated_stepping_batches(
         r"ValueError: Tried to step 14 times\. The specified number of total steps is 13",
         _error_line(code, err),
     )
-
-
-@pytest.mark.parametrize(
-    ("timings", "ratios", "said"),
-    [
-        ([1.7, 1.6], [1.5, 1.7, 1.6], "advice: ddp(2) is fastest here for this model size (1.6x one process; 3 "),
-        ([0.5, 0.55], [0.6, 0.5, 0.55], "advice: one process is fastest here for this model size (1.8x ddp(2); 3 "),
-        ([1.02, 1.0], [0.95, 1.02, 1.0], "advice: one process and ddp(2) are about as fast here for this model size "),
-        ([1.7, 1.6], [0.77, 1.7], "advice: this machine cannot tell now whether one process or ddp(2) "),
-        ([0.62, 0.39], [1.83, 0.62], "advice: this machine cannot tell now whether one process or ddp(2) "),
-        ([0.8, 0.5], [0.7, 0.8, 0.5], "advice: this machine cannot tell now whether one process or ddp(2) "),
-    ],
-)
-def test_the_advice_alternates_its_timings_until_all_agree_or_says_it_cannot_tell(timings, ratios, said):
-    """Issue 50: one timing each said 'one process is fastest (1.3x)' where alternated rounds showed ddp(2) 1.7x
-    faster. The advice decides when every ratio, the table's first, falls on one side of 1.1 (or within it) with a
-    spread under 1.5x: the table's and one round in each order; fewer once they cannot agree."""
-    taken = iter(timings)
-    assert _ratios(ratios[0], lambda _: next(taken)) == ratios
-    rows = [{"name": "1 process"}, {"name": "ddp(2)", "allreduce_share": 0.4}]
-    line = _advice(rows, ratios)
-    assert (
-        line.startswith(said)
-        and f"alternated timings of ddp(2) over one process: {', '.join(f'{r:.2f}' for r in ratios)}" in line
-    )
-
-
-@pytest.mark.parametrize(
-    ("ratios", "verdict"),
-    [
-        ([1.83, 0.62, 0.39], None),  # the report: the table said ddp(2) 1.83x, two rounds one process
-        ([0.62, 0.39], None),  # one side, but a spread of 1.6x
-        ([0.62, 0.55, 0.58], "one"),
-        ([1.6, 1.75, 1.5], "ddp"),
-        ([0.95, 1.05, 1.0], "even"),
-        ([1.05, 1.2, 1.15], None),  # within the band, then above it
-        ([0.6, 0.6], None),  # the table's and one round: not yet both orders
-    ],
-)
-def test_the_advice_decides_only_when_every_ratio_agrees_within_a_spread(ratios, verdict):
-    """A user's report under load: ddp(2) 3,870 samples/s against 2,111 in the table, and 'one process is fastest
-    (2.0x ddp(2); ...: 1.83, 0.62, 0.39)'. Every ratio must say the same, spread under ``SPREAD`` (1.5x)."""
-    assert _agreed(ratios) == verdict
 
 
 def test_an_unknown_key_is_refused_with_dpddp_trains_line(capsys):

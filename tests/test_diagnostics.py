@@ -11,7 +11,6 @@ INTERFACE = {
     "network": {"choose_interface", "interface_address", "is_local_address", "route_interface"},
     "whereabouts": {"AGREEMENT", "BATCHNORM", "METRIC_SYNC", "Whereabouts", "current", "entering"},
     "allreduce": {"COMM_HOOKS", "AllReduceTimer"},
-    "bandwidth": {"BIG_BYTES", "bus_bandwidth", "measure_ranks", "recommend", "ring_seconds", "step_seconds"},
     "costs": {"Costs", "peak_memory_mib"},
 }
 

@@ -2,7 +2,7 @@
 heading where it names one), and every ``python train.py`` command they show composes and passes the config check
 (in-process, through Hydra's compose API), and runs with limits appended (a ddp command as train.py's processes,
 the others through train.py's calls in this process), as does every Lightning CLI command of their code blocks.
-``python -m dpddp.check`` (test_check.py, test_network_check.py) and ``python -m dpddp.plot`` (test_progress.py)
+``python -m dpddp.check`` (test_check.py) and ``python -m dpddp.plot`` (test_progress.py)
 are run by their own tests."""
 
 from __future__ import annotations

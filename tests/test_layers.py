@@ -24,7 +24,7 @@ LAYERS = {
     "dpddp.diagnostics.network": 1,  # stdlib only: cluster asks it whether an address is this machine's
     "dpddp": 2,  # the package's __init__: registers dp
     "dpddp.parallel": 2,
-    "dpddp.diagnostics": 2,  # whereabouts, the all-reduce timer, bandwidth
+    "dpddp.diagnostics": 2,  # whereabouts, the all-reduce timer
     "dpddp.nn": 3,  # layers for users' models
     "dpddp.data": 3,
     "dpddp.models": 3,

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, made_once, max_diff, metrics, weights
 from netns import IFNAME, bed_fixture, listening, pids_in, run_in
-from test_network_check import _figures
 
 from dpddp.run.training import train
 
@@ -163,21 +162,3 @@ def test_torchrun_restart_resumes_from_last_ckpt(tmp_path):
     train(compose_cfg(*args, "logger=none"), single)
     assert max_diff(weights(run_dir / "checkpoints/last.ckpt"), weights(single / "checkpoints/last.ckpt")) <= 1e-5
     assert leftover(tag) == []
-
-
-def test_the_network_check_measures_two_nodes_and_rank_0_reports(bed2, tmp_path):
-    """``python -m dpddp.check --network`` under torchrun on 2 namespaces: rank 0 prints the all-reduce figures,
-    the ring bound and a recommendation once; node 1 prints none; both exit 0 and leave nothing."""
-    procs = []
-    for node, ns in enumerate(bed2.nodes):
-        rdzv = [f"--master_addr={bed2.master_addr}", f"--master_port={PORT}", "--nnodes=2", f"--node_rank={node}"]
-        cmd = [*TORCHRUN, *rdzv, "--nproc_per_node=1", "-m", "dpddp.check", "--network"]
-        out = open(tmp_path / f"node{node}.out", "w")
-        procs.append(run_in(ns, cmd, env=_env(), cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT))
-    codes = [p.wait(timeout=180) for p in procs]
-    out = [(tmp_path / f"node{i}.out").read_text() for i in (0, 1)]
-    assert codes == [0, 0], out[0][-3000:] + out[1][-3000:]
-    assert out[0].count("all-reduce over 2 processes (gloo)") == 1 and "all-reduce over" not in out[1]
-    figures = _figures(out[0])
-    assert figures["bus_gbs"] > 0 and figures["bound_ms"] > 0 and out[0].count("recommendation: ") == 1
-    assert pids_in(bed2.nodes[0]) == [] and pids_in(bed2.nodes[1]) == []

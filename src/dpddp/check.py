@@ -1,6 +1,6 @@
-"""``dpddp-check``: is data parallelism working here, and is it worth it? One process against ``ddp`` on 2 (and
-``dp`` over 2+ GPUs): promise 1 as the same math in 64 bits and a drift within rounding; exit 0 when it holds, 1
-with one ``error:`` line when not, 2 for a bad setting. ``--stops``: promise 3; ``--network``: the all-reduce."""
+"""``dpddp-check``: is data parallelism working here? One process against ``ddp`` on 2 (and ``dp`` over 2+ GPUs):
+promise 1 as the same math in 64 bits and a drift within rounding; exit 0 when it holds, 1 with one ``error:`` line
+when not, 2 for a bad setting. ``--stops``: promise 3."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -33,7 +33,6 @@ from omegaconf import DictConfig
 from dpddp._compat import hydra_override_refused
 from dpddp.cluster import launch_environment, master_address, register_resolvers
 from dpddp.continuity.state import LIMIT_MARK, built_apart
-from dpddp.diagnostics.bandwidth import BIG_BYTES, bus_bandwidth, measure_ranks, recommend, ring_seconds, step_seconds
 from dpddp.diagnostics.network import choose_interface
 from dpddp.entry.command_line import refused_override
 from dpddp.entry.run_dir import hydra_value
@@ -127,51 +126,6 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     with isolated_job(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return train(cfg, run_dir)
-
-
-ROUNDS = 3  # timings of ddp(2) against one process the advice needs: the table's, then a round in each order
-MARGIN = 1.1  # a ratio (ddp(2)'s samples/s over one process's) says "ddp" above this, "one" below 1 / this
-SPREAD = 1.5  # the advice decides only when the largest ratio is below this x the smallest
-
-
-def _ratios(first: float, again: Callable[[int], float]) -> list[float]:
-    """``first`` (the table's ratio), then ``again(round)``'s, up to ``ROUNDS`` or until they cannot agree."""
-    ratios = [first]
-    while len(ratios) < ROUNDS and _side(ratios):
-        ratios.append(again(len(ratios)))
-    return ratios
-
-
-def _side(ratios: list[float]) -> str | None:
-    """``"ddp"``, ``"one"`` or ``"even"`` when ``ratios`` agree about ``MARGIN`` within ``SPREAD``, else ``None``."""
-    sides = {"ddp" if r > MARGIN else "one" if r < 1 / MARGIN else "even" for r in ratios}
-    return sides.pop() if len(sides) == 1 and max(ratios) < SPREAD * min(ratios) else None
-
-
-def _agreed(ratios: list[float]) -> str | None:
-    """``_side`` of ``ROUNDS`` ratios or more; else ``None``."""
-    return _side(ratios) if len(ratios) >= ROUNDS else None
-
-
-def _advice(rows: list[dict[str, Any]], ratios: list[float]) -> str:
-    """The advice line from ``ratios``: which of one process and ddp(2) is faster here, or cannot tell now."""
-    share = rows[1].get("allreduce_share")
-    waits = f"the gradient all-reduce takes {share:.0%} of each ddp step" if share is not None else "ddp all-reduces"
-    shown = ", ".join(f"{r:.2f}" for r in ratios)
-    rounds = f"{len(ratios)} alternated timings of ddp(2) over one process: {shown}"
-    ratio = math.prod(ratios) ** (1 / len(ratios))
-    said = {
-        "one": f"one process is fastest here for this model size ({1 / ratio:.1f}x ddp(2); {rounds}): {waits}, more "
-        "than the half step the second process saves; ddp pays off with heavier steps (a larger model or batch, more "
-        "features) or more cores",
-        "ddp": f"ddp(2) is fastest here for this model size ({ratio:.1f}x one process; {rounds}): each replica's share "
-        f"of the step saves more than it waits ({waits})",
-        "even": f"one process and ddp(2) are about as fast here for this model size ({rounds}): {waits}",
-        None: f"this machine cannot tell now whether one process or ddp(2) is faster ({rounds}): the timings fall on "
-        f"both sides of {MARGIN:g}x or spread {SPREAD:g}x or more, as a changing load makes them; run the check again "
-        "when it is idle",
-    }
-    return f"advice: {said[_agreed(ratios)]}"
 
 
 def _draws(cfg: DictConfig, stepped: bool = False) -> str:
@@ -292,19 +246,6 @@ def check(overrides: list[str], config_dir: str | None, work: Path) -> None:
     drifting = [r for r in rows[1:] if r["diff"] > r["bound"] or r["step"] != rows[0]["step"]]
     print(f"promise 1 (the same math as one process; in {rows[0]['precision']}, a drift within rounding): ", end="")
     print("holds" if not (math_apart or drifting) else "does NOT hold")
-    timed = {row["name"]: row["cfg"].copy() for row in rows[:2]}
-    for cfg in timed.values():
-        cfg.trainer.max_epochs = 1
-
-    def again(round: int) -> float:  # an epoch of each, in the order the round's parity gives
-        speeds: dict[str, float] = {}
-        for name in sorted(timed, reverse=bool(round % 2)):
-            run_dir = work / f"round{round}-{len(speeds)}"
-            run_dir.mkdir()
-            speeds[name] = _train(timed[name], run_dir)["samples_per_sec"]
-        return speeds["ddp(2)"] / speeds["1 process"]
-
-    print(_advice(rows, _ratios(rows[1]["samples_per_sec"] / rows[0]["samples_per_sec"], again)))
     print(f"picture: {write_plot(work, Path(PICTURE).absolute())}")
     if math_apart:
         row = math_apart[0]
@@ -569,63 +510,6 @@ def _schedule_lines() -> Iterator[list[str]]:
         logger.setLevel(level)
 
 
-def check_network(overrides: list[str], config_dir: str | None, processes: int) -> None:
-    """Print the all-reduce figures, the predicted ddp step and advice. ``ConfigError`` before any measuring."""
-    if processes < 2:
-        raise ConfigError(f"--processes={processes} is too few: an all-reduce needs 2 or more, e.g. --processes=2")
-    cfg = _compose(overrides, config_dir)
-    model = instantiate(cfg.model, _convert_="all")
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    try:
-        data = instantiate(cfg.data, _convert_="all")
-        data.setup("fit")
-        batch, why = next(iter(data.train_dataloader())), ""
-    except Exception as err:  # a user's data module that needs its Trainer: no prediction, the rest stands
-        batch, why = None, first_line(err)
-    found = measure_ranks(processes, [grad_bytes, BIG_BYTES])
-    if found is None:
-        return
-    world = found.world_size
-    bus = bus_bandwidth(BIG_BYTES, found.times[BIG_BYTES] - found.latency_s, world)
-    measured, bound = found.times[grad_bytes], ring_seconds(grad_bytes, world, found.latency_s, bus)
-    print(*environment_lines(), sep="\n")
-    print(
-        f"all-reduce over {world} processes ({found.backend}): latency {found.latency_s * 1e6:,.0f} us, bus "
-        f"bandwidth {bus / 1e9:.2f} GB/s (on {BIG_BYTES // 2**20} MiB)"
-    )
-    print(
-        f"gradient: {grad_bytes:,} bytes: all-reduce {measured * 1e3:.3f} ms measured, {bound * 1e3:.3f} ms ring bound "
-        f"(latency + 2(N-1)/N x bytes / bus bandwidth)"
-    )
-    if batch is None:
-        print(f"step: not timed ({why}): no prediction")
-        return
-
-    def timed(n: int) -> float:  # the median seconds of a training step on n samples of the batch
-        part = torch.utils.data.default_convert(batch)
-        part = [t[:n] for t in part] if isinstance(part, (list, tuple)) else part
-
-        def step() -> None:
-            out = model.training_step(part, 0)
-            (out["loss"] if isinstance(out, dict) else out).backward()
-            model.zero_grad(set_to_none=True)
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # self.log without a Trainer
-            return step_seconds(step)
-
-    size = int(cfg.data.batch_size)
-    one, share_of = timed(size), timed(max(size // world, 1))
-    ddp = share_of + measured
-    share, speedup = measured / ddp, one / ddp
-    print(
-        f"step: one process {one * 1e3:.2f} ms (batch {size}); ddp({world}) predicted {share_of * 1e3:.2f} ms "
-        f"compute + {measured * 1e3:.2f} ms all-reduce: all-reduce share {share:.0%}, speed-up {speedup:.2f}x, "
-        f"scaling efficiency {speedup / world:.0%}"
-    )
-    print(f"recommendation: {recommend(share, compressible=grad_bytes >= 2**20)}")
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m dpddp.check [--stops] [--model M ...] [--data D ...] [--config-dir DIR] [key=value ...]``."""
     parser = argparse.ArgumentParser(prog="python -m dpddp.check", description=__doc__)
@@ -633,8 +517,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", action="append", default=[], help="data option or key=value (repeatable)")
     parser.add_argument("--config-dir", help="a directory of your own configs (model/, data/), as dpddp-train's")
     parser.add_argument("--stops", action="store_true", help="promise 3: the run stopped 3 ways and continued")
-    parser.add_argument("--network", action="store_true", help="all-reduce latency and bandwidth, and a forecast")
-    parser.add_argument("--processes", type=int, default=2, help="--network: processes to start here (default 2)")
     parser.add_argument("--env", action="store_true", help="print the environment for a bug report, and exit")
     parser.add_argument("overrides", nargs="*", help="other Hydra overrides (trainer.max_epochs=3, seed=1)")
     args = parser.parse_args(argv)
@@ -648,10 +530,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="dpddp-check-", ignore_cleanup_errors=True) as tmp:
         with shell(crash="a check training failed"):  # a failed training: one line, the cause
-            if args.network:
-                check_network(overrides, args.config_dir, args.processes)
-            else:
-                (check_stops if args.stops else check)(overrides, args.config_dir, Path(tmp))
+            (check_stops if args.stops else check)(overrides, args.config_dir, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -1,1 +1,1 @@
-"""Network, bandwidth, whereabouts, the all-reduce timer, costs; imports nothing (``network`` needs no torch)."""
+"""Network, whereabouts, the all-reduce timer, costs; imports nothing (``network`` needs no torch)."""

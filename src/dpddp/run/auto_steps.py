@@ -6,6 +6,7 @@ import copy
 import json
 import logging
 import math
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -22,7 +23,6 @@ from dpddp._compat import agent_store
 from dpddp.cluster import in_cluster_job, launched_by_dpddp, master_address, torchrun_restart_count
 from dpddp.continuity.io import checkpoint_intervals
 from dpddp.data.global_batch import GlobalBatchDataModule
-from dpddp.diagnostics.bandwidth import step_seconds
 from dpddp.errors import first_line
 from dpddp.report.trackers import logger_specs
 from dpddp.run.config import Plan, execution_refusal
@@ -85,6 +85,17 @@ def _single_optimizer(conf: Any) -> torch.optim.Optimizer | None:
     return conf if isinstance(conf, torch.optim.Optimizer) else None
 
 
+def _median_seconds(step: Callable[[], None], reps: int) -> float:
+    """The median seconds of ``step()`` over ``reps`` calls after one warm-up call."""
+    step()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _probe(
     model: pl.LightningModule, datamodule: GlobalBatchDataModule, share: int, device: torch.device
 ) -> float | str:
@@ -123,7 +134,7 @@ def _probe(
         if not all(returned):
             return f"{type(model).__name__}.training_step returned None (a skipped step)"
         if first < LOOP_OVERHEAD_S / OVERHEAD_SHARE:
-            return step_seconds(step, reps=PROBE_STEPS)
+            return _median_seconds(step, PROBE_STEPS)
         start = time.perf_counter()  # a slow warm-up (one-time costs, a busy machine): one more step decides
         step()
         return time.perf_counter() - start
