@@ -16,8 +16,8 @@ from hydra.types import RunMode
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from dpddp.entry.command_line import sweep_refusal
-from dpddp.entry.hydra import config_dirs
-from dpddp.errors import ConfigError
+from dpddp.entry.hydra import CONFIG_DIR
+from dpddp.errors import ConfigError, invocations
 from hydra_plugins.dpddp_sweeper.optuna_sweeper import search_space, trial_overrides
 
 optuna = pytest.importorskip("optuna")
@@ -111,7 +111,7 @@ def test_a_stopped_search_continues_with_its_printed_command_to_n_trials_with_na
             )
         else:
             assert t.state.name == "COMPLETE" and t.value == metrics(job)["val/loss"]
-        assert len(config_dirs(job)) == (2 if t.number == 2 else 1)  # none run twice; trial 2 continued
+        assert len(invocations(job, CONFIG_DIR)) == (2 if t.number == 2 else 1)  # none run twice; trial 2 continued
     assert "COMPLETE" in [t.state.name for t in trials[2:]]  # the search went on after the FAIL
     assert [(sweep / j / "metrics.json").stat().st_mtime_ns for j in "01"] == stamps
     assert "resuming interrupted job from" in (sweep / "2/train.log").read_text()

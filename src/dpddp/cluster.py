@@ -60,11 +60,7 @@ def launch_environment() -> dict[str, str]:
 
 def process_name() -> str:
     """``""`` on global rank 0; else ``rank<N>``, or ``node<N>`` for node N's first process started by hand."""
-    return f"rank{env_rank()}" if env_rank() else f"node{_node()}" if _node() not in ("", "0") else ""
-
-
-def _node() -> str:
-    return os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
+    return f"rank{env_rank()}" if env_rank() else f"node{node_rank()}" if node_rank() else ""
 
 
 def run_name() -> str:
@@ -132,7 +128,7 @@ def launched() -> bool:
     """Whether torchrun, SLURM or dpddp's launcher started this process."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    return bool(os.environ.get(LAUNCHED_ENV)) or "TORCHELASTIC_RUN_ID" in os.environ or SLURMEnvironment.detect()
+    return launched_by_dpddp() or "TORCHELASTIC_RUN_ID" in os.environ or SLURMEnvironment.detect()
 
 
 def check_launch_variables(cluster: str, num_nodes: int, ddp: bool) -> None:
@@ -159,7 +155,7 @@ def check_launch_variables(cluster: str, num_nodes: int, ddp: bool) -> None:
         fix = "set MASTER_ADDR (node 0's address) and MASTER_PORT alike on every node and NODE_RANK on each"
         raise ConfigError(f"{unset}: {fix}, or start the nodes with torchrun")
     address = env.get("MASTER_ADDR")
-    another_node = num_nodes > 1 and _node() not in ("", "0")  # which gives node 0's address
+    another_node = num_nodes > 1 and node_rank() != 0  # which gives node 0's address
     if address is None or another_node or (local := is_local_address(address)):
         return
     what = "does not resolve to an address" if local is None else "is not an address of this machine"

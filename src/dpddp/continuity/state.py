@@ -81,11 +81,8 @@ def set_random_state(state: dict[str, Any]) -> None:
 def _due(trainer: pl.Trainer, epoch: int) -> list[tuple[int, Any]]:
     """``(index, config)`` of the epoch-interval plateau schedulers Lightning steps at the end of ``epoch``."""
     configs = trainer.lr_scheduler_configs if trainer.lightning_module.automatic_optimization else []
-    return [
-        (i, c)
-        for i, c in enumerate(configs)
-        if c.reduce_on_plateau and c.interval == "epoch" and (epoch + 1) % c.frequency == 0
-    ]
+    plateaus = [(i, c) for i, c in enumerate(configs) if c.reduce_on_plateau and c.interval == "epoch"]
+    return [(i, c) for i, c in plateaus if (epoch + 1) % c.frequency == 0]
 
 
 LIMIT_MARK = "so it cannot equal a straight run to this limit"  # in each limit_line: dpddp.check --stops finds it

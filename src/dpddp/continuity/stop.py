@@ -44,8 +44,7 @@ def _preempted(last: Path, step: int) -> Preempted:
 
 # -- the sweep ---------------------------------------------------------------------------------------------
 def start(sweep_dir: str | Path) -> None:
-    """In the sweep's own process, before any job: a fresh stop file in ``$DPDDP_SWEEP_STOP``, not requested, and
-    ``watch``."""
+    """In the sweep's process, before any job: a fresh stop file named in ``$DPDDP_SWEEP_STOP``; ``watch``."""
     global _requested
     _requested = False
     path = Path(sweep_dir).absolute() / ".stop"

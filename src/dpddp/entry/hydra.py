@@ -79,14 +79,9 @@ CONFIG_DIR = ".hydra"
 LIMITS = ("max_epochs", "max_steps", "max_time")  # the trainer's limits a finished run continues to
 
 
-def config_dirs(output_dir: str | Path) -> list[Path]:
-    """The config directories of the invocations into ``output_dir`` so far, in order (``.hydra``, ``.hydra-1``)."""
-    return invocations(output_dir, CONFIG_DIR)
-
-
 OmegaConf.register_new_resolver(  # Hydra's output_subdir for the invocation starting now: the first free name
     "dpddp.config_subdir",
-    lambda output_dir: invocation_name(CONFIG_DIR, len(config_dirs(output_dir)) + 1),
+    lambda output_dir: invocation_name(CONFIG_DIR, len(invocations(output_dir, CONFIG_DIR)) + 1),
     replace=True,
 )
 
@@ -142,7 +137,7 @@ def run_job(cfg: DictConfig, late: list[Callable[[], str]]) -> float:
             return math.nan
     if multirun:
         (output_dir / "error.txt").unlink(missing_ok=True)  # an earlier try's failure, run again now
-    dirs = config_dirs(output_dir)
+    dirs = invocations(output_dir, CONFIG_DIR)
     if dirs and hydra_cfg.output_subdir is not None:  # None: a rank other than 0 (it writes no config)
         log.info(f"invocation {len(dirs)} into this run directory: config and overrides in {dirs[-1].name}/")
     if plan.resume == "finished":  # train.log says what the job continues from
@@ -185,8 +180,7 @@ def job_plan(cfg: DictConfig, stage: str) -> Plan | str:
     checked = any(isinstance(t, str) and issubclass(get_class(t), StartChecks) for t in targets)
     if hydra_cfg.mode != RunMode.RUN or not checked:
         return _plan(cfg, lambda: output_dir, stage)
-    if ckpt := cfg.get("ckpt_path"):  # StartChecks' decision, relative to the directory it was given in
-        cfg.ckpt_path = ckpt = to_absolute_path(str(ckpt))
+    ckpt = cfg.get("ckpt_path")  # StartChecks' decision, made absolute there
     facts = CheckpointFacts.of(ckpt, readable(ckpt)) if ckpt else None
     return Plan(cfg, stage, world_of(cfg), facts, _resume_kind(cfg, output_dir))
 
@@ -207,7 +201,7 @@ def _plan(job: DictConfig, directory: Callable[[], Path], stage: str) -> Plan | 
     if problem := directory_problem(job, output_dir, resume, multirun or named, job.ckpt_path):
         raise ConfigError(problem)
     overrides = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)
-    first = next(iter(config_dirs(output_dir)), None)  # a continue is the same run, or refused
+    first = next(iter(invocations(output_dir, CONFIG_DIR)), None)  # a continue is the same run, or refused
     if resume and not multirun and (last.is_file() or (output_dir / "metrics.json").is_file()):
         if problem := other_run(output_dir, [str(o) for o in overrides], first):  # type: ignore[union-attr]
             raise ConfigError(problem)
@@ -392,7 +386,7 @@ def write_summary(sweep_dir: Path, objective: tuple[str, bool] = ("val/loss", Fa
 def end_sweep(sweep_dir: Path, cut_short: bool = False, objective: tuple[str, bool] = ("val/loss", False)) -> None:
     """Write the summary; exit 143 if SIGTERM stopped the sweep unfinished (``cut_short``), 1 if a job failed."""
     rows = write_summary(sweep_dir, objective)
-    stopped = sweep_stop.active() and sweep_stop.requested()
+    stopped = sweep_stop.requested()
     sweep_stop.clear()
     unfinished = [row["job"] for row in rows if row["status"] != "ok" and not row["status"].startswith("failed")]
     if stopped and (unfinished or cut_short):

@@ -103,9 +103,8 @@ def other_sweep(sweep_dir: Path, overrides: list[str]) -> str | None:
     """``other_run``'s line for a sweep given ``overrides`` and the jobs of the sweep in ``sweep_dir``."""
     record = sweep_dir / "multirun.yaml"
     held = any(sweep_dir.glob("*/checkpoints/last.ckpt")) or any(sweep_dir.glob("*/metrics.json"))
-    if not (record.is_file() and held):
-        return None
-    if not (apart := _first_apart(OmegaConf.load(record).hydra.overrides.task, overrides)):
+    given = OmegaConf.load(record).hydra.overrides.task if record.is_file() and held else None
+    if given is None or not (apart := _first_apart(given, overrides)):
         return None
     where = hydra_value(str(sweep_dir))
     why = f"this one gives {apart}, and a job continues only with its own model, data, Trainer and seed settings"

@@ -139,7 +139,7 @@ def search(launcher: Launcher, config: DictConfig, arguments: Sequence[str], set
         """Launch ``trials``, tell the study each value or ``FAIL`` (after a SIGTERM: an unfinished one stays)."""
         overrides = [trial_overrides(t.number, t.params, space) for t in trials]
         returns = launcher.launch(overrides, initial_job_idx=trials[0].number)
-        stopped = sweep_stop.active() and sweep_stop.requested()
+        stopped = sweep_stop.requested()
         for trial, ret in zip(trials, returns, strict=True):
             value = job_outcome(ret)
             if value is not None:
