@@ -208,8 +208,7 @@ def count_logged_step(trainer: pl.Trainer) -> None:
 def restart_train_iterator(trainer: pl.Trainer) -> None:
     """Remake the loader's iterator unless the epoch loop does (Lightning 2.6.6's ``fit_loop._data_fetcher``)."""
     loop = trainer.fit_loop
-    if not hasattr(loop, "_data_fetcher"):
-        raise RuntimeError("lightning moved _FitLoop._data_fetcher: update dpddp._compat")
+    _present(loop, "_data_fetcher")
     ours = trainer.current_epoch == 0 or loop.is_resuming or loop.epoch_loop.restarting  # else the epoch loop's
     if ours and loop._data_fetcher is not None:
         iter(loop._data_fetcher)
@@ -376,9 +375,8 @@ def hydra_reported(report: Callable[[Exception], None], kinds: tuple[type[Except
         hydra_utils.run_and_report, Hydra.show_info = run_and_report, show_info  # type: ignore[method-assign]
 
 
-locate = (
-    hydra_utils._locate
-)  # what ``_target_: <path>`` builds, without get_class's log lines (ImportError, ValueError)
+# What ``_target_: <path>`` builds, without get_class's log lines (ImportError, ValueError).
+locate = hydra_utils._locate
 
 
 # Lightning 2.6.6: the strategy registry, DDPStrategy._ddp_kwargs, callbacks' internals.
@@ -474,8 +472,7 @@ def load_powersgd_state(state: PowerSGDState, saved: dict[str, Any], device: tor
 
 @contextmanager
 def bucket_assignment(layout: list[list[int]] | None) -> Iterator[list[torch.Tensor]]:
-    """Inside it, a DDP built starts with the buckets ``layout`` (``None``: its own; DDP calls
-    ``dist._compute_bucket_assignment_by_size`` once); yields its parameter list, filled once built."""
+    """Inside it, a DDP built gets the buckets ``layout`` (``None``: its own); yields its parameters once built."""
     real = dist._compute_bucket_assignment_by_size
     seen: list[torch.Tensor] = []
 
@@ -534,8 +531,7 @@ def _close(fd: int | None) -> None:
 
 
 def stop_worker_servers(wait_s: float = 5.0) -> None:
-    """SIGKILL and reap the fork server this process started (its own ``_stop`` waits seconds), close its end of
-    the resource tracker's pipe and reap the tracker within ``wait_s``; each starts again on next use."""
+    """SIGKILL and reap this process's fork server; close its resource tracker's pipe, reap it within ``wait_s``."""
     server: Any = multiprocessing.forkserver._forkserver
     with server._lock:
         pid, fd, address = server._forkserver_pid, server._forkserver_alive_fd, server._forkserver_address

@@ -57,9 +57,8 @@ UNUSED_PARAMETERS_LINE = (
 
 
 class DDPStrategy(LightningDDPStrategy):
-    """Lightning's ``DDPStrategy`` whose launcher starts ranks from ``job`` (``None``: Lightning's); ``launch``:
-    ``"fork"``, ``"exec"`` or ``"auto"`` (fork on CPU while CUDA is not initialised). The all-reduce is timed by
-    ``allreduce_timer``; ``"powersgd"`` keeps its ``comm_state``. ``**kwargs`` go to Lightning's."""
+    """Lightning's ``DDPStrategy`` whose launcher starts ranks from ``job`` (``None``: Lightning's) by ``launch``
+    (``fork``, ``exec``; ``auto``: fork on CPU before CUDA), timing the all-reduce; ``**kwargs`` go to Lightning's."""
 
     def __init__(
         self,
@@ -107,8 +106,7 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        """Lightning's, on the chosen interface, with a ``PeerWatch`` (several nodes) and ``Whereabouts``. Raises
-        ``ConfigError`` (``apply_interface``), or ``RankFailed`` (``join_start``)."""
+        """Lightning's on the chosen interface, with ``PeerWatch``, ``Whereabouts``; ``ConfigError``, ``RankFailed``."""
         env = self.cluster_environment
         assert env is not None
         initialized = torch.distributed.is_initialized()  # fit, then test: one group

@@ -24,8 +24,7 @@ class _Forward(nn.Module):
 
 
 def replicate_forward(module: pl.LightningModule, device_ids: list[int]) -> nn.DataParallel:
-    """Route ``module(x)`` through ``nn.DataParallel`` over ``device_ids`` until ``restore_forward(module)``; the
-    module, its hooks, metrics and state dict stay as they are (the wrapper is not a submodule)."""
+    """Route ``module(x)`` through ``nn.DataParallel`` over ``device_ids`` (no submodule) until ``restore_forward``."""
     replicated = nn.DataParallel(_Forward(module), device_ids=device_ids)  # outputs on the first
     module.__dict__["forward"] = replicated.__call__  # nn.Module.__call__ looks up self.forward
     return replicated

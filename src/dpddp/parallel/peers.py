@@ -1,5 +1,4 @@
-"""The ranks of a start through the rendezvous store: their own key prefix (``join_start``) and heartbeats, so that
-a lost node ends a multi-node run everywhere with one line naming it (docs/design-notes.md, parallel.peers)."""
+"""A start's ranks in the rendezvous store: their key prefix (``join_start``), heartbeats (``PeerWatch``)."""
 
 from __future__ import annotations
 

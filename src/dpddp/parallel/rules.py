@@ -84,8 +84,7 @@ def world_of(cfg: Mapping) -> World:
 
 
 def resolve_world(cfg: Mapping) -> World:
-    """The run's ``World``, its device settings, ``strategy.*`` options and launcher's world checked. Raises
-    ``ConfigError`` naming the first setting this machine or cluster cannot run."""
+    """The run's checked ``World``; ``ConfigError`` naming the first setting this machine or cluster cannot run."""
     strategy, devices, num_nodes = cfg["strategy"]["name"], cfg["devices"], cfg["num_nodes"]
     ddp = is_ddp_family(strategy)
     if strategy not in STRATEGIES and (line := lightning_name_line(strategy)):  # dpddp's settings for Lightning's name
@@ -115,8 +114,7 @@ def resolve_world(cfg: Mapping) -> World:
     if cfg["cluster"] not in CLUSTERS:
         raise ConfigError(f"cluster={cfg['cluster']!r} is unknown: choose one of {', '.join(CLUSTERS)}")
     check_strategy_options(cfg["strategy"])
-    alone = 1 if num_nodes == "auto" else num_nodes  # the nodes of a run no launcher started (auto: this one)
-    launch.check_launch_variables(cfg["cluster"], alone, ddp)  # before world_of reads the rank variables
+    launch.check_launch_variables(cfg["cluster"], 1 if num_nodes == "auto" else num_nodes, ddp)  # before world_of
     world = world_of(cfg)
     started = launch.cluster_world_size(cfg["cluster"])
     if started and num_nodes == "auto" and ddp:  # elastic: devices x nodes must be the launcher's

@@ -61,8 +61,7 @@ if compat.in_fork_server():  # it preloads this module: exit at once, without fi
 
 
 def _preload(loader: DataLoader) -> None:
-    """Add torch, this module and those of the loader's data set, collate_fn and main module's imports to the fork
-    server's preload (each worker runs the main module again)."""
+    """Add torch, this module and the loader's and main module's modules to the fork server's preload."""
     main = vars(sys.modules["__main__"]).values() if "__main__" in sys.modules else ()
     imported = [v for v in main if isinstance(v, (ModuleType, type, FunctionType)) and v is not builtins]
     inner = getattr(loader.dataset, "dataset", None)  # a wrapper's (a Subset's, dpddp's keyed samples)
