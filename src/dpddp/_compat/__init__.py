@@ -208,7 +208,8 @@ def count_logged_step(trainer: pl.Trainer) -> None:
 def restart_train_iterator(trainer: pl.Trainer) -> None:
     """Remake the loader's iterator unless the epoch loop does (Lightning 2.6.6's ``fit_loop._data_fetcher``)."""
     loop = trainer.fit_loop
-    _present(loop, "_data_fetcher")
+    if not hasattr(loop, "_data_fetcher"):
+        raise RuntimeError("lightning moved _FitLoop._data_fetcher: update dpddp._compat")
     ours = trainer.current_epoch == 0 or loop.is_resuming or loop.epoch_loop.restarting  # else the epoch loop's
     if ours and loop._data_fetcher is not None:
         iter(loop._data_fetcher)
