@@ -20,6 +20,7 @@ from conftest import ROOT, child_env
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_bring_your_own import _project
 
+import dpddp.check
 from dpddp.check import (
     RECORD,
     STOPS_TOLERANCE,
@@ -370,14 +371,31 @@ def test_the_stops_check_of_one_epoch_is_one_line_and_exit_2(capsys):
     assert "continued" not in out
 
 
+def _val_loss_checkpoint(run_dir: Path) -> tuple[int, torch.Tensor | None]:
+    """The epoch of ``run_dir``'s ``best.ckpt`` and the ``current_score`` its ``last.ckpt`` holds for val/loss."""
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["callbacks"]
+    (state,) = [v for k, v in last.items() if k.startswith("ModelCheckpoint") and "'val/loss'" in k]
+    return torch.load(run_dir / "checkpoints" / "best.ckpt", weights_only=True)["epoch"], state["current_score"]
+
+
 @pytest.mark.slow
 def test_the_stops_check_passes_at_the_defaults_where_auto_takes_executions(tmp_path, monkeypatch, capsys):
     """The defaults' model takes ``steps_per_execution=auto``'s K above 1 (32: 51 steps an epoch): each stop,
     sent before a step inside an execution, still continues exactly. At lr 3.0 with noisy labels (its K the
-    same) val/loss is best at epoch 0 (3.38, then 3.64): case 61, ``ModelCheckpoint.current_score``, which
-    Lightning never restores, is not compared (exit 1 before)."""
+    same) val/loss is best at epoch 0: case 61, ``ModelCheckpoint.current_score``, which Lightning never
+    restores, is set in the straight run only and not compared (exit 1 before)."""
+    seen = {}
+
+    def compared(straight: Path, continued: Path, kind: str, cause: str = ""):
+        seen[kind] = (_val_loss_checkpoint(straight), _val_loss_checkpoint(continued))
+        return compare(straight, continued, kind, cause)
+
+    monkeypatch.setattr(dpddp.check, "compare", compared)
     code, out, err = _stops_here(capsys, monkeypatch, tmp_path, "--model", "lr=3.0", "data.label_noise=0.3")
     assert code == 0, err[-3000:]
+    (best_epoch, score), _ = seen["limit"]
+    assert best_epoch == 0 and score is not None  # case 61's condition, in the straight run's checkpoints
+    assert [seen[kind][1][1] for kind in ("SIGTERM", "SIGKILL")] == [None, None]  # apart, and left out
     lines = out.strip().splitlines()
     assert lines[0].startswith("stops: the straight run takes 102 steps"), lines
     found = [re.fullmatch(STOPS, line) for line in lines[1:]]
