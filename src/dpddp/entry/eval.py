@@ -14,18 +14,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpddp._compat import hydra_reported
 from dpddp.entry.command_line import HYDRA_FAILURES, hydra_failure, unknown_option, unreadable_override
-from dpddp.entry.hydra import StartChecks, job_plan
+from dpddp.entry.hydra import job_plan
 from dpddp.errors import fail, shell
 from dpddp.run.training import isolated_job, objective, train
 
 log = logging.getLogger(__name__)
 USAGE = "python eval.py ckpt_path=<a run's checkpoints/last.ckpt> [key=value ...]"
-
-
-class EvalChecks(StartChecks):
-    """``StartChecks`` for stage ``eval``."""
-
-    stage = "eval"
 
 
 def run_eval(cfg: DictConfig) -> float:
@@ -51,6 +45,6 @@ def main() -> None:
             fail("eval.py evaluates one checkpoint: drop -m (sweep the trainings with train.py -m)")
         if problem := unreadable_override(argv) or unknown_option(argv):
             fail(problem)
-        sys.argv.append(f"hydra.callbacks.start_checks._target_={EvalChecks.__module__}.{EvalChecks.__name__}")
+        sys.argv.append("+hydra.callbacks.start_checks.stage=eval")
         with hydra_reported(lambda err: fail(hydra_failure(err, argv)), HYDRA_FAILURES):
             hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(run_eval)()

@@ -231,9 +231,10 @@ def _job_failed(num: int, output_dir: Path, line: str) -> float:
 
 
 class StartChecks(HydraCallback):
-    """Before Hydra makes anything: a run planned (``_plan``), a sweep checked; else one ``error:`` line, exit 2."""
+    """Before Hydra makes anything: a run planned (``_plan``) for ``stage``, a sweep checked; else ``fail``."""
 
-    stage = "fit"
+    def __init__(self, stage: str = "fit") -> None:
+        self.stage = stage
 
     @override
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
