@@ -26,8 +26,9 @@ class PredictFailed(RuntimeError):
     """The predict stage failed after the fit and test wrote their outputs."""
 
 
-def check_predictable(model: pl.LightningModule) -> bool:
-    """Whether ``model`` predicts with its ``forward`` (no ``predict_step``); ``ConfigError`` if it has neither."""
+def predict_forward(model: pl.LightningModule) -> bool:
+    """Give ``model`` without a ``predict_step`` one returning ``model(batch_inputs(batch))`` (``TypeError``: no
+    inputs); whether it did. Raises ``ConfigError``: it has no ``forward`` either."""
     if is_overridden("predict_step", model, pl.LightningModule):
         return False
     if not is_overridden("forward", model, pl.LightningModule):
@@ -35,11 +36,6 @@ def check_predictable(model: pl.LightningModule) -> bool:
             f"predict=true: {type(model).__name__} has no predict_step and no forward: give it forward(inputs) or "
             "predict_step(batch, batch_idx) returning [batch] values or [batch, classes] scores"
         )
-    return True
-
-
-def predict_forward(model: pl.LightningModule) -> None:
-    """Give ``model`` a ``predict_step`` returning ``model(batch_inputs(batch))`` (``TypeError``: no inputs)."""
 
     def predict_step(batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         inputs = batch_inputs(batch)
@@ -51,6 +47,7 @@ def predict_forward(model: pl.LightningModule) -> None:
         return model(inputs)
 
     model.predict_step = predict_step  # type: ignore[method-assign]
+    return True
 
 
 def _number(value: float) -> int | str:

@@ -30,7 +30,7 @@ from dpddp.parallel.rules import World
 from dpddp.parallel.workers import loader_failed
 from dpddp.report.epochs import EpochRecord
 from dpddp.report.metrics import METRIC_KEYS, write_metrics
-from dpddp.report.predictions import PredictFailed, check_predictable, predict_forward
+from dpddp.report.predictions import PredictFailed, predict_forward
 from dpddp.report.tally import FitTally
 from dpddp.report.throughput import Throughput
 from dpddp.report.trackers import close_trackers
@@ -70,9 +70,7 @@ def train(
             with data_streams(cfg.seed):  # a data set built from the global streams: the same on every rank
                 datamodule = build(cfg.data, "data", _convert_="all")
             model = build(cfg.model, "model", _convert_="all")
-            forward = bool(cfg.predict or stage == "predict") and check_predictable(model)
-            if forward:
-                predict_forward(model)
+            forward = bool(cfg.predict or stage == "predict") and predict_forward(model)
             steps, micro = cfg.get("steps_per_execution", 1), getattr(datamodule, "micro_batch_size", None)
             auto = steps == "auto"
             if auto:
