@@ -8,14 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import (
-    BatchSampler,
-    DataLoader,
-    IterableDataset,
-    RandomSampler,
-    Sampler,
-    SequentialSampler,
-)
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from typing_extensions import override
 
 from dpddp._compat import data_position
@@ -23,6 +16,7 @@ from dpddp.data.batches import dataset_rows, empty_batch, with_rows
 from dpddp.data.built import data_streams, in_data_streams
 from dpddp.data.draws import EpochIds, KeyedSamples
 from dpddp.data.global_batch import SplitLoaders, YieldedIds, epoch_generator, split_loader
+from dpddp.data.rules import check_divides
 from dpddp.errors import ConfigError
 from dpddp.parallel.workers import start_workers_safely
 
@@ -65,11 +59,7 @@ class ShardedBatchSampler(YieldedIds, Sampler[list[int]]):
         self.sampler = getattr(batches, "sampler", None)  # Lightning calls its set_epoch (if it has one)
         if train:
             self.batch_size: int = batches.batch_size
-            if self.batch_size % world_size:
-                raise ConfigError(
-                    f"the data module's training batch of {self.batch_size} samples does not divide by the world "
-                    f"size {world_size}: use a batch size that is a multiple of {world_size}"
-                )
+            check_divides(self.batch_size, world_size, setting="the data module's training batch_size")
             self.order = epoch_order(self.sampler, seed)  # type: ignore[arg-type]
 
     def __len__(self) -> int:  # batches per epoch (training: full ones)
