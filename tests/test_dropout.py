@@ -16,6 +16,7 @@ from conftest import QUIET, child_env, compose_cfg, made_once, train_py_here
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+import dpddp.nn as nn_keys
 from dpddp.data.global_batch import GlobalBatchSampler
 from dpddp.data.keys import SampleKeyCallback, sample_key_callbacks, uses_sample_keys
 from dpddp.errors import ConfigError
@@ -24,7 +25,6 @@ from dpddp.nn import (
     SampleDropout,
     assign_layer_keys,
     clear_sample_keys,
-    current_sample_keys,
     key64,
     mix64,
     replica_ids,
@@ -322,10 +322,10 @@ def test_callback_sets_each_batchs_keys_with_loader_workers(workers):
     for batch_idx in range(3, 12):
         batch, ahead = ahead, next(batches, None)
         callback.on_train_batch_start(trainer, model, batch, batch_idx)
-        keys = current_sample_keys()
+        keys = nn_keys._current[0]
         assert keys is not None and (keys.seed, keys.epoch) == (11, 4) and torch.equal(keys.ids, batch)
         callback.on_train_batch_end(trainer, model, None, batch, batch_idx)
-        assert current_sample_keys() is None
+        assert nn_keys._current[0] is None
     with pytest.raises(RuntimeError, match="no sample ids recorded for training batch 2"):
         callback.on_train_batch_start(trainer, model, None, 2)
 

@@ -148,10 +148,6 @@ def clear_sample_keys() -> None:
     _current[0] = None
 
 
-def current_sample_keys() -> SampleKeys | None:
-    return _current[0]
-
-
 def select_sample_row(row: int) -> None:
     """Step ``row`` of an execution: the layers take row ``row`` of ``[k, b]`` ids (no-op without keys)."""
     if _current[0] is not None:

@@ -26,11 +26,10 @@ def sample_key_callbacks(model: nn.Module) -> list[pl.Callback]:
 def _sampler(trainer: pl.Trainer) -> YieldedIds | None:
     """The training loader's ``YieldedIds`` (its sampler, batch sampler or data set), else ``None``."""
     loader = trainer.train_dataloader  # a stream's shares are the data set
-    places = (loader.sampler, loader.batch_sampler, loader.dataset) if isinstance(loader, DataLoader) else ()
-    for place in places:
-        if isinstance(place, YieldedIds):
-            return place
-    return None
+    places: tuple[object, ...] = (
+        (loader.sampler, loader.batch_sampler, loader.dataset) if isinstance(loader, DataLoader) else ()
+    )
+    return next((p for p in places if isinstance(p, YieldedIds)), None)
 
 
 class SampleKeyCallback(pl.Callback):
