@@ -116,8 +116,7 @@ class Costs(pl.Callback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         found = self._over_ranks(trainer, self._waited(settle=True), self.counts.fallback_seconds)
-        peak = max(found["peak_mem_mib"], self.counts.peak_mem_mib)  # a continued run: its earlier segments too
-        self.counts.peak_mem_mib = peak
+        self.counts.peak_mem_mib = peak = max(found["peak_mem_mib"], self.counts.peak_mem_mib)  # earlier segments too
         trainer.callback_metrics[self.MEMORY_KEY] = torch.tensor(peak, dtype=torch.float64)
         if "allreduce_share" in found:
             trainer.callback_metrics[self.SHARE_KEY] = torch.tensor(found["allreduce_share"], dtype=torch.float64)

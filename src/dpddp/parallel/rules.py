@@ -197,14 +197,11 @@ def lightning_equivalent(name: str) -> tuple[str, ...] | None:
         return ("strategy=auto",)
     if name in STRATEGIES or cls is not DDPStrategy or set(params) - {"start_method", "find_unused_parameters"}:
         return None
-    launches = {
-        "popen": ("strategy=ddp",),
-        "spawn": ("strategy=ddp_spawn",),  # dpddp's: every rank in a fresh interpreter
-        "fork": ("strategy=ddp", "strategy.launch=fork"),
-    }
+    launches = {"popen": "strategy=ddp", "spawn": "strategy=ddp_spawn", "fork": "strategy=ddp strategy.launch=fork"}
     if (settings := launches.get(params.get("start_method", "popen"))) is None:
         return None
-    return settings + (("strategy.find_unused_parameters=true",) if params.get("find_unused_parameters") else ())
+    unused = ("strategy.find_unused_parameters=true",) if params.get("find_unused_parameters") else ()
+    return (*settings.split(), *unused)
 
 
 def lightning_name_line(name: str, prefix: str = "") -> str | None:
