@@ -41,7 +41,7 @@ from dpddp.report.trackers import logger_specs
 from dpddp.run.assembly import compile_mode, epoch_lines
 from dpddp.run.build import build
 from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, check_targets, target_class, with_defaults
-from dpddp.run.plain import check_plain, check_resolvable
+from dpddp.run.plain import check_resolvable
 from dpddp.run.trainer_flags import refused_flag
 
 
@@ -78,10 +78,11 @@ def _check_model(model: Mapping) -> None:
             checked_int(f"model.{key}", model[key], 1, f"keep model.{key}: ${{data.{key}}}")
 
 
-def _check_sharding(cfg: Mapping, n_procs: int) -> None:
-    """Several processes need global-batch or sharded data: a user's own loaders would run whole on every rank."""
-    served = (GlobalBatchDataModule, ShardedDataModule, StreamDataModule)
-    if n_procs > 1 and not issubclass(target_class("data", cfg["data"]), served):
+def _check_data(cfg: Mapping, n_procs: int) -> None:
+    """``ConfigError`` for data ``n_procs`` processes would each run whole, a stream given as a data set, or the
+    packaged ``data=dataset`` or ``data=stream`` class given no data set class."""
+    cls = target_class("data", cfg["data"])
+    if n_procs > 1 and not issubclass(cls, (GlobalBatchDataModule, ShardedDataModule, StreamDataModule)):
         raise ConfigError(
             f"data._target_={cfg['data']['_target_']} would give each of {n_procs} processes every batch: shard it "
             "with data=sharded +data.module._target_=<it> (dpddp fit: --data=dpddp.data.sharded.ShardedDataModule "
@@ -89,13 +90,8 @@ def _check_sharding(cfg: Mapping, n_procs: int) -> None:
         )
     dataset = cfg["data"].get("dataset")
     if isinstance(dataset, Mapping) and dataset.get("_target_"):  # a stream: refused before anything starts
-        if issubclass(cls := target_class("data.dataset", dataset), IterableDataset):
-            raise ConfigError(iterable_refusal(cls.__name__))
-
-
-def _check_data_set(cfg: Mapping) -> None:
-    """``ConfigError`` for the packaged ``data=dataset`` or ``data=stream`` class given no data set class."""
-    cls = target_class("data", cfg["data"])
+        if issubclass(stream := target_class("data.dataset", dataset), IterableDataset):
+            raise ConfigError(iterable_refusal(stream.__name__))
     for key, base in (("dataset", GlobalBatchDataModule), ("stream", StreamDataModule)):
         given = cfg["data"].get(key)
         named = given.get("_target_") if isinstance(given, Mapping) else given  # a class's spec, or an object
@@ -151,19 +147,6 @@ def execution_refusal(cfg: Mapping) -> str | None:
             why = "its learning-rate schedule steps only under automatic optimization"
             return f"callbacks.{key}._target_={spec['_target_']}: {why}"
     return None
-
-
-def _check_executions(cfg: Mapping) -> None:
-    """``steps_per_execution``: ``auto`` or a positive integer; above 1, the ``EXECUTION_LIMITS``, data, callbacks."""
-    given = cfg.get("steps_per_execution", 1)
-    if given == "auto":
-        return
-    k = checked_int("steps_per_execution", given, 1, "use a positive number, e.g. 16, or auto")
-    if k == 1:
-        return
-    _check_limits(cfg, EXECUTION_LIMITS, f"steps_per_execution={k}", "use steps_per_execution=1")
-    if refusal := execution_refusal(cfg):  # the limits are kept: the data or a callback
-        raise ConfigError(f"steps_per_execution={k} with {refusal}: use steps_per_execution=1")
 
 
 # Settings that cannot keep the promises with data.micro_batch_size: (setting, the values that can, why).
@@ -279,11 +262,7 @@ TRAINER_COUNTS = (
     ("accumulate_grad_batches", (None,), "use a positive number of batches per optimizer step"),
     ("max_epochs", (None, -1), "use a positive number, or -1 for no limit"),
     ("max_steps", (None, -1), "use a positive number, or -1 for no limit"),
-    (
-        "check_val_every_n_epoch",
-        (None,),
-        "use a positive number of epochs, or null with an integer trainer.val_check_interval",
-    ),
+    ("check_val_every_n_epoch", (None,), "use a positive number of epochs, or null with trainer.val_check_interval=N"),
 )
 
 
@@ -294,7 +273,7 @@ def check_config(cfg: DictConfig, stage: str = "fit") -> Plan:
 
 def _check_settings(cfg: DictConfig, stage: str) -> World:
     check_resolvable(cfg)
-    check_plain(cfg)  # first (the seed's check included): train.py answers these before the imports, in the same line
+    checked_int("seed", cfg.get("seed"), 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
     check_keys("", [str(k) for k in cfg.keys()], list(TOP_LEVEL_KEYS))
     keys = allowed_keys(cfg)
     for section in ("data", "model", "trainer", "strategy"):
@@ -308,9 +287,13 @@ def _check_settings(cfg: DictConfig, stage: str) -> World:
         check_memory(cfg["data"], world.processes_per_node, memory_bytes())
     else:
         check_divides(cfg["data"].get("batch_size"), world.world_size, world.world_size_source)
-    _check_sharding(cfg, world.world_size)
-    _check_data_set(cfg)
-    _check_executions(cfg)
+    _check_data(cfg, world.world_size)
+    if (given := cfg.get("steps_per_execution", 1)) != "auto":
+        k = checked_int("steps_per_execution", given, 1, "use a positive number, e.g. 16, or auto")
+        if k > 1:
+            _check_limits(cfg, EXECUTION_LIMITS, f"steps_per_execution={k}", "use steps_per_execution=1")
+            if refusal := execution_refusal(cfg):  # the limits are kept: the data or a callback
+                raise ConfigError(f"steps_per_execution={k} with {refusal}: use steps_per_execution=1")
     check_micro_batch_size(micro := (cfg["data"] or {}).get("micro_batch_size"))
     if micro is not None:
         _check_limits(cfg, MICRO_BATCH_LIMITS, f"data.micro_batch_size={micro}", "data.micro_batch_size")

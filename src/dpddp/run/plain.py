@@ -1,18 +1,16 @@
-"""``check_config``'s first checks, without torch or Lightning: interpolations and the values read alone."""
+"""The config's groups, its interpolations checked, and the advice for an unknown key (no torch or Lightning)."""
 
 from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dpddp.data.rules import check_random_tensors
-from dpddp.errors import ConfigError, checked_int
+from dpddp.errors import ConfigError
 from dpddp.messages import omegaconf_reason
-from dpddp.parallel.settings import LIGHTNING_STRATEGIES, STRATEGIES, check_device_values
 
 GROUPS = ("data", "model", "trainer", "logger", "callbacks")  # the config's sections that are groups
 PRESETS = ("experiment", "debug", "hparams_search")  # the groups of presets, merged at the top level
@@ -60,17 +58,3 @@ def key_advice(prefix: str, key: str, allowed: list[str]) -> str:
     near = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
     return f"did you mean {prefix}{near[0]}?" if near else f"valid keys: {', '.join(sorted(allowed))}"
 
-
-def check_plain(cfg: DictConfig | Mapping) -> None:
-    """``check_config``'s ``ConfigError`` for the devices, seed and built-in data; silent where it cannot read."""
-    try:
-        if cfg["strategy"]["name"] not in STRATEGIES and cfg["strategy"]["name"] in LIGHTNING_STRATEGIES:
-            return
-        check_device_values(cfg)
-        checked_int("seed", cfg["seed"], 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
-        if (cfg["data"] or {}).get("_target_") == "dpddp.data.random_tensors.RandomTensorDataModule":
-            check_random_tensors(cfg["data"], 1)
-    except ConfigError:
-        raise
-    except Exception:  # a missing or unresolvable value, a section that is not a mapping: the full check's to name
-        return
