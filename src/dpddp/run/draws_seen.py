@@ -16,6 +16,7 @@ import torch
 import torchmetrics
 from torch import nn
 
+from dpddp.data.draws import streams_kept as global_streams_kept
 from dpddp.data.global_batch import YieldedIds
 from dpddp.errors import first_line
 from dpddp.nn import SampleDropout, assign_layer_keys, sample_keys
@@ -137,13 +138,8 @@ def global_draws(model: pl.LightningModule, batch: Any, keyed: bool) -> list[Dra
 @contextmanager
 def streams_kept(cuda: Iterable[int] = ()) -> Iterator[None]:
     """The global random streams (torch's, numpy's, Python's, CUDA devices ``cuda``'s) restored after the block."""
-    saved = np.random.get_state(), random.getstate()
-    try:
-        with torch.random.fork_rng(devices=cuda):
-            yield
-    finally:
-        np.random.set_state(saved[0])
-        random.setstate(saved[1])
+    with torch.random.fork_rng(devices=cuda), global_streams_kept():
+        yield
 
 
 def _probe_batch(datamodule: pl.LightningDataModule) -> tuple[Any, bool]:
