@@ -35,12 +35,12 @@ def check_train_split(batch_size: int, num_train: int, more: str) -> None:
 
 
 def check_divides(
-    batch_size: Any, world_size: int, source: str = "devices x num_nodes", setting: str = "data.batch_size"
+    batch_size: Any, world_size: int, source: str = "devices x num_nodes", key: str = "data.batch_size"
 ) -> None:
-    """Raises ConfigError: an integer batch size that ``world_size`` does not divide (``source``: its origin)."""
+    """Raises ConfigError: an integer ``key`` that ``world_size`` does not divide (``source``: its origin)."""
     if isinstance(batch_size, int) and batch_size % world_size:
         raise ConfigError(
-            f"{setting}={batch_size} (global) does not divide by the world size {world_size} ({source}): use "
+            f"{key}={batch_size} (global) does not divide by the world size {world_size} ({source}): use "
             f"a multiple of {world_size}"
         )
 

@@ -59,7 +59,7 @@ class ShardedBatchSampler(YieldedIds, Sampler[list[int]]):
         self.sampler = getattr(batches, "sampler", None)  # Lightning calls its set_epoch (if it has one)
         if train:
             self.batch_size: int = batches.batch_size
-            check_divides(self.batch_size, world_size, setting="the data module's training batch_size")
+            check_divides(self.batch_size, world_size, key="the data module's training batch_size")
             self.order = epoch_order(self.sampler, seed)  # type: ignore[arg-type]
 
     def __len__(self) -> int:  # batches per epoch (training: full ones)
