@@ -101,14 +101,12 @@ def resolve_world(cfg: Mapping) -> World:
     if accelerator == "cpu" and devices > 4 * cores:
         raise ConfigError(f"devices={devices} CPU processes on {cores} cores: use at most {4 * cores}")
     if strategy == "dp" and accelerator == "cpu" and devices > 1:
-        raise ConfigError(
-            f"strategy=dp with devices={devices} on CPU: DataParallel needs GPUs: use strategy=ddp devices={devices}"
-        )
+        fix = f"use strategy=ddp devices={devices}"
+        raise ConfigError(f"strategy=dp with devices={devices} on CPU: DataParallel needs GPUs: {fix}")
     if strategy in ("auto", "dp") and num_nodes != "auto" and num_nodes > 1:
-        raise ConfigError(
-            f"num_nodes={num_nodes} needs one process per device: use strategy=ddp, with each node started by torchrun "
-            "or SLURM, or with MASTER_ADDR (node 0's address), MASTER_PORT and NODE_RANK set on each"
-        )
+        by_hand = "MASTER_ADDR (node 0's address), MASTER_PORT and NODE_RANK set on each"
+        fix = f"use strategy=ddp, with each node started by torchrun or SLURM, or with {by_hand}"
+        raise ConfigError(f"num_nodes={num_nodes} needs one process per device: {fix}")
     if strategy == "auto" and devices != 1:
         raise ConfigError(f"strategy=auto runs on one device, not devices={devices}: use strategy=ddp (or dp on GPUs)")
     if cfg["cluster"] not in CLUSTERS:
@@ -117,33 +115,28 @@ def resolve_world(cfg: Mapping) -> World:
     launch.check_launch_variables(cfg["cluster"], 1 if num_nodes == "auto" else num_nodes, ddp)  # before world_of
     world = world_of(cfg)
     started = launch.cluster_world_size(cfg["cluster"])
+    cluster = f"{started[1]}={started[0]}" if started else ""
     if started and num_nodes == "auto" and ddp:  # elastic: devices x nodes must be the launcher's
         (run_id, local), per_node = launch.torchrun_node(), world.devices
         if local is not None and local.isdigit() and int(local) != per_node:
-            raise ConfigError(
-                f"devices={per_node} but torchrun started {local} processes on this node (LOCAL_WORLD_SIZE={local}): "
-                f"set devices={local}, or torchrun --nproc_per_node={per_node}"
-            )
+            here = f"torchrun started {local} processes on this node (LOCAL_WORLD_SIZE={local})"
+            fix = f"set devices={local}, or torchrun --nproc_per_node={per_node}"
+            raise ConfigError(f"devices={per_node} but {here}: {fix}")
         if started[0] % per_node:
-            raise ConfigError(
-                f"num_nodes=auto: the cluster started {started[0]} processes ({started[1]}={started[0]}), which "
-                f"devices={per_node} per node does not divide: set devices to the processes per node"
-            )
+            which = f"which devices={per_node} per node does not divide: set devices to the processes per node"
+            raise ConfigError(f"num_nodes=auto: the cluster started {started[0]} processes ({cluster}), {which}")
         if run_id == "none":
-            raise ConfigError(
-                "num_nodes=auto under torchrun without --rdzv-id: every start of an elastic job finds its run "
-                "directory and last.ckpt by the job's id: add torchrun --rdzv-id=<job id>"
-            )
+            why = "every start of an elastic job finds its run directory and last.ckpt by the job's id"
+            fix = "add torchrun --rdzv-id=<job id>"
+            raise ConfigError(f"num_nodes=auto under torchrun without --rdzv-id: {why}: {fix}")
     if started and not ddp and started[0] > 1:  # each process would train alone
-        raise ConfigError(
-            f"the cluster started {started[0]} processes ({started[1]}={started[0]}) but strategy={strategy} runs one "
-            f"(each would train alone): use strategy=ddp with devices x num_nodes = {started[0]}"
-        )
+        alone = f"strategy={strategy} runs one (each would train alone)"
+        fix = f"use strategy=ddp with devices x num_nodes = {started[0]}"
+        raise ConfigError(f"the cluster started {started[0]} processes ({cluster}) but {alone}: {fix}")
     if started and ddp and started[0] != world.world_size:
-        raise ConfigError(
-            f"devices={devices} x num_nodes={num_nodes} = {world.world_size} processes, but the cluster started "
-            f"{started[0]} ({started[1]}={started[0]}): make devices x num_nodes match the cluster's tasks"
-        )
+        given = f"devices={devices} x num_nodes={num_nodes} = {world.world_size} processes"
+        fix = "make devices x num_nodes match the cluster's tasks"
+        raise ConfigError(f"{given}, but the cluster started {started[0]} ({cluster}): {fix}")
     return world
 
 
@@ -157,26 +150,23 @@ def check_strategy_options(options: Mapping) -> None:
         raise ConfigError(f"strategy.process_group_backend={backend!r} is unknown: use null (automatic), gloo or nccl")
     built = {"nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available, "ucc": dist.is_ucc_available}
     if backend in built and not built[backend]():
-        raise ConfigError(
-            f"strategy.process_group_backend={backend!r} is not built into this torch: use null (automatic) or gloo"
-        )
+        fix = "use null (automatic) or gloo"
+        raise ConfigError(f"strategy.process_group_backend={backend!r} is not built into this torch: {fix}")
     if options.get("launch", "auto") not in ("auto", "fork", "exec"):
         raise ConfigError(f"strategy.launch={options['launch']!r} is unknown: use auto, fork (CPU) or exec")
     start = options.get("start_method")
     if start not in (None, "popen"):  # Lightning's multiprocessing launchers would write no SIGTERM checkpoint
-        raise ConfigError(
-            f"strategy.start_method={start!r} is not offered: dpddp starts the ranks itself; remove it and choose "
-            "strategy.launch=fork (CPU) or exec (a fresh interpreter per rank, as strategy=ddp_spawn does)"
-        )
+        does = "a fresh interpreter per rank, as strategy=ddp_spawn does"
+        fix = f"remove it and choose strategy.launch=fork (CPU) or exec ({does})"
+        raise ConfigError(f"strategy.start_method={start!r} is not offered: dpddp starts the ranks itself; {fix}")
     hook = options.get("ddp_comm_hook")
     if hook is not None and hook not in COMM_HOOKS:
         *names, last = COMM_HOOKS
         raise ConfigError(f"strategy.ddp_comm_hook={hook!r} is unknown: use null, {', '.join(names)} or {last}")
     if hook == "bf16_compress" and backend not in (None, "nccl") and torch.cuda.is_available():
-        raise ConfigError(  # gloo all-reduces bf16 CPU tensors (torch 2.2+), not CUDA ones (torch 2.13)
-            f"strategy.ddp_comm_hook=bf16_compress with strategy.process_group_backend={backend} cannot all-reduce "
-            "bf16 GPU gradients: use process_group_backend=null (NCCL on GPUs) or nccl, or fp16_compress"
-        )
+        given = f"strategy.ddp_comm_hook=bf16_compress with strategy.process_group_backend={backend}"
+        fix = "use process_group_backend=null (NCCL on GPUs) or nccl, or fp16_compress"
+        raise ConfigError(f"{given} cannot all-reduce bf16 GPU gradients: {fix}")  # gloo: bf16 CPU tensors only
     if "powersgd_rank" in options:
         checked_int("strategy.powersgd_rank", options["powersgd_rank"], 1, "use a small rank, e.g. 1, 2 or 4")
     if "powersgd_start_iter" in options:  # torch's PowerSGDState: error feedback and warm start need 2 or more
