@@ -173,13 +173,12 @@ def _run(name: str, where: str, gpus: int, out: Path, env: dict[str, str], timeo
 
 
 def train_here(args: list[str], cwd: Path, log: Path) -> None:
-    """``python train.py ARGS`` in this process (train.py's two calls), in ``cwd``, its output into ``log``. Puts
+    """``python train.py ARGS`` in this process (train.py's main), in ``cwd``, its output into ``log``. Puts
     back the working directory, ``sys.argv``, the SIGTERM handler, Hydra's global state and the root logger's
     handlers. Raises ``RuntimeError`` with the log's tail when it fails."""
     from hydra.core.global_hydra import GlobalHydra
 
     from dpddp.entry import hydra as entry
-    from dpddp.entry.early import answer
 
     root = logging.getLogger()
     saved = os.getcwd(), sys.argv, signal.getsignal(signal.SIGTERM), root.handlers[:], root.level
@@ -187,7 +186,6 @@ def train_here(args: list[str], cwd: Path, log: Path) -> None:
     sys.argv = [str(ROOT / "train.py"), *args]
     try:
         with open(log, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            answer(args)
             entry.main()
     except SystemExit as stop:
         if stop.code not in (0, None):

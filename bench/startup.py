@@ -12,14 +12,12 @@ each phase with ``time.time()`` from the process's creation (``psutil``):
 - ``before composition``: the command-line check and Hydra's set-up until its composition starts;
 - ``Hydra composition``: ``Hydra.compose_config`` (the packaged ``conf/`` and the overrides);
 - ``to the job``: Hydra's job set-up (run directory, ``.hydra/``, logging) until the job's first log line;
-- ``early check``: what ``train.py`` checks before importing torch and Lightning (``dpddp.entry.early``; here
-  after them, so only its own work is counted);
 - ``to the first step``: the job (config check, model, data, ``Trainer``, fit set-up), or for stock Lightning
   everything after its imports, until the end of the first optimizer step (``first_step_unix_s``).
 
-Then the answers before Lightning: the wall time of ``python train.py devises=2`` (a misspelled key: one line,
+Then the answers: the wall time of ``python train.py devises=2`` (a misspelled key: one line,
 exit 2), ``python train.py --help`` and ``python -c "import lightning"``, fresh processes in turn, and each one's
-ratio to the import in the same round (issue 40's bound: a misspelled key answered within 1.0 s).
+ratio to the import in the same round.
 
 The bytecode of ``src/`` and ``bench/`` is written first (``workloads.compile_bytecode``), as an installed
 package has it. Writes ``STARTUP.md`` (per phase: median [min-max] seconds over the runs, and the sum of the
@@ -50,7 +48,6 @@ PHASES = {
         "import torch",
         "import lightning",
         "import dpddp, Hydra",
-        "early check",
         "before composition",
         "Hydra composition",
         "to the job",
@@ -95,12 +92,9 @@ def child(program: str, run_dir: Path) -> None:
 def _project(run_dir: Path) -> dict[str, float]:
     """``python train.py`` in this process; the wall-clock ends of the project's own phases."""
     import dpddp.entry.hydra as entry
-    from dpddp.entry.early import answer
 
     marks = {"import dpddp, Hydra": time.time()}
     sys.argv = ["train.py", *train_overrides(WORKLOADS["W1"]), "strategy=auto", f"hydra.run.dir={run_dir}"]
-    answer(sys.argv[1:])
-    marks["early check"] = time.time()
     from hydra._internal.hydra import Hydra
 
     compose = Hydra.compose_config
@@ -191,7 +185,7 @@ def answers_report(times: dict[str, list[float]]) -> str:
     """The answers' section of ``STARTUP.md``: per command its wall seconds and its ratio to ``import lightning``
     in the same round, median [min-max]."""
     lines = [
-        "## Answers before Lightning",
+        "## Answers",
         "",
         f"{len(times[BASE])} rounds, each command a fresh process in turn (`bench/startup.py`). Cells: median "
         "[min-max] wall seconds, and the per-round ratio to importing Lightning.",

@@ -164,13 +164,14 @@ def _entry_here(cwd: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> 
 
 def train_py_here(*args: str, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> int:
     """``python train.py ARGS`` (and ``QUIET``, where ARGS do not set it) in this process and in ``cwd``: train.py's
-    two calls, ``answer`` then ``main``. Returns the exit status. For a run whose ranks are not the point."""
+    two calls, ``refuse_non_integer_variables`` then ``main``. Returns the exit status. For a run whose ranks are not
+    the point."""
+    from dpddp.cluster import refuse_non_integer_variables
     from dpddp.entry import hydra as hydra_entry
-    from dpddp.entry.early import answer
 
     argv = [*args, *unset(QUIET, args)]
     with _entry_here(cwd, monkeypatch, [str(ROOT / "train.py"), *argv]) as status:
-        answer(argv)
+        refuse_non_integer_variables()
         hydra_entry.main()
     return status[0]
 

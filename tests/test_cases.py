@@ -307,13 +307,12 @@ def test_an_unknown_config_option_is_named_before_hydra_starts(argv, line):
     assert got == line if line is None else got is not None and got.startswith(line)
 
 
-def test_an_unknown_preset_exits_2_in_one_line(tmp_path):
-    proc = _train_py(tmp_path, "experiment=nope")
-    assert proc.returncode == 2
-    assert [x for x in proc.stderr.splitlines() if x.strip()] == [
+def test_an_unknown_preset_exits_2_in_one_line(tmp_path, monkeypatch, capfd):
+    assert train_py_here("experiment=nope", cwd=tmp_path, monkeypatch=monkeypatch) == 2
+    assert [x for x in capfd.readouterr().err.splitlines() if x.strip()] == [
         "error: experiment=nope is unknown: choose one of compute_heavy"
     ]
-    assert not (tmp_path / "outputs").exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

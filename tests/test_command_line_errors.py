@@ -24,6 +24,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import OmegaConf, open_dict
 
 from dpddp._compat import hydra_override_refused
+from dpddp.cluster import refuse_non_integer_variables
 from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.entry import hydra as hydra_entry
 from dpddp.entry.command_line import mode_conflict, refused_override, sweep_variants, unreadable_override
@@ -31,6 +32,7 @@ from dpddp.entry.hydra import StartChecks
 from dpddp.errors import ConfigError, WriteFailed, unwritable
 from dpddp.run.build import build
 from dpddp.run.config import check_config, check_output_dir, check_resolvable
+from dpddp.run.keys import TOP_LEVEL_KEYS
 from dpddp.run.training import train
 
 ONE = ["accelerator=cpu", "data.num_samples=606", "trainer.max_epochs=1"]
@@ -497,6 +499,7 @@ LAUNCHERS = "basic, joblib, slurm, submitit_local, submitit_slurm"
     "argv,line",
     [
         (["hydra/launcher=nope"], f"hydra/launcher=nope is unknown: choose one of {LAUNCHERS}"),
+        (["seed=1", "hydra/sweeper=foo"], "hydra/sweeper=foo is unknown: choose one of basic, dpddp_optuna"),
         (["-m", "hydra/launcher=joblibb", "seed=0,1"], f"hydra/launcher=joblibb is unknown: choose one of {LAUNCHERS}"),
         (["+hydra/launcher=[basic,nope]"], f"hydra/launcher=nope is unknown: choose one of {LAUNCHERS}"),
         (
@@ -577,37 +580,86 @@ def test_an_override_hydra_cannot_read_is_one_line(override, reason):
     )
 
 
-# main's refusals run train.py's calls here; answer's (before torch) and one of main's (a sweep job's missing key)
-# are train.py processes: their whole stderr, imports included, is the one line
-MAIN_HERE = (["hydra.run.dir=${nope}"], ["-m", "--cfg", "job", "seed=0,1"], ["model.lr=["])
+REFUSED = [
+    (["devises=2"], "devises=2: the config has no key devises: did you mean devices?"),
+    (["mdoel.lr=0.1"], "mdoel.lr=0.1: the config has no key mdoel.lr: did you mean model.lr?"),  # one suggestion
+    (["+devises=2"], "unknown setting devises: did you mean devices?"),
+    (
+        ["trainer.max_epoch=2", "devises=2"],
+        "trainer.max_epoch=2: the config has no key trainer.max_epoch: did you mean trainer.max_epochs?",
+    ),  # the first
+    (["strategy=dpp"], "strategy=dpp is unknown (did you mean dp?): choose one of auto, ddp, ddp_spawn, dp"),
+    (
+        ["strategy.name=fsdp", "devices=0"],
+        "strategy=fsdp (FSDPStrategy) is not offered (dpddp keeps its promises with "
+        "its own strategies: auto, dp, ddp, ddp_spawn): use strategy=ddp, or strategy=dp on GPUs",
+    ),  # before devices
+    (["devices=0"], "devices=0 is invalid: use a positive number of devices per node, or -1 for all GPUs"),
+    (["accelerator=tpu"], "accelerator='tpu' is unknown: choose one of auto, cpu, gpu, cuda"),
+    (["num_nodes=0"], "num_nodes=0 is invalid: use a positive number of nodes, or auto (the launcher's)"),
+    (["seed=-1"], "seed=-1 is invalid: use an integer in [0, 2**32 - 1]"),
+    (["data.batch_size=0"], "data.batch_size=0 is invalid: use a positive global batch size (samples per step)"),
+    (["data.val_fraction=0.95"], "data.val_fraction=0.95 is invalid: use a fraction in [0, 0.9]"),
+    (
+        ["model.lr=${nope}"],
+        "model.lr='${nope}' cannot be resolved (Interpolation key 'nope' not found): give a value, "
+        "or interpolate a key that exists (e.g. ${data.num_features})",
+    ),
+    (
+        ["hydra.run.dir=${nope}"],
+        "hydra.run.dir='${nope}' cannot be resolved (Interpolation key 'nope' not found): "
+        "give a directory (hydra.run.dir=runs/a)",
+    ),
+    (
+        ["-m", "--cfg", "job", "seed=0,1"],
+        "--multirun (-m) and --cfg (-c) cannot be given together: Hydra runs one of "
+        "them; keep one (--cfg job prints a run's config: give one value per setting, not a sweep list)",
+    ),
+    (
+        ["model.lr=["],
+        "'model.lr=[' cannot be read as an override (no viable alternative at input '['): write "
+        "key=value, quoting a value with special characters (key='a,b'); see "
+        "https://hydra.cc/docs/advanced/override_grammar/basic/",
+    ),
+]
+
+
+@pytest.mark.parametrize("args,line", REFUSED)
+def test_train_py_ends_a_command_line_error_in_one_line_before_writing_anything(
+    tmp_path, monkeypatch, capfd, args, line
+):
+    """train.py's calls in this process: the line is all that is said, exit 2, no run directory, no log."""
+    code, err = train_py_here(*args, cwd=tmp_path, monkeypatch=monkeypatch), capfd.readouterr().err
+    assert (code, _error_lines(err)) == (2, [f"error: {line}"])
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "args,start",
-    [
-        (["model.lr=${nope}"], "error: model.lr='${nope}' cannot be resolved (Interpolation key 'nope' not found)"),
-        # (an oc.env interpolation: model.lr's path; its line in test_an_interpolation_that_does_not_resolve_...)
-        (["hydra.run.dir=${nope}"], "error: hydra.run.dir='${nope}' cannot be resolved (Interpolation key 'nope'"),
-        (["-m", "--cfg", "job", "seed=0,1"], "error: --multirun (-m) and --cfg (-c) cannot be given together"),
-        # (--resolve without --cfg: -m --cfg's path, mode_conflict; its line in test_hydra_modes_that_cannot_be_...)
-        (["model.lr=["], "error: 'model.lr=[' cannot be read as an override (no viable alternative at input '[')"),
-        (["devises=2"], "error: devises=2: the config has no key devises: did you mean devices?"),
-        # a key one job of the sweep lacks: no sweep directory, no multirun.yaml
-        (["-m", "data=default,digits", "data.label_noise=0.1"], "error: data.label_noise=0.1: the config has no key"),
-    ],
-)
-def test_train_py_ends_a_command_line_error_in_one_line_before_writing_anything(
-    tmp_path, monkeypatch, capfd, args, start
-):
-    if args in MAIN_HERE:
-        code, err = train_py_here(*args, *ONE, cwd=tmp_path, monkeypatch=monkeypatch), capfd.readouterr().err
-    else:
-        proc = run_train(*args, *ONE, cwd=tmp_path, timeout=120)
-        code, err = proc.returncode, proc.stderr
-    assert code == 2, err[-2000:]
-    assert _error_lines(err) == [_error_lines(err)[0]] and err.startswith(start)
-    assert list(tmp_path.iterdir()) == []  # no run directory, no log
+def test_train_py_s_whole_stderr_is_the_line_for_a_key_one_sweep_job_lacks(tmp_path):
+    """A train.py process, imports included: the one line, and no sweep directory, no multirun.yaml."""
+    proc = run_train("-m", "data=default,digits", "data.label_noise=0.1", *ONE, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = _error_lines(proc.stderr)
+    assert lines == lines[:1] and lines[0].startswith("error: data.label_noise=0.1: the config has no key")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag,start", [("--help", "train is powered by Hydra.\n"), ("--hydra-help", "Hydra (1.3")])
+def test_help_is_hydra_s_and_makes_nothing(tmp_path, monkeypatch, capfd, flag, start):
+    """train.py's main in this process: Hydra's own answer (``--help``: the config groups and the config), exit 0."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py", flag])
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            hydra_entry.main()
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    out = capfd.readouterr().out
+    assert stop.value.code == 0 and out.startswith(start) and list(tmp_path.iterdir()) == []
+    if flag == "--help":
+        assert "\n== Configuration groups ==\n" in out and "\nstrategy: auto, ddp, ddp_spawn, dp\n" in out
+        assert "\n== Config ==\n" in out and "\nseed: 0\n" in out
 
 
 @pytest.mark.slow
@@ -634,6 +686,41 @@ def test_metrics_json_keeps_the_overrides_as_typed(tmp_path, monkeypatch):
     monkeypatch.setenv("DPDDP_TEST_OPTIMIZER", "adam")
     assert train_py_here(typed, *ONE, "hydra.run.dir=run", cwd=tmp_path, monkeypatch=monkeypatch) == 0
     assert metrics(tmp_path / "run")["overrides"] == [typed, *ONE, *QUIET]
+
+
+# -- launcher variables ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("LOCAL_RANK", "x"), ("RANK", ""), ("WORLD_SIZE", "2.0"), ("SLURM_PROCID", "a")]
+)
+def test_a_launcher_variable_that_is_no_integer_is_one_line(monkeypatch, capsys, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        refuse_non_integer_variables()
+    line = f"error: {name}={value!r} (environment) is not an integer: a launcher sets it to a number; unset it "
+    assert (exited.value.code, capsys.readouterr().err) == (2, f"{line}(env -u {name} ...) or give it one\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", [["train.py"], ["eval.py"], ["-m", "dpddp.check"], ["-m", "dpddp.cli", "fit"]])
+def test_each_command_refuses_a_launcher_variable_that_is_no_integer_before_torch(cmd):
+    """torchmetrics reads ``LOCAL_RANK`` as a number on import: each command refuses it before (``-X importtime``)."""
+    env, _ = child_env(LOCAL_RANK="x")
+    proc = subprocess.run([sys.executable, "-X", "importtime", *cmd], cwd=ROOT, env=env, capture_output=True, text=True)
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: LOCAL_RANK='x' (environment)")
+    assert "dpddp.cluster" in imported and not {m.split(".")[0] for m in imported} & {
+        "torch",
+        "lightning",
+        "torchmetrics",
+    }
+
+
+def test_the_composed_top_level_keys_are_the_checked_ones():
+    """A misspelled top-level key's advice (``did you mean devices?``) is drawn from ``TOP_LEVEL_KEYS``."""
+    assert sorted(str(k) for k in compose_cfg().keys()) == sorted(TOP_LEVEL_KEYS)
 
 
 # -- the file system -----------------------------------------------------------------------------------------

@@ -102,7 +102,7 @@ def test_trainer_presets_set_the_top_level_knobs():
 
 
 def test_a_misspelled_preset_gets_the_nearest_name():
-    from dpddp.entry.early import unknown_option
+    from dpddp.entry.command_line import unknown_option
 
     assert unknown_option(["callbacks=early_stoping"]).startswith(
         "callbacks=early_stoping is unknown (did you mean early_stopping?): choose one of default, early_stopping"

@@ -8,20 +8,20 @@ import inspect
 import itertools
 import re
 from collections.abc import Mapping, Sequence
-from functools import partial
+from importlib.resources import files
+from pathlib import Path
 from typing import Any
 
+from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import IntervalSweep, Override, RangeSweep, ValueType
 from hydra.errors import MissingConfigException, OverrideParseException, SearchPathException
 from hydra.utils import get_class
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import Container, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from dpddp._compat import hydra_argument_error, hydra_command_line
-from dpddp.entry.early import key_hints, missing_key_line
-from dpddp.entry.early import unknown_option as _unknown_option
 from dpddp.errors import ConfigError
 from dpddp.messages import (
     argparse_choice,
@@ -33,10 +33,86 @@ from dpddp.messages import (
 )
 from dpddp.parallel.rules import DDP_OPTIONS, check_strategy_options, lightning_name_line
 from dpddp.run.keys import key_hint
+from dpddp.run.plain import GROUPS as SECTIONS
+from dpddp.run.plain import PRESETS
 from dpddp.run.trainer_flags import takes
 
-unknown_option = partial(_unknown_option, lightning_line=lightning_name_line)
-"""``early.unknown_option`` with Lightning's strategy names (``lightning_name_line``)."""
+GROUPS = ("strategy", *SECTIONS, *PRESETS)
+
+
+def unknown_option(argv: list[str]) -> str | None:
+    """The line for the first ``group=option`` override with no such option (a Lightning strategy: its line)."""
+    dirs = [Path(str(files("dpddp.conf")))]
+    for i, arg in enumerate(argv):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            dirs.append(Path(argv[i + 1]))
+        elif arg.startswith("--config-dir="):
+            dirs.append(Path(arg.split("=", 1)[1]))
+        elif "hydra.searchpath" in arg:
+            return None
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        key = key.lstrip("+~")
+        hydra_group = key.startswith("hydra/")  # Hydra's own group: its options, its plugins' included
+        if not sep or not (key in GROUPS or hydra_group) or "(" in value:
+            continue
+        for option in value.removeprefix("[").removesuffix("]").split(","):  # a list: callbacks=[a,b]
+            if option not in ("", "null") and not any((d / key / f"{option}.yaml").is_file() for d in dirs):
+                if key == "strategy" and (line := lightning_name_line(option)):
+                    return line
+                if hydra_group:
+                    with initialize_config_module(config_module="dpddp.conf", version_base="1.3"):
+                        known = GlobalHydra.instance().config_loader().get_group_options(key)
+                    if option in known or not known:
+                        continue
+                    return f"{key}={option} is unknown: choose one of {', '.join(known)}"  # Hydra's line (-m)
+                known = sorted({p.stem for d in dirs for p in (d / key).glob("*.yaml")})
+                near = difflib.get_close_matches(option, known, n=1, cutoff=0.6)
+                hint = f" (did you mean {near[0]}?)" if near else ""
+                return f"{key}={option} is unknown{hint}: choose one of {', '.join(known)}"
+    return None
+
+
+def dotted_keys(cfg: Container | dict, prefix: str = "") -> list[str]:
+    """Every key of ``cfg`` at any depth, dotted, unresolved (a list's items not named)."""
+    found: list[str] = []
+    node: Any = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=False)
+    for key, value in node.items():
+        found.append(f"{prefix}{key}")
+        if isinstance(value, dict):
+            found += dotted_keys(value, f"{prefix}{key}.")
+    return found
+
+
+def key_hints(key: str, cfg: DictConfig, instead: str = "") -> str:
+    """`` (<nearest key>; <the group's options that have it>)`` of ``key``, which ``cfg`` lacks, or ``""``."""
+    keys = [k for k in dotted_keys(cfg) if key.startswith("hydra.") or not k.startswith("hydra")]
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.8)
+    said = [f"nearest: {near[0]}"] if near and near[0] not in instead else []
+    group, _, rest = key.partition(".")
+    if group in GROUPS and rest and group in cfg:
+        having = []
+        for path in sorted(Path(str(files("dpddp.conf"))).joinpath(group).glob("*.yaml")):
+            text = path.read_text()
+            global_package = any(line.split() == ["#", "@package", "_global_"] for line in text.splitlines()[:3])
+            if (key if global_package else rest) in dotted_keys(OmegaConf.create(text)):
+                having.append(path.stem)
+        if having:
+            verb = "has" if len(having) == 1 else "have"
+            said.append(f"the chosen {group} config has none; {group}={', '.join(having)} {verb} one")
+    return f" ({'; '.join(said)})" if said else ""
+
+
+def missing_key_line(line: str, key: str, cfg: DictConfig, instead: str | None) -> str:
+    """The line for the override ``line`` of ``key``, which ``cfg`` lacks: ``key_hints``, ``instead`` or ``+key``."""
+    head, dot, rest = key.partition(".")
+    if instead is not None and dot and (near := re.fullmatch(r"did you mean (\w+)\?", instead)):
+        if f"{near.group(1)}.{rest}" in dotted_keys(cfg):  # mdoel.lr: model.lr, not model
+            instead = f"did you mean {near.group(1)}.{rest}?"
+    if instead is not None:
+        return f"{line}: the config has no key {key}{key_hints(key, cfg, instead)}: {instead}"
+    return f"{line}: the config has no key {key}{key_hints(key, cfg)}: give a key it has, or add a new one with +{line}"
+
 
 MODES: tuple[tuple[str, str], ...] = (("run", "--run (-r)"), ("multirun", "--multirun (-m)"), ("cfg", "--cfg (-c)"))
 MODES += (("info", "--info (-i)"), ("shell_completion", "--shell-completion (-sc)"))
