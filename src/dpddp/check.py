@@ -457,8 +457,10 @@ def check_stops(overrides: list[str], config_dir: str | None, work: Path) -> Non
     rng = random.Random(int(cfg.seed))
     limit, kill = rng.randint(1, total - 1), rng.randint(starts[0], total - 1)
     term = rng.choice([s for s in range(1, total - 1) if s not in starts] or [1])
-    print(f"stops: the straight run takes {total} steps; a limit at step {limit}, a SIGTERM before step {term + 1}, "
-          f"a SIGKILL before step {kill + 1}")  # fmt: skip
+    print(
+        f"stops: the straight run takes {total} steps; a limit at step {limit}, a SIGTERM before step {term + 1}, "
+        f"a SIGKILL before step {kill + 1}"
+    )
     program = [*(["--config-dir", str(Path(config_dir).absolute())] if config_dir else []), *TINY, *base]
     signalled = {"SIGTERM": (term, EXIT_PREEMPTED), "SIGKILL": (kill, -signal.SIGKILL)}
 
