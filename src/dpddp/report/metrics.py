@@ -26,17 +26,6 @@ MISSING: dict[str | tuple[str, ...], str] = {  # by the key's prefix
 }
 
 
-def strict(result: dict[str, Any], reasons: dict[str, str]) -> dict[str, Any]:
-    """``result`` with a non-finite value ``null`` and ``"missing"`` saying why (``reasons``, else ``MISSING``)."""
-    missing = {
-        key: reasons.get(key) or next((why for pre, why in MISSING.items() if key.startswith(pre)), "not measured")
-        for key, value in result.items()
-        if isinstance(value, float) and not math.isfinite(value)
-    }
-    out = {key: None if key in missing else value for key, value in result.items()}
-    return {**out, "missing": missing} if missing else out
-
-
 def _shown(key: str, value: Any) -> str:
     """``key=value`` for the log line (large floats grouped, others to 4 digits, the first step's time ISO)."""
     if key == "first_step_unix_s":
@@ -49,9 +38,17 @@ def _shown(key: str, value: Any) -> str:
 def write_metrics(
     output_dir: Path, result: dict[str, Any], reasons: dict[str, str], unshown: tuple[str, ...], draw: bool
 ) -> None:
-    """Write ``<output_dir>/metrics.json``, log its line without ``unshown`` and (``draw``) draw the curves."""
+    """Write ``<output_dir>/metrics.json`` (a non-finite value ``null``, ``"missing"`` saying why: ``reasons``, else
+    ``MISSING``), log its line without ``unshown`` and (``draw``) draw the curves."""
+    missing = {
+        key: reasons.get(key) or next((why for pre, why in MISSING.items() if key.startswith(pre)), "not measured")
+        for key, value in result.items()
+        if isinstance(value, float) and not math.isfinite(value)
+    }
+    out = {key: None if key in missing else value for key, value in result.items()}
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "metrics.json").write_text(json.dumps(strict(result, reasons), indent=2, allow_nan=False) + "\n")
+    text = json.dumps({**out, "missing": missing} if missing else out, indent=2, allow_nan=False)
+    (output_dir / "metrics.json").write_text(text + "\n")
     log.info("metrics: " + ", ".join(_shown(k, v) for k, v in result.items() if k not in unshown))
     if draw and drawable(output_dir):  # epochs of a fit: not an evaluation run's
         log.info(f"curves: {write_plot(output_dir)}")
