@@ -19,10 +19,6 @@ def uses_sample_keys(model: nn.Module) -> bool:
     return bool(getattr(model, "uses_sample_keys", False)) or any(isinstance(m, SampleDropout) for m in model.modules())
 
 
-def sample_key_callbacks(model: nn.Module) -> list[pl.Callback]:
-    return [SampleKeyCallback()] if uses_sample_keys(model) else []
-
-
 def _sampler(trainer: pl.Trainer) -> YieldedIds | None:
     """The training loader's ``YieldedIds`` (its sampler, batch sampler or data set), else ``None``."""
     loader = trainer.train_dataloader  # a stream's shares are the data set

@@ -27,7 +27,7 @@ from dpddp.continuity.state import ResumableState
 from dpddp.continuity.stop import StepBoundaryStop
 from dpddp.data.built import SameDataOnEveryRank
 from dpddp.data.draws import UnkeyedDraws
-from dpddp.data.keys import sample_key_callbacks
+from dpddp.data.keys import SampleKeyCallback, uses_sample_keys
 from dpddp.diagnostics.costs import Costs
 from dpddp.errors import ConfigError, first_line
 from dpddp.messages import litlogger_tip
@@ -237,7 +237,7 @@ def build_trainer(
     if executions is not None:  # it clips (Lightning refuses clipping under the manual optimization it runs)
         flags = {k: v for k, v in flags.items() if k not in ("gradient_clip_val", "gradient_clip_algorithm")}
     batchnorm = batchnorm_plugins(cfg, model)  # before the Trainer: its refusals are dpddp's own lines
-    sample_keys = sample_key_callbacks(model) if model is not None else []
+    sample_keys = [SampleKeyCallback()] if model is not None and uses_sample_keys(model) else []
     if model is not None and datamodule is not None:
         _warn_global_rng(model, datamodule, cfg)
     logger = _build_logger(cfg, output_dir)  # before the Trainer: a missing tracker package is its own line
