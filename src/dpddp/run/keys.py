@@ -18,7 +18,7 @@ from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import ConfigError, first_line
 from dpddp.models.linear import LinearClassifier
 from dpddp.parallel.rules import DDP_OPTIONS
-from dpddp.run.plain import GROUPS, PRESETS, key_advice
+from dpddp.run.plain import GROUPS, PRESETS
 
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
 TOP_LEVEL_RUN = ("steps_per_execution", "compile", "checkpoint", "check_replicas")  # how training runs, is checked
@@ -170,7 +170,8 @@ def _key_problem(section: str, key: str, allowed: list[str], spec: Mapping | Non
     if section and key == "compile":  # a top-level setting looked for in a section (model.compile=true)
         return unknown, "set it at the top level: compile=true (torch.compile of the model's forward)"
     if key not in builtin:
-        return unknown, key_advice(prefix, key, allowed)
+        near = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
+        return unknown, f"did you mean {prefix}{near[0]}?" if near else f"valid keys: {', '.join(sorted(allowed))}"
     lacks = [str(k) for k in given if k in builtin and k not in allowed and k != "_target_"]  # all at once
     drops = [f"~{prefix}{k}" for k in lacks if given.get(k) is not None]  # Hydra keeps null
     drop = f", or drop {'them' if len(lacks) > 1 else 'it'} with {' '.join(drops)}" if len(drops) == len(lacks) else ""

@@ -1,8 +1,7 @@
-"""The config's groups, its interpolations checked, and the advice for an unknown key (no torch or Lightning)."""
+"""The config's groups, and its interpolations checked (no torch or Lightning)."""
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -51,10 +50,3 @@ def check_resolvable(cfg: DictConfig) -> None:
                     "its own (conf/model/<name>.yaml)"
                 )
             raise ConfigError(f"{dotted}={value!r} cannot be resolved ({reason}): {fix}") from err
-
-
-def key_advice(prefix: str, key: str, allowed: list[str]) -> str:
-    """What to write instead of ``key``, which ``allowed`` lacks: ``did you mean <prefix><nearest>?``, or the keys."""
-    near = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
-    return f"did you mean {prefix}{near[0]}?" if near else f"valid keys: {', '.join(sorted(allowed))}"
-
