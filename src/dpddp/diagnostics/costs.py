@@ -40,10 +40,9 @@ def straggler_line(compute_s: Sequence[float], epoch: int, hosts: Sequence[str] 
         return None
     host = f" (host {hosts[rank]})" if hosts is not None and rank < len(hosts) else ""
     median = statistics.median(compute_s)
-    return (
-        f"straggler: rank {rank}{host} took {ratio:.2f}x the median compute time in epoch {epoch} "
-        f"({compute_s[rank]:.3f} s against {median:.3f} s; the other ranks waited for it in the gradient all-reduce)"
-    )
+    took = f"took {ratio:.2f}x the median compute time in epoch {epoch}"
+    times = f"{compute_s[rank]:.3f} s against {median:.3f} s"
+    return f"straggler: rank {rank}{host} {took} ({times}; the other ranks waited for it in the gradient all-reduce)"
 
 
 def peak_memory_mib(trainer: pl.Trainer) -> tuple[float, str]:

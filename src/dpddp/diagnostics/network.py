@@ -88,12 +88,8 @@ def choose_interface(master_addr: str, environ: Mapping[str, str] = os.environ) 
         return {}, f"{' '.join(given)} set by the user"
     found = route_interface(master_addr)
     if found is None:
-        return {}, (
-            f"no local interface routes to MASTER_ADDR={master_addr}; GLOO_SOCKET_IFNAME left unset (gloo uses the "
-            "address of this machine's hostname)"
-        )
+        unset = "GLOO_SOCKET_IFNAME left unset (gloo uses the address of this machine's hostname)"
+        return {}, f"no local interface routes to MASTER_ADDR={master_addr}; {unset}"
     name, source = found
-    return (
-        {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": f"={name}"},
-        f"GLOO_SOCKET_IFNAME={name} (routes to MASTER_ADDR={master_addr} from {source})",
-    )
+    why = f"GLOO_SOCKET_IFNAME={name} (routes to MASTER_ADDR={master_addr} from {source})"
+    return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": f"={name}"}, why

@@ -76,10 +76,8 @@ class GlobalBatchNorm(BatchNormBase):
         stats = _GroupSum.apply(torch.cat([x.sum(dims), (x * x).sum(dims), count]), self.process_group)
         n = float(stats[-1].detach())
         if n <= 1:
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got {int(n)} in the global batch "
-                f"(input size {list(input.shape)} on this process)"
-            )
+            got = f"got {int(n)} in the global batch (input size {list(input.shape)} on this process)"
+            raise ValueError(f"Expected more than 1 value per channel when training, {got}")
         mean = stats[:channels] / n
         var = (stats[channels : 2 * channels] / n - mean * mean).clamp(min=0)
         shape = [1, channels] + [1] * (input.dim() - 2)
@@ -175,11 +173,9 @@ class BatchNormSync(LayerSync):
                 _warn(f"{_names(untracked)} keep no running statistics: test and predict use each process's own share")
             return converted
         if names := _batchnorms(model):
-            _warn(
-                f"trainer.sync_batchnorm=false with {self.processes} processes: {_names(names)} normalise each "
-                "process's own share of the global batch, so ddp no longer trains as one process: "
-                "trainer.sync_batchnorm=null syncs them"
-            )
+            own = "normalise each process's own share of the global batch, so ddp no longer trains as one process"
+            given = f"trainer.sync_batchnorm=false with {self.processes} processes"
+            _warn(f"{given}: {_names(names)} {own}: trainer.sync_batchnorm=null syncs them")
         return model
 
     @override
@@ -198,10 +194,9 @@ def batchnorm_plugins(cfg: Mapping, model: nn.Module | None = None) -> list[Laye
         raise ConfigError(f"trainer.sync_batchnorm={sync!r} is invalid: use null (sync when ddp), true or false")
     world, devices = world_of(cfg), cfg["devices"]
     if world.family == "dp" and world.replicas > 1 and model is not None and (names := _batchnorms(model)):
-        raise ConfigError(
-            f"strategy=dp with devices={devices} and BatchNorm modules ({_names(names)}): each replica normalises "
-            f"its own chunk and its running statistics are dropped: use strategy=ddp devices={devices}"
-        )
+        why = "each replica normalises its own chunk and its running statistics are dropped"
+        fix = f"use strategy=ddp devices={devices}"
+        raise ConfigError(f"strategy=dp with devices={devices} and BatchNorm modules ({_names(names)}): {why}: {fix}")
     if world.family != "ddp" or world.world_size <= 1:
         return []
     return [BatchNormSync(sync is not False, world.accelerator == "gpu", world.world_size)]

@@ -42,10 +42,9 @@ def apply_interface(master_addr: str, num_nodes: int) -> str:
     updates, why = choose_interface(master_addr)
     name = updates.get("GLOO_SOCKET_IFNAME")
     if num_nodes > 1 and name is not None and _is_loopback(interface_address(name)) and not _is_loopback(master_addr):
-        raise ConfigError(
-            f"MASTER_ADDR={master_addr} is reached through this machine's loopback ({why}), so other nodes cannot "
-            "reach it: set MASTER_ADDR (torchrun --master_addr) to node 0's address on the cluster network"
-        )
+        looped = f"MASTER_ADDR={master_addr} is reached through this machine's loopback ({why})"
+        fix = "set MASTER_ADDR (torchrun --master_addr) to node 0's address on the cluster network"
+        raise ConfigError(f"{looped}, so other nodes cannot reach it: {fix}")
     os.environ.update(updates)
     return why
 

@@ -75,10 +75,9 @@ class DataParallelStrategy(OneProcessStrategy):
     @override
     def check_devices(self, devices: list[torch.device]) -> list[torch.device]:
         if len(devices) > 1 and devices[0].type != "cuda":
-            raise ValueError(
-                f"strategy=dp with devices={len(devices)} on {devices[0].type}: DataParallel replicates over "
-                f"CUDA GPUs in one process; for several CPU processes use strategy=ddp devices={len(devices)}"
-            )
+            given = f"strategy=dp with devices={len(devices)} on {devices[0].type}"
+            fix = f"for several CPU processes use strategy=ddp devices={len(devices)}"
+            raise ValueError(f"{given}: DataParallel replicates over CUDA GPUs in one process; {fix}")
         return devices
 
     @override

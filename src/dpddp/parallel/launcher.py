@@ -106,10 +106,9 @@ def _bind_store_socket(address: str) -> socket.socket:
     try:
         return socket.create_server((address, port), family=family, backlog=128)
     except OSError as err:
-        raise ConfigError(
-            f"MASTER_PORT={port} on {address} is not free ({os.strerror(err.errno or 0)}): unset MASTER_PORT to "
-            "pick a free port, or choose another"
-        ) from err
+        fix = "unset MASTER_PORT to pick a free port, or choose another"
+        why = os.strerror(err.errno or 0)
+        raise ConfigError(f"MASTER_PORT={port} on {address} is not free ({why}): {fix}") from err
 
 
 class _ForkedRank:

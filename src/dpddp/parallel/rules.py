@@ -203,7 +203,6 @@ def lightning_name_line(name: str, prefix: str = "") -> str | None:
     if (settings := lightning_equivalent(name)) is not None:
         given = ", ".join(f"{k}={v!r}" for k, v in sorted(params.items()))
         return f"{prefix}strategy={name} is Lightning's name for {cls.__name__}({given}): use {' '.join(settings)}"
-    return (
-        f"{prefix}strategy={name} ({cls.__name__}) is not offered (dpddp keeps its promises with its own strategies: "
-        f"{', '.join(STRATEGIES)}): use {prefix}strategy=ddp, or {prefix}strategy=dp on GPUs"
-    )
+    own = f"dpddp keeps its promises with its own strategies: {', '.join(STRATEGIES)}"
+    fix = f"use {prefix}strategy=ddp, or {prefix}strategy=dp on GPUs"
+    return f"{prefix}strategy={name} ({cls.__name__}) is not offered ({own}): {fix}"

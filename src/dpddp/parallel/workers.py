@@ -99,21 +99,17 @@ def loader_failed(err: BaseException, rank: int) -> LoaderFailed | None:
     start = f"rank {rank}: a DataLoader worker could not start (data.num_workers > 0)"
     if isinstance(err, WorkerInitFailed):
         said = str(err).rstrip().splitlines()[-1].split(f"{WorkerInitFailed.__name__}: ", 1)[-1]
-        return LoaderFailed(
-            f"{start}: {said}; fix it (it runs first in each worker process), or set data.num_workers=0 to load in "
-            "the rank"
-        )
+        fix = "fix it (it runs first in each worker process), or set data.num_workers=0 to load in the rank"
+        return LoaderFailed(f"{start}: {said}; {fix}")
     if compat.raised_pickling_a_process(err):
-        return LoaderFailed(
-            f"{start}: the DataLoader cannot be pickled ({first_line(err)}): its workers start from a fork server, "
-            "which gets the data set, sampler, collate_fn and worker_init_fn pickled; define them at a module's top "
-            "level, without lambdas, local classes, open files or generators, or set data.num_workers=0"
-        )
+        how = "its workers start from a fork server, which gets the data set, sampler, collate_fn and worker_init_fn"
+        fix = "define them at a module's top level, without lambdas, local classes, open files or generators"
+        said = f"the DataLoader cannot be pickled ({first_line(err)})"
+        return LoaderFailed(f"{start}: {said}: {how} pickled; {fix}, or set data.num_workers=0")
     what = dataloader_failure((str(err).splitlines() or [""])[0]) if isinstance(err, RuntimeError) else None
     if what is None:
         return None
-    return LoaderFailed(
-        f"rank {rank}: {what} (data.num_workers > 0): its data set's __getitem__ or the collate_fn hangs or crashed "
-        "in a worker process; set data.num_workers=0 to load in the rank and see where, or give the DataLoader a "
-        "timeout=SECONDS of its own if a batch takes longer"
-    )
+    why = "its data set's __getitem__ or the collate_fn hangs or crashed in a worker process"
+    own = "give the DataLoader a timeout=SECONDS of its own if a batch takes longer"
+    fix = f"set data.num_workers=0 to load in the rank and see where, or {own}"
+    return LoaderFailed(f"rank {rank}: {what} (data.num_workers > 0): {why}; {fix}")
