@@ -301,8 +301,7 @@ class ResumableState(pl.Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # An EarlyStopping would check a cut epoch against the validation before the cut (a straight run does not):
-        # its check is skipped, and the checkpoint keeps the flag and states of before (docs/design-notes.md).
+        # A cut epoch's end: no EarlyStopping check, and the checkpoint keeps their states of before (design-notes).
         if epoch_cut(trainer) or self.uncounted():  # a limit, or max_steps inside the epoch's last execution
             states = {cb.state_key: copy.deepcopy(cb.state_dict()) for cb in trainer.early_stopping_callbacks}
             self._cut = self._latched_stop(trainer), states

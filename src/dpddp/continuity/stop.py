@@ -42,7 +42,6 @@ def _preempted(last: Path, step: int) -> Preempted:
     return Preempted(last if last.is_file() else None, step)
 
 
-# -- the sweep ---------------------------------------------------------------------------------------------
 def start(sweep_dir: str | Path) -> None:
     """In the sweep's process, before any job: a fresh stop file named in ``$DPDDP_SWEEP_STOP``; ``watch``."""
     global _requested
@@ -92,7 +91,6 @@ def watch() -> None:
             request()
 
 
-# -- the run -----------------------------------------------------------------------------------------------
 class Phase(Enum):
     """Where a run is, for SIGTERM (``ON_SIGTERM``, ``TRANSITIONS``)."""
 
@@ -275,7 +273,6 @@ def starting_up(scope: RunScope) -> Iterator[None]:
         scope.stop.request()
 
 
-# -- the training loop -------------------------------------------------------------------------------------
 @dataclass
 class Pace:
     """Agree every ``every`` batches (1 to 1000, set by ``agreed`` from the slowest rank's batch time)."""

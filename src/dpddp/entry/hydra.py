@@ -45,6 +45,7 @@ from dpddp.entry.command_line import (
     unreadable_override,
 )
 from dpddp.entry.run_dir import (
+    LIMITS,
     completed_metrics,
     continues,
     directory_problem,
@@ -76,7 +77,6 @@ from dpddp.run.training import isolated_job, objective, train
 log = logging.getLogger(__name__)
 register_resolvers()
 CONFIG_DIR = ".hydra"
-LIMITS = ("max_epochs", "max_steps", "max_time")  # the trainer's limits a finished run continues to
 
 
 OmegaConf.register_new_resolver(  # Hydra's output_subdir for the invocation starting now: the first free name

@@ -14,9 +14,10 @@ from dpddp.continuity.io import CheckpointFacts
 from dpddp.parallel.peers import torchrun_restarted
 from dpddp.run.training import METRIC_KEYS
 
-# The overrides (and sub-keys) that say what a run trains, and of those what a continue may change.
+# The overrides (and sub-keys) that say what a run trains; of those a continue may change the limits and the bar.
 WEIGHTS = ("model", "data", "trainer", "seed")
-CONTINUE_MAY_CHANGE = ("trainer.max_epochs", "trainer.max_steps", "trainer.max_time", "trainer.enable_progress_bar")
+LIMITS = ("max_epochs", "max_steps", "max_time")
+CONTINUE_MAY_CHANGE = (*(f"trainer.{k}" for k in LIMITS), "trainer.enable_progress_bar")
 
 
 def completed_metrics(output_dir: Path) -> dict | None:
