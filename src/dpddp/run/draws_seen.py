@@ -13,8 +13,8 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
-import torchmetrics
 from torch import nn
+from torchmetrics import Metric
 
 from dpddp.data.draws import streams_kept as global_streams_kept
 from dpddp.data.global_batch import YieldedIds
@@ -60,8 +60,7 @@ def _model_kept(model: nn.Module) -> Iterator[None]:
              if k not in internals and isinstance(v, (*PLAIN, torch.Tensor))}  # fmt: skip
     modes = [(m, m.training) for m in model.modules()]
     buffers = {k: v.clone() for k, v in model.state_dict(keep_vars=True).items() if not isinstance(v, nn.Parameter)}
-    metrics = [(m, m.update_count, {k: _copy(v) for k, v in m.metric_state.items()})
-               for m in model.modules() if isinstance(m, torchmetrics.Metric)]  # fmt: skip
+    metrics = [(m, m.update_count, copy.deepcopy(m.metric_state)) for m in model.modules() if isinstance(m, Metric)]
     keys = [(m, m.layer_key) for m in model.modules() if isinstance(m, SampleDropout)]
     try:
         yield
@@ -79,10 +78,6 @@ def _model_kept(model: nn.Module) -> Iterator[None]:
         for layer, key in keys:
             layer.layer_key = key
         model.__dict__.update(plain)  # as set, past nn.Module's and the model's own __setattr__
-
-
-def _copy(value: Any) -> Any:
-    return [v.clone() for v in value] if isinstance(value, list) else value.clone()
 
 
 def global_draws(model: pl.LightningModule, batch: Any, keyed: bool) -> list[Draw]:
