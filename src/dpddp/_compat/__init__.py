@@ -299,7 +299,6 @@ def _hydra_parser() -> argparse.ArgumentParser:
         raise argparse.ArgumentError(None, message)
 
     parser.error = refuse  # type: ignore[method-assign]
-    parser.exit_on_error = False
     return parser
 
 

@@ -102,11 +102,10 @@ class Whereabouts(threading.Thread):
         others: dict[int, tuple[str, int, str] | None] = {}
 
         def read(store: torch.distributed.Store) -> None:
-            for r in range(self.world_size):
+            for r in sorted(set(range(self.world_size)) - {self.rank}):
                 key = f"{self.prefix}where/{r}"
-                if r != self.rank:
-                    found = store.get(key).decode().split("|", 2) if store.check([key]) else None
-                    others[r] = (found[0], int(found[1]), found[2]) if found else None
+                found = store.get(key).decode().split("|", 2) if store.check([key]) else None
+                others[r] = (found[0], int(found[1]), found[2]) if found else None
 
         answered = self._client.bounded("read the ranks' whereabouts", read)
         return describe(self.rank, mine, others) if answered else None

@@ -187,7 +187,7 @@ _warn = rank_zero_only(log.warning)
 
 
 def batchnorm_plugins(cfg: Mapping, model: nn.Module | None = None) -> list[LayerSync]:
-    """``[BatchNormSync]`` under ddp with more than one process, else ``[]``. Raises ``ConfigError``: a bad
+    """``[BatchNormSync]`` under ddp over several processes, else ``[]``. Raises ``ConfigError``: a bad
     ``trainer.sync_batchnorm``, or ``strategy=dp`` over several devices with BatchNorm modules in ``model``."""
     sync = (cfg.get("trainer") or {}).get("sync_batchnorm")
     if not (sync is None or isinstance(sync, bool) or sync == "auto"):

@@ -37,8 +37,7 @@ def _is_loopback(address: str | None) -> bool:
 
 
 def apply_interface(master_addr: str, num_nodes: int) -> str:
-    """Set the variables ``choose_interface`` gives for ``master_addr``; return its reason, for the log. Raises
-    ``ConfigError`` if ``num_nodes > 1`` and a non-loopback ``master_addr`` is reached through loopback here."""
+    """Set ``choose_interface``'s variables for ``master_addr``, return why; ``ConfigError``: nodes over loopback."""
     updates, why = choose_interface(master_addr)
     name = updates.get("GLOO_SOCKET_IFNAME")
     if num_nodes > 1 and name is not None and _is_loopback(interface_address(name)) and not _is_loopback(master_addr):

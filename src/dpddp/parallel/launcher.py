@@ -99,8 +99,7 @@ def _watch_ranks(procs: list[Any], done: threading.Event, grace_s: float = 10.0)
 
 
 def _bind_store_socket(address: str) -> socket.socket:
-    """A listening socket for rank 0's TCPStore on ``address`` only, on ``$MASTER_PORT`` or a free port. Raises
-    ``ConfigError`` if ``MASTER_PORT`` is in use."""
+    """Rank 0's TCPStore socket on ``address`` only, at ``$MASTER_PORT`` or a free port; ``ConfigError`` if taken."""
     port = int(master_address()[1] or 0)
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     try:

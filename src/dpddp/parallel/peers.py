@@ -116,8 +116,7 @@ class PeerWatch(threading.Thread):
                     self._end(self._cause)
 
     def _lost(self, limit: float, said: float | None = None) -> str | None:
-        """The line for node 0's store or the peers silent for more than ``limit`` seconds, or ``None``; it gives
-        ``said`` seconds (the run's limit), else the silence measured."""
+        """The line (``said`` s, else the silence) for node 0's store or peers silent over ``limit`` s, or ``None``."""
         now = time.monotonic()
         if now - self._answered > limit:  # then no peer can be seen either
             why = f" ({self._error})" if self._error else ""
@@ -177,8 +176,7 @@ class PeerWatch(threading.Thread):
 
 
 def join_start(store: Any, rank: int, world_size: int, ranks_per_node: int, timeout_s: float) -> str:
-    """A fresh key prefix in ``store`` agreed with this start's other ranks, e.g. ``"dpddp/3f2a.../"``. Raises
-    ``RankFailed`` naming the nodes and ranks that did not join within ``timeout_s`` seconds."""
+    """A fresh key prefix agreed by this start's ranks in ``store``; ``RankFailed`` naming those not joined in time."""
     deadline = time.monotonic() + timeout_s
     if rank == 0:  # name this start, wait for every other rank's token, list them
         name = uuid.uuid4().hex
@@ -202,9 +200,8 @@ def join_start(store: Any, rank: int, world_size: int, ranks_per_node: int, time
         if joined is not None and store.check([m := f"dpddp/{joined}/members"]) and token in json.loads(store.get(m)):
             return f"dpddp/{joined}/"
         time.sleep(_POLL_S)
-    raise RankFailed(
-        f"node 0 (rank 0) lost: this start was not joined by rank 0 within {timeout_s:.0f} s; ending the run"
-    )
+    late = f"this start was not joined by rank 0 within {timeout_s:.0f} s"
+    raise RankFailed(f"node 0 (rank 0) lost: {late}; ending the run")
 
 
 def torchrun_restarted() -> bool:

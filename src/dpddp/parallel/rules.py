@@ -195,8 +195,7 @@ def lightning_equivalent(name: str) -> tuple[str, ...] | None:
 
 
 def lightning_name_line(name: str, prefix: str = "") -> str | None:
-    """The line for ``<prefix>strategy=<name>``, a Lightning strategy name dpddp has no config for: its
-    ``lightning_equivalent``, or the strategy to use instead; ``None`` for a name Lightning lacks too."""
+    """The line for ``<prefix>strategy=<name>``, a Lightning name dpddp lacks: what to use; ``None`` for others."""
     cls, params = registered_strategies().get(name, (None, {}))
     if name in STRATEGIES or cls is None:
         return None

@@ -94,8 +94,7 @@ def start_workers_safely(loader: object, rank: int) -> object:
 
 
 def loader_failed(err: BaseException, rank: int) -> LoaderFailed | None:
-    """The one-line ``LoaderFailed`` for a DataLoader worker that could not start (``WorkerInitFailed``, a loader
-    the fork server cannot get) or is stuck or dead (torch's ``RuntimeError``), with what to do; else ``None``."""
+    """The one-line ``LoaderFailed`` for a DataLoader worker that could not start or is stuck or dead; else ``None``."""
     start = f"rank {rank}: a DataLoader worker could not start (data.num_workers > 0)"
     if isinstance(err, WorkerInitFailed):
         said = str(err).rstrip().splitlines()[-1].split(f"{WorkerInitFailed.__name__}: ", 1)[-1]
