@@ -28,8 +28,7 @@ from dpddp.nn import select_sample_part, select_sample_row
 
 log = logging.getLogger(__name__)
 
-STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
-"""The hooks Lightning calls inside each optimizer step."""
+STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")  # in each optimizer step
 SKIPPED_HOOKS = ("optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping", "on_before_zero_grad")
 """The module's hooks that automatic optimization calls each step and an execution's steps do not."""
 BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end")
@@ -52,10 +51,9 @@ def execution_steps(batch: Any, steps: int) -> int:
 
 
 class StepsPerExecution(pl.Callback):
-    """Replaces ``module``'s ``training_step`` by manual optimization: ``zero_grad``, backward, ``clip`` and
-    ``step`` for each of an execution's ``steps`` global batches (to ``max_steps``: ``cut``), so the weights equal
-    ``K=1``'s; ``micro`` (samples, or ``"auto"``: halved on out of memory) splits each step's share; ``auto``: K was
-    chosen by ``steps_per_execution=auto``. Raises ``ConfigError`` for what the weights could not equal K=1's in."""
+    """Replaces ``module``'s ``training_step`` by one optimizer step per global batch of an execution's ``steps``
+    (to ``max_steps``: ``cut``), the weights equal to ``K=1``'s; ``micro`` (samples, or ``"auto"``: halved on out of
+    memory) splits each step's share. Raises ``ConfigError`` where the weights could not equal K=1's."""
 
     def __init__(
         self,

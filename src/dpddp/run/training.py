@@ -53,8 +53,7 @@ def train(
     cfg: DictConfig, output_dir: str | Path, stage: str = "fit", extra: dict | None = None, plan: Plan | None = None
 ) -> dict[str, Any]:
     """Run ``stage`` of ``cfg`` on its ``plan`` (``fit``: then test, and predict with ``predict=true``; ``eval``:
-    validate and test). Returns ``metrics.json``'s metrics with ``extra``; raises ``ConfigError``, ``RankFailed``,
-    ``Preempted``."""
+    validate and test); ``metrics.json``'s metrics with ``extra``. Raises ConfigError, RankFailed, Preempted."""
     start, output_dir = time.perf_counter(), Path(output_dir)
     with run_stops(output_dir) as running:
         with starting_up(running):  # the check is the start-up's: a SIGTERM in it is held to its end
