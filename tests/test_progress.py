@@ -13,7 +13,7 @@ from conftest import QUIET, ROOT, child_env, compose_cfg, leftover, train_py_her
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from PIL import Image
 
-from dpddp.report.bars import RichBar, TQDMBar
+from dpddp.report.bars import TQDMBar
 from dpddp.report.curves import write_plot
 from dpddp.report.epochs import EPOCH_COLUMNS
 from dpddp.run import assembly
@@ -108,14 +108,14 @@ def test_plot_of_a_run_and_of_a_sweep(tmp_path):
 
 
 @pytest.mark.parametrize(("kind", "k"), [("rich", 1), ("tqdm", 1), ("rich", 16), ("tqdm", 16)])
-def test_the_bar_shows_at_most_ten_updates_a_second_and_every_loops_last_batch(tmp_path, monkeypatch, kind, k):
-    """A bar update costs more than a tiny training step: the bar skips the updates of batches that end within
-    0.1 s of the last one shown, never the last batch of a loop (so it ends where Lightning's does). With
-    ``steps_per_execution=16`` it counts global batches, as with 1: 800, not 50 executions."""
+def test_the_bar_counts_optimizer_steps_under_any_steps_per_execution(tmp_path, monkeypatch, kind, k):
+    """Lightning's own bar, shown at every loop's last batch; with ``steps_per_execution=16`` it counts global
+    batches, as with 1: 800 of 800 (every 16th), not 50 executions."""
     base = RichProgressBar if kind == "rich" else TQDMProgressBar
     if kind == "tqdm":  # the tqdm bar is the one without rich installed
-        monkeypatch.setattr(assembly, "RichBar", TQDMBar)
+        monkeypatch.setattr(assembly, "RichBar", lambda **_: TQDMBar())
     shown: dict[str, list[int]] = {}
+    at_epoch_end = []
 
     def spy(hook, update):
         def shows(self, trainer, pl_module, outputs, batch, batch_idx, *rest):
@@ -124,8 +124,20 @@ def test_the_bar_shows_at_most_ten_updates_a_second_and_every_loops_last_batch(t
 
         return shows
 
+    def train_bar(self):
+        if isinstance(self, TQDMProgressBar):
+            return self.train_progress_bar.n, self.train_progress_bar.total
+        (task,) = [t for t in self.progress.tasks if t.id == self.train_progress_bar_id]
+        return task.completed, task.total
+
+    def epoch_end(self, trainer, pl_module):
+        base_epoch_end(self, trainer, pl_module)
+        at_epoch_end.append(train_bar(self))
+
     for hook in ("on_train_batch_end", "on_validation_batch_end", "on_test_batch_end"):
         monkeypatch.setattr(base, hook, spy(hook, getattr(base, hook)))
+    base_epoch_end = base.on_train_epoch_end
+    monkeypatch.setattr(base, "on_train_epoch_end", epoch_end)
     sizes = ["data.num_samples=8000", "data.batch_size=8", "trainer.max_epochs=1"]  # 800, 100 and 100 batches
     train(
         compose_cfg(
@@ -136,8 +148,8 @@ def test_the_bar_shows_at_most_ten_updates_a_second_and_every_loops_last_batch(t
     assert {hook: seen[-1] for hook, seen in shown.items()} == {
         "on_train_batch_end": 800, "on_validation_batch_end": 100, "on_test_batch_end": 100
     }  # fmt: skip
-    assert len(shown["on_train_batch_end"]) < 800 // 4
-    assert RichBar().refresh_rate == 10  # redraws a second (Lightning's: 100)
+    assert shown["on_train_batch_end"] == list(range(k, 801, k))
+    assert at_epoch_end == [(800, 800)]
 
 
 @pytest.mark.slow

@@ -233,7 +233,7 @@ def build_trainer(
     flags = {k: v for k, v in (cfg.trainer or {}).items() if k != "enable_progress_bar"}
     bar = (cfg.trainer or {}).get("enable_progress_bar")  # null: Lightning's bar on a terminal only
     bar = sys.stdout.isatty() if bar is None else bool(bar)
-    bars = [RichBar() if importlib.util.find_spec("rich") else TQDMBar()] if bar else []
+    bars = [RichBar(refresh_rate=10) if importlib.util.find_spec("rich") else TQDMBar()] if bar else []
     if executions is not None:  # it clips (Lightning refuses clipping under the manual optimization it runs)
         flags = {k: v for k, v in flags.items() if k not in ("gradient_clip_val", "gradient_clip_algorithm")}
     batchnorm = batchnorm_plugins(cfg, model)  # before the Trainer: its refusals are dpddp's own lines
