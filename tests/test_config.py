@@ -15,8 +15,7 @@ from dpddp.errors import ConfigError
 from dpddp.models.linear import LinearClassifier
 from dpddp.parallel.dp import OneProcessStrategy
 from dpddp.run.assembly import build_strategy
-from dpddp.run.config import check_config
-from dpddp.run.plain import check_resolvable
+from dpddp.run.config import check_config, check_resolvable
 
 
 def _defaults(cls):

@@ -7,7 +7,7 @@ import inspect
 import math
 import re
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,14 +35,51 @@ from dpddp.data.rules import check_divides, check_micro_batch_size, check_random
 from dpddp.data.sharded import ShardedDataModule
 from dpddp.data.streams import StreamDataModule
 from dpddp.errors import ConfigError, checked_float, checked_int, unwritable
+from dpddp.messages import omegaconf_reason
 from dpddp.models.classifier import OPTIMIZERS, Classifier
 from dpddp.parallel.rules import DDP_FAMILY, World, resolve_world
 from dpddp.report.trackers import logger_specs
 from dpddp.run.assembly import compile_mode, epoch_lines
 from dpddp.run.build import build
 from dpddp.run.keys import TOP_LEVEL_KEYS, allowed_keys, check_keys, check_targets, target_class, with_defaults
-from dpddp.run.plain import check_resolvable
 from dpddp.run.trainer_flags import refused_flag
+
+
+def _interpolations(node: Any, path: tuple = ()) -> Iterable[tuple[tuple, str]]:
+    """``(path, value)`` of every string holding an interpolation in the unresolved container ``node``."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        if isinstance(value, str) and "${" in value:
+            yield (*path, key), value
+        else:
+            yield from _interpolations(value, (*path, key))
+
+
+def check_resolvable(cfg: DictConfig) -> None:
+    """``ConfigError`` for the first interpolation of ``cfg`` (outside ``hydra``) that does not resolve."""
+    for path, value in _interpolations(OmegaConf.to_container(cfg, resolve=False)):
+        if path[0] == "hydra":
+            continue
+        dotted = "".join(f"[{p}]" if isinstance(p, int) else f"{'.' if i else ''}{p}" for i, p in enumerate(path))
+        try:
+            node: Any = cfg
+            for key in path:  # not OmegaConf.select: its dotted grammar reads a key "a.b" as two keys
+                node = node[key]
+        except Exception as err:  # OmegaConf's resolution errors, or a resolver's own
+            reason = omegaconf_reason((str(err).splitlines() or [type(err).__name__])[0])
+            env = re.search(r"\$\{oc\.env:([^,}]+)", value)
+            fix = (
+                f"set {env.group(1)} in the environment, or give a default: ${{oc.env:{env.group(1)},<default>}}"
+                if env
+                else "give a value, or interpolate a key that exists (e.g. ${data.num_features})"
+            )
+            if path[0] == "model" and value == f"${{data.{path[-1]}}}":  # the model's sizes follow the data's
+                fix = (
+                    f"the data has no {path[-1]} to follow: give the model's sizes (model.num_features=<features per "
+                    "sample> model.num_classes=<classes>), or, for a class that takes neither, give model a yaml of "
+                    "its own (conf/model/<name>.yaml)"
+                )
+            raise ConfigError(f"{dotted}={value!r} cannot be resolved ({reason}): {fix}") from err
 
 
 def _check_val_interval(trainer: Mapping, batches: int) -> None:
