@@ -85,17 +85,6 @@ def _single_optimizer(conf: Any) -> torch.optim.Optimizer | None:
     return conf if isinstance(conf, torch.optim.Optimizer) else None
 
 
-def _median_seconds(step: Callable[[], None], reps: int) -> float:
-    """The median seconds of ``step()`` over ``reps`` calls after one warm-up call."""
-    step()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _probe(
     model: pl.LightningModule, datamodule: GlobalBatchDataModule, share: int, device: torch.device
 ) -> float | str:
@@ -133,11 +122,12 @@ def _probe(
         first = time.perf_counter() - start
         if not all(returned):
             return f"{type(model).__name__}.training_step returned None (a skipped step)"
-        if first < LOOP_OVERHEAD_S / OVERHEAD_SHARE:
-            return _median_seconds(step, PROBE_STEPS)
-        start = time.perf_counter()  # a slow warm-up (one-time costs, a busy machine): one more step decides
-        step()
-        return time.perf_counter() - start
+        times = []  # after a slow warm-up (one-time costs, a busy machine), one more step decides
+        for _ in range(PROBE_STEPS if first < LOOP_OVERHEAD_S / OVERHEAD_SHARE else 1):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
 
 
 def _agreed(plan: Plan, measure: Callable[[], tuple[int, str]]) -> tuple[int, str]:
