@@ -33,21 +33,13 @@ def curves(path: str | Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
     runs = [path] if (path / "metrics.csv").is_file() else sorted(jobs, key=lambda p: int(p.name))
     if not runs:
         raise FileNotFoundError(f"no metrics.csv in {path} or in its job directories")
-    labels = [path.name]
-    if runs != [path]:
-        given, _ = varying([job_overrides(run) for run in runs])
-        labels = [" ".join([run.name, *job]) for run, job in zip(runs, given, strict=True)]
+    given = varying([job_overrides(run) for run in runs])[0] if runs != [path] else [[]]  # a run: its name
     found = {}
-    for run, label in zip(runs, labels, strict=True):
-        series: dict[str, list[tuple[int, float]]] = {key: [] for key in SERIES}
+    for run, job in zip(runs, given, strict=True):
         with open(run / "metrics.csv", newline="") as f:
-            for row in csv.DictReader(f):
-                if row["stage"] != "fit":
-                    continue
-                for key, points in series.items():
-                    if row.get(key):
-                        points.append((int(row["epoch"]), float(row[key])))
-        found[label] = series
+            rows = [row for row in csv.DictReader(f) if row["stage"] == "fit"]
+        series = {k: [(int(r["epoch"]), float(r[k])) for r in rows if r.get(k)] for k in SERIES}
+        found[" ".join([run.name, *job])] = series
     return found
 
 

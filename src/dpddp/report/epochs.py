@@ -98,7 +98,7 @@ class EpochRecord(pl.Callback):
             "epoch_s": seconds,
             "samples_per_sec": self._samples / seconds if seconds > 0 else float("nan"),
             "world_size": trainer.world_size,
-            "validation": dict(self.table.validation),
+            **self.table.validation,  # the epoch's last validation, before a stop inside it too
             **(self.costs.epoch if self.costs is not None else {}),
         }
 
@@ -148,10 +148,8 @@ class EpochRecord(pl.Callback):
         """Complete the pending row with the epoch's metrics; write it and log its line (rank 0)."""
         if self._pending is None:
             return
-        row, self._pending = self._pending, None
-        validation, metrics = row.pop("validation"), trainer.callback_metrics
+        row, self._pending, metrics = self._pending, None, trainer.callback_metrics
         row.update({"train/loss": float(metrics["train/loss"])} if "train/loss" in metrics else {})
-        row.update(validation)  # the epoch's last validation, before a stop inside it too
         self.table.rows.append(row)
         if trainer.is_global_zero:
             self._write([row], "a")
