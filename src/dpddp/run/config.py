@@ -67,18 +67,16 @@ def check_resolvable(cfg: DictConfig) -> None:
                 node = node[key]
         except Exception as err:  # OmegaConf's resolution errors, or a resolver's own
             reason = omegaconf_reason((str(err).splitlines() or [type(err).__name__])[0])
-            env = re.search(r"\$\{oc\.env:([^,}]+)", value)
-            fix = (
-                f"set {env.group(1)} in the environment, or give a default: ${{oc.env:{env.group(1)},<default>}}"
-                if env
-                else "give a value, or interpolate a key that exists (e.g. ${data.num_features})"
-            )
             if path[0] == "model" and value == f"${{data.{path[-1]}}}":  # the model's sizes follow the data's
                 fix = (
                     f"the data has no {path[-1]} to follow: give the model's sizes (model.num_features=<features per "
                     "sample> model.num_classes=<classes>), or, for a class that takes neither, give model a yaml of "
                     "its own (conf/model/<name>.yaml)"
                 )
+            elif env := re.search(r"\$\{oc\.env:([^,}]+)", value):
+                fix = f"set {env.group(1)} in the environment, or give a default: ${{oc.env:{env.group(1)},<default>}}"
+            else:
+                fix = "give a value, or interpolate a key that exists (e.g. ${data.num_features})"
             raise ConfigError(f"{dotted}={value!r} cannot be resolved ({reason}): {fix}") from err
 
 
@@ -153,28 +151,26 @@ EXECUTION_LIMITS = (
 )
 
 
-def _broken_limit(cfg: Mapping, limits: tuple) -> tuple[str, Any, str] | None:
-    """The first of ``limits`` (setting, the values that can, why) that ``cfg`` breaks, as (setting, value, why)."""
+def _broken_limit(cfg: Mapping, limits: tuple) -> tuple[str, str] | None:
+    """The first of ``limits`` (setting, the values that can, why) that ``cfg`` breaks: ``(setting=value, why)``."""
     for name, ok, why in limits:
         section, _, key = name.rpartition(".")
         value = (cfg[section] or {}).get(key) if section else cfg["strategy"]["name"]
         if value not in ok:
-            return name, value, why
+            return f"{name}={value!r}", why
     return None
 
 
 def _check_limits(cfg: Mapping, limits: tuple, setting: str, fix: str) -> None:
     """``ConfigError`` for the first of ``limits`` that ``cfg`` breaks with ``setting`` given; ``fix`` ends the line."""
     if broken := _broken_limit(cfg, limits):
-        name, value, why = broken
-        raise ConfigError(f"{name}={value!r} cannot be kept with {setting} ({why}): remove it, or {fix}")
+        raise ConfigError(f"{broken[0]} cannot be kept with {setting} ({broken[1]}): remove it, or {fix}")
 
 
 def execution_refusal(cfg: Mapping) -> str | None:
     """Why ``cfg`` cannot run with ``steps_per_execution`` above 1 (``"<setting>=<value>: <why>"``), or ``None``."""
     if broken := _broken_limit(cfg, EXECUTION_LIMITS):
-        name, value, why = broken
-        return f"{name}={value!r}: {why}"
+        return ": ".join(broken)
     if not issubclass(target_class("data", cfg["data"]), GlobalBatchDataModule):
         return f"data._target_={cfg['data']['_target_']}: not a dpddp.data.global_batch.GlobalBatchDataModule"
     if (collate := cfg["data"].get("collate_fn")) is not None:
@@ -333,7 +329,7 @@ def _check_settings(cfg: DictConfig, stage: str) -> World:
                 raise ConfigError(f"steps_per_execution={k} with {refusal}: use steps_per_execution=1")
     check_micro_batch_size(micro := (cfg["data"] or {}).get("micro_batch_size"))
     if micro is not None:
-        _check_limits(cfg, MICRO_BATCH_LIMITS, f"data.micro_batch_size={micro}", "data.micro_batch_size")
+        _check_limits(cfg, MICRO_BATCH_LIMITS, f"data.micro_batch_size={micro}", "remove data.micro_batch_size")
     if (mode := compile_mode(cfg)) is not None:
         setting = "compile=true" if cfg.get("compile") is True else f"compile={mode}"
         _check_limits(cfg, COMPILE_LIMITS, setting, "use compile=false")
