@@ -7,12 +7,11 @@ import importlib.util
 import inspect
 import itertools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import IntervalSweep, Override, RangeSweep, ValueType
@@ -42,30 +41,19 @@ GROUPS = ("strategy", *SECTIONS, *PRESETS)
 
 def unknown_option(argv: list[str]) -> str | None:
     """The line for the first ``group=option`` override with no such option (a Lightning strategy: its line)."""
-    dirs = [Path(str(files("dpddp.conf")))]
-    for i, arg in enumerate(argv):
-        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
-            dirs.append(Path(argv[i + 1]))
-        elif arg.startswith("--config-dir="):
-            dirs.append(Path(arg.split("=", 1)[1]))
-        elif "hydra.searchpath" in arg:
-            return None
+    if any("hydra.searchpath" in arg for arg in argv):
+        return None
+    args = hydra_command_line(argv)
+    dirs = [Path(str(files("dpddp.conf"))), *([Path(args.config_dir)] if args and args.config_dir else [])]
     for arg in argv:
         key, sep, value = arg.partition("=")
         key = key.lstrip("+~")
-        hydra_group = key.startswith("hydra/")  # Hydra's own group: its options, its plugins' included
-        if not sep or not (key in GROUPS or hydra_group) or "(" in value:
+        if not sep or key not in GROUPS or "(" in value:  # Hydra's own groups (hydra/launcher): Hydra's failure
             continue
         for option in value.removeprefix("[").removesuffix("]").split(","):  # a list: callbacks=[a,b]
             if option not in ("", "null") and not any((d / key / f"{option}.yaml").is_file() for d in dirs):
                 if key == "strategy" and (line := lightning_name_line(option)):
                     return line
-                if hydra_group:
-                    with initialize_config_module(config_module="dpddp.conf", version_base="1.3"):
-                        known = GlobalHydra.instance().config_loader().get_group_options(key)
-                    if option in known or not known:
-                        continue
-                    return f"{key}={option} is unknown: choose one of {', '.join(known)}"  # Hydra's line (-m)
                 known = sorted({p.stem for d in dirs for p in (d / key).glob("*.yaml")})
                 near = difflib.get_close_matches(option, known, n=1, cutoff=0.6)
                 hint = f" (did you mean {near[0]}?)" if near else ""
@@ -73,15 +61,13 @@ def unknown_option(argv: list[str]) -> str | None:
     return None
 
 
-def dotted_keys(cfg: Container | dict, prefix: str = "") -> list[str]:
+def dotted_keys(cfg: Container | dict, prefix: str = "") -> Iterator[str]:
     """Every key of ``cfg`` at any depth, dotted, unresolved (a list's items not named)."""
-    found: list[str] = []
     node: Any = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=False)
     for key, value in node.items():
-        found.append(f"{prefix}{key}")
+        yield f"{prefix}{key}"
         if isinstance(value, dict):
-            found += dotted_keys(value, f"{prefix}{key}.")
-    return found
+            yield from dotted_keys(value, f"{prefix}{key}.")
 
 
 def key_hints(key: str, cfg: DictConfig, instead: str = "") -> str:
@@ -101,17 +87,6 @@ def key_hints(key: str, cfg: DictConfig, instead: str = "") -> str:
             verb = "has" if len(having) == 1 else "have"
             said.append(f"the chosen {group} config has none; {group}={', '.join(having)} {verb} one")
     return f" ({'; '.join(said)})" if said else ""
-
-
-def missing_key_line(line: str, key: str, cfg: DictConfig, instead: str | None) -> str:
-    """The line for the override ``line`` of ``key``, which ``cfg`` lacks: ``key_hints``, ``instead`` or ``+key``."""
-    head, dot, rest = key.partition(".")
-    if instead is not None and dot and (near := re.fullmatch(r"did you mean (\w+)\?", instead)):
-        if f"{near.group(1)}.{rest}" in dotted_keys(cfg):  # mdoel.lr: model.lr, not model
-            instead = f"did you mean {near.group(1)}.{rest}?"
-    if instead is not None:
-        return f"{line}: the config has no key {key}{key_hints(key, cfg, instead)}: {instead}"
-    return f"{line}: the config has no key {key}{key_hints(key, cfg)}: give a key it has, or add a new one with +{line}"
 
 
 MODES: tuple[tuple[str, str], ...] = (("run", "--run (-r)"), ("multirun", "--multirun (-m)"), ("cfg", "--cfg (-c)"))
@@ -228,13 +203,18 @@ def refused_override(override: Any, cfg: DictConfig, err: Exception) -> str:
     cause = err.__cause__
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
         instead = key_hint(cfg, key)  # what works where +key would not
-        section, _, option = key.partition(".")
-        if instead is None and section == "strategy" and option in DDP_OPTIONS:  # +key's value refused next: now
+        section, _, rest = key.partition(".")
+        if instead is None and section == "strategy" and rest in DDP_OPTIONS:  # +key's value refused next: now
             try:
-                check_strategy_options({option: override.value()})
+                check_strategy_options({rest: override.value()})
             except ConfigError as refused:
                 return str(refused)
-        return missing_key_line(line, key, cfg, instead)
+        if instead is None:
+            fix = f"give a key it has, or add a new one with +{line}"
+            return f"{line}: the config has no key {key}{key_hints(key, cfg)}: {fix}"
+        if (near := re.fullmatch(r"did you mean (\w+)\?", instead)) and f"{near[1]}.{rest}" in dotted_keys(cfg):
+            instead = f"did you mean {near[1]}.{rest}?"  # mdoel.lr: model.lr, not model
+        return f"{line}: the config has no key {key}{key_hints(key, cfg, instead)}: {instead}"
     reason = (str(cause or err).splitlines() or [type(err).__name__])[0]
     return f"{line} cannot be applied ({reason}): give {key} a value it takes"
 
