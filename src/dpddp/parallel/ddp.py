@@ -75,12 +75,10 @@ class DDPStrategy(LightningDDPStrategy):
         self._layout: dict[int, list[int]] = {}  # PowerSGD: each bucket's parameters, as the last backward had them
         self._restored_layout: list[list[int]] | None = None
         self._param_index: dict[int, int] = {}
-        timer = AllReduceTimer(COMM_HOOKS[hook]) if hook in COMM_HOOKS else AllReduceTimer() if hook is None else None
-        self._hook = None if timer is None else timer.hook if self.comm_state is None else self._recording_hook
-        if self._hook is not None:
-            kwargs["ddp_comm_hook"] = self._hook
+        self.allreduce_timer = AllReduceTimer() if hook is None else AllReduceTimer(COMM_HOOKS[hook])  # a name checked
+        self._hook = self.allreduce_timer.hook if self.comm_state is None else self._recording_hook
+        kwargs["ddp_comm_hook"] = self._hook
         super().__init__(timeout=self.pg_timeout, **kwargs)
-        self.allreduce_timer = timer
         self.job, self.launch_mode = job, launch
         self.supervisor: JobLauncher | None = None  # the launcher that started this node's other ranks, if ours did
         self._peer_watch: PeerWatch | None = None
@@ -164,13 +162,12 @@ class DDPStrategy(LightningDDPStrategy):
             super().configure_ddp()
         if self.comm_state is not None:
             self._param_index = {id(p): i for i, p in enumerate(params)}
-        if self.root_device.type != "cuda" and self._hook is not None:
+        if self.root_device.type != "cuda":
             assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
             self.model.register_comm_hook(self.comm_state, self._hook)
 
     def _recording_hook(self, state: Any, bucket):  # no annotations on bucket and the return: DDP checks them
         self._layout[bucket.index()] = [self._param_index[id(p)] for p in bucket.parameters()]
-        assert self.allreduce_timer is not None
         return self.allreduce_timer.hook(state, bucket)
 
     def comm_state_dict(self) -> dict[str, Any] | None:
