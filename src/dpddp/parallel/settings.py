@@ -1,4 +1,4 @@
-"""The strategy, accelerator and cluster names and their checks, without torch (answered before its import)."""
+"""The strategy, accelerator and cluster names and their checks."""
 
 from __future__ import annotations
 
@@ -9,15 +9,6 @@ from dpddp.errors import ConfigError, checked_int
 STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 CLUSTERS = ("auto", "kubeflow")
-
-_UNUSED = ("", "_find_unused_parameters_false", "_find_unused_parameters_true")
-_DDP = {f"ddp{kind}{unused}" for kind in ("", "_fork", "_notebook", "_spawn") for unused in _UNUSED}
-LIGHTNING_STRATEGIES = frozenset(
-    _DDP
-    | {"deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3"}
-    | {"deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", "dp", "fsdp", "fsdp_cpu_offload"}
-    | {"single_device", "single_tpu", "single_xla", "xla", "xla_debug"}
-)  # the names in Lightning 2.6.6's StrategyRegistry (tests/test_early.py checks them)
 
 
 def check_device_values(cfg: Mapping) -> None:
