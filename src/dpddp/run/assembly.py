@@ -47,7 +47,7 @@ from dpddp.report.trackers import TrackerRuns, is_tracker, logger_specs, tracker
 from dpddp.run.build import build
 from dpddp.run.draws_seen import draws_line, find_draws
 from dpddp.run.executions import StepsPerExecution
-from dpddp.run.trainer_flags import TRAINER_ERRORS, refused_flag
+from dpddp.run.trainer_flags import TRAINER_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -261,8 +261,8 @@ def build_trainer(
                 *batchnorm,
             ],
         )
-    except TRAINER_ERRORS as err:  # a flag's value: check_config has said it; a pair of them: Lightning's line
-        raise ConfigError(refused_flag(cfg.trainer or {}) or f"trainer: {first_line(err)}") from err
+    except TRAINER_ERRORS as err:  # the flags alone passed check_config: with the strategy or plugins, Lightning's line
+        raise ConfigError(f"trainer: {first_line(err)}") from err
     skip_empty_batch_hooks(trainer.callbacks)  # type: ignore[attr-defined]  # Lightning's default ones included
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, BaseFinetuning):

@@ -8,7 +8,7 @@ import logging
 import types
 import typing
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -19,20 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from dpddp.messages import jsonargparse_refusal
 from dpddp.run.keys import TRAINER_OWNED
 
-TRAINER_ERRORS = (ValueError, TypeError, ImportError, MisconfigurationException)
-"""What ``pl.Trainer`` raises for a flag it refuses (``ImportError``: a precision whose package is missing)."""
+TRAINER_ERRORS = (ValueError, TypeError, ImportError, MisconfigurationException)  # ImportError: a missing package
 _BARE = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "accelerator": "cpu"}
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Lightning's lines and warnings at a Trainer's construction, muted (the run's Trainer says them)."""
-    with warnings.catch_warnings(), contextlib.ExitStack() as restore:
-        warnings.simplefilter("ignore")
-        for lg in (logging.getLogger("lightning.pytorch"), logging.getLogger("lightning.fabric")):
-            restore.callback(lg.setLevel, lg.level)
-            lg.setLevel(logging.ERROR)
-        yield
 
 
 def _accepts(hint: Any) -> str:
@@ -79,7 +67,11 @@ def refused_flag(trainer: Mapping[str, Any]) -> str | None:
     if problem := _mistyped(flags):
         return problem
     defaults = inspect.signature(pl.Trainer.__init__).parameters
-    with _quiet():
+    with warnings.catch_warnings(), contextlib.ExitStack() as restore:  # the run's own Trainer says its lines
+        warnings.simplefilter("ignore")
+        for lg in (logging.getLogger("lightning.pytorch"), logging.getLogger("lightning.fabric")):
+            restore.callback(lg.setLevel, lg.level)
+            lg.setLevel(logging.ERROR)
         try:
             pl.Trainer(**{**_BARE, **flags})
             return None
