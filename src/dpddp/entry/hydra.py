@@ -140,10 +140,11 @@ def run_job(cfg: DictConfig, late: list[Callable[[], str]]) -> float:
     dirs = invocations(output_dir, CONFIG_DIR)
     if dirs and hydra_cfg.output_subdir is not None:  # None: a rank other than 0 (it writes no config)
         log.info(f"invocation {len(dirs)} into this run directory: config and overrides in {dirs[-1].name}/")
-    if plan.resume == "finished":  # train.log says what the job continues from
+    own = cfg.get("ckpt_path") == str(output_dir / "checkpoints" / "last.ckpt")  # train.log: what the job continues
+    if own and (output_dir / "metrics.json").is_file():
         limits = [f"trainer.{k}={cfg.trainer.get(k)}" for k in LIMITS if cfg.trainer.get(k) not in (None, -1)]
         log.info(f"continuing finished job from {cfg.ckpt_path} to {', '.join(limits)}")
-    elif plan.resume == "interrupted":
+    elif own:
         log.info(f"resuming interrupted job from {cfg.ckpt_path}")
     elif cfg.get("resume") and cfg.get("ckpt_path") is None:
         log.info("resume=true but there is no checkpoints/last.ckpt in the run directory: starting fresh")
@@ -182,7 +183,7 @@ def job_plan(cfg: DictConfig, stage: str) -> Plan | str:
         return _plan(cfg, lambda: output_dir, stage)
     ckpt = cfg.get("ckpt_path")  # StartChecks' decision, made absolute there
     facts = CheckpointFacts.of(ckpt, readable(ckpt)) if ckpt else None
-    return Plan(cfg, stage, world_of(cfg), facts, _resume_kind(cfg, output_dir))
+    return Plan(cfg, stage, world_of(cfg), facts)
 
 
 def _plan(job: DictConfig, directory: Callable[[], Path], stage: str) -> Plan | str:
@@ -212,15 +213,8 @@ def _plan(job: DictConfig, directory: Callable[[], Path], stage: str) -> Plan | 
         return plan
     if done is not None and (limit := reached_limit(job.trainer, facts)):
         return f"nothing to train: {last} is already at {limit}; raise it to continue the run"
-    job.ckpt_path = str(last)
-    return replace(plan, checkpoint=check_checkpoint(job, stage, loaded), resume=_resume_kind(job, output_dir))
-
-
-def _resume_kind(cfg: DictConfig, output_dir: Path) -> str | None:
-    """``"finished"`` or ``"interrupted"`` when ``cfg.ckpt_path`` is the run's own ``last.ckpt``, else ``None``."""
-    if cfg.get("ckpt_path") != str(output_dir / "checkpoints" / "last.ckpt"):
-        return None
-    return "finished" if (output_dir / "metrics.json").is_file() else "interrupted"
+    job.ckpt_path = to_absolute_path(str(last))
+    return replace(plan, checkpoint=check_checkpoint(job, stage, loaded))
 
 
 def _job_failed(num: int, output_dir: Path, line: str) -> float:

@@ -46,11 +46,10 @@ from dpddp.run.training import STAGES, isolated_job, train
 # jsonargparse 4.49 renamed ArgumentParser.save's skip_none to skip_unset (the old name warns, and goes in 5.0).
 SKIP_UNSET = compare_version("jsonargparse", operator.ge, "4.49", use_base_version=True)  # 4.49.0rc1 too
 KEEP_NONE = {"skip_unset" if SKIP_UNSET else "skip_none": False}
-DEFAULT_CLASSES = {
+DEFAULT_CLASSES = {  # the classes --model/--data name when a command line names none
     "model": "dpddp.models.linear.LinearClassifier",
     "data": "dpddp.data.random_tensors.RandomTensorDataModule",
 }
-"""The classes ``--model``/``--data`` name when a command line names none."""
 HELP = (
     "Train, validate, test or predict any LightningModule (--model=pkg.Class, default: {model}) on any "
     "LightningDataModule (--data=pkg.Class, default: {data}) through dpddp: the checks, strategies "
