@@ -168,11 +168,8 @@ class PeerWatch(threading.Thread):
 
     def report(self, line: str) -> None:
         """Tell the peers why this rank is failing (the first report wins). Never raises."""
-        self._client.bounded(
-            "report the failure to the store",
-            lambda store: store.compare_set(f"{self.prefix}cause", "", line),
-            connect=False,
-        )
+        key = f"{self.prefix}cause"
+        self._client.bounded("report the failure to the store", lambda s: s.compare_set(key, "", line), connect=False)
 
 
 def join_start(store: Any, rank: int, world_size: int, ranks_per_node: int, timeout_s: float) -> str:
