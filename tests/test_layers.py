@@ -128,9 +128,9 @@ def _python(code: str) -> str:
 
 @pytest.mark.slow
 def test_import_dpddp_loads_nothing_else_and_lightning_s_import_registers_dp():
-    """``import dpddp`` imports no other module of the project, nor torch or Lightning (so that a bad setting is
-    answered before them); ``lightning.pytorch`` imported after it, or before it, has ``dp`` registered
-    (``dpddp.parallel.dp``, the only other module loaded)."""
+    """``import dpddp`` imports no other module of the project, nor torch or Lightning (so that a launcher variable
+    that is no integer is refused before them); ``lightning.pytorch`` imported after it, or before it, has ``dp``
+    registered (``dpddp.parallel.dp``, the only other module loaded)."""
     heavy = "import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in ('dpddp', 'torch', 'lightning')))"
     assert ast.literal_eval(_python(f"import dpddp; {heavy}")) == ["dpddp"]
     registered = "from lightning.pytorch.strategies import StrategyRegistry as R; print('dp' in R)"
