@@ -203,24 +203,6 @@ def check_precision(cfg: Mapping, world: World) -> None:
         )
 
 
-def _check_checkpointing(cfg: Mapping) -> None:
-    """``trainer.enable_checkpointing=false`` with a ``ModelCheckpoint`` callback (Lightning refuses the pair)."""
-    if (cfg["trainer"] or {}).get("enable_checkpointing") is not False:
-        return
-    found = [
-        f"callbacks.{key}"
-        for key, spec in (cfg.get("callbacks") or {}).items()
-        if spec and issubclass(target_class(f"callbacks.{key}", spec), ModelCheckpoint)
-    ]
-    if found:
-        drop = " ".join(f"{key}=null" for key in found)
-        raise ConfigError(
-            f"trainer.enable_checkpointing=False cannot be kept with {', '.join(found)} (ModelCheckpoint callbacks): "
-            f"drop them too for a run that saves no checkpoint and cannot be continued ({drop}), or remove "
-            "trainer.enable_checkpointing"
-        )
-
-
 def needs_logger(cls: type) -> bool:
     """Whether a method of ``cls`` (or a base) raises under Lightning's ``if not trainer.loggers``, read from source."""
     for base in cls.__mro__:
@@ -355,7 +337,18 @@ def _check_settings(cfg: DictConfig, stage: str) -> World:
         )
     if problem := refused_flag(cfg["trainer"] or {}):
         raise ConfigError(problem)
-    _check_checkpointing(cfg)
+    if (cfg["trainer"] or {}).get("enable_checkpointing") is False:  # Lightning's refusal of the pair names no fix
+        found = [
+            f"callbacks.{key}"
+            for key, spec in (cfg.get("callbacks") or {}).items()
+            if spec and issubclass(target_class(f"callbacks.{key}", spec), ModelCheckpoint)
+        ]
+        if found:
+            raise ConfigError(
+                f"trainer.enable_checkpointing=False cannot be kept with {', '.join(found)} (ModelCheckpoint "
+                "callbacks): drop them too for a run that saves no checkpoint and cannot be continued "
+                f"({' '.join(f'{key}=null' for key in found)}), or remove trainer.enable_checkpointing"
+            )
     _check_callback_needs(cfg)
     _check_checkpoint_dirs(cfg)
     for key in ("resume", "predict", "print_config", "curves"):  # the top-level switches
