@@ -18,8 +18,9 @@ from dpddp.data.random_tensors import RandomTensorDataModule
 from dpddp.errors import ConfigError, first_line
 from dpddp.models.linear import LinearClassifier
 from dpddp.parallel.rules import DDP_OPTIONS
-from dpddp.run.plain import GROUPS, PRESETS
 
+GROUPS = ("data", "model", "trainer", "logger", "callbacks")  # the config's sections that are groups
+PRESETS = ("experiment", "debug", "hparams_search")  # the groups of presets, merged at the top level
 TOP_LEVEL = ("strategy", "accelerator", "devices", "num_nodes", "cluster", "seed", "ckpt_path", "resume", "predict")
 TOP_LEVEL_RUN = ("steps_per_execution", "compile", "checkpoint", "check_replicas")  # how training runs, is checked
 TOP_LEVEL_OUTPUT = ("epoch_lines", "print_config", "curves", "objective")  # how a run reports progress and its result
