@@ -31,9 +31,8 @@ from dpddp.messages import (
     unrecognized,
 )
 from dpddp.parallel.rules import DDP_OPTIONS, check_strategy_options, lightning_name_line
-from dpddp.run.keys import key_hint
-from dpddp.run.plain import GROUPS as SECTIONS
-from dpddp.run.plain import PRESETS
+from dpddp.run.keys import GROUPS as SECTIONS
+from dpddp.run.keys import PRESETS, key_hint
 from dpddp.run.trainer_flags import takes
 
 GROUPS = ("strategy", *SECTIONS, *PRESETS)
@@ -46,8 +45,7 @@ def unknown_option(argv: list[str]) -> str | None:
     args = hydra_command_line(argv)
     dirs = [Path(str(files("dpddp.conf"))), *([Path(args.config_dir)] if args and args.config_dir else [])]
     for arg in argv:
-        key, sep, value = arg.partition("=")
-        key = key.lstrip("+~")
+        key, sep, value = arg.lstrip("+~").partition("=")
         if not sep or key not in GROUPS or "(" in value:  # Hydra's own groups (hydra/launcher): Hydra's failure
             continue
         for option in value.removeprefix("[").removesuffix("]").split(","):  # a list: callbacks=[a,b]
@@ -124,9 +122,7 @@ def sets_no_mode(argv: list[str]) -> bool:
     """Whether ``argv``'s config surely sets no ``hydra.mode`` (Hydra's first composition is then skipped)."""
     for arg in argv:
         key = arg.partition("=")[0].lstrip("+~")
-        if key in MODE_GROUPS or "hydra.mode" in arg or "hydra.searchpath" in arg:
-            return False
-        if arg.startswith(("--config", "-cd", "-cp", "-cn")):
+        if key in MODE_GROUPS or "hydra.mode" in arg or "hydra.searchpath" in arg or arg.startswith(CONFIG_OPTIONS):
             return False
     return True
 
