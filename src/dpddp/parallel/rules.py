@@ -14,8 +14,10 @@ import dpddp.cluster as launch
 from dpddp._compat import registered_strategies
 from dpddp.diagnostics.allreduce import COMM_HOOKS
 from dpddp.errors import ConfigError, checked_float, checked_int, local_rank
-from dpddp.parallel.settings import CLUSTERS, STRATEGIES, check_device_values
 
+STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+CLUSTERS = ("auto", "kubeflow")
 DDP_FAMILY = ("ddp", "ddp_spawn")  # the strategies that run one process per device; the others run one
 
 
@@ -87,9 +89,15 @@ def resolve_world(cfg: Mapping) -> World:
     """The run's checked ``World``; ``ConfigError`` naming the first setting this machine or cluster cannot run."""
     strategy, devices, num_nodes = cfg["strategy"]["name"], cfg["devices"], cfg["num_nodes"]
     ddp = is_ddp_family(strategy)
-    if strategy not in STRATEGIES and (line := lightning_name_line(strategy)):  # dpddp's settings for Lightning's name
-        raise ConfigError(line)
-    check_device_values(cfg)
+    if strategy not in STRATEGIES:  # a Lightning name: dpddp's settings for it
+        unknown = f"strategy={strategy!r} is unknown: choose one of {', '.join(STRATEGIES)}"
+        raise ConfigError(lightning_name_line(strategy) or unknown)
+    if cfg["accelerator"] not in ACCELERATORS:
+        raise ConfigError(f"accelerator={cfg['accelerator']!r} is unknown: choose one of {', '.join(ACCELERATORS)}")
+    if devices != -1:
+        checked_int("devices", devices, 1, "use a positive number of devices per node, or -1 for all GPUs")
+    if num_nodes != "auto":
+        checked_int("num_nodes", num_nodes, 1, "use a positive number of nodes, or auto (the launcher's)")
     accelerator = resolve_accelerator(cfg["accelerator"])
     if accelerator == "gpu" and not torch.cuda.is_available():
         raise ConfigError(f"accelerator={cfg['accelerator']} but CUDA is not available: use accelerator=cpu")
