@@ -22,6 +22,7 @@ from torch import nn
 from dpddp.errors import ConfigError
 from dpddp.parallel import batchnorm
 from dpddp.parallel.batchnorm import BatchNormSync, GlobalBatchNorm, batchnorm_plugins, convert, revert
+from dpddp.parallel.rules import world_of
 from dpddp.run.assembly import build_trainer
 from dpddp.run.training import train
 
@@ -237,7 +238,7 @@ def test_strategy_dp_over_several_devices_with_batchnorm_is_refused_in_one_line(
 @pytest.mark.parametrize("setting", ["trainer.sync_batchnorm=true", "trainer.sync_batchnorm=null"])
 def test_the_trainer_gets_the_plugin_and_never_lightnings_cuda_only_one(setting, tmp_path):
     cfg = compose_cfg("strategy=ddp", "devices=2", "accelerator=cpu", "logger=none", setting)
-    trainer = build_trainer(cfg, tmp_path, model=nn.Sequential(nn.BatchNorm1d(2)))
+    trainer = build_trainer(cfg, world_of(cfg), tmp_path, model=nn.Sequential(nn.BatchNorm1d(2)))
     layer_sync = trainer.strategy._layer_sync
     assert isinstance(layer_sync, BatchNormSync) and layer_sync.sync and not isinstance(layer_sync, TorchSyncBatchNorm)
 

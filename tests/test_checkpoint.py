@@ -42,9 +42,11 @@ def test_a_write_cut_short_leaves_the_previous_checkpoint_whole(tmp_path, monkey
 def test_a_run_without_a_last_ckpt_each_epoch_is_warned_that_a_kill_cannot_be_continued(
     tmp_path, caplog, overrides, warned
 ):
+    from dpddp.parallel.rules import world_of
     from dpddp.run.assembly import build_trainer
 
     with caplog.at_level(logging.WARNING, logger="dpddp.run.assembly"):
-        build_trainer(compose_cfg("accelerator=cpu", *overrides), tmp_path)
+        cfg = compose_cfg("accelerator=cpu", *overrides)
+        build_trainer(cfg, world_of(cfg), tmp_path)
     said = [r.getMessage() for r in caplog.records if "no callback writes checkpoints/last.ckpt" in r.getMessage()]
     assert len(said) == int(warned), said

@@ -127,6 +127,12 @@ def _refused_line(*overrides: str) -> str | None:
             "trainer.max_epoch=2: the config has no key trainer.max_epoch: did you mean trainer.max_epochs?",
         ),
         (
+            ["data=digits", "data.label_noise=0.1"],  # a key of another option the chosen class does not take
+            "data.label_noise=0.1: the config has no key data.label_noise (the chosen data config has none; "
+            "data=default has one): dpddp.data.tables.TableDataModule takes no label_noise (of the packaged config): "
+            "give data a yaml of its own (conf/data/<name>.yaml)",
+        ),
+        (
             ["data=dataset", "data.dataset._target_=x.Y"],  # the chosen option has the section, not the key
             "data.dataset._target_=x.Y: the config has no key data.dataset._target_: give a key it has, or add a new "
             "one with +data.dataset._target_=x.Y",
@@ -166,7 +172,12 @@ def _refused_line(*overrides: str) -> str | None:
 def test_an_override_the_composed_config_refuses_is_one_line_naming_it_the_nearest_key_and_the_fix(overrides, line):
     said = _refused_line(*overrides)
     assert said.startswith(line)
-    if overrides[-1] in ("data.num_workers=2", "trainer.max_epoch=2", "trainer.accelerator=cpu"):
+    if overrides[-1] in (
+        "data.num_workers=2",
+        "trainer.max_epoch=2",
+        "trainer.accelerator=cpu",
+        "data.label_noise=0.1",
+    ):
         assert said == line  # the whole line: the advice the run's key check gives, and no other
     if (
         "has no key" in said and "add a new one with +" not in said
@@ -310,8 +321,7 @@ def test_lightnings_check_of_valid_trainer_flags_says_nothing_and_no_checkpointi
     assert capfd.readouterr() == ("", "")
     off = ["trainer.enable_checkpointing=false", "callbacks.model_checkpoint=null", "callbacks.last_checkpoint=null"]
     cfg = compose_cfg("accelerator=cpu", *off)
-    check_config(cfg)
-    trainer = build_trainer(cfg, tmp_path)
+    trainer = build_trainer(cfg, check_config(cfg).world, tmp_path)
     assert not any(isinstance(cb, ModelCheckpoint) for cb in trainer.callbacks)  # type: ignore[attr-defined]
 
 
@@ -639,8 +649,11 @@ def test_train_py_s_whole_stderr_is_the_line_for_a_key_one_sweep_job_lacks(tmp_p
     """A train.py process, imports included: the one line, and no sweep directory, no multirun.yaml."""
     proc = run_train("-m", "data=default,digits", "data.label_noise=0.1", *ONE, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = _error_lines(proc.stderr)
-    assert lines == lines[:1] and lines[0].startswith("error: data.label_noise=0.1: the config has no key")
+    assert _error_lines(proc.stderr) == [
+        "error: data.label_noise=0.1: the config has no key data.label_noise (the chosen data config has none; "
+        "data=default has one): dpddp.data.tables.TableDataModule takes no label_noise (of the packaged config): "
+        "give data a yaml of its own (conf/data/<name>.yaml)"
+    ]
     assert list(tmp_path.iterdir()) == []
 
 

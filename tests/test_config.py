@@ -186,8 +186,7 @@ def test_cluster_kubeflow_selects_lightnings_kubeflow_environment(tmp_path, monk
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29999", WORLD_SIZE="1", RANK="0").items():
         monkeypatch.setenv(key, value)
     cfg = compose_cfg("cluster=kubeflow", "strategy=ddp", "accelerator=cpu", "logger=none")
-    check_config(cfg)
-    trainer = build_trainer(cfg, tmp_path)
+    trainer = build_trainer(cfg, check_config(cfg).world, tmp_path)
     assert isinstance(trainer.strategy.cluster_environment, KubeflowEnvironment)
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"but the cluster started 3 \(WORLD_SIZE=3\)"):

@@ -86,7 +86,7 @@ def _validate(cfg, tmp_path_factory, key):
     world = check_config(cfg).world
     if key not in TRAINER_KEYS:
         return lambda k: OmegaConf.select(cfg, k)
-    trainer = build_trainer(cfg, tmp_path_factory.mktemp("run"))
+    trainer = build_trainer(cfg, world, tmp_path_factory.mktemp("run"))
     seen = {"devices": trainer.num_devices, "num_nodes": trainer.num_nodes, "accelerator": world.accelerator}
     seen.update({"strategy.name": world.strategy, "trainer.max_epochs": trainer.max_epochs})
     seen.update({"trainer.precision": str(trainer.precision)})

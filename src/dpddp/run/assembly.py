@@ -20,7 +20,7 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from omegaconf import DictConfig, OmegaConf
 
 from dpddp._compat import mend_finetuning, mend_swa, skip_empty_batch_hooks, softmax_per_sample
-from dpddp.cluster import launch_id, writes_outputs
+from dpddp.cluster import writes_outputs
 from dpddp.continuity.io import AtomicCheckpointIO, IntervalCheckpoints, checkpoint_intervals
 from dpddp.continuity.replicas import ReplicaGuard, check_every
 from dpddp.continuity.state import ResumableState
@@ -35,7 +35,7 @@ from dpddp.parallel.batchnorm import batchnorm_plugins
 from dpddp.parallel.ddp import DDPStrategy
 from dpddp.parallel.dp import DataParallelStrategy, OneProcessStrategy
 from dpddp.parallel.launcher import RankJob
-from dpddp.parallel.rules import is_ddp_family, resolve_accelerator, world_of
+from dpddp.parallel.rules import World, is_ddp_family
 from dpddp.parallel.workers import start_workers_safely
 from dpddp.report.bars import RichBar, TQDMBar
 from dpddp.report.contract import LoggedTensors, MetricContract
@@ -110,7 +110,7 @@ def build_strategy(cfg: DictConfig, job: RankJob | None) -> pl.strategies.Strate
 
 
 def _build_callbacks(
-    cfg: DictConfig, output_dir: Path, executions: StepsPerExecution | None, predicts_forward: bool
+    cfg: DictConfig, world: World, output_dir: Path, executions: StepsPerExecution | None, predicts_forward: bool
 ) -> list[pl.Callback]:
     """dpddp's own callbacks (the tally first: the reporters read it), then the configured ones, then the stop."""
     steps = executions.steps if executions is not None else 1  # K, resolved (``auto`` is, before the Trainer)
@@ -124,19 +124,19 @@ def _build_callbacks(
         seed=cfg.seed,
         steps_per_execution=steps,
         uncounted=(lambda: executions.cut) if executions is not None else (lambda: False),
-        launch=launch_id(),
+        launch=world.launch_id,
         guard=(guard := ReplicaGuard(check_every(cfg))),
         batch_size=batch if isinstance(batch := (cfg.data or {}).get("batch_size"), int) else None,
     )
     intervals = IntervalCheckpoints(output_dir / "checkpoints", *checkpoint_intervals(cfg))
     stop = StepBoundaryStop(output_dir / "checkpoints", intervals=intervals)
     callbacks: list[pl.Callback] = [tally, throughput, costs, epochs, state, guard]
-    if is_ddp_family(cfg.strategy.name):  # plain tensors logged with sync_dist over processes: exact
+    if world.family == "ddp":  # plain tensors logged with sync_dist over processes: exact
         callbacks.append(LoggedTensors())
     if executions is not None:
         callbacks.append(executions)
     callbacks.append(UnkeyedDraws())  # names a data set's draws that no keyed fetch serves
-    if world_of(cfg).replicas > 1:
+    if world.replicas > 1:
         callbacks.append(SameDataOnEveryRank())  # the ranks' data compared once at a fit's start
     if any(is_tracker(spec) for _, spec in logger_specs(cfg)):
         callbacks.append(TrackerRuns(cfg, output_dir))
@@ -156,7 +156,7 @@ def _build_callbacks(
     # The stop's step-end checkpoint follows every other callback's on_train_batch_end (an EMA's update).
     callbacks += [stop, *last]
     keeps = (cfg.trainer or {}).get("enable_checkpointing") is not False  # false: no checkpoint wanted
-    if keeps and not any(_writes_last(cb, output_dir / "checkpoints") for cb in callbacks) and writes_outputs():
+    if keeps and not any(_writes_last(cb, output_dir / "checkpoints") for cb in callbacks) and world.writes_outputs:
         log.warning(
             "no callback writes checkpoints/last.ckpt each epoch (callbacks.last_checkpoint is dropped): a run killed "
             "(SIGKILL, out of memory) cannot be continued, resume=true starts it fresh; a SIGTERM still writes it"
@@ -184,7 +184,7 @@ def _own_checkpoint(callback: ModelCheckpoint, setting: str, dirpath: Path, othe
         callback.__class__ = type(base.__name__, (base,), {"state_key": property(lambda self: key)})
 
 
-def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
+def _build_logger(cfg: DictConfig, output_dir: Path, world: World) -> Any:
     """The ``logger`` group's loggers under ``output_dir`` (else ``False``); a tracker where outputs are written."""
     loggers = []
     for key, spec in logger_specs(cfg):
@@ -193,17 +193,17 @@ def _build_logger(cfg: DictConfig, output_dir: Path) -> Any:
             loggers.append(build(spec, key, save_dir=str(output_dir)))
         elif importlib.util.find_spec(kind) is None:
             raise ConfigError(f"logger {spec._target_} needs {kind}: pip install {kind} (or dpddp's extra [{kind}])")
-        elif writes_outputs():
+        elif world.writes_outputs:
             loggers.append(build(spec, key, save_dir=str(output_dir), **tracker_options(kind, spec, output_dir, key)))
     if logger_specs(cfg) and not loggers:  # trackers only, on a rank that opens none: one that logs nothing, so
         loggers.append(DummyLogger())  # that a callback that needs a logger runs on every rank
     return loggers or False
 
 
-def _warn_global_rng(model: pl.LightningModule, datamodule: pl.LightningDataModule, cfg: DictConfig) -> None:
+def _warn_global_rng(model: pl.LightningModule, datamodule: pl.LightningDataModule, world: World) -> None:
     """Warn once when ``model``'s training step draws from the global streams and the run has several replicas."""
-    count = world_of(cfg).replicas
-    if count < 2 or not writes_outputs():
+    count = world.replicas
+    if count < 2 or not world.writes_outputs:
         return
     draws = find_draws(model, datamodule)
     if isinstance(draws, str):
@@ -220,6 +220,7 @@ def _warn_global_rng(model: pl.LightningModule, datamodule: pl.LightningDataModu
 
 def build_trainer(
     cfg: DictConfig,
+    world: World,
     output_dir: Path,
     job: RankJob | None = None,
     executions: StepsPerExecution | None = None,
@@ -228,7 +229,7 @@ def build_trainer(
     predicts_forward: bool = False,
     datamodule: pl.LightningDataModule | None = None,
 ) -> pl.Trainer:
-    """The ``pl.Trainer`` of ``cfg`` with ``executions`` among its callbacks; ``ConfigError`` for a refused flag."""
+    """The ``pl.Trainer`` of ``cfg`` on its ``world``, ``executions`` among its callbacks; ``ConfigError``: a flag."""
     softmax_per_sample()  # a torchmetrics metric fed logits: the same value however a batch is chunked
     flags = {k: v for k, v in (cfg.trainer or {}).items() if k != "enable_progress_bar"}
     bar = (cfg.trainer or {}).get("enable_progress_bar")  # null: Lightning's bar on a terminal only
@@ -239,15 +240,15 @@ def build_trainer(
     batchnorm = batchnorm_plugins(cfg, model)  # before the Trainer: its refusals are dpddp's own lines
     sample_keys = [SampleKeyCallback()] if model is not None and uses_sample_keys(model) else []
     if model is not None and datamodule is not None:
-        _warn_global_rng(model, datamodule, cfg)
-    logger = _build_logger(cfg, output_dir)  # before the Trainer: a missing tracker package is its own line
-    callbacks = _build_callbacks(cfg, output_dir, executions, predicts_forward)  # a ConfigError of its own
+        _warn_global_rng(model, datamodule, world)
+    logger = _build_logger(cfg, output_dir, world)  # before the Trainer: a missing tracker package is its own line
+    callbacks = _build_callbacks(cfg, world, output_dir, executions, predicts_forward)  # a ConfigError of its own
     try:
         trainer = pl.Trainer(
             **{**flags, "sync_batchnorm": False},  # BatchNorm: batchnorm_plugins below, on any backend
             enable_progress_bar=bar,
             strategy=build_strategy(cfg, job),
-            accelerator=resolve_accelerator(cfg.accelerator),
+            accelerator=world.accelerator,
             devices=cfg.devices,
             num_nodes=cfg.num_nodes,
             logger=logger,

@@ -84,7 +84,7 @@ def train(
             config: Any = OmegaConf.to_container(cfg, resolve=True)  # its keys, str
             job = RankJob(entry=f"{__name__}:train_rank", config=config, output_dir=str(output_dir), stage=stage)
             trainer = build_trainer(
-                cfg, output_dir, job, executions, model=model, predicts_forward=forward, datamodule=datamodule
+                cfg, world, output_dir, job, executions, model=model, predicts_forward=forward, datamodule=datamodule
             )
             check_model_callbacks(cfg, model, trainer)
             if executions is not None:
