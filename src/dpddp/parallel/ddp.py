@@ -75,7 +75,7 @@ class DDPStrategy(LightningDDPStrategy):
         self._layout: dict[int, list[int]] = {}  # PowerSGD: each bucket's parameters, as the last backward had them
         self._restored_layout: list[list[int]] | None = None
         self._param_index: dict[int, int] = {}
-        self.allreduce_timer = AllReduceTimer() if hook is None else AllReduceTimer(COMM_HOOKS[hook])  # a name checked
+        self.allreduce_timer = AllReduceTimer() if hook is None else AllReduceTimer(COMM_HOOKS[hook])  # rules-checked
         self._hook = self.allreduce_timer.hook if self.comm_state is None else self._recording_hook
         kwargs["ddp_comm_hook"] = self._hook
         super().__init__(timeout=self.pg_timeout, **kwargs)
