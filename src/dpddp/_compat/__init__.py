@@ -243,8 +243,7 @@ def restore_logged_tensors(trainer: pl.Trainer, states: dict[str, tuple[torch.Te
         if key in states:
             value.value, count = states[key][0].clone(), states[key][1]
         else:
-            meta = value.meta
-            empty = -math.inf if meta.is_max_reduction else math.inf if meta.is_min_reduction else 0.0
+            empty = -math.inf if value.meta.is_max_reduction else math.inf if value.meta.is_min_reduction else 0.0
             value.value, count = torch.full_like(value.value, empty), None
         if (before := getattr(value, "cumulated_batch_size", None)) is not None:
             value.cumulated_batch_size = count.clone() if count is not None else torch.zeros_like(before)

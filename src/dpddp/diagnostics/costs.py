@@ -79,8 +79,7 @@ class Costs(pl.Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._base = self.counts.allreduce_seconds
-        strategy = trainer.strategy
-        self._timer = strategy.allreduce_timer if isinstance(strategy, DDPStrategy) else None
+        self._timer = trainer.strategy.allreduce_timer if isinstance(trainer.strategy, DDPStrategy) else None
         if self._timer is not None:
             self._timer.reset()
         self._epoch_start = self.counts.allreduce_seconds, self.counts.fallback_seconds  # a restart mid-epoch
