@@ -173,7 +173,7 @@ def _key_problem(section: str, key: str, allowed: list[str], spec: Mapping | Non
     if key not in builtin:
         near = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
         return unknown, f"did you mean {prefix}{near[0]}?" if near else f"valid keys: {', '.join(sorted(allowed))}"
-    lacks = [str(k) for k in given if k in builtin and k not in allowed and k != "_target_"]  # all at once
+    lacks = [str(k) for k in given if k in builtin and k not in allowed and k != "_target_"] or [key]  # all at once
     drops = [f"~{prefix}{k}" for k in lacks if given.get(k) is not None]  # Hydra keeps null
     drop = f", or drop {'them' if len(lacks) > 1 else 'it'} with {' '.join(drops)}" if len(drops) == len(lacks) else ""
     own = f"give {section} a yaml of its own (conf/{section}/<name>.yaml){drop}"
