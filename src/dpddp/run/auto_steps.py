@@ -152,43 +152,40 @@ def _agreed(plan: Plan, measure: Callable[[], tuple[int, str]]) -> tuple[int, st
 
 def resolve_steps(plan: Plan, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> int:
     """The K of ``plan``'s ``steps_per_execution=auto`` fit, alike on every rank, logged with why."""
-    k, why = _resolve(plan, model, datamodule)
+    if refusal := execution_refusal(plan.cfg):
+        k, why = 1, refusal
+    elif seen := seen_executions(plan.cfg, model, datamodule):
+        k, why = 1, f"{seen}; give steps_per_execution=K to take K anyway (docs/performance.md)"
+    elif plan.checkpoint is not None:
+        k, why = plan.checkpoint.steps_per_execution, "the checkpoint's"
+    else:
+        k, why = _agreed(plan, lambda: _measure(plan, model, datamodule))
     if plan.world.writes_outputs:
         log.info(f"steps_per_execution=auto: {k} ({why})")
     return k
 
 
-def _resolve(plan: Plan, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> tuple[int, str]:
-    cfg, world = plan.cfg, plan.world
-    if refusal := execution_refusal(cfg):
-        return 1, refusal
-    if seen := seen_executions(cfg, model, datamodule):
-        return 1, f"{seen}; give steps_per_execution=K to take K anyway (docs/performance.md)"
-    if plan.checkpoint is not None:
-        return plan.checkpoint.steps_per_execution, "the checkpoint's"
+def _measure(plan: Plan, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> tuple[int, str]:
+    """This rank's K from a probe of ``model``'s step on its share of a global batch, and why."""
+    world, every = plan.world, checkpoint_intervals(plan.cfg)[0]
     assert isinstance(datamodule, GlobalBatchDataModule)  # execution_refusal: global-batch data
-    share, every = int(datamodule.batch_size) // world.world_size, checkpoint_intervals(cfg)[0]
-
-    def measure() -> tuple[int, str]:
-        gpu = world.accelerator == "gpu" and torch.cuda.is_available()
-        device = torch.device("cuda", world.local_rank) if gpu else torch.device("cpu")
-        seconds = _probe(model, datamodule, share, device)
-        if device.type == "cuda":  # the copy's memory, back to the run
-            torch.cuda.empty_cache()
-        if isinstance(seconds, str):
-            return 1, seconds
-        per_epoch = len(datamodule.splits["train"]) // int(datamodule.batch_size)  # type: ignore[arg-type]
-        k, need = auto_steps(seconds, per_epoch), LOOP_OVERHEAD_S / (OVERHEAD_SHARE * seconds)
-        if every and k > (most := every & -every):  # the largest power of two dividing it
-            return most, f"checkpoint.every_n_steps={every}: a K dividing it keeps each write at its step"
-        why = (
-            f"a step {seconds * 1e3:.3g} ms; the loop's {LOOP_OVERHEAD_S * 1e3:.3g} ms within {OVERHEAD_SHARE:.0%} "
-            f"of an execution needs K >= {need:.2g}"
-        )
-        if k < need and k == _floor_power_of_two(per_epoch) < MAX_AUTO_STEPS:
-            why += f"; at most {k}: {per_epoch} steps an epoch"
-        elif k < need:
-            why += f"; at most MAX_AUTO_STEPS={MAX_AUTO_STEPS}"
-        return k, why
-
-    return _agreed(plan, measure)
+    gpu = world.accelerator == "gpu" and torch.cuda.is_available()
+    device = torch.device("cuda", world.local_rank) if gpu else torch.device("cpu")
+    seconds = _probe(model, datamodule, int(datamodule.batch_size) // world.world_size, device)
+    if device.type == "cuda":  # the copy's memory, back to the run
+        torch.cuda.empty_cache()
+    if isinstance(seconds, str):
+        return 1, seconds
+    per_epoch = len(datamodule.splits["train"]) // int(datamodule.batch_size)  # type: ignore[arg-type]
+    k, need = auto_steps(seconds, per_epoch), LOOP_OVERHEAD_S / (OVERHEAD_SHARE * seconds)
+    if every and k > (most := every & -every):  # the largest power of two dividing it
+        return most, f"checkpoint.every_n_steps={every}: a K dividing it keeps each write at its step"
+    why = (
+        f"a step {seconds * 1e3:.3g} ms; the loop's {LOOP_OVERHEAD_S * 1e3:.3g} ms within {OVERHEAD_SHARE:.0%} "
+        f"of an execution needs K >= {need:.2g}"
+    )
+    if k < need and k == _floor_power_of_two(per_epoch) < MAX_AUTO_STEPS:
+        why += f"; at most {k}: {per_epoch} steps an epoch"
+    elif k < need:
+        why += f"; at most MAX_AUTO_STEPS={MAX_AUTO_STEPS}"
+    return k, why

@@ -256,11 +256,9 @@ def _final_weights(trainer: pl.Trainer) -> dict[str, float]:
     averaged = save_final_checkpoint(trainer)  # other weights than last.ckpt's at its step: an average swapped in
     if stop := _callback(trainer, StepBoundaryStop):
         stop.stop_after_fit(trainer)  # a SIGTERM at the fit's end: stop with the final checkpoint
-    tally = _callback(trainer, FitTally)
-    if tally is not None and tally.validated_step == trainer.global_step and not averaged:
-        return {}
-    model = trainer.lightning_module
-    if trainer.limit_val_batches == 0 or not is_overridden("validation_step", model):
+    tally, model = _callback(trainer, FitTally), trainer.lightning_module
+    validated = tally is not None and tally.validated_step == trainer.global_step and not averaged
+    if validated or trainer.limit_val_batches == 0 or not is_overridden("validation_step", model):
         return {}
     trainer.validate(model, datamodule=trainer.datamodule, verbose=False)  # type: ignore[attr-defined]
     return _floats(trainer.callback_metrics)
