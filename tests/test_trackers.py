@@ -226,3 +226,20 @@ def test_a_trackers_json_that_does_not_read_is_one_line_not_a_new_tracker_run(tm
     assert str(refused.value).endswith(
         ": a continued run reopens the tracker runs it names: restore it, or delete it to open new ones"
     )
+
+
+def test_a_continued_run_whose_trackers_json_does_not_read_is_refused_before_anything_is_made(
+    tmp_path, monkeypatch, capsys
+):
+    """train.py resume=true into a run directory whose ``trackers.json`` does not read: that one line, exit 2,
+    from the start checks (every process of a torchrun job refuses; rank 0 alone left the others waiting 30 s for
+    torchrun's SIGKILL): Hydra writes no config, nothing is logged or timed."""
+    run_dir = tmp_path / "outputs/run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "trackers.json").write_text("[1]")
+    args = [*ARGS, "logger=mlflow", "hydra.run.dir=outputs/run", "resume=true"]
+    assert train_py_here(*args, cwd=tmp_path, monkeypatch=monkeypatch) == 2
+    out, err = capsys.readouterr()
+    line = f"error: {run_dir / 'trackers.json'} holds no {{kind: ids}} mapping: a continued run reopens the tracker"
+    assert err.splitlines() == [f"{line} runs it names: restore it, or delete it to open new ones"]
+    assert out == "" and sorted(p.name for p in run_dir.iterdir()) == ["trackers.json"]

@@ -70,7 +70,7 @@ from dpddp.errors import (
 )
 from dpddp.parallel.rules import world_of
 from dpddp.report.curves import job_overrides, varying, write_plot
-from dpddp.report.trackers import check_file_stores, open_stores
+from dpddp.report.trackers import check_file_stores, is_tracker, kept_ids, logger_specs, open_stores
 from dpddp.run.config import Plan, check_checkpoint, check_config
 from dpddp.run.training import isolated_job, objective, train
 
@@ -201,6 +201,8 @@ def _plan(job: DictConfig, directory: Callable[[], Path], stage: str) -> Plan | 
     named = any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra) or "/" not in run_name()
     if problem := directory_problem(job, output_dir, resume, multirun or named, job.ckpt_path):
         raise ConfigError(problem)
+    if any(is_tracker(spec) for _, spec in logger_specs(job)):  # on every process, not rank 0's logger alone
+        kept_ids(Path(to_absolute_path(str(output_dir))))  # ConfigError: a trackers.json that does not read
     overrides = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)
     first = next(iter(invocations(output_dir, CONFIG_DIR)), None)  # a continue is the same run, or refused
     if resume and not multirun and (last.is_file() or (output_dir / "metrics.json").is_file()):
