@@ -4,6 +4,7 @@ state_dict; the plugin decision; ``train.py`` under ddp(2) ends with one process
 
 from __future__ import annotations
 
+import copy
 import logging
 import multiprocessing
 import os
@@ -149,6 +150,21 @@ def test_a_global_batch_of_one_value_per_channel_is_refused_as_nn_batchnorm_refu
     with pytest.raises(ValueError, match="Expected more than 1 value per channel when training, got 1 in the global"):
         GlobalBatchNorm(3)(torch.randn(1, 3))
     assert GlobalBatchNorm(3)(torch.randn(1, 3, 2)).shape == (1, 3, 2)  # two values per channel
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_running_statistics_without_num_batches_tracked_update_as_nn_batchnorm(momentum, monkeypatch):
+    """A layer whose ``num_batches_tracked`` is None (nn.BatchNorm takes it: factor momentum, or 0 when None)."""
+    monkeypatch.setattr(batchnorm, "_group_size", lambda group: 2)
+    monkeypatch.setattr(batchnorm.dist, "all_reduce", lambda tensor, group=None: None)
+    ref, x = nn.BatchNorm1d(3, momentum=momentum), 2 + 3 * torch.randn(8, 3, generator=torch.Generator().manual_seed(1))
+    ref.num_batches_tracked = None
+    layer = convert(copy.deepcopy(ref))
+    for module in (ref, layer):
+        module(x)
+    assert layer.num_batches_tracked is None
+    assert torch.allclose(layer.running_mean, ref.running_mean) and torch.allclose(layer.running_var, ref.running_var)
+    assert torch.equal(ref.running_mean, torch.zeros(3)) == (momentum is None)  # momentum None: factor 0
 
 
 class _Net(nn.Module):

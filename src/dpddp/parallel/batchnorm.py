@@ -87,9 +87,10 @@ class GlobalBatchNorm(BatchNormBase):
         if self.bias is not None:
             out = out + self.bias.view(shape)
         if self.training and self.running_mean is not None and self.running_var is not None:  # as nn.BatchNorm*
-            assert self.num_batches_tracked is not None  # kept with the running statistics
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            factor = 0.0 if self.momentum is None else self.momentum
+            if self.num_batches_tracked is not None:  # a module may drop it, as nn.BatchNorm* allows
+                self.num_batches_tracked.add_(1)
+                factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
             with torch.no_grad():
                 for running, batch in ((self.running_mean, mean), (self.running_var, var * (n / (n - 1)))):
                     running.copy_(factor * batch + (1 - factor) * running.to(torch.float64))
