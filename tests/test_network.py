@@ -1,6 +1,7 @@
 """``dpddp.diagnostics.network``: the interface routing to MASTER_ADDR, on loopback and across network namespaces."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -9,7 +10,15 @@ import pytest
 from netns import IFNAME, bed_fixture, run_in
 
 from dpddp.diagnostics import network
-from dpddp.diagnostics.network import choose_interface, interface_address, interface_for_address, route_interface
+from dpddp.diagnostics.network import (
+    IFNAME_VARS,
+    choose_interface,
+    interface_address,
+    interface_for_address,
+    route_interface,
+)
+from dpddp.errors import ConfigError
+from dpddp.parallel.ddp import apply_interface
 
 bed2 = bed_fixture(2)
 
@@ -102,3 +111,28 @@ def test_is_local_address_is_whether_a_socket_binds_to_it():
     assert is_local_address("127.0.0.1") and is_local_address("localhost")
     assert is_local_address("198.18.255.1") is False  # no interface here holds it
     assert is_local_address("x.invalid") is None
+
+
+def test_a_master_addr_reached_through_loopback_is_refused_for_several_nodes(monkeypatch):
+    """``MASTER_ADDR`` a host name that resolves to loopback here (as ``hostname`` -> 127.0.1.1): one line for a
+    multi-node run; one node takes it (and the interface); a loopback address itself is one machine's own run."""
+    real = socket.getaddrinfo
+    monkeypatch.setattr(
+        socket, "getaddrinfo", lambda host, *a, **k: real("127.0.0.1" if host == "node0" else host, *a, **k)
+    )
+    for var in IFNAME_VARS:
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    name = loopback_name()
+    why = f"GLOO_SOCKET_IFNAME={name} (routes to MASTER_ADDR=node0 from 127.0.0.1)"
+    with pytest.raises(ConfigError) as err:
+        apply_interface("node0", 2)
+    assert str(err.value) == (
+        f"MASTER_ADDR=node0 is reached through this machine's loopback ({why}), so other nodes cannot reach it: "
+        "set MASTER_ADDR (torchrun --master_addr) to node 0's address on the cluster network"
+    )
+    assert not set(IFNAME_VARS) & set(os.environ)
+    assert apply_interface("node0", 1) == why and os.environ["GLOO_SOCKET_IFNAME"] == name
+    for var in IFNAME_VARS:
+        del os.environ[var]
+    assert apply_interface("127.0.0.1", 2) == why.replace("node0", "127.0.0.1")
