@@ -170,6 +170,20 @@ def test_the_quickstart_run_redirected_learns_prints_epoch_lines_and_no_warning(
     assert "e+0" not in metrics_line and "first_step_unix_s" not in metrics_line
 
 
+@pytest.mark.parametrize("given", ["run", "sub/../run"])
+def test_a_continue_logs_what_it_continues_however_the_run_directory_is_spelled(tmp_path, monkeypatch, given):
+    """A finished run continued to a later limit logs ``continuing finished job from <its last.ckpt>`` also where
+    ``hydra.run.dir`` goes through ``..`` (Hydra's output directory is normalised; the decision's path was not, and
+    the line went missing)."""
+    args = ["accelerator=cpu", "data.num_samples=200", "logger=none", "epoch_lines=false"]
+    assert train_py_here(*args, "trainer.max_steps=1", "hydra.run.dir=run", cwd=tmp_path, monkeypatch=monkeypatch) == 0
+    (tmp_path / "sub").mkdir()
+    again = ["trainer.max_steps=2", "resume=true", f"hydra.run.dir={given}"]
+    assert train_py_here(*args, *again, cwd=tmp_path, monkeypatch=monkeypatch) == 0
+    log = (tmp_path / "run/train.log").read_text()
+    assert f"continuing finished job from {tmp_path / 'run/checkpoints/last.ckpt'} to " in log
+
+
 @pytest.mark.slow
 def test_continued_run_keeps_both_configs_one_table_and_the_time(tmp_path, monkeypatch, capfd):
     """2 epochs (resume=true into a directory with no checkpoint yet: a fresh run; train.py here), then the same

@@ -8,6 +8,7 @@ import gc
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -215,7 +216,7 @@ def _plan(job: DictConfig, directory: Callable[[], Path], stage: str) -> Plan | 
         return plan
     if done is not None and (limit := reached_limit(job.trainer, facts)):
         return f"nothing to train: {last} is already at {limit}; raise it to continue the run"
-    job.ckpt_path = to_absolute_path(str(last))
+    job.ckpt_path = os.path.abspath(to_absolute_path(str(last)))  # normalised, as Hydra's output_dir
     return replace(plan, checkpoint=check_checkpoint(job, stage, loaded))
 
 
