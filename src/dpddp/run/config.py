@@ -97,25 +97,8 @@ def _check_val_interval(trainer: Mapping, batches: int) -> None:
         )
 
 
-def _check_model(model: Mapping) -> None:
-    """A ``Classifier``'s settings, those its class takes (given, or its defaults: ``with_defaults``)."""
-    if "optimizer" in model and model["optimizer"] not in OPTIMIZERS:
-        raise ConfigError(f"model.optimizer={model['optimizer']!r} is unknown: choose one of {', '.join(OPTIMIZERS)}")
-    for key, low, high, fix in (
-        ("lr", 1e-12, 1e3, "use a positive learning rate, e.g. model.lr=0.1"),
-        ("momentum", 0.0, 0.999999, "use a momentum in [0, 1)"),
-        ("weight_decay", 0.0, 1e3, "use a non-negative weight decay"),
-    ):
-        if key in model:
-            checked_float(f"model.{key}", model[key], low, high, fix)
-    for key in ("num_features", "num_classes"):
-        if key in model:
-            checked_int(f"model.{key}", model[key], 1, f"keep model.{key}: ${{data.{key}}}")
-
-
 def _check_data(cfg: Mapping, n_procs: int) -> None:
-    """``ConfigError`` for data ``n_procs`` processes would each run whole, a stream given as a data set, or the
-    packaged ``data=dataset`` or ``data=stream`` class given no data set class."""
+    """``ConfigError``: data ``n_procs`` processes would each run whole, a stream as a data set, no data set class."""
     cls = target_class("data", cfg["data"])
     if n_procs > 1 and not issubclass(cls, (GlobalBatchDataModule, ShardedDataModule, StreamDataModule)):
         raise ConfigError(
@@ -315,8 +298,21 @@ def _check_settings(cfg: DictConfig, stage: str) -> World:
     if (mode := compile_mode(cfg)) is not None:
         setting = "compile=true" if cfg.get("compile") is True else f"compile={mode}"
         _check_limits(cfg, COMPILE_LIMITS, setting, "use compile=false")
-    if issubclass(target_class("model", cfg["model"]), Classifier):  # the built-in models
-        _check_model(cfg["model"])
+    if issubclass(target_class("model", model := cfg["model"]), Classifier):  # the built-in models
+        if "optimizer" in model and model["optimizer"] not in OPTIMIZERS:
+            raise ConfigError(
+                f"model.optimizer={model['optimizer']!r} is unknown: choose one of {', '.join(OPTIMIZERS)}"
+            )
+        for key, low, high, fix in (
+            ("lr", 1e-12, 1e3, "use a positive learning rate, e.g. model.lr=0.1"),
+            ("momentum", 0.0, 0.999999, "use a momentum in [0, 1)"),
+            ("weight_decay", 0.0, 1e3, "use a non-negative weight decay"),
+        ):
+            if key in model:
+                checked_float(f"model.{key}", model[key], low, high, fix)
+        for key in ("num_features", "num_classes"):
+            if key in model:
+                checked_int(f"model.{key}", model[key], 1, f"keep model.{key}: ${{data.{key}}}")
     for key in ("num_features", "num_classes"):  # linked settings: the model's sizes follow the data's
         if key in cfg["model"] and key in cfg["data"] and cfg["model"][key] != cfg["data"][key]:
             raise ConfigError(
