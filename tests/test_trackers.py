@@ -243,3 +243,6 @@ def test_a_continued_run_whose_trackers_json_does_not_read_is_refused_before_any
     line = f"error: {run_dir / 'trackers.json'} holds no {{kind: ids}} mapping: a continued run reopens the tracker"
     assert err.splitlines() == [f"{line} runs it names: restore it, or delete it to open new ones"]
     assert out == "" and sorted(p.name for p in run_dir.iterdir()) == ["trackers.json"]
+    (tmp_path / "afile").touch()  # no run directory: its own line, not the trackers.json one
+    assert train_py_here(*ARGS, "logger=mlflow", "hydra.run.dir=afile", cwd=tmp_path, monkeypatch=monkeypatch) == 2
+    assert capsys.readouterr().err.startswith("error: hydra.run.dir='afile' cannot be written (Not a directory)")

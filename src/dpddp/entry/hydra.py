@@ -202,7 +202,7 @@ def _plan(job: DictConfig, directory: Callable[[], Path], stage: str) -> Plan | 
     named = any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra) or "/" not in run_name()
     if problem := directory_problem(job, output_dir, resume, multirun or named, job.ckpt_path):
         raise ConfigError(problem)
-    if any(is_tracker(spec) for _, spec in logger_specs(job)):  # on every process, not rank 0's logger alone
+    if output_dir.is_dir() and any(is_tracker(spec) for _, spec in logger_specs(job)):  # on every process
         kept_ids(Path(to_absolute_path(str(output_dir))))  # ConfigError: a trackers.json that does not read
     overrides = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)
     first = next(iter(invocations(output_dir, CONFIG_DIR)), None)  # a continue is the same run, or refused
