@@ -186,12 +186,11 @@ class StepsPerExecution(pl.Callback):
 
     def _average_gradients(self) -> None:
         """The mean over the ranks of every parameter's gradient, in one all-reduce."""
-        strategy = self.module.trainer.strategy
         if self.module.trainer.world_size == 1:
             return
         params = [p for p in self.module.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = strategy.reduce(torch.cat([g.reshape(-1) for g in grads]), reduce_op="mean")
+        flat = self.module.trainer.strategy.reduce(torch.cat([g.reshape(-1) for g in grads]), reduce_op="mean")
         for p, g in zip(params, flat.split([g.numel() for g in grads]), strict=True):
             p.grad = g.view_as(p)
 
