@@ -266,10 +266,10 @@ TRAINER_COUNTS = (
 
 def check_config(cfg: DictConfig, stage: str = "fit") -> Plan:
     """The ``Plan`` of a composed config for ``stage``; ``ConfigError`` for its first bad setting or checkpoint."""
-    return Plan(cfg, stage, _check_settings(cfg, stage), check_checkpoint(cfg, stage, None))
+    return Plan(cfg, stage, _check_settings(cfg), check_checkpoint(cfg, stage, None))
 
 
-def _check_settings(cfg: DictConfig, stage: str) -> World:
+def _check_settings(cfg: DictConfig) -> World:
     check_resolvable(cfg)
     checked_int("seed", cfg.get("seed"), 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
     check_keys("", [str(k) for k in cfg.keys()], list(TOP_LEVEL_KEYS))
