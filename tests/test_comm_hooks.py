@@ -76,6 +76,16 @@ def test_a_comm_hook_this_machine_cannot_run_is_one_line(value, line):
     assert str(err.value) == line
 
 
+def test_a_comm_hook_given_as_a_list_is_one_line_too():
+    """The command line checks ``strategy=auto strategy.ddp_comm_hook=[topk]``'s plain value (auto has no such key)."""
+    with pytest.raises(ConfigError) as err:
+        check_strategy_options({"ddp_comm_hook": ["topk"]})
+    assert (
+        str(err.value)
+        == "strategy.ddp_comm_hook=['topk'] is unknown: use null, fp16_compress, bf16_compress or powersgd"
+    )
+
+
 @pytest.mark.slow
 def test_powersgd_stays_within_its_bound_and_a_stopped_run_continues_exactly(tmp_path, shared_dir):
     """The hook-free and the PowerSGD ddp(2) runs, and the PowerSGD run stopped at step 20 (compressing since step

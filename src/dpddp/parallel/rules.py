@@ -168,7 +168,7 @@ def check_strategy_options(options: Mapping) -> None:
         fix = f"remove it and choose strategy.launch=fork (CPU) or exec ({does})"
         raise ConfigError(f"strategy.start_method={start!r} is not offered: dpddp starts the ranks itself; {fix}")
     hook = options.get("ddp_comm_hook")
-    if hook is not None and hook not in COMM_HOOKS:
+    if hook is not None and hook not in tuple(COMM_HOOKS):  # a tuple: a plain list or dict value is unhashable
         *names, last = COMM_HOOKS
         raise ConfigError(f"strategy.ddp_comm_hook={hook!r} is unknown: use null, {', '.join(names)} or {last}")
     if hook == "bf16_compress" and backend not in (None, "nccl") and torch.cuda.is_available():
