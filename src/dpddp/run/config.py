@@ -123,7 +123,7 @@ def _check_data(cfg: Mapping, n_procs: int) -> None:
             )
 
 
-# Settings that cannot keep the promises with steps_per_execution > 1: (setting, the values that can, why).
+# Settings that cannot keep the promises with K > 1, micro-batches or compile: (setting, the values that can, why).
 EXECUTION_LIMITS = (
     ("trainer.accumulate_grad_batches", (None, 1), "an execution takes one optimizer step per global batch"),
     ("trainer.val_check_interval", (None, 1.0), "validation runs at epoch ends"),
@@ -165,7 +165,6 @@ def execution_refusal(cfg: Mapping) -> str | None:
     return None
 
 
-# Settings that cannot keep the promises with data.micro_batch_size: (setting, the values that can, why).
 MICRO_BATCH_LIMITS = (
     ("trainer.accumulate_grad_batches", (None, 1), "a split step is one optimizer step per global batch"),
     ("strategy", ("auto", *DDP_FAMILY), "DataParallel splits each batch over its devices itself"),
