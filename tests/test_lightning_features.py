@@ -96,12 +96,14 @@ def test_a_rank_that_opens_no_tracker_run_has_a_logger_for_the_callbacks_that_ne
     runs LearningRateMonitor so on ddp(2))."""
     from lightning.pytorch.loggers.logger import DummyLogger
 
+    from dpddp.parallel.rules import world_of
     from dpddp.run.assembly import _build_logger
 
     monkeypatch.setenv("RANK", "1")
-    (logger,) = _build_logger(compose_cfg("logger=mlflow"), tmp_path)
+    cfg, none = compose_cfg("logger=mlflow"), compose_cfg("logger=none")
+    (logger,) = _build_logger(cfg, tmp_path, world_of(cfg))
     assert isinstance(logger, DummyLogger)
-    assert _build_logger(compose_cfg("logger=none"), tmp_path) is False
+    assert _build_logger(none, tmp_path, world_of(none)) is False
     assert list(tmp_path.iterdir()) == []
 
 

@@ -134,11 +134,12 @@ def test_under_ddp_a_global_rng_layer_is_named_in_one_line_at_start(tmp_path, ca
     )  # rand_like: in its step
     from hydra.utils import instantiate
 
+    from dpddp.parallel.rules import world_of
     from dpddp.run.assembly import _warn_global_rng
 
     builtin = compose_cfg(*common, "model=mlp", "model.dropout=0.5")
     with caplog.at_level(logging.INFO, logger="dpddp.run.assembly"):
-        _warn_global_rng(instantiate(builtin.model), instantiate(builtin.data, _convert_="all"), builtin)
+        _warn_global_rng(instantiate(builtin.model), instantiate(builtin.data, _convert_="all"), world_of(builtin))
     assert "global random stream" not in caplog.text
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from dpddp.continuity.state import limit_line
 from dpddp.entry.run_dir import other_run
 from dpddp.models.mlp import MLPClassifier
+from dpddp.parallel.rules import world_of
 from dpddp.run.assembly import _warn_global_rng
 from dpddp.run.draws_seen import draws_line, global_draws
 
@@ -245,7 +246,7 @@ def test_the_start_line_names_attention_and_a_forwards_functional_dropout_and_no
                         ("zero", TextTransformer(dropout=0.0))]:  # fmt: skip
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="dpddp.run.assembly"):
-            _warn_global_rng(model, instantiate(cfg.data, _convert_="all"), cfg)
+            _warn_global_rng(model, instantiate(cfg.data, _convert_="all"), world_of(cfg))
         said[name] = [r.getMessage() for r in caplog.records]
     assert said["zero"] == []
     assert len(said["attention"]) == 1 and said["attention"][0].startswith(
