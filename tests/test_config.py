@@ -45,6 +45,16 @@ def test_strategy_name_given_by_an_interpolation_builds_that_strategy():
     assert type(build_strategy(cfg, None)).__name__ == "DDPStrategy"
 
 
+def test_strategy_options_given_by_interpolations_reach_the_strategy_resolved(monkeypatch):
+    # the checks read resolved values: the strategy must get those, not the ${...} text
+    monkeypatch.setenv("DPDDP_LAUNCH", "fork")
+    cfg = compose_cfg("strategy=ddp", "accelerator=cpu", "devices=2", "seed=7")
+    cfg.strategy.launch, cfg.strategy.timeout_s = "${oc.env:DPDDP_LAUNCH}", "${seed}"
+    check_config(cfg)
+    built = build_strategy(cfg, None)
+    assert (built.launch_mode, built.pg_timeout.total_seconds()) == ("fork", 7.0)
+
+
 @pytest.mark.parametrize("group,cls", [("data", RandomTensorDataModule), ("model", LinearClassifier)])
 def test_config_defaults_match_class_signatures(group, cls):
     """One source of truth: the classes' signatures; the YAML repeats them (and the CLI reads them)."""

@@ -20,9 +20,8 @@ MISSING: dict[str | tuple[str, ...], str] = {  # by the key's prefix
     "val/": "no validation ran on the final weights (trainer.limit_val_batches=0, or an empty split)",
     "test/": "no test ran",
     "samples_per_sec": "fewer than two training steps: no steady state to measure",
-    "allreduce_share": "not timed: a ddp_comm_hook of your own, or no training step",
-    ("compute_s_", "allreduce_wait_s_", "slowest_"): "not timed: a ddp_comm_hook of your own, or no training epoch "
-    "finished",
+    "allreduce_share": "not timed: no ddp training step",
+    ("compute_s_", "allreduce_wait_s_", "slowest_"): "not timed: no ddp training epoch finished",
 }
 
 

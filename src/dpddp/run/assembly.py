@@ -97,9 +97,8 @@ def compile_model(model: pl.LightningModule, mode: str | None) -> None:
 
 def build_strategy(cfg: DictConfig, job: RankJob | None) -> pl.strategies.Strategy:
     """The Trainer's strategy; ``ddp_spawn``: fresh interpreters, so a SIGTERM to the parent still stops them."""
-    options: Any = OmegaConf.to_container(cfg.strategy)  # its keys, str
-    del options["name"]
-    name = cfg.strategy.name  # resolved, as the checks read it (the container keeps an interpolation as typed)
+    options: Any = OmegaConf.to_container(cfg.strategy, resolve=True)  # resolved, as the checks read them
+    name = options.pop("name")
     if name == "dp":
         return DataParallelStrategy(start_workers=start_workers_safely)
     if name == "ddp_spawn":
