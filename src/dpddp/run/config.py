@@ -245,13 +245,12 @@ def check_model_callbacks(cfg: Mapping, model: pl.LightningModule, trainer: pl.T
 
 @dataclass(frozen=True)
 class Plan:
-    """``check_config``'s result, handed down; ``resume``: ``"interrupted"`` or ``"finished"`` (its own)."""
+    """``check_config``'s result, handed down; ``checkpoint``: the continued checkpoint's facts, read once."""
 
     cfg: Any
     stage: str
     world: World
     checkpoint: CheckpointFacts | None = None
-    resume: str | None = None
 
 
 # Counts Lightning takes unchecked, or divides by mid-fit: (trainer flag, the other values taken, what to give instead).
