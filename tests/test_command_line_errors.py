@@ -27,7 +27,13 @@ from dpddp._compat import hydra_override_refused
 from dpddp.cluster import refuse_non_integer_variables
 from dpddp.continuity.io import AtomicCheckpointIO
 from dpddp.entry import hydra as hydra_entry
-from dpddp.entry.command_line import mode_conflict, refused_override, sweep_variants, unreadable_override
+from dpddp.entry.command_line import (
+    mode_conflict,
+    refused_override,
+    sweep_variants,
+    unknown_option,
+    unreadable_override,
+)
 from dpddp.entry.hydra import StartChecks
 from dpddp.errors import ConfigError, WriteFailed, unwritable
 from dpddp.run.build import build
@@ -605,6 +611,15 @@ REFUSED = [
         "its own strategies: auto, dp, ddp, ddp_spawn): use strategy=ddp, or strategy=dp on GPUs",
     ),  # before devices
     (["devices=0"], "devices=0 is invalid: use a positive number of devices per node, or -1 for all GPUs"),
+    (  # Hydra takes no null for a group (a ValueError's traceback, exit 1)
+        ["logger=null"],
+        "logger=null is unknown: choose one of csv, csv_tensorboard, mlflow, mlflow_wandb, none, tensorboard, wandb",
+    ),
+    (
+        ["callbacks=[default,null]"],
+        "callbacks=null is unknown: choose one of default, early_stopping, ema, lr_monitor, model_checkpoint, none, "
+        "swa",
+    ),
     (["accelerator=tpu"], "accelerator='tpu' is unknown: choose one of auto, cpu, gpu, cuda"),
     (["num_nodes=0"], "num_nodes=0 is invalid: use a positive number of nodes, or auto (the launcher's)"),
     (["seed=-1"], "seed=-1 is invalid: use an integer in [0, 2**32 - 1]"),
@@ -632,6 +647,11 @@ REFUSED = [
         "https://hydra.cc/docs/advanced/override_grammar/basic/",
     ),
 ]
+
+
+def test_a_group_deleted_with_null_is_left_to_hydra():
+    """``~logger=null`` deletes the group whatever its option (Hydra's grammar): no option to name."""
+    assert unknown_option(["~logger=null"]) is None
 
 
 @pytest.mark.parametrize("args,line", REFUSED)

@@ -49,7 +49,8 @@ def unknown_option(argv: list[str]) -> str | None:
         if not sep or key not in GROUPS or "(" in value:  # Hydra's own groups (hydra/launcher): Hydra's failure
             continue
         for option in value.removeprefix("[").removesuffix("]").split(","):  # a list: callbacks=[a,b]
-            if option not in ("", "null") and not any((d / key / f"{option}.yaml").is_file() for d in dirs):
+            unset = option == "" or option == "null" and arg.startswith("~")  # ~group=null: Hydra deletes it
+            if not unset and not any((d / key / f"{option}.yaml").is_file() for d in dirs):
                 if key == "strategy" and (line := lightning_name_line(option)):
                     return line
                 known = sorted({p.stem for d in dirs for p in (d / key).glob("*.yaml")})
