@@ -228,27 +228,31 @@ def _cfg(sync, strategy: str = "ddp", devices: int = 2, accelerator: str = "cpu"
     }
 
 
+def _plugins(cfg, model=None):
+    return batchnorm_plugins(cfg, world_of(cfg), model)  # build_trainer's call, with the plan's World
+
+
 def test_the_plugin_is_on_by_default_under_several_ddp_processes():
     model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
-    (default,) = batchnorm_plugins(compose_cfg("strategy=ddp", "devices=2", "accelerator=cpu"), model)
-    (on,) = batchnorm_plugins(_cfg(True, "ddp_spawn", devices=3), model)
-    (off,) = batchnorm_plugins(_cfg(False), model)
+    (default,) = _plugins(compose_cfg("strategy=ddp", "devices=2", "accelerator=cpu"), model)
+    (on,) = _plugins(_cfg(True, "ddp_spawn", devices=3), model)
+    (off,) = _plugins(_cfg(False), model)
     assert isinstance(default, BatchNormSync) and default.sync and on.sync and not off.sync and not default.cuda
-    assert on.processes == 3 and batchnorm_plugins(_cfg("auto", devices=1, num_nodes=2))[0].sync  # model not known
-    assert batchnorm_plugins(_cfg(None, accelerator="gpu"))[0].cuda  # torch's SyncBatchNorm on CUDA
-    assert batchnorm_plugins(_cfg(None, devices=1), model) == []
-    assert batchnorm_plugins(_cfg(True, "auto", devices=1), model) == []
-    assert batchnorm_plugins(_cfg(None, "dp", accelerator="gpu"), nn.Linear(2, 2)) == []  # no BatchNorm under dp
+    assert on.processes == 3 and _plugins(_cfg("auto", devices=1, num_nodes=2))[0].sync  # model not known
+    assert _plugins(_cfg(None, accelerator="gpu"))[0].cuda  # torch's SyncBatchNorm on CUDA
+    assert _plugins(_cfg(None, devices=1), model) == []
+    assert _plugins(_cfg(True, "auto", devices=1), model) == []
+    assert _plugins(_cfg(None, "dp", accelerator="gpu"), nn.Linear(2, 2)) == []  # no BatchNorm under dp
     assert type(default.apply(model)[1]) is GlobalBatchNorm and type(default.revert(model)[1]) is nn.BatchNorm1d
 
 
 def test_strategy_dp_over_several_devices_with_batchnorm_is_refused_in_one_line():
     model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
     with pytest.raises(ConfigError) as err:
-        batchnorm_plugins(_cfg(None, "dp", accelerator="gpu"), model)
+        _plugins(_cfg(None, "dp", accelerator="gpu"), model)
     assert str(err.value).startswith("strategy=dp with devices=2 and BatchNorm modules (1): ")
     assert "use strategy=ddp devices=2" in str(err.value) and "\n" not in str(err.value)
-    assert batchnorm_plugins(_cfg(None, "dp", devices=1, accelerator="gpu"), model) == []
+    assert _plugins(_cfg(None, "dp", devices=1, accelerator="gpu"), model) == []
 
 
 @pytest.mark.parametrize("setting", ["trainer.sync_batchnorm=true", "trainer.sync_batchnorm=null"])
@@ -262,7 +266,7 @@ def test_the_trainer_gets_the_plugin_and_never_lightnings_cuda_only_one(setting,
 @pytest.mark.parametrize("value", ["yes", 1, 0.5])
 def test_a_sync_batchnorm_value_other_than_null_true_false_is_refused(value):
     with pytest.raises(ConfigError, match=rf"^trainer.sync_batchnorm={value!r} is invalid: use null"):
-        batchnorm_plugins(_cfg(value))
+        _plugins(_cfg(value))
 
 
 def test_sync_batchnorm_false_converts_nothing_and_warns_once_naming_the_modules(caplog):

@@ -17,7 +17,7 @@ from typing_extensions import override
 from dpddp._compat import BatchNormBase
 from dpddp.diagnostics.whereabouts import BATCHNORM, entering
 from dpddp.errors import ConfigError
-from dpddp.parallel.rules import world_of
+from dpddp.parallel.rules import World
 
 log = logging.getLogger(__name__)
 
@@ -187,13 +187,13 @@ class BatchNormSync(LayerSync):
 _warn = rank_zero_only(log.warning)
 
 
-def batchnorm_plugins(cfg: Mapping, model: nn.Module | None = None) -> list[LayerSync]:
-    """``[BatchNormSync]`` under ddp over several processes, else ``[]``. Raises ``ConfigError``: a bad
-    ``trainer.sync_batchnorm``, or ``strategy=dp`` over several devices with BatchNorm modules in ``model``."""
+def batchnorm_plugins(cfg: Mapping, world: World, model: nn.Module | None = None) -> list[LayerSync]:
+    """``[BatchNormSync]`` under ddp over the checked ``world``'s processes, else ``[]``. Raises ``ConfigError``:
+    a bad ``trainer.sync_batchnorm``, or ``strategy=dp`` over several devices with BatchNorm modules in ``model``."""
     sync = (cfg.get("trainer") or {}).get("sync_batchnorm")
     if not (sync is None or isinstance(sync, bool) or sync == "auto"):
         raise ConfigError(f"trainer.sync_batchnorm={sync!r} is invalid: use null (sync when ddp), true or false")
-    world, devices = world_of(cfg), cfg["devices"]
+    devices = cfg["devices"]
     if world.family == "dp" and world.replicas > 1 and model is not None and (names := _batchnorms(model)):
         why = "each replica normalises its own chunk and its running statistics are dropped"
         fix = f"use strategy=ddp devices={devices}"

@@ -236,7 +236,7 @@ def build_trainer(
     bars = [RichBar(refresh_rate=10) if importlib.util.find_spec("rich") else TQDMBar()] if bar else []
     if executions is not None:  # it clips (Lightning refuses clipping under the manual optimization it runs)
         flags = {k: v for k, v in flags.items() if k not in ("gradient_clip_val", "gradient_clip_algorithm")}
-    batchnorm = batchnorm_plugins(cfg, model)  # before the Trainer: its refusals are dpddp's own lines
+    batchnorm = batchnorm_plugins(cfg, world, model)  # before the Trainer: its refusals are dpddp's own lines
     sample_keys = [SampleKeyCallback()] if model is not None and uses_sample_keys(model) else []
     if model is not None and datamodule is not None:
         _warn_global_rng(model, datamodule, world)
