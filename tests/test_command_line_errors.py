@@ -621,6 +621,9 @@ REFUSED = [
         "swa",
     ),
     (["accelerator=tpu"], "accelerator='tpu' is unknown: choose one of auto, cpu, gpu, cuda"),
+    # a check's KeyError in Hydra's start callback was only a warning: the job ran unchecked (traceback, exit 1)
+    (["~devices"], "devices is missing from the config: give it a value (--cfg job shows them)"),
+    (["strategy.name=???"], "strategy.name is missing from the config: give it a value (--cfg job shows them)"),
     (["num_nodes=0"], "num_nodes=0 is invalid: use a positive number of nodes, or auto (the launcher's)"),
     (["seed=-1"], "seed=-1 is invalid: use an integer in [0, 2**32 - 1]"),
     (["data.batch_size=0"], "data.batch_size=0 is invalid: use a positive global batch size (samples per step)"),

@@ -111,6 +111,16 @@ def test_eval_py_and_dpddp_eval_on_one_and_three_processes_give_the_runs_test_me
             assert metrics(tmp_path / name)[key] == pytest.approx(metrics(trained)[key], abs=1e-6), (name, key)
 
 
+def test_eval_s_unknown_key_is_train_py_s_line(tmp_path, monkeypatch, capsys):
+    """An override of a key the config lacks: the line train.py gives (was omegaconf's traceback, exit 1)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["eval.py", f"ckpt_path={tmp_path / 'last.ckpt'}", "devises=2"])
+    with pytest.raises(SystemExit) as ended:
+        eval_entry.main()
+    assert ended.value.code == 2 and list(tmp_path.iterdir()) == []
+    assert capsys.readouterr().err == "error: devises=2: the config has no key devises: did you mean devices?\n"
+
+
 def test_eval_on_other_data_than_the_runs_is_one_line_naming_the_fix(trained, tmp_path, monkeypatch, capsys):
     """The checkpoint's ``datamodule_hyper_parameters`` (or, without them, its run's ``.hydra/config.yaml``) say
     the run's data: an evaluation on other samples or splits is refused, nothing written."""

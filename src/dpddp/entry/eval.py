@@ -12,8 +12,14 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from dpddp._compat import hydra_reported
-from dpddp.entry.command_line import HYDRA_FAILURES, hydra_failure, unknown_option, unreadable_override
+from dpddp._compat import hydra_override_refused, hydra_reported
+from dpddp.entry.command_line import (
+    HYDRA_FAILURES,
+    hydra_failure,
+    refused_override,
+    unknown_option,
+    unreadable_override,
+)
 from dpddp.entry.hydra import job_plan
 from dpddp.errors import fail, shell
 from dpddp.run.training import isolated_job, objective, train
@@ -46,5 +52,6 @@ def main() -> None:
         if problem := unreadable_override(argv) or unknown_option(argv):
             fail(problem)
         sys.argv.append("+hydra.callbacks.start_checks.stage=eval")
-        with hydra_reported(lambda err: fail(hydra_failure(err, argv)), HYDRA_FAILURES):
+        refused = hydra_override_refused(lambda o, c, e: fail(refused_override(o, c, e)))
+        with refused, hydra_reported(lambda err: fail(hydra_failure(err, argv)), HYDRA_FAILURES):
             hydra.main(version_base="1.3", config_path="pkg://dpddp.conf", config_name="config")(run_eval)()

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import replace
@@ -24,6 +25,7 @@ from hydra.experimental.callback import Callback as HydraCallback
 from hydra.types import RunMode
 from hydra.utils import get_class, to_absolute_path
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue
 from typing_extensions import override
 
 from dpddp._compat import HYDRA_BASIC_LAUNCHER, hydra_mode_unset, hydra_override_refused, hydra_reported
@@ -241,6 +243,11 @@ class StartChecks(HydraCallback):
             check_file_stores([job])
         except ConfigError as err:
             fail(str(err))
+        except (ConfigKeyError, MissingMandatoryValue) as err:  # ~devices, devices=???
+            fail(f"{err.full_key} is missing from the config: give it a value (--cfg job shows them)")
+        except Exception:  # Hydra's callback wrapper would only warn, and the job would run unchecked
+            traceback.print_exc()
+            sys.exit(1)
         if isinstance(plan, str):  # nothing to train: nothing is made
             print(plan)
             sys.exit(0)
