@@ -1,6 +1,7 @@
 """An evaluation run (eval.py, dpddp-eval): a checkpoint validated and tested exactly on any world size, nothing
 trained, metrics.json written; a checkpoint of another model or a weights-only one is one line, exit 2."""
 
+import re
 import runpy
 import subprocess
 import sys
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUIET, ROOT, _entry_here, child_env, compose_cfg, leftover, metrics
+from conftest import QUIET, ROOT, _entry_here, child_env, cli_here, compose_cfg, leftover, metrics
 
 from dpddp.entry import eval as eval_entry
 from dpddp.errors import ConfigError
@@ -159,3 +160,21 @@ def test_a_directory_as_ckpt_path_is_one_line_naming_the_file_inside(trained, tm
         assert ended.value.code == 2 and list(tmp_path.iterdir()) == []
         line = f"error: ckpt_path={str(given)!r} is a directory, not a checkpoint file: {instead}\n"
         assert capsys.readouterr().err == line
+
+
+def test_a_trainer_limit_below_the_checkpoint_s_epochs_does_not_refuse_an_evaluation(trained, tmp_path, monkeypatch):
+    """eval.py, ``dpddp test`` and ``dpddp validate`` train nothing: ``trainer.max_epochs=1`` under the checkpoint's
+    2 finished epochs evaluates it (was refused, exit 2); a fit from it is still refused in one line."""
+    ckpt = trained / "checkpoints/last.ckpt"
+    args = ["eval.py", f"ckpt_path={ckpt}", *DATA, *QUIET, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'e'}"]
+    with _entry_here(tmp_path, monkeypatch, args) as status:
+        eval_entry.main()
+    assert status == [0] and metrics(tmp_path / "e")["test/acc"] == pytest.approx(metrics(trained)["test/acc"])
+    given = ["--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--data.num_samples=1001", f"--ckpt_path={ckpt}"]
+    for stage in ("test", "validate"):
+        root = f"--trainer.default_root_dir={tmp_path / stage}"
+        assert cli_here(stage, *given, root, cwd=tmp_path, monkeypatch=monkeypatch) == 0, stage
+    with pytest.raises(ConfigError, match=re.escape("has finished 2 epochs, more than trainer.max_epochs=1: raise")):
+        check_config(compose_cfg(*DATA, "trainer.max_epochs=1", f"ckpt_path={ckpt}"), "fit")
+    with pytest.raises(ConfigError, match=r"other data: data.num_samples=4096 \(was 1001\)"):  # no longer hidden
+        check_config(compose_cfg("data.batch_size=48", "trainer.max_epochs=1", f"ckpt_path={ckpt}"), "eval")

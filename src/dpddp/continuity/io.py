@@ -236,7 +236,7 @@ def checkpoint_problem(
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         return f"is not a Lightning checkpoint (no state_dict): {written}"
     done = processed_epochs(ckpt)
-    if max_epochs not in (None, -1) and isinstance(done, int) and done > max_epochs:
+    if fit and max_epochs not in (None, -1) and isinstance(done, int) and done > max_epochs:
         return f"has finished {done} epochs, more than trainer.max_epochs={max_epochs}: raise trainer.max_epochs"
     later = fit and max_epochs not in (None, -1) and isinstance(done, int) and max_epochs > done
     if later and (swa := swapped_average(ckpt)):
