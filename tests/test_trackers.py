@@ -246,3 +246,36 @@ def test_a_continued_run_whose_trackers_json_does_not_read_is_refused_before_any
     (tmp_path / "afile").touch()  # no run directory: its own line, not the trackers.json one
     assert train_py_here(*ARGS, "logger=mlflow", "hydra.run.dir=afile", cwd=tmp_path, monkeypatch=monkeypatch) == 2
     assert capsys.readouterr().err.startswith("error: hydra.run.dir='afile' cannot be written (Not a directory)")
+
+
+@pytest.mark.parametrize(
+    "logger, modules, flags, cls, package",
+    [
+        (
+            "tensorboard",
+            ["fabric.loggers.tensorboard"] * 2,
+            ["_TENSORBOARD", "_TENSORBOARDX"],
+            "TensorBoard",
+            "tensorboard>=2.12",
+        ),
+        ("mlflow", ["pytorch.loggers.mlflow"] * 2, ["_MLFLOW", "_MLFLOW_SYNCHRONOUS"], "MLFlow", "mlflow>=2.8"),
+        ("wandb", ["pytorch.loggers.wandb"], ["_WANDB"], "Wandb", "wandb>=0.16"),
+    ],
+)
+def test_a_logger_whose_package_is_missing_is_one_line_with_its_install_before_a_run_directory(
+    tmp_path, monkeypatch, capsys, logger, modules, flags, cls, package
+):
+    """train.py logger=X with X's package missing (Lightning's own requirement flags say so): one line naming the
+    setting, the package and its pip install (dpddp's extra), exit 2, no run directory (was: 3 INFO lines, a run
+    directory, and for tensorboard the advice to give the class other arguments)."""
+    for module, flag in zip(modules, flags, strict=True):
+        found = vars(sys.modules[f"lightning.{module}"])[f"{flag}_AVAILABLE"]  # as Lightning finds it missing
+        monkeypatch.setattr(found, "available", False, raising=False)
+        monkeypatch.setattr(found, "message", f"Requirement {found.requirement!r} not met", raising=False)
+    assert train_py_here(*ARGS, f"logger={logger}", cwd=tmp_path, monkeypatch=monkeypatch) == 2
+    name = package.partition(">")[0]
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: logger._target_=lightning.pytorch.loggers.{cls}Logger needs {name}, which is not installed: "
+        f"pip install '{package}' (or the extra: pip install -e '.[{name}]')"
+    ]
+    assert not (tmp_path / "outputs").exists()

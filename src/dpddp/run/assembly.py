@@ -190,8 +190,6 @@ def _build_logger(cfg: DictConfig, output_dir: Path, world: World) -> Any:
         kind = is_tracker(spec)
         if kind is None:
             loggers.append(build(spec, key, save_dir=str(output_dir)))
-        elif importlib.util.find_spec(kind) is None:
-            raise ConfigError(f"logger {spec._target_} needs {kind}: pip install {kind} (or dpddp's extra [{kind}])")
         elif world.writes_outputs:
             loggers.append(build(spec, key, save_dir=str(output_dir), **tracker_options(kind, spec, output_dir, key)))
     if logger_specs(cfg) and not loggers:  # trackers only, on a rank that opens none: one that logs nothing, so

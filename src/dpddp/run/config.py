@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import inspect
 import math
 import re
+import sys
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,9 +18,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig, OmegaConf
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from torch.utils.data import IterableDataset
 
+from dpddp._compat import locate
 from dpddp.continuity.io import (
     CHECKPOINT_KEYS,
     CheckpointFacts,
@@ -267,6 +273,35 @@ def check_config(cfg: DictConfig, stage: str = "fit") -> Plan:
     return Plan(cfg, stage, _check_settings(cfg), check_checkpoint(cfg, stage, None))
 
 
+def install_advice(package: str) -> str | None:
+    """``pip install ...`` for ``package`` where dpddp's metadata has it as an extra's requirement; else ``None``."""
+    try:
+        requirements = [Requirement(line) for line in importlib.metadata.requires("dpddp") or []]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for req in requirements:
+        extra = re.search(r'extra == "(\w+)"', str(req.marker))
+        if extra and canonicalize_name(req.name) == canonicalize_name(package):
+            return f"pip install '{req.name}{req.specifier}' (or the extra: pip install -e '.[{extra[1]}]')"
+    return None
+
+
+def _check_packages(cfg: Mapping) -> None:
+    """``ConfigError`` for a logger or callback whose class's ``__init__`` needs a package not installed."""
+    specs = [*logger_specs(cfg), *((f"callbacks.{k}", s) for k, s in (cfg.get("callbacks") or {}).items() if s)]
+    for key, spec in specs:
+        needs = []  # Lightning's RequirementCache flags each class's __init__ tests: one present is enough
+        for base in getattr(locate(str(spec["_target_"])), "__mro__", ()):
+            names = getattr(vars(base).get("__init__"), "__code__", None)
+            found = [vars(sys.modules[base.__module__]).get(n) for n in (names.co_names if names else ())]
+            needs += [flag for flag in found if isinstance(flag, RequirementCache)]
+        if needs and not any(needs):
+            wanted = str(needs[0].requirement or needs[0].module)
+            package = Requirement(wanted).name
+            advice = install_advice(package) or f"pip install '{wanted}'"
+            raise ConfigError(f"{key}._target_={spec['_target_']} needs {package}, which is not installed: {advice}")
+
+
 def _check_settings(cfg: DictConfig) -> World:
     check_resolvable(cfg)
     checked_int("seed", cfg.get("seed"), 0, "use an integer in [0, 2**32 - 1]", high=2**32 - 1)
@@ -275,6 +310,7 @@ def _check_settings(cfg: DictConfig) -> World:
     for section in ("data", "model", "trainer", "strategy"):
         check_keys(section, (cfg[section] or {}).keys(), keys[section], cfg[section] or {})
     check_targets(cfg)
+    _check_packages(cfg)
     cfg = with_defaults(cfg)  # a model or data config may leave any key to its class's defaults
     world = resolve_world(cfg)
     if target_class("data", cfg["data"]) is RandomTensorDataModule:
