@@ -582,6 +582,42 @@ def test_a_config_hydra_cannot_find_or_an_option_its_parser_refuses_is_one_line_
 
 
 @pytest.mark.parametrize(
+    "argv,typed,plugin,extra",
+    [
+        (["-m", "hydra/launcher=joblib", "seed=0,1"], "joblib", "hydra-joblib-launcher", "joblib"),
+        (["-m", "hydra/launcher=submitit_local", "seed=0,1"], "submitit_local", "hydra-submitit-launcher", "slurm"),
+        (["-m", "hydra/launcher=slurm", "seed=0,1"], "slurm", "hydra-submitit-launcher", "slurm"),
+    ],
+)
+def test_a_packaged_launcher_whose_plugin_is_missing_is_one_line_with_its_install(
+    tmp_path, monkeypatch, capsys, argv, typed, plugin, extra
+):
+    """The plugins' configs gone from Hydra's store (as without the extras): the line names the launcher typed
+    (slurm, whose defaults list names submitit_slurm) and the install; was "hydra/launcher=... is unknown"."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # the plugins imported: their configs stored
+    for name in ("joblib", "submitit_local", "submitit_slurm"):
+        monkeypatch.delitem(ConfigStore.instance().repo["hydra"]["launcher"], f"{name}.yaml")
+    assert train_py_here(*argv, cwd=tmp_path, monkeypatch=monkeypatch) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: hydra/launcher={typed} needs {plugin}, which is not installed: pip install '{plugin}>=1.2' "
+        f"(or the extra: pip install -e '.[{extra}]')"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_optuna_search_without_optuna_is_one_line_with_its_install(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "optuna", None)  # find_spec: not installed
+    assert train_py_here("-m", "hparams_search=optuna", cwd=tmp_path, monkeypatch=monkeypatch) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: hparams_search=optuna needs Optuna: pip install 'optuna>=4' (or the extra: pip install -e '.[optuna]')"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
     "override,reason",
     [
         ("model.lr=[", "no viable alternative at input '['"),

@@ -31,6 +31,7 @@ from dpddp.messages import (
     unrecognized,
 )
 from dpddp.parallel.rules import DDP_OPTIONS, check_strategy_options, lightning_name_line
+from dpddp.run.config import install_advice
 from dpddp.run.keys import GROUPS as SECTIONS
 from dpddp.run.keys import PRESETS, key_hint
 from dpddp.run.trainer_flags import takes
@@ -166,6 +167,10 @@ def hydra_failure(err: Exception, argv: list[str]) -> str:
     if group == "strategy" and (line := lightning_name_line(option)):
         return line
     parent = defaults_list_parent(first)
+    plugin = f"hydra-{option.partition('_')[0]}-launcher"  # the name of Hydra's launcher plugin packages
+    if group == "hydra/launcher" and (advice := install_advice(plugin)):  # one of dpddp's extras, not installed
+        given = parent.rpartition("/")[2] if parent and parent.startswith(group) else option  # slurm: submitit_*
+        return f"{group}={given} needs {plugin}, which is not installed: {advice}"
     where = "" if typed or parent is None else f" (in the defaults list of {parent})"
     return f"{group}={option} is unknown{where}: choose one of {', '.join(known)}"
 
@@ -310,7 +315,7 @@ def sweep_refusal(config: DictConfig) -> str | None:
 def search_refusal(settings: Mapping[str, Any], arguments: Sequence[str]) -> str | None:
     """One line for what the Optuna search cannot run (Optuna missing, a setting, an interval tag); else ``None``."""
     if importlib.util.find_spec("optuna") is None:
-        return "hparams_search=optuna needs Optuna: pip install 'optuna>=4' (or the extra: pip install -e '.[optuna]')"
+        return f"hparams_search=optuna needs Optuna: {install_advice('optuna') or 'pip install optuna'}"
     if settings.get("direction") not in ("minimize", "maximize"):
         direction = f"hydra.sweeper.direction={settings.get('direction')}"
         return f"{direction}: the search optimises one objective: give minimize or maximize"
