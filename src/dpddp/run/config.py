@@ -290,6 +290,8 @@ def _check_packages(cfg: Mapping) -> None:
     """``ConfigError`` for a logger or callback whose class's ``__init__`` needs a package not installed."""
     specs = [*logger_specs(cfg), *((f"callbacks.{k}", s) for k, s in (cfg.get("callbacks") or {}).items() if s)]
     for key, spec in specs:
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("_target_"), str):
+            continue  # a spec naming no class: refused by its own check
         needs = []  # Lightning's RequirementCache flags each class's __init__ tests: one present is enough
         for base in getattr(locate(str(spec["_target_"])), "__mro__", ()):
             names = getattr(vars(base).get("__init__"), "__code__", None)
