@@ -288,7 +288,7 @@ def install_advice(package: str) -> str | None:
 
 def _check_packages(cfg: Mapping) -> None:
     """``ConfigError`` for a logger or callback whose class's ``__init__`` needs a package not installed."""
-    specs = [*logger_specs(cfg), *((f"callbacks.{k}", s) for k, s in (cfg.get("callbacks") or {}).items() if s)]
+    specs = [*logger_specs(cfg), *((f"callbacks.{k}", s) for k, s in (cfg.get("callbacks") or {}).items())]
     for key, spec in specs:
         if not isinstance(spec, Mapping) or not isinstance(spec.get("_target_"), str):
             continue  # a spec naming no class: refused by its own check
