@@ -219,7 +219,10 @@ def test_a_sweep_checks_its_first_job_of_each_group_option_before_it_starts(over
     "override,line",
     [
         ("devices=0", "devices=0 is invalid: use a positive number of devices per node, or -1 for all GPUs"),
-        ("model.lr=-1", "model.lr=-1 is invalid: use a positive learning rate, e.g. model.lr=0.1"),
+        ("model.lr=-1", "model.lr=-1 is invalid: use a learning rate in [1e-12, 1000], e.g. model.lr=0.1"),
+        ("model.lr=1e6", "model.lr=1000000.0 is invalid: use a learning rate in [1e-12, 1000], e.g. model.lr=0.1"),
+        ("trainer.max_epochs=0", "trainer.max_epochs=0 is invalid: use a positive number (0 trains nothing), or -1"),
+        ("trainer.max_epochs=-5", "trainer.max_epochs=-5 is invalid: use a positive number (0 trains nothing), or -1"),
         ("+data.nope=1", "unknown setting data.nope: valid keys: "),
         ("resume=maybe", "resume='maybe' is not a switch: use resume=true or resume=false"),
         ("predict=1", "predict=1 is not a switch: use predict=true or predict=false"),
@@ -464,7 +467,7 @@ def test_under_a_cluster_launcher_a_bad_setting_is_said_by_local_rank_0_only(tmp
     finally:
         logging.getLogger("dpddp.errors").removeHandler(own_log)
         own_log.close()
-    line = "error: model.lr=-1 is invalid: use a positive learning rate, e.g. model.lr=0.1"
+    line = "error: model.lr=-1 is invalid: use a learning rate in [1e-12, 1000], e.g. model.lr=0.1"
     assert stop.value.code == 2 and capsys.readouterr().err == ""
     assert (tmp_path / "rank1.log").read_text().splitlines() == [line]
     for name in TORCHRUN_RANK_1:  # no launcher: the process is local rank 0
@@ -516,7 +519,10 @@ LAUNCHERS = "basic, joblib, slurm, submitit_local, submitit_slurm"
     [
         (["hydra/launcher=nope"], f"hydra/launcher=nope is unknown: choose one of {LAUNCHERS}"),
         (["seed=1", "hydra/sweeper=foo"], "hydra/sweeper=foo is unknown: choose one of basic, dpddp_optuna"),
-        (["-m", "hydra/launcher=joblibb", "seed=0,1"], f"hydra/launcher=joblibb is unknown: choose one of {LAUNCHERS}"),
+        (
+            ["-m", "hydra/launcher=joblibb", "seed=0,1"],
+            f"hydra/launcher=joblibb is unknown (did you mean joblib?): choose one of {LAUNCHERS}",
+        ),
         (["+hydra/launcher=[basic,nope]"], f"hydra/launcher=nope is unknown: choose one of {LAUNCHERS}"),
         (
             ["--config-name", "nope"],
@@ -525,6 +531,11 @@ LAUNCHERS = "basic, joblib, slurm, submitit_local, submitit_slurm"
         ),
         (
             ["--config-dir", "nowhere"],
+            "--config-dir nowhere cannot be used (Additional config directory '{cwd}/nowhere' not found): give a "
+            "directory of configs, or drop --config-dir",
+        ),
+        (
+            ["--config-dir", "nowhere", "model=my_net"],  # the directory first: its options are unknown
             "--config-dir nowhere cannot be used (Additional config directory '{cwd}/nowhere' not found): give a "
             "directory of configs, or drop --config-dir",
         ),

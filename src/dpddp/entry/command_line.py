@@ -41,9 +41,9 @@ GROUPS = ("strategy", *SECTIONS, *PRESETS)
 
 def unknown_option(argv: list[str]) -> str | None:
     """The line for the first ``group=option`` override with no such option (a Lightning strategy: its line)."""
-    if any("hydra.searchpath" in arg for arg in argv):
-        return None
     args = hydra_command_line(argv)
+    if any("hydra.searchpath" in arg for arg in argv) or args and not Path(args.config_dir or ".").is_dir():
+        return None  # Hydra's search path: its failure, said first
     dirs = [Path(str(files("dpddp.conf"))), *([Path(args.config_dir)] if args and args.config_dir else [])]
     for arg in argv:
         key, sep, value = arg.lstrip("+~").partition("=")
@@ -54,11 +54,15 @@ def unknown_option(argv: list[str]) -> str | None:
             if not unset and not any((d / key / f"{option}.yaml").is_file() for d in dirs):
                 if key == "strategy" and (line := lightning_name_line(option)):
                     return line
-                known = sorted({p.stem for d in dirs for p in (d / key).glob("*.yaml")})
-                near = difflib.get_close_matches(option, known, n=1, cutoff=0.6)
-                hint = f" (did you mean {near[0]}?)" if near else ""
-                return f"{key}={option} is unknown{hint}: choose one of {', '.join(known)}"
+                return unknown_line(key, option, sorted({p.stem for d in dirs for p in (d / key).glob("*.yaml")}))
     return None
+
+
+def unknown_line(group: str, option: str, known: Sequence[str], where: str = "") -> str:
+    """The line for ``group=option``, not one of ``known``: the nearest option, then all of them."""
+    near = difflib.get_close_matches(option, known, n=1, cutoff=0.6)
+    hint = f" (did you mean {near[0]}?)" if near else ""
+    return f"{group}={option} is unknown{where}{hint}: choose one of {', '.join(known)}"
 
 
 def dotted_keys(cfg: Container | dict, prefix: str = "") -> Iterator[str]:
@@ -172,7 +176,7 @@ def hydra_failure(err: Exception, argv: list[str]) -> str:
         given = parent.rpartition("/")[2] if parent and parent.startswith(group) else option  # slurm: submitit_*
         return f"{group}={given} needs {plugin}, which is not installed: {advice}"
     where = "" if typed or parent is None else f" (in the defaults list of {parent})"
-    return f"{group}={option} is unknown{where}: choose one of {', '.join(known)}"
+    return unknown_line(group, option, known, where)
 
 
 def unreadable_override(argv: list[str]) -> str | None:

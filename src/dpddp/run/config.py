@@ -262,7 +262,7 @@ class Plan:
 # Counts Lightning takes unchecked, or divides by mid-fit: (trainer flag, the other values taken, what to give instead).
 TRAINER_COUNTS = (
     ("accumulate_grad_batches", (None,), "use a positive number of batches per optimizer step"),
-    ("max_epochs", (None, -1), "use a positive number, or -1 for no limit"),
+    ("max_epochs", (None, -1), "use a positive number (0 trains nothing), or -1 for no limit"),
     ("max_steps", (None, -1), "use a positive number, or -1 for no limit"),
     ("check_val_every_n_epoch", (None,), "use a positive number of epochs, or null with trainer.val_check_interval=N"),
 )
@@ -340,9 +340,9 @@ def _check_settings(cfg: DictConfig) -> World:
                 f"model.optimizer={model['optimizer']!r} is unknown: choose one of {', '.join(OPTIMIZERS)}"
             )
         for key, low, high, fix in (
-            ("lr", 1e-12, 1e3, "use a positive learning rate, e.g. model.lr=0.1"),
+            ("lr", 1e-12, 1e3, "use a learning rate in [1e-12, 1000], e.g. model.lr=0.1"),
             ("momentum", 0.0, 0.999999, "use a momentum in [0, 1)"),
-            ("weight_decay", 0.0, 1e3, "use a non-negative weight decay"),
+            ("weight_decay", 0.0, 1e3, "use a weight decay in [0, 1000]"),
         ):
             if key in model:
                 checked_float(f"model.{key}", model[key], low, high, fix)
@@ -367,6 +367,9 @@ def _check_settings(cfg: DictConfig) -> World:
             "dpddp's outputs are made of them (metrics.json, the epoch lines, last.ckpt): for speed use "
             "trainer.enable_progress_bar=false epoch_lines=false logger=none instead"
         )
+    for key, taken, fix in TRAINER_COUNTS:  # before Lightning's check: its line for -5 offers 0
+        if (value := (cfg["trainer"] or {}).get(key)) not in taken:
+            checked_int(f"trainer.{key}", value, 1, fix)
     if problem := refused_flag(cfg["trainer"] or {}):
         raise ConfigError(problem)
     if (cfg["trainer"] or {}).get("enable_checkpointing") is False:  # Lightning's refusal of the pair names no fix
@@ -390,9 +393,6 @@ def _check_settings(cfg: DictConfig) -> World:
     check_keys("checkpoint", [str(k) for k in cfg.get("checkpoint") or {}], list(CHECKPOINT_KEYS))
     checkpoint_intervals(cfg)
     check_every(cfg)
-    for key, taken, fix in TRAINER_COUNTS:
-        if (value := (cfg["trainer"] or {}).get(key)) not in taken:
-            checked_int(f"trainer.{key}", value, 1, fix)
     if (clip := (cfg["trainer"] or {}).get("gradient_clip_val")) is not None:
         checked_float("trainer.gradient_clip_val", clip, 0.0, math.inf, "use a non-negative norm or value, or null")
     return world
