@@ -181,8 +181,8 @@ def test_startup_report() -> None:
     text = startup.report({"project": [project, slower, project], "stock": [stock, stock, stock]}, "cmd")
     assert "| Hydra composition | 0.10 [0.10-0.30] | - |" in text
     assert "| import lightning | 3.00 [3.00-3.20] | 3.00 [3.00-3.00] |" in text
-    assert "| **after import lightning** | 0.60 [0.60-1.80] | 0.20 [0.20-0.20] |" in text
-    assert "| **start to first step** | 3.80 [3.80-5.60] | 3.60 [3.60-3.60] |" in text
+    assert "| **after import lightning** | 0.50 [0.50-1.50] | 0.20 [0.20-0.20] |" in text
+    assert "| **start to first step** | 3.70 [3.70-5.30] | 3.60 [3.60-3.60] |" in text
 
 
 def test_startup_answers_report() -> None:
