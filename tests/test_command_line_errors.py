@@ -611,10 +611,22 @@ def test_a_packaged_launcher_whose_plugin_is_missing_is_one_line_with_its_instal
     Plugins.instance()  # the plugins imported: their configs stored
     for name in ("joblib", "submitit_local", "submitit_slurm"):
         monkeypatch.delitem(ConfigStore.instance().repo["hydra"]["launcher"], f"{name}.yaml")
+    for module in ("hydra_joblib_launcher", "hydra_submitit_launcher"):
+        monkeypatch.setitem(sys.modules, f"hydra_plugins.{module}", None)  # find_spec: not installed
     assert train_py_here(*argv, cwd=tmp_path, monkeypatch=monkeypatch) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"error: hydra/launcher={typed} needs {plugin}, which is not installed: pip install '{plugin}>=1.2' "
         f"(or the extra: pip install -e '.[{extra}]')"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_launcher_of_an_installed_plugin_is_unknown_not_missing(tmp_path, monkeypatch, capsys):
+    """The plugin is installed here: a launcher it has not is a typo (was "needs hydra-joblib-launcher ...")."""
+    assert train_py_here("-m", "hydra/launcher=joblib_x", "seed=0,1", cwd=tmp_path, monkeypatch=monkeypatch) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: hydra/launcher=joblib_x is unknown (did you mean joblib?): choose one of basic, joblib, slurm, "
+        "submitit_local, submitit_slurm"
     ]
     assert list(tmp_path.iterdir()) == []
 

@@ -172,7 +172,8 @@ def hydra_failure(err: Exception, argv: list[str]) -> str:
         return line
     parent = defaults_list_parent(first)
     plugin = f"hydra-{option.partition('_')[0]}-launcher"  # the name of Hydra's launcher plugin packages
-    if group == "hydra/launcher" and (advice := install_advice(plugin)):  # one of dpddp's extras, not installed
+    installed = importlib.util.find_spec(f"hydra_plugins.{plugin.replace('-', '_')}") is not None
+    if group == "hydra/launcher" and not installed and (advice := install_advice(plugin)):  # one of dpddp's extras
         given = parent.rpartition("/")[2] if parent and parent.startswith(group) else option  # slurm: submitit_*
         return f"{group}={given} needs {plugin}, which is not installed: {advice}"
     where = "" if typed or parent is None else f" (in the defaults list of {parent})"
